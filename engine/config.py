@@ -1,0 +1,263 @@
+"""Engine configuration: one frozen dataclass per component.
+
+``ModelConfig`` is parsed from a Hugging Face ``config.json`` (plain text config, or a multimodal
+config whose ``text_config`` holds the language model). The three supported architectures share
+one hybrid layout, so one config type describes them all:
+
+    Qwen3_5MoeForCausalLM   every layer MoE (router always renormalises top-k)
+    Qwen3_5ForCausalLM      every layer a dense SwiGLU MLP
+    Qwen3NextForCausalLM    MoE unless ``mlp_only_layers`` / ``decoder_sparse_step`` say otherwise
+
+Runtime-measured values (page counts, slot counts) live on their owners, never here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
+
+# Multimodal wrappers whose text part we serve.
+_ARCH_ALIASES = {
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+}
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shapes and hyper-parameters of a hybrid GDN + gated-attention model."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    max_position_embeddings: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture: expected one of {SUPPORTED_ARCHITECTURES}, got {self.architecture!r}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        bad = [t for t in self.layer_types if t not in (LINEAR_ATTENTION, FULL_ATTENTION)]
+        if bad:
+            raise ValueError(f"layer_types: unknown layer type(s) {sorted(set(bad))}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads: must divide num_attention_heads={self.num_attention_heads}, "
+                f"got {self.num_key_value_heads}"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_key_heads: must divide linear_num_value_heads={self.linear_num_value_heads}, "
+                f"got {self.linear_num_key_heads}"
+            )
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @cached_property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """Model layer indices of the full-attention layers (their KV lives in the page pool)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @cached_property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """Model layer indices of the GDN layers (their state lives in the slot pool)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the GDN causal conv1d: q, k and v concatenated."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        if self.num_experts <= 0 or layer_idx in self.mlp_only_layers:
+            return False
+        return (layer_idx + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config dict (text config, or one with ``text_config``)."""
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ValueError("architectures: config.json names no architecture")
+        arch = _ARCH_ALIASES.get(archs[0], archs[0])
+        text = dict(raw.get("text_config") or raw)
+        rope = dict(text.get("rope_parameters") or {})
+        num_layers = int(text["num_hidden_layers"])
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = [
+                FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)
+            ]
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        num_heads = int(text["num_attention_heads"])
+        return cls(
+            architecture=arch,
+            vocab_size=int(text["vocab_size"]),
+            hidden_size=int(text["hidden_size"]),
+            layer_types=tuple(layer_types[:num_layers]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(text.get("num_key_value_heads", num_heads)),
+            head_dim=int(text.get("head_dim") or text["hidden_size"] // num_heads),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+            partial_rotary_factor=float(
+                rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+            ),
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            linear_num_key_heads=int(text["linear_num_key_heads"]),
+            linear_num_value_heads=int(text["linear_num_value_heads"]),
+            linear_key_head_dim=int(text["linear_key_head_dim"]),
+            linear_value_head_dim=int(text["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            intermediate_size=int(text.get("intermediate_size") or 0),
+            num_experts=int(text.get("num_experts") or 0),
+            num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
+            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0),
+            # Qwen3.5-MoE's router always renormalises; Qwen3-Next reads the flag.
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            decoder_sparse_step=int(text.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            eos_token_ids=eos_ids,
+            hidden_act=str(text.get("hidden_act", "silu")),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"path: expected a model folder with config.json, got {str(path)!r}")
+        return cls.from_dict(json.loads(config_path.read_text()))
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Memory pools. Sizes come from free memory unless given explicitly (tests, benchmarks).
+
+    Args:
+        page_size: tokens per KV page of the full-attention layers.
+        memory_fraction: share of the device memory left after weights that the pools may take
+            (CPU: of ``cpu_pool_bytes``).
+        state_fraction: share of the pool budget given to GDN state slots; the rest is KV pages.
+        num_pages / num_state_slots: explicit sizes that bypass the memory-based sizing.
+        cpu_pool_bytes: the pool budget on CPU, where "free memory" is not a useful signal.
+    """
+
+    page_size: int = 16
+    memory_fraction: float = 0.85
+    state_fraction: float = 0.25
+    num_pages: int | None = None
+    num_state_slots: int | None = None
+    cpu_pool_bytes: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size: expected a positive power of two, got {self.page_size}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction: expected (0, 1], got {self.memory_fraction}")
+        if not 0.0 < self.state_fraction < 1.0:
+            raise ValueError(f"state_fraction: expected (0, 1), got {self.state_fraction}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages: expected >= 2, got {self.num_pages}")
+        if self.num_state_slots is not None and self.num_state_slots < 2:
+            raise ValueError(f"num_state_slots: expected >= 2, got {self.num_state_slots}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    Args:
+        max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
+        max_num_seqs: running requests at most (also the largest decode batch).
+        max_model_len: longest token history a request may reach; ``None`` = the model's limit.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens: expected > 0, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs: expected > 0, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len: expected > 0, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """How weights are obtained.
+
+    Args:
+        load_format: ``"safetensors"`` reads the folder; ``"dummy"`` builds random weights of the
+            real shapes directly on the target device (benchmarks).
+        device: torch device string.
+        dtype: ``"bfloat16"``, ``"float16"``, ``"float32"`` or ``"auto"`` (checkpoint dtype; bf16 for dummy).
+        seed: seed for dummy weights.
+    """
+
+    load_format: str = "safetensors"
+    device: str = "cpu"
+    dtype: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format: expected 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype: expected auto/bfloat16/float16/float32, got {self.dtype!r}")

@@ -1,0 +1,1 @@
+"""Model definitions, keyed by the Hugging Face ``architectures`` name."""
