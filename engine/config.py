@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -91,12 +90,12 @@ class ModelConfig:
     def num_hidden_layers(self) -> int:
         return len(self.layer_types)
 
-    @cached_property
+    @property
     def full_attention_layers(self) -> tuple[int, ...]:
         """Model layer indices of the full-attention layers (their KV lives in the page pool)."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
 
-    @cached_property
+    @property
     def linear_attention_layers(self) -> tuple[int, ...]:
         """Model layer indices of the GDN layers (their state lives in the slot pool)."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)

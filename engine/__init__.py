@@ -1,0 +1,18 @@
+"""One process's inference core: models, weight loading, KV pages, GDN state slots, scheduler,
+model runner, sampler.
+
+Public entry point (outside code relies on exactly this shape)::
+
+    from phloem.engine import Engine, SamplingParams
+    engine = Engine.from_pretrained(path, load_format="dummy", device="cuda", dtype="bfloat16")
+    outputs = engine.generate(prompt_token_ids, SamplingParams(max_tokens=32))
+
+May import: ``phloem.kernels`` (and torch).
+"""
+
+from phloem.engine.engine import Engine
+from phloem.engine.errors import CapacityExceeded, EngineError, InvalidRequest
+from phloem.engine.request import RequestOutput
+from phloem.engine.sampling_params import SamplingParams
+
+__all__ = ["CapacityExceeded", "Engine", "EngineError", "InvalidRequest", "RequestOutput", "SamplingParams"]

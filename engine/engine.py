@@ -1,0 +1,208 @@
+"""The offline engine: one process's inference core behind a small, stable API.
+
+    engine = Engine.from_pretrained(path, load_format="dummy", device="cuda", dtype="bfloat16")
+    outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=32))
+
+A step reads as five calls: schedule → prepare → forward → sample → update. Requests are
+validated when they are added, so a bad request raises at once and never reaches the loop; the
+engine keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from phloem.engine.cache_manager import CacheManager
+from phloem.engine.config import CacheConfig, LoadConfig, ModelConfig, SchedulerConfig
+from phloem.engine.errors import CapacityExceeded, InvalidRequest
+from phloem.engine.kv_pages import PagePool
+from phloem.engine.loader import load_model
+from phloem.engine.memory import allocate_caches, plan_pools
+from phloem.engine.model_runner import CausalLM, ModelRunner
+from phloem.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from phloem.engine.sampling_params import SamplingParams
+from phloem.engine.scheduler import Scheduler
+from phloem.engine.state_slots import SlotPool
+
+__all__ = ["Engine"]
+
+_CACHE_OPTIONS = {"page_size", "memory_fraction", "state_fraction", "num_pages", "num_state_slots", "cpu_pool_bytes"}
+_SCHED_OPTIONS = {"max_num_batched_tokens", "max_num_seqs", "max_model_len"}
+_LOAD_OPTIONS = {"load_format", "device", "dtype", "seed"}
+
+
+class Engine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model: CausalLM,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        plan = plan_pools(model_config, cache_config, dtype, device)
+        self.page_pool = PagePool(plan.num_pages, cache_config.page_size)
+        self.slot_pool = SlotPool(plan.num_slots)
+        self.cache = CacheManager(self.page_pool, self.slot_pool)
+        self.scheduler = Scheduler(scheduler_config, self.cache)
+        caches = allocate_caches(model_config, plan, cache_config.page_size, dtype, device)
+        self.runner = ModelRunner(model, caches, cache_config.page_size, device)
+        limit = model_config.max_position_embeddings
+        self.max_model_len = min(scheduler_config.max_model_len or limit, limit)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **options: object) -> Engine:
+        """Load a Hugging Face model folder.
+
+        Options: ``load_format`` ("safetensors" | "dummy"), ``device``, ``dtype``, ``seed``,
+        ``page_size``, ``memory_fraction``, ``state_fraction``, ``num_pages``, ``num_state_slots``,
+        ``cpu_pool_bytes``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``.
+        An unknown option is an error (never silently dropped).
+        """
+        unknown = set(options) - _CACHE_OPTIONS - _SCHED_OPTIONS - _LOAD_OPTIONS
+        if unknown:
+            raise TypeError(f"Engine.from_pretrained: unknown option(s) {sorted(unknown)}")
+        pick = lambda names: {k: v for k, v in options.items() if k in names}  # noqa: E731
+        load_config = LoadConfig(**pick(_LOAD_OPTIONS))  # type: ignore[arg-type]
+        model_config = ModelConfig.from_pretrained(path)
+        model = load_model(Path(path), model_config, load_config)
+        device = torch.device(load_config.device)
+        dtype = next(model.parameters()).dtype
+        return cls(
+            model_config,
+            model,
+            CacheConfig(**pick(_CACHE_OPTIONS)),  # type: ignore[arg-type]
+            SchedulerConfig(**pick(_SCHED_OPTIONS)),  # type: ignore[arg-type]
+            device,
+            dtype,
+        )
+
+    def add_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Validate and enqueue a request; returns its id.
+
+        Raises:
+            InvalidRequest: empty prompt, token id outside the vocabulary, prompt at or over the
+                context limit, or a duplicate request id.
+            CapacityExceeded: the prompt cannot fit the KV pool even when it is empty.
+        """
+        prompt = self._validate(prompt_token_ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise InvalidRequest(f"request_id: {rid!r} is already in flight")
+        req = Request(rid, prompt, params, arrival_idx=next(self._ids))
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(params.seed)
+        self._requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def _validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params: expected SamplingParams, got {type(params).__name__}")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise InvalidRequest("prompt_token_ids: expected at least one token, got an empty prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"prompt_token_ids: expected integers in [0, {vocab}), got {bad[:5]!r}")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt_token_ids: the prompt has {len(prompt)} tokens; the context limit is "
+                f"{self.max_model_len} including at least one generated token"
+            )
+        if self.page_pool.pages_for(len(prompt) + 1) > self.page_pool.num_pages:
+            raise CapacityExceeded(
+                f"prompt_token_ids: {len(prompt)} tokens need more than the {self.page_pool.num_pages} KV pages "
+                "of this engine"
+            )
+        return prompt
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its memory; returns False if it is unknown or already done."""
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        self._requests.pop(request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that changed."""
+        sched = self.scheduler.schedule()
+        outputs = [self._output(r, []) for r in sched.finished_early]
+        if sched.is_empty:
+            return outputs
+        result = self.runner.execute(sched)
+        for req, n in zip(sched.requests, sched.num_new_tokens):
+            req.num_computed_tokens += n
+            req.has_state = True
+            req.read_slot = req.write_slot
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+            outputs.append(self._output(req, [token]))
+        return outputs
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        params = req.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        finished = req.status is RequestStatus.FINISHED
+        if finished:
+            self._requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            new_token_ids=new_tokens,
+            finished=finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order.
+
+        Every prompt is validated before any is enqueued, so a bad one raises and runs nothing.
+        """
+        plist = params if isinstance(params, list) else [params] * len(prompt_token_ids)
+        if len(plist) != len(prompt_token_ids):
+            raise InvalidRequest(f"params: expected {len(prompt_token_ids)} SamplingParams, got {len(plist)}")
+        for prompt, p in zip(prompt_token_ids, plist):
+            self._validate(prompt, p)
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompt_token_ids, plist)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

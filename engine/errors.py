@@ -1,0 +1,20 @@
+"""The engine's error hierarchy: bad input at the engine boundary, and expected shortages."""
+
+from __future__ import annotations
+
+__all__ = ["CapacityExceeded", "EngineError", "InvalidRequest"]
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """A request the engine can never serve as given (bad token ids, empty prompt, too long...).
+
+    The message names the offending field and states what was expected and what was received.
+    """
+
+
+class CapacityExceeded(EngineError):
+    """The request is valid but cannot fit the engine's pools even when they are empty."""

@@ -1,0 +1,90 @@
+"""Sizing the KV page pool and the GDN state slot pool from the memory left after weights.
+
+One page holds ``page_size`` tokens of K and V for every full-attention layer; one slot holds the
+fp32 recurrent state and the conv state of every GDN layer. The pool budget (free device memory
+after weights × ``memory_fraction``; on CPU ``cpu_pool_bytes``) is split by ``state_fraction``.
+For Qwen3.5-35B-A3B a slot weighs about as much as 3,000 tokens of KV, so slots are few and
+precious: the radix cache keeps checkpoints deliberately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phloem.engine.config import CacheConfig, ModelConfig
+from phloem.engine.forward_batch import ModelCaches
+
+__all__ = ["PoolPlan", "allocate_caches", "plan_pools"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    num_pages: int
+    num_slots: int
+    page_bytes: int
+    slot_bytes: int
+
+
+def _page_bytes(mc: ModelConfig, page_size: int, dtype: torch.dtype, tp_size: int) -> int:
+    kv_heads = max(1, mc.num_key_value_heads // tp_size)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return len(mc.full_attention_layers) * 2 * page_size * kv_heads * mc.head_dim * elem
+
+
+def _slot_bytes(mc: ModelConfig, dtype: torch.dtype, tp_size: int) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    conv = (mc.conv_dim // tp_size) * (mc.linear_conv_kernel_dim - 1) * elem
+    ssm = (mc.linear_num_value_heads // tp_size) * mc.linear_key_head_dim * mc.linear_value_head_dim * 4
+    return len(mc.linear_attention_layers) * (conv + ssm)
+
+
+def plan_pools(
+    mc: ModelConfig, cc: CacheConfig, dtype: torch.dtype, device: torch.device, tp_size: int = 1
+) -> PoolPlan:
+    """Decide pool sizes: explicit sizes from ``cc`` win, otherwise split the memory budget."""
+    page_bytes = max(1, _page_bytes(mc, cc.page_size, dtype, tp_size))
+    slot_bytes = max(1, _slot_bytes(mc, dtype, tp_size))
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * cc.memory_fraction)
+    else:
+        budget = cc.cpu_pool_bytes
+    num_slots = cc.num_state_slots or int(budget * cc.state_fraction) // slot_bytes
+    num_pages = cc.num_pages or int(budget * (1 - cc.state_fraction)) // page_bytes
+    if num_slots < 2 or num_pages < 2:
+        raise ValueError(
+            f"cache: the pool budget of {budget} bytes holds {num_pages} KV pages of {page_bytes} bytes "
+            f"and {num_slots} state slots of {slot_bytes} bytes; need at least 2 of each "
+            "(raise memory_fraction / cpu_pool_bytes or set num_pages / num_state_slots)"
+        )
+    return PoolPlan(num_pages, num_slots, page_bytes, slot_bytes)
+
+
+def allocate_caches(
+    mc: ModelConfig, plan: PoolPlan, page_size: int, dtype: torch.dtype, device: torch.device, tp_size: int = 1
+) -> ModelCaches:
+    kv_heads = max(1, mc.num_key_value_heads // tp_size)
+    kv = torch.zeros(
+        (len(mc.full_attention_layers), plan.num_pages, 2, page_size, kv_heads, mc.head_dim),
+        dtype=dtype,
+        device=device,
+    )
+    conv = torch.zeros(
+        (len(mc.linear_attention_layers), plan.num_slots, mc.conv_dim // tp_size, mc.linear_conv_kernel_dim - 1),
+        dtype=dtype,
+        device=device,
+    )
+    ssm = torch.zeros(
+        (
+            len(mc.linear_attention_layers),
+            plan.num_slots,
+            mc.linear_num_value_heads // tp_size,
+            mc.linear_key_head_dim,
+            mc.linear_value_head_dim,
+        ),
+        dtype=torch.float32,
+        device=device,
+    )
+    return ModelCaches(kv=kv, conv=conv, ssm=ssm)

@@ -1,0 +1,87 @@
+"""A request inside the engine: its tokens, its progress counters, and the memory it holds.
+
+Progress is counters, scheduling is arithmetic on them::
+
+    |<---------------- num_tokens = len(prompt) + len(output) ---------------->|
+    |<-- num_cached_tokens -->|                                                 |
+    |<------------ num_computed_tokens ------------>|<-- scheduled this step -->|
+
+A request needs a sample when a step brings ``num_computed_tokens`` up to ``num_tokens``: the
+last computed position then predicts the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from phloem.engine.sampling_params import SamplingParams
+
+__all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or the model's context limit
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_idx: int
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    # KV pages covering positions [0, len(page_ids) * page_size).
+    page_ids: list[int] = field(default_factory=list)
+    # GDN state: read from read_slot (valid iff has_state), write the step's final state to write_slot.
+    read_slot: int | None = None
+    write_slot: int | None = None
+    has_state: bool = False
+    generator: torch.Generator | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What the engine reports about a request after a step (and at the end of ``generate``).
+
+    ``new_token_ids`` holds the tokens produced by this step only (for streaming);
+    ``token_ids`` every token generated so far.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int

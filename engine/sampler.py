@@ -1,0 +1,53 @@
+"""Next-token selection: greedy, temperature, top-k, top-p, per-request seeds.
+
+Random draws use the exponential-race form of categorical sampling
+(``argmax(p / q)`` with ``q ~ Exp(1)``), drawn from the request's own ``torch.Generator`` when it
+has a seed: the draw then depends only on that request's logits and seed, not on what else is in
+the batch, so the same seed gives the same output whether a request runs alone or batched.
+Greedy rows never touch a generator (temperature 0 ignores the seed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phloem.engine.sampling_params import SamplingParams
+
+__all__ = ["sample"]
+
+
+def sample(
+    logits: torch.Tensor,  # [S, V] fp32
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """Pick one token per row; returns ``[S]`` int64 on the logits' device."""
+    assert logits.shape[0] == len(params) == len(generators), "one SamplingParams and generator per row"
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not rows:
+        return tokens
+    idx = torch.tensor(rows, device=logits.device)
+    probs = _filtered_probs(logits[idx], [params[i] for i in rows])
+    for j, i in enumerate(rows):
+        q = torch.empty_like(probs[j]).exponential_(generator=generators[i])
+        tokens[i] = (probs[j] / q).argmax()
+    return tokens
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Softmax of temperature-scaled logits with top-k and top-p applied per row."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    top_k = torch.tensor([p.top_k or logits.shape[-1] for p in params], device=logits.device)
+    drop = ranks[None, :] >= top_k[:, None]
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
+    # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return filtered.softmax(dim=-1)

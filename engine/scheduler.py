@@ -1,0 +1,139 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+Policy, in order, under one token budget (``max_num_batched_tokens``):
+
+1. running requests that decode (one token each), then running requests still prefilling, in
+   arrival order; a prefill continues in chunks when the budget is short (chunked prefill);
+2. waiting requests, first come first served, while the budget, ``max_num_seqs``, state slots
+   and KV pages allow. Admission is check-then-commit: a request that cannot get both its
+   slot and its pages takes nothing and stays first in line.
+
+When a running request needs a page and none is free, the newest running request is preempted:
+its pages and slot go back to the pools and it waits again with its tokens intact, to be
+recomputed later. Preemption never corrupts: the recompute gives the same state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from phloem.engine.cache_manager import CacheManager
+from phloem.engine.config import SchedulerConfig
+from phloem.engine.request import FinishReason, Request, RequestStatus
+
+__all__ = ["Scheduler", "SchedulerOutput"]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    requests: tuple[Request, ...]
+    num_new_tokens: tuple[int, ...]
+    # Requests that could never fit (alone in the engine and still short of pages): finished.
+    finished_early: tuple[Request, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_new: list[int] = []
+        failed: list[Request] = []
+        # Decode (exactly one token left to compute) before prefill continuations.
+        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.arrival_idx))
+        for req in order:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve_pages(req, n, scheduled, failed):
+                continue
+            scheduled.append(req)
+            num_new.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if not self.cache.admit(req):
+                break
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.cache.allocate_pages(req, n):
+                self.cache.release(req)
+                if not self.running:
+                    # Alone and still short: it can never run.
+                    self.waiting.popleft()
+                    self._finish(req, FinishReason.LENGTH)
+                    failed.append(req)
+                    continue
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(req)
+            num_new.append(n)
+            budget -= n
+        return SchedulerOutput(tuple(scheduled), tuple(num_new), tuple(failed))
+
+    def _reserve_pages(self, req: Request, n: int, scheduled: list[Request], failed: list[Request]) -> bool:
+        """Allocate pages for ``n`` new tokens of a running request, preempting newer ones if needed."""
+        while not self.cache.allocate_pages(req, n):
+            victims = [r for r in self.running if r is not req and r not in scheduled]
+            if not victims:
+                if len(self.running) == 1:
+                    self._finish(req, FinishReason.LENGTH)
+                    failed.append(req)
+                else:
+                    self._preempt(req)
+                return False
+            self._preempt(max(victims, key=lambda r: r.arrival_idx))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.cache.release(req)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        self.cache.release(req)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Finish a running request (stop condition met) and free what it holds."""
+        self._finish(req, reason)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a waiting or running request; returns it, or None if unknown."""
+        for req in list(self.running):
+            if req.request_id == request_id:
+                self._finish(req, FinishReason.ABORT)
+                return req
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.status = RequestStatus.FINISHED
+                req.finish_reason = FinishReason.ABORT
+                return req
+        return None
