@@ -1,65 +1,207 @@
-"""Memory of running requests: KV pages and GDN state slots, checked before they are committed.
+"""Memory of running requests: KV pages, GDN state slots and the radix prefix cache.
 
-The scheduler talks to this class only through check/act pairs (``can_admit``/``admit``,
-``allocate_pages``) and ``release``; it never touches the pools directly. The radix prefix cache
-plugs in here: ``admit`` is where a request picks up a cached prefix, ``release`` is where a
-finished request hands its pages and final state to the tree.
+The scheduler talks to this class only through check/act calls that either fully succeed or
+take nothing (``admit``, ``allocate_pages``) and ``release``. When a pool runs short, the radix
+cache is asked to evict first; only then does the scheduler preempt.
+
+A request's memory, with the prefix cache::
+
+    page_ids:  [ shared (tree-owned, locked) ... | private ... ]
+               |<---- num_shared_pages ---->|
+    read_slot: the checkpoint it resumed from (tree-owned) until its first step, then == write_slot
+    write_slot: private; handed to the tree when the request publishes a checkpoint
+
+Publishing (at the end of a request, and every ``checkpoint_interval`` tokens on the way) inserts
+the full pages into the tree, hands the write slot over as the checkpoint, and, at the end, the
+partial last page as the checkpoint's tail page: integer moves, no copies.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from phloem.engine.kv_pages import PagePool
+from phloem.engine.radix_cache import Checkpoint, RadixCache, RadixNode
 from phloem.engine.request import Request
 from phloem.engine.state_slots import SlotPool
 
-__all__ = ["CacheManager"]
+__all__ = ["CacheManager", "CacheStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    prompt_tokens: int
+    cached_tokens: int
+    checkpoints: int
+    checkpoints_created: int
+    checkpoints_evicted: int
+    pages_in_use: int
+    pages_in_tree: int
+    slots_in_use: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class CacheManager:
-    def __init__(self, page_pool: PagePool, slot_pool: SlotPool) -> None:
+    def __init__(
+        self,
+        page_pool: PagePool,
+        slot_pool: SlotPool,
+        copy_page: Callable[[int, int], None],
+        tree: RadixCache | None,
+        checkpoint_interval: int = 0,
+    ) -> None:
         self.page_pool = page_pool
         self.slot_pool = slot_pool
+        self.copy_page = copy_page
+        self.tree = tree
+        self.checkpoint_interval = checkpoint_interval
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
 
     @property
     def page_size(self) -> int:
         return self.page_pool.page_size
 
-    def admit(self, req: Request) -> bool:
-        """Give a waiting request its write slot. Returns False (holding nothing) if none is free."""
-        assert req.write_slot is None and not req.page_ids, f"request {req.request_id} already holds memory"
+    def stats(self) -> CacheStats:
+        t = self.tree
+        return CacheStats(
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            checkpoints=t.num_checkpoints if t else 0,
+            checkpoints_created=t.checkpoints_created if t else 0,
+            checkpoints_evicted=t.checkpoints_evicted if t else 0,
+            pages_in_use=self.page_pool.num_used_pages,
+            pages_in_tree=t.num_pages if t else 0,
+            slots_in_use=self.slot_pool.num_used_slots,
+        )
+
+    def _evict(self, num_pages: int, num_slots: int) -> None:
+        if self.tree is not None:
+            self.tree.evict(
+                num_pages, num_slots, lambda: self.page_pool.num_free_pages, lambda: self.slot_pool.num_free_slots
+            )
+
+    def _pages(self, n: int) -> list[int] | None:
+        pages = self.page_pool.allocate(n)
+        if pages is None:
+            self._evict(n, 0)
+            pages = self.page_pool.allocate(n)
+        return pages
+
+    def _slot(self) -> int | None:
         slot = self.slot_pool.allocate()
         if slot is None:
+            self._evict(0, 1)
+            slot = self.slot_pool.allocate()
+        return slot
+
+    def admit(self, req: Request) -> bool:
+        """Give a waiting request its write slot and its cached prefix, or take nothing and return False."""
+        assert req.write_slot is None and not req.page_ids, f"request {req.request_id} already holds memory"
+        tokens = req.all_token_ids
+        # At least one token must be computed: its logits give the next token.
+        match = self.tree.match(tokens, len(tokens) - 1) if self.tree is not None else None
+        if match is not None:
+            # Lock first: the evictions below must not take the prefix we are about to use.
+            self.tree.lock(match.node)  # type: ignore[union-attr]
+        slot = self._slot()
+        pages: list[int] = list(match.pages) if match else []
+        tail: list[int] | None = []
+        if slot is not None and match is not None and match.checkpoint.tail_page is not None:
+            tail = self._pages(1)
+        if slot is None or tail is None:
+            if slot is not None:
+                self.slot_pool.free(slot)
+            if match is not None:
+                self.tree.unlock(match.node)  # type: ignore[union-attr]
             return False
+        if tail:
+            assert match is not None and match.checkpoint.tail_page is not None
+            self.copy_page(match.checkpoint.tail_page, tail[0])
+            pages.append(tail[0])
+        hit = match.num_tokens if match else 0
+        if req.num_admissions == 0:
+            self.prompt_tokens += req.num_prompt_tokens
+            self.cached_tokens += hit
+            req.num_cached_tokens = hit
+        req.num_admissions += 1
         req.write_slot = slot
-        req.read_slot = None
-        req.has_state = False
-        req.num_computed_tokens = 0
-        req.num_cached_tokens = 0
+        req.page_ids = pages
+        req.num_shared_pages = len(match.pages) if match else 0
+        req.num_computed_tokens = hit
+        req.has_state = match is not None
+        req.read_slot = match.checkpoint.slot if match else None
+        req.lock_node = match.node if match else None
         return True
 
     def allocate_pages(self, req: Request, num_new_tokens: int) -> bool:
         """Make ``req.page_ids`` cover ``num_computed_tokens + num_new_tokens`` positions.
 
-        Returns False (allocating nothing) when the pool has too few free pages.
+        Returns False (allocating nothing) when too few pages are free even after eviction.
         """
         needed = self.page_pool.pages_for(req.num_computed_tokens + num_new_tokens) - len(req.page_ids)
         if needed <= 0:
             return True
-        pages = self.page_pool.allocate(needed)
+        pages = self._pages(needed)
         if pages is None:
             return False
         req.page_ids.extend(pages)
         return True
 
-    def release(self, req: Request) -> None:
-        """Return everything ``req`` holds to the pools (finish, abort or preemption)."""
-        self.page_pool.free(req.page_ids)
+    def maybe_checkpoint(self, req: Request) -> None:
+        """After a step: publish a periodic checkpoint if ``req`` just reached a multiple of the interval."""
+        n, every = req.num_computed_tokens, self.checkpoint_interval
+        if self.tree is None or every <= 0 or n == 0 or n % every or n >= req.num_tokens:
+            return
+        new_slot = self._slot()
+        if new_slot is None:
+            return  # no slot to keep computing into: skip this checkpoint, nothing is lost
+        node = self._publish(req, final=False)
+        assert node.checkpoint is not None
+        req.read_slot = node.checkpoint.slot
+        req.write_slot = new_slot
+
+    def release(self, req: Request, publish: bool) -> None:
+        """Return what ``req`` holds; with ``publish``, first hand its computed prefix to the tree."""
+        # The write slot holds the state at num_computed_tokens only once a step ran after admission.
+        owns_state = req.has_state and req.read_slot == req.write_slot
+        if publish and self.tree is not None and owns_state and req.num_computed_tokens > 0:
+            self._publish(req, final=True)
+        else:
+            self.page_pool.free(req.page_ids[req.num_shared_pages :])
+            if req.write_slot is not None:
+                self.slot_pool.free(req.write_slot)
+        self._unlock(req)
         req.page_ids = []
-        if req.write_slot is not None:
-            self.slot_pool.free(req.write_slot)
+        req.num_shared_pages = 0
         req.write_slot = None
         req.read_slot = None
         req.has_state = False
 
-    def max_pages_for_one_request(self) -> int:
-        return self.page_pool.num_pages
+    def _publish(self, req: Request, final: bool) -> RadixNode:
+        assert self.tree is not None and req.write_slot is not None
+        ps = self.page_size
+        done = req.num_computed_tokens
+        full = done // ps
+        tail = req.page_ids[full] if final and done % ps else None
+        ckpt = Checkpoint(slot=req.write_slot, tail_page=tail)
+        node, tree_pages = self.tree.insert(req.all_token_ids[:done], req.page_ids[:full], ckpt)
+        if final:
+            # Pages past the published part and its tail were allocated ahead and never written.
+            self.page_pool.free(req.page_ids[full + (1 if tail is not None else 0) :])
+        else:
+            req.page_ids[:full] = tree_pages
+            req.num_shared_pages = full
+            self.tree.lock(node)
+            self._unlock(req)
+            req.lock_node = node
+        return node
+
+    def _unlock(self, req: Request) -> None:
+        if req.lock_node is not None and self.tree is not None:
+            self.tree.unlock(req.lock_node)
+        req.lock_node = None

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 
-from phloem.engine.cache_manager import CacheManager
+from phloem.engine.cache_manager import CacheManager, CacheStats
 from phloem.engine.config import CacheConfig, LoadConfig, ModelConfig, SchedulerConfig
 from phloem.engine.errors import CapacityExceeded, InvalidRequest
 from phloem.engine.kv_pages import PagePool
 from phloem.engine.loader import load_model
 from phloem.engine.memory import allocate_caches, plan_pools
 from phloem.engine.model_runner import CausalLM, ModelRunner
+from phloem.engine.radix_cache import RadixCache
 from phloem.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from phloem.engine.sampling_params import SamplingParams
 from phloem.engine.scheduler import Scheduler
@@ -30,7 +31,16 @@ from phloem.engine.state_slots import SlotPool
 
 __all__ = ["Engine"]
 
-_CACHE_OPTIONS = {"page_size", "memory_fraction", "state_fraction", "num_pages", "num_state_slots", "cpu_pool_bytes"}
+_CACHE_OPTIONS = {
+    "page_size",
+    "memory_fraction",
+    "state_fraction",
+    "num_pages",
+    "num_state_slots",
+    "cpu_pool_bytes",
+    "enable_prefix_caching",
+    "checkpoint_interval",
+}
 _SCHED_OPTIONS = {"max_num_batched_tokens", "max_num_seqs", "max_model_len"}
 _LOAD_OPTIONS = {"load_format", "device", "dtype", "seed"}
 
@@ -51,10 +61,17 @@ class Engine:
         plan = plan_pools(model_config, cache_config, dtype, device)
         self.page_pool = PagePool(plan.num_pages, cache_config.page_size)
         self.slot_pool = SlotPool(plan.num_slots)
-        self.cache = CacheManager(self.page_pool, self.slot_pool)
-        self.scheduler = Scheduler(scheduler_config, self.cache)
         caches = allocate_caches(model_config, plan, cache_config.page_size, dtype, device)
         self.runner = ModelRunner(model, caches, cache_config.page_size, device)
+        tree = None
+        if cache_config.enable_prefix_caching:
+            tree = RadixCache(
+                cache_config.page_size, self.page_pool.free, self.slot_pool.free, plan.page_bytes, plan.slot_bytes
+            )
+        self.cache = CacheManager(
+            self.page_pool, self.slot_pool, self.runner.copy_page, tree, cache_config.checkpoint_interval
+        )
+        self.scheduler = Scheduler(scheduler_config, self.cache, finalize=tree is not None)
         limit = model_config.max_position_embeddings
         self.max_model_len = min(scheduler_config.max_model_len or limit, limit)
         self._requests: dict[str, Request] = {}
@@ -153,6 +170,10 @@ class Engine:
             req.num_computed_tokens += n
             req.has_state = True
             req.read_slot = req.write_slot
+            if req.finalizing:
+                self.scheduler.complete_finalize(req)
+                continue
+            self.cache.maybe_checkpoint(req)
             token = result.sampled.get(req.request_id)
             if token is None:
                 continue
@@ -205,4 +226,11 @@ class Engine:
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
+        # Let turn-end checkpoints land, so a follow-up call hits the whole conversation.
+        while self.scheduler.num_finalizing():
+            self.step()
         return [final[i] for i in ids]
+
+    def cache_stats(self) -> CacheStats:
+        """Prefix-cache and pool counters (prompt vs cached tokens, checkpoints, pages in use)."""
+        return self.cache.stats()

@@ -43,6 +43,10 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(0)
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy one KV page across every full-attention layer (the copy-on-write of a partial page)."""
+        self.caches.kv[:, dst].copy_(self.caches.kv[:, src])
+
     def prepare(self, out: SchedulerOutput) -> ForwardBatch:
         ps = self.page_size
         input_ids: list[int] = []
@@ -65,7 +69,7 @@ class ModelRunner:
             slot_mapping.extend(req.page_ids[p // ps] * ps + p % ps for p in range(start, end))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
-            if end == req.num_tokens:
+            if end == req.num_tokens and not req.finalizing:
                 logits_indices.append(query_start_loc[-1] - 1)
             assert req.write_slot is not None, f"request {req.request_id} scheduled without a state slot"
             write_slots.append(req.write_slot)
@@ -97,7 +101,9 @@ class ModelRunner:
         batch = self.prepare(out)
         hidden = self.model.forward(batch, self.caches)
         needs_sample = [
-            req for req, n in zip(out.requests, out.num_new_tokens) if req.num_computed_tokens + n == req.num_tokens
+            req
+            for req, n in zip(out.requests, out.num_new_tokens)
+            if req.num_computed_tokens + n == req.num_tokens and not req.finalizing
         ]
         if not needs_sample:
             return StepResult({})

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from phloem.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from phloem.engine.radix_cache import RadixNode
 
 __all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus"]
 
@@ -45,8 +49,15 @@ class Request:
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    # KV pages covering positions [0, len(page_ids) * page_size).
+    # KV pages covering positions [0, len(page_ids) * page_size); the first num_shared_pages
+    # belong to the radix cache (immutable, kept alive by lock_node).
     page_ids: list[int] = field(default_factory=list)
+    num_shared_pages: int = 0
+    lock_node: RadixNode | None = None
+    num_admissions: int = 0
+    # Finished for the caller, but its last token still runs once more so the turn-end
+    # checkpoint covers the whole conversation (the next turn then recomputes nothing).
+    finalizing: bool = False
     # GDN state: read from read_slot (valid iff has_state), write the step's final state to write_slot.
     read_slot: int | None = None
     write_slot: int | None = None

@@ -8,9 +8,14 @@ Policy, in order, under one token budget (``max_num_batched_tokens``):
    and KV pages allow. Admission is check-then-commit: a request that cannot get both its
    slot and its pages takes nothing and stays first in line.
 
-When a running request needs a page and none is free, the newest running request is preempted:
-its pages and slot go back to the pools and it waits again with its tokens intact, to be
-recomputed later. Preemption never corrupts: the recompute gives the same state.
+When a running request needs a page and none is free (even after the radix cache evicted what
+it could), the newest running request is preempted: its computed prefix is published to the
+radix cache (so re-admission usually resumes from there), its private memory goes back to the
+pools, and it waits again with its tokens intact. Preemption never corrupts: whatever is
+recomputed gives the same state.
+
+Prefill chunks are cut at multiples of ``checkpoint_interval`` so that each periodic checkpoint
+is the final state of a step (no kernel has to emit intermediate states).
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, finalize: bool = False) -> None:
         self.config = config
         self.cache = cache
+        # Run each finished request's last token once more to checkpoint the whole turn.
+        self.finalize = finalize
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -61,9 +68,9 @@ class Scheduler:
         for req in order:
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req not in self.running:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             if not self._reserve_pages(req, n, scheduled, failed):
                 continue
             scheduled.append(req)
@@ -73,9 +80,9 @@ class Scheduler:
             req = self.waiting[0]
             if not self.cache.admit(req):
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             if not self.cache.allocate_pages(req, n):
-                self.cache.release(req)
+                self.cache.release(req, publish=False)
                 if not self.running:
                     # Alone and still short: it can never run.
                     self.waiting.popleft()
@@ -91,12 +98,20 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(tuple(scheduled), tuple(num_new), tuple(failed))
 
+    def _chunk(self, req: Request, budget: int) -> int:
+        start = req.num_computed_tokens
+        n = min(req.num_tokens - start, budget)
+        every = self.cache.checkpoint_interval
+        if every > 0:
+            n = min(n, (start // every + 1) * every - start)
+        return n
+
     def _reserve_pages(self, req: Request, n: int, scheduled: list[Request], failed: list[Request]) -> bool:
         """Allocate pages for ``n`` new tokens of a running request, preempting newer ones if needed."""
         while not self.cache.allocate_pages(req, n):
             victims = [r for r in self.running if r is not req and r not in scheduled]
             if not victims:
-                if len(self.running) == 1:
+                if len(self.running) == 1 and not req.finalizing:
                     self._finish(req, FinishReason.LENGTH)
                     failed.append(req)
                 else:
@@ -106,8 +121,11 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        self.cache.release(req)
+        self.cache.release(req, publish=True)
         self.running.remove(req)
+        if req.finalizing:
+            req.finalizing = False  # already finished for the caller; only its checkpoint is lost
+            return
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         self.waiting.appendleft(req)
@@ -116,19 +134,39 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.finalizing = False
         if req in self.running:
             self.running.remove(req)
-        self.cache.release(req)
+        self.cache.release(req, publish=True)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
-        """Finish a running request (stop condition met) and free what it holds."""
+        """Finish a running request (stop condition met).
+
+        With ``finalize``, the request stays in the running set for one more step that computes
+        its last token (no sample), then ``complete_finalize`` publishes the turn-end checkpoint.
+        """
+        if self.finalize and reason is not FinishReason.ABORT:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = reason
+            req.finalizing = True
+            return
         self._finish(req, reason)
+
+    def complete_finalize(self, req: Request) -> None:
+        assert req.finalizing and req.num_computed_tokens == req.num_tokens, "finalize step did not run"
+        req.finalizing = False
+        self.running.remove(req)
+        self.cache.release(req, publish=True)
+
+    def num_finalizing(self) -> int:
+        return sum(r.finalizing for r in self.running)
 
     def abort(self, request_id: str) -> Request | None:
         """Abort a waiting or running request; returns it, or None if unknown."""
         for req in list(self.running):
             if req.request_id == request_id:
-                self._finish(req, FinishReason.ABORT)
+                reason = req.finish_reason if req.finalizing else FinishReason.ABORT
+                self._finish(req, reason or FinishReason.ABORT)
                 return req
         for req in list(self.waiting):
             if req.request_id == request_id:

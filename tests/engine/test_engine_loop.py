@@ -1,99 +1,11 @@
-"""The engine loop driven by a toy model whose answer is known in closed form.
-
-The toy model keeps a running sum of the tokens in its GDN state slot and writes every token into
-its KV pages; on each forward it re-reads the whole history back through the page table and checks
-it against the state. Its next token is ``sum(history) % vocab``. So a wrong page table, slot
-mapping, read/write slot, chunk boundary or preemption shows up as a wrong token or an assertion.
-"""
+"""The engine loop driven by the toy model of ``tests/support/toy_model.py`` (closed-form answers)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
+from toy_model import VOCAB, assert_pools_empty, expected, make_engine
 
-from phloem.engine import CapacityExceeded, Engine, InvalidRequest, SamplingParams
-from phloem.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from phloem.engine.forward_batch import ForwardBatch, ModelCaches
-
-VOCAB = 97
-
-
-def toy_config(eos: tuple[int, ...] = ()) -> ModelConfig:
-    return ModelConfig(
-        architecture="Qwen3_5ForCausalLM",
-        vocab_size=VOCAB,
-        hidden_size=1,
-        layer_types=("linear_attention", "full_attention"),
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=1,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        partial_rotary_factor=1.0,
-        max_position_embeddings=512,
-        linear_num_key_heads=1,
-        linear_num_value_heads=1,
-        linear_key_head_dim=1,
-        linear_value_head_dim=1,
-        linear_conv_kernel_dim=2,
-        eos_token_ids=eos,
-    )
-
-
-class ToyModel:
-    def __init__(self) -> None:
-        self.num_forwards = 0
-
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        self.num_forwards += 1
-        kv, ssm = caches.kv[0], caches.ssm[0]
-        page_size = kv.shape[2]
-        hidden = torch.empty(batch.num_tokens, 1)
-        kv[batch.slot_mapping // page_size, 0, batch.slot_mapping % page_size, 0, 0] = batch.input_ids.float()
-        qsl = batch.query_start_loc.tolist()
-        for i in range(batch.num_seqs):
-            state = ssm[batch.read_slots[i], 0, 0, 0].item() if batch.has_initial_state[i] else 0.0
-            toks = batch.input_ids[qsl[i] : qsl[i + 1]].double()
-            running = state + toks.cumsum(0)
-            hidden[qsl[i] : qsl[i + 1], 0] = running.float()
-            ssm[batch.write_slots[i], 0, 0, 0] = running[-1].item()
-            seq_len = int(batch.seq_lens[i])
-            pages = batch.page_table[i, : -(-seq_len // page_size)].long()
-            history = kv[pages, 0, :, 0, 0].reshape(-1)[:seq_len]
-            assert history.double().sum().item() == running[-1].item(), "KV pages disagree with GDN state"
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        target = hidden[:, 0].long() % VOCAB
-        return -(torch.arange(VOCAB)[None, :] - target[:, None]).abs().float()
-
-
-def expected(prompt: list[int], n: int, stop: set[int] = frozenset()) -> list[int]:
-    toks, out = list(prompt), []
-    for _ in range(n):
-        t = sum(toks) % VOCAB
-        out.append(t)
-        toks.append(t)
-        if t in stop:
-            break
-    return out
-
-
-def make_engine(num_pages: int = 64, num_slots: int = 16, budget: int = 32, max_seqs: int = 8, **mc) -> Engine:
-    return Engine(
-        toy_config(**mc),
-        ToyModel(),
-        CacheConfig(page_size=4, num_pages=num_pages, num_state_slots=num_slots),
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
-        torch.device("cpu"),
-        torch.float32,
-    )
-
-
-def assert_pools_empty(engine: Engine) -> None:
-    assert engine.page_pool.num_free_pages == engine.page_pool.num_pages
-    assert engine.slot_pool.num_free_slots == engine.slot_pool.num_slots
-
+from phloem.engine import CapacityExceeded, InvalidRequest, SamplingParams
 
 PROMPTS = [[3], [1, 2, 3, 4, 5], list(range(1, 40)), [7] * 4, [9, 8], list(range(50, 63)), [11] * 17, [5, 6, 7]]
 
@@ -107,12 +19,14 @@ def test_batched_equals_alone_and_closed_form() -> None:
         assert out.finish_reason == "length"
 
 
-def test_long_prompt_is_chunked() -> None:
-    engine = make_engine(budget=8)
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "cache"])
+def test_long_prompt_is_chunked(caching: bool) -> None:
+    engine = make_engine(budget=8, caching=caching)
     out = engine.generate([list(range(1, 40))], SamplingParams(max_tokens=3))[0]
     assert out.token_ids == expected(list(range(1, 40)), 3)
-    # 39 prompt tokens in chunks of <= 8 → 5 prefill steps, then 2 decode steps.
-    assert engine.runner.model.num_forwards == 5 + 2
+    # 39 prompt tokens in chunks of <= 8 → 5 prefill steps, then 2 decode steps; with the cache,
+    # one more step computes the last token for the turn-end checkpoint.
+    assert engine.runner.model.num_forwards == 5 + 2 + int(caching)
 
 
 def test_pools_return_to_full_after_every_request() -> None:

@@ -1,0 +1,239 @@
+"""Builds a model on its target device and fills it from a Hugging Face folder, or with random weights.
+
+The model is constructed on the ``meta`` device and materialised with ``to_empty`` on the target
+device, so no parameter ever exists twice and nothing of a CUDA model is ever allocated on the
+host. Checkpoint tensors are then read one at a time (``safe_open``) and copied into place.
+
+Checkpoint names accepted, beside the model's own (``engine.models.qwen3_hybrid``)::
+
+    model.language_model.X                  -> model.X   (published multimodal layout)
+    model.visual.*, visual.*, mtp.*         ignored (vision tower, multi-token prediction head)
+    ...mlp.experts.{e}.{gate,up}_proj.weight -> ...mlp.experts.gate_up_proj[e, :I] / [e, I:]
+    ...mlp.experts.{e}.down_proj.weight     -> ...mlp.experts.down_proj[e]
+    ...{mlp,shared_expert}.{gate,up}_proj.weight -> ....gate_up_proj.weight[:I] / [I:]
+    ...linear_attn.in_proj_qkvz.weight      -> in_proj_qkv + in_proj_z   (Qwen3-Next, per key head
+    ...linear_attn.in_proj_ba.weight        -> in_proj_b + in_proj_a      interleaved; see below)
+    ...linear_attn.conv1d.weight [C, 1, K]  -> ...linear_attn.conv_weight [C, K]
+    lm_head.weight                          ignored when the embeddings are tied
+
+Every parameter must be covered exactly by the checkpoint; an unknown or missing tensor raises
+``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from phloem.engine.config import LoadConfig, ModelConfig
+from phloem.engine.models import Qwen3HybridForCausalLM, get_model_class
+from phloem.engine.models._gdn import GatedDeltaNet
+
+__all__ = ["load_model"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.)|\.rotary_emb\.inv_freq$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_GATE_UP = re.compile(r"^(.*)\.(gate_proj|up_proj)\.weight$")
+
+
+def load_model(
+    model_path: str | Path, model_config: ModelConfig, load_config: LoadConfig
+) -> Qwen3HybridForCausalLM:
+    """Returns the model in eval mode on ``load_config.device``, weights in the resolved dtype.
+
+    Raises:
+        ValueError: no safetensors files, or an unknown, missing or mis-shaped tensor.
+    """
+    device = torch.device(load_config.device)
+    dtype = _resolve_dtype(Path(model_path), load_config)
+    with torch.device("meta"):
+        model = get_model_class(model_config.architecture)(model_config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.post_materialize()
+    with torch.no_grad():
+        if load_config.load_format == "dummy":
+            _init_dummy(model, load_config.seed)
+        else:
+            _load_safetensors(model, Path(model_path))
+    return model.eval()
+
+
+def _resolve_dtype(path: Path, load_config: LoadConfig) -> torch.dtype:
+    if load_config.dtype != "auto":
+        return _DTYPES[load_config.dtype]
+    if load_config.load_format == "dummy":
+        return torch.bfloat16
+    raw = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    for section in (raw, raw.get("text_config") or {}):
+        name = section.get("dtype") or section.get("torch_dtype")
+        if name in _DTYPES:
+            return _DTYPES[name]
+    # No dtype in the config: take the embedding's dtype from the checkpoint itself.
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("embed_tokens.weight"):
+                    return _SAFETENSORS_DTYPES[f.get_slice(name).get_dtype()]
+    raise ValueError(f"dtype: 'auto' found no dtype in {path}/config.json nor an embed_tokens tensor")
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model_path: expected *.safetensors files in {str(path)!r}, found none")
+    return files
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """One checkpoint tensor (or a slice of it) copied into (a part of) one parameter."""
+
+    param: str
+    source: torch.Tensor
+    expert: int | None = None  # row of dim 0 of a fused expert tensor
+    half: str | None = None  # "gate" / "up": first / second half of dim -2
+
+    @property
+    def piece(self) -> tuple[int | None, str | None]:
+        return (self.expert, self.half)
+
+    def destination(self, param: torch.Tensor) -> torch.Tensor:
+        view = param if self.expert is None else param[self.expert]
+        if self.half is None:
+            return view
+        rows = view.shape[-2] // 2
+        return view[..., :rows, :] if self.half == "gate" else view[..., rows:, :]
+
+
+_WHOLE = (None, None)
+
+
+def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded: dict[str, set[tuple[int | None, str | None]]] = {name: set() for name in params}
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                target = _canonical_name(name, model.config.tie_word_embeddings)
+                if target is None:
+                    continue
+                for write in _plan(model, target, f.get_tensor(name)):
+                    if write.param not in params:
+                        raise ValueError(f"checkpoint: unknown weight {name!r} (no parameter {write.param!r})")
+                    dst = write.destination(params[write.param])
+                    if dst.shape != write.source.shape:
+                        raise ValueError(
+                            f"checkpoint tensor {name!r}: expected shape {tuple(dst.shape)} for "
+                            f"{write.param!r}, got {tuple(write.source.shape)}"
+                        )
+                    dst.copy_(write.source)
+                    loaded[write.param].add(write.piece)
+    for name, param in params.items():
+        missing = _required_pieces(name, param) - loaded[name]
+        if missing and _WHOLE not in loaded[name]:
+            parts = "" if missing == {_WHOLE} else f" (expert, half) parts {sorted(missing, key=str)[:4]}"
+            raise ValueError(f"checkpoint: missing weight {name!r}{parts} in {str(path)!r}")
+
+
+def _canonical_name(name: str, tied: bool) -> str | None:
+    if _IGNORED.search(name) or (tied and name == "lm_head.weight"):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    return name
+
+
+def _required_pieces(name: str, param: torch.Tensor) -> set[tuple[int | None, str | None]]:
+    if name.endswith("experts.gate_up_proj"):
+        return {(e, half) for e in range(param.shape[0]) for half in ("gate", "up")}
+    if name.endswith("experts.down_proj"):
+        return {(e, None) for e in range(param.shape[0])}
+    if name.endswith("gate_up_proj.weight"):
+        return {(None, "gate"), (None, "up")}
+    return {_WHOLE}
+
+
+def _plan(model: Qwen3HybridForCausalLM, name: str, tensor: torch.Tensor) -> list[_Write]:
+    if m := _EXPERT.match(name):
+        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        if proj == "down_proj":
+            return [_Write(f"{prefix}.down_proj", tensor, expert=expert)]
+        return [_Write(f"{prefix}.gate_up_proj", tensor, expert=expert, half=proj.removesuffix("_proj"))]
+    if name.endswith("linear_attn.in_proj_qkvz.weight"):
+        return _split_qkvz(model, name.removesuffix(".in_proj_qkvz.weight"), tensor)
+    if name.endswith("linear_attn.in_proj_ba.weight"):
+        return _split_ba(model, name.removesuffix(".in_proj_ba.weight"), tensor)
+    if name.endswith("linear_attn.conv1d.weight"):
+        return [_Write(name.replace("conv1d.weight", "conv_weight"), tensor.squeeze(1))]
+    if (m := _GATE_UP.match(name)) and not name.startswith("lm_head"):
+        return [_Write(f"{m.group(1)}.gate_up_proj.weight", tensor, half=m.group(2).removesuffix("_proj"))]
+    return [_Write(name, tensor)]
+
+
+def _gdn(model: Qwen3HybridForCausalLM, prefix: str, name: str) -> GatedDeltaNet:
+    try:
+        module = model.get_submodule(prefix)
+    except AttributeError as e:
+        raise ValueError(f"checkpoint: unknown weight {name!r}") from e
+    if not isinstance(module, GatedDeltaNet):
+        raise ValueError(f"checkpoint: unknown weight {name!r} ({prefix!r} is not a GDN layer)")
+    return module
+
+
+def _split_qkvz(model: Qwen3HybridForCausalLM, prefix: str, tensor: torch.Tensor) -> list[_Write]:
+    """Qwen3-Next rows are grouped per key head: ``[q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)]``, r = Hv/Hk."""
+    gdn = _gdn(model, prefix, prefix + ".in_proj_qkvz.weight")
+    hidden = tensor.shape[-1]
+    per_head_v = gdn.value_dim // gdn.num_k_heads
+    q, k, v, z = tensor.view(gdn.num_k_heads, -1, hidden).split(
+        [gdn.key_head_dim, gdn.key_head_dim, per_head_v, per_head_v], dim=1
+    )
+    q, k, v, z = (x.reshape(-1, hidden) for x in (q, k, v, z))
+    return [
+        _Write(prefix + ".in_proj_qkv.weight", torch.cat((q, k, v))),
+        _Write(prefix + ".in_proj_z.weight", z),
+    ]
+
+
+def _split_ba(model: Qwen3HybridForCausalLM, prefix: str, tensor: torch.Tensor) -> list[_Write]:
+    """Qwen3-Next rows are grouped per key head: ``[b (r heads) | a (r heads)]``."""
+    gdn = _gdn(model, prefix, prefix + ".in_proj_ba.weight")
+    hidden = tensor.shape[-1]
+    grouped = tensor.view(gdn.num_k_heads, 2, -1, hidden)  # [Hk, {b, a}, r, H]
+    return [
+        _Write(prefix + ".in_proj_b.weight", grouped[:, 0].reshape(-1, hidden)),
+        _Write(prefix + ".in_proj_a.weight", grouped[:, 1].reshape(-1, hidden)),
+    ]
+
+
+def _init_dummy(model: Qwen3HybridForCausalLM, seed: int) -> None:
+    """Deterministic random weights of a sensible scale, generated in place on the model's device."""
+    device = model.model.embed_tokens.weight.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        if name.endswith("A_log"):
+            # HF init: A ~ U(0.01, 16); drawn in fp32 since bf16 rounds the bounds.
+            a = torch.empty(param.shape, dtype=torch.float32, device=device).uniform_(0.01, 16, generator=gen)
+            param.copy_(a.log_())
+        elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("norm.weight"):
+            # Zero-centred norms: scale 1 + w.
+            param.normal_(0.0, 0.02, generator=gen)
+        elif name.endswith("conv_weight"):
+            bound = param.shape[-1] ** -0.5
+            param.uniform_(-bound, bound, generator=gen)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)

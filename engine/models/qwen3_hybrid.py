@@ -1,0 +1,122 @@
+"""One model class for the hybrid GDN + gated-attention family.
+
+Serves ``Qwen3_5MoeForCausalLM``, ``Qwen3_5ForCausalLM`` (dense MLP) and ``Qwen3NextForCausalLM``;
+they differ only in which layers are MoE (``ModelConfig.is_moe_layer``) and in checkpoint naming,
+which ``engine.loader`` absorbs. Parameter names follow the plain Hugging Face layout
+(``model.layers.{i}...``, ``lm_head.weight``) except for the fused tensors described in
+``_moe`` and ``_gdn``.
+
+Each layer is pre-norm with a residual stream carried beside the hidden states::
+
+    normed, residual = input_layernorm(h, residual)        # residual += h
+    h = self_attn(normed) | linear_attn(normed)
+    normed, residual = post_attention_layernorm(h, residual)
+    h = mlp(normed)
+
+Head, expert-FFN and GDN head counts are per rank (``tp_size``); only ``tp_size=1`` is wired up.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phloem.engine.config import FULL_ATTENTION, ModelConfig
+from phloem.engine.forward_batch import ForwardBatch, ModelCaches
+from phloem.engine.models._attention import GatedAttention
+from phloem.engine.models._gdn import GatedDeltaNet
+from phloem.engine.models._moe import SparseMoe, SwiGluMlp
+from phloem.engine.models._norm import RMSNorm
+from phloem.kernels.rope import rope_inv_freq
+
+__all__ = ["Qwen3HybridForCausalLM"]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp_size: int) -> None:
+        super().__init__()
+        self.is_full_attention = config.layer_types[layer_idx] == FULL_ATTENTION
+        # Rank of this layer among layers of its kind: its index into ModelCaches.
+        same_kind = config.full_attention_layers if self.is_full_attention else config.linear_attention_layers
+        self.cache_idx = same_kind.index(layer_idx)
+        if self.is_full_attention:
+            self.self_attn = GatedAttention(config, tp_size)
+        else:
+            self.linear_attn = GatedDeltaNet(config, tp_size)
+        self.mlp: nn.Module
+        if config.is_moe_layer(layer_idx):
+            self.mlp = SparseMoe(config, tp_size)
+        else:
+            self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size // tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        caches: ModelCaches,
+        inv_freq: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, residual = self.input_layernorm.forward_residual(hidden, residual)
+        if self.is_full_attention:
+            hidden = self.self_attn(normed, batch, caches.kv[self.cache_idx], inv_freq)
+        else:
+            hidden = self.linear_attn(normed, batch, caches.conv[self.cache_idx], caches.ssm[self.cache_idx])
+        normed, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
+        return self.mlp(normed), residual
+
+
+class Qwen3HybridModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, tp_size) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3HybridForCausalLM(nn.Module):
+    """Hybrid Qwen3.5 / Qwen3-Next causal LM over the engine's paged KV and GDN state slots.
+
+    Build it under ``torch.device("meta")`` and let ``engine.loader.load_model`` materialise it;
+    a model built on a real device is usable as is (after its weights are filled).
+    """
+
+    def __init__(self, config: ModelConfig, tp_size: int = 1) -> None:
+        super().__init__()
+        if tp_size != 1:
+            raise ValueError(f"tp_size: only 1 is implemented so far, got {tp_size}")
+        self.config = config
+        self.tp_size = tp_size
+        self.model = Qwen3HybridModel(config, tp_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.register_buffer("rope_inv_freq", rope_inv_freq(config.rotary_dim, config.rope_theta), persistent=False)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def post_materialize(self) -> None:
+        """Restore what ``to_empty`` loses: the embedding tie and the fp32 RoPE frequencies."""
+        self.tie_weights()
+        device = self.model.embed_tokens.weight.device
+        with torch.device(device):
+            self.rope_inv_freq = rope_inv_freq(self.config.rotary_dim, self.config.rope_theta)
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Final-normed hidden states ``[T, H]`` of every token of the batch."""
+        hidden = self.model.embed_tokens(batch.input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.model.layers:
+            hidden, residual = layer(hidden, residual, batch, caches, self.rope_inv_freq)
+        hidden, _ = self.model.norm.forward_residual(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[S, H]`` -> ``[S, V]`` fp32 (the GEMM runs in the weight dtype, as in HF)."""
+        return F.linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,268 @@
+"""Hybrid radix prefix cache: a token-keyed tree of immutable KV pages and GDN state checkpoints.
+
+Why this shape. A hybrid model can resume a prefix only where it has *both* the KV of every
+full-attention layer and the GDN state at exactly that position; KV is cheap per token and can
+be cut anywhere, a GDN state is big (~3,000 tokens' worth of KV) and exists only where it was
+saved. So the tree stores KV in full pages along its edges and hangs checkpoints on node
+boundaries; a lookup is a hit up to the deepest checkpoint on the matched path.
+
+Page ownership. Edges are token-granular but pages are not: a full page belongs to the node
+whose edge contains the page's *last* position, so the pages on the path root→X cover exactly
+``floor(X.depth / page_size)`` pages. A checkpoint at a depth that is not page-aligned also owns
+a *tail page* holding the KV of the partial last page (handed over by the request that made it,
+no copy). A hit copies at most that one tail page into a private page of the new request::
+
+    depth:   0       16      32   40
+    pages:  [  p0   ][  p1   ][ tail ]        page_size 16, checkpoint at 40
+    path:    root ── A(0..24) ── B(24..40, checkpoint: slot s, tail page t)
+             p0 ∈ A (last pos 15 < 24), p1 ∈ B (last pos 31 ∈ [24, 40))
+
+Locks. A running request locks the node it resumed from; a session pins its head. ``lock_ref``
+counts locks passing through a node (a node with ``lock_ref > 0`` keeps its pages);
+``direct_ref`` counts locks on the node itself (its checkpoint is then kept too). Mid-path
+checkpoints of a locked path stay evictable.
+
+Eviction is ordered by recompute cost per byte freed, not recency: dropping a checkpoint costs
+the tokens between it and the nearest checkpoint above it; pages of a leaf below every
+checkpoint are worth nothing and go first. Ties go to the least recently used, then the oldest
+node id (deterministic, so every tensor-parallel rank evicts the same nodes).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["Checkpoint", "PrefixMatch", "RadixCache", "RadixNode"]
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    slot: int
+    tail_page: int | None  # KV of positions [floor(depth/ps)*ps, depth) when depth % ps != 0
+
+
+@dataclass(eq=False, slots=True)
+class RadixNode:
+    node_id: int
+    parent: RadixNode | None
+    key: list[int]  # the edge's tokens
+    depth: int  # tokens from the root to the end of this edge
+    pages: list[int] = field(default_factory=list)
+    children: dict[int, RadixNode] = field(default_factory=dict)
+    checkpoint: Checkpoint | None = None
+    lock_ref: int = 0
+    direct_ref: int = 0
+    last_access: int = 0
+
+    @property
+    def start(self) -> int:
+        return self.depth - len(self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """A reusable prefix: ``num_tokens`` tokens with their full pages and the checkpoint at the end."""
+
+    node: RadixNode
+    num_tokens: int
+    pages: tuple[int, ...]
+    checkpoint: Checkpoint
+
+
+class RadixCache:
+    def __init__(
+        self,
+        page_size: int,
+        free_pages: Callable[[list[int]], None],
+        free_slot: Callable[[int], None],
+        page_bytes: int,
+        slot_bytes: int,
+    ) -> None:
+        self.page_size = page_size
+        self._free_pages = free_pages
+        self._free_slot = free_slot
+        self.page_bytes = page_bytes
+        self.slot_bytes = slot_bytes
+        self._ids = itertools.count()
+        self._clock = itertools.count(1)
+        self.root = RadixNode(next(self._ids), None, [], 0)
+        self.num_pages = 0
+        self.num_checkpoints = 0
+        self.checkpoints_created = 0
+        self.checkpoints_evicted = 0
+
+    def match(self, tokens: list[int], max_tokens: int) -> PrefixMatch | None:
+        """Deepest checkpointed prefix of ``tokens`` no longer than ``max_tokens``."""
+        node, pos, path = self.root, 0, []
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None or tokens[pos : pos + len(child.key)] != child.key:
+                break
+            node, pos = child, pos + len(child.key)
+            path.append(node)
+        best = next((n for n in reversed(path) if n.checkpoint is not None and n.depth <= max_tokens), None)
+        if best is None:
+            return None
+        now = next(self._clock)
+        pages: list[int] = []
+        for n in path:
+            n.last_access = now
+            pages.extend(n.pages)
+            if n is best:
+                break
+        assert best.checkpoint is not None
+        return PrefixMatch(best, best.depth, tuple(pages), best.checkpoint)
+
+    def lock(self, node: RadixNode) -> None:
+        node.direct_ref += 1
+        for n in self._path_up(node):
+            n.lock_ref += 1
+
+    def unlock(self, node: RadixNode) -> None:
+        assert node.direct_ref > 0, f"node {node.node_id} unlocked more than locked"
+        node.direct_ref -= 1
+        for n in self._path_up(node):
+            assert n.lock_ref > 0, f"node {n.node_id} lock_ref underflow"
+            n.lock_ref -= 1
+
+    def _path_up(self, node: RadixNode) -> list[RadixNode]:
+        out = []
+        n: RadixNode | None = node
+        while n is not None and n is not self.root:
+            out.append(n)
+            n = n.parent
+        return out
+
+    def insert(self, tokens: list[int], pages: list[int], checkpoint: Checkpoint | None) -> tuple[RadixNode, list[int]]:
+        """Insert ``tokens`` with their full ``pages`` (``len(tokens) // page_size`` of them).
+
+        Pages the tree already holds for the same positions are kept and the caller's duplicates
+        freed; likewise a checkpoint the tree already has at that depth. Returns the node ending
+        at ``len(tokens)`` and the page ids the tree now uses for those positions (the caller
+        switches its page table to them).
+        """
+        ps = self.page_size
+        assert len(pages) == len(tokens) // ps, f"{len(pages)} pages for {len(tokens)} tokens"
+        node, pos, tree_pages = self.root, 0, []
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                child = self._add_leaf(node, tokens[pos:], pages)
+            common = _common_prefix(child.key, tokens[pos:])
+            if common < len(child.key):
+                child = self._split(child, common)
+            first_page = child.start // ps
+            mine = pages[first_page : first_page + len(child.pages)]
+            dup = [p for p, q in zip(mine, child.pages) if p != q]
+            self._free_pages(dup)
+            tree_pages.extend(child.pages)
+            node, pos = child, child.depth
+        now = next(self._clock)
+        for n in self._path_up(node):
+            n.last_access = now
+        if checkpoint is not None:
+            if node.checkpoint is None and node is not self.root:
+                node.checkpoint = checkpoint
+                self.num_checkpoints += 1
+                self.checkpoints_created += 1
+            else:
+                self._drop_checkpoint_resources(checkpoint)
+        return node, tree_pages
+
+    def _add_leaf(self, parent: RadixNode, key: list[int], pages: list[int]) -> RadixNode:
+        ps = self.page_size
+        leaf = RadixNode(next(self._ids), parent, list(key), parent.depth + len(key))
+        # Pages whose last position lies in [leaf.start, leaf.depth): ids start//ps .. depth//ps - 1.
+        leaf.pages = list(pages[parent.depth // ps : leaf.depth // ps])
+        self.num_pages += len(leaf.pages)
+        parent.children[key[0]] = leaf
+        return leaf
+
+    def _split(self, node: RadixNode, offset: int) -> RadixNode:
+        """Cut ``node``'s edge after ``offset`` tokens; returns the new upper node."""
+        ps = self.page_size
+        parent = node.parent
+        assert parent is not None and 0 < offset < len(node.key)
+        upper = RadixNode(next(self._ids), parent, node.key[:offset], node.start + offset)
+        upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
+        num_upper = upper.depth // ps - node.start // ps
+        upper.pages, node.pages = node.pages[:num_upper], node.pages[num_upper:]
+        node.key = node.key[offset:]
+        node.parent = upper
+        upper.children[node.key[0]] = node
+        parent.children[upper.key[0]] = upper
+        return upper
+
+    def _drop_checkpoint_resources(self, ckpt: Checkpoint) -> None:
+        self._free_slot(ckpt.slot)
+        if ckpt.tail_page is not None:
+            self._free_pages([ckpt.tail_page])
+
+    def evict(self, num_pages: int, num_slots: int, free_page_count: Callable[[], int], free_slot_count: Callable[[], int]) -> None:
+        """Free tree memory until the pools have ``num_pages`` pages and ``num_slots`` slots free
+        (or nothing evictable is left), cheapest recompute cost per byte first."""
+        while free_page_count() < num_pages or free_slot_count() < num_slots:
+            victim = self._cheapest_victim(need_slots=free_slot_count() < num_slots)
+            if victim is None:
+                return
+            node, is_checkpoint = victim
+            if is_checkpoint:
+                assert node.checkpoint is not None
+                self._drop_checkpoint_resources(node.checkpoint)
+                node.checkpoint = None
+                self.num_checkpoints -= 1
+                self.checkpoints_evicted += 1
+            else:
+                self._remove_leaf(node)
+
+    def _cheapest_victim(self, need_slots: bool) -> tuple[RadixNode, bool] | None:
+        best: tuple[float, int, int] | None = None
+        choice: tuple[RadixNode, bool] | None = None
+        for node in self._nodes():
+            if node.checkpoint is not None and node.direct_ref == 0 and (need_slots or not node.children):
+                freed = self.slot_bytes + (self.page_bytes if node.checkpoint.tail_page is not None else 0)
+                cost = (node.depth - self._checkpoint_above(node)) / freed
+                key = (cost, node.last_access, node.node_id)
+                if best is None or key < best:
+                    best, choice = key, (node, True)
+            elif node.checkpoint is None and not node.children and node.lock_ref == 0:
+                key = (0.0, node.last_access, node.node_id)
+                if best is None or key < best:
+                    best, choice = key, (node, False)
+        return choice
+
+    def _checkpoint_above(self, node: RadixNode) -> int:
+        n = node.parent
+        while n is not None and n is not self.root:
+            if n.checkpoint is not None:
+                return n.depth
+            n = n.parent
+        return 0
+
+    def _remove_leaf(self, node: RadixNode) -> None:
+        assert not node.children and node.lock_ref == 0 and node.parent is not None
+        self._free_pages(node.pages)
+        self.num_pages -= len(node.pages)
+        del node.parent.children[node.key[0]]
+
+    def _nodes(self) -> list[RadixNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def clear(self) -> None:
+        """Drop every unlocked node (pages and checkpoints); used by tests and cache resets."""
+        self.evict(1 << 62, 1 << 62, lambda: 0, lambda: 0)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,113 @@
+"""Radix prefix cache on the toy model: exact hit counts, copy-on-write, periodic checkpoints, eviction.
+
+The toy model (tests/support/toy_model.py) re-reads the whole KV history through the page table on
+every step and checks it against the GDN state slot, so any wrong page, tail copy, or slot shows
+up as an assertion or a wrong token.
+"""
+
+from __future__ import annotations
+
+from toy_model import assert_pools_empty, expected, make_engine
+
+from phloem.engine import SamplingParams
+
+
+def test_twelve_turn_conversation_computes_only_new_tokens() -> None:
+    engine = make_engine(num_pages=128, budget=64)
+    history: list[int] = list(range(1, 42))  # a long first turn
+    outputs_per_turn = 5
+    for turn in range(12):
+        out = engine.generate([history], SamplingParams(max_tokens=outputs_per_turn))[0]
+        assert out.token_ids == expected(history, outputs_per_turn)
+        # From turn 2 on, everything before this turn's new tokens comes from the cache.
+        assert out.num_cached_tokens == (0 if turn == 0 else len(history) - 3)
+        history = history + out.token_ids + [turn + 1, turn + 2, turn + 3]  # tool result appended
+    stats = engine.cache_stats()
+    assert stats.checkpoints == 12
+    assert_pools_empty(engine)
+
+
+def test_hit_mid_page_copies_only_the_tail_page() -> None:
+    engine = make_engine()
+    prompt = [5, 6, 7, 8, 9, 10, 11]  # 7 + 3 outputs = 10 tokens: checkpoint mid-page (page size 4)
+    first = engine.generate([prompt], SamplingParams(max_tokens=3))[0]
+    conv = prompt + first.token_ids
+    tail = engine.cache.tree.match(conv + [1], 100).checkpoint.tail_page
+    before = engine.runner.caches.kv[:, tail].clone()
+    # Two branches continue the same conversation: both copy the tail, neither writes into it.
+    branches = [conv + [1, 2], conv + [3]]
+    outs = engine.generate(branches, SamplingParams(max_tokens=6))
+    for b, o in zip(branches, outs):
+        assert o.token_ids == expected(b, 6) and o.num_cached_tokens == len(conv)
+    assert engine.runner.caches.kv[:, tail].equal(before)
+    assert_pools_empty(engine)
+
+
+def test_hit_on_a_page_boundary() -> None:
+    engine = make_engine()
+    prompt = [1, 2, 3, 4, 5]  # 5 + 3 outputs = 8 tokens = two full pages, no tail
+    first = engine.generate([prompt], SamplingParams(max_tokens=3))[0]
+    conv = prompt + first.token_ids
+    assert engine.cache.tree.match(conv + [9], 100).checkpoint.tail_page is None
+    out = engine.generate([conv + [9]], SamplingParams(max_tokens=4))[0]
+    assert out.token_ids == expected(conv + [9], 4) and out.num_cached_tokens == 8
+
+
+def test_periodic_checkpoints_serve_a_shared_prefix() -> None:
+    engine = make_engine(budget=64, interval=8)
+    shared = list(range(10, 30))  # 20 tokens: checkpoints at 8 and 16
+    a = engine.generate([shared + [1, 2, 3]], SamplingParams(max_tokens=2))[0]
+    b = engine.generate([shared + [7]], SamplingParams(max_tokens=4))[0]
+    assert a.token_ids == expected(shared + [1, 2, 3], 2)
+    assert b.token_ids == expected(shared + [7], 4) and b.num_cached_tokens == 16
+    assert_pools_empty(engine)
+
+
+def test_concurrent_requests_sharing_a_prefix_publish_once() -> None:
+    engine = make_engine(budget=64, interval=8)
+    shared = list(range(40, 64))
+    prompts = [shared + [1], shared + [2, 3], shared + [4, 5, 6]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=5))
+    assert [o.token_ids for o in outs] == [expected(p, 5) for p in prompts]
+    # The three computed the shared 24 tokens side by side; the tree keeps one copy of each page.
+    shared_node = engine.cache.tree.match(shared + [0], 24).node
+    assert shared_node.depth == 24
+    assert_pools_empty(engine)
+
+
+def test_eviction_keeps_pinned_paths_and_recomputes_the_rest() -> None:
+    # 24 pages of 4 tokens, 6 slots: ten conversations cannot all stay cached.
+    engine = make_engine(num_pages=24, num_slots=6, budget=64)
+    pinned_prompt = [3] * 9
+    first = engine.generate([pinned_prompt], SamplingParams(max_tokens=3))[0]
+    pinned_conv = pinned_prompt + first.token_ids
+    node = engine.cache.tree.match(pinned_conv + [0], 100).node
+    engine.cache.tree.lock(node)
+    others = [[i + 10] * 9 for i in range(10)]
+    for p in others:
+        assert engine.generate([p], SamplingParams(max_tokens=3))[0].token_ids == expected(p, 3)
+    assert engine.cache_stats().checkpoints_evicted > 0
+    # The pinned conversation is still a full hit; an evicted one is recomputed correctly.
+    hit = engine.generate([pinned_conv + [1]], SamplingParams(max_tokens=2))[0]
+    assert hit.num_cached_tokens == len(pinned_conv) and hit.token_ids == expected(pinned_conv + [1], 2)
+    again = engine.generate([others[0]], SamplingParams(max_tokens=3))[0]
+    assert again.token_ids == expected(others[0], 3)
+    engine.cache.tree.unlock(node)
+    assert_pools_empty(engine)
+
+
+def test_preemption_with_cache_resumes_from_published_prefix() -> None:
+    engine = make_engine(num_pages=12, num_slots=8, budget=64)
+    prompts = [[i + 1] * 6 for i in range(6)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12))
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [expected(p, 12) for p in prompts]
+    assert_pools_empty(engine)
+
+
+def test_cache_disabled_never_hits() -> None:
+    engine = make_engine(caching=False)
+    conv = [1, 2, 3]
+    out = engine.generate([conv], SamplingParams(max_tokens=3))[0]
+    again = engine.generate([conv + out.token_ids + [4]], SamplingParams(max_tokens=3))[0]
+    assert again.num_cached_tokens == 0 and again.token_ids == expected(conv + out.token_ids + [4], 3)
