@@ -23,7 +23,7 @@ from phloem.engine.kv_pages import PagePool
 from phloem.engine.loader import load_model
 from phloem.engine.memory import allocate_caches, plan_pools
 from phloem.engine.model_runner import CausalLM, ModelRunner
-from phloem.engine.radix_cache import RadixCache
+from phloem.engine.radix_cache import RadixCache, RadixNode
 from phloem.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from phloem.engine.sampling_params import SamplingParams
 from phloem.engine.scheduler import Scheduler
@@ -230,6 +230,30 @@ class Engine:
         while self.scheduler.num_finalizing():
             self.step()
         return [final[i] for i in ids]
+
+    def pin_prefix(self, token_ids: Sequence[int]) -> RadixNode | None:
+        """Pin the deepest cached checkpoint within ``token_ids`` (a session's head) against eviction.
+
+        Returns an opaque handle for ``unpin_prefix``, or None when nothing of it is cached.
+        """
+        tree = self.cache.tree
+        if tree is None:
+            return None
+        match = tree.match(list(token_ids), len(token_ids))
+        if match is None:
+            return None
+        tree.lock(match.node)
+        return match.node
+
+    def unpin_prefix(self, handle: RadixNode) -> None:
+        assert self.cache.tree is not None, "unpin without a prefix cache"
+        self.cache.tree.unlock(handle)
+
+    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` a new request would take from the cache."""
+        tree = self.cache.tree
+        match = tree.match(list(token_ids), len(token_ids) - 1) if tree is not None and token_ids else None
+        return match.num_tokens if match else 0
 
     def cache_stats(self) -> CacheStats:
         """Prefix-cache and pool counters (prompt vs cached tokens, checkpoints, pages in use)."""

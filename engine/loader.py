@@ -197,10 +197,9 @@ def _split_qkvz(model: Qwen3HybridForCausalLM, prefix: str, tensor: torch.Tensor
     gdn = _gdn(model, prefix, prefix + ".in_proj_qkvz.weight")
     hidden = tensor.shape[-1]
     per_head_v = gdn.value_dim // gdn.num_k_heads
-    q, k, v, z = tensor.view(gdn.num_k_heads, -1, hidden).split(
-        [gdn.key_head_dim, gdn.key_head_dim, per_head_v, per_head_v], dim=1
-    )
-    q, k, v, z = (x.reshape(-1, hidden) for x in (q, k, v, z))
+    grouped = tensor.view(gdn.num_k_heads, -1, hidden)  # [Hk, 2Dk + 2r*Dv, H]
+    parts = torch.split(grouped, [gdn.key_head_dim, gdn.key_head_dim, per_head_v, per_head_v], dim=1)
+    q, k, v, z = (x.reshape(-1, hidden) for x in parts)
     return [
         _Write(prefix + ".in_proj_qkv.weight", torch.cat((q, k, v))),
         _Write(prefix + ".in_proj_z.weight", z),

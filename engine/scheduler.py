@@ -76,8 +76,13 @@ class Scheduler:
             scheduled.append(req)
             num_new.append(n)
             budget -= n
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self._extends_finalizing(req):
+                # Its prefix checkpoint lands at the end of this step: admit it next step, as a hit.
+                deferred.append(self.waiting.popleft())
+                continue
             if not self.cache.admit(req):
                 break
             n = self._chunk(req, budget)
@@ -96,7 +101,15 @@ class Scheduler:
             scheduled.append(req)
             num_new.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return SchedulerOutput(tuple(scheduled), tuple(num_new), tuple(failed))
+
+    def _extends_finalizing(self, req: Request) -> bool:
+        tokens = req.all_token_ids
+        return any(
+            f.finalizing and len(tokens) > f.num_tokens and tokens[: f.num_tokens] == f.all_token_ids
+            for f in self.running
+        )
 
     def _chunk(self, req: Request, budget: int) -> int:
         start = req.num_computed_tokens

@@ -51,4 +51,5 @@ class GatedAttention(nn.Module):
             query, kv_cache, batch.page_table, batch.query_start_loc, batch.seq_lens, self.scale
         )  # [T, Hq, D]
         out = out * torch.sigmoid(gate)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        result: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return result

@@ -62,7 +62,7 @@ class GatedDeltaNet(nn.Module):
                 mixed_qkv, self.conv_weight, None, conv_states, batch.query_start_loc,
                 batch.read_slots, batch.write_slots, batch.has_initial_state,
             )
-        query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.view(num_tokens, self.num_k_heads, self.key_head_dim)
         key = key.view(num_tokens, self.num_k_heads, self.key_head_dim)
         value = value.view(num_tokens, self.num_v_heads, self.value_head_dim)
@@ -76,4 +76,5 @@ class GatedDeltaNet(nn.Module):
                 batch.read_slots, batch.write_slots, batch.has_initial_state,
             )  # [T, Hv, Dv]
         out = self.norm(out, z)
-        return self.out_proj(out.reshape(num_tokens, self.value_dim))
+        result: torch.Tensor = self.out_proj(out.reshape(num_tokens, self.value_dim))
+        return result

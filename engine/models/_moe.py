@@ -25,7 +25,8 @@ class SwiGluMlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return out
 
 
 class Experts(nn.Module):
@@ -54,5 +55,5 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = moe_route(self.gate(x), self.top_k, self.renormalize)
         routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, topk_weights, topk_ids)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared: torch.Tensor = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared

@@ -95,7 +95,8 @@ class Qwen3HybridForCausalLM(nn.Module):
         self.model = Qwen3HybridModel(config, tp_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        self.register_buffer("rope_inv_freq", rope_inv_freq(config.rotary_dim, config.rope_theta), persistent=False)
+        inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta)  # [rotary_dim // 2] fp32
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

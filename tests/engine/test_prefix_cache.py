@@ -111,3 +111,32 @@ def test_cache_disabled_never_hits() -> None:
     out = engine.generate([conv], SamplingParams(max_tokens=3))[0]
     again = engine.generate([conv + out.token_ids + [4]], SamplingParams(max_tokens=3))[0]
     assert again.num_cached_tokens == 0 and again.token_ids == expected(conv + out.token_ids + [4], 3)
+
+
+def test_next_turn_added_while_previous_is_finalizing_still_hits() -> None:
+    engine = make_engine()
+    prompt = [2, 4, 6, 8, 10]
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=3))
+    outputs = []
+    while not (outputs and outputs[-1].finished):
+        outputs += [o for o in engine.step() if o.request_id == rid]
+    # The caller sees the turn finished; its checkpoint lands on the next step.
+    nxt = prompt + outputs[-1].token_ids + [1]
+    engine.add_request(nxt, SamplingParams(max_tokens=2), request_id="turn-2")
+    done = []
+    while not done:
+        done = [o for o in engine.step() if o.request_id == "turn-2" and o.finished]
+    assert done[0].num_cached_tokens == len(nxt) - 1 and done[0].token_ids == expected(nxt, 2)
+
+
+def test_pin_prefix_survives_eviction() -> None:
+    engine = make_engine(num_pages=16, num_slots=4, budget=64)
+    conv = [7] * 6
+    conv += engine.generate([conv], SamplingParams(max_tokens=2))[0].token_ids
+    handle = engine.pin_prefix(conv)
+    assert handle is not None and handle.depth == len(conv)
+    for i in range(6):
+        engine.generate([[i + 20] * 7], SamplingParams(max_tokens=2))
+    assert engine.cached_prefix_len(conv + [1]) == len(conv)
+    engine.unpin_prefix(handle)
+    assert_pools_empty(engine)

@@ -1,0 +1,43 @@
+"""Top-k routing and the SwiGLU mixture-of-experts, matching HF ``Qwen3NextTopKRouter`` / ``Qwen3NextExperts``.
+
+Shapes: ``router_logits`` ``[T, E]``; ``x`` ``[T, H]``; ``w_gate_up`` ``[E, 2I, H]`` (gate rows ``0..I-1``,
+then up rows); ``w_down`` ``[E, H, I]``; ``topk_weights`` ``[T, k]`` in the router dtype and ``topk_ids``
+``[T, k]`` int64. Expert ``e`` computes ``w_down[e] @ (silu(gate) * up)``; each token sums its ``k`` experts'
+outputs scaled by their weights.
+
+Accumulation mirrors HF: experts are visited in ascending id order and their weighted outputs are
+``index_add_``-ed into an ``x.dtype`` buffer, so in bf16 each addition rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["fused_moe", "moe_route"]
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax (fp32) then top-k; returns ``(topk_weights [T, k] in logits dtype, topk_ids [T, k] int64)``."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights.to(router_logits.dtype), topk_ids
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for expert_id in torch.unique(topk_ids).tolist():
+        token_idx, k_idx = torch.where(topk_ids == expert_id)
+        gate, up = F.linear(x[token_idx], w_gate_up[expert_id]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w_down[expert_id])  # [n, H]
+        h = h * topk_weights[token_idx, k_idx, None]
+        out.index_add_(0, token_idx, h.to(out.dtype))
+    return out
