@@ -1,0 +1,246 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints of the three supported architectures.
+
+``tiny_checkpoint(arch, layout, experts, dtype, num_layers, tie)`` writes (once per argument set,
+per session) a folder that ``engine.loader`` and transformers both read; ``hf_model(...)`` loads
+the equivalent plain checkpoint with transformers. All variants of one ``(arch, num_layers, tie)``
+share the same weights: the other layouts are rewrites of the plain, per-expert, fp32 one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# transformers must take its torch fallbacks, never flash-linear-attention kernels.
+sys.modules["fla"] = None  # type: ignore[assignment]
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+TINY_TEXT_CONFIG: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "bos_token_id": None,
+}
+TINY_MOE_CONFIG: dict[str, Any] = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+}
+_MULTIMODAL = {
+    "Qwen3_5MoeForCausalLM": ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"),
+    "Qwen3_5ForCausalLM": ("Qwen3_5ForConditionalGeneration", "qwen3_5"),
+}
+
+
+def _hf_config(arch: str, num_layers: int, tie: bool) -> Any:
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    common = dict(
+        TINY_TEXT_CONFIG, num_hidden_layers=num_layers, layer_types=layer_types, tie_word_embeddings=tie
+    )
+    if arch == "Qwen3NextForCausalLM":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+        return Qwen3NextConfig(**common, **TINY_MOE_CONFIG, intermediate_size=96, rope_parameters=rope)
+    # Qwen3.5 carries an interleaved M-RoPE section; for text it reduces to plain RoPE.
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    }
+    if arch == "Qwen3_5MoeForCausalLM":
+        return Qwen3_5MoeTextConfig(**common, **TINY_MOE_CONFIG, rope_parameters=rope)
+    if arch == "Qwen3_5ForCausalLM":
+        return Qwen3_5TextConfig(**common, intermediate_size=96, rope_parameters=rope)
+    raise ValueError(f"arch: unknown {arch!r}")
+
+
+def _reinit_(model: torch.nn.Module, seed: int) -> None:
+    """Weights of a scale that keeps activations O(1) and logits far from uniform.
+
+    HF's init (std 0.02, zero norms) gives near-uniform logits, where greedy argmax is decided
+    by rounding noise; these weights make the top-2 margin large compared with fp32 error.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std + mean
+
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("A_log"):
+                value = torch.empty(p.shape).uniform_(0.05, 8.0, generator=gen).log()
+            elif name.endswith("dt_bias"):
+                value = normal(p.shape, 0.2, 1.0)
+            elif name.endswith("linear_attn.norm.weight"):
+                value = normal(p.shape, 0.1, 1.0)
+            elif name.endswith("norm.weight"):
+                value = normal(p.shape, 0.1)
+            elif name.endswith("conv1d.weight"):
+                value = normal(p.shape, 0.5)
+            elif name.endswith("embed_tokens.weight"):
+                value = normal(p.shape, 1.0)
+            elif name == "lm_head.weight":
+                value = normal(p.shape, 3.0 / math.sqrt(p.shape[-1]))
+            else:
+                # Linear [out, in] and fused experts [E, out, in]: unit gain on fan-in.
+                value = normal(p.shape, 1.0 / math.sqrt(p.shape[-1]))
+            p.copy_(value)
+
+
+def _build_plain(arch: str, num_layers: int, tie: bool, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_hf_config(arch, num_layers, tie), dtype=torch.float32)
+    _reinit_(model, seed=1234 + num_layers)
+    if tie:
+        model.tie_weights()
+    model.save_pretrained(folder)
+
+
+def _read_all(folder: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    return tensors
+
+
+def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = t
+            continue
+        expert, proj, _ = tail.split(".")
+        experts.setdefault(head, {}).setdefault(int(expert), {})[proj] = t
+    for head, by_expert in experts.items():
+        ids = sorted(by_expert)
+        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat((by_expert[e]["gate_proj"], by_expert[e]["up_proj"])) for e in ids]
+        )
+        out[f"{head}.mlp.experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in ids])
+    return out
+
+
+def _to_language_model_layout(
+    arch: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Published layout: ``model.language_model.*`` plus vision and MTP tensors to be ignored."""
+    out = {re.sub(r"^model\.", "model.language_model.", n): t for n, t in tensors.items()}
+    out["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3)
+    out["mtp.fc.weight"] = torch.zeros(4, 8)
+    if arch not in _MULTIMODAL:
+        return out, config
+    wrapper, model_type = _MULTIMODAL[arch]
+    text = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version")}
+    text["model_type"] = model_type + "_text"
+    wrapped = {
+        "architectures": [wrapper],
+        "model_type": model_type,
+        "text_config": text,
+        "tie_word_embeddings": config.get("tie_word_embeddings", False),
+    }
+    return out, wrapped
+
+
+def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path, num_shards: int = 2) -> None:
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(num_shards):
+        file = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        shard = {n: tensors[n].contiguous() for n in names[i::num_shards]}
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in shard})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: ``(arch, layout="plain"|"language_model", experts="per_expert"|"fused",
+    dtype=torch.float32, num_layers=4, tie=False) -> folder``; cached per arguments."""
+    cache: dict[tuple[Any, ...], Path] = {}
+
+    def build(
+        arch: str,
+        layout: str = "plain",
+        experts: str = "per_expert",
+        dtype: torch.dtype = torch.float32,
+        num_layers: int = 4,
+        tie: bool = False,
+    ) -> Path:
+        key = (arch, layout, experts, dtype, num_layers, tie)
+        if key in cache:
+            return cache[key]
+        base_key = (arch, "plain", "per_expert", torch.float32, num_layers, tie)
+        if key == base_key:
+            folder = tmp_path_factory.mktemp(f"{arch}_{num_layers}l{'_tied' if tie else ''}")
+            _build_plain(arch, num_layers, tie, folder)
+            cache[key] = folder
+            return folder
+        base = build(arch, num_layers=num_layers, tie=tie)
+        tensors = {n: t.to(dtype) for n, t in _read_all(base).items()}
+        config = json.loads((base / "config.json").read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        if experts == "fused":
+            tensors = _fuse_experts(tensors)
+        if layout == "language_model":
+            tensors, config = _to_language_model_layout(arch, tensors, config)
+        folder = tmp_path_factory.mktemp(f"{arch}_{layout}_{experts}_{config.get('dtype', 'x')}")
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        if layout == "language_model":
+            _save_sharded(tensors, folder)
+        else:
+            contiguous = {n: t.contiguous() for n, t in tensors.items()}
+            save_file(contiguous, str(folder / "model.safetensors"), {"format": "pt"})
+        cache[key] = folder
+        return folder
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_checkpoint: Callable[..., Path]) -> Callable[..., torch.nn.Module]:
+    """Factory: ``(arch, dtype=torch.float32, num_layers=4, tie=False)`` -> transformers model (eval)."""
+    cache: dict[tuple[Any, ...], torch.nn.Module] = {}
+
+    def load(
+        arch: str, dtype: torch.dtype = torch.float32, num_layers: int = 4, tie: bool = False
+    ) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        key = (arch, dtype, num_layers, tie)
+        if key not in cache:
+            path = tiny_checkpoint(arch, dtype=dtype, num_layers=num_layers, tie=tie)
+            cache[key] = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        return cache[key]
+
+    return load
