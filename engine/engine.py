@@ -177,7 +177,7 @@ class Engine:
             token = result.sampled.get(req.request_id)
             if token is None:
                 continue
-            req.output_token_ids.append(token)
+            req.append_output(token)
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.scheduler.finish(req, reason)
@@ -188,7 +188,7 @@ class Engine:
         params = req.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
             return FinishReason.STOP
-        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -199,7 +199,7 @@ class Engine:
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
+            token_ids=req.output_token_ids,
             new_token_ids=new_tokens,
             finished=finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,

@@ -6,18 +6,18 @@ host. Checkpoint tensors are then read one at a time (``safe_open``) and copied 
 
 Checkpoint names accepted, beside the model's own (``engine.models.qwen3_hybrid``)::
 
-    model.language_model.X                  -> model.X   (published multimodal layout)
-    model.visual.*, visual.*, mtp.*         ignored (vision tower, multi-token prediction head)
-    ...mlp.experts.{e}.{gate,up}_proj.weight -> ...mlp.experts.gate_up_proj[e, :I] / [e, I:]
-    ...mlp.experts.{e}.down_proj.weight     -> ...mlp.experts.down_proj[e]
-    ...{mlp,shared_expert}.{gate,up}_proj.weight -> ....gate_up_proj.weight[:I] / [I:]
-    ...linear_attn.in_proj_qkvz.weight      -> in_proj_qkv + in_proj_z   (Qwen3-Next, per key head
-    ...linear_attn.in_proj_ba.weight        -> in_proj_b + in_proj_a      interleaved; see below)
-    ...linear_attn.conv1d.weight [C, 1, K]  -> ...linear_attn.conv_weight [C, K]
-    lm_head.weight                          ignored when the embeddings are tied
+    model.language_model.X                      -> model.X (published multimodal layout)
+    model.visual.*, visual.*, mtp.*             ignored (vision tower, multi-token prediction)
+    ....experts.{e}.{gate,up}_proj.weight       -> ....experts.gate_up_proj[e, :I] / [e, I:]
+    ....experts.{e}.down_proj.weight            -> ....experts.down_proj[e]
+    ....{mlp,shared_expert}.{gate,up}_proj.weight -> ....gate_up_proj.weight[:I] / [I:]
+    ....linear_attn.in_proj_qkvz.weight         -> in_proj_qkv + in_proj_z (Qwen3-Next; rows
+    ....linear_attn.in_proj_ba.weight           -> in_proj_b + in_proj_a    grouped per key head)
+    ....linear_attn.conv1d.weight [C, 1, K]     -> ....linear_attn.conv_weight [C, K]
+    lm_head.weight                              ignored when the embeddings are tied
 
-Every parameter must be covered exactly by the checkpoint; an unknown or missing tensor raises
-``ValueError`` naming it.
+Every parameter must be covered by the checkpoint; an unknown, missing or mis-shaped tensor
+raises ``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def _plan(model: Qwen3HybridForCausalLM, name: str, tensor: torch.Tensor) -> lis
         return _split_ba(model, name.removesuffix(".in_proj_ba.weight"), tensor)
     if name.endswith("linear_attn.conv1d.weight"):
         return [_Write(name.replace("conv1d.weight", "conv_weight"), tensor.squeeze(1))]
-    if (m := _GATE_UP.match(name)) and not name.startswith("lm_head"):
+    if m := _GATE_UP.match(name):
         return [_Write(f"{m.group(1)}.gate_up_proj.weight", tensor, half=m.group(2).removesuffix("_proj"))]
     return [_Write(name, tensor)]
 

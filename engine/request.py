@@ -41,10 +41,11 @@ class FinishReason(str, enum.Enum):
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    # Prompt then generated tokens, in one list that only grows (no per-step concatenation).
+    all_token_ids: list[int]
     params: SamplingParams
     arrival_idx: int
-    output_token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = -1
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
@@ -64,17 +65,28 @@ class Request:
     has_state: bool = False
     generator: torch.Generator | None = None
 
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.all_token_ids)
+
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def append_output(self, token: int) -> None:
+        self.all_token_ids.append(token)
 
     @property
     def is_finished(self) -> bool:

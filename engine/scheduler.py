@@ -109,6 +109,7 @@ class Scheduler:
         return any(
             f.finalizing and len(tokens) > f.num_tokens and tokens[: f.num_tokens] == f.all_token_ids
             for f in self.running
+            if f.finalizing
         )
 
     def _chunk(self, req: Request, budget: int) -> int:

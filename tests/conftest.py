@@ -22,6 +22,10 @@ import torch
 # transformers must take its torch fallbacks, never flash-linear-attention kernels.
 sys.modules["fla"] = None  # type: ignore[assignment]
 
+# The tiny models are far too small for intra-op threads to pay off: on the 2-core CI machine,
+# thread contention made the model tests ~8x slower than single-threaded.
+torch.set_num_threads(1)
+
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 

@@ -1,0 +1,21 @@
+"""Triton kernels with exactly the signatures and semantics of the torch references in ``kernels/``.
+
+Role: the GPU fast path of the decode step. Each module names the reference it replaces, the ops it
+fuses and the bytes it moves at the Qwen3.5-35B-A3B decode shape; ``kernels.dispatch.get_ops`` picks
+these or the references per device.
+
+Modules (import them directly; importing this package imports no Triton code)::
+
+    gdn_decode      recurrent_gated_delta_rule        kernels.gdn
+    conv1d_update   causal_conv1d_update              kernels.conv1d
+    norm            rms_norm, add_rms_norm, gated_rms_norm   kernels.norm
+    qk_norm_rope    qk_norm_rope_gate                 kernels.qk_norm_rope
+    moe_route       moe_route                         kernels.moe
+
+NOTE: ``@triton.jit`` reads ``TRITON_INTERPRET`` when a module is imported, so on CPU set
+``TRITON_INTERPRET=1`` before the first import of any of these modules.
+
+May import: torch, triton. Nothing of ours outside ``phloem.kernels``.
+"""
+
+__all__: list[str] = []
