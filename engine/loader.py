@@ -32,6 +32,7 @@ from safetensors import safe_open
 
 from phloem.engine.config import LoadConfig, ModelConfig
 from phloem.engine.models import Qwen3HybridForCausalLM, get_model_class
+from phloem.kernels.dispatch import get_ops
 from phloem.engine.models._gdn import GatedDeltaNet
 
 __all__ = ["load_model"]
@@ -54,7 +55,7 @@ def load_model(
     device = torch.device(load_config.device)
     dtype = _resolve_dtype(Path(model_path), load_config)
     with torch.device("meta"):
-        model = get_model_class(model_config.architecture)(model_config)
+        model = get_model_class(model_config.architecture)(model_config, ops=get_ops(device))
     model = model.to(dtype=dtype).to_empty(device=device)
     model.post_materialize()
     with torch.no_grad():

@@ -14,15 +14,16 @@ from torch import nn
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.models._norm import RMSNorm
-from phloem.kernels.attention import paged_attention, store_kv
-from phloem.kernels.rope import apply_partial_rope
+from phloem.kernels.dispatch import KernelOps
 
 __all__ = ["GatedAttention"]
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: ModelConfig, tp_size: int = 1) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_size: int = 1) -> None:
         super().__init__()
+        self.ops = ops
+        self.eps = config.rms_norm_eps
         hidden = config.hidden_size
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads // tp_size
@@ -33,23 +34,28 @@ class GatedAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
 
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, inv_freq: torch.Tensor
     ) -> torch.Tensor:
         """``hidden`` ``[T, H]``, ``kv_cache`` ``[pages, 2, page_size, Hkv, D]`` -> ``[T, H]``."""
         num_tokens = hidden.shape[0]
-        query, gate = self.q_proj(hidden).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        query = self.q_norm(query)  # [T, Hq, D]
-        key = self.k_norm(self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim))
+        q_gate = self.q_proj(hidden).view(num_tokens, self.num_heads, 2 * self.head_dim)
+        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        query, key = apply_partial_rope(query, key, batch.positions, inv_freq)
-        store_kv(key, value, kv_cache, batch.slot_mapping)
-        out = paged_attention(
-            query, kv_cache, batch.page_table, batch.query_start_loc, batch.seq_lens, self.scale
-        )  # [T, Hq, D]
-        out = out * torch.sigmoid(gate)
-        result: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        # QK-RMSNorm + partial RoPE + output-gate split, one fused op on GPU.
+        query, key, gate = self.ops.qk_norm_rope_gate(
+            q_gate, key, self.q_norm.weight, self.k_norm.weight, batch.positions, inv_freq, self.eps
+        )
+        self.ops.store_kv(key, value, kv_cache, batch.slot_mapping)
+        if batch.attn_metadata is not None:
+            out = batch.attn_metadata.run(query, kv_cache)  # [T, Hq, D]
+        else:
+            out = self.ops.paged_attention(
+                query, kv_cache, batch.page_table, batch.query_start_loc, batch.seq_lens, self.scale
+            )  # [T, Hq, D]
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim) * torch.sigmoid(gate)
+        result: torch.Tensor = self.o_proj(out)
         return result

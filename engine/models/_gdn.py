@@ -15,15 +15,15 @@ from torch import nn
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.models._norm import GatedRMSNorm
-from phloem.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from phloem.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from phloem.kernels.dispatch import KernelOps
 
 __all__ = ["GatedDeltaNet"]
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: ModelConfig, tp_size: int = 1) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_size: int = 1) -> None:
         super().__init__()
+        self.ops = ops
         hidden = config.hidden_size
         self.num_k_heads = config.linear_num_key_heads // tp_size
         self.num_v_heads = config.linear_num_value_heads // tp_size
@@ -39,7 +39,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, config.linear_conv_kernel_dim))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
-        self.norm = GatedRMSNorm(self.value_head_dim, config.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.value_head_dim, config.rms_norm_eps, ops)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
     def forward(
@@ -54,11 +54,11 @@ class GatedDeltaNet(nn.Module):
         # fp32: exp(A_log) overflows fp16 and the decay is a log-space quantity.
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias.float())
         if batch.is_decode:
-            mixed_qkv = causal_conv1d_update(
+            mixed_qkv = self.ops.causal_conv1d_update(
                 mixed_qkv, self.conv_weight, None, conv_states, batch.read_slots, batch.write_slots
             )
         else:
-            mixed_qkv = causal_conv1d_varlen(
+            mixed_qkv = self.ops.causal_conv1d_varlen(
                 mixed_qkv, self.conv_weight, None, conv_states, batch.query_start_loc,
                 batch.read_slots, batch.write_slots, batch.has_initial_state,
             )
@@ -67,11 +67,11 @@ class GatedDeltaNet(nn.Module):
         key = key.view(num_tokens, self.num_k_heads, self.key_head_dim)
         value = value.view(num_tokens, self.num_v_heads, self.value_head_dim)
         if batch.is_decode:
-            out = recurrent_gated_delta_rule(
+            out = self.ops.recurrent_gated_delta_rule(
                 query, key, value, g, beta, ssm_states, batch.read_slots, batch.write_slots
             )
         else:
-            out = chunk_gated_delta_rule(
+            out = self.ops.chunk_gated_delta_rule(
                 query, key, value, g, beta, ssm_states, batch.query_start_loc,
                 batch.read_slots, batch.write_slots, batch.has_initial_state,
             )  # [T, Hv, Dv]

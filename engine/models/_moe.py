@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phloem.engine.config import ModelConfig
-from phloem.kernels.moe import fused_moe, moe_route
+from phloem.kernels.dispatch import KernelOps
 
 __all__ = ["Experts", "SparseMoe", "SwiGluMlp"]
 
@@ -30,7 +30,7 @@ class SwiGluMlp(nn.Module):
 
 
 class Experts(nn.Module):
-    """Weights only; ``kernels.moe.fused_moe`` computes with them."""
+    """Weights only; the ``fused_moe`` op computes with them."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -41,8 +41,9 @@ class Experts(nn.Module):
 class SparseMoe(nn.Module):
     """``fused_moe(top-k softmax experts) + sigmoid(shared_expert_gate(x)) * shared_expert(x)``."""
 
-    def __init__(self, config: ModelConfig, tp_size: int = 1) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_size: int = 1) -> None:
         super().__init__()
+        self.ops = ops
         hidden = config.hidden_size
         self.top_k = config.num_experts_per_tok
         # Qwen3.5-MoE's router always renormalises the top-k weights; Qwen3-Next reads the flag.
@@ -53,7 +54,7 @@ class SparseMoe(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = moe_route(self.gate(x), self.top_k, self.renormalize)
-        routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, topk_weights, topk_ids)
+        topk_weights, topk_ids = self.ops.moe_route(self.gate(x), self.top_k, self.renormalize)
+        routed = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, topk_weights, topk_ids)
         shared: torch.Tensor = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared

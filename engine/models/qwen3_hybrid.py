@@ -28,29 +28,30 @@ from phloem.engine.models._attention import GatedAttention
 from phloem.engine.models._gdn import GatedDeltaNet
 from phloem.engine.models._moe import SparseMoe, SwiGluMlp
 from phloem.engine.models._norm import RMSNorm
+from phloem.kernels.dispatch import KernelOps, get_ops
 from phloem.kernels.rope import rope_inv_freq
 
 __all__ = ["Qwen3HybridForCausalLM"]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, tp_size: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, ops: KernelOps, tp_size: int) -> None:
         super().__init__()
         self.is_full_attention = config.layer_types[layer_idx] == FULL_ATTENTION
         # Rank of this layer among layers of its kind: its index into ModelCaches.
         same_kind = config.full_attention_layers if self.is_full_attention else config.linear_attention_layers
         self.cache_idx = same_kind.index(layer_idx)
         if self.is_full_attention:
-            self.self_attn = GatedAttention(config, tp_size)
+            self.self_attn = GatedAttention(config, ops, tp_size)
         else:
-            self.linear_attn = GatedDeltaNet(config, tp_size)
+            self.linear_attn = GatedDeltaNet(config, ops, tp_size)
         self.mlp: nn.Module
         if config.is_moe_layer(layer_idx):
-            self.mlp = SparseMoe(config, tp_size)
+            self.mlp = SparseMoe(config, ops, tp_size)
         else:
             self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size // tp_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(
         self,
@@ -70,13 +71,13 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3HybridModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp_size: int) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_size: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, tp_size) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, ops, tp_size) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class Qwen3HybridForCausalLM(nn.Module):
@@ -86,13 +87,15 @@ class Qwen3HybridForCausalLM(nn.Module):
     a model built on a real device is usable as is (after its weights are filled).
     """
 
-    def __init__(self, config: ModelConfig, tp_size: int = 1) -> None:
+    def __init__(self, config: ModelConfig, tp_size: int = 1, ops: KernelOps | None = None) -> None:
         super().__init__()
+        # The op table binds every layer to Triton kernels (CUDA) or the torch references.
+        ops = ops if ops is not None else get_ops(torch.device("cpu"))
         if tp_size != 1:
             raise ValueError(f"tp_size: only 1 is implemented so far, got {tp_size}")
         self.config = config
         self.tp_size = tp_size
-        self.model = Qwen3HybridModel(config, tp_size)
+        self.model = Qwen3HybridModel(config, ops, tp_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta)  # [rotary_dim // 2] fp32

@@ -1,0 +1,139 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step launches hundreds of small kernels (40 layers × norms, projections, GDN, MoE);
+at batch 1 the launches, not the bytes, would bound it. Each bucket (1, 2, 4, 8, 16, 24, 32,
+48, 64, ...) is captured once with static input buffers (token ids, positions, slot mapping,
+sequence lengths, read/write slots); a step copies its inputs into the first ``n`` rows, pads
+the rest of the bucket with a scratch page and a scratch state slot that no request owns,
+re-plans FlashInfer's fixed-buffer decode wrapper for the bucket, and replays.
+
+Everything inside the graph must be capturable: the Triton ops and FlashInfer, never the torch
+references (their per-sequence loops read values back to the host).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phloem.engine.forward_batch import ForwardBatch, ModelCaches
+from phloem.kernels.flashinfer_attention import FlashInferAttention
+
+__all__ = ["CudaGraphRunner", "graph_buckets"]
+
+
+def graph_buckets(max_batch_size: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    return [b for b in sizes if b < max_batch_size] + [max_batch_size]
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        caches: ModelCaches,
+        attn: FlashInferAttention,
+        max_batch_size: int,
+        pad_page: int,
+        pad_slot: int,
+    ) -> None:
+        self.model, self.caches, self.attn = model, caches, attn
+        self.page_size = attn.page_size
+        self.pad_page, self.pad_slot = pad_page, pad_slot
+        self.buckets = graph_buckets(max_batch_size)
+        n, dev = max_batch_size, attn.device
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.read_slots = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.write_slots = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._host = torch.zeros((5, n), dtype=torch.int64, pin_memory=True)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def max_batch_size(self) -> int:
+        return self.buckets[-1]
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        dev = self.input_ids.device
+        return ForwardBatch(
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            query_start_loc=torch.arange(bs + 1, dtype=torch.int32, device=dev),
+            seq_lens=self.seq_lens[:bs],
+            # Only the torch reference reads the page table; FlashInfer has its own buffers.
+            page_table=torch.zeros((bs, 1), dtype=torch.int32, device=dev),
+            slot_mapping=self.slot_mapping[:bs],
+            read_slots=self.read_slots[:bs],
+            write_slots=self.write_slots[:bs],
+            has_initial_state=torch.ones(bs, dtype=torch.bool, device=dev),
+            logits_indices=torch.arange(bs, dtype=torch.int64, device=dev),
+            query_lens_cpu=(1,) * bs,
+            is_decode=True,
+            attn_metadata=self.attn.plan([1] * bs, [1] * bs, [[self.pad_page]] * bs, graph_batch_size=bs),
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self._fill([0], [0], [self.pad_page * self.page_size], [1], [self.pad_slot], [self.pad_slot], self.buckets[-1])
+        pool = None
+        for bs in reversed(self.buckets):
+            batch = self._batch(bs)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.model.compute_logits(self.model.forward(batch, self.caches))
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[bs] = self.model.compute_logits(self.model.forward(batch, self.caches))
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def _fill(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        seq_lens: list[int],
+        read_slots: list[int],
+        write_slots: list[int],
+        bs: int,
+    ) -> None:
+        n = len(input_ids)
+        pad = bs - n
+        host = self._host[:, :bs]
+        host[0] = torch.tensor(input_ids + [0] * pad)
+        host[1] = torch.tensor(positions + [0] * pad)
+        host[2] = torch.tensor(slot_mapping + [self.pad_page * self.page_size] * pad)
+        host[3] = torch.tensor(read_slots + [self.pad_slot] * pad)
+        host[4] = torch.tensor(write_slots + [self.pad_slot] * pad)
+        self.input_ids[:bs].copy_(host[0], non_blocking=True)
+        self.positions[:bs].copy_(host[1], non_blocking=True)
+        self.slot_mapping[:bs].copy_(host[2], non_blocking=True)
+        self.read_slots[:bs].copy_(host[3], non_blocking=True)
+        self.write_slots[:bs].copy_(host[4], non_blocking=True)
+        self.seq_lens[:bs].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        seq_lens: list[int],
+        read_slots: list[int],
+        write_slots: list[int],
+        page_ids: list[list[int]],
+    ) -> torch.Tensor:
+        """Replay the smallest bucket that holds the step; returns logits ``[n, V]`` (fp32)."""
+        n = len(input_ids)
+        bs = next(b for b in self.buckets if b >= n)
+        # NOTE: the pinned staging buffer is reused; wait for the previous step's copies first.
+        torch.cuda.current_stream().synchronize()
+        self._fill(input_ids, positions, slot_mapping, seq_lens, read_slots, write_slots, bs)
+        pad = bs - n
+        self.attn.plan([1] * bs, seq_lens + [1] * pad, page_ids + [[self.pad_page]] * pad, graph_batch_size=bs)
+        self.graphs[bs].replay()
+        return self.logits[bs][:n]

@@ -1,0 +1,116 @@
+"""One table of the ops the model calls, bound to Triton kernels or to the torch references.
+
+``get_ops(device)`` returns a frozen ``KernelOps``; the model calls ``ops.<name>`` and never imports
+an implementation. Every field has the signature and semantics of the reference in ``kernels/``;
+ops without a Triton kernel yet are the reference in both backends.
+
+Backend choice, read only here: ``PHLOEM_KERNELS=torch`` or ``triton`` forces one; unset or empty
+picks Triton on a CUDA device when ``triton`` imports, else torch. Forcing Triton on a non-CUDA
+device needs ``TRITON_INTERPRET=1`` (tests only).
+
+NOTE: the Triton modules are imported only when selected: ``@triton.jit`` binds to the
+interpreter or the compiler at import time, so importing them early would pin that choice.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+
+from phloem.kernels import attention, conv1d, gdn, moe, norm, qk_norm_rope
+
+__all__ = ["ENV_VAR", "KernelOps", "get_ops", "kernel_backend"]
+
+ENV_VAR = "PHLOEM_KERNELS"
+
+Backend = Literal["torch", "triton"]
+Op = Callable[..., Any]
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOps:
+    """The model's ops for one backend; ``backend`` names the choice made."""
+
+    backend: Backend
+    rms_norm: Op
+    add_rms_norm: Op
+    gated_rms_norm: Op
+    qk_norm_rope_gate: Op
+    causal_conv1d_update: Op
+    causal_conv1d_varlen: Op
+    recurrent_gated_delta_rule: Op
+    chunk_gated_delta_rule: Op
+    store_kv: Op
+    paged_attention: Op
+    moe_route: Op
+    fused_moe: Op
+
+
+def kernel_backend(device: torch.device) -> Backend:
+    """The backend for ``device``: ``PHLOEM_KERNELS`` if set, else Triton on CUDA when it imports.
+
+    Raises:
+        ValueError: ``PHLOEM_KERNELS`` is not ``torch``, ``triton`` or empty, or Triton is forced on a
+            non-CUDA device without ``TRITON_INTERPRET=1``.
+        ImportError: Triton is forced and does not import.
+    """
+    choice = os.environ.get(ENV_VAR, "").strip().lower()
+    if choice not in ("", "torch", "triton"):
+        raise ValueError(f"{ENV_VAR} must be 'torch', 'triton' or unset, got {choice!r}")
+    if choice == "torch":
+        return "torch"
+    if choice == "triton":
+        import triton
+
+        if device.type != "cuda" and not triton.knobs.runtime.interpret:
+            raise ValueError(f"{ENV_VAR}=triton on device {device} needs CUDA or TRITON_INTERPRET=1")
+        return "triton"
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
+
+
+def get_ops(device: torch.device) -> KernelOps:
+    """The op table for ``device`` (see ``kernel_backend`` for the choice and what it raises)."""
+    reference = KernelOps(
+        backend="torch",
+        rms_norm=norm.rms_norm,
+        add_rms_norm=norm.add_rms_norm,
+        gated_rms_norm=norm.gated_rms_norm,
+        qk_norm_rope_gate=qk_norm_rope.qk_norm_rope_gate,
+        causal_conv1d_update=conv1d.causal_conv1d_update,
+        causal_conv1d_varlen=conv1d.causal_conv1d_varlen,
+        recurrent_gated_delta_rule=gdn.recurrent_gated_delta_rule,
+        chunk_gated_delta_rule=gdn.chunk_gated_delta_rule,
+        store_kv=attention.store_kv,
+        paged_attention=attention.paged_attention,
+        moe_route=moe.moe_route,
+        fused_moe=moe.fused_moe,
+    )
+    return reference if kernel_backend(device) == "torch" else _with_triton(reference)
+
+
+def _with_triton(reference: KernelOps) -> KernelOps:
+    from phloem.kernels.triton import conv1d_update, gdn_decode, moe_route
+    from phloem.kernels.triton import norm as triton_norm
+    from phloem.kernels.triton import qk_norm_rope as triton_qk_norm_rope
+
+    return replace(
+        reference,
+        backend="triton",
+        rms_norm=triton_norm.rms_norm,
+        add_rms_norm=triton_norm.add_rms_norm,
+        gated_rms_norm=triton_norm.gated_rms_norm,
+        qk_norm_rope_gate=triton_qk_norm_rope.qk_norm_rope_gate,
+        causal_conv1d_update=conv1d_update.causal_conv1d_update,
+        recurrent_gated_delta_rule=gdn_decode.recurrent_gated_delta_rule,
+        moe_route=moe_route.moe_route,
+    )

@@ -1,0 +1,38 @@
+"""Query/key prologue of Qwen3-Next / Qwen3.5 gated attention: split, QK RMSNorm and partial RoPE.
+
+Shapes: ``q_gate`` ``[T, Hq, 2D]`` is the ``q_proj`` output viewed per head (HF
+``Qwen3NextAttention``: ``view(T, Hq, 2D)`` then ``chunk(2, -1)``)::
+
+    q_gate[t, h] = | query (D) | gate (D) |
+
+``k`` ``[T, Hk, D]``; ``q_norm_w``, ``k_norm_w`` ``[D]`` zero-centred; ``positions`` ``[T]`` int64;
+``inv_freq`` ``[R // 2]`` fp32. Returns ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hk, D]`` (zero-centred RMSNorm
+over ``D``, then rotate-half RoPE on the first ``R`` dims) and ``gate`` ``[T, Hq * D]``, all in the
+input dtype. This is the composition of ``kernels.norm.rms_norm`` and ``kernels.rope.apply_partial_rope``
+that ``kernels.triton.qk_norm_rope`` fuses into one launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phloem.kernels.norm import rms_norm
+from phloem.kernels.rope import apply_partial_rope
+
+__all__ = ["qk_norm_rope_gate"]
+
+
+def qk_norm_rope_gate(
+    q_gate: torch.Tensor,
+    k: torch.Tensor,
+    q_norm_w: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q [T, Hq, D], k [T, Hk, D], gate [T, Hq * D])``, see the module docstring."""
+    num_tokens, num_q_heads, width = q_gate.shape
+    query, gate = q_gate.chunk(2, dim=-1)
+    q, k = apply_partial_rope(rms_norm(query, q_norm_w, eps), rms_norm(k, k_norm_w, eps), positions, inv_freq)
+    return q, k, gate.reshape(num_tokens, num_q_heads * (width // 2))
