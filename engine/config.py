@@ -250,6 +250,30 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """How steps run on the device.
+
+    Args:
+        attention_backend: ``"auto"`` (FlashInfer on CUDA when importable, else torch),
+            ``"flashinfer"`` or ``"torch"``.
+        enable_cuda_graph: capture decode steps as CUDA graphs (CUDA + FlashInfer only).
+        max_graph_batch_size: the largest captured decode batch; bigger ones run eagerly.
+    """
+
+    attention_backend: str = "auto"
+    enable_cuda_graph: bool = True
+    max_graph_batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "flashinfer", "torch"):
+            raise ValueError(
+                f"attention_backend: expected 'auto', 'flashinfer' or 'torch', got {self.attention_backend!r}"
+            )
+        if self.max_graph_batch_size <= 0:
+            raise ValueError(f"max_graph_batch_size: expected > 0, got {self.max_graph_batch_size}")
+
+
+@dataclass(frozen=True, slots=True)
 class LoadConfig:
     """How weights are obtained.
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from phloem.engine.cache_manager import CacheManager, CacheStats
-from phloem.engine.config import CacheConfig, LoadConfig, ModelConfig, SchedulerConfig
+from phloem.engine.config import CacheConfig, LoadConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from phloem.engine.errors import CapacityExceeded, InvalidRequest
 from phloem.engine.kv_pages import PagePool
 from phloem.engine.loader import load_model
@@ -28,8 +28,22 @@ from phloem.engine.request import FinishReason, Request, RequestOutput, RequestS
 from phloem.engine.sampling_params import SamplingParams
 from phloem.engine.scheduler import Scheduler
 from phloem.engine.state_slots import SlotPool
+from phloem.kernels.flashinfer_attention import FlashInferAttention, flashinfer_available
 
 __all__ = ["Engine"]
+
+
+def _attention_backend(
+    mc: ModelConfig, cc: CacheConfig, rc: RunnerConfig, dtype: torch.dtype, device: torch.device
+) -> FlashInferAttention | None:
+    """FlashInfer on CUDA (when importable and not turned off), else None: the torch reference."""
+    if device.type != "cuda" or rc.attention_backend == "torch":
+        return None
+    if not flashinfer_available():
+        if rc.attention_backend == "flashinfer":
+            raise ValueError("attention_backend: 'flashinfer' was asked for but flashinfer does not import")
+        return None
+    return FlashInferAttention(mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, cc.page_size, dtype, device)
 
 _CACHE_OPTIONS = {
     "page_size",
@@ -42,6 +56,7 @@ _CACHE_OPTIONS = {
     "checkpoint_interval",
 }
 _SCHED_OPTIONS = {"max_num_batched_tokens", "max_num_seqs", "max_model_len"}
+_RUNNER_OPTIONS = {"attention_backend", "enable_cuda_graph", "max_graph_batch_size"}
 _LOAD_OPTIONS = {"load_format", "device", "dtype", "seed"}
 
 
@@ -54,7 +69,9 @@ class Engine:
         scheduler_config: SchedulerConfig,
         device: torch.device,
         dtype: torch.dtype,
+        runner_config: RunnerConfig | None = None,
     ) -> None:
+        runner_config = runner_config or RunnerConfig()
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -62,7 +79,9 @@ class Engine:
         self.page_pool = PagePool(plan.num_pages, cache_config.page_size)
         self.slot_pool = SlotPool(plan.num_slots)
         caches = allocate_caches(model_config, plan, cache_config.page_size, dtype, device)
-        self.runner = ModelRunner(model, caches, cache_config.page_size, device)
+        self.runner = ModelRunner(
+            model, caches, cache_config.page_size, device, _attention_backend(model_config, cache_config, runner_config, dtype, device)
+        )
         tree = None
         if cache_config.enable_prefix_caching:
             tree = RadixCache(
@@ -72,6 +91,12 @@ class Engine:
             self.page_pool, self.slot_pool, self.runner.copy_page, tree, cache_config.checkpoint_interval
         )
         self.scheduler = Scheduler(scheduler_config, self.cache, finalize=tree is not None)
+        if runner_config.enable_cuda_graph and self.runner.attn is not None:
+            # One page and one slot absorb the writes of a graph bucket's padding rows.
+            pad_page, pad_slot = self.page_pool.allocate(1), self.slot_pool.allocate()
+            assert pad_page is not None and pad_slot is not None, "pools too small for CUDA-graph padding"
+            size = min(runner_config.max_graph_batch_size, scheduler_config.max_num_seqs)
+            self.runner.enable_cuda_graphs(size, pad_page[0], pad_slot)
         limit = model_config.max_position_embeddings
         self.max_model_len = min(scheduler_config.max_model_len or limit, limit)
         self._requests: dict[str, Request] = {}
@@ -86,7 +111,7 @@ class Engine:
         ``cpu_pool_bytes``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``.
         An unknown option is an error (never silently dropped).
         """
-        unknown = set(options) - _CACHE_OPTIONS - _SCHED_OPTIONS - _LOAD_OPTIONS
+        unknown = set(options) - _CACHE_OPTIONS - _SCHED_OPTIONS - _LOAD_OPTIONS - _RUNNER_OPTIONS
         if unknown:
             raise TypeError(f"Engine.from_pretrained: unknown option(s) {sorted(unknown)}")
         pick = lambda names: {k: v for k, v in options.items() if k in names}  # noqa: E731
@@ -102,6 +127,7 @@ class Engine:
             SchedulerConfig(**pick(_SCHED_OPTIONS)),  # type: ignore[arg-type]
             device,
             dtype,
+            RunnerConfig(**pick(_RUNNER_OPTIONS)),  # type: ignore[arg-type]
         )
 
     def add_request(

@@ -1,0 +1,210 @@
+"""``AsyncClient``: the asyncio twin of ``phloem.api.client.Client``.
+
+Every method has the sync method's arguments, return value and errors (documented there), as a
+coroutine; requests are built by the same ``phloem.api._transport`` functions, so both clients
+speak the same contract. Import it from ``phloem.api.client``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypeVar
+
+import httpx
+import websockets.exceptions
+from msgspec import UNSET, UnsetType
+from websockets.asyncio.client import ClientConnection, connect
+
+from phloem.api import _transport
+from phloem.api._errors import APIConnectionError, error_from_response
+from phloem.api._stream import AsyncStream, Transport
+from phloem.api._transport import GenerateArg, MessagesArg, ToolsArg
+from phloem.api.schemas import AppendResult, GenerateParams, SessionInfo, Turn
+
+__all__ = ["AsyncClient", "AsyncSession", "AsyncSessions"]
+
+T = TypeVar("T")
+
+
+class AsyncClient:
+    """An asyncio client of a Phloem server; arguments as for ``Client``.
+
+    Args:
+        base_url: The server root, without ``/v1``.
+        api_key: Sent as ``Authorization: Bearer <api_key>``.
+        timeout: Seconds to wait for a response (or the next stream event).
+        max_retries: Retries of a failed call that is safe to repeat.
+        http_client: An ``httpx.AsyncClient`` to send through (not closed by ``aclose``).
+    """
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
+                 timeout: float = 600.0, max_retries: int = 2,
+                 http_client: httpx.AsyncClient | None = None) -> None:
+        self._headers = _transport.base_headers(api_key)
+        self._timeout = timeout
+        self._retry = _transport.RetryPolicy(max_retries)
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.AsyncClient(base_url=base_url,
+                                                      timeout=_transport.http_timeout(timeout))
+        self.sessions = AsyncSessions(self)
+
+    async def aclose(self) -> None:
+        """Close the connection pool (unless it was passed in as ``http_client``)."""
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _request(self, call: _transport.Call[Any], *, stream: bool = False) -> httpx.Response:
+        """Send ``call`` with retries; return the first successful response (open if streamed)."""
+        attempt = 0
+        while True:
+            request = self._http.build_request(call.method, call.path, content=call.body,
+                                               params=call.params,
+                                               headers={**self._headers, **call.headers})
+            try:
+                response = await self._http.send(request, stream=stream)
+            except httpx.TransportError as exc:
+                delay = self._retry.delay(call, attempt, None, None)
+                if delay is None:
+                    raise APIConnectionError(f"{call.method} {call.path}: {exc!r}") from exc
+            else:
+                if response.status_code < 400:
+                    return response
+                body = await response.aread()
+                await response.aclose()
+                retry_after = response.headers.get("Retry-After")
+                delay = self._retry.delay(call, attempt, response.status_code, retry_after)
+                if delay is None:
+                    raise error_from_response(response.status_code, body, retry_after)
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def _send(self, call: _transport.Call[T]) -> T:
+        response = await self._request(call)
+        return call.decode(response.content)
+
+    async def _connect_ws(self, session_id: str) -> ClientConnection:
+        url = _transport.ws_url(str(self._http.base_url), session_id)
+        try:
+            return await connect(url, additional_headers=self._headers, user_agent_header=None,
+                                 open_timeout=min(self._timeout, 10.0), max_size=2**24)
+        except websockets.exceptions.InvalidStatus as exc:
+            response = exc.response
+            raise error_from_response(response.status_code, bytes(response.body or b""),
+                                      response.headers.get("Retry-After")) from exc
+        except (OSError, websockets.exceptions.WebSocketException) as exc:
+            raise APIConnectionError(f"WebSocket {url}: {exc!r}") from exc
+
+
+class AsyncSessions:
+    """``client.sessions`` of an ``AsyncClient`` (see ``Sessions``)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def create(self, *, metadata: Mapping[str, str] | None = None, ttl: float | None = None,
+                     input_ids: Sequence[int] | None = None, messages: MessagesArg | None = None,
+                     text: str | None = None, tools: ToolsArg | None = None,
+                     idempotency_key: str | None = None) -> AsyncSession:
+        """Create a session (see ``Sessions.create``)."""
+        fields = {"metadata": metadata or {}, "ttl": ttl, "input_ids": input_ids,
+                  "messages": messages, "text": text, "tools": tools}
+        info = await self._client._send(_transport.create_session(fields, idempotency_key))
+        return AsyncSession(self._client, info)
+
+    async def get(self, session_id: str) -> AsyncSession:
+        """Look a session up (see ``Sessions.get``)."""
+        info = await self._client._send(_transport.get_session(session_id))
+        return AsyncSession(self._client, info)
+
+    async def list(self, *, parent_id: str | None = None,
+                   page_size: int = 100) -> list[AsyncSession]:
+        """Every session of this API key, newest first (see ``Sessions.list``)."""
+        sessions: list[AsyncSession] = []
+        after: str | None = None
+        while True:
+            page = await self._client._send(_transport.list_sessions(page_size, after, parent_id))
+            sessions += [AsyncSession(self._client, info) for info in page.sessions]
+            if not page.has_more or not page.sessions:
+                return sessions
+            after = page.sessions[-1].id
+
+    async def delete(self, session_id: str) -> None:
+        """Delete a session (see ``Sessions.delete``)."""
+        await self._client._send(_transport.delete_session(session_id))
+
+
+class AsyncSession:
+    """A handle on one session of an ``AsyncClient`` (see ``Session``).
+
+    Attributes:
+        id: The session id.
+        info: The session as last seen.
+    """
+
+    def __init__(self, client: AsyncClient, info: SessionInfo) -> None:
+        self._client = client
+        self.id = info.id
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"AsyncSession(id={self.id!r}, status={self.info.status!r})"
+
+    async def append(self, *, input_ids: Sequence[int] | None = None,
+                     messages: MessagesArg | None = None, text: str | None = None,
+                     generate: GenerateArg | None = None,
+                     idempotency_key: str | None = None) -> AppendResult:
+        """Append and optionally generate one turn (see ``Session.append``)."""
+        fields = {"input_ids": input_ids, "messages": messages, "text": text, "generate": generate}
+        request = _transport.append_request(fields, None)
+        return await self._client._send(_transport.append(self.id, request, idempotency_key))
+
+    def stream(self, *, input_ids: Sequence[int] | None = None, messages: MessagesArg | None = None,
+               text: str | None = None, generate: GenerateArg | None = None,
+               transport: Transport = "sse", idempotency_key: str | None = None) -> AsyncStream:
+        """Append and stream a generation (see ``Session.stream``); use ``async with``."""
+        fields = {"input_ids": input_ids, "messages": messages, "text": text,
+                  "generate": GenerateParams() if generate is None else generate}
+        request = _transport.append_request(fields, transport)
+        return AsyncStream(self._client, self.id, request, transport, idempotency_key)
+
+    async def fork(self, n: int = 1, *, at_turn: int | None = None) -> list[AsyncSession]:
+        """Fork ``n`` children (see ``Session.fork``)."""
+        result = await self._client._send(_transport.fork(self.id, n, at_turn, None))
+        return [AsyncSession(self._client, info) for info in result.sessions]
+
+    async def turns(self, *, include_tokens: bool = False) -> list[Turn]:
+        """The committed turns, oldest first (see ``Session.turns``)."""
+        return (await self._client._send(_transport.turns(self.id, include_tokens))).turns
+
+    async def refresh(self) -> SessionInfo:
+        """Fetch the session's current state into ``info`` and return it."""
+        self.info = await self._client._send(_transport.get_session(self.id))
+        return self.info
+
+    async def update(self, *, metadata: Mapping[str, str] | UnsetType = UNSET,
+                     ttl: float | None | UnsetType = UNSET) -> SessionInfo:
+        """Replace the metadata and/or the TTL (see ``Session.update``)."""
+        call = _transport.update_session(self.id, {"metadata": metadata, "ttl": ttl})
+        self.info = await self._client._send(call)
+        return self.info
+
+    async def offload(self, tier: Literal["host", "disk"] = "host") -> SessionInfo:
+        """Ask the server to spill the session's state to ``tier`` (see ``Session.offload``)."""
+        self.info = await self._client._send(_transport.offload(self.id, tier))
+        return self.info
+
+    async def prefetch(self) -> SessionInfo:
+        """Ask the server to load the session's state back to the GPU."""
+        self.info = await self._client._send(_transport.prefetch(self.id))
+        return self.info
+
+    async def delete(self) -> None:
+        """Delete the session (see ``Sessions.delete``)."""
+        await self._client._send(_transport.delete_session(self.id))
