@@ -98,14 +98,27 @@ def get_ops(device: torch.device) -> KernelOps:
     return reference if kernel_backend(device) == "torch" else _with_triton(reference)
 
 
+# Above this many (token, expert) pairs the grouped GEMV stops paying: prefill takes the reference.
+_SMALL_MOE_PAIRS = 512
+
+
 def _with_triton(reference: KernelOps) -> KernelOps:
     from phloem.kernels.triton import conv1d_update, gdn_decode, moe_route
+    from phloem.kernels.triton import fused_moe as triton_fused_moe
     from phloem.kernels.triton import norm as triton_norm
     from phloem.kernels.triton import qk_norm_rope as triton_qk_norm_rope
+
+    def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        small = ids.numel() <= _SMALL_MOE_PAIRS
+        impl = triton_fused_moe.fused_moe if small else reference.fused_moe
+        out: torch.Tensor = impl(x, w_gate_up, w_down, weights, ids)
+        return out
 
     return replace(
         reference,
         backend="triton",
+        fused_moe=fused_moe,
+        chunk_gated_delta_rule=_fla_chunk_or(reference.chunk_gated_delta_rule),
         rms_norm=triton_norm.rms_norm,
         add_rms_norm=triton_norm.add_rms_norm,
         gated_rms_norm=triton_norm.gated_rms_norm,
@@ -114,3 +127,14 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         recurrent_gated_delta_rule=gdn_decode.recurrent_gated_delta_rule,
         moe_route=moe_route.moe_route,
     )
+
+
+def _fla_chunk_or(fallback: Op) -> Op:
+    """fla-core's chunked GDN prefill when it imports (GPU images), else the torch reference."""
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        return fallback
+    from phloem.kernels.fla_gdn import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule

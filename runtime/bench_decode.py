@@ -1,0 +1,208 @@
+"""``phloem bench decode``: decode speed against the memory-bandwidth roofline, measured in one run.
+
+For each (batch, context) the engine decodes ``steps`` tokens for ``batch`` requests whose KV
+history of ``context`` tokens is synthetic (pages filled with random values, no prefill): decode
+cost depends on how many bytes are read, not on what they hold. The roofline of a step is the
+bytes it must read at least — the weights it touches (dense weights, lm_head, the embedding rows,
+the experts the batch routes to) + the KV of every request + each request's GDN state read and
+written — over the device-to-device copy bandwidth measured in the same run.
+
+Prefill of one long prompt is reported against the FLOP roofline: ``2 × active params × tokens``
+plus causal attention ``2 × Hq × D × T²`` per attention layer, over a measured bf16 GEMM rate.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from phloem.engine import Engine, SamplingParams
+from phloem.engine.request import Request
+from phloem.engine.scheduler import SchedulerOutput
+
+__all__ = [
+    "DecodeResult",
+    "PrefillResult",
+    "StepBytes",
+    "kernel_breakdown",
+    "measure_bandwidth",
+    "measure_matmul_rate",
+    "run_decode",
+    "run_prefill",
+    "step_bytes",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StepBytes:
+    weights: int
+    kv: int
+    state: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.state
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeResult:
+    batch: int
+    context: int
+    ms_per_step: float
+    bytes: StepBytes
+    bandwidth: float  # bytes/s
+
+    @property
+    def tok_per_s_per_user(self) -> float:
+        return 1000.0 / self.ms_per_step
+
+    @property
+    def roofline_fraction(self) -> float:
+        return (self.bytes.total / self.bandwidth) / (self.ms_per_step / 1000.0)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    tokens: int
+    seconds: float
+    flops: float
+    matmul_rate: float  # FLOP/s
+
+    @property
+    def roofline_fraction(self) -> float:
+        return (self.flops / self.matmul_rate) / self.seconds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).uniform_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(repeats + 2):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / statistics.median(times)
+
+
+def measure_matmul_rate(device: torch.device, n: int = 8192, repeats: int = 10) -> float:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n = n if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for i in range(repeats + 3):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
+
+
+def _param_bytes(engine: Engine) -> tuple[int, int, int, int]:
+    """(dense bytes, bytes of one expert's three matrices summed over MoE layers, embedding row bytes, #MoE layers)."""
+    dense = expert = 0
+    num_moe = 0
+    embed_row = 0
+    model = engine.runner.model
+    for name, p in model.named_parameters():  # type: ignore[attr-defined]
+        nbytes = p.numel() * p.element_size()
+        if ".experts." in name:
+            expert += nbytes // p.shape[0]
+            num_moe += name.endswith("down_proj")
+        elif "embed_tokens" in name:
+            embed_row = p.shape[1] * p.element_size()
+        else:
+            dense += nbytes
+    return dense, expert, embed_row, num_moe
+
+
+def step_bytes(engine: Engine, batch: int, context: int) -> StepBytes:
+    mc = engine.model_config
+    dense, expert_per_layerset, embed_row, _ = _param_bytes(engine)
+    e, k = max(mc.num_experts, 1), mc.num_experts_per_tok
+    # Distinct experts a batch of independent tokens routes to, per layer (uniform routing).
+    distinct = e * (1 - (1 - k / e) ** batch) if mc.num_experts else 0
+    weights = int(dense + batch * embed_row + distinct * expert_per_layerset)
+    elem = engine.dtype.itemsize
+    kv_per_token = len(mc.full_attention_layers) * 2 * mc.num_key_value_heads * mc.head_dim * elem
+    slot_bytes = engine.runner.caches.ssm[:, 0].numel() * 4 + engine.runner.caches.conv[:, 0].numel() * elem
+    return StepBytes(weights, batch * context * kv_per_token, batch * 2 * slot_bytes)
+
+
+def run_decode(
+    engine: Engine, batch: int, context: int, bandwidth: float, steps: int = 20, warmup: int = 3, seed: int = 0
+) -> DecodeResult:
+    """Decode ``steps`` tokens for ``batch`` synthetic requests of ``context`` tokens of history."""
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    reqs = []
+    for i in range(batch):
+        req = Request(f"bench-{i}", [rng.randrange(vocab) for _ in range(context)], SamplingParams(max_tokens=steps + warmup + 1, ignore_eos=True), arrival_idx=i)
+        assert engine.cache.admit(req) and engine.cache.allocate_pages(req, context + steps + warmup), (
+            f"batch {batch} x context {context} does not fit the KV pool"
+        )
+        req.num_computed_tokens = context - 1
+        req.has_state, req.read_slot = True, req.write_slot
+        reqs.append(req)
+    times = []
+    try:
+        for i in range(warmup + steps):
+            out = SchedulerOutput(tuple(reqs), (1,) * batch)
+            t0 = time.perf_counter()
+            result = engine.runner.execute(out)  # ends in the host read of the sampled ids
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            for r in reqs:
+                r.num_computed_tokens += 1
+                r.append_output(result.sampled[r.request_id])
+    finally:
+        for r in reqs:
+            engine.cache.release(r, publish=False)
+    return DecodeResult(batch, context, 1000 * statistics.median(times), step_bytes(engine, batch, context), bandwidth)
+
+
+def run_prefill(engine: Engine, tokens: int, matmul_rate: float, seed: int = 0) -> PrefillResult:
+    """Time one prompt of ``tokens`` tokens to its first generated token (chunked by the engine's budget)."""
+    rng = random.Random(seed)
+    mc = engine.model_config
+    prompt = [rng.randrange(mc.vocab_size) for _ in range(tokens)]
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    _sync(engine.device)
+    seconds = time.perf_counter() - t0
+    dense, expert, _, _ = _param_bytes(engine)
+    active_params = (dense + mc.num_experts_per_tok * expert) / engine.dtype.itemsize
+    attn = len(mc.full_attention_layers) * 2 * mc.num_attention_heads * mc.head_dim * tokens**2
+    return PrefillResult(tokens, seconds, 2 * active_params * tokens + attn, matmul_rate)
+
+
+def kernel_breakdown(engine: Engine, batch: int = 1, context: int = 1024, top: int = 12) -> list[tuple[str, float, int]]:
+    """Per-kernel device time of one eager decode step: ``(kernel, µs, calls)``, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        run_decode(engine, batch, context, 1.0, steps=1, warmup=2)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run_decode(engine, batch, context, 1.0, steps=1, warmup=0)
+    finally:
+        engine.runner.graphs = graphs
+    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    return [(name[:70], us, n) for name, us, n in rows[:top]]

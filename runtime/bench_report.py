@@ -1,0 +1,121 @@
+"""Orchestrates ``phloem bench decode``: builds the engine, runs the grid, prints and saves the report."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from phloem.engine import Engine
+from phloem.runtime.bench_decode import (
+    DecodeResult,
+    PrefillResult,
+    kernel_breakdown,
+    measure_bandwidth,
+    measure_matmul_rate,
+    run_decode,
+    run_prefill,
+)
+from phloem.runtime.model_shapes import write_shape
+
+__all__ = ["bench_decode"]
+
+
+def _fits(engine: Engine, batch: int, context: int, steps: int) -> bool:
+    pages = engine.page_pool.pages_for(context + steps + 4)
+    return batch * pages <= engine.page_pool.num_free_pages and batch <= engine.slot_pool.num_free_slots
+
+
+def bench_decode(
+    shape: str = "qwen3.5-35b-a3b",
+    model: Path | None = None,
+    device: str = "cuda",
+    batches: tuple[int, ...] = (1, 4, 16, 64),
+    contexts: tuple[int, ...] = (1024, 32768, 131072),
+    prefill_tokens: int = 50000,
+    steps: int = 20,
+    out_json: Path | None = None,
+    **engine_options: object,
+) -> str:
+    """Run the decode grid (and one long prefill); returns the report as Markdown."""
+    dev = torch.device(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model or write_shape(shape, Path(tmp))
+        fmt = "safetensors" if model else "dummy"
+        defaults: dict[str, object] = dict(load_format=fmt, device=device, max_num_seqs=max(batches))
+        if dev.type == "cuda":
+            defaults.update(dtype="bfloat16", max_num_batched_tokens=8192)
+        defaults.update(engine_options)
+        engine = Engine.from_pretrained(path, **defaults)
+    if dev.type == "cuda":
+        engine.runner.caches.kv.normal_()  # never time on zeros
+    bandwidth = measure_bandwidth(dev, nbytes=(2 << 30) if dev.type == "cuda" else (64 << 20))
+    matmul = measure_matmul_rate(dev)
+    results: list[DecodeResult] = []
+    skipped: list[tuple[int, int]] = []
+    for context in contexts:
+        for batch in batches:
+            if context >= engine.max_model_len or not _fits(engine, batch, context, steps):
+                skipped.append((batch, context))
+                continue
+            results.append(run_decode(engine, batch, context, bandwidth, steps=steps))
+    prefill: PrefillResult | None = None
+    if prefill_tokens and prefill_tokens < engine.max_model_len:
+        prefill = run_prefill(engine, prefill_tokens, matmul)
+    kernels = kernel_breakdown(engine) if dev.type == "cuda" else []
+    report = _markdown(shape if model is None else str(model), device, bandwidth, matmul, results, skipped, prefill, kernels)
+    if out_json is not None:
+        out_json.write_text(
+            json.dumps(
+                {
+                    "shape": shape,
+                    "bandwidth": bandwidth,
+                    "matmul_rate": matmul,
+                    "decode": [asdict(r) | {"roofline_fraction": r.roofline_fraction} for r in results],
+                    "skipped": skipped,
+                    "prefill": asdict(prefill) | {"roofline_fraction": prefill.roofline_fraction} if prefill else None,
+                    "kernels": kernels,
+                },
+                indent=2,
+            )
+        )
+    return report
+
+
+def _markdown(
+    name: str,
+    device: str,
+    bandwidth: float,
+    matmul: float,
+    results: list[DecodeResult],
+    skipped: list[tuple[int, int]],
+    prefill: PrefillResult | None,
+    kernels: list[tuple[str, float, int]],
+) -> str:
+    lines = [
+        f"model {name} on {device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 GEMM {matmul / 1e12:.0f} TFLOP/s",
+        "",
+        "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.batch} | {r.context} | {r.ms_per_step:.2f} | {r.tok_per_s_per_user:.0f} | {r.batch * r.tok_per_s_per_user:.0f} "
+            f"| {r.bytes.total / 1e9:.2f} | {1000 * r.bytes.total / r.bandwidth:.2f} | {r.roofline_fraction:.0%} |"
+        )
+    if skipped:
+        lines.append("")
+        lines.append("not run (KV does not fit the pool): " + ", ".join(f"batch {b} × {c}" for b, c in skipped))
+    if prefill:
+        lines += [
+            "",
+            f"prefill {prefill.tokens} tokens: {prefill.seconds:.2f} s ({prefill.tokens / prefill.seconds:.0f} tok/s), "
+            f"{prefill.flops / 1e12:.0f} TFLOP -> {prefill.roofline_fraction:.0%} of the GEMM roofline",
+        ]
+    if kernels:
+        lines += ["", "| kernel (one eager decode step, batch 1, 1K context) | µs | calls |", "|---|---|---|"]
+        lines += [f"| `{k}` | {us:.0f} | {n} |" for k, us, n in kernels]
+    return "\n".join(lines)

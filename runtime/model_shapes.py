@@ -1,0 +1,75 @@
+"""Hugging Face ``config.json`` contents of the real model shapes we benchmark with dummy weights.
+
+``qwen35_35b_a3b`` is exactly transformers' ``Qwen3_5MoeTextConfig()`` defaults (ANCHORS.md:
+34.66 B parameters, 2.946 B active per token). ``tiny`` is a small shape of the same
+architecture for CPU runs of the benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SHAPES", "write_shape"]
+
+
+def _qwen35_moe(**overrides: Any) -> dict[str, Any]:
+    text: dict[str, Any] = {
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": 248320,
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 1048576,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "eos_token_id": 248044,
+    }
+    text.update(overrides)
+    return text
+
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3.5-35b-a3b": _qwen35_moe(),
+    "tiny": _qwen35_moe(
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=65536,
+        eos_token_id=1,
+    ),
+}
+
+
+def write_shape(name: str, folder: Path) -> Path:
+    """Write ``config.json`` of shape ``name`` into ``folder`` (for ``load_format="dummy"``)."""
+    if name not in SHAPES:
+        raise ValueError(f"shape: expected one of {sorted(SHAPES)}, got {name!r}")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    return folder
