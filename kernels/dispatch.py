@@ -108,10 +108,16 @@ def _with_triton(reference: KernelOps) -> KernelOps:
     from phloem.kernels.triton import norm as triton_norm
     from phloem.kernels.triton import qk_norm_rope as triton_qk_norm_rope
 
-    def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        small = ids.numel() <= _SMALL_MOE_PAIRS
+    def fused_moe(
+        x: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        small = topk_ids.numel() <= _SMALL_MOE_PAIRS
         impl = triton_fused_moe.fused_moe if small else reference.fused_moe
-        out: torch.Tensor = impl(x, w_gate_up, w_down, weights, ids)
+        out: torch.Tensor = impl(x, w_gate_up, w_down, topk_weights, topk_ids)
         return out
 
     return replace(
