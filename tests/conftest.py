@@ -19,8 +19,11 @@ from typing import Any
 import pytest
 import torch
 
-# transformers must take its torch fallbacks, never flash-linear-attention kernels.
-sys.modules["fla"] = None  # type: ignore[assignment]
+# transformers must take its torch fallbacks, never flash-linear-attention kernels (GPU-only
+# Triton code). On a GPU machine fla stays importable for the engine's own GPU tests; the tests
+# that run transformers on the CPU are not marked `gpu` and are not run there.
+if not torch.cuda.is_available():
+    sys.modules["fla"] = None  # type: ignore[assignment]
 
 # The tiny models are far too small for intra-op threads to pay off: on the 2-core CI machine,
 # thread contention made the model tests ~8x slower than single-threaded.
