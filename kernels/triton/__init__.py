@@ -11,6 +11,7 @@ Modules (import them directly; importing this package imports no Triton code)::
     norm            rms_norm, add_rms_norm, gated_rms_norm   kernels.norm
     qk_norm_rope    qk_norm_rope_gate                 kernels.qk_norm_rope
     moe_route       moe_route                         kernels.moe
+    fused_moe       fused_moe                         kernels.moe
 
 NOTE: ``@triton.jit`` reads ``TRITON_INTERPRET`` when a module is imported, so on CPU set
 ``TRITON_INTERPRET=1`` before the first import of any of these modules.

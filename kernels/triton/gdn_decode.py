@@ -16,8 +16,10 @@ programs: ``write_slots`` must be distinct and no sequence may write a slot anot
 the same call (the engine's copy-on-write never does; the reference would tolerate it).
 
 Memory traffic at the 35B-A3B decode shape (Hk 16, Hv 32, Dk = Dv = 128), per layer and sequence:
-state 2 MiB read + 2 MiB written (fp32), q/k/v/out 4 x 8 KiB in bf16, g/beta 256 B: ~4.03 MiB,
-~1 us at 4.2 TB/s. The reference reads and writes the state about four times over.
+state 2 MiB read + 2 MiB written (fp32), q/k/v/out 4 x 8 KiB in bf16, g/beta 256 B: ~4.03 MiB.
+Measured on an H200 (CUDA-graph replay): 3-4 us at batch 1 (latency-bound, 128 programs) against
+62 us for the reference; 82 us at batch 64, 3.3 TB/s. ``BV`` 32 with 4 warps was within ~10% of
+the best of BV 8-64 x 1-8 warps at batch 1, 8 and 64.
 """
 
 from __future__ import annotations
