@@ -16,6 +16,11 @@ Checkpoint names accepted, beside the model's own (``engine.models.qwen3_hybrid`
     ....linear_attn.conv1d.weight [C, 1, K]     -> ....linear_attn.conv_weight [C, K]
     lm_head.weight                              ignored when the embeddings are tied
 
+Then each module's ``fused_weights()`` redirects tensors into the model's fused parameters:
+``q/k/v_proj`` -> rows of ``qkv_proj``; ``in_proj_{qkv,z,b,a}`` -> rows of ``in_proj``;
+``mlp.gate`` + ``mlp.shared_expert_gate`` -> rows of ``mlp.router``; ``mlp.shared_expert.*`` ->
+expert ``E`` of ``mlp.experts.*``.
+
 Every parameter must be covered by the checkpoint; an unknown, missing or mis-shaped tensor
 raises ``ValueError`` naming it.
 """
@@ -105,32 +110,60 @@ class _Write:
     source: torch.Tensor
     expert: int | None = None  # row of dim 0 of a fused expert tensor
     half: str | None = None  # "gate" / "up": first / second half of dim -2
+    rows: tuple[int, int] | None = None  # a row range of a fused 2-D weight
 
     @property
-    def piece(self) -> tuple[int | None, str | None]:
-        return (self.expert, self.half)
+    def piece(self) -> _Piece:
+        return (self.expert, self.half, self.rows)
 
     def destination(self, param: torch.Tensor) -> torch.Tensor:
         view = param if self.expert is None else param[self.expert]
-        if self.half is None:
-            return view
-        rows = view.shape[-2] // 2
-        return view[..., :rows, :] if self.half == "gate" else view[..., rows:, :]
+        if self.half is not None:
+            half = view.shape[-2] // 2
+            view = view[..., :half, :] if self.half == "gate" else view[..., half:, :]
+        if self.rows is not None:
+            view = view[self.rows[0] : self.rows[1]]
+        return view
 
 
-_WHOLE = (None, None)
+_Piece = tuple[int | None, str | None, tuple[int, int] | None]
+_WHOLE: _Piece = (None, None, None)
+_Redirects = dict[str, tuple[str, int | None, tuple[int, int] | None]]
+
+
+def _redirects(model: Qwen3HybridForCausalLM) -> _Redirects:
+    """Full checkpoint-parameter name -> (fused parameter, expert row, rows), from every module."""
+    out: _Redirects = {}
+    for prefix, module in model.named_modules():
+        fused = getattr(module, "fused_weights", None)
+        if fused is not None:
+            for src, (dst, expert, rows) in fused().items():
+                out[f"{prefix}.{src}"] = (f"{prefix}.{dst}", expert, rows)
+    return out
+
+
+def _redirect(write: _Write, redirects: _Redirects) -> _Write:
+    if write.param not in redirects:
+        return write
+    param, expert, rows = redirects[write.param]
+    return _Write(param, write.source, expert if expert is not None else write.expert, write.half, rows)
 
 
 def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
-    loaded: dict[str, set[tuple[int | None, str | None]]] = {name: set() for name in params}
+    redirects = _redirects(model)
+    row_targets: dict[str, set[_Piece]] = {}
+    for param, expert, rows in redirects.values():
+        if rows is not None:
+            row_targets.setdefault(param, set()).add((expert, None, rows))
+    loaded: dict[str, set[_Piece]] = {name: set() for name in params}
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 target = _canonical_name(name, model.config.tie_word_embeddings)
                 if target is None:
                     continue
-                for write in _plan(model, target, f.get_tensor(name)):
+                for write in (_redirect(w, redirects) for w in _plan(model, target, f.get_tensor(name))):
                     if write.param not in params:
                         raise ValueError(f"checkpoint: unknown weight {name!r} (no parameter {write.param!r})")
                     dst = write.destination(params[write.param])
@@ -141,10 +174,15 @@ def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path) -> None:
                         )
                     dst.copy_(write.source)
                     loaded[write.param].add(write.piece)
+    sources = {(param, rows): src for src, (param, _e, rows) in redirects.items() if rows is not None}
     for name, param in params.items():
-        missing = _required_pieces(name, param) - loaded[name]
+        missing = row_targets.get(name) or _required_pieces(name, param)
+        missing = missing - loaded[name]
+        if missing and name in row_targets:
+            absent = sorted(sources[(name, rows)] for _e, _h, rows in missing if rows is not None)
+            raise ValueError(f"checkpoint: missing weight {absent[0]!r} (part of {name!r}) in {str(path)!r}")
         if missing and _WHOLE not in loaded[name]:
-            parts = "" if missing == {_WHOLE} else f" (expert, half) parts {sorted(missing, key=str)[:4]}"
+            parts = "" if missing == {_WHOLE} else f" (expert, half, rows) parts {sorted(missing, key=str)[:4]}"
             raise ValueError(f"checkpoint: missing weight {name!r}{parts} in {str(path)!r}")
 
 
@@ -156,13 +194,13 @@ def _canonical_name(name: str, tied: bool) -> str | None:
     return name
 
 
-def _required_pieces(name: str, param: torch.Tensor) -> set[tuple[int | None, str | None]]:
+def _required_pieces(name: str, param: torch.Tensor) -> set[_Piece]:
     if name.endswith("experts.gate_up_proj"):
-        return {(e, half) for e in range(param.shape[0]) for half in ("gate", "up")}
+        return {(e, half, None) for e in range(param.shape[0]) for half in ("gate", "up")}
     if name.endswith("experts.down_proj"):
-        return {(e, None) for e in range(param.shape[0])}
+        return {(e, None, None) for e in range(param.shape[0])}
     if name.endswith("gate_up_proj.weight"):
-        return {(None, "gate"), (None, "up")}
+        return {(None, "gate", None), (None, "up", None)}
     return {_WHOLE}
 
 
@@ -172,6 +210,16 @@ def _plan(model: Qwen3HybridForCausalLM, name: str, tensor: torch.Tensor) -> lis
         if proj == "down_proj":
             return [_Write(f"{prefix}.down_proj", tensor, expert=expert)]
         return [_Write(f"{prefix}.gate_up_proj", tensor, expert=expert, half=proj.removesuffix("_proj"))]
+    if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+        # Fused [E, ...] checkpoint tensors fill experts 0..E-1 (row E is the shared expert).
+        if name.endswith("down_proj"):
+            return [_Write(name, tensor[e], expert=e) for e in range(tensor.shape[0])]
+        inter = tensor.shape[1] // 2
+        return [
+            _Write(name, part, expert=e, half=half)
+            for e in range(tensor.shape[0])
+            for half, part in (("gate", tensor[e, :inter]), ("up", tensor[e, inter:]))
+        ]
     if name.endswith("linear_attn.in_proj_qkvz.weight"):
         return _split_qkvz(model, name.removesuffix(".in_proj_qkvz.weight"), tensor)
     if name.endswith("linear_attn.in_proj_ba.weight"):

@@ -44,9 +44,11 @@ class KernelOps:
     causal_conv1d_varlen: Op
     recurrent_gated_delta_rule: Op
     chunk_gated_delta_rule: Op
+    gdn_gates: Op
     store_kv: Op
     paged_attention: Op
     moe_route: Op
+    moe_route_shared: Op
     fused_moe: Op
 
 
@@ -90,9 +92,11 @@ def get_ops(device: torch.device) -> KernelOps:
         causal_conv1d_varlen=conv1d.causal_conv1d_varlen,
         recurrent_gated_delta_rule=gdn.recurrent_gated_delta_rule,
         chunk_gated_delta_rule=gdn.chunk_gated_delta_rule,
+        gdn_gates=gdn.gdn_gates,
         store_kv=attention.store_kv,
         paged_attention=attention.paged_attention,
         moe_route=moe.moe_route,
+        moe_route_shared=moe.moe_route_shared,
         fused_moe=moe.fused_moe,
     )
     return reference if kernel_backend(device) == "torch" else _with_triton(reference)
@@ -103,7 +107,7 @@ _SMALL_MOE_PAIRS = 512
 
 
 def _with_triton(reference: KernelOps) -> KernelOps:
-    from phloem.kernels.triton import conv1d_update, gdn_decode, moe_route
+    from phloem.kernels.triton import conv1d_update, gdn_decode, gdn_gates, moe_route
     from phloem.kernels.triton import fused_moe as triton_fused_moe
     from phloem.kernels.triton import norm as triton_norm
     from phloem.kernels.triton import qk_norm_rope as triton_qk_norm_rope
@@ -132,6 +136,8 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         causal_conv1d_update=conv1d_update.causal_conv1d_update,
         recurrent_gated_delta_rule=gdn_decode.recurrent_gated_delta_rule,
         moe_route=moe_route.moe_route,
+        moe_route_shared=moe_route.moe_route_shared,
+        gdn_gates=gdn_gates.gdn_gates,
     )
 
 

@@ -20,8 +20,9 @@ and outputs are cast to ``v.dtype``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["chunk_gated_delta_rule", "naive_recurrent_gated_delta_rule", "recurrent_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "gdn_gates", "naive_recurrent_gated_delta_rule", "recurrent_gated_delta_rule"]
 
 _L2_EPS = 1e-6
 
@@ -156,3 +157,12 @@ def naive_recurrent_gated_delta_rule(
     for t in range(v.shape[0]):
         out[t], state = _delta_step(state, q[t], k[t], v[t], g[t], beta[t])
     return out.to(out_dtype), state
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GDN gates from the ``a``/``b`` projections ``[T, Hv]``: ``g = -exp(A_log) * softplus(a + dt_bias)``
+    (fp32 log decay) and ``beta = sigmoid(b)`` (in ``b``'s dtype), as HF computes them."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["fused_moe", "moe_route"]
+__all__ = ["fused_moe", "moe_route", "moe_route_shared"]
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,6 +24,23 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     return topk_weights.to(router_logits.dtype), topk_ids
+
+
+def moe_route_shared(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing with the shared expert folded in as expert ``E``.
+
+    ``router_logits`` ``[T, E + 1]``: the router's ``E`` logits, then the shared-expert gate logit.
+    Returns ``[T, k + 1]`` weights and ids: the routed top-k as ``moe_route``, then
+    ``(sigmoid(gate logit), E)``, so one ``fused_moe`` call computes
+    ``Σ routed + sigmoid(gate) * shared_expert(x)`` (HF's ``Qwen3NextSparseMoeBlock``).
+    """
+    num_experts = router_logits.shape[-1] - 1
+    weights, ids = moe_route(router_logits[:, :num_experts], top_k, renormalize)
+    shared_w = torch.sigmoid(router_logits[:, num_experts:])
+    shared_id = torch.full_like(ids[:, :1], num_experts)
+    return torch.cat((weights, shared_w.to(weights.dtype)), dim=1), torch.cat((ids, shared_id), dim=1)
 
 
 def fused_moe(

@@ -1,4 +1,41 @@
-"""Processes and loops: config, the engine loop thread, the asyncio bridge, CLI.
+"""Processes and loops: config, the engine loop thread, the asyncio bridge, the demo model, CLI.
 
-May import: ``phloem.engine``, ``phloem.storage``.
+Role: run one ``Engine`` on its own thread (``EngineLoop``) and give the asyncio API an
+``EngineClient`` that never blocks the event loop; build ``ServerConfig`` from flags and the
+``PHLOEM_*`` environment (``env``); provide the built-in demo model; the ``phloem`` CLI.
+
+May import: ``phloem.engine``, ``phloem.storage``. Exception: ``runtime.cli`` is the composition
+root and the one module that imports ``phloem.api`` (inside functions).
+
+The engine-backed names load on first access, so ``phloem --help`` and the SDK side of
+``phloem demo`` never import torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from phloem.runtime.config import EngineOptions, ServerConfig
+
+if TYPE_CHECKING:
+    from phloem.runtime.default_model import ensure_default_model
+    from phloem.runtime.engine_client import EngineClient
+    from phloem.runtime.engine_commands import EngineStats
+    from phloem.runtime.engine_loop import EngineLoop
+
+__all__ = ["EngineClient", "EngineLoop", "EngineOptions", "EngineStats", "ServerConfig", "ensure_default_model"]
+
+_LAZY = {
+    "EngineClient": "phloem.runtime.engine_client",
+    "EngineLoop": "phloem.runtime.engine_loop",
+    "EngineStats": "phloem.runtime.engine_commands",
+    "ensure_default_model": "phloem.runtime.default_model",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'phloem.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

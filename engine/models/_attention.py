@@ -30,21 +30,31 @@ class GatedAttention(nn.Module):
         # KV heads are replicated when there are fewer of them than ranks.
         self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)
         self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim * 2, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        # q_proj | k_proj | v_proj as one GEMM (``fused_weights`` maps the checkpoint's three).
+        self.proj_sizes = [self.num_heads * self.head_dim * 2, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
+        self.qkv_proj = nn.Linear(hidden, sum(self.proj_sizes), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+
+    def fused_weights(self) -> dict[str, tuple[str, int | None, tuple[int, int] | None]]:
+        """Checkpoint tensor -> (parameter, expert row, rows of that parameter) it fills."""
+        q, k, _ = self.proj_sizes
+        return {
+            "q_proj.weight": ("qkv_proj.weight", None, (0, q)),
+            "k_proj.weight": ("qkv_proj.weight", None, (q, q + k)),
+            "v_proj.weight": ("qkv_proj.weight", None, (q + k, q + 2 * k)),
+        }
 
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, inv_freq: torch.Tensor
     ) -> torch.Tensor:
         """``hidden`` ``[T, H]``, ``kv_cache`` ``[pages, 2, page_size, Hkv, D]`` -> ``[T, H]``."""
         num_tokens = hidden.shape[0]
-        q_gate = self.q_proj(hidden).view(num_tokens, self.num_heads, 2 * self.head_dim)
-        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_gate, key, value = torch.split(self.qkv_proj(hidden), self.proj_sizes, dim=-1)
+        q_gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         # QK-RMSNorm + partial RoPE + output-gate split, one fused op on GPU.
         query, key, gate = self.ops.qk_norm_rope_gate(
             q_gate, key, self.q_norm.weight, self.k_norm.weight, batch.positions, inv_freq, self.eps

@@ -1,7 +1,9 @@
 """Gated DeltaNet (linear attention) of Qwen3-Next / Qwen3.5 over the GDN state slots.
 
-Parameters follow Qwen3.5's layout (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``);
-the loader converts Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba``. The conv1d runs over
+The four input projections of Qwen3.5's layout (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+``in_proj_a``) are one ``in_proj`` here, rows ``[qkv | z | b | a]``: one GEMV per decode step instead
+of four (``fused_weights`` tells the loader where each checkpoint tensor goes; Qwen3-Next's fused,
+head-interleaved ``in_proj_qkvz`` / ``in_proj_ba`` are converted first). The conv1d runs over
 the channels ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]`` and its weight is kept as ``[conv_dim, K]``.
 Value head ``h`` reads key head ``h // (Hv // Hk)``; the kernels expand Hk -> Hv.
 """
@@ -9,7 +11,6 @@ Value head ``h`` reads key head ``h // (Hv // Hk)``; the kernels expand Hk -> Hv
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from phloem.engine.config import ModelConfig
@@ -32,15 +33,19 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = self.num_k_heads * self.key_head_dim
         self.value_dim = self.num_v_heads * self.value_head_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.proj_sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        self.in_proj = nn.Linear(hidden, sum(self.proj_sizes), bias=False)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, config.linear_conv_kernel_dim))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = GatedRMSNorm(self.value_head_dim, config.rms_norm_eps, ops)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def fused_weights(self) -> dict[str, tuple[str, int | None, tuple[int, int] | None]]:
+        """Checkpoint tensor -> (parameter, expert row, rows of that parameter) it fills."""
+        names = ["in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"]
+        bounds = torch.tensor([0, *self.proj_sizes]).cumsum(0).tolist()
+        return {n: ("in_proj.weight", None, (bounds[i], bounds[i + 1])) for i, n in enumerate(names)}
 
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor, ssm_states: torch.Tensor
@@ -48,11 +53,10 @@ class GatedDeltaNet(nn.Module):
         """``hidden`` ``[T, H]``; ``conv_states`` ``[slots, conv_dim, K-1]``,
         ``ssm_states`` ``[slots, Hv, Dk, Dv]`` fp32 -> ``[T, H]``."""
         num_tokens = hidden.shape[0]
-        mixed_qkv = self.in_proj_qkv(hidden)  # [T, conv_dim]
-        z = self.in_proj_z(hidden).view(num_tokens, self.num_v_heads, self.value_head_dim)
-        beta = torch.sigmoid(self.in_proj_b(hidden))  # [T, Hv]
-        # fp32: exp(A_log) overflows fp16 and the decay is a log-space quantity.
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias.float())
+        mixed_qkv, z, b, a = torch.split(self.in_proj(hidden), self.proj_sizes, dim=-1)
+        z = z.view(num_tokens, self.num_v_heads, self.value_head_dim)
+        # g: fp32 log decay (exp(A_log) overflows fp16); beta in the model dtype.
+        g, beta = self.ops.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
         if batch.is_decode:
             mixed_qkv = self.ops.causal_conv1d_update(
                 mixed_qkv, self.conv_weight, None, conv_states, batch.read_slots, batch.write_slots

@@ -6,8 +6,8 @@ per expert. Here two launches serve every (token, top-k slot) pair at once, each
 its expert's rows by index, so the bytes moved are the top-k experts' weights once:
 
     stage 1  act[t, j, n] = silu(x[t] · Wg[e][n]) * (x[t] · Wu[e][n])      e = topk_ids[t, j]
-    stage 2  part[t, j, m] = act[t, j] · Wd[e][m]
-    out[t]   = Σ_j topk_weights[t, j] * part[t, j]          (a deterministic sum, no atomics)
+    stage 2  part[t, j, m] = topk_weights[t, j] * (act[t, j] · Wd[e][m])
+    out[t]   = Σ_j part[t, j]                               (a deterministic sum, no atomics)
 
 At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8) one token reads 8 × 3 × 2048 × 512
 bf16 = 50 MB per layer, which is what bounds decode. Accumulation is fp32.
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fused_moe"]
+__all__ = ["DEFAULT_CONFIG", "fused_moe", "fused_moe_tuned"]
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    p_act, p_w, p_ids, p_part,
+    p_act, p_w, p_ids, p_tw, p_part,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -69,7 +69,8 @@ def _down_kernel(
         b_a = tl.load(p_act + i_pair * INTER + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_w = tl.load(p_we + o_n[:, None] * INTER + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
         acc += tl.sum(b_w.to(tl.float32) * b_a[None, :], axis=1)
-    tl.store(p_part + i_pair * H + o_n, acc, mask=m_n)
+    b_tw = tl.load(p_tw + i_pair).to(tl.float32)
+    tl.store(p_part + i_pair * H + o_n, acc * b_tw, mask=m_n)
 
 
 def fused_moe(
@@ -78,22 +79,42 @@ def fused_moe(
     w_down: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, K]
     topk_ids: torch.Tensor,  # [T, K]
-    block_n: int = 16,
-    block_k: int = 256,
 ) -> torch.Tensor:
+    return fused_moe_tuned(x, w_gate_up, w_down, topk_weights, topk_ids, *DEFAULT_CONFIG)
+
+
+# (block_n gate/up, block_k gate/up, warps gate/up, block_n down, block_k down, warps down);
+# chosen by a sweep on an H200 at the 35B-A3B shape, one token (docs/benchmarks.md).
+DEFAULT_CONFIG = (16, 256, 4, 16, 256, 4)
+
+
+def fused_moe_tuned(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    bn1: int,
+    bk1: int,
+    nw1: int,
+    bn2: int,
+    bk2: int,
+    nw2: int,
+) -> torch.Tensor:
+    """``fused_moe`` with explicit block sizes and warp counts (for sweeps)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w_down.shape[2]
     assert w_gate_up.shape[1:] == (2 * inter, hidden) and w_down.shape[1:] == (hidden, inter), "expert shapes"
-    x, ids = x.contiguous(), topk_ids.contiguous()
+    x, ids, tw = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
     part = torch.empty((num_tokens * top_k, hidden), dtype=torch.float32, device=x.device)
     pairs = num_tokens * top_k
-    _gate_up_kernel[(pairs, triton.cdiv(inter, block_n))](
-        x, w_gate_up, ids, act, H=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k
+    _gate_up_kernel[(pairs, triton.cdiv(inter, bn1))](
+        x, w_gate_up, ids, act, H=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=nw1
     )
-    _down_kernel[(pairs, triton.cdiv(hidden, block_n))](
-        act, w_down, ids, part, H=hidden, INTER=inter, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(inter))
-    )
-    out = (part.view(num_tokens, top_k, hidden) * topk_weights.float()[:, :, None]).sum(dim=1)
-    return out.to(x.dtype)
+    _down_kernel[(pairs, triton.cdiv(hidden, bn2))](
+        act, w_down, ids, tw, part, H=hidden, INTER=inter, BLOCK_N=bn2,
+        BLOCK_K=min(bk2, triton.next_power_of_2(inter)), num_warps=nw2,
+    )  # fmt: skip
+    return part.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

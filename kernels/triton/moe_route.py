@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["moe_route"]
+__all__ = ["moe_route", "moe_route_shared"]
 
 _MAX_EXPERTS = 1024
 # One warp: the top-k rounds are serial reductions and cross-warp ones cost more than they save
@@ -44,8 +44,12 @@ def moe_route_kernel(
     BE: tl.constexpr,
     BK: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
+    # With a shared expert, each row holds E routed logits then its gate logit; outputs get a
+    # (k+1)-th column (sigmoid(gate), E).
+    S_OUT: tl.constexpr = TOP_K + HAS_SHARED
     o_e = tl.arange(0, BE)
     o_k = tl.arange(0, BK)
     m_e = o_e < E
@@ -67,13 +71,32 @@ def moe_route_kernel(
     if RENORMALIZE:
         b_w = b_w / tl.sum(b_w)
 
-    tl.store(topk_weights + i_t * TOP_K + o_k, b_w.to(topk_weights.dtype.element_ty), mask=m_k)
-    tl.store(topk_ids + i_t * TOP_K + o_k, b_i, mask=m_k)
+    tl.store(topk_weights + i_t * S_OUT + o_k, b_w.to(topk_weights.dtype.element_ty), mask=m_k)
+    tl.store(topk_ids + i_t * S_OUT + o_k, b_i, mask=m_k)
+    if HAS_SHARED:
+        b_g = tl.load(logits + i_t * s_lt + E).to(topk_weights.dtype.element_ty)
+        b_s = tl.sigmoid(b_g.to(tl.float32)).to(topk_weights.dtype.element_ty)
+        tl.store(topk_weights + i_t * S_OUT + TOP_K, b_s)
+        tl.store(topk_ids + i_t * S_OUT + TOP_K, E.to(tl.int64))
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax (fp32) then top-k; returns ``(topk_weights [T, k] in logits dtype, topk_ids [T, k] int64)``."""
-    num_tokens, num_experts = router_logits.shape
+    return _route(router_logits, top_k, renormalize, shared=False)
+
+
+def moe_route_shared(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.moe.moe_route_shared``: ``[T, E + 1]`` logits -> ``[T, k + 1]`` weights and ids."""
+    return _route(router_logits, top_k, renormalize, shared=True)
+
+
+def _route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, shared: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_cols = router_logits.shape
+    num_experts = num_cols - int(shared)
     if not 1 <= top_k <= num_experts or num_experts > _MAX_EXPERTS:
         raise ValueError(
             f"need 1 <= top_k <= E <= {_MAX_EXPERTS}, got top_k={top_k}, E={num_experts}"
@@ -81,13 +104,14 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
     device = router_logits.device
-    topk_weights = torch.empty((num_tokens, top_k), dtype=router_logits.dtype, device=device)
-    topk_ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    width = top_k + int(shared)
+    topk_weights = torch.empty((num_tokens, width), dtype=router_logits.dtype, device=device)
+    topk_ids = torch.empty((num_tokens, width), dtype=torch.int64, device=device)
     if num_tokens == 0:
         return topk_weights, topk_ids
     moe_route_kernel[(num_tokens,)](
         router_logits, topk_weights, topk_ids, router_logits.stride(0), num_experts,
         TOP_K=top_k, BE=triton.next_power_of_2(num_experts), BK=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize, num_warps=1,
+        RENORMALIZE=renormalize, HAS_SHARED=shared, num_warps=1,
     )  # fmt: skip
     return topk_weights, topk_ids

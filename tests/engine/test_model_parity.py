@@ -273,7 +273,8 @@ def test_real_shapes_build_on_meta() -> None:
     with torch.device("meta"):
         model = Qwen3HybridForCausalLM(ModelConfig.from_dict(raw))
     assert sum(p.numel() for p in model.parameters()) == 34_660_610_688
-    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (256, 1024, 2048)
+    # 256 routed experts + the shared expert stored as expert 256 (same parameter count as HF).
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (257, 1024, 2048)
 
 
 @pytest.mark.gpu
@@ -300,7 +301,7 @@ BAD_CHECKPOINTS = {
     ),
     "missing-expert-part": (
         {"model.layers.1.mlp.experts.5.up_proj.weight": None},
-        r"missing weight 'model\.layers\.1\.mlp\.experts\.gate_up_proj'.*\(5, 'up'\)",
+        r"missing weight 'model\.layers\.1\.mlp\.experts\.gate_up_proj'.*\(5, 'up', None\)",
     ),
     "missing-qwen3next-ba": (
         {"model.layers.0.linear_attn.in_proj_ba.weight": None},

@@ -1,0 +1,198 @@
+"""The ``phloem`` command: ``serve``, ``demo`` and ``bench``.
+
+This module is the composition root: the one module of ``runtime`` allowed to import
+``phloem.api`` (the server in ``serve``, the SDK in ``demo``), always inside the function that
+needs it, so ``phloem --help`` stays fast and the SDK side of ``demo`` never imports torch.
+
+Flags default to the ``PHLOEM_*`` environment variables (``runtime.env``), then to
+``ServerConfig``'s defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from phloem.runtime._demo import DemoOptions
+from phloem.runtime.config import DTYPES, ServerConfig
+from phloem.runtime.env import EnvSettings, read_env
+
+__all__ = ["build_parser", "main"]
+
+_SERVE_EXAMPLES = """\
+examples:
+  phloem serve                                  # the built-in tiny model (random weights)
+  phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --dtype bfloat16
+  phloem serve --port 9000 --redis-url redis://localhost:6379/0
+  PHLOEM_DATA_DIR=/srv/phloem phloem serve --host 0.0.0.0
+"""
+_DEMO_EXAMPLES = """\
+examples:
+  phloem demo                                   # starts a server on a free port, then stops it
+  phloem demo --base-url http://127.0.0.1:8000  # drive a server that is already running
+  phloem demo --max-tokens 32 --model ~/models/Qwen3.5-35B-A3B
+"""
+_BENCH_EXAMPLES = """\
+examples:
+  phloem bench                                  # not implemented yet (exits with status 2)
+"""
+
+
+def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
+    """The argument parser of ``phloem``; defaults come from ``env`` (``read_env()`` when None)."""
+    env = env if env is not None else read_env()
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+    parser = argparse.ArgumentParser(
+        prog="phloem",
+        description="Phloem: an inference runtime for LLM agents (sessions, prefix cache, fork).",
+        epilog="examples:\n  phloem serve\n  phloem demo\n  phloem serve --help",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the HTTP/WebSocket server",
+        description="Load a model and serve the native and OpenAI-compatible APIs.",
+        epilog=_SERVE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--model", metavar="DIR", default=env.model,
+                       help="Hugging Face model folder (default: $PHLOEM_MODEL, else the built-in "
+                            "tiny model with RANDOM weights, created in the data dir)")
+    serve.add_argument("--host", default=_pick(env.host, defaults["host"]),
+                       help="bind address (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=_pick(env.port, defaults["port"]),
+                       help="TCP port (default: %(default)s)")
+    serve.add_argument("--redis-url", metavar="URL", default=env.redis_url,
+                       help="Redis URL of the session index (default: embedded SQLite index)")
+    _add_data_dir(serve, env)
+    serve.add_argument("--device", default=_pick(env.device, defaults["device"]),
+                       help="torch device: cpu, cuda, cuda:N (default: %(default)s)")
+    serve.add_argument("--dtype", choices=DTYPES, default=_pick(env.dtype, defaults["dtype"]),
+                       help="weight dtype; auto takes the checkpoint's (default: %(default)s)")
+    serve.add_argument("--default-ttl", metavar="SECONDS", type=float,
+                       default=defaults["default_ttl_s"],
+                       help="seconds a session stays pinned after a turn (default: %(default)s)")
+    serve.set_defaults(configure=_server_config, run=_serve)
+
+    demo = commands.add_parser(
+        "demo",
+        help="a guided tour: a session with 3 turns, forked into 2 branches",
+        description="Drive a server with the Python SDK: create a session, run 3 turns of "
+                    "append + generate, fork it into 2 branches, generate in each, and print "
+                    "prompt / cached / completion tokens per turn.",
+        epilog=_DEMO_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--base-url", metavar="URL",
+                      help="a running server; without it one is started on a free loopback port")
+    demo.add_argument("--api-key", default=env.api_key, help="API key (default: $PHLOEM_API_KEY)")
+    demo.add_argument("--max-tokens", type=int, default=16, help="tokens per generation (default: %(default)s)")
+    demo.add_argument("--model", metavar="DIR", default=env.model,
+                      help="model of the server it starts (default: the built-in tiny model)")
+    _add_data_dir(demo, env)
+    demo.add_argument("--startup-timeout", metavar="SECONDS", type=float, default=120.0,
+                      help="how long to wait for the server it starts (default: %(default)s)")
+    demo.set_defaults(configure=_demo_options, run=_demo)
+
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks (not implemented yet)",
+        description="Benchmarks of the engine and the server. Not implemented yet.",
+        epilog=_BENCH_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.set_defaults(configure=lambda args: None, run=_bench)
+    return parser
+
+
+def _pick(env_value: object, default: object) -> object:
+    return default if env_value is None else env_value
+
+
+def _add_data_dir(parser: argparse.ArgumentParser, env: EnvSettings) -> None:
+    parser.add_argument("--data-dir", metavar="DIR", type=Path, default=env.data_dir,
+                        help="models, spilled sessions and the index (default: $PHLOEM_DATA_DIR, "
+                             "else ~/.phloem)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``phloem`` console script.
+
+    Args:
+        argv: Arguments without the program name; None: ``sys.argv[1:]``.
+
+    Returns:
+        The exit status (argparse exits by itself: 2 on a bad argument, 0 after ``--help``).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = args.configure(args)
+    except ValueError as exc:
+        # A value argparse accepted but the config rejects: a usage error naming the field.
+        parser.error(str(exc))
+    return int(args.run(config))
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    options = {"data_dir": args.data_dir} if args.data_dir is not None else {}
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        redis_url=args.redis_url,
+        device=args.device,
+        dtype=args.dtype,
+        default_ttl_s=args.default_ttl,
+        **options,
+    )
+
+
+def _serve(config: ServerConfig) -> int:
+    if config.model is None:
+        from phloem.runtime.default_model import ensure_default_model
+
+        folder = ensure_default_model(config.data_dir)
+        sys.stderr.write(
+            f"phloem: no --model given; serving the built-in demo model at {folder}\n"
+            "phloem: ITS WEIGHTS ARE RANDOM: the text it generates is gibberish "
+            "(use --model DIR for a real model)\n"
+        )
+        config = dataclasses.replace(config, model=str(folder))
+    from phloem.api.app import serve
+
+    serve(config)
+    return 0
+
+
+def _demo_options(args: argparse.Namespace) -> DemoOptions:
+    return DemoOptions(
+        base_url=args.base_url,
+        api_key=args.api_key,
+        max_tokens=args.max_tokens,
+        model=args.model,
+        data_dir=args.data_dir,
+        startup_timeout_s=args.startup_timeout,
+    )
+
+
+def _demo(options: DemoOptions) -> int:
+    from phloem.api.client import Client
+    from phloem.runtime._demo import run_demo
+
+    # The SDK is handed in: only this module may import phloem.api (the layering contract).
+    return run_demo(options, Client, sys.stdout)
+
+
+def _bench(config: None) -> int:
+    sys.stderr.write("phloem bench: not implemented yet\n")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

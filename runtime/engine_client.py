@@ -1,0 +1,241 @@
+"""The asyncio face of the engine: coroutines and async iterators over the engine loop thread.
+
+    client = EngineClient.from_pretrained(path, EngineOptions(device="cuda"))
+    client.start()
+    async for out in client.generate(prompt_ids, SamplingParams(max_tokens=64)):
+        send(out.new_token_ids)          # the last item has out.finished == True
+    await client.shutdown()
+
+Nothing here blocks the event loop: every call is a command to ``EngineLoop`` whose reply future
+is awaited through ``asyncio.wrap_future``, and a request's outputs come back through an
+``asyncio.Queue`` fed with ``call_soon_threadsafe``.
+
+A generation whose consumer stops early (``aclose()``, a cancelled task, a client that went away,
+or an exception in the ``async for`` body) is aborted in the engine, so its pages and slots are
+freed. The abort names the generation's own output sink, so it can never hit another request
+that reuses the id. Cancelling any other call before the engine thread picked it up means the
+command is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from types import TracebackType
+from typing import Protocol, TypeVar
+
+from phloem.engine import Engine, EngineError, RequestOutput, SamplingParams
+from phloem.engine.config import ModelConfig
+from phloem.runtime.config import EngineOptions
+from phloem.runtime.engine_commands import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineStats,
+    GetStats,
+    PinPrefix,
+    PrefixHandle,
+    QueryCachedPrefix,
+    UnpinPrefix,
+)
+from phloem.runtime.engine_loop import EngineLoop
+
+__all__ = ["EngineClient"]
+
+T = TypeVar("T")
+
+
+class _Query(Protocol[T]):
+    """A command whose reply future resolves to ``T``."""
+
+    @property
+    def reply(self) -> Future[T]: ...
+
+
+class EngineClient:
+    """Asyncio facade of one engine running on its own thread.
+
+    Args:
+        engine: The engine to own. After ``start`` only the loop thread touches it; after
+            ``shutdown`` returns it may be inspected again.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._loop = EngineLoop(engine)
+        self._model_config = engine.model_config
+        self._max_model_len = engine.max_model_len
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> EngineClient:
+        """Load a model folder into a new engine (blocking; call before serving). Not started.
+
+        Args:
+            path: A Hugging Face model folder.
+            options: Engine options; None: ``EngineOptions()``.
+
+        Returns:
+            The client; call ``start`` before using it.
+
+        Raises:
+            ValueError: The folder or an option is invalid (from the engine's loader and configs).
+        """
+        options = options if options is not None else EngineOptions()
+        return cls(Engine.from_pretrained(path, **options.as_kwargs()))
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The served model's config (vocab_size, eos_token_ids, ...); immutable."""
+        return self._model_config
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest token history a request may reach (prompt + output)."""
+        return self._max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop.is_running
+
+    def start(self) -> None:
+        """Start the engine thread.
+
+        Raises:
+            RuntimeError: It was started before.
+        """
+        self._loop.start()
+
+    async def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Abort every generation in flight (each raises ``EngineError``) and stop the thread.
+
+        Args:
+            timeout: Seconds to wait for the thread (a step in progress finishes first).
+
+        Raises:
+            TimeoutError: The thread did not stop in time.
+        """
+        await asyncio.to_thread(self._loop.shutdown, timeout)
+
+    async def __aenter__(self) -> EngineClient:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.shutdown()
+
+    async def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Generate from ``prompt_token_ids``, yielding an output per engine step that produced tokens.
+
+        Each item's ``new_token_ids`` are that step's tokens; concatenated they equal the final
+        item's ``token_ids``. The final item has ``finished=True`` and a ``finish_reason`` of
+        ``"stop"``, ``"length"`` or (after ``abort``) ``"abort"``.
+
+        Args:
+            prompt_token_ids: The full token history to continue (the prefix cache finds what
+                is already computed).
+            params: Sampling parameters.
+            request_id: The engine request id; None: a fresh unique id. Use it with ``abort``.
+
+        Yields:
+            RequestOutput items, the last one finished.
+
+        Raises:
+            InvalidRequest: Bad prompt or params, or a request id already in flight (raised by
+                the first ``__anext__``, before anything is yielded).
+            CapacityExceeded: The prompt cannot fit the engine's pools even when empty.
+            EngineError: The engine loop is not running, or a step failed or the loop shut down
+                while this request was in flight.
+        """
+        request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
+
+        def sink(item: RequestOutput | EngineError) -> None:
+            # Engine thread: hand over and return at once (raises if the event loop closed).
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+        add = AddRequest(tuple(prompt_token_ids), params, request_id, sink)
+        self._loop.submit(add)
+        done = False
+        try:
+            await asyncio.wrap_future(add.reply)
+            while not done:
+                item = await outputs.get()
+                if isinstance(item, EngineError):
+                    done = True  # the loop already dropped the request
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            if not done:
+                # Fire and forget: a cancelled task cannot await, and the queue is FIFO, so this
+                # lands after the AddRequest. A no-op if the add failed or was skipped.
+                self._submit_quietly(AbortRequest(request_id, sink))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request in flight; its generator then yields a final ``"abort"`` output.
+
+        Args:
+            request_id: The id given to (or generated by) ``generate``.
+
+        Returns:
+            True if the request was in flight, False if unknown or already finished.
+
+        Raises:
+            EngineError: The engine loop is not running.
+        """
+        return await self._call(AbortRequest(request_id))
+
+    async def pin_prefix(self, token_ids: Sequence[int]) -> PrefixHandle | None:
+        """Pin the deepest cached checkpoint within ``token_ids`` against eviction.
+
+        Args:
+            token_ids: A token history (e.g. a session's tokens).
+
+        Returns:
+            An opaque handle for ``unpin_prefix``, or None when nothing of it is cached.
+
+        Raises:
+            EngineError: The engine loop is not running.
+        """
+        return await self._call(PinPrefix(tuple(token_ids)))
+
+    async def unpin_prefix(self, handle: PrefixHandle) -> None:
+        """Release a pin taken by ``pin_prefix`` (exactly once per handle).
+
+        Raises:
+            EngineError: The engine loop is not running.
+        """
+        await self._call(UnpinPrefix(handle))
+
+    async def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` a new request would take from the cache.
+
+        Raises:
+            EngineError: The engine loop is not running.
+        """
+        return await self._call(QueryCachedPrefix(tuple(token_ids)))
+
+    async def stats(self) -> EngineStats:
+        """Pool and cache counters, taken between two engine steps.
+
+        Raises:
+            EngineError: The engine loop is not running.
+        """
+        return await self._call(GetStats())
+
+    async def _call(self, command: _Query[T]) -> T:
+        self._loop.submit(command)  # type: ignore[arg-type]
+        return await asyncio.wrap_future(command.reply)
+
+    def _submit_quietly(self, command: Command) -> None:
+        try:
+            self._loop.submit(command)
+        except EngineError:
+            pass  # the loop stopped, and shutting down aborted every request already

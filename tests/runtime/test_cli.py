@@ -1,0 +1,222 @@
+"""The ``phloem`` CLI: help texts, ``serve`` wiring (with a stand-in server) and the demo story."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from phloem.runtime import ServerConfig
+from phloem.runtime._demo import BRANCHES, TURNS, DemoOptions, format_report, run_demo, run_story
+from phloem.runtime.cli import main
+
+
+@pytest.mark.parametrize("argv", [[], ["serve"], ["demo"], ["bench"]], ids=["phloem", "serve", "demo", "bench"])
+def test_help_exits_zero_and_shows_examples(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and f"phloem {argv[0] if argv else 'serve'}" in out
+
+
+def test_console_script_help_runs_without_torch() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "phloem.runtime.cli", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and "serve" in result.stdout
+    check = "import sys, phloem.runtime.cli, phloem.runtime; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", check], timeout=60).returncode == 0
+
+
+def test_bench_is_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench"]) == 2
+    assert "not implemented yet" in capsys.readouterr().err
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[ServerConfig]:
+    """Stands in for ``phloem.api.app`` (built elsewhere): records the config ``serve`` gets."""
+    configs: list[ServerConfig] = []
+    app = types.ModuleType("phloem.api.app")
+    app.serve = configs.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "phloem.api.app", app)
+    return configs
+
+
+def test_serve_without_model_builds_the_demo_model(
+    served: list[ServerConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--data-dir", str(tmp_path), "--port", "0"]) == 0
+    (config,) = served
+    assert config.model == str(tmp_path / "models" / "phloem-tiny-qwen3.5")
+    assert (Path(config.model) / "config.json").is_file()
+    assert (config.port, config.host, config.data_dir) == (0, "127.0.0.1", tmp_path)
+    assert "RANDOM" in capsys.readouterr().err
+
+
+def test_serve_flags_and_environment(
+    served: list[ServerConfig], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PHLOEM_PORT", "9123")
+    monkeypatch.setenv("PHLOEM_DATA_DIR", str(tmp_path))
+    argv = ["serve", "--model", "/models/x", "--device", "cuda:1", "--dtype", "bfloat16"]
+    assert main([*argv, "--redis-url", "redis://r:6379/0", "--default-ttl", "60"]) == 0
+    (config,) = served
+    assert config == ServerConfig(
+        port=9123, model="/models/x", data_dir=tmp_path, redis_url="redis://r:6379/0",
+        device="cuda:1", dtype="bfloat16", default_ttl_s=60.0,
+    )
+
+
+def test_serve_rejects_a_bad_value_naming_it(served: list[ServerConfig], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", "/m", "--port", "70000"])
+    assert info.value.code == 2 and "port: expected" in capsys.readouterr().err
+    assert served == []
+
+
+def test_demo_rejects_a_bad_value_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--max-tokens", "0"])
+    assert info.value.code == 2 and "max_tokens: expected" in capsys.readouterr().err
+
+
+class FakeSession:
+    def __init__(self, client: FakeClient, sid: str, num_tokens: int) -> None:
+        self.client, self.id, self.num_tokens = client, sid, num_tokens
+
+    def append(self, *, messages: list[dict[str, str]], generate: dict[str, Any]) -> Any:
+        prompt = self.num_tokens + 10 * len(messages)
+        cached = self.num_tokens  # everything the session held is in the cache
+        self.num_tokens = prompt + generate["max_tokens"]
+        usage = types.SimpleNamespace(
+            prompt_tokens=prompt, cached_tokens=cached, completion_tokens=generate["max_tokens"]
+        )
+        return types.SimpleNamespace(usage=usage, finish_reason="length", text="gibberish " * 5)
+
+    def fork(self, n: int) -> list[FakeSession]:
+        return [self.client.new_session(self.num_tokens) for _ in range(n)]
+
+    def delete(self) -> None:
+        self.client.deleted.append(self.id)
+
+
+class FakeClient:
+    def __init__(self, base_url: str, api_key: str | None = None) -> None:
+        self.base_url, self.api_key = base_url, api_key
+        self.sessions = self
+        self.created: list[str] = []
+        self.deleted: list[str] = []
+
+    def new_session(self, num_tokens: int) -> FakeSession:
+        self.created.append(f"s{len(self.created):07d}")
+        return FakeSession(self, self.created[-1], num_tokens)
+
+    def create(self, *, messages: list[dict[str, str]]) -> FakeSession:
+        return self.new_session(10 * len(messages))
+
+    def __enter__(self) -> FakeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_demo_story_runs_turns_then_branches_and_cleans_up() -> None:
+    client = FakeClient("http://x")
+    rows = run_story(client, max_tokens=4)
+    assert [r.step for r in rows] == ["turn 1", "turn 2", "turn 3", "branch A", "branch B"]
+    assert len(TURNS) == 3 and len(BRANCHES) == 2
+    assert rows[0].cached_tokens == 10 and rows[3].cached_tokens == rows[4].cached_tokens
+    assert sorted(client.deleted) == client.created and len(client.created) == 3
+    report = format_report(rows)
+    assert "branch B" in report and f"of which {sum(r.cached_tokens for r in rows)} came" in report
+
+
+def test_demo_against_a_running_server_prints_the_report() -> None:
+    out = io.StringIO()
+    clients: list[FakeClient] = []
+
+    def client_class(base_url: str, api_key: str | None = None) -> FakeClient:
+        clients.append(FakeClient(base_url, api_key))
+        return clients[-1]
+
+    options = DemoOptions(base_url="http://127.0.0.1:9", api_key="k", max_tokens=3)
+    assert run_demo(options, client_class, out) == 0
+    assert clients[0].base_url == "http://127.0.0.1:9" and clients[0].api_key == "k"
+    assert out.getvalue().count("\n") == 2 + 5 + 1 and "random" not in out.getvalue()
+
+    def unreachable(base_url: str, api_key: str | None = None) -> FakeClient:
+        raise ConnectionError("refused")
+
+    out = io.StringIO()
+    assert run_demo(options, unreachable, out) == 1
+    assert "failed: ConnectionError: refused" in out.getvalue()
+
+
+_FAKE_APP = """
+import sys, types
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+def serve(config):
+    HTTPServer((config.host, config.port), Health).serve_forever()
+
+app = types.ModuleType("phloem.api.app")
+app.serve = serve
+sys.modules["phloem.api.app"] = app
+"""
+
+
+def test_demo_starts_and_stops_its_own_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The child `phloem serve` gets a stand-in phloem.api.app through sitecustomize.
+    (tmp_path / "sitecustomize.py").write_text(_FAKE_APP)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    clients: list[FakeClient] = []
+
+    def client_class(base_url: str, api_key: str | None = None) -> FakeClient:
+        clients.append(FakeClient(base_url, api_key))
+        return clients[-1]
+
+    out = io.StringIO()
+    options = DemoOptions(model="/not/loaded/by/the/stand-in", data_dir=tmp_path, startup_timeout_s=60)
+    assert run_demo(options, client_class, out) == 0, out.getvalue()
+    (client,) = clients
+    assert client.base_url.startswith("http://127.0.0.1:") and "branch B" in out.getvalue()
+    log = out.getvalue().split("(log: ")[1].split(")")[0]
+    assert not Path(log).exists()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{client.base_url}/health", timeout=2.0)
+
+
+def _server_available() -> bool:
+    try:
+        return importlib.util.find_spec("phloem.api.app") is not None
+    except ImportError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _server_available(), reason="phloem.api.app (the server) is not there yet")
+def test_demo_end_to_end(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "phloem.runtime.cli", "demo", "--data-dir", str(tmp_path), "--max-tokens", "4"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "branch B" in result.stdout and "random" in result.stdout

@@ -1,0 +1,93 @@
+"""ServerConfig / EngineOptions validation and the PHLOEM_* environment."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phloem.runtime.config import EngineOptions, ServerConfig
+from phloem.runtime.env import EnvSettings, default_data_dir, read_env
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("host", ""),
+        ("port", 70000),
+        ("port", -1),
+        ("model", ""),
+        ("data_dir", "/tmp/not-a-path-object"),
+        ("redis_url", "localhost:6379"),
+        ("device", "tpu"),
+        ("device", "cuda:x"),
+        ("dtype", "int8"),
+        ("default_ttl_s", -1.0),
+        ("max_body_bytes", 0),
+    ],
+)
+def test_server_config_rejects_bad_values_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        ServerConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("load_format", "gguf"),
+        ("device", "mps"),
+        ("dtype", "fp8"),
+        ("seed", -1),
+        ("page_size", 0),
+        ("num_pages", True),
+        ("max_num_seqs", -3),
+        ("checkpoint_interval", -16),
+    ],
+)
+def test_engine_options_reject_bad_values_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        EngineOptions(**{field: value})
+
+
+def test_configs_are_frozen_and_slotted() -> None:
+    config = ServerConfig(data_dir=Path("/tmp/x"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.port = 1  # type: ignore[misc]
+    assert not hasattr(config, "__dict__") and not hasattr(EngineOptions(), "__dict__")
+
+
+def test_engine_options_kwargs_leave_engine_defaults_alone() -> None:
+    assert EngineOptions().as_kwargs() == {
+        "load_format": "safetensors",
+        "device": "cpu",
+        "dtype": "auto",
+        "seed": 0,
+        "enable_prefix_caching": True,
+    }
+    assert EngineOptions(num_pages=8, max_model_len=256).as_kwargs()["num_pages"] == 8
+
+
+def test_server_engine_options_follow_device_and_dtype() -> None:
+    config = ServerConfig(device="cuda:1", dtype="bfloat16", data_dir=Path("/d"))
+    assert config.engine_options == EngineOptions(device="cuda:1", dtype="bfloat16")
+    assert config.models_dir == Path("/d/models")
+    tuned = EngineOptions(device="cuda:1", dtype="bfloat16", max_num_seqs=4)
+    assert ServerConfig(device="cuda:1", dtype="bfloat16", engine=tuned).engine_options is tuned
+    with pytest.raises(ValueError, match="^engine: "):
+        ServerConfig(device="cpu", engine=tuned)
+
+
+def test_read_env_reads_only_the_prefix() -> None:
+    env = read_env({"PHLOEM_DATA_DIR": "~/phd", "PHLOEM_PORT": "9001", "PHLOEM_MODEL": "", "PORT": "1"})
+    assert env == EnvSettings(data_dir=Path("~/phd").expanduser(), port=9001)
+    with pytest.raises(ValueError, match="PHLOEM_PORT"):
+        read_env({"PHLOEM_PORT": "eighty"})
+
+
+def test_data_dir_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PHLOEM_DATA_DIR", str(tmp_path))
+    assert default_data_dir() == tmp_path == ServerConfig().data_dir
+    monkeypatch.delenv("PHLOEM_DATA_DIR")
+    assert ServerConfig().data_dir == Path("~/.phloem").expanduser()

@@ -1,0 +1,169 @@
+"""EngineLoop driven directly with commands (no asyncio), on the toy model."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+from toy_model import assert_pools_empty, expected, make_engine
+
+from phloem.engine import EngineError, InvalidRequest, RequestOutput, SamplingParams
+from phloem.runtime.engine_commands import (
+    AbortRequest,
+    AddRequest,
+    GetStats,
+    PinPrefix,
+    QueryCachedPrefix,
+    UnpinPrefix,
+)
+from phloem.runtime.engine_loop import EngineLoop
+
+TIMEOUT = 30.0
+
+
+class Collector:
+    """An output sink that records items and signals the end of the request."""
+
+    def __init__(self) -> None:
+        self.items: list[RequestOutput | EngineError] = []
+        self.done = threading.Event()
+
+    def __call__(self, item: RequestOutput | EngineError) -> None:
+        self.items.append(item)
+        if isinstance(item, EngineError) or item.finished:
+            self.done.set()
+
+
+@pytest.fixture
+def loop() -> Iterator[EngineLoop]:
+    engine_loop = EngineLoop(make_engine())
+    engine_loop.start()
+    yield engine_loop
+    engine_loop.shutdown(TIMEOUT)
+
+
+def test_lifecycle_errors() -> None:
+    engine_loop = EngineLoop(make_engine())
+    with pytest.raises(EngineError, match="got a new one"):
+        engine_loop.submit(GetStats())
+    engine_loop.shutdown(TIMEOUT)  # not running: a no-op
+    engine_loop.start()
+    with pytest.raises(RuntimeError, match="expected a new loop"):
+        engine_loop.start()
+    engine_loop.shutdown(TIMEOUT)
+    assert not engine_loop.is_running
+    with pytest.raises(EngineError, match="got a stopped one"):
+        engine_loop.submit(GetStats())
+
+
+def test_add_streams_to_the_sink_and_replies_with_the_id(loop: EngineLoop) -> None:
+    sink = Collector()
+    add = AddRequest((1, 2, 3), SamplingParams(max_tokens=7), None, sink)
+    loop.submit(add)
+    request_id = add.reply.result(TIMEOUT)
+    assert sink.done.wait(TIMEOUT)
+    outs = [o for o in sink.items if isinstance(o, RequestOutput)]
+    assert len(outs) == len(sink.items) == 7
+    assert {o.request_id for o in outs} == {request_id}
+    assert outs[-1].token_ids == [t for o in outs for t in o.new_token_ids] == expected([1, 2, 3], 7)
+
+
+def test_invalid_request_is_the_reply_and_the_sink_stays_silent(loop: EngineLoop) -> None:
+    sink = Collector()
+    add = AddRequest((), SamplingParams(max_tokens=3), "bad", sink)
+    loop.submit(add)
+    with pytest.raises(InvalidRequest, match="empty prompt"):
+        add.reply.result(TIMEOUT)
+    stats = GetStats()
+    loop.submit(stats)
+    assert stats.reply.result(TIMEOUT).num_requests == 0
+    assert sink.items == []
+
+
+def test_a_cancelled_command_is_skipped(loop: EngineLoop) -> None:
+    sink = Collector()
+    add = AddRequest((1, 2), SamplingParams(max_tokens=3), "skipped", sink)
+    assert add.reply.cancel()
+    loop.submit(add)
+    stats = GetStats()
+    loop.submit(stats)
+    assert stats.reply.result(TIMEOUT).num_requests == 0 and sink.items == []
+
+
+def test_abort_only_hits_the_request_of_the_given_sink(loop: EngineLoop) -> None:
+    gate = threading.Event()
+    sink = Collector()
+    engine = loop.engine
+    # Hold the engine thread inside a step so both aborts are applied between the same two steps.
+    inner = engine.runner.model
+    engine.runner.model = _Gated(inner, gate)
+    add = AddRequest((1,), SamplingParams(max_tokens=50), "r", sink)
+    loop.submit(add)
+    stranger, owner = AbortRequest("r", sink=Collector()), AbortRequest("r", sink=sink)
+    loop.submit(stranger)
+    loop.submit(owner)
+    gate.set()
+    assert add.reply.result(TIMEOUT) == "r"
+    assert stranger.reply.result(TIMEOUT) is False and owner.reply.result(TIMEOUT) is True
+    assert sink.done.wait(TIMEOUT)
+    final = sink.items[-1]
+    assert isinstance(final, RequestOutput) and final.finish_reason == "abort"
+
+
+def test_prefix_query_after_a_final_output_sees_the_turn_end_checkpoint(loop: EngineLoop) -> None:
+    prompt = list(range(1, 20))
+    answers: list[QueryCachedPrefix] = []
+
+    def sink(item: RequestOutput | EngineError) -> None:
+        # Runs on the engine thread right after the final output, before the turn-end step.
+        if isinstance(item, RequestOutput) and item.finished:
+            query = QueryCachedPrefix(tuple(prompt + item.token_ids + [0]))
+            loop.submit(query)
+            answers.append(query)
+
+    loop.submit(AddRequest(tuple(prompt), SamplingParams(max_tokens=5), None, sink))
+    for _ in range(1000):
+        if answers:
+            break
+        threading.Event().wait(0.01)
+    assert answers[0].reply.result(TIMEOUT) == len(prompt) + 5
+    pin = PinPrefix(tuple(prompt + expected(prompt, 5)))
+    loop.submit(pin)
+    handle = pin.reply.result(TIMEOUT)
+    assert handle is not None
+    unpin = UnpinPrefix(handle)
+    loop.submit(unpin)
+    assert unpin.reply.result(TIMEOUT) is None
+
+
+def test_a_failing_sink_aborts_its_request_only() -> None:
+    engine = make_engine()
+    engine_loop = EngineLoop(engine)
+    engine_loop.start()
+
+    def broken(item: RequestOutput | EngineError) -> None:
+        raise OSError("consumer gone")
+
+    engine_loop.submit(AddRequest((4, 5), SamplingParams(max_tokens=30), "broken", broken))
+    good = Collector()
+    engine_loop.submit(AddRequest((6,), SamplingParams(max_tokens=4), "good", good))
+    assert good.done.wait(TIMEOUT)
+    assert good.items[-1].token_ids == expected([6], 4)  # type: ignore[union-attr]
+    stats = GetStats()
+    engine_loop.submit(stats)
+    assert stats.reply.result(TIMEOUT).num_requests == 0
+    engine_loop.shutdown(TIMEOUT)
+    assert_pools_empty(engine)
+
+
+class _Gated:
+    def __init__(self, inner: object, gate: threading.Event) -> None:
+        self.inner, self.gate = inner, gate
+
+    def forward(self, batch: object, caches: object) -> object:
+        assert self.gate.wait(TIMEOUT), "gate never opened"
+        return self.inner.forward(batch, caches)  # type: ignore[attr-defined]
+
+    def compute_logits(self, hidden: object) -> object:
+        return self.inner.compute_logits(hidden)  # type: ignore[attr-defined]
