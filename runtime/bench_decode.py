@@ -52,9 +52,10 @@ class StepBytes:
 class DecodeResult:
     batch: int
     context: int
-    ms_per_step: float
+    ms_per_step: float  # wall time of a whole engine step (host work + device + the sampled-id read)
     bytes: StepBytes
     bandwidth: float  # bytes/s
+    gpu_ms_per_step: float | None = None  # CUDA-graph replay alone, timed with device events
 
     @property
     def tok_per_s_per_user(self) -> float:
@@ -160,6 +161,7 @@ def run_decode(
         req.has_state, req.read_slot = True, req.write_slot
         reqs.append(req)
     times = []
+    gpu_ms = None
     try:
         for i in range(warmup + steps):
             out = SchedulerOutput(tuple(reqs), (1,) * batch)
@@ -170,10 +172,26 @@ def run_decode(
             for r in reqs:
                 r.num_computed_tokens += 1
                 r.append_output(result.sampled[r.request_id])
+        gpu_ms = _graph_replay_ms(engine, batch)
     finally:
         for r in reqs:
             engine.cache.release(r, publish=False)
-    return DecodeResult(batch, context, 1000 * statistics.median(times), step_bytes(engine, batch, context), bandwidth)
+    return DecodeResult(batch, context, 1000 * statistics.median(times), step_bytes(engine, batch, context), bandwidth, gpu_ms)
+
+
+def _graph_replay_ms(engine: Engine, batch: int, repeats: int = 20) -> float | None:
+    """Device time of the last-planned graph of this batch's bucket, replayed back to back."""
+    graphs = engine.runner.graphs
+    if graphs is None or batch > graphs.max_batch_size():
+        return None
+    graph = graphs.graphs[next(b for b in graphs.buckets if b >= batch)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
 
 
 def run_prefill(engine: Engine, tokens: int, matmul_rate: float, seed: int = 0) -> PrefillResult:
@@ -181,6 +199,8 @@ def run_prefill(engine: Engine, tokens: int, matmul_rate: float, seed: int = 0) 
     rng = random.Random(seed)
     mc = engine.model_config
     prompt = [rng.randrange(mc.vocab_size) for _ in range(tokens)]
+    # Warm-up: the first prefill JIT-compiles kernels (fla, FlashInfer, Triton); keep that out.
+    engine.generate([prompt[: min(tokens, 4096)][::-1]], SamplingParams(max_tokens=1, ignore_eos=True))
     _sync(engine.device)
     t0 = time.perf_counter()
     engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))

@@ -98,13 +98,14 @@ def _markdown(
     lines = [
         f"model {name} on {device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 GEMM {matmul / 1e12:.0f} TFLOP/s",
         "",
-        "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline | GPU ms (graph replay) | GPU fraction |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.batch} | {r.context} | {r.ms_per_step:.2f} | {r.tok_per_s_per_user:.0f} | {r.batch * r.tok_per_s_per_user:.0f} "
-            f"| {r.bytes.total / 1e9:.2f} | {1000 * r.bytes.total / r.bandwidth:.2f} | {r.roofline_fraction:.0%} |"
+            f"| {r.bytes.total / 1e9:.2f} | {1000 * r.bytes.total / r.bandwidth:.2f} | {r.roofline_fraction:.0%} "
+            + (f"| {r.gpu_ms_per_step:.2f} | {1000 * r.bytes.total / r.bandwidth / r.gpu_ms_per_step:.0%} |" if r.gpu_ms_per_step else "| - | - |")
         )
     if skipped:
         lines.append("")
