@@ -102,8 +102,9 @@ def get_ops(device: torch.device) -> KernelOps:
     return reference if kernel_backend(device) == "torch" else _with_triton(reference)
 
 
-# Above this many (token, expert) pairs the grouped GEMV stops paying: prefill takes the reference.
-_SMALL_MOE_PAIRS = 512
+# Up to this many tokens the grouped GEMV serves the MoE (covering every CUDA-graph decode bucket);
+# prefill-sized batches take the reference.
+_SMALL_MOE_TOKENS = 256
 
 
 def _with_triton(reference: KernelOps) -> KernelOps:
@@ -119,7 +120,7 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        small = topk_ids.numel() <= _SMALL_MOE_PAIRS
+        small = topk_ids.shape[0] <= _SMALL_MOE_TOKENS
         impl = triton_fused_moe.fused_moe if small else reference.fused_moe
         out: torch.Tensor = impl(x, w_gate_up, w_down, topk_weights, topk_ids)
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def bench_decode(
     prefill_tokens: int = 50000,
     steps: int = 20,
     out_json: Path | None = None,
+    progress: Callable[[str], None] | None = None,
     **engine_options: object,
 ) -> str:
     """Run the decode grid (and one long prefill); returns the report as Markdown."""
@@ -62,6 +64,9 @@ def bench_decode(
                 skipped.append((batch, context))
                 continue
             results.append(run_decode(engine, batch, context, bandwidth, steps=steps))
+            if progress is not None:
+                r = results[-1]
+                progress(f"batch {batch} context {context}: {r.ms_per_step:.2f} ms/step, {r.roofline_fraction:.0%} of roofline, graph {r.gpu_ms_per_step}")
     prefill: PrefillResult | None = None
     if prefill_tokens and prefill_tokens < engine.max_model_len:
         prefill = run_prefill(engine, prefill_tokens, matmul)

@@ -34,8 +34,10 @@ def _gate_up_kernel(
     e = tl.load(p_ids + i_pair).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < INTER
-    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Elementwise accumulators, reduced once at the end: a cross-lane reduction per K step
+    # would serialise the loads behind shuffles.
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     p_we = p_w + e * (2 * INTER * H)
     for k0 in range(0, H, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
@@ -44,9 +46,11 @@ def _gate_up_kernel(
         m_w = m_n[:, None] & m_k[None, :]
         b_wg = tl.load(p_we + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.0).to(tl.float32)
         b_wu = tl.load(p_we + (o_n[:, None] + INTER) * H + o_k[None, :], mask=m_w, other=0.0).to(tl.float32)
-        acc_g += tl.sum(b_wg * b_x[None, :], axis=1)
-        acc_u += tl.sum(b_wu * b_x[None, :], axis=1)
-    b_act = acc_g * tl.sigmoid(acc_g) * acc_u
+        acc_g += b_wg * b_x[None, :]
+        acc_u += b_wu * b_x[None, :]
+    b_g = tl.sum(acc_g, axis=1)
+    b_u = tl.sum(acc_u, axis=1)
+    b_act = b_g * tl.sigmoid(b_g) * b_u
     tl.store(p_act + i_pair * INTER + o_n, b_act.to(p_act.dtype.element_ty), mask=m_n)
 
 
@@ -61,14 +65,15 @@ def _down_kernel(
     e = tl.load(p_ids + i_pair).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     p_we = p_w + e * (H * INTER)
     for k0 in range(0, INTER, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < INTER
         b_a = tl.load(p_act + i_pair * INTER + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_w = tl.load(p_we + o_n[:, None] * INTER + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        acc += tl.sum(b_w.to(tl.float32) * b_a[None, :], axis=1)
+        acc2 += b_w.to(tl.float32) * b_a[None, :]
+    acc = tl.sum(acc2, axis=1)
     b_tw = tl.load(p_tw + i_pair).to(tl.float32)
     tl.store(p_part + i_pair * H + o_n, acc * b_tw, mask=m_n)
 
@@ -85,7 +90,7 @@ def fused_moe(
 
 # (block_n gate/up, block_k gate/up, warps gate/up, block_n down, block_k down, warps down);
 # chosen by a sweep on an H200 at the 35B-A3B shape, one token (docs/benchmarks.md).
-DEFAULT_CONFIG = (16, 256, 4, 16, 256, 4)
+DEFAULT_CONFIG = (8, 512, 2, 16, 128, 4)
 
 
 def fused_moe_tuned(

@@ -2,8 +2,10 @@
 eager and against the CPU reference path, on the built-in tiny Qwen3.5-MoE (head_dim 64).
 
 CUDA graph vs eager runs the same kernels, so greedy tokens must be identical. GPU bf16 vs the CPU
-fp32 reference can differ on near-ties, so that comparison is teacher-forced: every token the GPU
-picked must be in the CPU model's top-3 at that position (vLLM's criterion).
+fp32 reference can differ on near-ties, so that comparison is teacher-forced: at every position the
+CPU model's logit of the GPU's token must be within bf16 rounding of the CPU's best logit. The
+built-in model's random weights give nearly flat logits, so the tests scale its ``lm_head`` up to
+make greedy choices robust to bf16 noise (a copy of the model; the weights are otherwise the same).
 """
 
 from __future__ import annotations
@@ -23,7 +25,19 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12], list(range(30, 230)), [9] * 33,
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_default_model(tmp_path_factory.mktemp("data"))
+    from safetensors.torch import load_file, save_file
+
+    src = ensure_default_model(tmp_path_factory.mktemp("data"))
+    dst = tmp_path_factory.mktemp("sharp")
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = load_file(f)
+            if "lm_head.weight" in tensors:
+                tensors["lm_head.weight"] = tensors["lm_head.weight"] * 50.0
+            save_file(tensors, str(dst / f.name), {"format": "pt"})
+        elif f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
 
 
 def gpu_engine(path: Path, **options: object) -> Engine:
@@ -56,7 +70,8 @@ def test_gpu_tokens_are_in_cpu_reference_top3(model_dir: Path) -> None:
         for i, tok in enumerate(out.token_ids):
             # Teacher forcing: the CPU model's logits after prompt + the GPU's first i tokens.
             logits = _last_logits(cpu, seq[: len(prompt) + i])
-            assert tok in logits.topk(3).indices.tolist(), f"token {i} of prompt len {len(prompt)} not in CPU top-3"
+            slack = 0.02 * logits.abs().max().item() + 1e-3
+            assert logits[tok] >= logits.max() - slack, f"token {i} of prompt len {len(prompt)}: not a CPU near-argmax"
 
 
 def _last_logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
