@@ -85,14 +85,16 @@ class CacheManager:
                 num_pages, num_slots, lambda: self.page_pool.num_free_pages, lambda: self.slot_pool.num_free_slots
             )
 
-    def _pages(self, n: int) -> list[int] | None:
+    def allocate_page_list(self, n: int) -> list[int] | None:
+        """``n`` free pages (evicting from the tree if needed), or None taking nothing."""
         pages = self.page_pool.allocate(n)
         if pages is None:
             self._evict(n, 0)
             pages = self.page_pool.allocate(n)
         return pages
 
-    def _slot(self) -> int | None:
+    def allocate_slot(self) -> int | None:
+        """A free state slot (evicting a checkpoint if needed), or None."""
         slot = self.slot_pool.allocate()
         if slot is None:
             self._evict(0, 1)
@@ -108,11 +110,11 @@ class CacheManager:
         if match is not None:
             # Lock first: the evictions below must not take the prefix we are about to use.
             self.tree.lock(match.node)  # type: ignore[union-attr]
-        slot = self._slot()
+        slot = self.allocate_slot()
         pages: list[int] = list(match.pages) if match else []
         tail: list[int] | None = []
         if slot is not None and match is not None and match.checkpoint.tail_page is not None:
-            tail = self._pages(1)
+            tail = self.allocate_page_list(1)
         if slot is None or tail is None:
             if slot is not None:
                 self.slot_pool.free(slot)
@@ -146,7 +148,7 @@ class CacheManager:
         needed = self.page_pool.pages_for(req.num_computed_tokens + num_new_tokens) - len(req.page_ids)
         if needed <= 0:
             return True
-        pages = self._pages(needed)
+        pages = self.allocate_page_list(needed)
         if pages is None:
             return False
         req.page_ids.extend(pages)
@@ -157,7 +159,7 @@ class CacheManager:
         n, every = req.num_computed_tokens, self.checkpoint_interval
         if self.tree is None or every <= 0 or n == 0 or n % every or n >= req.num_tokens:
             return
-        new_slot = self._slot()
+        new_slot = self.allocate_slot()
         if new_slot is None:
             return  # no slot to keep computing into: skip this checkpoint, nothing is lost
         node = self._publish(req, final=False)

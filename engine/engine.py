@@ -23,6 +23,7 @@ from phloem.engine.kv_pages import PagePool
 from phloem.engine.loader import load_model
 from phloem.engine.memory import allocate_caches, plan_pools
 from phloem.engine.model_runner import CausalLM, ModelRunner
+from phloem.engine.prefix_state import PrefixState, export_prefix, import_prefix
 from phloem.engine.radix_cache import RadixCache, RadixNode
 from phloem.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from phloem.engine.sampling_params import SamplingParams
@@ -280,6 +281,16 @@ class Engine:
         tree = self.cache.tree
         match = tree.match(list(token_ids), len(token_ids) - 1) if tree is not None and token_ids else None
         return match.num_tokens if match else 0
+
+    def export_prefix(self, token_ids: Sequence[int]) -> PrefixState | None:
+        """Host copies of the KV pages and head checkpoint of the deepest cached prefix of
+        ``token_ids`` (for spilling a session); None when nothing of it is cached."""
+        return export_prefix(self.cache, self.runner.caches, list(token_ids))
+
+    def import_prefix(self, state: PrefixState) -> bool:
+        """Load a spilled prefix into fresh pages and a fresh slot and publish it in the radix
+        cache; False (taking nothing) when no room can be made."""
+        return import_prefix(self.cache, self.runner.caches, state)
 
     def cache_stats(self) -> CacheStats:
         """Prefix-cache and pool counters (prompt vs cached tokens, checkpoints, pages in use)."""

@@ -1,0 +1,110 @@
+"""Moving a cached prefix (KV pages + its GDN checkpoint) off the device and back.
+
+Spilling a session copies, for the deepest checkpoint within its tokens, every KV page on the
+tree path (plus the checkpoint's tail page) and the checkpoint's conv and recurrent state to host
+memory. Resuming allocates fresh pages and a fresh slot, copies the tensors in (asynchronously from
+pinned memory on CUDA), and inserts the path into the radix tree with its checkpoint, exactly as
+if a request had computed it: the next request on that history is a cache hit and computes only
+what lies past the checkpoint. Pages the tree still holds for the same positions are kept and the
+imported duplicates freed; nothing is ever written into a page the tree shares.
+
+Layout of the exported tensors (what ``storage`` segments hold)::
+
+    kv    [num_attn_layers, num_pages, 2, page_size, num_kv_heads, head_dim]   model dtype
+    conv  [num_gdn_layers, conv_dim, conv_kernel - 1]                           model dtype
+    ssm   [num_gdn_layers, num_v_heads, key_head_dim, value_head_dim]           fp32
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phloem.engine.cache_manager import CacheManager
+from phloem.engine.forward_batch import ModelCaches
+from phloem.engine.radix_cache import Checkpoint
+
+__all__ = ["PrefixState", "export_prefix", "import_prefix"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixState:
+    token_ids: tuple[int, ...]  # the tokens the state covers (its checkpoint depth)
+    kv: torch.Tensor
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.conv, self.ssm))
+
+
+def export_prefix(cache: CacheManager, caches: ModelCaches, token_ids: list[int]) -> PrefixState | None:
+    """Host copies of the deepest cached checkpoint within ``token_ids`` (None when nothing is cached)."""
+    tree = cache.tree
+    match = tree.match(token_ids, len(token_ids)) if tree is not None and token_ids else None
+    if match is None:
+        return None
+    pages = list(match.pages)
+    if match.checkpoint.tail_page is not None:
+        pages.append(match.checkpoint.tail_page)
+    index = torch.tensor(pages, dtype=torch.long, device=caches.kv.device)
+    pin = caches.kv.device.type == "cuda"
+    slot = match.checkpoint.slot
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        out.copy_(t, non_blocking=pin)
+        return out
+
+    state = PrefixState(
+        tuple(token_ids[: match.num_tokens]),
+        host(caches.kv.index_select(1, index)),
+        host(caches.conv[:, slot]),
+        host(caches.ssm[:, slot]),
+    )
+    if pin:
+        torch.cuda.current_stream(caches.kv.device).synchronize()
+    return state
+
+
+def import_prefix(cache: CacheManager, caches: ModelCaches, state: PrefixState) -> bool:
+    """Load ``state`` into fresh pages and a fresh slot and publish it in the radix tree.
+
+    Returns False (taking nothing) when the pools cannot make room even after eviction.
+
+    Raises:
+        ValueError: the tensors do not match this engine's cache layout.
+    """
+    tree = cache.tree
+    assert tree is not None, "importing a prefix needs the prefix cache"
+    ps = cache.page_size
+    n = state.num_tokens
+    full, has_tail = n // ps, n % ps != 0
+    expect_kv = (caches.kv.shape[0], full + has_tail, *caches.kv.shape[2:])
+    if tuple(state.kv.shape) != expect_kv or state.conv.shape != caches.conv[:, 0].shape or state.ssm.shape != caches.ssm[:, 0].shape:
+        raise ValueError(
+            f"state: expected kv {expect_kv}, conv {tuple(caches.conv[:, 0].shape)}, ssm {tuple(caches.ssm[:, 0].shape)}; "
+            f"got kv {tuple(state.kv.shape)}, conv {tuple(state.conv.shape)}, ssm {tuple(state.ssm.shape)}"
+        )
+    slot = cache.allocate_slot()
+    if slot is None:
+        return False
+    pages = cache.allocate_page_list(full + has_tail)
+    if pages is None:
+        cache.slot_pool.free(slot)
+        return False
+    dev = caches.kv.device
+    index = torch.tensor(pages, dtype=torch.long, device=dev)
+    non_blocking = dev.type == "cuda" and state.kv.is_pinned()
+    caches.kv.index_copy_(1, index, state.kv.to(dev, non_blocking=non_blocking))
+    caches.conv[:, slot].copy_(state.conv, non_blocking=non_blocking)
+    caches.ssm[:, slot].copy_(state.ssm, non_blocking=non_blocking)
+    ckpt = Checkpoint(slot=slot, tail_page=pages[full] if has_tail else None)
+    tree.insert(list(state.token_ids), pages[:full], ckpt)
+    return True

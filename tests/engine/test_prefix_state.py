@@ -1,0 +1,80 @@
+"""Spill and resume of a cached prefix: export to host tensors, drop from the device, import back.
+
+Resumed generation must equal the never-spilled path token for token, and compute only what lies
+past the checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from phloem.engine import Engine, SamplingParams
+
+
+def make(path: Path, **options: object) -> Engine:
+    defaults: dict[str, object] = dict(num_pages=64, num_state_slots=8, page_size=16, checkpoint_interval=0)
+    defaults.update(options)
+    return Engine.from_pretrained(path, **defaults)
+
+
+def assert_pools_empty(engine: Engine) -> None:
+    engine.cache.tree.clear()
+    assert engine.page_pool.num_free_pages == engine.page_pool.num_pages
+    assert engine.slot_pool.num_free_slots == engine.slot_pool.num_slots
+
+
+@pytest.mark.parametrize("prompt_len", [21, 26], ids=["mid-page", "page-aligned"])
+def test_export_clear_import_resumes_identically(tiny_checkpoint: Callable[..., Path], prompt_len: int) -> None:
+    path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
+    engine = make(path)
+    prompt = [(7 * i + 3) % 256 for i in range(prompt_len)]
+    conv = prompt + engine.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids  # 27 or 32 tokens
+    nxt = conv + [5, 6, 7]
+    twin = make(path).generate([nxt], SamplingParams(max_tokens=10))[0]
+
+    state = engine.export_prefix(conv)
+    assert state is not None and state.num_tokens == len(conv)
+    engine.cache.tree.clear()  # the session went idle and was dropped from the device
+    assert engine.cached_prefix_len(nxt) == 0
+    assert engine.import_prefix(state)
+    resumed = engine.generate([nxt], SamplingParams(max_tokens=10))[0]
+    assert resumed.num_cached_tokens == len(conv)
+    assert resumed.token_ids == twin.token_ids
+    assert_pools_empty(engine)
+
+
+def test_import_into_a_tree_that_still_holds_the_prefix_frees_the_duplicates(tiny_checkpoint: Callable[..., Path]) -> None:
+    engine = make(tiny_checkpoint("Qwen3_5MoeForCausalLM"))
+    prompt = list(range(40, 70))
+    conv = prompt + engine.generate([prompt], SamplingParams(max_tokens=3))[0].token_ids
+    state = engine.export_prefix(conv)
+    assert state is not None
+    used = engine.page_pool.num_used_pages, engine.slot_pool.num_used_slots
+    assert engine.import_prefix(state)
+    assert (engine.page_pool.num_used_pages, engine.slot_pool.num_used_slots) == used
+    assert_pools_empty(engine)
+
+
+def test_import_without_room_takes_nothing(tiny_checkpoint: Callable[..., Path]) -> None:
+    path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
+    big = make(path)
+    prompt = list(range(1, 60))
+    conv = prompt + big.generate([prompt], SamplingParams(max_tokens=2))[0].token_ids
+    state = big.export_prefix(conv)
+    small = make(path, num_pages=3, num_state_slots=2)
+    assert state is not None and not small.import_prefix(state)
+    assert small.page_pool.num_free_pages == 3 and small.slot_pool.num_free_slots == 2
+
+
+def test_import_rejects_a_foreign_layout(tiny_checkpoint: Callable[..., Path]) -> None:
+    a = make(tiny_checkpoint("Qwen3_5MoeForCausalLM"))
+    b = make(tiny_checkpoint("Qwen3_5MoeForCausalLM", num_layers=8))
+    conv = [1, 2, 3] + a.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
+    state = a.export_prefix(conv)
+    assert state is not None
+    with pytest.raises(ValueError, match="expected kv"):
+        b.import_prefix(state)
+    assert b.page_pool.num_free_pages == b.page_pool.num_pages
