@@ -27,6 +27,7 @@ examples:
   phloem serve                                  # the built-in tiny model (random weights)
   phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --dtype bfloat16
   phloem serve --port 9000 --redis-url redis://localhost:6379/0
+  phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --tp 2   # GPUs 0 and 1
   PHLOEM_DATA_DIR=/srv/phloem phloem serve --host 0.0.0.0
 """
 _DEMO_EXAMPLES = """\
@@ -74,6 +75,9 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
                        help="torch device: cpu, cuda, cuda:N (default: %(default)s)")
     serve.add_argument("--dtype", choices=DTYPES, default=_pick(env.dtype, defaults["dtype"]),
                        help="weight dtype; auto takes the checkpoint's (default: %(default)s)")
+    serve.add_argument("--tp", metavar="N", type=int, default=defaults["tensor_parallel_size"],
+                       help="tensor parallelism: N processes (on CUDA, N GPUs from --device) "
+                            "run the model (default: %(default)s)")
     serve.add_argument("--default-ttl", metavar="SECONDS", type=float,
                        default=defaults["default_ttl_s"],
                        help="seconds a session stays pinned after a turn (default: %(default)s)")
@@ -149,6 +153,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         device=args.device,
         dtype=args.dtype,
         default_ttl_s=args.default_ttl,
+        tensor_parallel_size=args.tp,
         **options,
     )
 

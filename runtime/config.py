@@ -6,8 +6,8 @@ the value). Neither reads the environment, except the default of ``ServerConfig.
 second time when ``Engine.from_pretrained`` builds them; the checks here only catch what would
 otherwise fail late, in the engine thread, after the server has started.
 
-Decision: ``ServerConfig.device`` / ``dtype`` are the server's flags; ``ServerConfig.engine``
-optionally carries every other engine knob, and must then agree on device and dtype (two
+Decision: ``ServerConfig.device`` / ``dtype`` / ``tensor_parallel_size`` are the server's flags;
+``ServerConfig.engine`` optionally carries every other engine knob, and must then agree on them (two
 different answers are an error, never silently resolved). ``ServerConfig.engine_options`` is what
 to pass on.
 """
@@ -25,6 +25,8 @@ __all__ = ["DTYPES", "LOAD_FORMATS", "EngineOptions", "ServerConfig"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("safetensors", "dummy")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+# engine.config.MAX_TP_SIZE, repeated: importing phloem.engine would import torch.
+_MAX_TP_SIZE = 8
 _POSITIVE_OPTIONS = (
     "page_size",
     "num_pages",
@@ -34,6 +36,11 @@ _POSITIVE_OPTIONS = (
     "max_num_seqs",
     "max_model_len",
 )
+
+
+def _check_tp_size(name: str, size: int | None) -> None:
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= _MAX_TP_SIZE):
+        raise ValueError(f"{name}: expected an integer in [1, {_MAX_TP_SIZE}], got {size!r}")
 
 
 def _check_device(name: str, device: str) -> None:
@@ -58,6 +65,7 @@ class EngineOptions:
         enable_prefix_caching: keep finished prefixes in the radix cache.
         checkpoint_interval: GDN checkpoint every this many prefill tokens (0 disables).
         max_num_batched_tokens / max_num_seqs / max_model_len: scheduler limits.
+        tensor_parallel_size: ranks (processes; GPUs on CUDA) running the model, 1 to 8.
     """
 
     load_format: str = "safetensors"
@@ -73,6 +81,7 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -88,6 +97,7 @@ class EngineOptions:
                 raise ValueError(f"{name}: expected a positive integer or None, got {value!r}")
         if self.checkpoint_interval is not None and self.checkpoint_interval < 0:
             raise ValueError(f"checkpoint_interval: expected >= 0 or None, got {self.checkpoint_interval}")
+        _check_tp_size("tensor_parallel_size", self.tensor_parallel_size)
 
     def as_kwargs(self) -> dict[str, object]:
         """The keyword arguments for ``Engine.from_pretrained`` (``None`` fields left out)."""
@@ -110,7 +120,9 @@ class ServerConfig:
         dtype: weight dtype (one of ``DTYPES``).
         default_ttl_s: seconds a session stays pinned after a turn when it names no TTL.
         max_body_bytes: largest accepted request body.
-        engine: every other engine knob; its ``device`` and ``dtype`` must equal the fields above.
+        tensor_parallel_size: ranks running the model (``--tp``), 1 to 8.
+        engine: every other engine knob; its ``device``, ``dtype`` and ``tensor_parallel_size``
+            must equal the fields above.
     """
 
     host: str = "127.0.0.1"
@@ -122,6 +134,7 @@ class ServerConfig:
     dtype: str = "auto"
     default_ttl_s: float = 300.0
     max_body_bytes: int = 8 * 1024 * 1024
+    tensor_parallel_size: int = 1
     engine: EngineOptions | None = None
 
     def __post_init__(self) -> None:
@@ -142,16 +155,25 @@ class ServerConfig:
             raise ValueError(f"default_ttl_s: expected seconds in [0, 86400], got {self.default_ttl_s!r}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes: expected > 0, got {self.max_body_bytes}")
+        _check_tp_size("tensor_parallel_size", self.tensor_parallel_size)
         if self.engine is not None and (self.engine.device, self.engine.dtype) != (self.device, self.dtype):
             raise ValueError(
                 f"engine: its device/dtype ({self.engine.device!r}, {self.engine.dtype!r}) must equal "
                 f"ServerConfig.device/dtype ({self.device!r}, {self.dtype!r})"
             )
+        if self.engine is not None and (self.engine.tensor_parallel_size or 1) != self.tensor_parallel_size:
+            raise ValueError(
+                f"engine: its tensor_parallel_size ({self.engine.tensor_parallel_size!r}) must equal "
+                f"ServerConfig.tensor_parallel_size ({self.tensor_parallel_size!r})"
+            )
 
     @property
     def engine_options(self) -> EngineOptions:
         """The options to build the engine with."""
-        return self.engine if self.engine is not None else EngineOptions(device=self.device, dtype=self.dtype)
+        if self.engine is not None:
+            return self.engine
+        tp = self.tensor_parallel_size if self.tensor_parallel_size > 1 else None
+        return EngineOptions(device=self.device, dtype=self.dtype, tensor_parallel_size=tp)
 
     @property
     def models_dir(self) -> Path:

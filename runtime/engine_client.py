@@ -60,7 +60,8 @@ class EngineClient:
 
     Args:
         engine: The engine to own. After ``start`` only the loop thread touches it; after
-            ``shutdown`` returns it may be inspected again.
+            ``shutdown`` returns it may be inspected again (``shutdown`` closes it: a
+            tensor-parallel engine's worker processes are stopped, so it no longer steps).
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -108,15 +109,20 @@ class EngineClient:
         self._loop.start()
 
     async def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Abort every generation in flight (each raises ``EngineError``) and stop the thread.
+        """Abort every generation in flight (each raises ``EngineError``), stop the thread, then
+        close the engine (stopping its tensor-parallel worker processes, if any).
 
         Args:
             timeout: Seconds to wait for the thread (a step in progress finishes first).
 
         Raises:
-            TimeoutError: The thread did not stop in time.
+            TimeoutError: The thread did not stop in time (the engine is left open).
         """
-        await asyncio.to_thread(self._loop.shutdown, timeout)
+        await asyncio.to_thread(self._stop, timeout)
+
+    def _stop(self, timeout: float | None) -> None:
+        self._loop.shutdown(timeout)
+        self._loop.engine.close()
 
     async def __aenter__(self) -> EngineClient:
         self.start()

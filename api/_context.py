@@ -1,0 +1,159 @@
+"""What every route shares: the manager, the idempotency store, the owner of a request, and the
+JSON/SSE response helpers (including idempotent execution and replay)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request, Response
+from litestar.response import ServerSentEvent
+from litestar.response.sse import ServerSentEventMessage
+
+from phloem.api._errors_http import ApiError, classify
+from phloem.api._idempotency import (
+    IdempotencyStore, Running, StoredResponse, StoredStream, fingerprint,
+)
+from phloem.api.schemas import (
+    AppendResult, DeltaEvent, DoneEvent, ErrorCode, ErrorEvent, StreamEvent,
+)
+from phloem.sessions import SessionManager
+
+__all__ = [
+    "ANONYMOUS", "KEEPALIVE_S", "ApiContext", "error_event", "json_response", "owner_of", "replay",
+    "sse_message", "strict_body",
+]
+
+T = TypeVar("T")
+
+ANONYMOUS = "anonymous"
+"""The owner of every request: this server runs without API keys (docs/api.md, "Auth")."""
+KEEPALIVE_S = 15.0
+
+
+@dataclass(eq=False)
+class ApiContext:
+    """The app's shared state, handed to routes as the ``ctx`` dependency.
+
+    Args:
+        manager: The session manager.
+        model_id: The served model's name (``/v1/models``, OpenAI responses).
+        model_owned_by: ``owned_by`` of the model in ``/v1/models``.
+        idempotency: Outcomes by ``Idempotency-Key``.
+    """
+
+    manager: SessionManager
+    model_id: str
+    model_owned_by: str
+    idempotency: IdempotencyStore = field(default_factory=IdempotencyStore)
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` on its own task, kept alive until it ends."""
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def idempotent(self, request: Request[Any, Any, Any],
+                         run: Callable[[], Awaitable[StoredResponse]]) -> Response[bytes]:
+        """Run ``run`` once per ``Idempotency-Key`` (if the request has one) and answer its
+        response, or replay the stored one. The run finishes even if the client goes away."""
+        key = request.headers.get("idempotency-key")
+        if key is None:
+            return _respond(await run(), replayed=False)
+        claim = await self.claim(request, key)
+        if not isinstance(claim, Running):
+            return replay(claim)
+        owner = owner_of(request)
+
+        async def run_and_store() -> StoredResponse:
+            try:
+                outcome = await run()
+            except BaseException:
+                self.idempotency.fail(owner, key, claim)
+                raise
+            self.idempotency.succeed(owner, key, claim, outcome)
+            return outcome
+
+        return _respond(await asyncio.shield(self.spawn(run_and_store())), replayed=False)
+
+    async def claim(self, request: Request[Any, Any, Any],
+                    key: str) -> Running | StoredResponse | StoredStream:
+        """Claim ``key`` for this request (see ``IdempotencyStore.claim``)."""
+        self.idempotency.check_key(key)
+        body = await request.body()
+        return await self.idempotency.claim(
+            owner_of(request), key, fingerprint(request.method, request.url.path, body))
+
+
+async def strict_body(request: Request[Any, Any, Any], kind: type[T]) -> T:
+    """Decode the raw body strictly into ``kind``.
+
+    NOTE: Litestar converts ``data`` with ``strict=False`` (``"3"`` would pass as an int), so
+    routes declare ``data`` for validation of the shape and the OpenAPI schema, then decode the
+    same (cached) bytes again here, as the wire contract says: a wrong type is a 400.
+
+    Raises:
+        ApiError: ``invalid_request`` with msgspec's message (it names the field).
+    """
+    try:
+        return msgspec.json.decode(await request.body(), type=kind)
+    except msgspec.DecodeError as exc:
+        raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
+
+
+def owner_of(request: Request[Any, Any, Any]) -> str:
+    """The owner of a request (without configured keys: one anonymous owner for all)."""
+    return ANONYMOUS
+
+
+def json_response(value: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> StoredResponse:
+    """A JSON response, in the form the idempotency store keeps."""
+    body = b"" if value is None else msgspec.json.encode(value)
+    return StoredResponse(status, body, "application/json", tuple((headers or {}).items()))
+
+
+def _respond(stored: StoredResponse, replayed: bool) -> Response[bytes]:
+    headers = dict(stored.headers)
+    if replayed:
+        headers["Idempotent-Replayed"] = "true"
+    return Response(stored.body, status_code=stored.status, media_type=stored.media_type,
+                    headers=headers)
+
+
+def sse_message(event: StreamEvent) -> ServerSentEventMessage:
+    """One SSE event: ``event:`` names its type, ``data:`` is its JSON."""
+    name = str(type(event).__struct_config__.tag)
+    return ServerSentEventMessage(data=msgspec.json.encode(event).decode(), event=name)
+
+
+def replay(outcome: StoredResponse | StoredStream) -> Response[Any]:
+    """Replay a stored outcome (``Idempotent-Replayed: true``); a stream as one delta + done."""
+    if isinstance(outcome, StoredResponse):
+        return _respond(outcome, replayed=True)
+    return ServerSentEvent(_replayed_events(outcome.result),
+                           headers={"Idempotent-Replayed": "true"})
+
+
+async def _replayed_events(result: AppendResult) -> AsyncIterator[ServerSentEventMessage]:
+    seq = 0
+    if result.output_ids or result.text:
+        yield sse_message(DeltaEvent(sequence_number=0, text=result.text,
+                                     token_ids=result.output_ids))
+        seq = 1
+    yield sse_message(DoneEvent(sequence_number=seq, turn=result.turn, output_ids=result.output_ids,
+                                text=result.text, finish_reason=result.finish_reason,
+                                usage=result.usage, num_tokens=result.num_tokens))
+
+
+def error_event(exc: BaseException, sequence_number: int,
+                request_id: str | None = None) -> ErrorEvent:
+    """The in-stream ``error`` event for ``exc``."""
+    code, detail, retry_after = classify(exc)
+    return ErrorEvent(sequence_number=sequence_number, code=code.value, message=detail,
+                      retry_after=retry_after, request_id=request_id)

@@ -1,0 +1,162 @@
+"""The one map from exceptions to wire errors: problem+json (native) or OpenAI's envelope.
+
+Only ``api`` knows HTTP. Every exception that reaches a route's caller is classified once
+(``classify``) into an ``ErrorCode``, a human ``detail`` and an optional ``retry_after``; the
+status follows from the code (``schemas.ERROR_STATUS``). Native routes answer
+``application/problem+json``; the OpenAI-compatible routes (``/v1/chat/completions``,
+``/v1/completions``, ``/v1/models``) answer ``{"error": {"message", "type", "param", "code"}}``,
+which the stock ``openai`` client turns into its typed exceptions. WebSocket and SSE error events
+use the same classification.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import (
+    HTTPException, MethodNotAllowedException, NotFoundException, ValidationException,
+)
+
+from phloem.api.schemas import ERROR_STATUS, PROBLEM_CONTENT_TYPE, ErrorCode, make_problem
+from phloem.sessions import (
+    ContextLengthExceeded, GenerationFailed, InvalidInput, Overloaded, SessionBusy, SessionError,
+    SessionNotFound,
+)
+
+__all__ = ["OPENAI_PATHS", "ApiError", "classify", "error_response", "exception_handler",
+           "problem_response"]
+
+logger = logging.getLogger(__name__)
+
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+
+
+class ApiError(Exception):
+    """An error the API layer itself raises (a bad header, an idempotency conflict...).
+
+    Args:
+        code: The wire code; it fixes the status.
+        detail: What was expected and what was received.
+        retry_after: Seconds to wait before retrying, for 429/503.
+    """
+
+    def __init__(self, code: ErrorCode, detail: str, retry_after: float | None = None) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+        self.retry_after = retry_after
+
+
+_SESSION_CODES: tuple[tuple[type[SessionError], ErrorCode], ...] = (
+    (SessionNotFound, ErrorCode.SESSION_NOT_FOUND),
+    (SessionBusy, ErrorCode.SESSION_BUSY),
+    (ContextLengthExceeded, ErrorCode.CONTEXT_LENGTH_EXCEEDED),
+    (InvalidInput, ErrorCode.INVALID_REQUEST),
+    (Overloaded, ErrorCode.OVERLOADED),
+    (GenerationFailed, ErrorCode.INTERNAL_ERROR),
+)
+_CODE_BY_STATUS = {
+    400: ErrorCode.INVALID_REQUEST, 401: ErrorCode.UNAUTHORIZED, 403: ErrorCode.FORBIDDEN,
+    404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED,
+    413: ErrorCode.PAYLOAD_TOO_LARGE, 429: ErrorCode.RATE_LIMITED, 503: ErrorCode.OVERLOADED,
+}
+
+
+def classify(exc: BaseException) -> tuple[ErrorCode, str, float | None]:
+    """The wire code, detail and ``retry_after`` of an exception.
+
+    Args:
+        exc: Anything raised while serving a request.
+
+    Returns:
+        ``(code, detail, retry_after)``; unknown exceptions are ``internal_error`` (logged).
+    """
+    if isinstance(exc, ApiError):
+        return exc.code, exc.detail, exc.retry_after
+    if isinstance(exc, SessionError):
+        code = next(c for kind, c in _SESSION_CODES if isinstance(exc, kind))
+        retry_after = exc.retry_after if isinstance(exc, Overloaded) else None
+        return code, str(exc), retry_after
+    if isinstance(exc, ValidationException):
+        return ErrorCode.INVALID_REQUEST, _validation_detail(exc), None
+    if isinstance(exc, NotFoundException):
+        return ErrorCode.NOT_FOUND, "no such route", None
+    if isinstance(exc, MethodNotAllowedException):
+        return ErrorCode.METHOD_NOT_ALLOWED, str(exc.detail), None
+    if isinstance(exc, HTTPException):
+        status = exc.status_code
+        code = _CODE_BY_STATUS.get(status, ErrorCode.INVALID_REQUEST if status < 500
+                                   else ErrorCode.INTERNAL_ERROR)
+        if code is ErrorCode.PAYLOAD_TOO_LARGE:
+            return code, "the request body exceeds the server's limit", None
+        return code, str(exc.detail), 1.0 if status in (429, 503) else None
+    logger.error("unhandled error", exc_info=exc)
+    return ErrorCode.INTERNAL_ERROR, f"internal error: {type(exc).__name__}", None
+
+
+def _validation_detail(exc: ValidationException) -> str:
+    extra: Any = exc.extra
+    if not isinstance(extra, list) or not extra:
+        return str(exc.detail)
+    parts = []
+    for item in extra:
+        message, key, source = item.get("message"), item.get("key"), str(item.get("source", ""))
+        if source.endswith("body") and key not in (None, "data"):
+            parts.append(f"{message} - at `$.{key}`")
+        elif source.endswith("body"):
+            parts.append(str(message))
+        else:
+            parts.append(f"{message} - at query parameter `{key}`")
+    return "; ".join(parts)
+
+
+def _headers(code: ErrorCode, retry_after: float | None) -> dict[str, str]:
+    headers = {}
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(0, math.ceil(retry_after)))
+    if code is ErrorCode.UNAUTHORIZED:
+        headers["WWW-Authenticate"] = "Bearer"
+    return headers
+
+
+def problem_response(code: ErrorCode, detail: str, retry_after: float | None = None) -> Response[bytes]:
+    """A problem+json response for ``code``.
+
+    Args:
+        code: The wire code.
+        detail: Human text.
+        retry_after: Sent as ``Retry-After`` (whole seconds), if given.
+
+    Returns:
+        The response, with the code's status.
+    """
+    body = msgspec.json.encode(make_problem(code, detail))
+    return Response(body, status_code=ERROR_STATUS[code], media_type=PROBLEM_CONTENT_TYPE,
+                    headers=_headers(code, retry_after))
+
+
+def openai_error_response(code: ErrorCode, detail: str,
+                          retry_after: float | None = None) -> Response[bytes]:
+    """The same error in OpenAI's ``{"error": {...}}`` envelope."""
+    status = ERROR_STATUS[code]
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": detail, "type": kind, "param": None, "code": code.value}}
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json",
+                    headers=_headers(code, retry_after))
+
+
+def error_response(path: str, exc: BaseException) -> Response[bytes]:
+    """The error response for ``exc`` raised while serving ``path``."""
+    code, detail, retry_after = classify(exc)
+    if path.startswith(OPENAI_PATHS):
+        return openai_error_response(code, detail, retry_after)
+    return problem_response(code, detail, retry_after)
+
+
+def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """Litestar's handler for every exception (registered for ``Exception``)."""
+    return error_response(request.url.path, exc)

@@ -1,0 +1,71 @@
+"""Request bodies of the OpenAI-compatible routes (server side only; responses are plain dicts).
+
+They follow OpenAI's field names and defaults (``max_tokens`` 16 for completions, ``temperature``
+1), plus the common extensions ``top_k``, ``ignore_eos`` and ``stop_token_ids``. As on the native
+routes, an unknown field is a 400: a parameter we do not implement (``logprobs``, ``n > 1``,
+``presence_penalty``...) is refused rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+from phloem.api.schemas import Tool, ToolCall
+
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "OpenAIMessage", "StreamOptions", "TextPart"]
+
+_STRICT: dict[str, Any] = {"forbid_unknown_fields": True, "kw_only": True, "frozen": True}
+
+Stop = str | Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)] | None
+
+
+class StreamOptions(Struct, **_STRICT):
+    include_usage: bool = False
+
+
+class TextPart(Struct, **_STRICT):
+    text: str
+    type: Literal["text"] = "text"
+
+
+class OpenAIMessage(Struct, **_STRICT):
+    """A chat message; ``content`` may be text parts, which are joined (other parts: 400)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    model: str
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: int | None = None  # <= 0 or None: no top-k (vLLM's convention)
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: Stop = None
+    stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=64)] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[OpenAIMessage], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    tools: list[Tool] | None = None
+
+
+class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """``POST /v1/completions``: ``prompt`` is text or token ids (or a batch of exactly one)."""
+
+    prompt: str | list[Any]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16

@@ -1,0 +1,187 @@
+"""OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+
+Stateless: each request renders (chat) or tokenizes (text prompt) its whole context and runs one
+generation; repeated prefixes are found by the engine's radix cache, which
+``usage.prompt_tokens_details.cached_tokens`` reports. Streams are ``data: <chunk>`` lines and a
+final ``data: [DONE]``; with ``stream_options.include_usage`` a last chunk with empty ``choices``
+carries the usage (the others have ``"usage": null``). ``max_completion_tokens`` wins over
+``max_tokens``. Errors use OpenAI's ``{"error": {...}}`` envelope (``_errors_http``); a failure
+after the stream started is sent as one ``data: {"error": ...}`` line before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, get, post
+from litestar.response import Stream
+
+from phloem.api import _convert
+from phloem.api._context import ApiContext, strict_body
+from phloem.api._errors_http import ApiError, classify
+from phloem.api._openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIMessage
+from phloem.api.schemas import ErrorCode
+from phloem.sessions import GenerateOptions, Generation, GenerationResult, Message, SessionError
+
+__all__ = ["OPENAI_ROUTES"]
+
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+def _options(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> GenerateOptions:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return GenerateOptions(
+        max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k if body.top_k is not None and body.top_k > 0 else None, seed=body.seed,
+        stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+
+
+def _check_model(ctx: ApiContext, model: str) -> None:
+    if model != ctx.model_id:
+        raise ApiError(ErrorCode.NOT_FOUND,
+                       f"model: this server serves {ctx.model_id!r}, got {model!r}")
+
+
+def _message(m: OpenAIMessage) -> Message:
+    content: str | None
+    if isinstance(m.content, list):
+        content = "".join(part.text for part in m.content)
+    else:
+        content = m.content
+    role = "system" if m.role == "developer" else m.role
+    out = {"role": role, "content": content, "name": m.name, "tool_call_id": m.tool_call_id,
+           "tool_calls": [msgspec.to_builtins(c) for c in m.tool_calls] if m.tool_calls else None}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _prompt_ids(ctx: ApiContext, prompt: str | list[Any]) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return ctx.manager.tokenizer.encode(prompt)
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise ApiError(ErrorCode.INVALID_REQUEST,
+                   "prompt: expected a string or a non-empty list of token ids (batches of more "
+                   f"than one prompt are not supported), got {str(prompt)[:80]}")
+
+
+def _usage(r: GenerationResult) -> dict[str, Any]:
+    u = r.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest,
+                           ctx: ApiContext) -> Response[Any]:
+    """OpenAI chat completions (the chat template renders the whole conversation)."""
+    data = await strict_body(request, ChatCompletionRequest)
+    _check_model(ctx, data.model)
+    tokenizer = ctx.manager.tokenizer
+    prompt = tokenizer.render_messages([_message(m) for m in data.messages],
+                                       tools=_convert.tool_specs(data.tools),
+                                       add_generation_prompt=True)
+    max_tokens = data.max_completion_tokens or data.max_tokens
+    generation = ctx.manager.complete(prompt, _options(data, max_tokens))
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_id}
+    if data.stream:
+        include_usage = data.stream_options is not None and data.stream_options.include_usage
+        return _stream(_chat_chunks(generation, head, include_usage))
+    result = await generation.result()
+    body = {**head, "object": "chat.completion", "choices": [{
+        "index": 0, "message": {"role": "assistant", "content": result.text},
+        "logprobs": None, "finish_reason": _FINISH[result.finish_reason or "stop"]}],
+        "usage": _usage(result)}
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request[Any, Any, Any], data: CompletionRequest,
+                      ctx: ApiContext) -> Response[Any]:
+    """OpenAI text completions; ``prompt`` is text or token ids."""
+    data = await strict_body(request, CompletionRequest)
+    _check_model(ctx, data.model)
+    generation = ctx.manager.complete(_prompt_ids(ctx, data.prompt), _options(data, data.max_tokens))
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_id}
+    if data.stream:
+        include_usage = data.stream_options is not None and data.stream_options.include_usage
+        return _stream(_completion_chunks(generation, head, include_usage))
+    result = await generation.result()
+    body = {**head, "object": "text_completion", "choices": [{
+        "index": 0, "text": result.text, "logprobs": None,
+        "finish_reason": _FINISH[result.finish_reason or "stop"]}], "usage": _usage(result)}
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+@get("/v1/models")
+async def list_models(ctx: ApiContext) -> Response[bytes]:
+    """The one served model."""
+    entry = {"id": ctx.model_id, "object": "model", "created": 0, "owned_by": ctx.model_owned_by,
+             "max_model_len": ctx.manager.max_model_len}
+    return Response(msgspec.json.encode({"object": "list", "data": [entry]}),
+                    media_type="application/json")
+
+
+def _stream(chunks: AsyncIterator[bytes]) -> Stream:
+    return Stream(chunks, media_type="text/event-stream",
+                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _line(value: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(value) + b"\n\n"
+
+
+async def _chunks(generation: Generation, head: dict[str, Any], include_usage: bool, kind: str,
+                  choice: Any) -> AsyncIterator[bytes]:
+    """The stream's ``data:`` lines; ``choice(text, finish_reason, first)`` shapes a choice."""
+    extra = {"usage": None} if include_usage else {}
+    chunk = {**head, "object": kind, **extra}
+    try:
+        first = choice(None, None, True)
+        if first is not None:
+            yield _line({**chunk, "choices": [first]})
+        async for delta in generation.deltas():
+            if delta.text:
+                yield _line({**chunk, "choices": [choice(delta.text, None, False)]})
+        try:
+            result = await generation.result()
+        except SessionError as exc:
+            code, detail, _ = classify(exc)
+            yield _line({"error": {"message": detail, "type": "server_error", "code": code.value}})
+        else:
+            reason = _FINISH[result.finish_reason or "stop"]
+            yield _line({**chunk, "choices": [choice(None, reason, False)]})
+            if include_usage:
+                yield _line({**chunk, "choices": [], "usage": _usage(result)})
+        yield b"data: [DONE]\n\n"
+    finally:
+        generation.cancel()
+
+
+def _chat_chunks(generation: Generation, head: dict[str, Any],
+                 include_usage: bool) -> AsyncIterator[bytes]:
+    def choice(text: str | None, reason: str | None, first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+        if text is not None:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    return _chunks(generation, head, include_usage, "chat.completion.chunk", choice)
+
+
+def _completion_chunks(generation: Generation, head: dict[str, Any],
+                       include_usage: bool) -> AsyncIterator[bytes]:
+    def choice(text: str | None, reason: str | None, first: bool) -> dict[str, Any] | None:
+        if first:
+            return None
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+    return _chunks(generation, head, include_usage, "text_completion", choice)
+
+
+OPENAI_ROUTES = [chat_completions, completions, list_models]

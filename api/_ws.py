@@ -1,0 +1,172 @@
+"""``GET /v1/sessions/{id}/ws``: the session's WebSocket (docs/api.md, "WebSocket").
+
+One JSON object per text frame both ways. Client messages (``append``, ``cancel``, ``fork``) are
+handled in order by one receive loop; a generation's events are sent by its own forwarding task,
+so a ``cancel`` or ``fork`` can arrive while it runs. Every event carries the connection's next
+``sequence_number`` (one counter and one send lock per connection) and the ``request_id`` of
+the message that caused it.
+
+Errors are ``error`` events and the socket stays open, except when the session does not exist
+(at the handshake, or deleted later): one ``error`` event, then close with ``4404``. ``cancel``
+stops this connection's generation, waits for its ``done`` (the partial output is committed) and
+then answers ``cancelled``. A client that closes the socket cancels its generation the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import msgspec
+from litestar import WebSocket, websocket
+
+from phloem.api import _convert
+from phloem.api._context import ApiContext, error_event, owner_of
+from phloem.api._errors_http import classify
+from phloem.api.schemas import (
+    ERROR_STATUS, AppendMessage, CancelledEvent, CancelMessage, ClientMessage, ErrorCode,
+    ErrorEvent, ForkedEvent, ForkMessage, ServerEvent,
+)
+from phloem.sessions import Generation, SessionError, SessionNotFound
+
+__all__ = ["session_socket"]
+
+logger = logging.getLogger(__name__)
+_decoder = msgspec.json.Decoder(ClientMessage)
+
+
+class _Closed(Exception):
+    """The socket is closed (by the client, or by us after a fatal error)."""
+
+
+class _Connection:
+    def __init__(self, socket: WebSocket[Any, Any, Any], ctx: ApiContext, session_id: str) -> None:
+        self._socket = socket
+        self._ctx = ctx
+        self._session_id = session_id
+        self._owner = owner_of(socket)  # type: ignore[arg-type]
+        self._seq = 0
+        self._send_lock = asyncio.Lock()
+        self._closed = False
+        self._generation: Generation | None = None
+        self._forwarder: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        await self._socket.accept()
+        try:
+            self._ctx.manager.get(self._owner, self._session_id)
+            while True:
+                message = await self._socket.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                await self._handle(message)
+        except SessionNotFound as exc:
+            await self._fatal(exc, None)
+        except _Closed:
+            pass
+        finally:
+            self._closed = True
+            if self._generation is not None:
+                self._generation.cancel()
+
+    async def _handle(self, message: Any) -> None:
+        text = message.get("text")
+        if text is None:
+            await self._error(ErrorCode.INVALID_REQUEST, "expected a text frame holding JSON", None)
+            return
+        try:
+            request = _decoder.decode(text)
+        except msgspec.DecodeError as exc:
+            await self._error(ErrorCode.INVALID_REQUEST, str(exc), None)
+            return
+        try:
+            if isinstance(request, AppendMessage):
+                await self._append(request)
+            elif isinstance(request, CancelMessage):
+                await self._cancel(request.request_id)
+            else:
+                await self._fork(request)
+        except SessionNotFound:
+            raise
+        except SessionError as exc:
+            await self._send(error_event(exc, 0, request.request_id))
+
+    async def _append(self, message: AppendMessage) -> None:
+        generation = await self._ctx.manager.append(
+            self._owner, self._session_id,
+            _convert.session_input(message.input_ids, message.text, message.messages),
+            _convert.generate_options(message.generate))
+        self._generation = generation
+        self._forwarder = asyncio.ensure_future(self._forward(generation, message.request_id))
+
+    async def _forward(self, generation: Generation, request_id: str | None) -> None:
+        try:
+            async for delta in generation.deltas():
+                await self._send(_convert.delta_event(delta, 0, request_id))
+            try:
+                result = _convert.append_result(await generation.result())
+            except SessionNotFound as exc:
+                await self._fatal(exc, request_id)
+                return
+            except SessionError as exc:
+                await self._send(error_event(exc, 0, request_id))
+                return
+            await self._send(_convert.done_event(result, 0, request_id))
+        except _Closed:
+            generation.cancel()
+        finally:
+            if self._generation is generation:
+                self._generation = None
+
+    async def _cancel(self, request_id: str | None) -> None:
+        generation, forwarder = self._generation, self._forwarder
+        if generation is not None and forwarder is not None:
+            generation.cancel()
+            # The generation's remaining deltas and its `done` go out before `cancelled`.
+            with contextlib.suppress(_Closed):
+                await asyncio.shield(forwarder)
+        await self._send(CancelledEvent(sequence_number=0, request_id=request_id))
+
+    async def _fork(self, message: ForkMessage) -> None:
+        children = await self._ctx.manager.fork(self._owner, self._session_id, message.n,
+                                                message.at_turn)
+        await self._send(ForkedEvent(sequence_number=0, request_id=message.request_id,
+                                     sessions=[_convert.session_info(c) for c in children]))
+
+    async def _error(self, code: ErrorCode, message: str, request_id: str | None) -> None:
+        await self._send(ErrorEvent(sequence_number=0, code=code.value, message=message,
+                                    request_id=request_id))
+
+    async def _fatal(self, exc: SessionError, request_id: str | None) -> None:
+        """Send the error event, then close with ``4000 + status`` (e.g. 4404)."""
+        code = classify(exc)[0]
+        with contextlib.suppress(_Closed):
+            await self._send(error_event(exc, 0, request_id))
+        async with self._send_lock:
+            if not self._closed:
+                self._closed = True
+                with contextlib.suppress(Exception):
+                    await self._socket.close(code=4000 + ERROR_STATUS[code])
+
+    async def _send(self, event: ServerEvent) -> None:
+        """Send ``event`` with the connection's next sequence number."""
+        async with self._send_lock:
+            if self._closed:
+                raise _Closed
+            event = msgspec.structs.replace(event, sequence_number=self._seq)
+            try:
+                await self._socket.send_text(msgspec.json.encode(event).decode())
+            except Exception as exc:
+                # The peer went away between its last frame and this send.
+                self._closed = True
+                raise _Closed from exc
+            self._seq += 1
+
+
+@websocket("/v1/sessions/{session_id:str}/ws")
+async def session_socket(socket: WebSocket[Any, Any, Any], session_id: str,
+                         ctx: ApiContext) -> None:
+    """The session's WebSocket: append/cancel/fork messages in, streamed events out."""
+    await _Connection(socket, ctx, session_id).run()

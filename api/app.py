@@ -1,0 +1,135 @@
+"""The Litestar application (``create_app``) and ``phloem serve`` (``serve``).
+
+Routes: the native sessions API (``_routes_sessions``, ``_ws``), the OpenAI-compatible routes
+(``_routes_openai``), ``GET /health`` and Litestar's OpenAPI schema (``/schema``, JSON at
+``/schema/openapi.json``). Every error, the framework's included, goes through
+``_errors_http.exception_handler``.
+
+Bodies larger than ``ServerConfig.max_body_bytes`` are 413 ``payload_too_large`` (Litestar's
+``request_max_body_size``, whether or not the request announces its length). WebSocket frames
+are limited to the same size by uvicorn (``ws_max_size``: the socket closes with 1009).
+
+Lifecycle: ``create_app`` starts the manager on startup (loading the journaled sessions) and
+closes it on shutdown; ``serve`` owns the engine: it builds and starts it, and stops it after
+the manager. On SIGINT/SIGTERM uvicorn stops accepting, gives open responses (streams) up to
+``_GRACE_S`` seconds, then cancels them, which cancels their generations (the partial output is
+committed, as for a client that went away); the manager then cancels what is left, the engine
+stops, and ``serve`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from litestar import Litestar, Response, get
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+
+from phloem import __version__
+from phloem.api._context import ApiContext
+from phloem.api._errors_http import ApiError, error_response, exception_handler
+from phloem.api._routes_openai import OPENAI_ROUTES
+from phloem.api._routes_sessions import SESSION_ROUTES
+from phloem.api._ws import session_socket
+from phloem.api.schemas import ErrorCode
+from phloem.runtime import EngineClient, ServerConfig
+from phloem.runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
+
+__all__ = ["create_app", "serve"]
+
+logger = logging.getLogger(__name__)
+_GRACE_S = 10
+
+
+def create_app(config: ServerConfig, engine_client: EngineClient,
+               manager: SessionManager) -> Litestar:
+    """Build the HTTP/WebSocket application.
+
+    Args:
+        config: The server config (body limit; ``model`` names the served model).
+        engine_client: The engine (its state answers ``/health``); not started or stopped here.
+        manager: The session manager; started on the app's startup, closed on its shutdown.
+
+    Returns:
+        The Litestar app.
+    """
+    model_id = Path(config.model).name if config.model else DEFAULT_MODEL_NAME
+    owned_by = ("phloem (built-in demo model with RANDOM weights: its output is gibberish)"
+                if model_id == DEFAULT_MODEL_NAME else "phloem")
+    ctx = ApiContext(manager, model_id, owned_by)
+
+    @get("/health", include_in_schema=True)
+    async def health() -> Response[Any]:
+        """200 while the engine runs; 503 (with ``Retry-After``) otherwise."""
+        if not engine_client.is_running:
+            return error_response("/health", ApiError(
+                ErrorCode.OVERLOADED, "the engine is not running", retry_after=5.0))
+        return Response({"status": "ok", "model": model_id})
+
+    # NOTE: Litestar passes the app to a lifespan hook that takes an argument: wrap them.
+    async def start_sessions() -> None:
+        await manager.start()
+
+    async def close_sessions() -> None:
+        await manager.close()
+
+    return Litestar(
+        route_handlers=[*SESSION_ROUTES, session_socket, *OPENAI_ROUTES, health],
+        dependencies={"ctx": Provide(lambda: ctx, sync_to_thread=False, use_cache=True)},
+        exception_handlers={Exception: exception_handler},
+        request_max_body_size=config.max_body_bytes,
+        on_startup=[start_sessions],
+        on_shutdown=[close_sessions],
+        openapi_config=OpenAPIConfig(title="Phloem", version=__version__,
+                                     description="Sessions, streaming and OpenAI-compatible "
+                                                 "routes of a Phloem server (docs/api.md)."),
+    )
+
+
+def serve(config: ServerConfig) -> None:
+    """Run ``phloem serve``: load the model, start the engine, serve until SIGINT/SIGTERM.
+
+    Args:
+        config: The server config; ``model`` None serves the built-in demo model (random
+            weights), created under ``data_dir`` if needed.
+
+    Raises:
+        ValueError: The model folder or an engine option is invalid.
+        OSError: The model folder or the data directory cannot be read or written.
+    """
+    if config.model is None:
+        config = dataclasses.replace(config, model=str(ensure_default_model(config.data_dir)))
+    assert config.model is not None
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    engine = EngineClient.from_pretrained(config.model, config.engine_options)
+    sessions = SessionConfig(data_dir=config.data_dir, model_fingerprint=model_fingerprint(config.model),
+                             redis_url=config.redis_url, default_ttl_s=config.default_ttl_s)
+    manager = SessionManager(engine, Tokenizer.from_pretrained(config.model), sessions)
+    app = create_app(config, engine, manager)
+
+    async def stop_engine() -> None:
+        await engine.shutdown()
+
+    app.on_shutdown.append(stop_engine)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, ws_max_size=config.max_body_bytes,
+        lifespan="on", timeout_graceful_shutdown=_GRACE_S, log_level="info"))
+    engine.start()
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the
+    # handler it found: make SIGTERM end in KeyboardInterrupt too, so serve() returns normally.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        logger.info("phloem serve: stopped")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if engine.is_running:
+            asyncio.run(engine.shutdown())

@@ -1,0 +1,111 @@
+"""New input of a session (token ids, text or chat messages) turned into token ids, with checks.
+
+Token ids are checked against the model's vocabulary here, and the context window arithmetic
+(docs/api.md, "Append"): with a generation the prompt must leave room for at least one new token
+(``len(prompt) < max_model_len``; ``max_tokens`` is then clamped to the room left); without one
+the session may fill the window exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from phloem.sessions.chat import ChatContext, render_append
+from phloem.sessions.errors import ContextLengthExceeded, InvalidInput
+from phloem.sessions.tokenizer import Message, Tokenizer
+
+__all__ = ["ResolvedInput", "SessionInput", "check_context", "check_token_ids", "resolve_input"]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInput:
+    """New content for a session: exactly one of ``input_ids``, ``text``, ``messages``.
+
+    Args:
+        input_ids: Token ids, appended verbatim.
+        text: Text, tokenized without added tokens (special-token strings recognised).
+        messages: Chat messages, rendered with the chat template as a continuation
+            (``phloem.sessions.chat``).
+
+    Raises:
+        InvalidInput: Not exactly one form is given, or it is empty.
+    """
+
+    input_ids: tuple[int, ...] | None = None
+    text: str | None = None
+    messages: tuple[Message, ...] | None = None
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("input_ids", "text", "messages") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise InvalidInput(f"expected exactly one of `input_ids`, `text`, `messages`, got {given}")
+        if not getattr(self, given[0]):
+            raise InvalidInput(f"{given[0]}: expected a non-empty value")
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedInput:
+    """Input as token ids, and the chat context once they are appended."""
+
+    token_ids: list[int]
+    chat: ChatContext
+    after_generation_prompt: bool
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, name: str = "input_ids") -> None:
+    """Raise ``InvalidInput`` unless every id is in ``[0, vocab_size)``."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidInput(f"{name}: expected token ids in [0, {vocab_size}), got {bad[:5]}")
+
+
+def resolve_input(tokenizer: Tokenizer, vocab_size: int, chat: ChatContext, last_token_id: int | None,
+                  new: SessionInput | None, generate: bool) -> ResolvedInput:
+    """Turn ``new`` into token ids appended after a session whose chat context is ``chat``.
+
+    Args:
+        tokenizer: The model's tokenizer.
+        vocab_size: The model's vocabulary size.
+        chat: The session's chat context.
+        last_token_id: The session's last token, if any.
+        new: The input; None: nothing new (a continuation).
+        generate: A generation follows (messages then end with the generation prompt).
+
+    Returns:
+        The token ids and the chat context after them.
+
+    Raises:
+        InvalidInput: A token id is out of range, or the template cannot render the messages.
+    """
+    if new is None:
+        return ResolvedInput([], chat, chat.open_output)
+    if new.input_ids is not None:
+        check_token_ids(new.input_ids, vocab_size)
+        return ResolvedInput(list(new.input_ids), chat.detached(), False)
+    if new.text is not None:
+        return ResolvedInput(tokenizer.encode(new.text), chat.detached(), False)
+    assert new.messages is not None
+    text = render_append(tokenizer, chat, new.messages, add_generation_prompt=generate,
+                         last_token_id=last_token_id)
+    ids = tokenizer.encode(text)
+    check_token_ids(ids, vocab_size, "messages")
+    return ResolvedInput(ids, chat.with_messages(new.messages), generate)
+
+
+def check_context(num_tokens: int, max_model_len: int, generate: bool) -> int:
+    """Check that a history of ``num_tokens`` fits; return the room left for new tokens.
+
+    Raises:
+        ContextLengthExceeded: It does not fit (with ``generate``: leaves no room for a token).
+        InvalidInput: ``generate`` with an empty history (nothing to continue).
+    """
+    if generate and num_tokens == 0:
+        raise InvalidInput("nothing to generate from: the session is empty and no input was given")
+    limit = max_model_len - 1 if generate else max_model_len
+    if num_tokens > limit:
+        need = "leave room for a generated token in" if generate else "fit"
+        raise ContextLengthExceeded(
+            f"the session's tokens plus the input are {num_tokens} tokens, which do not {need} "
+            f"the model's context window of {max_model_len} tokens")
+    return max_model_len - num_tokens

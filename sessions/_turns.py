@@ -1,0 +1,156 @@
+"""Running appends and stateless completions: admission, the busy flag, and the atomic commit.
+
+``TurnRunner`` starts a ``Generation`` for a session append (or for a stateless completion)
+and settles it:
+
+- admission: at most ``max_num_generations`` generations in flight (plain appends without
+  generation are not counted), none once closing (``Overloaded``);
+- one append per session: ``session.busy`` is checked and set with no ``await`` in between, so
+  two appends racing on one event loop cannot both pass;
+- the commit (``_commit``): under ``session.lock``, the new turn (input + output) is written to
+  the store first and only then applied in memory, then the new head is pinned. A failed write,
+  a failed generation or a deleted session commits nothing; a cancelled one commits its partial
+  output (``finish_reason == "cancelled"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from phloem.sessions._inputs import ResolvedInput, check_context, check_token_ids
+from phloem.sessions._pins import PinKeeper
+from phloem.sessions.config import SessionConfig
+from phloem.sessions.errors import Overloaded, SessionBusy, SessionNotFound
+from phloem.sessions.generation import (
+    Completion, GenerateOptions, Generation, GenerationResult, Usage,
+)
+from phloem.sessions.session import Session, Turn
+from phloem.sessions.store import SessionStore
+from phloem.sessions.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from phloem.runtime import EngineClient
+
+__all__ = ["TurnRunner"]
+
+
+class TurnRunner:
+    """Starts and settles generations (see the module docstring).
+
+    Args:
+        engine: The engine client.
+        tokenizer: The model's tokenizer.
+        store: Where committed turns are written.
+        pins: Pins each new head.
+        config: Admission limits.
+    """
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, store: SessionStore,
+                 pins: PinKeeper, config: SessionConfig) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._store = store
+        self._pins = pins
+        self._config = config
+        self._generations: set[Generation] = set()
+        self.closing = False
+
+    def check_open(self) -> None:
+        """Raise ``Overloaded`` once closing."""
+        if self.closing:
+            raise Overloaded("the server is shutting down", self._config.retry_after_s)
+
+    def admit(self) -> None:
+        """Raise ``Overloaded`` unless one more generation may start."""
+        self.check_open()
+        if len(self._generations) >= self._config.max_num_generations:
+            raise Overloaded(f"{len(self._generations)} generations are in flight, the most this "
+                             "server runs at once", self._config.retry_after_s)
+
+    def append(self, session: Session, new: ResolvedInput,
+               generate: GenerateOptions | None) -> Generation:
+        """Start an append on ``session`` (input already resolved against its context).
+
+        Raises:
+            SessionBusy: Another append runs on the session.
+            ContextLengthExceeded / InvalidInput: The result would not fit, or nothing to
+                continue.
+            Overloaded: Too many generations in flight, or closing.
+        """
+        if session.busy:
+            raise SessionBusy(f"session {session.session_id} is generating (turn "
+                              f"{len(session.turns)}); retry after its done")
+        if generate is not None:
+            self.admit()
+        self.check_open()
+        prompt = session.token_ids + new.token_ids
+        room = check_context(len(prompt), self._engine.max_model_len, generate is not None)
+        status_before, session.status, session.busy = session.status, "active", True
+
+        async def settle(completion: Completion) -> GenerationResult:
+            return await self._commit(session, new, completion)
+
+        def on_exit() -> None:
+            session.busy, session.generation = False, None
+            if not generation.succeeded and not session.deleted:
+                session.status = status_before
+            self._generations.discard(generation)
+
+        generation = Generation(self._engine, self._tokenizer, prompt, generate,
+                                room if generate is not None else 0, settle, on_exit)
+        session.generation = generation
+        if generate is not None:
+            self._generations.add(generation)
+        generation.start()
+        return generation
+
+    def complete(self, prompt_ids: Sequence[int], options: GenerateOptions) -> Generation:
+        """Start a stateless generation (see ``SessionManager.complete``)."""
+        self.admit()
+        check_token_ids(prompt_ids, self._engine.model_config.vocab_size, "prompt")
+        room = check_context(len(prompt_ids), self._engine.max_model_len, generate=True)
+
+        async def settle(c: Completion) -> GenerationResult:
+            usage = Usage(c.num_prompt_tokens, c.num_cached_tokens, len(c.output_ids))
+            return GenerationResult(c.output_ids, c.text, c.finish_reason, usage)
+
+        generation = Generation(self._engine, self._tokenizer, prompt_ids, options, room, settle,
+                                lambda: self._generations.discard(generation))
+        self._generations.add(generation)
+        generation.start()
+        return generation
+
+    async def close(self, timeout_s: float) -> None:
+        """Refuse new work; cancel the generations in flight and wait for their commits."""
+        self.closing = True
+        pending = list(self._generations)
+        for generation in pending:
+            generation.cancel()
+        if pending:
+            await asyncio.wait([asyncio.ensure_future(g.result()) for g in pending], timeout=timeout_s)
+
+    async def _commit(self, session: Session, new: ResolvedInput,
+                      completion: Completion) -> GenerationResult:
+        output = list(completion.output_ids)
+        generated = completion.finish_reason is not None
+        chat = new.chat.with_output(new.after_generation_prompt) if generated else new.chat
+        async with session.lock:
+            if session.deleted:
+                raise SessionNotFound(f"session {session.session_id} was deleted")
+            tokens = session.token_ids + new.token_ids + output
+            turn = Turn(len(session.turns), len(session.token_ids), len(tokens), len(output),
+                        completion.finish_reason, int(time.time()), len(chat.messages),
+                        chat.open_output)
+            committed = dataclasses.replace(session, token_ids=tokens, turns=[*session.turns, turn],
+                                            chat_messages=list(chat.messages))
+            await self._store.write(committed)
+            session.token_ids, session.turns = committed.token_ids, committed.turns
+            session.chat_messages = committed.chat_messages
+            await self._pins.activate(session)
+        usage = Usage(completion.num_prompt_tokens, completion.num_cached_tokens, len(output))
+        return GenerationResult(completion.output_ids, completion.text, completion.finish_reason,
+                                usage, turn=turn.index, num_tokens=len(tokens))

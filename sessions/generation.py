@@ -1,0 +1,305 @@
+"""``Generation``: one engine request driven to its end, streamed as text deltas, then settled.
+
+A generation runs as its own asyncio task, independent of whoever consumes it: a non-streamed
+append whose client went away still completes and commits, and a stream's consumer can only stop
+it through ``cancel``. Its life::
+
+    engine.generate(prompt) ──▶ tokens ──▶ IncrementalDetokenizer ──▶ OutputDelta queue
+           │ (stop string: abort)                                 │
+           ▼                                                      ▼
+    Completion(output_ids, text, finish_reason) ──▶ settle() ──▶ GenerationResult (or an error)
+
+``settle`` is the owner's hook: a session commits the turn there (atomically, with pin and
+journal), a stateless completion just reports. An append without generation is a
+``Generation`` too (no engine request, ``finish_reason`` None), so every append has one shape.
+
+Cancel semantics: ``cancel()`` aborts the engine request; the engine's final output carries every
+token generated so far, which become the last deltas and the committed output, with
+``finish_reason == "cancelled"`` (unless the request had already finished on its own).
+``cancel(discard=True)`` (a deleted session) ends the generation with ``SessionNotFound``
+instead, and ``settle`` is not called. Engine failures end it with ``GenerationFailed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from phloem.engine import CapacityExceeded, EngineError, InvalidRequest, SamplingParams
+from phloem.sessions.errors import (
+    ContextLengthExceeded, GenerationFailed, InvalidInput, SessionError, SessionNotFound,
+)
+from phloem.sessions.session import FinishReason
+from phloem.sessions.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from phloem.runtime import EngineClient
+
+__all__ = ["Completion", "GenerateOptions", "Generation", "GenerationResult", "OutputDelta", "Usage"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateOptions:
+    """Sampling options of one generation (``docs/api.md``, ``GenerateParams``).
+
+    Args:
+        max_tokens: New tokens at most; None: until a stop condition or the context's end.
+            Clamped to the room left in the context window.
+        temperature: 0 is greedy (the seed is then irrelevant); at most 2.
+        top_p: Nucleus mass kept, in (0, 1].
+        top_k: Keep the k most likely tokens; None: no top-k.
+        seed: Per-request seed.
+        stop: Stop strings; the text is cut before the earliest match.
+        stop_token_ids: Token ids that end the generation (kept in the output).
+        ignore_eos: Keep generating past the model's EOS tokens.
+
+    Raises:
+        InvalidInput: A value is out of bounds.
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, ">= 1 or None"),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "in [0, 2]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("top_k", self.top_k is None or self.top_k >= 1, ">= 1 or None"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63, "in [0, 2**63) or None"),
+            ("stop", all(self.stop), "non-empty strings"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "ids >= 0"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise InvalidInput(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+
+    def sampling_params(self, room: int) -> SamplingParams:
+        """The engine's parameters, with ``max_tokens`` clamped to ``room`` (>= 1) tokens."""
+        max_tokens = room if self.max_tokens is None else min(self.max_tokens, room)
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k or 0, seed=self.seed,
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens of one generation: the whole context it saw, the cached part, and the output."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutputDelta:
+    """New output: tokens and their newly printable text (either may be empty, not both)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What a generation produced, before its owner settled it."""
+
+    output_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """A settled generation; ``turn``/``num_tokens`` are set for session appends."""
+
+    output_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None
+    usage: Usage
+    turn: int | None = None
+    num_tokens: int | None = None
+
+
+Settle = Callable[[Completion], Awaitable[GenerationResult]]
+_END = object()
+# The engine's reasons; "abort" only ever comes from our own cancel.
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "cancelled"}
+
+
+class Generation:
+    """One request to the engine (or none, for a plain append), run to its end on its own task.
+
+    Args:
+        engine: The engine client.
+        tokenizer: Detokenizes the output.
+        prompt_ids: The whole context to continue.
+        options: Sampling options; None: no generation, only ``settle`` (e.g. an append of
+            input alone). ``max_new_tokens`` must then be 0.
+        max_new_tokens: Room left in the context window (>= 1 with ``options``).
+        settle: Turns the ``Completion`` into the result (a session commits its turn there).
+        on_exit: Called once when the generation is over, whatever the outcome.
+    """
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                 options: GenerateOptions | None, max_new_tokens: int, settle: Settle,
+                 on_exit: Callable[[], None]) -> None:
+        assert options is None or max_new_tokens >= 1, "a generation needs room for one token"
+        self.request_id = f"gen-{uuid.uuid4().hex}"
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._prompt_ids = list(prompt_ids)
+        self._options = options
+        self._max_new_tokens = max_new_tokens
+        self._settle = settle
+        self._on_exit = on_exit
+        self._events: asyncio.Queue[OutputDelta | object] = asyncio.Queue()
+        self._result: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
+        self._cancelled = False
+        self._discard = False
+        self._task: asyncio.Task[None] | None = None
+        self._side_tasks: set[asyncio.Task[object]] = set()
+
+    def start(self) -> None:
+        """Start the driving task (once)."""
+        assert self._task is None, "Generation.start called twice"
+        self._task = asyncio.get_running_loop().create_task(self._drive(), name=self.request_id)
+
+    @property
+    def done(self) -> bool:
+        """The generation is over (settled or failed)."""
+        return self._result.done()
+
+    @property
+    def succeeded(self) -> bool:
+        """The generation is over and was settled (for a session: its turn is committed)."""
+        return self._result.done() and self._result.exception() is None
+
+    def cancel(self, *, discard: bool = False) -> None:
+        """Stop generating; a no-op once the generation is over.
+
+        Args:
+            discard: Commit nothing and end with ``SessionNotFound`` (the session was deleted);
+                otherwise the partial output is settled with ``finish_reason == "cancelled"``.
+        """
+        if self.done:
+            return
+        self._discard = self._discard or discard
+        if self._cancelled:
+            return
+        self._cancelled = True
+        if self._options is not None and self._task is not None:
+            task = asyncio.get_running_loop().create_task(self._abort())
+            self._side_tasks.add(task)
+            task.add_done_callback(self._side_tasks.discard)
+
+    async def result(self) -> GenerationResult:
+        """Wait for the settled result.
+
+        Raises:
+            SessionError: The generation failed (``GenerationFailed``), or its session was
+                deleted (``SessionNotFound``); nothing was committed.
+        """
+        return await asyncio.shield(self._result)
+
+    async def deltas(self) -> AsyncIterator[OutputDelta]:
+        """Yield the output as it comes (one consumer); ends when the output is complete.
+
+        ``result()`` then returns the settled turn, or raises why it failed.
+        """
+        while True:
+            item = await self._events.get()
+            if item is _END:
+                return
+            assert isinstance(item, OutputDelta)
+            yield item
+
+    async def _abort(self) -> None:
+        try:
+            await self._engine.abort(self.request_id)
+        except EngineError:
+            logger.warning("abort of %s failed: the engine loop is not running", self.request_id)
+
+    async def _drive(self) -> None:
+        try:
+            completion = await self._run()
+            if self._discard:
+                raise SessionNotFound("the session was deleted during its generation")
+            result = await self._settle(completion)
+        except SessionError as exc:
+            self._result.set_exception(exc)
+        except Exception as exc:
+            logger.exception("generation %s failed", self.request_id)
+            self._result.set_exception(GenerationFailed(f"generation failed: {exc!r}"))
+        except asyncio.CancelledError:
+            self._result.set_exception(GenerationFailed("the server is shutting down"))
+            raise
+        else:
+            self._result.set_result(result)
+        finally:
+            if self._result.done() and not self._result.cancelled():
+                # Mark a failure as seen: its consumer may be gone (asyncio would warn at GC).
+                self._result.exception()
+            self._events.put_nowait(_END)
+            self._on_exit()
+
+    async def _run(self) -> Completion:
+        if self._options is None:
+            cached = await self._engine.cached_prefix_len(self._prompt_ids)
+            return Completion((), "", None, len(self._prompt_ids), cached)
+        detok = self._tokenizer.detokenizer(self._options.stop)
+        output: list[int] = []
+        reason: str | None = "abort" if self._cancelled else None
+        cached = 0
+        if reason is None:
+            params = self._options.sampling_params(self._max_new_tokens)
+            stream = self._engine.generate(self._prompt_ids, params, self.request_id)
+            try:
+                async for out in stream:
+                    cached = out.num_cached_tokens
+                    reason = self._consume(out.new_token_ids, out.finish_reason, detok, output)
+                    if reason is not None:
+                        break
+            except InvalidRequest as exc:
+                raise InvalidInput(str(exc)) from exc
+            except CapacityExceeded as exc:
+                raise ContextLengthExceeded(str(exc)) from exc
+            except EngineError as exc:
+                raise GenerationFailed(f"the engine failed: {exc}") from exc
+            finally:
+                # Leaving early (stop string) aborts the engine request.
+                with contextlib.suppress(EngineError):
+                    await stream.aclose()
+        tail = detok.finish()
+        if tail:
+            self._events.put_nowait(OutputDelta(tail, ()))
+        return Completion(tuple(output), detok.text, _FINISH_REASONS[reason or "abort"],
+                          len(self._prompt_ids), cached)
+
+    def _consume(self, new_ids: Sequence[int], engine_reason: str | None,
+                 detok: IncrementalDetokenizer, output: list[int]) -> str | None:
+        """Feed one engine output to the detokenizer; return the finish reason if it ended."""
+        text, ids = [], []
+        for token in new_ids:
+            output.append(token)
+            ids.append(token)
+            text.append(detok.push(token))
+            if detok.stopped:
+                break
+        if ids or any(text):
+            self._events.put_nowait(OutputDelta("".join(text), tuple(ids)))
+        return "stop" if detok.stopped else engine_reason

@@ -1,0 +1,328 @@
+"""``SessionManager``: sessions as first-class objects over one engine (DESIGN.md §4).
+
+Every operation is scoped by ``owner`` (the API key): a session of another owner does not exist.
+
+- **create** commits the optional initial content as turn 0 and pins it. NOTE: the engine has no
+  prefill-only request yet (``SamplingParams.max_tokens >= 1``, and a request's checkpoint lands
+  after its last *generated* token), so input that is appended without a generation (turn 0, an
+  append without ``generate``) is recorded but computed by the next generation, whose
+  ``cached_tokens`` then reflect it. A generated turn ends with a checkpoint at its very end.
+- **append** turns the input into tokens (``sessions.chat`` for messages), checks the context
+  window, and runs a ``Generation`` from ``token_ids + new`` (or just commits the input). The
+  turn (input + output) is committed atomically when it ends: journal first, then memory, then
+  the new head is pinned (``sessions._pins``). One append runs per session at a time; another
+  one meanwhile is ``SessionBusy``, also for appends without generation.
+- **fork** copies the committed turns ``0..at_turn`` (token ids, turns, chat context) into ``n``
+  children and pins their head: in the engine they share the parent's cached prefix.
+- **delete** cancels a generation in flight without committing it, unpins, and forgets the
+  session in memory and on disk. **cancel** (``Generation.cancel``) commits the partial output.
+- **complete** runs a stateless generation (the OpenAI-compatible routes), under the same
+  admission limit (``max_num_generations``; beyond it, or while closing: ``Overloaded``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from phloem.sessions._inputs import ResolvedInput, SessionInput, check_context, resolve_input
+from phloem.sessions._pins import PinKeeper
+from phloem.sessions._turns import TurnRunner
+from phloem.sessions.config import KEEP, Keep, SessionConfig
+from phloem.sessions.errors import GenerationFailed, InvalidInput, SessionBusy, SessionNotFound
+from phloem.sessions.generation import GenerateOptions, Generation
+from phloem.sessions.session import Session, SessionIdGenerator, SessionSnapshot, Turn, TurnInfo
+from phloem.sessions.store import SessionStore
+from phloem.sessions.tokenizer import Tokenizer, ToolSpec
+
+if TYPE_CHECKING:
+    from phloem.runtime import EngineClient
+
+__all__ = ["KEEP", "SessionConfig", "SessionInput", "SessionManager"]
+
+logger = logging.getLogger(__name__)
+
+
+class SessionManager:
+    """Creates, finds, appends to, forks and deletes sessions over one engine client.
+
+    Args:
+        engine: A started engine client.
+        tokenizer: The served model's tokenizer.
+        config: The sessions layer's config.
+
+    Raises:
+        StorageError: The journal or the index cannot be opened.
+    """
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, config: SessionConfig) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._config = config
+        self._store = SessionStore(config.data_dir, config.model_fingerprint, config.redis_url)
+        self._sessions: dict[str, Session] = {}
+        self._new_id = SessionIdGenerator()
+        self._pins = PinKeeper(engine)
+        self._turns = TurnRunner(engine, tokenizer, self._store, self._pins, config)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    async def start(self) -> None:
+        """Load the journaled sessions (status ``disk``: resumed by recompute on their next
+        append)."""
+        for session in await asyncio.to_thread(self._store.load):
+            self._sessions[session.session_id] = session
+        logger.info("loaded %d session(s) from %s", len(self._sessions), self._config.data_dir)
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Refuse new work, cancel generations in flight (their partial output is committed),
+        stop the TTL timers and close the store."""
+        await self._turns.close(timeout_s)
+        self._pins.close()
+        self._store.close()
+
+    async def create(self, owner: str, *, metadata: Mapping[str, str] | None = None,
+                     ttl: float | None = None, content: SessionInput | None = None,
+                     tools: Sequence[ToolSpec] | None = None) -> SessionSnapshot:
+        """Create a session; ``content`` becomes turn 0.
+
+        Args:
+            owner: The owner (API key).
+            metadata: String labels.
+            ttl: Seconds pinned after each turn; None: the server default (clamped to the max).
+            content: Initial input, if any.
+            tools: Tool definitions for the chat template (with ``content.messages``).
+
+        Returns:
+            The new session.
+
+        Raises:
+            ContextLengthExceeded: The content is longer than the context window.
+            InvalidInput: Bad token ids, or the template rejects the messages.
+            Overloaded: The manager is closing.
+            GenerationFailed: The record could not be written.
+        """
+        self._turns.check_open()
+        now = int(time.time())
+        session = Session(self._new_id(), owner, now, dict(metadata or {}), self._ttl(ttl),
+                          tools=tuple(tools) if tools else None)
+        if content is not None:
+            new = self._resolve(session, content, generate=False)
+            check_context(len(new.token_ids), self.max_model_len, generate=False)
+            session.token_ids = new.token_ids
+            session.chat_messages = list(new.chat.messages)
+            session.turns = [Turn(0, 0, len(new.token_ids), 0, None, now, len(new.chat.messages))]
+        await self._store.write(session)
+        self._sessions[session.session_id] = session
+        async with session.lock:
+            await self._pins.activate(session)
+        return session.snapshot()
+
+    def get(self, owner: str, session_id: str) -> SessionSnapshot:
+        """Look a session up.
+
+        Raises:
+            SessionNotFound: No such session of this owner.
+        """
+        return self._get(owner, session_id).snapshot()
+
+    def list_sessions(self, owner: str, *, limit: int = 20, after: str | None = None,
+             parent_id: str | None = None) -> tuple[list[SessionSnapshot], bool]:
+        """The owner's sessions, newest first (ids sort by creation).
+
+        Args:
+            owner: The owner.
+            limit: Sessions per page (>= 1).
+            after: Only sessions whose id sorts before this one.
+            parent_id: Only forks of this session.
+
+        Returns:
+            The page, and whether more sessions follow it.
+        """
+        ids = sorted((sid for sid, s in self._sessions.items()
+                      if s.owner == owner and not s.deleted
+                      and (after is None or sid < after)
+                      and (parent_id is None or s.parent_id == parent_id)), reverse=True)
+        return [self._sessions[sid].snapshot() for sid in ids[:limit]], len(ids) > limit
+
+    async def update(self, owner: str, session_id: str, *, metadata: Mapping[str, str] | Keep = KEEP,
+                     ttl: float | None | Keep = KEEP) -> SessionSnapshot:
+        """Replace the metadata and/or the TTL (None: the server default; applies from the next
+        turn end).
+
+        Raises:
+            SessionNotFound: No such session of this owner.
+            GenerationFailed: The record could not be written.
+        """
+        session = self._get(owner, session_id)
+        async with session.lock:
+            self._get(owner, session_id)
+            changes: dict[str, Any] = {}
+            if not isinstance(metadata, Keep):
+                changes["metadata"] = dict(metadata)
+            if not isinstance(ttl, Keep):
+                changes["ttl"] = self._ttl(ttl)
+            await self._store.write(dataclasses.replace(session, **changes))
+            for name, value in changes.items():
+                setattr(session, name, value)
+        return session.snapshot()
+
+    async def delete(self, owner: str, session_id: str) -> None:
+        """Delete a session; a generation in flight is cancelled and commits nothing.
+
+        Raises:
+            SessionNotFound: No such session of this owner.
+            GenerationFailed: The record could not be removed (the session is kept).
+        """
+        session = self._get(owner, session_id)
+        session.deleted = True
+        if session.generation is not None:
+            session.generation.cancel(discard=True)
+        try:
+            await self._store.delete(session_id)
+        except GenerationFailed:
+            session.deleted = False
+            raise
+        self._sessions.pop(session_id, None)
+        async with session.lock:
+            await self._pins.release(session, "idle")
+
+    async def append(self, owner: str, session_id: str, new: SessionInput | None,
+                     generate: GenerateOptions | None) -> Generation:
+        """Start an append: new input and, with ``generate``, a generation from its end.
+
+        The returned ``Generation`` is already running; its result is the committed turn.
+
+        Raises:
+            SessionNotFound: No such session of this owner.
+            SessionBusy: Another append runs on the session.
+            ContextLengthExceeded: The session plus the input do not fit the context window.
+            InvalidInput: Bad token ids, an empty session without input, or template misuse.
+            Overloaded: Too many generations in flight, or closing.
+        """
+        session = self._get(owner, session_id)
+        return self._turns.append(session, self._resolve(session, new, generate is not None),
+                                  generate)
+
+    def complete(self, prompt_ids: Sequence[int], options: GenerateOptions) -> Generation:
+        """Start a stateless generation (no session; the prefix cache still applies).
+
+        Raises:
+            ContextLengthExceeded: The prompt leaves no room for a token.
+            InvalidInput: A token id is out of range, or the prompt is empty.
+            Overloaded: Too many generations in flight, or closing.
+        """
+        return self._turns.complete(prompt_ids, options)
+
+    async def fork(self, owner: str, session_id: str, n: int = 1,
+                   at_turn: int | None = None) -> list[SessionSnapshot]:
+        """Fork ``n`` children holding the committed turns ``0..at_turn`` (default: all).
+
+        Raises:
+            SessionNotFound: No such session of this owner.
+            InvalidInput: ``at_turn`` is not a committed turn, or ``n`` < 1.
+            GenerationFailed: A child's record could not be written (no child is kept).
+        """
+        parent = self._get(owner, session_id)
+        self._turns.check_open()
+        if n < 1:
+            raise InvalidInput(f"n: expected >= 1, got {n}")
+        num_turns = len(parent.turns)
+        if at_turn is not None and not 0 <= at_turn < num_turns:
+            raise InvalidInput(f"at_turn: expected a committed turn of session {session_id} "
+                               f"(0..{num_turns - 1}), got {at_turn}")
+        last = num_turns - 1 if at_turn is None else at_turn
+        turns = parent.turns[: last + 1]
+        end = turns[-1].end if turns else 0
+        num_chat = turns[-1].num_chat_messages if turns else 0
+        now = int(time.time())
+        children = [Session(self._new_id(), owner, now, dict(parent.metadata), parent.ttl,
+                            token_ids=parent.token_ids[:end], turns=list(turns),
+                            chat_messages=parent.chat_messages[:num_chat], tools=parent.tools,
+                            parent_id=parent.session_id, fork_turn=last if turns else None)
+                    for _ in range(n)]
+        written: list[Session] = []
+        try:
+            for child in children:
+                await self._store.write(child)
+                written.append(child)
+        except GenerationFailed:
+            for child in written:
+                await self._forget_quietly(child.session_id)
+            raise
+        for child in children:
+            self._sessions[child.session_id] = child
+            async with child.lock:
+                await self._pins.activate(child)
+        return [child.snapshot() for child in children]
+
+    def turns(self, owner: str, session_id: str, include_tokens: bool = False) -> list[TurnInfo]:
+        """The committed turns, oldest first (a fork's inherited turns included).
+
+        Raises:
+            SessionNotFound: No such session of this owner.
+        """
+        session = self._get(owner, session_id)
+        return [session.turn_info(turn, include_tokens) for turn in session.turns]
+
+    async def offload(self, owner: str, session_id: str,
+                      tier: Literal["host", "disk"] = "host") -> SessionSnapshot:
+        """Unpin the session now (it becomes ``idle``: evictable). Spilling to ``tier`` comes with
+        the spill/resume issue; a session already ``idle`` or lower is left as it is.
+
+        Raises:
+            SessionNotFound: No such session of this owner.
+            SessionBusy: A generation runs on the session.
+        """
+        session = self._get(owner, session_id)
+        if session.busy:
+            raise SessionBusy(f"session {session_id} is generating; offload it after its done")
+        async with session.lock:
+            if session.status == "active":
+                await self._pins.release(session, "idle")
+        return session.snapshot()
+
+    async def prefetch(self, owner: str, session_id: str) -> SessionSnapshot:
+        """Pin what the cache holds of the session again and restart its TTL (``active``).
+
+        Raises:
+            SessionNotFound: No such session of this owner.
+        """
+        session = self._get(owner, session_id)
+        if session.status != "active":
+            async with session.lock:
+                await self._pins.activate(session)
+        return session.snapshot()
+
+    def _get(self, owner: str, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None or session.owner != owner or session.deleted:
+            raise SessionNotFound(f"no session {session_id!r}")
+        return session
+
+    def _resolve(self, session: Session, new: SessionInput | None, generate: bool) -> ResolvedInput:
+        last = session.token_ids[-1] if session.token_ids else None
+        return resolve_input(self._tokenizer, self._engine.model_config.vocab_size, session.chat,
+                             last, new, generate)
+
+    def _ttl(self, ttl: float | None) -> float:
+        value = self._config.default_ttl_s if ttl is None else float(ttl)
+        if value < 0:
+            raise InvalidInput(f"ttl: expected seconds >= 0, got {ttl}")
+        return min(value, self._config.max_ttl_s)
+
+    async def _forget_quietly(self, session_id: str) -> None:
+        try:
+            await self._store.delete(session_id)
+        except GenerationFailed as exc:
+            logger.warning("could not remove the record of session %s: %s", session_id, exc)

@@ -1,0 +1,248 @@
+"""The model's tokenizer, its chat template, and incremental detokenization with stop strings.
+
+``Tokenizer`` wraps the Hugging Face tokenizer of a model folder (``tokenizer.json`` +
+``tokenizer_config.json`` with its ``chat_template``). Text is encoded without BOS or any other
+added token, and special-token strings in it (``<|im_start|>``) become those tokens.
+
+``IncrementalDetokenizer`` turns generated token ids into text deltas, one token at a time:
+
+- it holds text back while the tokens end in an incomplete UTF-8 sequence (the decoded window
+  ends in U+FFFD), decoding a small window ``ids[prefix_offset:]`` and emitting what grew beyond
+  ``ids[prefix_offset:read_offset]`` (so tokenizers that strip a leading space when decoding a
+  lone token still produce the right spaces);
+- it holds back a suffix of the text that could still become a stop string;
+- when a stop string appears, generation should stop: ``stopped`` turns True, and the text is cut
+  just before the (earliest) match. The token that completed it is part of the output.
+
+Concatenating every ``push`` and the final ``finish`` gives exactly ``text``. Streamed and
+non-streamed generations both feed tokens one by one, so both get the same text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from phloem.sessions.errors import InvalidInput
+
+__all__ = ["IncrementalDetokenizer", "Message", "Tokenizer", "ToolSpec"]
+
+Message = Mapping[str, Any]
+"""A chat message as the template sees it: ``role``, ``content``, optional ``tool_calls``,
+``tool_call_id``, ``name`` (keys whose value would be None are left out)."""
+ToolSpec = Mapping[str, Any]
+"""A tool definition in OpenAI form: ``{"type": "function", "function": {...}}``."""
+
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    """The tokenizer and chat template of one model.
+
+    Args:
+        hf_tokenizer: A loaded Hugging Face tokenizer (fast or slow) with a chat template.
+    """
+
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase) -> None:
+        self._hf = hf_tokenizer
+        added = getattr(hf_tokenizer, "added_tokens_decoder", {})
+        special = {int(i) for i, token in added.items() if getattr(token, "special", False)}
+        self._special_ids = frozenset(special | set(hf_tokenizer.all_special_ids))
+        eos = hf_tokenizer.eos_token_id
+        self._eos_ids = (eos,) if isinstance(eos, int) else ()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer of a model folder.
+
+        Args:
+            path: A Hugging Face model folder (``tokenizer.json``, ``tokenizer_config.json``).
+
+        Returns:
+            The tokenizer.
+
+        Raises:
+            OSError: The folder has no loadable tokenizer.
+        """
+        return cls(AutoTokenizer.from_pretrained(str(path)))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's end-of-sequence ids (the engine also stops on the model's own)."""
+        return self._eos_ids
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of special tokens (skipped when decoding with ``skip_special_tokens``)."""
+        return self._special_ids
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize ``text`` without BOS or other added tokens; special-token strings are kept
+        as their tokens.
+
+        Args:
+            text: Any text.
+
+        Returns:
+            The token ids.
+        """
+        return list(self._hf.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Detokenize ``token_ids`` (ids the tokenizer does not know decode to nothing).
+
+        Args:
+            token_ids: Token ids.
+            skip_special_tokens: Leave special tokens (``<|im_end|>``) out of the text.
+
+        Returns:
+            The text; incomplete UTF-8 sequences become U+FFFD.
+        """
+        return str(self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def render_text(self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] | None = None,
+                    add_generation_prompt: bool = False) -> str:
+        """Render messages with the chat template, as text.
+
+        Args:
+            messages: The conversation (an empty one renders as ``""``).
+            tools: Tool definitions the template shows the model, if any.
+            add_generation_prompt: Append the opening of an assistant message.
+
+        Returns:
+            The rendered text.
+
+        Raises:
+            InvalidInput: The template rejects the conversation (or has none).
+        """
+        if not messages:
+            return ""
+        try:
+            text = self._hf.apply_chat_template(
+                [dict(m) for m in messages], tools=[dict(t) for t in tools] if tools else None,
+                add_generation_prompt=add_generation_prompt, tokenize=False)
+        except (TemplateError, ValueError) as exc:
+            raise InvalidInput(f"messages: the chat template rejected them: {exc}") from exc
+        assert isinstance(text, str), f"apply_chat_template returned {type(text).__name__}"
+        return text
+
+    def render_messages(self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] | None = None,
+                        add_generation_prompt: bool = False) -> list[int]:
+        """Render a whole conversation with the chat template into token ids.
+
+        Args:
+            messages: The conversation.
+            tools: Tool definitions, if any.
+            add_generation_prompt: Append the opening of an assistant message.
+
+        Returns:
+            The token ids of the rendered text.
+
+        Raises:
+            InvalidInput: The template rejects the conversation.
+        """
+        return self.encode(self.render_text(messages, tools=tools,
+                                            add_generation_prompt=add_generation_prompt))
+
+    def detokenizer(self, stop: Sequence[str] = ()) -> IncrementalDetokenizer:
+        """A fresh incremental detokenizer (special tokens skipped) with these stop strings."""
+        return IncrementalDetokenizer(self, stop)
+
+
+class IncrementalDetokenizer:
+    """Generated token ids in, printable text deltas out (see the module docstring).
+
+    Args:
+        tokenizer: The model's tokenizer.
+        stop: Stop strings; the text is cut before the earliest one that appears.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+        if any(not s for s in stop):
+            raise InvalidInput(f"stop: expected non-empty strings, got {list(stop)!r}")
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._ids: list[int] = []
+        # Window decoding: ids[prefix_offset:read_offset] were already turned into text.
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._text = ""
+        self._num_emitted = 0
+        self._num_searched = 0
+        self._stop_at: int | None = None
+        self._finished = False
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string appeared: feed no more tokens."""
+        return self._stop_at is not None
+
+    @property
+    def text(self) -> str:
+        """The text so far (final after ``finish``), cut before a matched stop string."""
+        return self._text if self._stop_at is None else self._text[: self._stop_at]
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token.
+
+        Args:
+            token_id: The token.
+
+        Returns:
+            The text that became printable (may be empty).
+        """
+        assert not self.stopped and not self._finished, "push after the stop string or finish"
+        self._ids.append(token_id)
+        prefix, full = self._window()
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+            self._text += full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """No more tokens: return the rest of the text (an incomplete UTF-8 tail as U+FFFD)."""
+        if not self._finished and not self.stopped and self._read_offset < len(self._ids):
+            prefix, full = self._window()
+            self._text += full[len(prefix):]
+            self._read_offset = len(self._ids)
+        self._finished = True
+        return self._release(final=True)
+
+    def _window(self) -> tuple[str, str]:
+        ids, decode = self._ids, self._tokenizer.decode
+        return (decode(ids[self._prefix_offset:self._read_offset]),
+                decode(ids[self._prefix_offset:]))
+
+    def _release(self, final: bool) -> str:
+        if self._stop_at is None and self._stop:
+            self._search_stop()
+        if self._stop_at is not None:
+            end = self._stop_at
+        elif final:
+            end = len(self._text)
+        else:
+            end = len(self._text) - self._holdback()
+        # A held-back suffix is never emitted, so a later match cannot start before `end`.
+        delta = self._text[self._num_emitted:end]
+        self._num_emitted = max(self._num_emitted, end)
+        return delta
+
+    def _search_stop(self) -> None:
+        start = max(0, self._num_searched - self._max_stop_len + 1)
+        found = [i for s in self._stop if (i := self._text.find(s, start)) >= 0]
+        self._num_searched = len(self._text)
+        if found:
+            self._stop_at = min(found)
+
+    def _holdback(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        for k in range(min(len(self._text), self._max_stop_len - 1), 0, -1):
+            tail = self._text[-k:]
+            if any(s.startswith(tail) for s in self._stop):
+                return k
+        return 0

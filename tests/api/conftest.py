@@ -1,0 +1,109 @@
+"""Fixtures for the server tests.
+
+``server``: a REAL ``phloem serve`` process (``python3 -m phloem.runtime.cli serve``) on a free
+loopback port, serving the built-in tiny model (random weights) from a temporary data dir; it
+is started once for the test session and terminated at the end.
+
+``app_client``: the same app in process (``create_app`` + Litestar's ``TestClient``) over its
+own engine, with an admission limit of one generation (to reach 503), for tests that need
+``websocket_connect`` in process or a config the CLI does not expose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from litestar.testing import TestClient
+
+from phloem.api.app import create_app
+from phloem.api.client import Client
+from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
+from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
+
+
+@dataclass(frozen=True)
+class Server:
+    base_url: str
+    data_dir: Path
+    log: Path
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("phloem-server")
+    ensure_default_model(folder)  # built once here, found by the server
+    return folder
+
+
+@pytest.fixture(scope="session")
+def server(data_dir: Path) -> Iterator[Server]:
+    port = _free_port()
+    log = data_dir / "server.log"
+    # One intra-op thread: the tiny model gains nothing from more on the 2-core CI machine.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "phloem.runtime.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(port), "--data-dir", str(data_dir)]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not become healthy:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield Server(base_url, data_dir, log)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[Client]:
+    with Client(server.base_url, timeout=60) as sdk:
+        yield sdk
+
+
+@pytest.fixture(scope="session")
+def app_client(tmp_path_factory: pytest.TempPathFactory,
+               data_dir: Path) -> Iterator[TestClient]:  # type: ignore[type-arg]
+    folder = tmp_path_factory.mktemp("phloem-inprocess")
+    model = ensure_default_model(data_dir)  # the server's copy; sessions live in `folder`
+    engine = EngineClient.from_pretrained(model)
+    engine.start()
+    config = ServerConfig(model=str(model), data_dir=folder, max_body_bytes=1 << 20)
+    sessions = SessionConfig(data_dir=folder, model_fingerprint=model_fingerprint(model),
+                             max_num_generations=1, retry_after_s=2.0)
+    manager = SessionManager(engine, Tokenizer.from_pretrained(model), sessions)
+    try:
+        with TestClient(create_app(config, engine, manager), timeout=60) as test_client:
+            yield test_client
+    finally:
+        asyncio.run(engine.shutdown())
