@@ -1,5 +1,6 @@
 """One process's inference core: models, weight loading, KV pages, GDN state slots, scheduler,
-model runner, sampler.
+model runner, sampler; tensor parallelism (``parallel``: group, sharded layers, shard specs;
+``tp_workers``: the worker ranks an engine with ``tensor_parallel_size > 1`` spawns).
 
 Public entry point (outside code relies on exactly this shape)::
 

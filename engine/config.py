@@ -273,6 +273,27 @@ class RunnerConfig:
             raise ValueError(f"max_graph_batch_size: expected > 0, got {self.max_graph_batch_size}")
 
 
+MAX_TP_SIZE = 8
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How many ranks run the model.
+
+    Args:
+        tensor_parallel_size: ranks of the tensor-parallel group, 1 to ``MAX_TP_SIZE``: one
+            process each and, on CUDA, one GPU each (the engine's device and the ones after it).
+            It must divide the attention and GDN heads (``engine.parallel.check_tp_size``).
+    """
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_TP_SIZE:
+            raise ValueError(f"tensor_parallel_size: expected an integer in [1, {MAX_TP_SIZE}], got {size!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
     """How weights are obtained.

@@ -6,45 +6,47 @@
 A step reads as five calls: schedule → prepare → forward → sample → update. Requests are
 validated when they are added, so a bad request raises at once and never reaches the loop; the
 engine keeps serving the others.
+
+Tensor parallelism (``tensor_parallel_size=N``): this process is rank 0 and the only one that
+schedules, keeps the radix cache and samples; ``engine.tp_workers`` runs ranks 1..N-1 in child
+processes, and each step the runner sends them a compact step plan before the shared forward.
+``close()`` (or ``with Engine.from_pretrained(...) as engine``) stops them. CUDA graphs are off
+under TP until captured collectives are validated on GPUs.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
+from types import TracebackType
 
 import torch
 
 from phloem.engine.cache_manager import CacheManager, CacheStats
-from phloem.engine.config import CacheConfig, LoadConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from phloem.engine.config import (
+    CacheConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from phloem.engine.errors import CapacityExceeded, InvalidRequest
 from phloem.engine.kv_pages import PagePool
 from phloem.engine.loader import load_model
-from phloem.engine.memory import allocate_caches, plan_pools
-from phloem.engine.model_runner import CausalLM, ModelRunner
+from phloem.engine.model_runner import CausalLM, build_runner
+from phloem.engine.parallel import TPGroup, check_tp_size
 from phloem.engine.prefix_state import PrefixState, export_prefix, import_prefix
 from phloem.engine.radix_cache import RadixCache, RadixNode
 from phloem.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from phloem.engine.sampling_params import SamplingParams
 from phloem.engine.scheduler import Scheduler
 from phloem.engine.state_slots import SlotPool
-from phloem.kernels.flashinfer_attention import FlashInferAttention, flashinfer_available
+from phloem.engine.tp_workers import TPWorkers, WorkerSpec, rank_device
 
 __all__ = ["Engine"]
-
-
-def _attention_backend(
-    mc: ModelConfig, cc: CacheConfig, rc: RunnerConfig, dtype: torch.dtype, device: torch.device
-) -> FlashInferAttention | None:
-    """FlashInfer on CUDA (when importable and not turned off), else None: the torch reference."""
-    if device.type != "cuda" or rc.attention_backend == "torch":
-        return None
-    if not flashinfer_available():
-        if rc.attention_backend == "flashinfer":
-            raise ValueError("attention_backend: 'flashinfer' was asked for but flashinfer does not import")
-        return None
-    return FlashInferAttention(mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, cc.page_size, dtype, device)
 
 _CACHE_OPTIONS = {
     "page_size",
@@ -59,6 +61,7 @@ _CACHE_OPTIONS = {
 _SCHED_OPTIONS = {"max_num_batched_tokens", "max_num_seqs", "max_model_len"}
 _RUNNER_OPTIONS = {"attention_backend", "enable_cuda_graph", "max_graph_batch_size"}
 _LOAD_OPTIONS = {"load_format", "device", "dtype", "seed"}
+_PARALLEL_OPTIONS = {"tensor_parallel_size"}
 
 
 class Engine:
@@ -71,18 +74,18 @@ class Engine:
         device: torch.device,
         dtype: torch.dtype,
         runner_config: RunnerConfig | None = None,
+        workers: TPWorkers | None = None,
     ) -> None:
         runner_config = runner_config or RunnerConfig()
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
-        plan = plan_pools(model_config, cache_config, dtype, device)
+        self.workers = workers
+        tp = workers.group if workers is not None else TPGroup.single(device)
+        sink = workers.send if workers is not None else None
+        self.runner, plan = build_runner(model_config, model, cache_config, runner_config, tp, dtype, sink)
         self.page_pool = PagePool(plan.num_pages, cache_config.page_size)
         self.slot_pool = SlotPool(plan.num_slots)
-        caches = allocate_caches(model_config, plan, cache_config.page_size, dtype, device)
-        self.runner = ModelRunner(
-            model, caches, cache_config.page_size, device, _attention_backend(model_config, cache_config, runner_config, dtype, device)
-        )
         tree = None
         if cache_config.enable_prefix_caching:
             tree = RadixCache(
@@ -92,7 +95,7 @@ class Engine:
             self.page_pool, self.slot_pool, self.runner.copy_page, tree, cache_config.checkpoint_interval
         )
         self.scheduler = Scheduler(scheduler_config, self.cache, finalize=tree is not None)
-        if runner_config.enable_cuda_graph and self.runner.attn is not None:
+        if runner_config.enable_cuda_graph and self.runner.attn is not None and tp.size == 1:
             # One page and one slot absorb the writes of a graph bucket's padding rows.
             pad_page, pad_slot = self.page_pool.allocate(1), self.slot_pool.allocate()
             assert pad_page is not None and pad_slot is not None, "pools too small for CUDA-graph padding"
@@ -109,27 +112,64 @@ class Engine:
 
         Options: ``load_format`` ("safetensors" | "dummy"), ``device``, ``dtype``, ``seed``,
         ``page_size``, ``memory_fraction``, ``state_fraction``, ``num_pages``, ``num_state_slots``,
-        ``cpu_pool_bytes``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``.
+        ``cpu_pool_bytes``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
+        ``attention_backend``, ``enable_cuda_graph``, ``max_graph_batch_size``,
+        ``tensor_parallel_size`` (N > 1 starts N - 1 worker processes; ``close()`` stops them).
         An unknown option is an error (never silently dropped).
+
+        Raises:
+            ValueError: a bad option, model folder or checkpoint; a tensor-parallel size that does
+                not divide the heads, exceeds 8, or exceeds the visible GPUs.
+            EngineError: a tensor-parallel worker failed to start.
         """
-        unknown = set(options) - _CACHE_OPTIONS - _SCHED_OPTIONS - _LOAD_OPTIONS - _RUNNER_OPTIONS
+        known = _CACHE_OPTIONS | _SCHED_OPTIONS | _LOAD_OPTIONS | _RUNNER_OPTIONS | _PARALLEL_OPTIONS
+        unknown = set(options) - known
         if unknown:
             raise TypeError(f"Engine.from_pretrained: unknown option(s) {sorted(unknown)}")
         pick = lambda names: {k: v for k, v in options.items() if k in names}  # noqa: E731
         load_config = LoadConfig(**pick(_LOAD_OPTIONS))  # type: ignore[arg-type]
+        parallel = ParallelConfig(**pick(_PARALLEL_OPTIONS))  # type: ignore[arg-type]
+        cache_config = CacheConfig(**pick(_CACHE_OPTIONS))  # type: ignore[arg-type]
+        scheduler_config = SchedulerConfig(**pick(_SCHED_OPTIONS))  # type: ignore[arg-type]
+        runner_config = RunnerConfig(**pick(_RUNNER_OPTIONS))  # type: ignore[arg-type]
         model_config = ModelConfig.from_pretrained(path)
-        model = load_model(Path(path), model_config, load_config)
-        device = torch.device(load_config.device)
-        dtype = next(model.parameters()).dtype
-        return cls(
-            model_config,
-            model,
-            CacheConfig(**pick(_CACHE_OPTIONS)),  # type: ignore[arg-type]
-            SchedulerConfig(**pick(_SCHED_OPTIONS)),  # type: ignore[arg-type]
-            device,
-            dtype,
-            RunnerConfig(**pick(_RUNNER_OPTIONS)),  # type: ignore[arg-type]
-        )
+        tp_size = parallel.tensor_parallel_size
+        check_tp_size(model_config, tp_size, torch.device(load_config.device))
+        workers = None
+        if tp_size > 1:
+            device = rank_device(torch.device(load_config.device), 0)
+            load_config = replace(load_config, device=str(device))
+            spec = WorkerSpec(
+                str(path), model_config, load_config, cache_config, runner_config, tp_size, torch.get_num_threads()
+            )
+            workers = TPWorkers.launch(spec)
+        try:
+            model = load_model(Path(path), model_config, load_config, workers.group if workers else None)
+            if workers is not None:
+                workers.wait_ready()
+            dtype = next(model.parameters()).dtype
+            device = torch.device(load_config.device)
+            return cls(model_config, model, cache_config, scheduler_config, device, dtype, runner_config, workers)
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (idempotent; nothing to do at TP=1).
+
+        A closed tensor-parallel engine can still be inspected but no longer steps.
+        """
+        if self.workers is not None:
+            self.workers.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     def add_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
@@ -284,12 +324,17 @@ class Engine:
 
     def export_prefix(self, token_ids: Sequence[int]) -> PrefixState | None:
         """Host copies of the KV pages and head checkpoint of the deepest cached prefix of
-        ``token_ids`` (for spilling a session); None when nothing of it is cached."""
+        ``token_ids`` (for spilling a session); None when nothing of it is cached, and always under
+        tensor parallelism (rank 0 holds only its shard of the caches; TP spill is not built yet)."""
+        if self.workers is not None:
+            return None
         return export_prefix(self.cache, self.runner.caches, list(token_ids))
 
     def import_prefix(self, state: PrefixState) -> bool:
         """Load a spilled prefix into fresh pages and a fresh slot and publish it in the radix
-        cache; False (taking nothing) when no room can be made."""
+        cache; False (taking nothing) when no room can be made, and always under tensor parallelism."""
+        if self.workers is not None:
+            return False
         return import_prefix(self.cache, self.runner.caches, state)
 
     def cache_stats(self) -> CacheStats:

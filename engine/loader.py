@@ -23,6 +23,15 @@ expert ``E`` of ``mlp.experts.*``.
 
 Every parameter must be covered by the checkpoint; an unknown, missing or mis-shaped tensor
 raises ``ValueError`` naming it.
+
+Tensor parallelism: a rank reads only its shard of each checkpoint tensor
+(``safe_open(...).get_slice(name)[...]``, as each module's ``checkpoint_shards()`` says), before
+any of the above; the layout conversions and the fused-row redirects then run on the shard,
+against the rank's local parameter shapes. Replicated tensors (norms, the router) are read whole.
+
+Dummy weights are defined per rank: every rank draws its local tensors from the same seed in the
+same order, so replicated weights agree across ranks, but the model at TP=N is not the TP=1
+dummy model (drawing the full tensors to slice them would cost the full model's memory).
 """
 
 from __future__ import annotations
@@ -31,14 +40,16 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from phloem.engine.config import LoadConfig, ModelConfig
 from phloem.engine.models import Qwen3HybridForCausalLM, get_model_class
-from phloem.kernels.dispatch import get_ops
 from phloem.engine.models._gdn import GatedDeltaNet
+from phloem.engine.parallel import Shard, TPGroup
+from phloem.kernels.dispatch import get_ops
 
 __all__ = ["load_model"]
 
@@ -47,12 +58,14 @@ _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torc
 _IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.)|\.rotary_emb\.inv_freq$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _GATE_UP = re.compile(r"^(.*)\.(gate_proj|up_proj)\.weight$")
+_EXPERT_IDX = re.compile(r"\.experts\.\d+\.")
 
 
 def load_model(
-    model_path: str | Path, model_config: ModelConfig, load_config: LoadConfig
+    model_path: str | Path, model_config: ModelConfig, load_config: LoadConfig, tp: TPGroup | None = None
 ) -> Qwen3HybridForCausalLM:
-    """Returns the model in eval mode on ``load_config.device``, weights in the resolved dtype.
+    """Returns the model (this rank's shard under ``tp``) in eval mode on ``load_config.device``,
+    weights in the resolved dtype.
 
     Raises:
         ValueError: no safetensors files, or an unknown, missing or mis-shaped tensor.
@@ -60,7 +73,7 @@ def load_model(
     device = torch.device(load_config.device)
     dtype = _resolve_dtype(Path(model_path), load_config)
     with torch.device("meta"):
-        model = get_model_class(model_config.architecture)(model_config, ops=get_ops(device))
+        model = get_model_class(model_config.architecture)(model_config, tp, ops=get_ops(device))
     model = model.to(dtype=dtype).to_empty(device=device)
     model.post_materialize()
     with torch.no_grad():
@@ -149,9 +162,27 @@ def _redirect(write: _Write, redirects: _Redirects) -> _Write:
     return _Write(param, write.source, expert if expert is not None else write.expert, write.half, rows)
 
 
+def _shards(model: Qwen3HybridForCausalLM) -> dict[str, Shard]:
+    """Checkpoint name (expert index as ``*``) -> this rank's part of it; empty at TP=1."""
+    if model.tp.size == 1:
+        return {}
+    out: dict[str, Shard] = {}
+    for prefix, module in model.named_modules():
+        shards = getattr(module, "checkpoint_shards", None)
+        if shards is not None:
+            out.update({f"{prefix}.{src}": shard for src, shard in shards().items()})
+    return out
+
+
+def _read(f: Any, name: str, target: str, shards: dict[str, Shard]) -> torch.Tensor:
+    shard = shards.get(_EXPERT_IDX.sub(".experts.*.", target))
+    return f.get_tensor(name) if shard is None else shard.read(f.get_slice(name))
+
+
 def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
     redirects = _redirects(model)
+    shards = _shards(model)
     row_targets: dict[str, set[_Piece]] = {}
     for param, expert, rows in redirects.values():
         if rows is not None:
@@ -163,7 +194,8 @@ def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path) -> None:
                 target = _canonical_name(name, model.config.tie_word_embeddings)
                 if target is None:
                     continue
-                for write in (_redirect(w, redirects) for w in _plan(model, target, f.get_tensor(name))):
+                source = _read(f, name, target, shards)
+                for write in (_redirect(w, redirects) for w in _plan(model, target, source)):
                     if write.param not in params:
                         raise ValueError(f"checkpoint: unknown weight {name!r} (no parameter {write.param!r})")
                     dst = write.destination(params[write.param])

@@ -4,29 +4,40 @@
 ``ForwardBatch`` (planning FlashInfer when it is the attention backend), the CUDA-graph path copies
 them into the captured graph's static buffers. Only rows that need a next token are projected to
 logits and sampled. The only device-to-host transfer of a step is the sampled ids.
+
+Under tensor parallelism rank 0's runner hands each step's ``StepPlan`` (its page copies and
+inputs) to ``plan_sink`` before its own forward; a worker rank's runner gets the plan through
+``run_plan`` and joins the same forward (``engine.step_plan``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
+from phloem.engine.config import CacheConfig, ModelConfig, RunnerConfig
 from phloem.engine.cuda_graph import CudaGraphRunner
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
+from phloem.engine.memory import PoolPlan, allocate_caches, plan_pools
+from phloem.engine.parallel import TPGroup
 from phloem.engine.request import Request
 from phloem.engine.sampler import sample
 from phloem.engine.scheduler import SchedulerOutput
-from phloem.kernels.flashinfer_attention import FlashInferAttention
+from phloem.engine.step_plan import StepInputs, StepPlan
+from phloem.kernels.flashinfer_attention import FlashInferAttention, flashinfer_available
 
-__all__ = ["CausalLM", "ModelRunner", "StepInputs", "StepResult"]
+__all__ = ["CausalLM", "ModelRunner", "StepInputs", "StepResult", "build_runner"]
+
+PlanSink = Callable[[StepPlan], None]
 
 
 class CausalLM(Protocol):
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor: ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,27 +45,6 @@ class StepResult:
     """Sampled tokens of one step, keyed by the requests that reached the end of their tokens."""
 
     sampled: dict[str, int]
-
-
-@dataclass(frozen=True, slots=True)
-class StepInputs:
-    """One step gathered on the host; ``sample_rows`` index requests (and logits rows) to sample."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    read_slots: list[int]
-    write_slots: list[int]
-    has_state: list[bool]
-    query_lens: tuple[int, ...]
-    page_ids: list[list[int]]
-    sample_rows: list[int]
-
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.query_lens) and all(self.has_state)
 
 
 class ModelRunner:
@@ -65,6 +55,7 @@ class ModelRunner:
         page_size: int,
         device: torch.device,
         attn: FlashInferAttention | None = None,
+        plan_sink: PlanSink | None = None,
     ) -> None:
         self.model = model
         self.caches = caches
@@ -74,6 +65,9 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(0)
+        self.plan_sink = plan_sink
+        # Copies made since the last plan; the workers replay them before the next forward.
+        self._pending_copies: list[tuple[int, int]] = []
 
     def enable_cuda_graphs(self, max_batch_size: int, pad_page: int, pad_slot: int) -> None:
         assert self.attn is not None, "CUDA graphs need the FlashInfer attention backend"
@@ -83,6 +77,8 @@ class ModelRunner:
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one KV page across every full-attention layer (the copy-on-write of a partial page)."""
         self.caches.kv[:, dst].copy_(self.caches.kv[:, src])
+        if self.plan_sink is not None:
+            self._pending_copies.append((src, dst))
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         ps = self.page_size
@@ -159,9 +155,57 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         inp = self.prepare_inputs(out)
+        if self.plan_sink is not None:
+            self.plan_sink(StepPlan(tuple(self._pending_copies), inp))
+            self._pending_copies.clear()
         logits = self.forward_logits(inp)
         if logits is None:
             return StepResult({})
         reqs: list[Request] = [out.requests[i] for i in inp.sample_rows]
         tokens = sample(logits.float(), [r.params for r in reqs], [r.generator or self.default_generator for r in reqs])
         return StepResult({r.request_id: t for r, t in zip(reqs, tokens.tolist())})
+
+    def run_plan(self, plan: StepPlan) -> None:
+        """A worker rank's step: replay rank 0's page copies, then join the forward."""
+        for src, dst in plan.page_copies:
+            self.copy_page(src, dst)
+        if plan.inputs is not None:
+            self.forward_logits(plan.inputs)
+
+
+def _attention_backend(
+    mc: ModelConfig, cc: CacheConfig, rc: RunnerConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device
+) -> FlashInferAttention | None:
+    """FlashInfer on CUDA (when importable and not turned off), else None: the torch reference."""
+    if device.type != "cuda" or rc.attention_backend == "torch":
+        return None
+    if not flashinfer_available():
+        if rc.attention_backend == "flashinfer":
+            raise ValueError("attention_backend: 'flashinfer' was asked for but flashinfer does not import")
+        return None
+    num_heads, num_kv_heads = mc.num_attention_heads // tp.size, max(1, mc.num_key_value_heads // tp.size)
+    return FlashInferAttention(num_heads, num_kv_heads, mc.head_dim, cc.page_size, dtype, device)
+
+
+def build_runner(
+    mc: ModelConfig,
+    model: CausalLM,
+    cc: CacheConfig,
+    rc: RunnerConfig,
+    tp: TPGroup,
+    dtype: torch.dtype,
+    plan_sink: PlanSink | None = None,
+) -> tuple[ModelRunner, PoolPlan]:
+    """Size the pools, allocate this rank's caches (on ``tp.device``) and wrap ``model`` in a runner.
+
+    Every rank of a group calls this together: free memory differs between GPUs, so the ranks
+    agree on the smallest pool sizes (the pools must be identical in structure everywhere).
+    """
+    device = tp.device
+    plan = plan_pools(mc, cc, dtype, device, tp.size)
+    if tp.size > 1:
+        num_pages, num_slots = tp.all_min([plan.num_pages, plan.num_slots])
+        plan = replace(plan, num_pages=num_pages, num_slots=num_slots)
+    caches = allocate_caches(mc, plan, cc.page_size, dtype, device, tp.size)
+    attn = _attention_backend(mc, cc, rc, tp, dtype, device)
+    return ModelRunner(model, caches, cc.page_size, device, attn, plan_sink), plan

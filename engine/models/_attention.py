@@ -4,6 +4,9 @@ Per head: ``q_proj`` yields ``[query (D) | gate (D)]`` (interleaved per head, so
 shard keeps each head's query and gate together), q and k get a zero-centred RMSNorm over
 ``head_dim``, the first ``rotary_dim`` dims get RoPE, and the attention output is multiplied by
 ``sigmoid(gate)`` before ``o_proj``.
+
+Under tensor parallelism each rank holds ``Hq / N`` q heads and the KV heads they read
+(``engine.parallel``); ``o_proj`` is row-parallel.
 """
 
 from __future__ import annotations
@@ -14,26 +17,29 @@ from torch import nn
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.models._norm import RMSNorm
+from phloem.engine.parallel import RowParallelLinear, Shard, TPGroup, kv_head_start
 from phloem.kernels.dispatch import KernelOps
 
 __all__ = ["GatedAttention"]
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, tp_size: int = 1) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup) -> None:
         super().__init__()
         self.ops = ops
         self.eps = config.rms_norm_eps
         hidden = config.hidden_size
         self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads // tp_size
+        self.num_heads = config.num_attention_heads // tp.size
         # KV heads are replicated when there are fewer of them than ranks.
-        self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp.size)
+        self.q_head_start = tp.rank * self.num_heads
+        self.kv_head_start = kv_head_start(config.num_attention_heads, config.num_key_value_heads, tp)
         self.scale = self.head_dim**-0.5
         # q_proj | k_proj | v_proj as one GEMM (``fused_weights`` maps the checkpoint's three).
         self.proj_sizes = [self.num_heads * self.head_dim * 2, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         self.qkv_proj = nn.Linear(hidden, sum(self.proj_sizes), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
 
@@ -44,6 +50,18 @@ class GatedAttention(nn.Module):
             "q_proj.weight": ("qkv_proj.weight", None, (0, q)),
             "k_proj.weight": ("qkv_proj.weight", None, (q, q + k)),
             "v_proj.weight": ("qkv_proj.weight", None, (q + k, q + 2 * k)),
+        }
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """Checkpoint tensor -> the part of it this rank holds (used when ``tp.size > 1``)."""
+        d = self.head_dim
+        q0, kv0 = self.q_head_start, self.kv_head_start
+        kv_rows = Shard.rows((kv0 * d, (kv0 + self.num_kv_heads) * d))
+        return {
+            "q_proj.weight": Shard.rows((q0 * 2 * d, (q0 + self.num_heads) * 2 * d)),
+            "k_proj.weight": kv_rows,
+            "v_proj.weight": kv_rows,
+            "o_proj.weight": Shard.cols(q0 * d, (q0 + self.num_heads) * d),
         }
 
     def forward(

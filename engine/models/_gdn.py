@@ -6,6 +6,10 @@ of four (``fused_weights`` tells the loader where each checkpoint tensor goes; Q
 head-interleaved ``in_proj_qkvz`` / ``in_proj_ba`` are converted first). The conv1d runs over
 the channels ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]`` and its weight is kept as ``[conv_dim, K]``.
 Value head ``h`` reads key head ``h // (Hv // Hk)``; the kernels expand Hk -> Hv.
+
+Under tensor parallelism each rank holds ``Hk / N`` key and ``Hv / N`` value heads (value heads
+``[r*Hv/N, (r+1)*Hv/N)`` read exactly key heads ``[r*Hk/N, (r+1)*Hk/N)``), so the local layout
+is the same as above with smaller counts; ``out_proj`` is row-parallel.
 """
 
 from __future__ import annotations
@@ -16,18 +20,20 @@ from torch import nn
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.models._norm import GatedRMSNorm
+from phloem.engine.parallel import RowParallelLinear, Shard, TPGroup
 from phloem.kernels.dispatch import KernelOps
 
 __all__ = ["GatedDeltaNet"]
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, tp_size: int = 1) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup) -> None:
         super().__init__()
         self.ops = ops
+        self.tp = tp
         hidden = config.hidden_size
-        self.num_k_heads = config.linear_num_key_heads // tp_size
-        self.num_v_heads = config.linear_num_value_heads // tp_size
+        self.num_k_heads = config.linear_num_key_heads // tp.size
+        self.num_v_heads = config.linear_num_value_heads // tp.size
         self.key_head_dim = config.linear_key_head_dim
         self.value_head_dim = config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.key_head_dim
@@ -39,13 +45,40 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = GatedRMSNorm(self.value_head_dim, config.rms_norm_eps, ops)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = RowParallelLinear(self.value_dim, hidden, tp)
 
     def fused_weights(self) -> dict[str, tuple[str, int | None, tuple[int, int] | None]]:
         """Checkpoint tensor -> (parameter, expert row, rows of that parameter) it fills."""
         names = ["in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"]
         bounds = torch.tensor([0, *self.proj_sizes]).cumsum(0).tolist()
         return {n: ("in_proj.weight", None, (bounds[i], bounds[i + 1])) for i, n in enumerate(names)}
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """Checkpoint tensor -> the part of it this rank holds (used when ``tp.size > 1``)."""
+        dk, dv, nk, nv = self.key_head_dim, self.value_head_dim, self.num_k_heads, self.num_v_heads
+        k0, v0 = self.tp.rank * nk, self.tp.rank * nv
+        key_dim = nk * self.tp.size * dk  # of the whole model
+        conv = Shard.rows(
+            (k0 * dk, (k0 + nk) * dk),
+            (key_dim + k0 * dk, key_dim + (k0 + nk) * dk),
+            (2 * key_dim + v0 * dv, 2 * key_dim + (v0 + nv) * dv),
+        )
+        heads = Shard.rows((v0, v0 + nv))
+        # Qwen3-Next's fused tensors are grouped per key head: one contiguous block per rank.
+        ratio = nv // nk
+        qkvz_rows = 2 * dk + 2 * ratio * dv
+        return {
+            "in_proj_qkv.weight": conv,
+            "conv1d.weight": conv,
+            "in_proj_z.weight": Shard.rows((v0 * dv, (v0 + nv) * dv)),
+            "in_proj_b.weight": heads,
+            "in_proj_a.weight": heads,
+            "A_log": heads,
+            "dt_bias": heads,
+            "in_proj_qkvz.weight": Shard.rows((k0 * qkvz_rows, (k0 + nk) * qkvz_rows)),
+            "in_proj_ba.weight": Shard.rows((k0 * 2 * ratio, (k0 + nk) * 2 * ratio)),
+            "out_proj.weight": Shard.cols(v0 * dv, (v0 + nv) * dv),
+        }
 
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor, ssm_states: torch.Tensor

@@ -13,13 +13,14 @@ Each layer is pre-norm with a residual stream carried beside the hidden states::
     normed, residual = post_attention_layernorm(h, residual)
     h = mlp(normed)
 
-Head, expert-FFN and GDN head counts are per rank (``tp_size``); only ``tp_size=1`` is wired up.
+Head, expert-FFN, GDN head and vocab counts are per rank of the ``TPGroup`` the model is built
+with (``engine.parallel`` has the sharding table); the hidden size and the residual stream are
+whole on every rank.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from phloem.engine.config import FULL_ATTENTION, ModelConfig
@@ -28,6 +29,7 @@ from phloem.engine.models._attention import GatedAttention
 from phloem.engine.models._gdn import GatedDeltaNet
 from phloem.engine.models._moe import SparseMoe, SwiGluMlp
 from phloem.engine.models._norm import RMSNorm
+from phloem.engine.parallel import ParallelEmbedding, ParallelLMHead, TPGroup
 from phloem.kernels.dispatch import KernelOps, get_ops
 from phloem.kernels.rope import rope_inv_freq
 
@@ -35,21 +37,21 @@ __all__ = ["Qwen3HybridForCausalLM"]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, ops: KernelOps, tp_size: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, ops: KernelOps, tp: TPGroup) -> None:
         super().__init__()
         self.is_full_attention = config.layer_types[layer_idx] == FULL_ATTENTION
         # Rank of this layer among layers of its kind: its index into ModelCaches.
         same_kind = config.full_attention_layers if self.is_full_attention else config.linear_attention_layers
         self.cache_idx = same_kind.index(layer_idx)
         if self.is_full_attention:
-            self.self_attn = GatedAttention(config, ops, tp_size)
+            self.self_attn = GatedAttention(config, ops, tp)
         else:
-            self.linear_attn = GatedDeltaNet(config, ops, tp_size)
+            self.linear_attn = GatedDeltaNet(config, ops, tp)
         self.mlp: nn.Module
         if config.is_moe_layer(layer_idx):
-            self.mlp = SparseMoe(config, ops, tp_size)
+            self.mlp = SparseMoe(config, ops, tp)
         else:
-            self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size // tp_size)
+            self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -71,12 +73,10 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3HybridModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, tp_size: int) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, ops, tp_size) for i in range(config.num_hidden_layers)
-        )
+        self.embed_tokens = ParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
@@ -87,16 +87,14 @@ class Qwen3HybridForCausalLM(nn.Module):
     a model built on a real device is usable as is (after its weights are filled).
     """
 
-    def __init__(self, config: ModelConfig, tp_size: int = 1, ops: KernelOps | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, ops: KernelOps | None = None) -> None:
         super().__init__()
         # The op table binds every layer to Triton kernels (CUDA) or the torch references.
         ops = ops if ops is not None else get_ops(torch.device("cpu"))
-        if tp_size != 1:
-            raise ValueError(f"tp_size: only 1 is implemented so far, got {tp_size}")
         self.config = config
-        self.tp_size = tp_size
-        self.model = Qwen3HybridModel(config, ops, tp_size)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp if tp is not None else TPGroup.single()
+        self.model = Qwen3HybridModel(config, ops, self.tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.tp)
         self.tie_weights()
         inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta)  # [rotary_dim // 2] fp32
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
@@ -121,6 +119,8 @@ class Qwen3HybridForCausalLM(nn.Module):
         hidden, _ = self.model.norm.forward_residual(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[S, H]`` -> ``[S, V]`` fp32 (the GEMM runs in the weight dtype, as in HF)."""
-        return F.linear(hidden, self.lm_head.weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[S, H]`` -> ``[S, V]`` fp32 (the GEMM runs in the weight dtype, as in HF); under
+        tensor parallelism the whole logits exist on rank 0 only (None elsewhere)."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()

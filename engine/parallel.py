@@ -1,0 +1,249 @@
+"""Tensor parallelism: the group context, its collectives, the sharded layers and the shard specs.
+
+Every rank builds the same model with per-rank sizes and runs the same forward (SPMD). The group
+is passed explicitly to whatever communicates; ``TPGroup.single()`` (TP=1) has no process group
+and every collective returns its input untouched, so TP=1 costs nothing.
+
+Sharding of rank ``r`` of ``N`` (a weight is ``[out, in]``; "rows" are outputs)::
+
+    attention  q heads split (q_proj rows, per head [query | gate]); KV heads split when
+               Hkv % N == 0, else replicated: each rank keeps the one KV head its q heads read
+               (N % Hkv == 0); o_proj split by input columns, then all-reduce
+    GDN        key and value heads split: the q, k and v parts of in_proj / conv by heads;
+               z, b, a, A_log and dt_bias by value heads; out_proj by input columns, all-reduce
+    MLP, MoE   every FFN's intermediate split (each expert, and the shared expert E):
+               gate/up rows, down_proj input columns, then all-reduce; the router is replicated
+    embedding  vocab rows split, padded to ceil(V / N) per rank; a token outside a rank's rows
+               embeds to 0 there, then all-reduce (exactly one rank contributes: exact)
+    LM head    vocab rows split; logits gathered to rank 0, the only rank that samples
+    replicated every norm weight (the GDN gated norm is [Dv], shared by all heads), q/k norms
+
+A group with ``pg=None`` and ``size > 1`` builds or loads one rank's shard in a single process
+(tests); it must not communicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from phloem.engine.config import ModelConfig
+
+__all__ = [
+    "ParallelEmbedding",
+    "ParallelLMHead",
+    "RowParallelLinear",
+    "Shard",
+    "TPGroup",
+    "check_tp_size",
+    "kv_head_start",
+]
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TPGroup:
+    """One rank's view of its tensor-parallel group; ``pg`` is None at TP=1 (and in shard-only tests)."""
+
+    rank: int
+    size: int
+    device: torch.device
+    pg: Any = None  # a gloo or NCCL c10d backend
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.size, f"rank {self.rank} outside a group of {self.size}"
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> TPGroup:
+        return cls(0, 1, torch.device(device))
+
+    @classmethod
+    def connect(cls, rank: int, size: int, store: Any, device: torch.device, timeout: timedelta) -> TPGroup:
+        """Join the group through a c10d store: NCCL on CUDA, gloo otherwise (blocks until all ranks join)."""
+        prefixed = dist.PrefixStore("phloem-tp", store)  # type: ignore[attr-defined]
+        if device.type == "cuda":
+            nccl = getattr(dist, "ProcessGroupNCCL")
+            options = nccl.Options()
+            options._timeout = timeout
+            options.is_high_priority_stream = False
+            pg = nccl(prefixed, rank, size, options)
+        else:
+            pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        return cls(rank, size, device, pg)
+
+    def shutdown(self) -> None:
+        """Release the process group (NCCL wants it before its peers exit); no collective after."""
+        if self.pg is not None and hasattr(self.pg, "shutdown"):
+            self.pg.shutdown()
+
+    def _backend(self) -> Any:
+        assert self.pg is not None, f"rank {self.rank} of {self.size}: a shard-only group cannot communicate"
+        return self.pg
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; every rank gets the same values."""
+        if self.size == 1:
+            return x
+        self._backend().allreduce([x]).wait()
+        return x
+
+    def gather_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's ``x`` along ``dim`` on rank 0; None on the other ranks."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        if self.rank != 0:
+            self._backend().gather([], [x], options).wait()
+            return None
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._backend().gather([parts], [x], options).wait()
+        return torch.cat(parts, dim)
+
+    def all_min(self, values: Sequence[int]) -> list[int]:
+        """Element-wise minimum of small integer lists over the ranks (e.g. pool sizes)."""
+        if self.size == 1:
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
+        self._backend().allreduce([t], options).wait()
+        return [int(v) for v in t.tolist()]
+
+
+def kv_head_start(num_heads: int, num_kv_heads: int, tp: TPGroup) -> int:
+    """First KV head of this rank: its own share when KV heads split, else the one its q heads read."""
+    if num_kv_heads % tp.size == 0:
+        return tp.rank * (num_kv_heads // tp.size)
+    q_start = tp.rank * (num_heads // tp.size)
+    return q_start // (num_heads // num_kv_heads)
+
+
+def check_tp_size(mc: ModelConfig, tp_size: int, device: torch.device) -> None:
+    """Raise ``ValueError`` unless ``tp_size`` ranks (1..8: ``ParallelConfig``) can shard ``mc`` on ``device``."""
+    if tp_size == 1:
+        return
+    moe = [mc.is_moe_layer(i) for i in range(mc.num_hidden_layers)]
+    must_divide = {
+        "num_attention_heads": mc.num_attention_heads,
+        "linear_num_key_heads": mc.linear_num_key_heads,
+        "linear_num_value_heads": mc.linear_num_value_heads,
+        # Only the FFN sizes some layer uses.
+        "intermediate_size": mc.intermediate_size if not all(moe) else 0,
+        "moe_intermediate_size": mc.moe_intermediate_size if any(moe) else 0,
+    }
+    for name, value in must_divide.items():
+        if value % tp_size:
+            raise ValueError(f"tensor_parallel_size: expected a divisor of {name}={value}, got {tp_size}")
+    kv = mc.num_key_value_heads
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(
+            f"tensor_parallel_size: expected a divisor or a multiple of num_key_value_heads={kv} "
+            f"(KV heads split or replicated), got {tp_size}"
+        )
+    if device.type == "cuda":
+        first = device.index or 0
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if first + tp_size > visible:
+            raise ValueError(
+                f"tensor_parallel_size: {tp_size} ranks from {device} need GPUs {first}..{first + tp_size - 1}, "
+                f"but {visible} are visible"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """The part of one checkpoint tensor a rank reads: ``parts`` (index tuples) concatenated along
+    ``dim``, zero-padded to ``pad_rows`` rows (vocab shards)."""
+
+    parts: tuple[tuple[slice, ...], ...]
+    dim: int = 0
+    pad_rows: int | None = None
+
+    @classmethod
+    def rows(cls, *ranges: tuple[int, int]) -> Shard:
+        return cls(tuple((slice(a, b),) for a, b in ranges))
+
+    @classmethod
+    def cols(cls, start: int, end: int) -> Shard:
+        return cls(((slice(None), slice(start, end)),), dim=1)
+
+    def read(self, tensor_slice: Any) -> torch.Tensor:
+        """Read from a ``safe_open(...).get_slice(name)``: only this rank's bytes leave the file."""
+        pieces = [tensor_slice[index] for index in self.parts]
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+        if self.pad_rows is not None and out.shape[0] < self.pad_rows:
+            pad = out.new_zeros((self.pad_rows - out.shape[0], *out.shape[1:]))
+            out = torch.cat((out, pad))
+        return out
+
+
+def _vocab_rows(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
+    """``(first row, rows per rank)``: the vocab padded to a multiple of the group size."""
+    per_rank = -(-vocab_size // tp.size)
+    return tp.rank * per_rank, per_rank
+
+
+def _vocab_shard(vocab_size: int, start: int, per_rank: int) -> dict[str, Shard]:
+    """The rank's vocab rows of ``weight``; the last rank's padding rows read as zeros."""
+    return {"weight": Shard(((slice(start, min(vocab_size, start + per_rank)),),), pad_rows=per_rank)}
+
+
+class ParallelEmbedding(nn.Module):
+    """Vocab-parallel token embedding; ``weight`` holds this rank's (padded) vocab rows."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.start, per_rank = _vocab_rows(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        return _vocab_shard(self.vocab_size, self.start, self.weight.shape[0])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0.0))
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-parallel output projection; logits come back whole on rank 0 only."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.start, per_rank = _vocab_rows(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        return _vocab_shard(self.vocab_size, self.start, self.weight.shape[0])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[S, H]`` -> ``[S, V]`` in the weight dtype (None on ranks other than 0)."""
+        logits = self.tp.gather_first(F.linear(hidden, self.weight), dim=-1)
+        if logits is None or logits.shape[-1] == self.vocab_size:
+            return logits
+        return logits[:, : self.vocab_size]
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input features are split across ranks: partial sums, then all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))

@@ -1,0 +1,102 @@
+"""What every rank runs in one step, and its compact wire form (rank 0 -> worker ranks).
+
+Under tensor parallelism only rank 0 schedules. Each step it sends the other ranks a
+``StepPlan``: the KV page copies its scheduler made since the last plan (the copy-on-write tail
+page of a prefix hit or fork), then the step's ``StepInputs``. A worker replays the copies and
+runs the same forward; it never samples (rank 0 alone turns the gathered logits into tokens,
+and the next plan carries them as input ids), so sampling needs no agreement between ranks.
+
+Wire form: one flat int64 array in native byte order (the ranks share a host; no pickle)::
+
+    [B, T, S, C | copies (2C) | input_ids, positions, slot_mapping (T each) | query_start_loc (B+1)
+     | seq_lens, read_slots, write_slots, has_state, query_lens, num_pages (B each)
+     | sample_rows (S) | page ids (sum num_pages)]
+
+``B = 0`` means copies only; an empty message means shut down.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from dataclasses import dataclass
+
+__all__ = ["StepInputs", "StepPlan", "decode_plan", "encode_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """One step gathered on the host; ``sample_rows`` index requests (and logits rows) to sample."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    read_slots: list[int]
+    write_slots: list[int]
+    has_state: list[bool]
+    query_lens: tuple[int, ...]
+    page_ids: list[list[int]]
+    sample_rows: list[int]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens) and all(self.has_state)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """Page copies ``(src, dst)`` to apply in order, then the forward (None: copies only)."""
+
+    page_copies: tuple[tuple[int, int], ...]
+    inputs: StepInputs | None
+
+
+def encode_plan(plan: StepPlan) -> bytes:
+    inp = plan.inputs
+    copies = list(itertools.chain.from_iterable(plan.page_copies))
+    if inp is None:
+        return array("q", [0, 0, 0, len(plan.page_copies), *copies]).tobytes()
+    header = [len(inp.query_lens), len(inp.input_ids), len(inp.sample_rows), len(plan.page_copies)]
+    words = array("q", header)
+    words.extend(copies)
+    for field in (inp.input_ids, inp.positions, inp.slot_mapping, inp.query_start_loc, inp.seq_lens):
+        words.extend(field)
+    for field in (inp.read_slots, inp.write_slots, [int(h) for h in inp.has_state], list(inp.query_lens)):
+        words.extend(field)
+    words.extend(len(p) for p in inp.page_ids)
+    words.extend(inp.sample_rows)
+    for pages in inp.page_ids:
+        words.extend(pages)
+    return words.tobytes()
+
+
+def decode_plan(data: bytes) -> StepPlan:
+    assert data, "an empty message is the shutdown signal, not a plan"
+    words = array("q")
+    words.frombytes(data)
+    values = words.tolist()
+    num_seqs, num_tokens, num_samples, num_copies = values[:4]
+    pos = 4
+
+    def take(n: int) -> list[int]:
+        nonlocal pos
+        pos += n
+        return values[pos - n : pos]
+
+    flat = take(2 * num_copies)
+    copies = tuple(zip(flat[0::2], flat[1::2]))
+    if num_seqs == 0:
+        return StepPlan(copies, None)
+    ids, positions, slots = take(num_tokens), take(num_tokens), take(num_tokens)
+    qsl = take(num_seqs + 1)
+    seq_lens, read, write, has_state, query_lens, num_pages = (take(num_seqs) for _ in range(6))
+    sample_rows = take(num_samples)
+    pages = [take(n) for n in num_pages]
+    assert pos == len(values), f"step plan: {len(values) - pos} trailing words"
+    inputs = StepInputs(
+        ids, positions, slots, qsl, seq_lens, read, write, [bool(h) for h in has_state], tuple(query_lens), pages,
+        sample_rows,
+    )
+    return StepPlan(copies, inputs)
