@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
+from phloem.engine.step_plan import StepInputs
 from phloem.kernels.flashinfer_attention import FlashInferAttention
 
 __all__ = ["CudaGraphRunner", "graph_buckets"]
@@ -75,7 +76,7 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        self._fill([0], [0], [self.pad_page * self.page_size], [1], [self.pad_slot], [self.pad_slot], self.buckets[-1])
+        self._fill(StepInputs.scratch(self.pad_page, self.page_size, self.pad_slot), self.buckets[-1])
         pool = None
         for bs in reversed(self.buckets):
             batch = self._batch(bs)
@@ -92,48 +93,27 @@ class CudaGraphRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def _fill(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        slot_mapping: list[int],
-        seq_lens: list[int],
-        read_slots: list[int],
-        write_slots: list[int],
-        bs: int,
-    ) -> None:
-        n = len(input_ids)
-        pad = bs - n
+    def _fill(self, inp: StepInputs, bs: int) -> None:
+        """Copy the step's rows into the static buffers; rows ``n..bs`` write the scratch page/slot."""
+        pad = bs - len(inp.input_ids)
         host = self._host[:, :bs]
-        host[0] = torch.tensor(input_ids + [0] * pad)
-        host[1] = torch.tensor(positions + [0] * pad)
-        host[2] = torch.tensor(slot_mapping + [self.pad_page * self.page_size] * pad)
-        host[3] = torch.tensor(read_slots + [self.pad_slot] * pad)
-        host[4] = torch.tensor(write_slots + [self.pad_slot] * pad)
-        self.input_ids[:bs].copy_(host[0], non_blocking=True)
-        self.positions[:bs].copy_(host[1], non_blocking=True)
-        self.slot_mapping[:bs].copy_(host[2], non_blocking=True)
-        self.read_slots[:bs].copy_(host[3], non_blocking=True)
-        self.write_slots[:bs].copy_(host[4], non_blocking=True)
-        self.seq_lens[:bs].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+        host[0] = torch.tensor(inp.input_ids + [0] * pad)
+        host[1] = torch.tensor(inp.positions + [0] * pad)
+        host[2] = torch.tensor(inp.slot_mapping + [self.pad_page * self.page_size] * pad)
+        host[3] = torch.tensor(inp.read_slots + [self.pad_slot] * pad)
+        host[4] = torch.tensor(inp.write_slots + [self.pad_slot] * pad)
+        for i, buf in enumerate((self.input_ids, self.positions, self.slot_mapping, self.read_slots, self.write_slots)):
+            buf[:bs].copy_(host[i], non_blocking=True)
+        self.seq_lens[:bs].copy_(torch.tensor(inp.seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
 
-    def run(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        slot_mapping: list[int],
-        seq_lens: list[int],
-        read_slots: list[int],
-        write_slots: list[int],
-        page_ids: list[list[int]],
-    ) -> torch.Tensor:
-        """Replay the smallest bucket that holds the step; returns logits ``[n, V]`` (fp32)."""
-        n = len(input_ids)
+    def run(self, inp: StepInputs) -> torch.Tensor:
+        """Replay the smallest bucket that holds the decode step; returns logits ``[n, V]`` (fp32)."""
+        n = len(inp.input_ids)
         bs = next(b for b in self.buckets if b >= n)
         # NOTE: the pinned staging buffer is reused; wait for the previous step's copies first.
         torch.cuda.current_stream().synchronize()
-        self._fill(input_ids, positions, slot_mapping, seq_lens, read_slots, write_slots, bs)
+        self._fill(inp, bs)
         pad = bs - n
-        self.attn.plan([1] * bs, seq_lens + [1] * pad, page_ids + [[self.pad_page]] * pad, graph_batch_size=bs)
+        self.attn.plan([1] * bs, inp.seq_lens + [1] * pad, inp.page_ids + [[self.pad_page]] * pad, graph_batch_size=bs)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

@@ -143,9 +143,7 @@ class ModelRunner:
         """Logits ``[len(sample_rows), V]`` of the step (None when nothing is sampled)."""
         graphs = self.graphs
         if graphs is not None and inp.is_decode and len(inp.query_lens) <= graphs.max_batch_size():
-            logits = graphs.run(
-                inp.input_ids, inp.positions, inp.slot_mapping, inp.seq_lens, inp.read_slots, inp.write_slots, inp.page_ids
-            )
+            logits = graphs.run(inp)
             return logits[inp.sample_rows] if inp.sample_rows else None
         batch = self.build_batch(inp)
         hidden = self.model.forward(batch, self.caches)

@@ -44,6 +44,11 @@ class StepInputs:
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens) and all(self.has_state)
 
+    @classmethod
+    def scratch(cls, page: int, page_size: int, slot: int) -> StepInputs:
+        """A one-token decode step that touches only a scratch page and slot (graph warm-up)."""
+        return cls([0], [0], [page * page_size], [0, 1], [1], [slot], [slot], [True], (1,), [[page]], [0])
+
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
