@@ -172,9 +172,16 @@ class Engine:
         self.close()
 
     def add_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prefill_only: bool = False,
     ) -> str:
         """Validate and enqueue a request; returns its id.
+
+        With ``prefill_only`` the prompt is computed and a checkpoint published at its end, and
+        nothing is sampled: the request finishes with reason ``"prefill"`` and no tokens.
 
         Raises:
             InvalidRequest: empty prompt, token id outside the vocabulary, prompt at or over the
@@ -185,7 +192,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequest(f"request_id: {rid!r} is already in flight")
-        req = Request(rid, prompt, params, arrival_idx=next(self._ids))
+        req = Request(rid, prompt, params, arrival_idx=next(self._ids), prefill_only=prefill_only)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
@@ -239,6 +246,11 @@ class Engine:
             req.read_slot = req.write_slot
             if req.finalizing:
                 self.scheduler.complete_finalize(req)
+                continue
+            if req.prefill_only and req.num_computed_tokens == req.num_tokens:
+                # The prompt is computed: publishing on release puts the checkpoint at its end.
+                self.scheduler.finish_now(req, FinishReason.PREFILL)
+                outputs.append(self._output(req, []))
                 continue
             self.cache.maybe_checkpoint(req)
             token = result.sampled.get(req.request_id)

@@ -105,7 +105,7 @@ class ModelRunner:
             read.append(req.read_slot if req.has_state and req.read_slot is not None else req.write_slot)
             has_state.append(req.has_state)
             pages.append(req.page_ids)
-            if end == req.num_tokens and not req.finalizing:
+            if end == req.num_tokens and not req.finalizing and not req.prefill_only:
                 sample_rows.append(i)
         return StepInputs(
             ids, positions, slots, qsl, seq_lens, read, write, has_state, tuple(out.num_new_tokens), pages, sample_rows

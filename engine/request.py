@@ -36,6 +36,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or the model's context limit
     ABORT = "abort"
+    PREFILL = "prefill"  # a prefill-only request computed its prompt and published its checkpoint
 
 
 @dataclass(eq=False)
@@ -59,6 +60,8 @@ class Request:
     # Finished for the caller, but its last token still runs once more so the turn-end
     # checkpoint covers the whole conversation (the next turn then recomputes nothing).
     finalizing: bool = False
+    # Compute the prompt, publish a checkpoint at its end, sample nothing (a session's turn 0).
+    prefill_only: bool = False
     # GDN state: read from read_slot (valid iff has_state), write the step's final state to write_slot.
     read_slot: int | None = None
     write_slot: int | None = None

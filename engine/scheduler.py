@@ -166,6 +166,10 @@ class Scheduler:
             return
         self._finish(req, reason)
 
+    def finish_now(self, req: Request, reason: FinishReason) -> None:
+        """Finish and release at once (publishing what was computed), with no finalize step."""
+        self._finish(req, reason)
+
     def complete_finalize(self, req: Request) -> None:
         assert req.finalizing and req.num_computed_tokens == req.num_tokens, "finalize step did not run"
         req.finalizing = False

@@ -140,3 +140,17 @@ def test_pin_prefix_survives_eviction() -> None:
     assert engine.cached_prefix_len(conv + [1]) == len(conv)
     engine.unpin_prefix(handle)
     assert_pools_empty(engine)
+
+
+def test_prefill_only_request_publishes_its_prompt_and_samples_nothing() -> None:
+    engine = make_engine()
+    prompt = list(range(1, 23))  # 22 tokens: a mid-page checkpoint
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1), prefill_only=True)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert outs[-1].finished and outs[-1].finish_reason == "prefill" and outs[-1].token_ids == []
+    assert engine.cached_prefix_len(prompt + [5]) == len(prompt)
+    nxt = engine.generate([prompt + [5]], SamplingParams(max_tokens=4))[0]
+    assert nxt.num_cached_tokens == len(prompt) and nxt.token_ids == expected(prompt + [5], 4)
+    assert_pools_empty(engine)
