@@ -1,9 +1,12 @@
-"""What every route shares: the manager, the idempotency store, the owner of a request, and the
-JSON/SSE response helpers (including idempotent execution and replay)."""
+"""What every route shares: the manager, the idempotency store, the caller of a request and its
+quotas, the session-id check, and the JSON/SSE response helpers (including idempotent execution
+and replay)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -13,25 +16,29 @@ from litestar import Request, Response
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
+from phloem.api._auth import KeyRing, principal_of
 from phloem.api._errors_http import ApiError, classify
 from phloem.api._idempotency import (
     IdempotencyStore, Running, StoredResponse, StoredStream, fingerprint,
 )
+from phloem.api._limits import OwnerLimits
+from phloem.api._pacing import paced_deltas
 from phloem.api.schemas import (
     AppendResult, DeltaEvent, DoneEvent, ErrorCode, ErrorEvent, StreamEvent,
 )
-from phloem.sessions import SessionManager
+from phloem.sessions import Generation, OutputDelta, SessionError, SessionManager
 
 __all__ = [
-    "ANONYMOUS", "KEEPALIVE_S", "ApiContext", "error_event", "json_response", "owner_of", "replay",
-    "sse_message", "strict_body",
+    "KEEPALIVE_S", "ApiContext", "checked_session_id", "error_event", "json_response", "owner_of",
+    "replay", "sse_message", "strict_body",
 ]
 
 T = TypeVar("T")
 
-ANONYMOUS = "anonymous"
-"""The owner of every request: this server runs without API keys (docs/api.md, "Auth")."""
 KEEPALIVE_S = 15.0
+# The ids the sessions layer makes and storage accepts (storage._fs.check_id): anything else
+# cannot exist, and is refused before it reaches the manager (or a log line, or a path).
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 @dataclass(eq=False)
@@ -42,12 +49,20 @@ class ApiContext:
         manager: The session manager.
         model_id: The served model's name (``/v1/models``, OpenAI responses).
         model_owned_by: ``owned_by`` of the model in ``/v1/models``.
+        keys: The accepted API keys (``AuthMiddleware`` checks them; the admin listing needs
+            every owner).
+        limits: Per-key quotas.
+        stream_idle_timeout_s: A stream whose generation produces nothing this long is
+            cancelled; an idle WebSocket is closed.
         idempotency: Outcomes by ``Idempotency-Key``.
     """
 
     manager: SessionManager
     model_id: str
     model_owned_by: str
+    keys: KeyRing
+    limits: OwnerLimits
+    stream_idle_timeout_s: float
     idempotency: IdempotencyStore = field(default_factory=IdempotencyStore)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -57,6 +72,35 @@ class ApiContext:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
+
+    async def start_generation(self, owner: str,
+                               start: Callable[[], Awaitable[Generation]]) -> Generation:
+        """Start a generation under ``owner``'s quota; the count drops when it settles.
+
+        Raises:
+            ApiError: ``rate_limited`` (the key runs its most generations).
+            SessionError: Whatever ``start`` raises (the count is released).
+        """
+        self.limits.acquire_generation(owner)
+        try:
+            generation = await start()
+        except BaseException:
+            self.limits.release_generation(owner)
+            raise
+
+        async def release_when_settled() -> None:
+            try:
+                # A failure is its consumer's to report; here only the count matters.
+                with contextlib.suppress(SessionError):
+                    await generation.result()
+            finally:
+                self.limits.release_generation(owner)
+        self.spawn(release_when_settled())
+        return generation
+
+    def paced(self, generation: Generation) -> AsyncIterator[OutputDelta | None]:
+        """The generation's deltas with keep-alives and the idle timeout (``_pacing``)."""
+        return paced_deltas(generation, self.stream_idle_timeout_s, KEEPALIVE_S)
 
     async def idempotent(self, request: Request[Any, Any, Any],
                          run: Callable[[], Awaitable[StoredResponse]]) -> Response[bytes]:
@@ -106,9 +150,23 @@ async def strict_body(request: Request[Any, Any, Any], kind: type[T]) -> T:
         raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
 
 
-def owner_of(request: Request[Any, Any, Any]) -> str:
-    """The owner of a request (without configured keys: one anonymous owner for all)."""
-    return ANONYMOUS
+def owner_of(connection: Any) -> str:
+    """The owner of a request or socket: its API key's owner id (without keys: ``anonymous``)."""
+    return principal_of(connection).owner
+
+
+def checked_session_id(session_id: str) -> str:
+    """``session_id``, if it has the form of a session id.
+
+    Raises:
+        ApiError: ``session_not_found`` (no such id can exist; the detail quotes at most 64
+            characters of it).
+    """
+    if _SESSION_ID.fullmatch(session_id) is None:
+        raise ApiError(ErrorCode.SESSION_NOT_FOUND,
+                       f"no session {session_id[:64]!r}: session ids are 1-128 characters of "
+                       f"[A-Za-z0-9_-], got {len(session_id)} characters")
+    return session_id
 
 
 def json_response(value: Any, status: int = 200,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import msgspec
@@ -20,15 +22,20 @@ from litestar import Request, Response
 from litestar.exceptions import (
     HTTPException, MethodNotAllowedException, NotFoundException, ValidationException,
 )
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
 
-from phloem.api.schemas import ERROR_STATUS, PROBLEM_CONTENT_TYPE, ErrorCode, make_problem
+from phloem.api._openai_schemas import OpenAIError
+from phloem.api.schemas import (
+    ERROR_STATUS, PROBLEM_CONTENT_TYPE, ErrorCode, Problem, make_problem,
+)
 from phloem.sessions import (
     ContextLengthExceeded, GenerationFailed, InvalidInput, Overloaded, SessionBusy, SessionError,
     SessionNotFound,
 )
 
-__all__ = ["OPENAI_PATHS", "ApiError", "classify", "error_response", "exception_handler",
-           "problem_response"]
+__all__ = ["OPENAI_PATHS", "ApiError", "StreamingOperation", "classify", "error_response",
+           "exception_handler", "openai_errors", "problem_response", "problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +117,7 @@ def _validation_detail(exc: ValidationException) -> str:
         elif source.endswith("body"):
             parts.append(str(message))
         else:
-            parts.append(f"{message} - at query parameter `{key}`")
+            parts.append(f"{message} - at {source.rpartition('.')[2].lower() or 'query'} parameter `{key}`")
     return "; ".join(parts)
 
 
@@ -160,3 +167,26 @@ def error_response(path: str, exc: BaseException) -> Response[bytes]:
 def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     """Litestar's handler for every exception (registered for ``Exception``)."""
     return error_response(request.url.path, exc)
+
+
+def problems(*statuses: int) -> dict[int, ResponseSpec]:
+    """OpenAPI: the problem+json answers a native route may give (its ``responses=``)."""
+    return {status: ResponseSpec(Problem, generate_examples=False, media_type=PROBLEM_CONTENT_TYPE,
+                                 description=HTTPStatus(status).phrase) for status in statuses}
+
+
+def openai_errors(*statuses: int) -> dict[int, ResponseSpec]:
+    """OpenAPI: the error envelopes an OpenAI-compatible route may answer."""
+    return {status: ResponseSpec(OpenAIError, generate_examples=False,
+                                 description=HTTPStatus(status).phrase) for status in statuses}
+
+
+@dataclass
+class StreamingOperation(Operation):
+    """OpenAPI operation whose 200 may also be a ``text/event-stream`` (``"stream": true``)."""
+
+    def __post_init__(self) -> None:
+        ok = (self.responses or {}).get("200")
+        if isinstance(ok, OpenAPIResponse):
+            ok.content = {**(ok.content or {}),
+                          "text/event-stream": OpenAPIMediaType(schema=Schema(type=OpenAPIType.STRING))}

@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible routes (server side only; responses are plain dicts).
+"""Request bodies of the OpenAI-compatible routes (server side only; responses are plain dicts,
+except the error envelope, described here for the OpenAPI schema).
 
 They follow OpenAI's field names and defaults (``max_tokens`` 16 for completions, ``temperature``
 1), plus the common extensions ``top_k``, ``ignore_eos`` and ``stop_token_ids``. As on the native
@@ -14,11 +15,25 @@ from msgspec import Meta, Struct
 
 from phloem.api.schemas import Tool, ToolCall
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "OpenAIMessage", "StreamOptions", "TextPart"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "OpenAIError", "OpenAIErrorDetail",
+           "OpenAIMessage", "StreamOptions", "TextPart"]
 
 _STRICT: dict[str, Any] = {"forbid_unknown_fields": True, "kw_only": True, "frozen": True}
 
 Stop = str | Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)] | None
+
+
+class OpenAIErrorDetail(Struct, **_STRICT):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class OpenAIError(Struct, **_STRICT):
+    """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: OpenAIErrorDetail
 
 
 class StreamOptions(Struct, **_STRICT):
@@ -69,3 +84,6 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True, fro
 
     prompt: str | list[Any]
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    # vLLM's extension: each choice (and each stream chunk) also carries its token ids, so a
+    # client that sends token-id prompts can extend its history exactly.
+    return_token_ids: bool = False

@@ -7,6 +7,8 @@ final ``data: [DONE]``; with ``stream_options.include_usage`` a last chunk with 
 carries the usage (the others have ``"usage": null``). ``max_completion_tokens`` wins over
 ``max_tokens``. Errors use OpenAI's ``{"error": {...}}`` envelope (``_errors_http``); a failure
 after the stream started is sent as one ``data: {"error": ...}`` line before ``[DONE]``.
+Generations count against the API key's quota like session appends; a stream sends
+``: keep-alive`` comments while idle and is cancelled (finish ``stop``) after the idle timeout.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from typing import Any
 
 import msgspec
 from litestar import Request, Response, get, post
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
 from phloem.api import _convert
-from phloem.api._context import ApiContext, strict_body
-from phloem.api._errors_http import ApiError, classify
+from phloem.api._context import ApiContext, owner_of, strict_body
+from phloem.api._errors_http import ApiError, StreamingOperation, classify, openai_errors
 from phloem.api._openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIMessage
 from phloem.api.schemas import ErrorCode
 from phloem.sessions import GenerateOptions, Generation, GenerationResult, Message, SessionError
@@ -78,7 +81,21 @@ def _usage(r: GenerationResult) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-@post("/v1/chat/completions", status_code=200)
+# Bodies follow OpenAI's format (not restated here): documented as JSON objects.
+_OK = {200: ResponseSpec(dict[str, Any], description="OpenAI's response object, or with "
+                         "`stream` a `data:` event stream")}
+_ERRORS = {**_OK, **openai_errors(400, 401, 404, 413, 429, 503)}
+
+
+async def _start(ctx: ApiContext, request: Request[Any, Any, Any], prompt_ids: list[int],
+                 options: GenerateOptions) -> Generation:
+    async def start() -> Generation:
+        return ctx.manager.complete(prompt_ids, options)
+    return await ctx.start_generation(owner_of(request), start)
+
+
+@post("/v1/chat/completions", status_code=200, operation_class=StreamingOperation,
+      responses=_ERRORS)
 async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest,
                            ctx: ApiContext) -> Response[Any]:
     """OpenAI chat completions (the chat template renders the whole conversation)."""
@@ -89,11 +106,11 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
                                        tools=_convert.tool_specs(data.tools),
                                        add_generation_prompt=True)
     max_tokens = data.max_completion_tokens or data.max_tokens
-    generation = ctx.manager.complete(prompt, _options(data, max_tokens))
+    generation = await _start(ctx, request, prompt, _options(data, max_tokens))
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_id}
     if data.stream:
         include_usage = data.stream_options is not None and data.stream_options.include_usage
-        return _stream(_chat_chunks(generation, head, include_usage))
+        return _stream(_chat_chunks(ctx, generation, head, include_usage))
     result = await generation.result()
     body = {**head, "object": "chat.completion", "choices": [{
         "index": 0, "message": {"role": "assistant", "content": result.text},
@@ -102,25 +119,29 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-@post("/v1/completions", status_code=200)
+@post("/v1/completions", status_code=200, operation_class=StreamingOperation, responses=_ERRORS)
 async def completions(request: Request[Any, Any, Any], data: CompletionRequest,
                       ctx: ApiContext) -> Response[Any]:
     """OpenAI text completions; ``prompt`` is text or token ids."""
     data = await strict_body(request, CompletionRequest)
     _check_model(ctx, data.model)
-    generation = ctx.manager.complete(_prompt_ids(ctx, data.prompt), _options(data, data.max_tokens))
+    generation = await _start(ctx, request, _prompt_ids(ctx, data.prompt),
+                              _options(data, data.max_tokens))
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_id}
     if data.stream:
         include_usage = data.stream_options is not None and data.stream_options.include_usage
-        return _stream(_completion_chunks(generation, head, include_usage))
+        return _stream(_completion_chunks(ctx, generation, head, include_usage,
+                                          data.return_token_ids))
     result = await generation.result()
-    body = {**head, "object": "text_completion", "choices": [{
-        "index": 0, "text": result.text, "logprobs": None,
-        "finish_reason": _FINISH[result.finish_reason or "stop"]}], "usage": _usage(result)}
+    choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": _FINISH[result.finish_reason or "stop"]}
+    if data.return_token_ids:
+        choice["token_ids"] = list(result.output_ids)
+    body = {**head, "object": "text_completion", "choices": [choice], "usage": _usage(result)}
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-@get("/v1/models")
+@get("/v1/models", responses={200: ResponseSpec(dict[str, Any], description="The served model"),
+                               **openai_errors(401)})
 async def list_models(ctx: ApiContext) -> Response[bytes]:
     """The one served model."""
     entry = {"id": ctx.model_id, "object": "model", "created": 0, "owned_by": ctx.model_owned_by,
@@ -138,17 +159,26 @@ def _line(value: Any) -> bytes:
     return b"data: " + msgspec.json.encode(value) + b"\n\n"
 
 
-async def _chunks(generation: Generation, head: dict[str, Any], include_usage: bool, kind: str,
-                  choice: Any) -> AsyncIterator[bytes]:
-    """The stream's ``data:`` lines; ``choice(text, finish_reason, first)`` shapes a choice."""
+async def _chunks(ctx: ApiContext, generation: Generation, head: dict[str, Any],
+                  include_usage: bool, kind: str, choice: Any,
+                  token_ids: bool = False) -> AsyncIterator[bytes]:
+    """The stream's ``data:`` lines; ``choice(text, finish_reason, first)`` shapes a choice.
+
+    With ``token_ids``, every delta is sent (text may be held back by the detokenizer) and its
+    choice carries the delta's ``token_ids``.
+    """
     extra = {"usage": None} if include_usage else {}
     chunk = {**head, "object": kind, **extra}
     try:
         first = choice(None, None, True)
         if first is not None:
             yield _line({**chunk, "choices": [first]})
-        async for delta in generation.deltas():
-            if delta.text:
+        async for delta in ctx.paced(generation):
+            if delta is None:
+                yield b": keep-alive\n\n"
+            elif token_ids:
+                yield _line({**chunk, "choices": [{**choice(delta.text, None, False), "token_ids": list(delta.token_ids)}]})
+            elif delta.text:
                 yield _line({**chunk, "choices": [choice(delta.text, None, False)]})
         try:
             result = await generation.result()
@@ -165,23 +195,23 @@ async def _chunks(generation: Generation, head: dict[str, Any], include_usage: b
         generation.cancel()
 
 
-def _chat_chunks(generation: Generation, head: dict[str, Any],
+def _chat_chunks(ctx: ApiContext, generation: Generation, head: dict[str, Any],
                  include_usage: bool) -> AsyncIterator[bytes]:
     def choice(text: str | None, reason: str | None, first: bool) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text is not None:
             delta["content"] = text
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-    return _chunks(generation, head, include_usage, "chat.completion.chunk", choice)
+    return _chunks(ctx, generation, head, include_usage, "chat.completion.chunk", choice)
 
 
-def _completion_chunks(generation: Generation, head: dict[str, Any],
-                       include_usage: bool) -> AsyncIterator[bytes]:
+def _completion_chunks(ctx: ApiContext, generation: Generation, head: dict[str, Any],
+                       include_usage: bool, token_ids: bool = False) -> AsyncIterator[bytes]:
     def choice(text: str | None, reason: str | None, first: bool) -> dict[str, Any] | None:
         if first:
             return None
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-    return _chunks(generation, head, include_usage, "text_completion", choice)
+    return _chunks(ctx, generation, head, include_usage, "text_completion", choice, token_ids)
 
 
 OPENAI_ROUTES = [chat_completions, completions, list_models]

@@ -2,15 +2,18 @@
 
 Bodies are decoded strictly with the msgspec Structs of ``api.schemas`` (``strict_body``: a bad
 field or a wrong type is a 400 naming it); every POST, PATCH and DELETE honours
-``Idempotency-Key``. An SSE append
-validates and starts its generation before the response starts, so 404/409/400/503 are plain
-problem+json responses; once events flow, failures are ``error`` events. A client that closes
-the stream cancels the generation, which commits what it generated so far.
+``Idempotency-Key``. Every route is scoped to the caller's API key (``owner_of``): another key's
+session, like a malformed id (``checked_session_id``), is 404 ``session_not_found``. Creates and
+forks count against the key's session quota, generations against its generation quota (429).
+
+An SSE append validates and starts its generation before the response starts, so
+404/409/400/429/503 are plain problem+json responses; once events flow, failures are ``error``
+events. A client that closes the stream cancels the generation, which commits what it generated
+so far; so does a generation that produces nothing for the idle timeout (``_pacing``).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -22,63 +25,84 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from phloem.api import _convert
+from phloem.api._auth import principal_of
 from phloem.api._context import (
-    KEEPALIVE_S, ApiContext, error_event, json_response, owner_of, replay, sse_message, strict_body,
+    ApiContext, checked_session_id, error_event, json_response, owner_of, replay, sse_message,
+    strict_body,
 )
+from phloem.api._errors_http import ApiError, StreamingOperation, problems
 from phloem.api._idempotency import Running, StoredResponse, StoredStream
 from phloem.api.schemas import (
-    AppendRequest, AppendResult, CreateSessionRequest, ForkRequest, ForkResult,
+    AppendRequest, AppendResult, CreateSessionRequest, ErrorCode, ForkRequest, ForkResult,
     OffloadRequest, SessionInfo, SessionList, TurnList, UpdateSessionRequest,
 )
-from phloem.sessions import KEEP, Generation, SessionError
+from phloem.sessions import KEEP, Generation, SessionError, SessionSnapshot
 
 __all__ = ["SESSION_ROUTES"]
 
 _ID = "/v1/sessions/{session_id:str}"
 
 
-def _doc(kind: type, description: str) -> dict[int, ResponseSpec]:
-    return {200: ResponseSpec(data_container=kind, description=description)}
+def _doc(status: int, kind: type, description: str, *errors: int) -> dict[int, ResponseSpec]:
+    return {status: ResponseSpec(data_container=kind, description=description), **problems(*errors)}
 
 
-@post("/v1/sessions", status_code=201, responses={201: ResponseSpec(SessionInfo)})
+@post("/v1/sessions", status_code=201,
+      responses=_doc(201, SessionInfo, "The new session", 400, 401, 413, 422, 429, 503))
 async def create_session(request: Request[Any, Any, Any], data: CreateSessionRequest,
                          ctx: ApiContext) -> Response[bytes]:
     """Create a session; initial content (``input_ids``, ``messages`` or ``text``) is turn 0."""
     data = await strict_body(request, CreateSessionRequest)
+    owner = owner_of(request)
 
     async def run() -> StoredResponse:
         content = _convert.session_input(data.input_ids, data.text, data.messages)
-        snap = await ctx.manager.create(owner_of(request), metadata=data.metadata, ttl=data.ttl,
-                                        content=content, tools=_convert.tool_specs(data.tools))
+        with ctx.limits.creating_sessions(owner, 1):
+            snap = await ctx.manager.create(owner, metadata=data.metadata, ttl=data.ttl,
+                                            content=content, tools=_convert.tool_specs(data.tools))
         return json_response(_convert.session_info(snap), 201,
                              {"Location": f"/v1/sessions/{snap.session_id}"})
     return await ctx.idempotent(request, run)
 
 
-@get("/v1/sessions", responses=_doc(SessionList, "The caller's sessions, newest first"))
+@get("/v1/sessions",
+     responses=_doc(200, SessionList, "The caller's sessions, newest first", 400, 401, 403))
 async def list_sessions(request: Request[Any, Any, Any], ctx: ApiContext,
                         limit: Annotated[int, Parameter(ge=1, le=100)] = 20,
-                        after: str | None = None, parent_id: str | None = None) -> Response[bytes]:
-    """List sessions, newest first; ``after`` is the last id of the previous page."""
-    page, has_more = ctx.manager.list_sessions(owner_of(request), limit=limit, after=after or None,
-                                      parent_id=parent_id or None)
-    body = SessionList(sessions=[_convert.session_info(s) for s in page], has_more=has_more)
+                        after: str | None = None, parent_id: str | None = None,
+                        all_keys: Annotated[bool, Parameter(query="all")] = False) -> Response[bytes]:
+    """List sessions, newest first; ``after`` is the last id of the previous page; ``all=true``
+    (admin keys only) lists every key's sessions."""
+    if all_keys and not principal_of(request).admin:
+        raise ApiError(ErrorCode.FORBIDDEN, "all=true: listing every key's sessions needs an "
+                                            "admin API key")
+    owners = ctx.keys.owners() if all_keys else [owner_of(request)]
+    page: list[SessionSnapshot] = []
+    has_more = False
+    for owner in owners:
+        part, more = ctx.manager.list_sessions(owner, limit=limit, after=after or None,
+                                               parent_id=parent_id or None)
+        page += part
+        has_more = has_more or more
+    page.sort(key=lambda s: s.session_id, reverse=True)
+    body = SessionList(sessions=[_convert.session_info(s) for s in page[:limit]],
+                       has_more=has_more or len(page) > limit)
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-@get(_ID, responses=_doc(SessionInfo, "The session"))
+@get(_ID, responses=_doc(200, SessionInfo, "The session", 401, 404))
 async def get_session(request: Request[Any, Any, Any], session_id: str,
                       ctx: ApiContext) -> Response[bytes]:
     """Look a session up."""
-    info = _convert.session_info(ctx.manager.get(owner_of(request), session_id))
-    return Response(msgspec.json.encode(info), media_type="application/json")
+    snap = ctx.manager.get(owner_of(request), checked_session_id(session_id))
+    return Response(msgspec.json.encode(_convert.session_info(snap)), media_type="application/json")
 
 
-@patch(_ID, responses=_doc(SessionInfo, "The updated session"))
+@patch(_ID, responses=_doc(200, SessionInfo, "The updated session", 400, 401, 404, 413, 422))
 async def update_session(request: Request[Any, Any, Any], session_id: str,
                          data: UpdateSessionRequest, ctx: ApiContext) -> Response[bytes]:
     """Replace the metadata and/or the TTL (``"ttl": null``: the server default)."""
+    session_id = checked_session_id(session_id)
     data = await strict_body(request, UpdateSessionRequest)
 
     async def run() -> StoredResponse:
@@ -89,41 +113,53 @@ async def update_session(request: Request[Any, Any, Any], session_id: str,
     return await ctx.idempotent(request, run)
 
 
-@delete(_ID, status_code=204)
+@delete(_ID, status_code=204, responses={
+    204: ResponseSpec(None, description="Deleted; no body"), **problems(400, 401, 404, 422)})
 async def delete_session(request: Request[Any, Any, Any], session_id: str,
                          ctx: ApiContext) -> Response[None]:
     """Delete a session (a generation in flight is cancelled and commits nothing)."""
+    session_id = checked_session_id(session_id)
+
     async def run() -> StoredResponse:
         await ctx.manager.delete(owner_of(request), session_id)
         return json_response(None, 204)
     return await ctx.idempotent(request, run)  # type: ignore[return-value]
 
 
-@post(f"{_ID}/fork", status_code=201, responses={201: ResponseSpec(ForkResult)})
+@post(f"{_ID}/fork", status_code=201,
+      responses=_doc(201, ForkResult, "The children", 400, 401, 404, 413, 422, 429, 503))
 async def fork_session(request: Request[Any, Any, Any], session_id: str, data: ForkRequest,
                        ctx: ApiContext) -> Response[bytes]:
     """Fork ``n`` children sharing the committed turns ``0..at_turn`` (default: all)."""
+    session_id = checked_session_id(session_id)
     data = await strict_body(request, ForkRequest)
+    owner = owner_of(request)
 
     async def run() -> StoredResponse:
-        children = await ctx.manager.fork(owner_of(request), session_id, data.n, data.at_turn)
+        ctx.manager.get(owner, session_id)  # a foreign or unknown parent is 404 before any quota
+        with ctx.limits.creating_sessions(owner, data.n):
+            children = await ctx.manager.fork(owner, session_id, data.n, data.at_turn)
         return json_response(ForkResult(sessions=[_convert.session_info(c) for c in children]), 201)
     return await ctx.idempotent(request, run)
 
 
-@get(f"{_ID}/turns", responses=_doc(TurnList, "The committed turns, oldest first"))
+@get(f"{_ID}/turns", responses=_doc(200, TurnList, "The committed turns, oldest first", 400, 401, 404))
 async def list_turns(request: Request[Any, Any, Any], session_id: str, ctx: ApiContext,
                      include_tokens: bool = False) -> Response[bytes]:
     """Every committed turn (``include_tokens=true`` adds their token ids)."""
-    turns = ctx.manager.turns(owner_of(request), session_id, include_tokens)
+    turns = ctx.manager.turns(owner_of(request), checked_session_id(session_id), include_tokens)
     body = TurnList(turns=[_convert.turn(t) for t in turns])
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-@post(f"{_ID}/offload", status_code=202, responses={202: ResponseSpec(SessionInfo)})
+@post(f"{_ID}/offload", status_code=202,
+      responses=_doc(202, SessionInfo, "Accepted; the move runs in the background",
+                     400, 401, 404, 409, 413, 422))
 async def offload_session(request: Request[Any, Any, Any], session_id: str,
                           ctx: ApiContext) -> Response[bytes]:
-    """Unpin the session's state (an ``OffloadRequest`` body, or none)."""
+    """Spill the session's state to host memory or disk and unpin it, in the background (an
+    ``OffloadRequest`` body, or none); 202 with the status as of acceptance."""
+    session_id = checked_session_id(session_id)
     has_body = bool((await request.body()).strip())
     body = await strict_body(request, OffloadRequest) if has_body else OffloadRequest()
 
@@ -133,30 +169,35 @@ async def offload_session(request: Request[Any, Any, Any], session_id: str,
     return await ctx.idempotent(request, run)
 
 
-@post(f"{_ID}/prefetch", status_code=202, responses={202: ResponseSpec(SessionInfo)})
+@post(f"{_ID}/prefetch", status_code=202,
+      responses=_doc(202, SessionInfo, "Accepted; the load runs in the background",
+                     400, 401, 404, 422))
 async def prefetch_session(request: Request[Any, Any, Any], session_id: str,
                            ctx: ApiContext) -> Response[bytes]:
-    """Pin the session's state again, ahead of the next append."""
+    """Load the session's spilled state back and pin it, in the background, ahead of the next
+    append; 202 with the status as of acceptance."""
+    session_id = checked_session_id(session_id)
+
     async def run() -> StoredResponse:
         snap = await ctx.manager.prefetch(owner_of(request), session_id)
         return json_response(_convert.session_info(snap), 202)
     return await ctx.idempotent(request, run)
 
 
-@post(f"{_ID}/append", status_code=200,
-      responses=_doc(AppendResult, "The committed turn (or, with `stream`, an SSE stream)"))
+@post(f"{_ID}/append", status_code=200, operation_class=StreamingOperation,
+      responses=_doc(200, AppendResult, "The committed turn (or, with `stream`, an SSE stream)",
+                     400, 401, 404, 409, 413, 422, 429, 503))
 async def append(request: Request[Any, Any, Any], session_id: str, data: AppendRequest,
                  ctx: ApiContext) -> Response[Any]:
     """Append input and optionally generate; the result is one new committed turn."""
+    session_id = checked_session_id(session_id)
     data = await strict_body(request, AppendRequest)
     owner, key = owner_of(request), request.headers.get("idempotency-key")
     claim = await ctx.claim(request, key) if key is not None else None
     if claim is not None and not isinstance(claim, Running):
         return replay(claim)
     try:
-        generation = await ctx.manager.append(
-            owner, session_id, _convert.session_input(data.input_ids, data.text, data.messages),
-            _convert.generate_options(data.generate))
+        generation = await _start_append(ctx, owner, session_id, data)
     except BaseException:
         if claim is not None and key is not None:
             ctx.idempotency.fail(owner, key, claim)
@@ -165,9 +206,21 @@ async def append(request: Request[Any, Any, Any], session_id: str, data: AppendR
         # Stored by its own task: the turn commits even if this client goes away.
         ctx.spawn(_store_outcome(ctx, owner, key, claim, generation, data.stream))
     if data.stream:
-        return ServerSentEvent(_sse_events(generation))
+        return ServerSentEvent(_sse_events(ctx, generation))
     result = _convert.append_result(await generation.result())
     return Response(msgspec.json.encode(result), media_type="application/json")
+
+
+async def _start_append(ctx: ApiContext, owner: str, session_id: str,
+                        data: AppendRequest) -> Generation:
+    async def start() -> Generation:
+        return await ctx.manager.append(
+            owner, session_id, _convert.session_input(data.input_ids, data.text, data.messages),
+            _convert.generate_options(data.generate))
+    if data.generate is None:
+        return await start()
+    ctx.manager.get(owner, session_id)  # a foreign or unknown session is 404, not 429
+    return await ctx.start_generation(owner, start)
 
 
 async def _store_outcome(ctx: ApiContext, owner: str, key: str, claim: Running,
@@ -181,21 +234,15 @@ async def _store_outcome(ctx: ApiContext, owner: str, key: str, claim: Running,
     ctx.idempotency.succeed(owner, key, claim, outcome)
 
 
-async def _sse_events(generation: Generation) -> AsyncIterator[ServerSentEventMessage]:
+async def _sse_events(ctx: ApiContext,
+                      generation: Generation) -> AsyncIterator[ServerSentEventMessage]:
     """The stream of one append: deltas (keep-alive comments while idle), then done or error."""
-    deltas = generation.deltas()
-    pending: asyncio.Future[Any] | None = None
     seq = 0
     try:
-        while True:
-            pending = pending or asyncio.ensure_future(anext(deltas, None))
-            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
-            if not done:
+        async for delta in ctx.paced(generation):
+            if delta is None:
                 yield ServerSentEventMessage(comment="keep-alive")
                 continue
-            delta, pending = pending.result(), None
-            if delta is None:
-                break
             yield sse_message(_convert.delta_event(delta, seq))
             seq += 1
         try:
@@ -205,8 +252,6 @@ async def _sse_events(generation: Generation) -> AsyncIterator[ServerSentEventMe
             return
         yield sse_message(_convert.done_event(result, seq))
     finally:
-        if pending is not None:
-            pending.cancel()
         # The client went away mid-stream: stop, and commit what was generated.
         generation.cancel()
 

@@ -7,9 +7,12 @@ so a ``cancel`` or ``fork`` can arrive while it runs. Every event carries the co
 the message that caused it.
 
 Errors are ``error`` events and the socket stays open, except when the session does not exist
-(at the handshake, or deleted later): one ``error`` event, then close with ``4404``. ``cancel``
-stops this connection's generation, waits for its ``done`` (the partial output is committed) and
-then answers ``cancelled``. A client that closes the socket cancels its generation the same way.
+for the caller's key (at the handshake, or deleted later): one ``error`` event, then close with
+``4404`` (``AuthMiddleware`` refuses a bad key the same way with ``4401``). ``cancel`` stops this
+connection's generation, waits for its ``done`` (the partial output is committed) and then
+answers ``cancelled``. A client that closes the socket cancels its generation the same way, and
+so does a generation that produces nothing for the idle timeout (``_pacing``). A socket with no
+generation running that receives nothing for the idle timeout is closed with 1000.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import msgspec
 from litestar import WebSocket, websocket
 
 from phloem.api import _convert
-from phloem.api._context import ApiContext, error_event, owner_of
-from phloem.api._errors_http import classify
+from phloem.api._context import ApiContext, checked_session_id, error_event, owner_of
+from phloem.api._errors_http import ApiError, classify
 from phloem.api.schemas import (
     ERROR_STATUS, AppendMessage, CancelledEvent, CancelMessage, ClientMessage, ErrorCode,
     ErrorEvent, ForkedEvent, ForkMessage, ServerEvent,
@@ -41,35 +44,58 @@ class _Closed(Exception):
     """The socket is closed (by the client, or by us after a fatal error)."""
 
 
+class _Idle(Exception):
+    """Nothing was received and nothing ran for the idle timeout."""
+
+
 class _Connection:
     def __init__(self, socket: WebSocket[Any, Any, Any], ctx: ApiContext, session_id: str) -> None:
         self._socket = socket
         self._ctx = ctx
         self._session_id = session_id
-        self._owner = owner_of(socket)  # type: ignore[arg-type]
+        self._owner = owner_of(socket)
         self._seq = 0
         self._send_lock = asyncio.Lock()
         self._closed = False
         self._generation: Generation | None = None
         self._forwarder: asyncio.Task[None] | None = None
+        # Loop time of the last message received or event sent (the idle timeout's origin).
+        self._last_active = asyncio.get_running_loop().time()
 
     async def run(self) -> None:
         await self._socket.accept()
         try:
-            self._ctx.manager.get(self._owner, self._session_id)
+            self._ctx.manager.get(self._owner, checked_session_id(self._session_id))
             while True:
-                message = await self._socket.receive()
+                message = await self._receive()
                 if message["type"] == "websocket.disconnect":
                     break
                 await self._handle(message)
-        except SessionNotFound as exc:
+        except (SessionNotFound, ApiError) as exc:
             await self._fatal(exc, None)
+        except _Idle:
+            await self._close(1000, "idle")
         except _Closed:
             pass
         finally:
             self._closed = True
             if self._generation is not None:
                 self._generation.cancel()
+
+    async def _receive(self) -> Any:
+        """The next client message; raises ``_Idle`` after the idle timeout with nothing running."""
+        loop = asyncio.get_running_loop()
+        while True:
+            idle_left = self._last_active + self._ctx.stream_idle_timeout_s - loop.time()
+            if idle_left <= 0 and self._generation is None:
+                raise _Idle
+            try:
+                message = await asyncio.wait_for(self._socket.receive(),
+                                                 max(idle_left, self._ctx.stream_idle_timeout_s / 10))
+            except TimeoutError:
+                continue
+            self._last_active = loop.time()
+            return message
 
     async def _handle(self, message: Any) -> None:
         text = message.get("text")
@@ -90,21 +116,27 @@ class _Connection:
                 await self._fork(request)
         except SessionNotFound:
             raise
-        except SessionError as exc:
+        except (SessionError, ApiError) as exc:
             await self._send(error_event(exc, 0, request.request_id))
 
     async def _append(self, message: AppendMessage) -> None:
-        generation = await self._ctx.manager.append(
-            self._owner, self._session_id,
-            _convert.session_input(message.input_ids, message.text, message.messages),
-            _convert.generate_options(message.generate))
+        async def start() -> Generation:
+            return await self._ctx.manager.append(
+                self._owner, self._session_id,
+                _convert.session_input(message.input_ids, message.text, message.messages),
+                _convert.generate_options(message.generate))
+        if message.generate is None:
+            generation = await start()
+        else:
+            generation = await self._ctx.start_generation(self._owner, start)
         self._generation = generation
         self._forwarder = asyncio.ensure_future(self._forward(generation, message.request_id))
 
     async def _forward(self, generation: Generation, request_id: str | None) -> None:
         try:
-            async for delta in generation.deltas():
-                await self._send(_convert.delta_event(delta, 0, request_id))
+            async for delta in self._ctx.paced(generation):
+                if delta is not None:
+                    await self._send(_convert.delta_event(delta, 0, request_id))
             try:
                 result = _convert.append_result(await generation.result())
             except SessionNotFound as exc:
@@ -130,8 +162,9 @@ class _Connection:
         await self._send(CancelledEvent(sequence_number=0, request_id=request_id))
 
     async def _fork(self, message: ForkMessage) -> None:
-        children = await self._ctx.manager.fork(self._owner, self._session_id, message.n,
-                                                message.at_turn)
+        with self._ctx.limits.creating_sessions(self._owner, message.n):
+            children = await self._ctx.manager.fork(self._owner, self._session_id, message.n,
+                                                    message.at_turn)
         await self._send(ForkedEvent(sequence_number=0, request_id=message.request_id,
                                      sessions=[_convert.session_info(c) for c in children]))
 
@@ -139,16 +172,19 @@ class _Connection:
         await self._send(ErrorEvent(sequence_number=0, code=code.value, message=message,
                                     request_id=request_id))
 
-    async def _fatal(self, exc: SessionError, request_id: str | None) -> None:
+    async def _fatal(self, exc: SessionError | ApiError, request_id: str | None) -> None:
         """Send the error event, then close with ``4000 + status`` (e.g. 4404)."""
         code = classify(exc)[0]
         with contextlib.suppress(_Closed):
             await self._send(error_event(exc, 0, request_id))
+        await self._close(4000 + ERROR_STATUS[code])
+
+    async def _close(self, code: int, reason: str = "") -> None:
         async with self._send_lock:
             if not self._closed:
                 self._closed = True
                 with contextlib.suppress(Exception):
-                    await self._socket.close(code=4000 + ERROR_STATUS[code])
+                    await self._socket.close(code=code, reason=reason)
 
     async def _send(self, event: ServerEvent) -> None:
         """Send ``event`` with the connection's next sequence number."""
@@ -163,6 +199,7 @@ class _Connection:
                 self._closed = True
                 raise _Closed from exc
             self._seq += 1
+            self._last_active = asyncio.get_running_loop().time()
 
 
 @websocket("/v1/sessions/{session_id:str}/ws")

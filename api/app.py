@@ -5,9 +5,14 @@ Routes: the native sessions API (``_routes_sessions``, ``_ws``), the OpenAI-comp
 ``/schema/openapi.json``). Every error, the framework's included, goes through
 ``_errors_http.exception_handler``.
 
-Bodies larger than ``ServerConfig.max_body_bytes`` are 413 ``payload_too_large`` (Litestar's
-``request_max_body_size``, whether or not the request announces its length). WebSocket frames
-are limited to the same size by uvicorn (``ws_max_size``: the socket closes with 1009).
+Every route under ``/v1/`` is authenticated by ``_auth.AuthMiddleware`` when API keys are
+configured (``/health`` and the schema stay public). Limits (docs/api.md, "Limits"): bodies
+larger than ``ServerConfig.max_body_bytes`` are 413 ``payload_too_large`` (Litestar's
+``request_max_body_size``, whether or not the request announces its length), and WebSocket
+frames are limited to the same size by uvicorn (``ws_max_size``: the socket closes with 1009);
+per-key quotas are ``_limits``; the server-wide limit on generations is the sessions layer's
+admission (``max_num_generations``, 503); the context window is the engine's ``max_model_len``
+(``max_context_len``, 400); idle streams are cancelled (``_pacing``).
 
 Lifecycle: ``create_app`` starts the manager on startup (loading the journaled sessions) and
 closes it on shutdown; ``serve`` owns the engine: it builds and starts it, and stops it after
@@ -30,10 +35,15 @@ import uvicorn
 from litestar import Litestar, Response, get
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec import Components, SecurityScheme
 
 from phloem import __version__
+from phloem.api._auth import AuthMiddleware, KeyRing
 from phloem.api._context import ApiContext
-from phloem.api._errors_http import ApiError, error_response, exception_handler
+from phloem.api._errors_http import ApiError, error_response, exception_handler, problems
+from phloem.api._health import health_body
+from phloem.api._limits import OwnerLimits
 from phloem.api._routes_openai import OPENAI_ROUTES
 from phloem.api._routes_sessions import SESSION_ROUTES
 from phloem.api._ws import session_socket
@@ -53,7 +63,8 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
     """Build the HTTP/WebSocket application.
 
     Args:
-        config: The server config (body limit; ``model`` names the served model).
+        config: The server config (API keys, limits; ``model`` names the served model). The
+            server-wide generation limit belongs to ``manager``'s ``SessionConfig``.
         engine_client: The engine (its state answers ``/health``); not started or stopped here.
         manager: The session manager; started on the app's startup, closed on its shutdown.
 
@@ -63,15 +74,20 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
     model_id = Path(config.model).name if config.model else DEFAULT_MODEL_NAME
     owned_by = ("phloem (built-in demo model with RANDOM weights: its output is gibberish)"
                 if model_id == DEFAULT_MODEL_NAME else "phloem")
-    ctx = ApiContext(manager, model_id, owned_by)
+    keys = KeyRing(config.api_keys)
+    limits = OwnerLimits(manager, config.max_sessions_per_key, config.max_generations_per_key,
+                         config.retry_after_s)
+    ctx = ApiContext(manager, model_id, owned_by, keys, limits, config.stream_idle_timeout_s)
 
-    @get("/health", include_in_schema=True)
+    @get("/health", include_in_schema=True, responses={
+        200: ResponseSpec(dict[str, str], description="The engine runs"), **problems(503)})
     async def health() -> Response[Any]:
-        """200 while the engine runs; 503 (with ``Retry-After``) otherwise."""
+        """200 ``ok`` (or ``degraded`` with a ``reason``, e.g. the index is unreachable) while the
+        engine runs; 503 (with ``Retry-After``) otherwise."""
         if not engine_client.is_running:
             return error_response("/health", ApiError(
                 ErrorCode.OVERLOADED, "the engine is not running", retry_after=5.0))
-        return Response({"status": "ok", "model": model_id})
+        return Response(health_body(manager, model_id))
 
     # NOTE: Litestar passes the app to a lifespan hook that takes an argument: wrap them.
     async def start_sessions() -> None:
@@ -84,12 +100,19 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
         route_handlers=[*SESSION_ROUTES, session_socket, *OPENAI_ROUTES, health],
         dependencies={"ctx": Provide(lambda: ctx, sync_to_thread=False, use_cache=True)},
         exception_handlers={Exception: exception_handler},
+        middleware=[AuthMiddleware(keys)],
         request_max_body_size=config.max_body_bytes,
         on_startup=[start_sessions],
         on_shutdown=[close_sessions],
-        openapi_config=OpenAPIConfig(title="Phloem", version=__version__,
-                                     description="Sessions, streaming and OpenAI-compatible "
-                                                 "routes of a Phloem server (docs/api.md)."),
+        openapi_config=OpenAPIConfig(
+            title="Phloem", version=__version__,
+            description="Sessions, streaming and OpenAI-compatible routes of a Phloem server "
+                        "(docs/api.md). Routes under /v1 need `Authorization: Bearer <key>` when "
+                        "the server has API keys.",
+            components=Components(security_schemes={
+                "apiKey": SecurityScheme(type="http", scheme="bearer",
+                                         description="An API key of the server")}),
+            security=[{"apiKey": []}] if keys.enabled else None),
     )
 
 
@@ -110,9 +133,12 @@ def serve(config: ServerConfig) -> None:
     config.data_dir.mkdir(parents=True, exist_ok=True)
     engine = EngineClient.from_pretrained(config.model, config.engine_options)
     sessions = SessionConfig(data_dir=config.data_dir, model_fingerprint=model_fingerprint(config.model),
-                             redis_url=config.redis_url, default_ttl_s=config.default_ttl_s)
+                             redis_url=config.redis_url, default_ttl_s=config.default_ttl_s,
+                             max_num_generations=config.max_num_generations,
+                             retry_after_s=config.retry_after_s)
     manager = SessionManager(engine, Tokenizer.from_pretrained(config.model), sessions)
     app = create_app(config, engine, manager)
+    _log_auth(config)
 
     async def stop_engine() -> None:
         await engine.shutdown()
@@ -133,3 +159,19 @@ def serve(config: ServerConfig) -> None:
         signal.signal(signal.SIGTERM, previous)
         if engine.is_running:
             asyncio.run(engine.shutdown())
+
+
+def _log_auth(config: ServerConfig) -> None:
+    """Say at start who may use the server (counts only: a key never reaches a log)."""
+    if config.api_keys:
+        num_admin = sum(k.admin for k in config.api_keys)
+        logger.info("auth: %d API key(s) (%d admin); /v1 routes need `Authorization: Bearer`",
+                    len(config.api_keys), num_admin)
+    elif config.allow_remote_without_auth:
+        logger.warning("auth: DISABLED and serving %s (--allow-remote-without-auth): anyone who "
+                       "reaches port %d can read, change and delete every session",
+                       config.host, config.port)
+    else:
+        logger.warning("auth: no API keys: every request is one anonymous owner; serving loopback "
+                       "only (%s). Give --api-key / --api-keys-file / $PHLOEM_API_KEY to serve "
+                       "the network", config.host)

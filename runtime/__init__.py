@@ -21,15 +21,19 @@ from phloem.runtime.config import EngineOptions, ServerConfig
 if TYPE_CHECKING:
     from phloem.runtime.default_model import ensure_default_model
     from phloem.runtime.engine_client import EngineClient
-    from phloem.runtime.engine_commands import EngineStats
+    from phloem.runtime.engine_commands import EngineStats, PrefixState
     from phloem.runtime.engine_loop import EngineLoop
 
-__all__ = ["EngineClient", "EngineLoop", "EngineOptions", "EngineStats", "ServerConfig", "ensure_default_model"]
+__all__ = [
+    "EngineClient", "EngineLoop", "EngineOptions", "EngineStats", "PrefixState", "ServerConfig",
+    "ensure_default_model",
+]
 
 _LAZY = {
     "EngineClient": "phloem.runtime.engine_client",
     "EngineLoop": "phloem.runtime.engine_loop",
     "EngineStats": "phloem.runtime.engine_commands",
+    "PrefixState": "phloem.runtime.engine_commands",
     "ensure_default_model": "phloem.runtime.default_model",
 }
 

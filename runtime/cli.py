@@ -16,8 +16,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from phloem.runtime._bench_cli import add_bench_commands
 from phloem.runtime._demo import DemoOptions
-from phloem.runtime.config import DTYPES, ServerConfig
+from phloem.runtime.config import (
+    DTYPES, ApiKey, EngineOptions, ServerConfig, parse_api_key, read_api_keys_file,
+)
 from phloem.runtime.env import EnvSettings, read_env
 
 __all__ = ["build_parser", "main"]
@@ -28,17 +31,15 @@ examples:
   phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --dtype bfloat16
   phloem serve --port 9000 --redis-url redis://localhost:6379/0
   phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --tp 2   # GPUs 0 and 1
-  PHLOEM_DATA_DIR=/srv/phloem phloem serve --host 0.0.0.0
+  phloem serve --host 0.0.0.0 --api-keys-file /etc/phloem/keys   # one KEY[:admin] per line
+  PHLOEM_API_KEY=$(cat /run/secrets/key) phloem serve --host 0.0.0.0
+  phloem serve --max-generations-per-key 8 --max-sessions-per-key 100 --max-context-len 32768
 """
 _DEMO_EXAMPLES = """\
 examples:
   phloem demo                                   # starts a server on a free port, then stops it
   phloem demo --base-url http://127.0.0.1:8000  # drive a server that is already running
   phloem demo --max-tokens 32 --model ~/models/Qwen3.5-35B-A3B
-"""
-_BENCH_EXAMPLES = """\
-examples:
-  phloem bench                                  # not implemented yet (exits with status 2)
 """
 
 
@@ -78,9 +79,13 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--tp", metavar="N", type=int, default=defaults["tensor_parallel_size"],
                        help="tensor parallelism: N processes (on CUDA, N GPUs from --device) "
                             "run the model (default: %(default)s)")
+    serve.add_argument("--no-prefix-cache", action="store_true",
+                       help="disable the radix prefix cache (benchmark baseline)")
     serve.add_argument("--default-ttl", metavar="SECONDS", type=float,
                        default=defaults["default_ttl_s"],
                        help="seconds a session stays pinned after a turn (default: %(default)s)")
+    _add_auth_flags(serve, env)
+    _add_limit_flags(serve, defaults)
     serve.set_defaults(configure=_server_config, run=_serve)
 
     demo = commands.add_parser(
@@ -103,15 +108,53 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
                       help="how long to wait for the server it starts (default: %(default)s)")
     demo.set_defaults(configure=_demo_options, run=_demo)
 
-    bench = commands.add_parser(
-        "bench",
-        help="benchmarks (not implemented yet)",
-        description="Benchmarks of the engine and the server. Not implemented yet.",
-        epilog=_BENCH_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench.set_defaults(configure=lambda args: None, run=_bench)
+    add_bench_commands(commands, _bench_agentic)
     return parser
+
+
+def _add_auth_flags(serve: argparse.ArgumentParser, env: EnvSettings) -> None:
+    auth = serve.add_argument_group(
+        "authentication",
+        "Clients send `Authorization: Bearer KEY`; a session belongs to the key that created it. "
+        "Without any key every request is one anonymous owner, and only loopback is served.")
+    auth.add_argument("--api-key", metavar="KEY[:admin]", action="append",
+                      help="accept this API key (repeatable); `:admin` also lets it list every "
+                           "key's sessions. Visible in `ps`: prefer --api-keys-file or "
+                           "$PHLOEM_API_KEY (its default when neither flag is given)")
+    auth.add_argument("--api-keys-file", metavar="FILE", type=Path, default=env.api_keys_file,
+                      help="read API keys from FILE, one KEY[:admin] per line; blank lines and "
+                           "lines starting with # are skipped (default: $PHLOEM_API_KEYS_FILE)")
+    auth.add_argument("--allow-remote-without-auth", action="store_true",
+                      help="serve a non-loopback --host without API keys: anyone who can reach "
+                           "the port can read every session")
+    # Kept out of the help text and its %(default)s on purpose: it is a secret.
+    serve.set_defaults(env_api_key=env.api_key)
+
+
+def _add_limit_flags(serve: argparse.ArgumentParser, defaults: dict[str, object]) -> None:
+    limits = serve.add_argument_group(
+        "limits", "Beyond a per-key limit: 429 rate_limited; beyond a server-wide one: 503 "
+                  "overloaded (both with Retry-After).")
+    limits.add_argument("--max-body-bytes", metavar="BYTES", type=int,
+                        default=defaults["max_body_bytes"],
+                        help="largest request body or WebSocket frame; larger is 413 "
+                             "payload_too_large (default: %(default)s)")
+    limits.add_argument("--max-context-len", metavar="TOKENS", type=int, default=None,
+                        help="longest token history of a session or request; longer is 400 "
+                             "context_length_exceeded (default: the model's limit)")
+    limits.add_argument("--max-sessions-per-key", metavar="N", type=int,
+                        default=defaults["max_sessions_per_key"],
+                        help="sessions one key may hold, forks included (default: %(default)s)")
+    limits.add_argument("--max-generations-per-key", metavar="N", type=int,
+                        default=defaults["max_generations_per_key"],
+                        help="generations one key may run at once (default: %(default)s)")
+    limits.add_argument("--max-generations", metavar="N", type=int,
+                        default=defaults["max_num_generations"],
+                        help="generations in flight on the whole server (default: %(default)s)")
+    limits.add_argument("--stream-idle-timeout", metavar="SECONDS", type=float,
+                        default=defaults["stream_idle_timeout_s"],
+                        help="cancel a streamed generation that produces nothing for this long, "
+                             "and close a WebSocket idle this long (default: %(default)s)")
 
 
 def _pick(env_value: object, default: object) -> object:
@@ -143,6 +186,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(args.run(config))
 
 
+def _api_keys(args: argparse.Namespace) -> tuple[ApiKey, ...]:
+    keys = [parse_api_key(text, "--api-key") for text in args.api_key or ()]
+    if args.api_keys_file is not None:
+        try:
+            keys += read_api_keys_file(args.api_keys_file)
+        except OSError as exc:
+            raise ValueError(f"api_keys_file: cannot read {args.api_keys_file}: {exc.strerror}") from None
+    if not keys and args.env_api_key:
+        keys.append(parse_api_key(args.env_api_key, "$PHLOEM_API_KEY"))
+    return tuple(keys)
+
+
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     options = {"data_dir": args.data_dir} if args.data_dir is not None else {}
     return ServerConfig(
@@ -154,8 +209,24 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         dtype=args.dtype,
         default_ttl_s=args.default_ttl,
         tensor_parallel_size=args.tp,
+        api_keys=_api_keys(args),
+        allow_remote_without_auth=args.allow_remote_without_auth,
+        max_body_bytes=args.max_body_bytes,
+        max_context_len=args.max_context_len,
+        max_sessions_per_key=args.max_sessions_per_key,
+        max_generations_per_key=args.max_generations_per_key,
+        max_num_generations=args.max_generations,
+        stream_idle_timeout_s=args.stream_idle_timeout,
         **options,
+        **_no_cache(args),
     )
+
+
+def _no_cache(args: argparse.Namespace) -> dict[str, EngineOptions]:
+    if not args.no_prefix_cache:
+        return {}
+    tp = args.tp if args.tp > 1 else None
+    return {"engine": EngineOptions(device=args.device, dtype=args.dtype, tensor_parallel_size=tp, enable_prefix_caching=False)}
 
 
 def _serve(config: ServerConfig) -> int:
@@ -194,9 +265,18 @@ def _demo(options: DemoOptions) -> int:
     return run_demo(options, Client, sys.stdout)
 
 
-def _bench(config: None) -> int:
-    sys.stderr.write("phloem bench: not implemented yet\n")
-    return 2
+def _bench_agentic(args: argparse.Namespace) -> int:
+    from phloem.api.bench_agentic import AgenticWorkload, run_agentic
+
+    workload = AgenticWorkload(
+        agents=args.agents, first_turn=args.first_turn, append=args.append, turns=args.turns, output=args.output,
+        tool_pause_s=args.tool_pause, fork_at=args.fork_at, forks=args.forks, vocab_hi=args.vocab_hi,
+    )  # fmt: skip
+    table, data = run_agentic(
+        workload, tuple(args.modes.split(",")), args.base_url, tuple(args.server_arg), str(args.out), args.gpus
+    )
+    sys.stdout.write(table + "\n" + f"raw numbers and plots: {args.out}/\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ the value). Neither reads the environment, except the default of ``ServerConfig.
 second time when ``Engine.from_pretrained`` builds them; the checks here only catch what would
 otherwise fail late, in the engine thread, after the server has started.
 
+Decision: without API keys the server serves one anonymous owner, so ``ServerConfig`` refuses a
+non-loopback ``host`` unless ``allow_remote_without_auth`` says so explicitly. API keys are
+``ApiKey`` values whose ``repr`` hides the secret, so printing a config never leaks one.
+
 Decision: ``ServerConfig.device`` / ``dtype`` / ``tensor_parallel_size`` are the server's flags;
 ``ServerConfig.engine`` optionally carries every other engine knob, and must then agree on them (two
 different answers are an error, never silently resolved). ``ServerConfig.engine_options`` is what
@@ -15,12 +19,15 @@ to pass on.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from phloem.runtime.env import default_data_dir
 
-__all__ = ["DTYPES", "LOAD_FORMATS", "EngineOptions", "ServerConfig"]
+__all__ = ["DTYPES", "LOAD_FORMATS", "ApiKey", "EngineOptions", "ServerConfig", "is_loopback",
+           "parse_api_key", "read_api_keys_file"]
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("safetensors", "dummy")
@@ -36,6 +43,96 @@ _POSITIVE_OPTIONS = (
     "max_num_seqs",
     "max_model_len",
 )
+
+
+# RFC 6750 b64token characters, no ':' (it separates the role in `key:admin`).
+_API_KEY_RE = re.compile(r"[A-Za-z0-9._~+/=-]+")
+MIN_API_KEY_LEN = 16
+MAX_API_KEY_LEN = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """One API key the server accepts (``Authorization: Bearer <secret>``).
+
+    Args:
+        secret: The key itself: 16-256 characters of ``[A-Za-z0-9._~+/=-]``. Never in ``repr``
+            and never in an error message.
+        admin: The key may also list every owner's sessions (``GET /v1/sessions?all=true``).
+
+    Raises:
+        ValueError: The secret is malformed (the message gives its length, never its text).
+    """
+
+    secret: str = field(repr=False)
+    admin: bool = False
+
+    def __post_init__(self) -> None:
+        expected = f"expected {MIN_API_KEY_LEN}-{MAX_API_KEY_LEN} characters of [A-Za-z0-9._~+/=-]"
+        if not isinstance(self.secret, str):
+            raise ValueError(f"api_keys: {expected}, got a {type(self.secret).__name__}")
+        if not MIN_API_KEY_LEN <= len(self.secret) <= MAX_API_KEY_LEN:
+            raise ValueError(f"api_keys: {expected}, got a key of {len(self.secret)} characters")
+        if _API_KEY_RE.fullmatch(self.secret) is None:
+            raise ValueError(f"api_keys: {expected}, got a key with other characters")
+
+
+def parse_api_key(text: str, where: str = "api key") -> ApiKey:
+    """Parse ``key`` or ``key:admin``.
+
+    Args:
+        text: The key, optionally followed by ``:admin``.
+        where: Names the source in an error message (a flag, or ``file:line``).
+
+    Returns:
+        The key.
+
+    Raises:
+        ValueError: A role other than ``admin``, or a malformed key; the message names ``where``
+            and never contains the key.
+    """
+    secret, sep, role = text.strip().rpartition(":")
+    if not sep:
+        secret, role = role, ""
+    if sep and role != "admin":
+        raise ValueError(f"api_keys: {where}: expected `KEY` or `KEY:admin`, got another role "
+                         f"after ':' ({len(role)} characters)")
+    try:
+        return ApiKey(secret, admin=role == "admin")
+    except ValueError as exc:
+        raise ValueError(f"{exc} ({where})") from None
+
+
+def read_api_keys_file(path: Path) -> tuple[ApiKey, ...]:
+    """Read one ``key[:admin]`` per line; blank lines and lines starting with ``#`` are skipped.
+
+    Args:
+        path: The keys file.
+
+    Returns:
+        The keys, in file order.
+
+    Raises:
+        OSError: The file cannot be read.
+        ValueError: A line is malformed, or a key is repeated (named by ``file:line``).
+    """
+    keys: list[ApiKey] = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            keys.append(parse_api_key(line, f"{path}:{number}"))
+    if len({k.secret for k in keys}) != len(keys):
+        raise ValueError(f"api_keys: {path}: a key is listed twice")
+    return tuple(keys)
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, or an address in 127.0.0.0/8 or ``::1``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_tp_size(name: str, size: int | None) -> None:
@@ -119,8 +216,19 @@ class ServerConfig:
         device: torch device of the engine.
         dtype: weight dtype (one of ``DTYPES``).
         default_ttl_s: seconds a session stays pinned after a turn when it names no TTL.
-        max_body_bytes: largest accepted request body.
+        max_body_bytes: largest accepted request body (larger: 413 ``payload_too_large``).
         tensor_parallel_size: ranks running the model (``--tp``), 1 to 8.
+        api_keys: accepted keys; empty: no authentication, one anonymous owner for every request.
+        allow_remote_without_auth: permit a non-loopback ``host`` without ``api_keys``.
+        max_context_len: longest token history of a session or request (the engine's
+            ``max_model_len``); None: the model's own limit. Beyond it: 400
+            ``context_length_exceeded``.
+        max_sessions_per_key: sessions one key may hold (create and fork; beyond: 429).
+        max_generations_per_key: generations one key may run at once (beyond: 429).
+        max_num_generations: generations in flight on the whole server (beyond: 503).
+        stream_idle_timeout_s: a streamed generation (SSE or WebSocket) that produces nothing for
+            this long is cancelled; an idle WebSocket (no generation, no message) is closed.
+        retry_after_s: the ``Retry-After`` of 429 and 503 answers.
         engine: every other engine knob; its ``device``, ``dtype`` and ``tensor_parallel_size``
             must equal the fields above.
     """
@@ -136,6 +244,14 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     tensor_parallel_size: int = 1
     engine: EngineOptions | None = None
+    api_keys: tuple[ApiKey, ...] = ()
+    allow_remote_without_auth: bool = False
+    max_context_len: int | None = None
+    max_sessions_per_key: int = 4096
+    max_generations_per_key: int = 128
+    max_num_generations: int = 256
+    stream_idle_timeout_s: float = 300.0
+    retry_after_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -153,9 +269,9 @@ class ServerConfig:
             raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
         if not 0.0 <= self.default_ttl_s <= 86_400.0:
             raise ValueError(f"default_ttl_s: expected seconds in [0, 86400], got {self.default_ttl_s!r}")
-        if self.max_body_bytes <= 0:
-            raise ValueError(f"max_body_bytes: expected > 0, got {self.max_body_bytes}")
         _check_tp_size("tensor_parallel_size", self.tensor_parallel_size)
+        self._check_auth()
+        self._check_limits()
         if self.engine is not None and (self.engine.device, self.engine.dtype) != (self.device, self.dtype):
             raise ValueError(
                 f"engine: its device/dtype ({self.engine.device!r}, {self.engine.dtype!r}) must equal "
@@ -166,14 +282,55 @@ class ServerConfig:
                 f"engine: its tensor_parallel_size ({self.engine.tensor_parallel_size!r}) must equal "
                 f"ServerConfig.tensor_parallel_size ({self.tensor_parallel_size!r})"
             )
+        if self.engine is not None and self.max_context_len is not None and (
+                self.engine.max_model_len not in (None, self.max_context_len)):
+            raise ValueError(
+                f"engine: its max_model_len ({self.engine.max_model_len!r}) must equal "
+                f"ServerConfig.max_context_len ({self.max_context_len!r})"
+            )
+
+    def _check_auth(self) -> None:
+        if not all(isinstance(k, ApiKey) for k in self.api_keys):
+            raise ValueError("api_keys: expected a tuple of ApiKey")
+        if len({k.secret for k in self.api_keys}) != len(self.api_keys):
+            raise ValueError("api_keys: a key is given twice")
+        if not self.api_keys and not self.allow_remote_without_auth and not is_loopback(self.host):
+            raise ValueError(
+                f"host: without API keys the server only binds to loopback (127.0.0.1, ::1, "
+                f"localhost), got {self.host!r}; give --api-key / --api-keys-file / "
+                "$PHLOEM_API_KEY, or pass --allow-remote-without-auth to serve the network "
+                "unauthenticated"
+            )
+
+    def _check_limits(self) -> None:
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes: expected > 0, got {self.max_body_bytes}")
+        if self.max_context_len is not None and self.max_context_len < 2:
+            raise ValueError(f"max_context_len: expected >= 2 or None, got {self.max_context_len}")
+        for name in ("max_sessions_per_key", "max_generations_per_key", "max_num_generations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+        if not self.stream_idle_timeout_s > 0:
+            raise ValueError(f"stream_idle_timeout_s: expected seconds > 0, got {self.stream_idle_timeout_s!r}")
+        if not self.retry_after_s > 0:
+            raise ValueError(f"retry_after_s: expected seconds > 0, got {self.retry_after_s!r}")
+
+    @property
+    def auth_enabled(self) -> bool:
+        """Requests must carry one of ``api_keys``."""
+        return bool(self.api_keys)
 
     @property
     def engine_options(self) -> EngineOptions:
         """The options to build the engine with."""
         if self.engine is not None:
+            if self.max_context_len is not None and self.engine.max_model_len is None:
+                return dataclasses.replace(self.engine, max_model_len=self.max_context_len)
             return self.engine
         tp = self.tensor_parallel_size if self.tensor_parallel_size > 1 else None
-        return EngineOptions(device=self.device, dtype=self.dtype, tensor_parallel_size=tp)
+        return EngineOptions(device=self.device, dtype=self.dtype, tensor_parallel_size=tp,
+                             max_model_len=self.max_context_len)
 
     @property
     def models_dir(self) -> Path:

@@ -35,10 +35,14 @@ from phloem.runtime.engine_commands import (
     AddRequest,
     Command,
     EngineStats,
+    ExportPrefix,
     GetStats,
+    ImportPrefix,
     PinPrefix,
     PrefixHandle,
+    PrefixState,
     QueryCachedPrefix,
+    ResetPrefixCache,
     UnpinPrefix,
 )
 from phloem.runtime.engine_loop import EngineLoop
@@ -227,6 +231,48 @@ class EngineClient:
             EngineError: The engine loop is not running.
         """
         return await self._call(QueryCachedPrefix(tuple(token_ids)))
+
+    async def export_prefix(self, token_ids: Sequence[int]) -> PrefixState | None:
+        """Host copies of the KV pages and GDN checkpoint of the deepest cached prefix of
+        ``token_ids`` (to spill a session); the device copy stays in the cache.
+
+        A turn-end checkpoint still being published is waited for, as in ``pin_prefix``.
+
+        Args:
+            token_ids: A token history (e.g. a session's tokens).
+
+        Returns:
+            The state, covering ``state.token_ids`` (a prefix of ``token_ids``), or None when
+            nothing of it is cached (and always under tensor parallelism, for now).
+
+        Raises:
+            EngineError: The engine loop is not running.
+        """
+        return await self._call(ExportPrefix(tuple(token_ids)))
+
+    async def import_prefix(self, state: PrefixState) -> bool:
+        """Load a spilled prefix into fresh pages and a fresh slot and publish it in the prefix
+        cache, so the next request on that history computes only what lies past it.
+
+        Args:
+            state: What ``export_prefix`` returned (possibly after a round trip through storage).
+
+        Returns:
+            False when the pools could not make room (nothing was taken).
+
+        Raises:
+            ValueError: The tensors do not match this engine's cache layout.
+            EngineError: The engine loop is not running.
+        """
+        return await self._call(ImportPrefix(state))
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every unpinned prefix from the cache (pinned heads and running requests stay).
+
+        Raises:
+            EngineError: The engine loop is not running.
+        """
+        await self._call(ResetPrefixCache())
 
     async def stats(self) -> EngineStats:
         """Pool and cache counters, taken between two engine steps.

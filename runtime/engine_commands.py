@@ -14,17 +14,22 @@ from typing import TypeAlias
 
 from phloem.engine import EngineError, RequestOutput, SamplingParams
 from phloem.engine.cache_manager import CacheStats
+from phloem.engine.prefix_state import PrefixState
 
 __all__ = [
     "AbortRequest",
     "AddRequest",
     "Command",
     "EngineStats",
+    "ExportPrefix",
     "GetStats",
+    "ImportPrefix",
     "OutputSink",
     "PinPrefix",
     "PrefixHandle",
+    "PrefixState",
     "QueryCachedPrefix",
+    "ResetPrefixCache",
     "Shutdown",
     "UnpinPrefix",
 ]
@@ -79,6 +84,29 @@ class QueryCachedPrefix:
 
 
 @dataclass(frozen=True, slots=True)
+class ExportPrefix:
+    """Host copies of the deepest cached checkpoint within ``token_ids`` (``None``: nothing cached)."""
+
+    token_ids: tuple[int, ...]
+    reply: Future[PrefixState | None] = field(default_factory=Future)
+
+
+@dataclass(frozen=True, slots=True)
+class ImportPrefix:
+    """Load a spilled prefix into the radix cache; ``reply`` is False when no room could be made."""
+
+    state: PrefixState
+    reply: Future[bool] = field(default_factory=Future)
+
+
+@dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    """Drop every unpinned prefix from the radix cache (pinned heads and running requests stay)."""
+
+    reply: Future[None] = field(default_factory=Future)
+
+
+@dataclass(frozen=True, slots=True)
 class GetStats:
     reply: Future[EngineStats] = field(default_factory=Future)
 
@@ -91,7 +119,10 @@ class Shutdown:
     reply: Future[None] = field(default_factory=Future)
 
 
-Command: TypeAlias = AddRequest | AbortRequest | PinPrefix | UnpinPrefix | QueryCachedPrefix | GetStats | Shutdown
+Command: TypeAlias = (
+    AddRequest | AbortRequest | PinPrefix | UnpinPrefix | QueryCachedPrefix | ExportPrefix | ImportPrefix
+    | ResetPrefixCache | GetStats | Shutdown
+)
 
 
 @dataclass(frozen=True, slots=True)

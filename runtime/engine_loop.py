@@ -14,8 +14,9 @@ One iteration::
 
 A request's final output comes one step before its turn-end checkpoint is in the prefix cache
 (the engine computes the last token once more to publish it). So a prefix query (``PinPrefix``,
-``QueryCachedPrefix``) that arrives while such a checkpoint is pending is answered after the next
-step: a session that pins its new head right after a turn gets the whole turn.
+``QueryCachedPrefix``, ``ExportPrefix``) that arrives while such a checkpoint is pending is
+answered after the next step: a session that pins or spills its new head right after a turn gets
+the whole turn.
 
 An exception in ``step()`` never kills the thread: it is logged, every in-flight request is
 aborted in the engine (freeing its pages and slots) and its sink gets an ``EngineError`` whose
@@ -38,10 +39,13 @@ from phloem.runtime.engine_commands import (
     AddRequest,
     Command,
     EngineStats,
+    ExportPrefix,
     GetStats,
+    ImportPrefix,
     OutputSink,
     PinPrefix,
     QueryCachedPrefix,
+    ResetPrefixCache,
     Shutdown,
     UnpinPrefix,
 )
@@ -79,7 +83,7 @@ class EngineLoop:
         self._inflight: dict[str, _InFlight] = {}
         self._paused = False
         # Prefix queries waiting for the next step (see ``_dispatch``); their futures are running.
-        self._parked: list[PinPrefix | QueryCachedPrefix] = []
+        self._parked: list[PinPrefix | QueryCachedPrefix | ExportPrefix] = []
         self._num_steps = 0
         self._num_failed_steps = 0
 
@@ -161,7 +165,8 @@ class EngineLoop:
         # A reply future cancelled before we got to it means "never mind": skip the command.
         if not command.reply.set_running_or_notify_cancel():
             return
-        if isinstance(command, PinPrefix | QueryCachedPrefix) and self.engine.scheduler.num_finalizing():
+        parkable = PinPrefix | QueryCachedPrefix | ExportPrefix
+        if isinstance(command, parkable) and self.engine.scheduler.num_finalizing():
             # A request that just finished publishes its turn-end checkpoint in the next step;
             # a prefix query answered now would miss it (e.g. a session pinning its new head).
             self._parked.append(command)
@@ -184,6 +189,13 @@ class EngineLoop:
                     result = None
                 case QueryCachedPrefix(token_ids=token_ids):
                     result = self.engine.cached_prefix_len(token_ids)
+                case ExportPrefix(token_ids=token_ids):
+                    result = self.engine.export_prefix(token_ids)
+                case ImportPrefix(state=state):
+                    result = self.engine.import_prefix(state)
+                case ResetPrefixCache():
+                    self._reset_prefix_cache()
+                    result = None
                 case GetStats():
                     result = self._stats()
                 case _:
@@ -192,6 +204,13 @@ class EngineLoop:
             command.reply.set_exception(exc)
         else:
             command.reply.set_result(result)  # type: ignore[arg-type]
+
+    def _reset_prefix_cache(self) -> None:
+        # NOTE: the engine has no public reset yet; RadixCache.clear() keeps locked nodes (pins,
+        # running requests) and frees the rest, which is exactly a reset.
+        tree = self.engine.cache.tree
+        if tree is not None:
+            tree.clear()
 
     def _add(self, command: AddRequest) -> str:
         prompt = list(command.prompt_token_ids)

@@ -5,12 +5,16 @@
     PHLOEM_HOST        bind address of ``phloem serve``
     PHLOEM_PORT        port of ``phloem serve``
     PHLOEM_REDIS_URL   Redis index URL (unset: embedded SQLite index)
+    PHLOEM_REDIS_PREFIX  namespace of the index's Redis keys                default phloem:
     PHLOEM_DEVICE      torch device of the engine
     PHLOEM_DTYPE       weight dtype of the engine
-    PHLOEM_API_KEY     API key the SDK sends (``phloem demo``)
+    PHLOEM_API_KEY     API key: the one ``phloem serve`` accepts (``KEY`` or ``KEY:admin``;
+                       default of ``--api-key``) and the one the SDK sends (``phloem demo``)
+    PHLOEM_API_KEYS_FILE  default of ``phloem serve --api-keys-file``
 
 The variables only supply defaults: the CLI's flags win, and the config dataclasses never read
-the environment themselves except ``ServerConfig.data_dir``'s default (``default_data_dir``).
+the environment themselves except ``ServerConfig.data_dir``'s default (``default_data_dir``) and
+``SessionConfig.redis_prefix``'s (``default_redis_prefix``).
 A value that does not parse raises ``ValueError`` naming the variable.
 """
 
@@ -18,10 +22,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PREFIX", "EnvSettings", "default_data_dir", "read_env"]
+__all__ = ["PREFIX", "EnvSettings", "default_data_dir", "default_redis_prefix", "read_env"]
 
 PREFIX = "PHLOEM_"
 
@@ -35,9 +39,11 @@ class EnvSettings:
     host: str | None = None
     port: int | None = None
     redis_url: str | None = None
+    redis_prefix: str | None = None
     device: str | None = None
     dtype: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    api_keys_file: Path | None = None
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
@@ -61,18 +67,27 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
     if port is not None and not port.strip().isdigit():
         raise ValueError(f"{PREFIX}PORT: expected an integer port, got {port!r}")
     data_dir = get("DATA_DIR")
+    keys_file = get("API_KEYS_FILE")
     return EnvSettings(
         data_dir=Path(data_dir).expanduser() if data_dir else None,
         model=get("MODEL"),
         host=get("HOST"),
         port=int(port) if port is not None else None,
         redis_url=get("REDIS_URL"),
+        redis_prefix=get("REDIS_PREFIX"),
         device=get("DEVICE"),
         dtype=get("DTYPE"),
         api_key=get("API_KEY"),
+        api_keys_file=Path(keys_file).expanduser() if keys_file else None,
     )
 
 
 def default_data_dir() -> Path:
     """``$PHLOEM_DATA_DIR`` if set, else ``~/.phloem`` (not created here)."""
     return read_env().data_dir or Path("~/.phloem").expanduser()
+
+
+def default_redis_prefix() -> str:
+    """``$PHLOEM_REDIS_PREFIX`` if set, else ``phloem:`` (several servers or tests can share a
+    Redis server under distinct prefixes)."""
+    return read_env().redis_prefix or "phloem:"

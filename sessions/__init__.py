@@ -3,7 +3,8 @@
 Role: ``SessionManager`` owns every session (its exact token ids, turns, chat context, pin and
 TTL) over one ``runtime.EngineClient``; ``Generation`` drives one engine request and streams its
 text; ``Tokenizer`` / ``IncrementalDetokenizer`` / ``sessions.chat`` turn messages into tokens
-and tokens into text; ``sessions.store`` makes every acknowledged turn durable (journal + index).
+and tokens into text; ``sessions.store`` makes every acknowledged turn durable (journal + index);
+``sessions.spill`` moves idle sessions' state to host memory and disk and resumes it.
 Errors are one shallow family (``sessions.errors``) that ``api`` maps to HTTP.
 
 May import: ``phloem.runtime``, ``phloem.storage``, and the engine's public request types that

@@ -6,8 +6,8 @@ tokens; forks of one parent thus pin the very same node), then the old pin is re
 before old, so the shared prefix is never unpinned in between. The session is ``active``.
 
 A TTL timer (``loop.call_later``) then runs; when it fires, the pin is released and the session
-becomes ``idle`` (evictable; spilling idle sessions to host and disk is a later issue). A new turn
-re-arms it. A timer that fires while a generation runs re-arms itself (the session is ``active``
+becomes ``idle`` (evictable; ``sessions.spill`` later moves idle sessions to host and disk). A new
+turn re-arms it. A timer that fires while a generation runs re-arms itself (the session is ``active``
 and the running request holds the engine's locks anyway); the generation's commit replaces it,
 and if the generation fails, the old timer still unpins later. ``ttl == 0`` unpins right after
 the turn.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from phloem.engine import EngineError
@@ -59,6 +60,7 @@ class PinKeeper:
         if old is not None:
             await self._unpin(session.session_id, old)
         session.status = "active"
+        session.touched_at = time.monotonic()
         if session.ttl <= 0:
             await self.release(session, "idle")
             return
@@ -74,6 +76,7 @@ class PinKeeper:
         if old is not None:
             await self._unpin(session.session_id, old)
         session.status = status
+        session.touched_at = time.monotonic()
 
     def close(self) -> None:
         """Stop every pending expiry (shutdown: the engine's cache goes away with it)."""

@@ -10,7 +10,10 @@ and settles it:
 - the commit (``_commit``): under ``session.lock``, the new turn (input + output) is written to
   the store first and only then applied in memory, then the new head is pinned. A failed write,
   a failed generation or a deleted session commits nothing; a cancelled one commits its partial
-  output (``finish_reason == "cancelled"``).
+  output (``finish_reason == "cancelled"``);
+- room in the engine: a session's request first resumes its spilled state
+  (``Spiller.resume``); every request may demote pinned sessions when it stalls for room
+  (``Spiller.relieve``, see ``sessions.spill``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from phloem.sessions._pins import PinKeeper
 from phloem.sessions.config import SessionConfig
 from phloem.sessions.errors import Overloaded, SessionBusy, SessionNotFound
 from phloem.sessions.generation import (
-    Completion, GenerateOptions, Generation, GenerationResult, Usage,
+    Completion, GenerateOptions, Generation, GenerationHooks, GenerationResult, Usage,
 )
 from phloem.sessions.session import Session, Turn
 from phloem.sessions.store import SessionStore
@@ -34,6 +37,7 @@ from phloem.sessions.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from phloem.runtime import EngineClient
+    from phloem.sessions.spill import Spiller
 
 __all__ = ["TurnRunner"]
 
@@ -47,15 +51,17 @@ class TurnRunner:
         store: Where committed turns are written.
         pins: Pins each new head.
         config: Admission limits.
+        spill: Resumes spilled sessions and demotes pinned ones when the engine is full.
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, store: SessionStore,
-                 pins: PinKeeper, config: SessionConfig) -> None:
+                 pins: PinKeeper, config: SessionConfig, spill: Spiller) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._store = store
         self._pins = pins
         self._config = config
+        self._spill = spill
         self._generations: set[Generation] = set()
         self.closing = False
 
@@ -100,8 +106,15 @@ class TurnRunner:
                 session.status = status_before
             self._generations.discard(generation)
 
+        async def prepare() -> None:
+            await self._spill.resume(session)
+
+        async def relieve() -> bool:
+            return await self._spill.relieve(exclude=session)
+
+        hooks = GenerationHooks(settle, on_exit, prepare, relieve, self._config.admission_stall_s)
         generation = Generation(self._engine, self._tokenizer, prompt, generate,
-                                room if generate is not None else 0, settle, on_exit)
+                                room if generate is not None else 0, hooks)
         session.generation = generation
         if generate is not None:
             self._generations.add(generation)
@@ -118,8 +131,10 @@ class TurnRunner:
             usage = Usage(c.num_prompt_tokens, c.num_cached_tokens, len(c.output_ids))
             return GenerationResult(c.output_ids, c.text, c.finish_reason, usage)
 
-        generation = Generation(self._engine, self._tokenizer, prompt_ids, options, room, settle,
-                                lambda: self._generations.discard(generation))
+        hooks = GenerationHooks(settle, lambda: self._generations.discard(generation),
+                                relieve=self._spill.relieve,
+                                stall_s=self._config.admission_stall_s)
+        generation = Generation(self._engine, self._tokenizer, prompt_ids, options, room, hooks)
         self._generations.add(generation)
         generation.start()
         return generation

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
+
+from phloem.runtime.env import default_redis_prefix
 
 __all__ = ["KEEP", "Keep", "SessionConfig"]
 
@@ -28,11 +30,21 @@ class SessionConfig:
         data_dir: The journal (``data_dir/sessions``) and the SQLite index live here.
         model_fingerprint: Identifies the served model (``store.model_fingerprint``).
         redis_url: Use a Redis index instead of SQLite.
+        redis_prefix: Namespace of the Redis index's keys (``$PHLOEM_REDIS_PREFIX``, else
+            ``phloem:``).
         default_ttl_s: Seconds a session stays pinned after a turn when it names no TTL.
         max_ttl_s: Larger TTLs are clamped to this.
         max_num_generations: Generations in flight at most (sessions and stateless together);
             beyond it, ``Overloaded``.
         retry_after_s: The ``retry_after`` of ``Overloaded``.
+        host_budget_bytes: Payload bytes of spilled state kept in host memory; beyond it the
+            least recently used host segments are demoted to disk (``sessions.spill``).
+        idle_to_host_s: Seconds a session stays ``idle`` (unpinned, on the GPU) before the
+            sweeper spills it to host memory.
+        sweep_interval_s: Seconds between two runs of the spill sweeper (which also probes a
+            degraded index).
+        admission_stall_s: Seconds a generation may wait for its first token before pinned
+            sessions that are not generating are demoted to make room (pins never deadlock).
 
     Raises:
         ValueError: A field is out of range (the message names it).
@@ -41,10 +53,15 @@ class SessionConfig:
     data_dir: Path
     model_fingerprint: str
     redis_url: str | None = None
+    redis_prefix: str = field(default_factory=default_redis_prefix)
     default_ttl_s: float = 300.0
     max_ttl_s: float = 86_400.0
     max_num_generations: int = 256
     retry_after_s: float = 1.0
+    host_budget_bytes: int = 4 << 30
+    idle_to_host_s: float = 30.0
+    sweep_interval_s: float = 1.0
+    admission_stall_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.default_ttl_s <= self.max_ttl_s:
@@ -54,3 +71,12 @@ class SessionConfig:
             raise ValueError(f"max_num_generations: expected >= 1, got {self.max_num_generations}")
         if self.retry_after_s <= 0:
             raise ValueError(f"retry_after_s: expected > 0, got {self.retry_after_s}")
+        if not self.redis_prefix:
+            raise ValueError(f"redis_prefix: expected a non-empty string, got {self.redis_prefix!r}")
+        if self.host_budget_bytes < 0:
+            raise ValueError(f"host_budget_bytes: expected >= 0, got {self.host_budget_bytes}")
+        if not self.idle_to_host_s >= 0:
+            raise ValueError(f"idle_to_host_s: expected seconds >= 0, got {self.idle_to_host_s}")
+        for name in ("sweep_interval_s", "admission_stall_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected seconds > 0, got {getattr(self, name)}")

@@ -18,6 +18,12 @@ token generated so far, which become the last deltas and the committed output, w
 ``finish_reason == "cancelled"`` (unless the request had already finished on its own).
 ``cancel(discard=True)`` (a deleted session) ends the generation with ``SessionNotFound``
 instead, and ``settle`` is not called. Engine failures end it with ``GenerationFailed``.
+
+Room in the engine (``GenerationHooks``): ``prepare`` runs before the request (a spilled session
+loads its state back). While the request waits for its first token longer than ``stall_s``,
+``relieve`` is called (demote pinned sessions) every ``stall_s``, as long as it finds something
+to demote. A request the engine turns away for lack of room (finished at once, ``length``, no
+token) is retried once after ``relieve``; a second refusal is ``Overloaded``, never an empty turn.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from typing import TYPE_CHECKING
 
 from phloem.engine import CapacityExceeded, EngineError, InvalidRequest, SamplingParams
 from phloem.sessions.errors import (
-    ContextLengthExceeded, GenerationFailed, InvalidInput, SessionError, SessionNotFound,
+    ContextLengthExceeded, GenerationFailed, InvalidInput, Overloaded, SessionError,
+    SessionNotFound,
 )
 from phloem.sessions.session import FinishReason
 from phloem.sessions.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -40,7 +47,10 @@ from phloem.sessions.tokenizer import IncrementalDetokenizer, Tokenizer
 if TYPE_CHECKING:
     from phloem.runtime import EngineClient
 
-__all__ = ["Completion", "GenerateOptions", "Generation", "GenerationResult", "OutputDelta", "Usage"]
+__all__ = [
+    "Completion", "GenerateOptions", "Generation", "GenerationHooks", "GenerationResult",
+    "OutputDelta", "Usage",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +146,33 @@ class GenerationResult:
 
 
 Settle = Callable[[Completion], Awaitable[GenerationResult]]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationHooks:
+    """What the owner of a generation runs around its engine request.
+
+    Args:
+        settle: Turns the ``Completion`` into the result (a session commits its turn there).
+        on_exit: Called once when the generation is over, whatever the outcome.
+        prepare: Awaited before the request is sent; must not raise (a spilled session loads
+            its state here, and falls back to recomputing it).
+        relieve: Awaited when the engine has no room for the request; frees some (demotes
+            pinned sessions) and returns whether it found anything to free.
+        stall_s: Seconds without a first token before ``relieve`` is called.
+    """
+
+    settle: Settle
+    on_exit: Callable[[], None]
+    prepare: Callable[[], Awaitable[None]] | None = None
+    relieve: Callable[[], Awaitable[bool]] | None = None
+    stall_s: float = 5.0
+
+
+class _NoRoom(Exception):
+    """The engine finished the request at once without a token: its pools had no room."""
+
+
 _END = object()
 # The engine's reasons; "abort" only ever comes from our own cancel.
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "cancelled"}
@@ -151,13 +188,12 @@ class Generation:
         options: Sampling options; None: no generation, only ``settle`` (e.g. an append of
             input alone). ``max_new_tokens`` must then be 0.
         max_new_tokens: Room left in the context window (>= 1 with ``options``).
-        settle: Turns the ``Completion`` into the result (a session commits its turn there).
-        on_exit: Called once when the generation is over, whatever the outcome.
+        hooks: Settle, exit, prepare and relieve callbacks (``GenerationHooks``).
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, prompt_ids: Sequence[int],
-                 options: GenerateOptions | None, max_new_tokens: int, settle: Settle,
-                 on_exit: Callable[[], None]) -> None:
+                 options: GenerateOptions | None, max_new_tokens: int,
+                 hooks: GenerationHooks) -> None:
         assert options is None or max_new_tokens >= 1, "a generation needs room for one token"
         self.request_id = f"gen-{uuid.uuid4().hex}"
         self._engine = engine
@@ -165,8 +201,7 @@ class Generation:
         self._prompt_ids = list(prompt_ids)
         self._options = options
         self._max_new_tokens = max_new_tokens
-        self._settle = settle
-        self._on_exit = on_exit
+        self._hooks = hooks
         self._events: asyncio.Queue[OutputDelta | object] = asyncio.Queue()
         self._result: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
         self._cancelled = False
@@ -239,7 +274,7 @@ class Generation:
             completion = await self._run()
             if self._discard:
                 raise SessionNotFound("the session was deleted during its generation")
-            result = await self._settle(completion)
+            result = await self._hooks.settle(completion)
         except SessionError as exc:
             self._result.set_exception(exc)
         except Exception as exc:
@@ -255,40 +290,83 @@ class Generation:
                 # Mark a failure as seen: its consumer may be gone (asyncio would warn at GC).
                 self._result.exception()
             self._events.put_nowait(_END)
-            self._on_exit()
+            self._hooks.on_exit()
 
     async def _run(self) -> Completion:
         if self._options is None:
             cached = await self._engine.cached_prefix_len(self._prompt_ids)
             return Completion((), "", None, len(self._prompt_ids), cached)
+        if self._hooks.prepare is not None and not self._cancelled:
+            await self._hooks.prepare()
         detok = self._tokenizer.detokenizer(self._options.stop)
         output: list[int] = []
         reason: str | None = "abort" if self._cancelled else None
         cached = 0
         if reason is None:
             params = self._options.sampling_params(self._max_new_tokens)
-            stream = self._engine.generate(self._prompt_ids, params, self.request_id)
             try:
-                async for out in stream:
-                    cached = out.num_cached_tokens
-                    reason = self._consume(out.new_token_ids, out.finish_reason, detok, output)
-                    if reason is not None:
-                        break
-            except InvalidRequest as exc:
-                raise InvalidInput(str(exc)) from exc
-            except CapacityExceeded as exc:
-                raise ContextLengthExceeded(str(exc)) from exc
-            except EngineError as exc:
-                raise GenerationFailed(f"the engine failed: {exc}") from exc
-            finally:
-                # Leaving early (stop string) aborts the engine request.
-                with contextlib.suppress(EngineError):
-                    await stream.aclose()
+                reason, cached = await self._request(params, detok, output)
+            except _NoRoom:
+                if self._hooks.relieve is None or not await self._hooks.relieve():
+                    raise Overloaded("the engine has no room for this request now") from None
+                try:
+                    reason, cached = await self._request(params, detok, output)
+                except _NoRoom:
+                    raise Overloaded("the engine has no room for this request now") from None
         tail = detok.finish()
         if tail:
             self._events.put_nowait(OutputDelta(tail, ()))
         return Completion(tuple(output), detok.text, _FINISH_REASONS[reason or "abort"],
                           len(self._prompt_ids), cached)
+
+    async def _request(self, params: SamplingParams, detok: IncrementalDetokenizer,
+                       output: list[int]) -> tuple[str | None, int]:
+        """Run one engine request; return its finish reason and cached-token count.
+
+        Raises:
+            _NoRoom: The engine finished it at once without a token.
+        """
+        stream = self._engine.generate(self._prompt_ids, params, self.request_id)
+        started = asyncio.Event()
+        watchdog = asyncio.get_running_loop().create_task(self._watch_admission(started))
+        reason: str | None = None
+        cached = 0
+        try:
+            async for out in stream:
+                if out.finished and out.finish_reason == "length" and not out.token_ids:
+                    raise _NoRoom
+                started.set()
+                cached = out.num_cached_tokens
+                reason = self._consume(out.new_token_ids, out.finish_reason, detok, output)
+                if reason is not None:
+                    break
+        except InvalidRequest as exc:
+            raise InvalidInput(str(exc)) from exc
+        except CapacityExceeded as exc:
+            raise ContextLengthExceeded(str(exc)) from exc
+        except EngineError as exc:
+            raise GenerationFailed(f"the engine failed: {exc}") from exc
+        finally:
+            watchdog.cancel()
+            # Leaving early (stop string) aborts the engine request.
+            with contextlib.suppress(EngineError):
+                await stream.aclose()
+        return reason, cached
+
+    async def _watch_admission(self, started: asyncio.Event) -> None:
+        """Call ``relieve`` every ``stall_s`` until the first token, while it finds something."""
+        relieve = self._hooks.relieve
+        if relieve is None:
+            return
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(started.wait(), self._hooks.stall_s)
+                return
+            logger.info("generation %s has waited %.1f s for room in the engine", self.request_id,
+                        self._hooks.stall_s)
+            # Shielded: a demotion in progress completes even when the first token arrives.
+            if not await asyncio.shield(relieve()):
+                return
 
     def _consume(self, new_ids: Sequence[int], engine_reason: str | None,
                  detok: IncrementalDetokenizer, output: list[int]) -> str | None:

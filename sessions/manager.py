@@ -18,6 +18,10 @@ Every operation is scoped by ``owner`` (the API key): a session of another owner
   session in memory and on disk. **cancel** (``Generation.cancel``) commits the partial output.
 - **complete** runs a stateless generation (the OpenAI-compatible routes), under the same
   admission limit (``max_num_generations``; beyond it, or while closing: ``Overloaded``).
+- **tiers** (``sessions.spill``): idle sessions are spilled to host memory, then disk, by a
+  sweeper, or now by **offload**; an append or **prefetch** resumes them; a fork of a spilled
+  session shares its segment. **start** brings back every journaled session (from its disk
+  segment when there is one). The index is best effort: ``health`` says when it is degraded.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from phloem.sessions._inputs import ResolvedInput, SessionInput, check_context, resolve_input
 from phloem.sessions._pins import PinKeeper
@@ -36,6 +40,7 @@ from phloem.sessions.config import KEEP, Keep, SessionConfig
 from phloem.sessions.errors import GenerationFailed, InvalidInput, SessionBusy, SessionNotFound
 from phloem.sessions.generation import GenerateOptions, Generation
 from phloem.sessions.session import Session, SessionIdGenerator, SessionSnapshot, Turn, TurnInfo
+from phloem.sessions.spill import Spiller, SpillTier
 from phloem.sessions.store import SessionStore
 from phloem.sessions.tokenizer import Tokenizer, ToolSpec
 
@@ -63,11 +68,13 @@ class SessionManager:
         self._engine = engine
         self._tokenizer = tokenizer
         self._config = config
-        self._store = SessionStore(config.data_dir, config.model_fingerprint, config.redis_url)
+        self._store = SessionStore(config.data_dir, config.model_fingerprint, config.redis_url,
+                                   config.redis_prefix)
         self._sessions: dict[str, Session] = {}
         self._new_id = SessionIdGenerator()
         self._pins = PinKeeper(engine)
-        self._turns = TurnRunner(engine, tokenizer, self._store, self._pins, config)
+        self._spill = Spiller(engine, self._store, self._pins, config, self._sessions)
+        self._turns = TurnRunner(engine, tokenizer, self._store, self._pins, config, self._spill)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -78,18 +85,29 @@ class SessionManager:
         return self._engine.max_model_len
 
     async def start(self) -> None:
-        """Load the journaled sessions (status ``disk``: resumed by recompute on their next
-        append)."""
-        for session in await asyncio.to_thread(self._store.load):
+        """Load the journaled sessions (status ``disk``: resumed from their disk segment, if
+        any, else by recompute, on their next append), refresh the index, start the sweeper."""
+        sessions, records = await asyncio.to_thread(self._store.load)
+        for session in sessions:
             self._sessions[session.session_id] = session
-        logger.info("loaded %d session(s) from %s", len(self._sessions), self._config.data_dir)
+        await self._spill.recover(sessions, records)
+        await self._store.sync_index(sessions)
+        self._spill.start()
+        logger.info("loaded %d session(s) from %s (%d with a disk segment)", len(sessions),
+                    self._config.data_dir, sum(s.segment is not None for s in sessions))
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Refuse new work, cancel generations in flight (their partial output is committed),
-        stop the TTL timers and close the store."""
+        stop the sweeper and the TTL timers and close the store."""
         await self._turns.close(timeout_s)
+        self._spill.close()
         self._pins.close()
         self._store.close()
+
+    def health(self) -> str | None:
+        """None while the sessions layer is fully healthy, else why it is degraded (e.g. the
+        index is unreachable: sessions keep working on the journal)."""
+        return self._store.index_problem
 
     async def create(self, owner: str, *, metadata: Mapping[str, str] | None = None,
                      ttl: float | None = None, content: SessionInput | None = None,
@@ -196,6 +214,7 @@ class SessionManager:
         self._sessions.pop(session_id, None)
         async with session.lock:
             await self._pins.release(session, "idle")
+            await self._spill.forget(session)
 
     async def append(self, owner: str, session_id: str, new: SessionInput | None,
                      generate: GenerateOptions | None) -> Generation:
@@ -251,6 +270,7 @@ class SessionManager:
                             chat_messages=parent.chat_messages[:num_chat], tools=parent.tools,
                             parent_id=parent.session_id, fork_turn=last if turns else None)
                     for _ in range(n)]
+        spilled = [self._spill.inherit(child, parent) for child in children]
         written: list[Session] = []
         try:
             for child in children:
@@ -259,11 +279,14 @@ class SessionManager:
         except GenerationFailed:
             for child in written:
                 await self._forget_quietly(child.session_id)
+            for child in children:
+                await self._spill.forget(child)
             raise
-        for child in children:
+        for child, is_spilled in zip(children, spilled, strict=True):
             self._sessions[child.session_id] = child
-            async with child.lock:
-                await self._pins.activate(child)
+            if not is_spilled:
+                async with child.lock:
+                    await self._pins.activate(child)
         return [child.snapshot() for child in children]
 
     def turns(self, owner: str, session_id: str, include_tokens: bool = False) -> list[TurnInfo]:
@@ -275,10 +298,22 @@ class SessionManager:
         session = self._get(owner, session_id)
         return [session.turn_info(turn, include_tokens) for turn in session.turns]
 
-    async def offload(self, owner: str, session_id: str,
-                      tier: Literal["host", "disk"] = "host") -> SessionSnapshot:
-        """Unpin the session now (it becomes ``idle``: evictable). Spilling to ``tier`` comes with
-        the spill/resume issue; a session already ``idle`` or lower is left as it is.
+    async def offload(self, owner: str, session_id: str, tier: SpillTier = "host", *,
+                      wait: bool = False) -> SessionSnapshot:
+        """Spill the session's state to ``tier`` and unpin it, in the background.
+
+        A session already at or below ``tier`` is left as it is; a ``host`` session asked for
+        ``disk`` moves its segment (with every fork that shares it). When the state cannot be
+        stored (disk unwritable or full), nothing changes: the session stays resident.
+
+        Args:
+            owner: The owner.
+            session_id: The session.
+            tier: ``"host"`` or ``"disk"``.
+            wait: Return after the move instead of at once.
+
+        Returns:
+            The session as of acceptance (as of the end of the move with ``wait``).
 
         Raises:
             SessionNotFound: No such session of this owner.
@@ -287,21 +322,31 @@ class SessionManager:
         session = self._get(owner, session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id} is generating; offload it after its done")
-        async with session.lock:
-            if session.status == "active":
-                await self._pins.release(session, "idle")
+        move = self._spill.spawn(self._spill.offload(session, tier))
+        if wait:
+            await asyncio.shield(move)
         return session.snapshot()
 
-    async def prefetch(self, owner: str, session_id: str) -> SessionSnapshot:
-        """Pin what the cache holds of the session again and restart its TTL (``active``).
+    async def prefetch(self, owner: str, session_id: str, *, wait: bool = False) -> SessionSnapshot:
+        """Load a spilled session's state back to the GPU and pin it for its TTL (``active``),
+        in the background; an ``active`` session is left as it is.
+
+        Args:
+            owner: The owner.
+            session_id: The session.
+            wait: Return after the load instead of at once.
+
+        Returns:
+            The session as of acceptance (as of the end of the load with ``wait``).
 
         Raises:
             SessionNotFound: No such session of this owner.
         """
         session = self._get(owner, session_id)
         if session.status != "active":
-            async with session.lock:
-                await self._pins.activate(session)
+            move = self._spill.spawn(self._spill.prefetch(session))
+            if wait or session.status == "idle":
+                await asyncio.shield(move)
         return session.snapshot()
 
     def _get(self, owner: str, session_id: str) -> Session:

@@ -28,6 +28,7 @@ from phloem.sessions.tokenizer import Message, ToolSpec
 
 if TYPE_CHECKING:
     from phloem.sessions.generation import Generation
+    from phloem.sessions.spill import SpilledSegment
 
 __all__ = [
     "FinishReason", "Session", "SessionIdGenerator", "SessionSnapshot", "SessionStatus", "Turn",
@@ -112,9 +113,11 @@ class SessionSnapshot:
 class Session:
     """A session's state, owned and mutated by ``SessionManager`` only.
 
-    Runtime-only fields (``pin``, ``busy``, ``generation``, ``lock``, timers) are not persisted.
-    ``lock`` serialises the short critical sections that change persisted state or the pin
-    (commit, patch, delete, TTL expiry); it is never held while a generation runs.
+    Runtime-only fields (``pin``, ``busy``, ``generation``, ``lock``, timers, ``segment``) are
+    not persisted. ``lock`` serialises the short critical sections that change persisted state,
+    the pin or the tier (commit, patch, delete, TTL expiry, spill); it is never held while a
+    generation runs. ``segment`` is the spilled state this session resumes from (shared with
+    forks); ``touched_at`` is the ``time.monotonic()`` of its last pin or unpin (LRU order).
     """
 
     session_id: str
@@ -136,6 +139,9 @@ class Session:
     generation: Generation | None = None
     deleted: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    segment: SpilledSegment | None = None
+    touched_at: float = field(default_factory=time.monotonic)
+    spill_retry_at: float = 0.0
 
     @property
     def chat(self) -> ChatContext:

@@ -1,18 +1,27 @@
 """Durable session records: the journal (source of truth) and the index, written at each turn end.
 
 Every change that a caller is told about (create, a committed turn, a patch, a fork) is written
-to ``storage.SessionJournal`` (one fsynced JSON file per session under ``data_dir``) and to the
-index (``SQLiteIndex`` at ``data_dir/index.sqlite`` by default, ``RedisIndex`` when
-``redis_url`` is set) *before* the in-memory session changes, so an acknowledged turn is never
-lost and a failed write commits nothing. Deletes remove both.
+to ``storage.SessionJournal`` (one fsynced JSON file per session under ``data_dir``) *before*
+the in-memory session changes, so an acknowledged turn is never lost and a failed write commits
+nothing. Deletes remove the journal file. Spilled segments live in ``storage.DiskStore`` at
+``data_dir/segments`` (``disk``), which this store owns for ``sessions.spill``.
+
+The index (``SQLiteIndex`` at ``data_dir/index.sqlite`` by default, ``RedisIndex`` when
+``redis_url`` is set) records where each session's state lives: ``gpu`` (``active``/``idle``),
+``host`` or ``disk`` with the segment id, ``none`` (to be recomputed). It is best effort: the
+journal and the self-describing segment files can rebuild it. When it fails (Redis unreachable
+at start or mid-run), the store is *degraded*: ``index_problem`` says why (``/health`` reports
+it), sessions keep working on the journal, index writes are skipped (not retried one by one,
+which would stall every turn on a timeout), and ``probe_index`` (run by the spill sweeper)
+rewrites every live session's record once the index answers again.
 
 The record's ``data`` is this module's JSON (``_FORMAT``): token ids, turns, chat context,
 metadata, TTL, parent and fork point. At startup ``load`` reads the journal back: sessions of
-the same model fingerprint come back with status ``disk`` (their state is gone; the next append
-recomputes it from the tokens); records of another model are skipped, and left on disk.
-
-The index's ``tier`` is ``"gpu"`` for sessions in memory and ``"none"`` after a restart; the
-host/disk tiers belong to spill/resume, a later issue. Blocking I/O runs in a worker thread.
+the same model fingerprint come back with status ``disk`` (``sessions.spill`` then attaches
+their disk segment, if any; else the next append recomputes them from the tokens); records of
+another model are skipped, and left on disk. An empty index (e.g. Redis restarted without
+persistence) is rebuilt from the data directory first (``SessionIndex.rebuild_from``).
+Blocking I/O runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -22,16 +31,18 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from phloem.sessions.errors import GenerationFailed
 from phloem.sessions.session import Session, Turn
 from phloem.storage import (
-    RedisIndex, SessionIndex, SessionJournal, SessionRecord, SQLiteIndex, StorageError, Tier,
+    DiskStore, RedisIndex, SessionIndex, SessionJournal, SessionRecord, SQLiteIndex, StorageError,
+    Tier,
 )
 
-__all__ = ["SessionStore", "model_fingerprint"]
+__all__ = ["SessionStore", "model_fingerprint", "placement"]
 
 logger = logging.getLogger(__name__)
 _FORMAT = 1
@@ -55,38 +66,61 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 
 class SessionStore:
-    """Writes and reads session records (journal + index).
+    """Writes and reads session records (journal + index) and owns the segment store.
 
     Args:
-        data_dir: Where the journal lives (``data_dir/sessions/*.json``).
+        data_dir: Where the journal (``sessions/``) and segments (``segments/``) live.
         fingerprint: The served model's ``model_fingerprint``.
         redis_url: The Redis index, or None for the embedded SQLite index.
+        redis_prefix: Namespace of the Redis index's keys.
 
     Raises:
-        StorageError: The journal directory or the index cannot be opened.
+        StorageError: The journal or segment directory, or the SQLite index, cannot be opened.
     """
 
-    def __init__(self, data_dir: Path, fingerprint: str, redis_url: str | None = None) -> None:
+    def __init__(self, data_dir: Path, fingerprint: str, redis_url: str | None = None,
+                 redis_prefix: str = "phloem:") -> None:
         self._journal = SessionJournal(data_dir)
+        self.disk = DiskStore(data_dir / "segments")
         self._index: SessionIndex = (
-            RedisIndex(redis_url) if redis_url is not None else SQLiteIndex(data_dir / "index.sqlite"))
+            RedisIndex(redis_url, prefix=redis_prefix) if redis_url is not None
+            else SQLiteIndex(data_dir / "index.sqlite"))
         self._fingerprint = fingerprint
+        self._index_problem: str | None = None
+        self._deleted_while_degraded: set[str] = set()
+
+    @property
+    def fingerprint(self) -> str:
+        """The served model's fingerprint (segments of another model are foreign)."""
+        return self._fingerprint
+
+    @property
+    def index_problem(self) -> str | None:
+        """Why the index is degraded, or None while it answers."""
+        return self._index_problem
 
     def close(self) -> None:
         """Close the index connection."""
         self._index.close()
 
-    async def write(self, session: Session, tier: Tier = "gpu") -> None:
-        """Durably write the session's record (journal first, then index).
+    async def write(self, session: Session) -> None:
+        """Durably write the session's record (journal first, then index, best effort).
 
         Raises:
-            GenerationFailed: A write failed; the journal still holds the previous record.
+            GenerationFailed: The journal write failed; it still holds the previous record.
         """
-        record = self._record(session, tier)
+        record = self._record(session)
         try:
-            await asyncio.to_thread(self._write_sync, record)
+            await asyncio.to_thread(self._journal.write, record)
         except StorageError as exc:
             raise GenerationFailed(f"could not persist session {session.session_id}: {exc}") from exc
+        await asyncio.to_thread(self._index_call, "write", self._index.put_session, record)
+
+    async def set_tier(self, session: Session) -> None:
+        """Record where the session's state lives now (index only, best effort)."""
+        tier, segment_id = placement(session)
+        await asyncio.to_thread(self._index_call, "set_tier", self._index.set_tier,
+                                session.session_id, tier, segment_id=segment_id)
 
     async def delete(self, session_id: str) -> None:
         """Forget a session in the journal and the index.
@@ -95,15 +129,22 @@ class SessionStore:
             GenerationFailed: The journal file could not be removed.
         """
         try:
-            await asyncio.to_thread(self._delete_sync, session_id)
+            await asyncio.to_thread(self._journal.delete, session_id)
         except StorageError as exc:
             raise GenerationFailed(f"could not delete session {session_id}: {exc}") from exc
+        if not await asyncio.to_thread(self._index_call, "delete", self._index.delete_session,
+                                       session_id):
+            self._deleted_while_degraded.add(session_id)
 
-    def load(self) -> list[Session]:
-        """Read back every journaled session of this model (status ``disk``), oldest first.
+    def load(self) -> tuple[list[Session], dict[str, SessionRecord]]:
+        """Read back every journaled session of this model (status ``disk``) and the index.
 
-        Unreadable records and records of another model are logged and skipped. The index is
-        refreshed with what was loaded (tier ``none``: nothing survives a restart but tokens).
+        Unreadable records and records of another model are logged and skipped. An empty index
+        is rebuilt from the data directory first; an unreachable one degrades the store.
+
+        Returns:
+            The sessions, in id order, and the index's records by session id (empty when the
+            index is unreachable).
         """
         sessions = []
         for record in self._journal.scan():
@@ -112,35 +153,78 @@ class SessionStore:
                                record.session_id, record.model_fingerprint, self._fingerprint)
                 continue
             try:
-                session = _decode(record)
+                sessions.append(_decode(record))
             except (KeyError, TypeError, ValueError) as exc:
                 logger.warning("session %s has an unreadable record: %s", record.session_id, exc)
-                continue
-            try:
-                self._index.put_session(record)
-            except StorageError as exc:
-                logger.warning("index update for session %s failed: %s", record.session_id, exc)
-            sessions.append(session)
-        return sorted(sessions, key=lambda s: s.session_id)
-
-    def _write_sync(self, record: SessionRecord) -> None:
-        self._journal.write(record)
-        self._index.put_session(record)
-
-    def _delete_sync(self, session_id: str) -> None:
-        self._journal.delete(session_id)
         try:
-            self._index.delete_session(session_id)
+            records = self._index.list_sessions()
+            if not records and sessions:
+                report = self._index.rebuild_from(self.disk, self._journal)
+                logger.info("the session index was empty: rebuilt from %s (%s)",
+                            self.disk.root.parent, report)
+                records = self._index.list_sessions()
         except StorageError as exc:
-            # The journal is the source of truth: a stale index entry is rebuilt from it.
-            logger.warning("index delete of session %s failed: %s", session_id, exc)
+            self._degrade("load", exc)
+            records = []
+        return sorted(sessions, key=lambda s: s.session_id), {r.session_id: r for r in records}
 
-    def _record(self, session: Session, tier: Tier) -> SessionRecord:
+    async def sync_index(self, sessions: list[Session]) -> None:
+        """Write every session's record to the index (after startup, or once it is back)."""
+        records = [self._record(s) for s in sessions]
+
+        def put_all() -> None:
+            for session_id in list(self._deleted_while_degraded):
+                self._index.delete_session(session_id)
+                self._deleted_while_degraded.discard(session_id)
+            for record in records:
+                self._index.put_session(record)
+
+        await asyncio.to_thread(self._index_call, "sync", put_all)
+
+    async def probe_index(self, sessions: list[Session]) -> bool:
+        """If degraded, ping the index and resync it once it answers; return whether it is ok."""
+        if self._index_problem is None:
+            return True
+        if not await asyncio.to_thread(self._index.health):
+            return False
+        logger.info("the session index answers again: resyncing %d session(s)", len(sessions))
+        self._index_problem = None
+        await self.sync_index(sessions)
+        return self._index_problem is None
+
+    def _index_call(self, what: str, fn: Callable[..., object], *args: object,
+                    **kwargs: object) -> bool:
+        """Run one index operation unless degraded; degrade on failure. Returns whether it ran."""
+        if self._index_problem is not None:
+            return False
+        try:
+            fn(*args, **kwargs)
+        except StorageError as exc:
+            self._degrade(what, exc)
+            return False
+        return True
+
+    def _degrade(self, what: str, exc: StorageError) -> None:
+        if self._index_problem is None:
+            logger.warning("session index failed (%s); serving from the journal: %s", what, exc)
+        self._index_problem = f"session index unavailable (sessions are served from the journal): {exc}"
+
+    def _record(self, session: Session) -> SessionRecord:
+        tier, segment_id = placement(session)
         return SessionRecord(
             session_id=session.session_id, owner=session.owner,
             model_fingerprint=self._fingerprint, num_tokens=len(session.token_ids),
             last_used=time.time(), data=json.dumps(_encode(session), separators=(",", ":")),
-            tier=tier)
+            tier=tier, segment_id=segment_id)
+
+
+def placement(session: Session) -> tuple[Tier, str | None]:
+    """The index tier and segment of a session: ``gpu`` while ``active``/``idle``, the segment's
+    tier when spilled, ``none`` when its state is gone (resumed by recompute)."""
+    if session.status not in ("host", "disk"):
+        return "gpu", None
+    segment = session.segment
+    return ("none", None) if segment is None else (segment.tier, segment.segment_id)
 
 
 def _encode(session: Session) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -24,6 +25,10 @@ import torch
 # that run transformers on the CPU are not marked `gpu` and are not run there.
 if not torch.cuda.is_available():
     sys.modules["fla"] = None  # type: ignore[assignment]
+    # Triton kernels run on CPU only under the interpreter, and the choice is fixed when triton is
+    # first imported — which transformers does indirectly (torch.distributed.fsdp -> torch._dynamo)
+    # long before the kernel test modules load. Switch it on before any test module imports.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 # The tiny models are far too small for intra-op threads to pay off: on the 2-core CI machine,
 # thread contention made the model tests ~8x slower than single-threaded.

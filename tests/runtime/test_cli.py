@@ -18,7 +18,10 @@ from phloem.runtime._demo import BRANCHES, TURNS, DemoOptions, format_report, ru
 from phloem.runtime.cli import main
 
 
-@pytest.mark.parametrize("argv", [[], ["serve"], ["demo"], ["bench"]], ids=["phloem", "serve", "demo", "bench"])
+HELP_ARGVS = [[], ["serve"], ["demo"], ["bench"], ["bench", "decode"], ["bench", "long-context"], ["bench", "prefix-cache"], ["bench", "agentic"]]
+
+
+@pytest.mark.parametrize("argv", HELP_ARGVS, ids=lambda a: " ".join(a) or "phloem")
 def test_help_exits_zero_and_shows_examples(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main([*argv, "--help"])
@@ -36,9 +39,18 @@ def test_console_script_help_runs_without_torch() -> None:
     assert subprocess.run([sys.executable, "-c", check], timeout=60).returncode == 0
 
 
-def test_bench_is_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_bench_decode_runs_on_cpu_with_the_tiny_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "decode", "--shape", "tiny", "--device", "cpu", "--batches", "1,2", "--contexts", "64",
+            "--prefill-tokens", "128", "--steps", "2"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fraction of roofline" in out and "| 2 | 64 |" in out and "prefill 128 tokens" in out
+
+
+def test_bench_without_a_kind_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench"])
+    assert info.value.code == 2
 
 
 @pytest.fixture
@@ -68,11 +80,11 @@ def test_serve_flags_and_environment(
     monkeypatch.setenv("PHLOEM_PORT", "9123")
     monkeypatch.setenv("PHLOEM_DATA_DIR", str(tmp_path))
     argv = ["serve", "--model", "/models/x", "--device", "cuda:1", "--dtype", "bfloat16"]
-    assert main([*argv, "--redis-url", "redis://r:6379/0", "--default-ttl", "60"]) == 0
+    assert main([*argv, "--redis-url", "redis://r:6379/0", "--default-ttl", "60", "--tp", "2"]) == 0
     (config,) = served
     assert config == ServerConfig(
         port=9123, model="/models/x", data_dir=tmp_path, redis_url="redis://r:6379/0",
-        device="cuda:1", dtype="bfloat16", default_ttl_s=60.0,
+        device="cuda:1", dtype="bfloat16", default_ttl_s=60.0, tensor_parallel_size=2,
     )
 
 

@@ -26,6 +26,8 @@ from phloem.runtime.env import EnvSettings, default_data_dir, read_env
         ("dtype", "int8"),
         ("default_ttl_s", -1.0),
         ("max_body_bytes", 0),
+        ("tensor_parallel_size", 0),
+        ("tensor_parallel_size", 9),
     ],
 )
 def test_server_config_rejects_bad_values_naming_the_field(field: str, value: Any) -> None:
@@ -44,6 +46,7 @@ def test_server_config_rejects_bad_values_naming_the_field(field: str, value: An
         ("num_pages", True),
         ("max_num_seqs", -3),
         ("checkpoint_interval", -16),
+        ("tensor_parallel_size", 16),
     ],
 )
 def test_engine_options_reject_bad_values_naming_the_field(field: str, value: Any) -> None:
@@ -77,6 +80,13 @@ def test_server_engine_options_follow_device_and_dtype() -> None:
     assert ServerConfig(device="cuda:1", dtype="bfloat16", engine=tuned).engine_options is tuned
     with pytest.raises(ValueError, match="^engine: "):
         ServerConfig(device="cpu", engine=tuned)
+
+
+def test_tensor_parallel_size_is_a_server_flag_the_engine_options_follow() -> None:
+    assert ServerConfig(tensor_parallel_size=2).engine_options.as_kwargs()["tensor_parallel_size"] == 2
+    assert "tensor_parallel_size" not in ServerConfig().engine_options.as_kwargs()
+    with pytest.raises(ValueError, match="^engine: its tensor_parallel_size"):
+        ServerConfig(tensor_parallel_size=2, engine=EngineOptions())
 
 
 def test_read_env_reads_only_the_prefix() -> None:

@@ -229,6 +229,29 @@ def test_prefix_queries_pin_and_unpin() -> None:
     run(main, make_engine())
 
 
+def test_export_reset_import_resumes_from_the_checkpoint() -> None:
+    engine = make_engine()
+
+    async def main(client: EngineClient) -> None:
+        prompt = list(range(1, 30))
+        out = [o async for o in client.generate(prompt, SamplingParams(max_tokens=4))][-1]
+        history = prompt + out.token_ids
+        # Asked right after the final output: the turn-end checkpoint is waited for.
+        state = await client.export_prefix(history)
+        assert state is not None and list(state.token_ids) == history
+        assert await client.export_prefix([96, 95, 94]) is None
+        await client.reset_prefix_cache()
+        assert await client.cached_prefix_len(history + [1]) == 0
+        assert await client.import_prefix(state)
+        assert await client.cached_prefix_len(history + [1]) == len(history)
+        nxt = [o async for o in client.generate(history + [5], SamplingParams(max_tokens=3))][-1]
+        assert nxt.num_cached_tokens == len(history)
+        assert nxt.token_ids == expected(history + [5], 3)
+
+    run(main, engine)
+    assert_pools_empty(engine)
+
+
 def test_shutdown_fails_in_flight_and_later_calls() -> None:
     engine = make_engine()
     engine.runner.model = SlowModel(engine.runner.model)

@@ -1,5 +1,7 @@
 """Fixtures for the sessions tests: the built-in tiny model (random weights, real BPE tokenizer and
-ChatML template), its tokenizer, one engine client for the whole run, and fresh managers."""
+ChatML template), its tokenizer, one engine client for the whole run, fresh managers, and
+``index_config``: the SessionConfig fields of each index backend (embedded SQLite; a real Redis
+under a unique key prefix, deleted afterwards)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis_support import clear_prefix, random_prefix, require_redis
 
 from phloem.runtime import EngineClient, ensure_default_model
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
@@ -51,3 +54,16 @@ def make_manager(engine: EngineClient, tokenizer: Tokenizer, model_dir: Path,
             await manager.close()
 
     return make
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def index_config(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """``SessionConfig`` fields selecting each index backend (Redis: a fresh key prefix)."""
+    if request.param == "sqlite":
+        yield {}
+        return
+    url, prefix = require_redis(), random_prefix()
+    try:
+        yield {"redis_url": url, "redis_prefix": prefix}
+    finally:
+        clear_prefix(url, prefix)

@@ -194,7 +194,7 @@ def test_ttl_unpins_and_patch(make_manager: ManagerFactory) -> None:
         assert reset.ttl == 300.0 and reset.metadata == {"b": "2"}
         active = await m.prefetch(OWNER, s.session_id)
         assert active.status == "active"
-        assert (await m.offload(OWNER, s.session_id)).status == "idle"
+        assert (await m.offload(OWNER, s.session_id, wait=True)).status == "host"
 
     run(make_manager, body)
 

@@ -1,0 +1,114 @@
+"""The ``phloem bench`` subcommands: decode, prefix-cache, long-context and agentic.
+
+``agentic`` drives a server over HTTP with the SDK, which lives in ``phloem.api``; its runner is
+handed in by ``runtime/cli.py`` (the one module allowed to import ``api``), like ``demo``'s client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["add_bench_commands"]
+
+_EXAMPLES = """\
+examples:
+  phloem bench decode --device cuda                       # Qwen3.5-35B-A3B shape, dummy weights, one GPU
+  phloem bench decode --shape tiny --device cpu --batches 1,4 --contexts 256 --prefill-tokens 512
+  phloem bench prefix-cache                               # 12-turn conversation, cache on vs off (CPU ok)
+  phloem bench long-context --device cuda                 # decode at 128K / 256K / 1M tokens of context
+  phloem bench agentic                                    # scaled-down agents against fresh local servers
+  phloem bench agentic --base-url http://gpu-box:8000 --agents 16 --first-turn 50000 --append 800 --output 500
+"""
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def add_bench_commands(commands: argparse._SubParsersAction, run_agentic: Callable[[argparse.Namespace], int]) -> None:  # type: ignore[type-arg]
+    bench = commands.add_parser(
+        "bench", help="benchmarks: decode, prefix-cache, long-context, agentic",
+        description="Benchmarks; every speed is reported against a limit measured in the same run.",
+        epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    kinds = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+
+    decode = kinds.add_parser("decode", help="decode tok/s and roofline fraction over a batch × context grid", epilog=_EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    _engine_args(decode)
+    decode.add_argument("--batches", type=_ints, default=(1, 4, 16, 64), help="comma-separated (default: 1,4,16,64)")
+    decode.add_argument("--contexts", type=_ints, default=(1024, 32768, 131072), help="comma-separated tokens of history")
+    decode.add_argument("--prefill-tokens", type=int, default=50000, help="one prompt timed against the FLOP roofline (0: skip)")
+    decode.set_defaults(configure=lambda a: a, run=_decode)
+
+    long = kinds.add_parser("long-context", help="batch-1 decode at long contexts with roofline fractions", epilog=_EXAMPLES,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    _engine_args(long)
+    long.add_argument("--contexts", type=_ints, default=(131072, 262144, 1048576), help="comma-separated tokens of history")
+    long.set_defaults(configure=lambda a: a, run=_long_context)
+
+    prefix = kinds.add_parser("prefix-cache", help="multi-turn conversation with the prefix cache on vs off", epilog=_EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    prefix.add_argument("--model", type=Path, help="model folder (default: the built-in tiny model)")
+    prefix.add_argument("--turns", type=int, default=12)
+    prefix.add_argument("--first-turn", type=int, default=2000)
+    prefix.add_argument("--append", type=int, default=80)
+    prefix.add_argument("--output", type=int, default=16)
+    prefix.set_defaults(configure=lambda a: a, run=_prefix_cache)
+
+    agentic = kinds.add_parser("agentic", help="simulated agents over HTTP: sessions vs stateless vs no cache", epilog=_EXAMPLES,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    agentic.add_argument("--base-url", help="a running server (default: start a fresh local server per mode)")
+    agentic.add_argument("--modes", default="sessions,stateless,nocache", help="comma-separated (default: %(default)s)")
+    agentic.add_argument("--agents", type=int, default=2, help="concurrent agents (default: %(default)s)")
+    agentic.add_argument("--first-turn", type=int, default=512, help="first-turn tokens (record: 50000)")
+    agentic.add_argument("--append", type=int, default=48, help="new tokens per later turn (record: 800)")
+    agentic.add_argument("--turns", type=int, default=6, help="turns per agent (record: 10-15)")
+    agentic.add_argument("--output", type=int, default=8, help="output tokens per turn (record: 500)")
+    agentic.add_argument("--tool-pause", type=float, default=0.0, help="seconds between turns")
+    agentic.add_argument("--fork-at", type=int, help="fork after this turn")
+    agentic.add_argument("--forks", type=int, default=0, help="branches at --fork-at")
+    agentic.add_argument("--vocab-hi", type=int, default=1000, help="token ids are drawn from [10, this)")
+    agentic.add_argument("--server-arg", action="append", default=[], help="extra `phloem serve` argument (repeatable)")
+    agentic.add_argument("--gpus", type=int, default=1, help="GPUs behind the server, for per-GPU throughput")
+    agentic.add_argument("--out", type=Path, default=Path("bench-agentic"), help="JSON + PNG plots go here")
+    agentic.set_defaults(configure=lambda a: a, run=run_agentic)
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default="qwen3.5-35b-a3b", help="dummy-weight shape (default: %(default)s; or tiny)")
+    parser.add_argument("--model", type=Path, help="a real model folder instead of a dummy shape")
+    parser.add_argument("--device", default="cuda", help="default: %(default)s")
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
+    parser.add_argument("--out", type=Path, help="write the raw numbers as JSON here")
+
+
+def _decode(args: argparse.Namespace) -> int:
+    from phloem.runtime.bench_report import bench_decode
+
+    sys.stdout.write(bench_decode(args.shape, args.model, args.device, args.batches, args.contexts,
+                                  args.prefill_tokens, args.steps, args.out) + "\n")  # fmt: skip
+    return 0
+
+
+def _long_context(args: argparse.Namespace) -> int:
+    from phloem.runtime.bench_report import bench_decode
+
+    sys.stdout.write(bench_decode(args.shape, args.model, args.device, (1,), args.contexts, 0, args.steps, args.out,
+                                  max_num_seqs=1) + "\n")  # fmt: skip
+    return 0
+
+
+def _prefix_cache(args: argparse.Namespace) -> int:
+    from phloem.runtime.bench_prefix_cache import run_prefix_cache_bench
+    from phloem.runtime.default_model import ensure_default_model
+
+    model = args.model or ensure_default_model(Path(tempfile.mkdtemp(prefix="phloem-bench-")))
+    report = run_prefix_cache_bench(model, args.turns, args.first_turn, args.append, args.output,
+                                    num_pages=4096, num_state_slots=64, max_num_batched_tokens=512)  # fmt: skip
+    sys.stdout.write(report.table() + "\n")
+    return 0

@@ -1,0 +1,249 @@
+"""Where spilled segments live: the host pool and the disk store, behind one registry.
+
+``SegmentTiers`` owns every `SpilledSegment` (a segment plus the sessions that resume from it)
+and the mechanics ``sessions.spill`` builds its policy on: place a new segment (making room in
+the host pool by demoting its least recently used segments to disk), demote, load (validated),
+drop, and find each restarted session's disk segment. It never pins, unpins or talks to the
+engine.
+
+Invariant: a session whose status is ``host`` or ``disk`` and that holds a segment has
+``status == segment.tier``; demoting or dropping a segment updates its holders (and their index
+records) in the same step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from phloem.sessions.session import Session
+from phloem.sessions.store import SessionStore
+from phloem.storage import (
+    CorruptSegment, HostPool, Segment, SegmentMeta, SessionRecord, StorageError, hash_token_ids,
+)
+
+__all__ = ["SegmentTiers", "SpillTier", "SpilledSegment"]
+
+logger = logging.getLogger(__name__)
+
+SpillTier = Literal["host", "disk"]
+
+
+@dataclass(eq=False)
+class SpilledSegment:
+    """One spilled head state and the sessions that resume from it (a parent and its forks).
+
+    ``lock`` serialises loading it into the engine and moving it between tiers, so the forks
+    of one parent import it once.
+
+    Args:
+        segment_id: Unique id (the host pool's key and the disk file's name).
+        owner_id: The session whose disk directory holds the file.
+        num_tokens: The segment covers tokens ``[0, num_tokens)`` of every holder.
+        nbytes: Payload bytes.
+        tier: Where it lives now.
+    """
+
+    segment_id: str
+    owner_id: str
+    num_tokens: int
+    nbytes: int
+    tier: SpillTier
+    holders: set[str] = field(default_factory=set)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class SegmentTiers:
+    """The registry of spilled segments over the host pool and the disk store.
+
+    Args:
+        store: The session store (its ``disk``, fingerprint, and index updates).
+        host_budget_bytes: The host pool's byte budget.
+        sessions: The manager's live sessions by id (statuses of holders are updated).
+    """
+
+    def __init__(self, store: SessionStore, host_budget_bytes: int,
+                 sessions: dict[str, Session]) -> None:
+        self._store = store
+        self.disk = store.disk
+        self.host = HostPool(host_budget_bytes)
+        self._sessions = sessions
+        self._segments: dict[str, SpilledSegment] = {}
+
+    def owns_any(self, session_id: str) -> bool:
+        """Whether a live segment's file lives in this session's directory."""
+        return any(e.owner_id == session_id for e in self._segments.values())
+
+    async def place(self, segment: Segment, tier: SpillTier) -> SpilledSegment | None:
+        """Put a new segment in the host pool (making room) or on disk; None when neither works.
+
+        A segment larger than the whole host budget goes to disk.
+        """
+        meta = segment.meta
+        if tier == "host" and segment.nbytes <= self.host.byte_budget:
+            if not await self._make_room(segment.nbytes):
+                return None
+            self.host.put(segment)
+        else:
+            try:
+                await asyncio.to_thread(self.disk.write, segment)
+            except (StorageError, ValueError) as exc:
+                logger.warning("cannot write segment of session %s: %s", meta.session_id, exc)
+                return None
+            tier = "disk"
+        entry = SpilledSegment(meta.segment_id, meta.session_id, meta.num_tokens, segment.nbytes, tier)
+        self._segments[meta.segment_id] = entry
+        return entry
+
+    async def demote(self, entry: SpilledSegment) -> bool:
+        """Move a host segment to disk; every holder still at ``host`` becomes ``disk``.
+
+        Returns:
+            Whether the segment is on disk now (False: the write failed, nothing changed).
+        """
+        async with entry.lock:
+            segment = self.host.get(entry.segment_id) if entry.tier == "host" else None
+            if segment is None:
+                return entry.tier == "disk"
+            try:
+                await asyncio.to_thread(self.disk.write, segment)
+            except StorageError as exc:
+                logger.warning("cannot demote segment %s to disk: %s", entry.segment_id, exc)
+                return False
+            self.host.remove(entry.segment_id)
+            entry.tier = "disk"
+            for holder in self._holders(entry):
+                if holder.status == "host":
+                    holder.status = "disk"
+                    await self._store.set_tier(holder)
+        return True
+
+    async def hold(self, session: Session, entry: SpilledSegment) -> None:
+        """Make ``entry`` the session's segment; its previous one goes with its last holder."""
+        old, session.segment = session.segment, entry
+        entry.holders.add(session.session_id)
+        if old is not None and old is not entry:
+            await self.release(session.session_id, old)
+
+    async def release(self, session_id: str, entry: SpilledSegment) -> None:
+        """The session lets go of ``entry``; the segment is deleted with its last holder."""
+        entry.holders.discard(session_id)
+        if not entry.holders:
+            await self.drop(entry, delete_file=True)
+
+    async def load(self, entry: SpilledSegment, token_ids: list[int]) -> Segment:
+        """Read the segment (host pool or disk) and check it holds the first ``num_tokens`` of
+        ``token_ids``; call under ``entry.lock``.
+
+        Raises:
+            CorruptSegment: Missing from the host pool, or not this model's or these tokens'.
+            StorageUnavailable: The file is missing or unreadable.
+        """
+        if entry.tier == "host":
+            segment = self.host.get(entry.segment_id)
+            if segment is None:
+                raise CorruptSegment(f"segment {entry.segment_id} is no longer in the host pool")
+        else:
+            segment = await asyncio.to_thread(self.disk.read, entry.owner_id, entry.segment_id,
+                                              expect_fingerprint=self._store.fingerprint)
+        n = entry.num_tokens
+        if segment.meta.num_tokens != n or segment.meta.token_ids_hash != hash_token_ids(token_ids[:n]):
+            raise CorruptSegment(f"segment {entry.segment_id} does not hold these {n} tokens")
+        return segment
+
+    async def drop(self, entry: SpilledSegment, delete_file: bool) -> None:
+        """Forget a segment (unusable, or its last holder let go) and free its storage; holders
+        at its tier become ``disk`` without a segment (resumed by recompute)."""
+        self._segments.pop(entry.segment_id, None)
+        for holder in self._holders(entry):
+            if holder.segment is entry:
+                holder.segment = None
+                if holder.status == entry.tier:
+                    holder.status = "disk"
+                    await self._store.set_tier(holder)
+        entry.holders.clear()
+        self.host.remove(entry.segment_id)
+        if delete_file:
+            await self.quietly(self.disk.delete, entry.owner_id, entry.segment_id)
+
+    async def recover(self, sessions: list[Session], records: dict[str, SessionRecord]) -> None:
+        """Attach each restarted session's disk segment and delete this model's segments that
+        nothing references (see ``sessions.spill``, "Restart")."""
+        metas = await asyncio.to_thread(self._scan)
+        by_owner: dict[str, list[SegmentMeta]] = {}
+        for meta in metas.values():
+            by_owner.setdefault(meta.session_id, []).append(meta)
+        for session in sessions:
+            meta = self._pick(session, records.get(session.session_id), metas, by_owner)
+            if meta is None:
+                continue
+            entry = self._segments.get(meta.segment_id)
+            if entry is None:
+                entry = SpilledSegment(meta.segment_id, meta.session_id, meta.num_tokens,
+                                       _payload_bytes(meta), "disk")
+                self._segments[meta.segment_id] = entry
+            entry.holders.add(session.session_id)
+            session.segment = entry
+        live = {s.session_id for s in sessions}
+        for meta in metas.values():
+            # Another model's segments belong to sessions this server does not load: kept.
+            ours = meta.model_fingerprint == self._store.fingerprint
+            if ours and meta.segment_id not in self._segments:
+                await self.quietly(self.disk.delete, meta.session_id, meta.segment_id)
+                if meta.session_id not in live:
+                    await self.quietly(self.disk.delete_session, meta.session_id)
+
+    async def quietly(self, fn: Callable[..., object], *args: object) -> None:
+        """Run a storage cleanup in a thread; a failure is logged (it only leaks a file)."""
+        try:
+            await asyncio.to_thread(fn, *args)
+        except (StorageError, ValueError) as exc:
+            logger.warning("segment cleanup failed: %s", exc)
+
+    async def _make_room(self, nbytes: int) -> bool:
+        """Demote the least recently used host segments until ``nbytes`` fit. On True the
+        caller must ``put`` before its next ``await``."""
+        while not self.host.can_store(nbytes):
+            oldest = self.host.oldest()
+            if oldest is None:
+                return False
+            entry = self._segments.get(oldest.meta.segment_id)
+            if entry is None:
+                self.host.remove(oldest.meta.segment_id)
+            elif not await self.demote(entry):
+                return False
+        return True
+
+    def _holders(self, entry: SpilledSegment) -> list[Session]:
+        return [s for sid in list(entry.holders) if (s := self._sessions.get(sid)) is not None]
+
+    def _scan(self) -> dict[str, SegmentMeta]:
+        self.disk.remove_temp_files()
+        return {m.segment_id: m for m in self.disk.scan()}
+
+    def _pick(self, session: Session, record: SessionRecord | None, metas: dict[str, SegmentMeta],
+              by_owner: dict[str, list[SegmentMeta]]) -> SegmentMeta | None:
+        """The segment its index record names, else the newest in its own directory, among
+        those of this model that hold a prefix of its tokens."""
+        def fits(meta: SegmentMeta) -> bool:
+            n = meta.num_tokens
+            return (meta.model_fingerprint == self._store.fingerprint
+                    and 0 < n <= len(session.token_ids)
+                    and meta.token_ids_hash == hash_token_ids(session.token_ids[:n]))
+
+        named = metas.get(record.segment_id) if record and record.segment_id else None
+        if named is not None and fits(named):
+            return named
+        own = sorted(by_owner.get(session.session_id, ()),
+                     key=lambda m: (m.created_at, m.num_tokens), reverse=True)
+        return next((m for m in own if fits(m)), None)
+
+
+def _payload_bytes(meta: SegmentMeta) -> int:
+    dtypes = meta.expected_dtypes()
+    return sum(math.prod(shape) * dtypes[name].itemsize
+               for name, shape in meta.expected_shapes().items())

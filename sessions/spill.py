@@ -1,0 +1,321 @@
+"""Tiered session state: spill idle sessions to host memory, then disk; resume them; recover them.
+
+Policy (DESIGN.md §4, "Pin/TTL")::
+
+    active ──TTL──▶ idle ──idle_to_host_s──▶ host ──host budget full──▶ disk
+      ▲  (pinned)    (unpinned, on the GPU,      (HostPool)               (DiskStore file,
+      │               evictable)                                           survives restarts)
+      └──────────── append / prefetch: import the segment, pin again ◀──────┘
+
+- **Spill** (`Spiller.spill`): export the session's deepest cached checkpoint
+  (``EngineClient.export_prefix``) into a `storage.Segment` and put it in the host pool (or
+  write it to disk), then unpin. The GPU copy stays in the radix cache, unpinned, until the
+  engine evicts it for room: spilling is "keep a copy, then let go". If the export is no
+  deeper than the segment the session already has, that one is kept. A spill that cannot
+  place its segment (host full and disk unwritable, disk full) changes nothing: the session
+  stays resident with its status, and the sweeper retries later.
+- **Host budget**: before a segment enters the host pool, the least recently used host
+  segments are demoted to disk until it fits; a segment larger than the whole budget goes to
+  disk directly.
+- **Resume** (`Spiller.resume`, before an append's request or on prefetch): if the GPU no
+  longer holds the segment's prefix, load it (host pool or disk, validated: model fingerprint,
+  shapes, token-id hash against the session's own tokens) and ``import_prefix`` it; the
+  request then computes only what lies past the checkpoint. Any failure (missing, corrupt or
+  foreign segment, no room) falls back to recomputing from the token history: a turn is never
+  lost, and a bad segment is dropped.
+- **Forks** of a spilled session share its segment (`SpilledSegment.holders`); the first
+  child to append imports it once (``SpilledSegment.lock``), the others then hit the cache.
+  A segment is deleted when its last holder lets go (a newer spill, or delete). Demoting a
+  shared host segment moves every holder to ``disk``.
+- **Pins never deadlock** (`Spiller.relieve`): the session layer cannot see the engine's
+  queue, so it watches its own requests. When a generation waits ``admission_stall_s`` for
+  its first token, or the engine turns it away for lack of room (it finishes at once with
+  ``length`` and no token), the least recently used pinned sessions that are not generating
+  (``active`` within their TTL) are spilled to host and unpinned (half of them, at least one),
+  and the request goes on (or is retried once; a second refusal is ``Overloaded``). Pinned
+  sessions are what the engine cannot evict; idle ones it evicts by itself. NOTE: a first
+  token that is merely slow (a very long prefill) also trips the timer; the cost is only that
+  some pinned sessions resume from host later.
+- **Restart** (`Spiller.recover`): host and GPU state is gone; a journaled session resumes
+  from the disk segment its index record names, else from the newest segment in its own
+  directory whose token ids are a prefix of its history, else by recompute. Segments of this
+  model that no session references any more are deleted.
+
+Under tensor parallelism the engine exports nothing yet (rank 0 holds a shard): sessions then
+stay ``idle`` on the GPU and are evicted and recomputed as before.
+
+Where segments live and how they move between tiers is ``sessions._segments``; this module is
+the policy. Lock order: ``session.lock`` may be held while taking a ``SpilledSegment.lock``,
+never the reverse (segment-lock holders change other sessions' status without their lock: a
+status write is a plain assignment, and every reader re-checks it under its own lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from phloem.engine import EngineError
+from phloem.runtime import PrefixState
+from phloem.sessions._pins import PinKeeper
+from phloem.sessions._segments import SegmentTiers, SpilledSegment, SpillTier
+from phloem.sessions.config import SessionConfig
+from phloem.sessions.session import Session, SessionStatus
+from phloem.sessions.store import SessionStore
+from phloem.storage import CorruptSegment, HostPool, Segment, SessionRecord, StorageError
+
+if TYPE_CHECKING:
+    from phloem.runtime import EngineClient
+
+__all__ = ["SpillTier", "SpilledSegment", "Spiller"]
+
+logger = logging.getLogger(__name__)
+
+# Status order: a session is "at or below" a tier when its rank is at least the tier's.
+_RANK = {"active": 0, "idle": 1, "host": 2, "disk": 3}
+
+
+class Spiller:
+    """Moves session state between the GPU, host memory and disk (see the module docstring).
+
+    Args:
+        engine: The engine client.
+        store: The session store (index and segment files).
+        pins: Pins and unpins session heads.
+        config: Host budget, delays, sweep interval.
+        sessions: The manager's live sessions by id (read, never added to or removed from).
+    """
+
+    def __init__(self, engine: EngineClient, store: SessionStore, pins: PinKeeper,
+                 config: SessionConfig, sessions: dict[str, Session]) -> None:
+        self._engine = engine
+        self._store = store
+        self._pins = pins
+        self._config = config
+        self._sessions = sessions
+        self._tiers = SegmentTiers(store, config.host_budget_bytes, sessions)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._retry_s = 10 * config.sweep_interval_s
+
+    @property
+    def host(self) -> HostPool:
+        """The host tier (its ``used_bytes`` stay within ``host_budget_bytes``)."""
+        return self._tiers.host
+
+    def start(self) -> None:
+        """Start the sweeper (spills idle sessions, probes a degraded index)."""
+        self.spawn(self._sweep_forever())
+
+    def close(self) -> None:
+        """Stop the sweeper and every move in flight (the host tier dies with the process)."""
+        for task in list(self._tasks):
+            task.cancel()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run a move on its own task, kept until it ends."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def recover(self, sessions: list[Session], records: dict[str, SessionRecord]) -> None:
+        """Attach each restarted session's disk segment (see "Restart" above)."""
+        await self._tiers.recover(sessions, records)
+
+    async def offload(self, session: Session, tier: SpillTier) -> None:
+        """Spill ``session`` to ``tier`` now (an explicit offload); a no-op when it is already
+        there or lower, deleted or generating."""
+        async with session.lock:
+            if session.deleted or session.busy or _RANK[session.status] >= _RANK[tier]:
+                return
+            segment = session.segment
+            if session.status == "host" and segment is not None:
+                await self._tiers.demote(segment)
+                return
+            await self.spill(session, tier)
+
+    async def prefetch(self, session: Session) -> None:
+        """Load a spilled session's state back to the GPU and pin it (``active``)."""
+        async with session.lock:
+            if session.deleted or session.busy or session.status == "active":
+                return
+            await self.resume(session)
+            await self._pins.activate(session)
+
+    async def spill(self, session: Session, tier: SpillTier) -> bool:
+        """Copy the session's cached state to ``tier`` and unpin it; call under ``session.lock``.
+
+        Returns:
+            Whether the session left the GPU's pins (its status is then ``host`` or ``disk``).
+        """
+        old = session.segment
+        try:
+            state = await self._engine.export_prefix(session.token_ids) if session.token_ids else None
+        except EngineError as exc:
+            logger.warning("spilling session %s failed: %s", session.session_id, exc)
+            return False
+        if state is None or (old is not None and state.num_tokens <= old.num_tokens):
+            return await self._spill_without_export(session, tier, gpu_has_state=state is not None)
+        segment = self._segment(session, state)
+        entry = await self._tiers.place(segment, tier) if segment is not None else None
+        if entry is None:
+            session.spill_retry_at = time.monotonic() + self._retry_s
+            return False
+        await self._tiers.hold(session, entry)
+        return await self._let_go(session, entry.tier)
+
+    async def resume(self, session: Session) -> None:
+        """Make the session's spilled prefix resident again, if the GPU lost it. Never raises:
+        whatever fails here is recomputed by the request."""
+        entry = session.segment
+        if entry is None or entry.num_tokens > len(session.token_ids):
+            return
+        for attempt in range(2):
+            async with entry.lock:
+                try:
+                    if await self._import(session, entry):
+                        return
+                except (StorageError, ValueError) as exc:
+                    logger.warning("session %s: cannot resume segment %s (%s); recomputing it",
+                                   session.session_id, entry.segment_id, exc)
+                    await self._tiers.drop(entry, delete_file=isinstance(exc, CorruptSegment))
+                    return
+                except EngineError as exc:
+                    logger.warning("session %s: import failed (%s); recomputing",
+                                   session.session_id, exc)
+                    return
+            # No room in the engine: demote pinned sessions (outside the segment lock, see the
+            # lock order), then try once more; after that the request recomputes.
+            if attempt or not await self.relieve(exclude=session):
+                logger.warning("session %s: no room to import its segment; recomputing",
+                               session.session_id)
+                return
+
+    async def relieve(self, exclude: Session | None = None) -> bool:
+        """Free engine memory for a stalled request: spill and unpin the least recently used
+        half (at least one) of the pinned sessions that are not generating. Idle sessions are
+        not touched: they pin nothing, the engine evicts them itself. Returns whether any moved."""
+        candidates = sorted((s for s in self._sessions.values()
+                             if _pinned_and_waiting(s) and s is not exclude),
+                            key=lambda s: s.touched_at)
+        victims = candidates[: max(1, len(candidates) // 2)]
+        for session in victims:
+            async with session.lock:
+                if not _pinned_and_waiting(session):
+                    continue
+                logger.info("engine short of memory: demoting pinned session %s", session.session_id)
+                if not await self.spill(session, "host"):
+                    await self._pins.release(session, "idle")
+        return bool(victims)
+
+    def inherit(self, child: Session, parent: Session) -> bool:
+        """Give a fork of a spilled parent the parent's segment (when it covers no more than the
+        child's tokens) and status. Returns False when the parent is on the GPU."""
+        if parent.status not in ("host", "disk"):
+            return False
+        entry = parent.segment
+        if entry is not None and entry.num_tokens <= len(child.token_ids):
+            child.segment = entry
+            entry.holders.add(child.session_id)
+            child.status = entry.tier
+        else:
+            child.status = "disk"
+        return True
+
+    async def forget(self, session: Session) -> None:
+        """Release a deleted session's segment (deleted with its last holder), and its
+        directory unless a fork still resumes from a file in it."""
+        entry, session.segment = session.segment, None
+        if entry is not None:
+            await self._tiers.release(session.session_id, entry)
+        if not self._tiers.owns_any(session.session_id):
+            await self._tiers.quietly(self._tiers.disk.delete_session, session.session_id)
+
+    async def sweep(self) -> None:
+        """One sweeper pass: spill sessions idle for ``idle_to_host_s``; probe a degraded index."""
+        now = time.monotonic()
+        for session in list(self._sessions.values()):
+            if not self._due(session, now):
+                continue
+            async with session.lock:
+                if self._due(session, now):
+                    await self.spill(session, "host")
+        live = [s for s in self._sessions.values() if not s.deleted]
+        await self._store.probe_index(live)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.sweep_interval_s)
+            try:
+                await self.sweep()
+            except Exception:
+                logger.exception("the spill sweeper failed; it runs again in %.1f s",
+                                 self._config.sweep_interval_s)
+
+    def _due(self, session: Session, now: float) -> bool:
+        return (session.status == "idle" and not session.busy and not session.deleted
+                and bool(session.token_ids) and now >= session.spill_retry_at
+                and now - session.touched_at >= self._config.idle_to_host_s)
+
+    async def _spill_without_export(self, session: Session, tier: SpillTier,
+                                    gpu_has_state: bool) -> bool:
+        """Nothing newer to export: keep the segment the session has, or record that its state
+        is gone (``disk``: recompute), or leave it ``idle`` (exports unsupported here)."""
+        entry = session.segment
+        if entry is not None:
+            if tier == "disk" and not await self._tiers.demote(entry):
+                return False
+            return await self._let_go(session, entry.tier)
+        if gpu_has_state or await self._gpu_holds(session.token_ids) > 0:
+            session.spill_retry_at = time.monotonic() + self._retry_s
+            return False
+        return await self._let_go(session, "disk")
+
+    async def _let_go(self, session: Session, status: SessionStatus) -> bool:
+        """Unpin and take the spilled status, unless an append started during the move (it
+        owns the pin and the status now; the segment stays as its fallback)."""
+        if session.busy or session.deleted:
+            return False
+        await self._pins.release(session, status)
+        await self._store.set_tier(session)
+        return True
+
+    def _segment(self, session: Session, state: PrefixState) -> Segment | None:
+        try:
+            return Segment.from_tensors(
+                session_id=session.session_id, segment_id=f"seg_{secrets.token_hex(12)}",
+                model_fingerprint=self._store.fingerprint,
+                tensors={"kv": state.kv, "conv": state.conv, "ssm": state.ssm,
+                         "token_ids": torch.tensor(state.token_ids, dtype=torch.int64)})
+        except ValueError as exc:
+            logger.warning("session %s: exported state does not form a segment: %s",
+                           session.session_id, exc)
+            return None
+
+    async def _import(self, session: Session, entry: SpilledSegment) -> bool:
+        """Load the segment into the engine unless it holds the prefix; False: no room."""
+        n = entry.num_tokens
+        # Token 0 stands for "one more token": the query matches at most ``n`` tokens.
+        if await self._gpu_holds([*session.token_ids[:n], 0]) >= n:
+            return True
+        segment = await self._tiers.load(entry, session.token_ids)
+        tensors = segment.tensors
+        state = PrefixState(tuple(session.token_ids[:n]), tensors["kv"], tensors["conv"],
+                            tensors["ssm"])
+        return await self._engine.import_prefix(state)
+
+    async def _gpu_holds(self, token_ids: list[int]) -> int:
+        try:
+            return await self._engine.cached_prefix_len(token_ids) if token_ids else 0
+        except EngineError:
+            return 0
+
+
+def _pinned_and_waiting(session: Session) -> bool:
+    return session.pin is not None and not session.busy and not session.deleted

@@ -1,0 +1,31 @@
+"""`phloem bench agentic`, scaled down: real servers on loopback, exact cached-token counts, plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from phloem.api.bench_agentic import AgenticWorkload, run_agentic
+
+APPEND = 24
+
+
+def test_scaled_down_agentic_run(tmp_path: Path) -> None:
+    wl = AgenticWorkload(agents=2, first_turn=200, append=APPEND, turns=4, output=6, fork_at=2, forks=2, vocab_hi=1000)
+    table, data = run_agentic(wl, out_dir=str(tmp_path))
+    turns = data["turns"]
+    assert set(turns) == {"sessions", "stateless", "nocache"}
+    for mode, records in turns.items():
+        # 2 agents × (turns 1-2 on the trunk + 2 branches × turns 3-4)
+        assert len(records) == 2 * (2 + 2 * 2)
+        for r in records:
+            assert r["completion_tokens"] == 6
+            if mode == "nocache" or r["turn"] == 1:
+                assert r["cached_tokens"] == 0, r
+            else:
+                # Every later turn (forks included) reuses the whole previous conversation.
+                assert r["cached_tokens"] == r["prompt_tokens"] - APPEND, r
+    prompts = {m: sorted((r["agent"], r["branch"], r["turn"], r["prompt_tokens"]) for r in recs) for m, recs in turns.items()}
+    assert prompts["sessions"] == prompts["stateless"] == prompts["nocache"]
+    for name in ("ttft_by_turn.png", "cached_tokens_by_turn.png", "decode_speed_by_turn.png", "agentic.json"):
+        assert (tmp_path / name).stat().st_size > 1000
+    assert "| sessions |" in table

@@ -1,0 +1,133 @@
+"""A client that goes away mid-stream cancels its generation, and the engine gets its pages and
+slot back: checked on the engine client's own ``stats()`` (uvicorn runs in a thread of this
+process, so the disconnects are real socket closes). SSE, WebSocket and the OpenAI stream; a
+non-streamed append, by contract, still completes and commits."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from live_servers import LiveApp, live_app
+from websockets.sync.client import connect
+
+from phloem.runtime import EngineStats, ServerConfig, ensure_default_model
+
+LONG = {"max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def app(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveApp]:
+    config = ServerConfig(data_dir=tmp_path_factory.mktemp("cancel"))
+    with live_app(ensure_default_model(data_dir), config) as served:
+        yield served
+
+
+@pytest.fixture
+def http(app: LiveApp) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=app.base_url, timeout=30) as client:
+        yield client
+
+
+def held_by_requests(stats: EngineStats) -> tuple[int, int]:
+    """(pages, slots) that belong to requests rather than to the prefix cache: the cache holds
+    the pages of its tree plus at most one tail page and exactly one slot per checkpoint."""
+    cache = stats.cache
+    return (max(0, cache.pages_in_use - cache.pages_in_tree - cache.checkpoints),
+            cache.slots_in_use - cache.checkpoints)
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return value
+
+
+def last_turn(http: httpx.Client, session: str, num_turns: int) -> dict[str, Any]:
+    turns = wait_for(lambda: (t := http.get(f"/v1/sessions/{session}/turns").json()["turns"])
+                     and len(t) == num_turns and t)
+    return dict(turns[-1])
+
+
+def assert_released(app: LiveApp) -> None:
+    stats = app.wait_idle()
+    assert stats.num_requests == 0
+    assert held_by_requests(stats) == (0, 0), f"pages or a slot still held by a request: {stats}"
+
+
+def running(app: LiveApp) -> bool:
+    stats = app.stats()
+    pages, slots = held_by_requests(stats)
+    return stats.num_requests == 1 and pages > 0 and slots == 1
+
+
+def test_sse_client_disconnect_cancels_and_releases(app: LiveApp, http: httpx.Client) -> None:
+    session = http.post("/v1/sessions", json={"text": "sse"}).json()["id"]
+    app.wait_idle()
+    body = {"text": " go", "generate": LONG, "stream": True}
+    with http.stream("POST", f"/v1/sessions/{session}/append", json=body) as stream:
+        data = (line for line in stream.iter_lines() if line.startswith("data:"))
+        seen = [json.loads(next(data)[5:]) for _ in range(3)]
+        assert running(app), "the generation holds a slot while it runs"
+    turn = last_turn(http, session, 2)
+    assert turn["finish_reason"] == "cancelled"
+    assert 3 <= turn["num_output_tokens"] < 4000
+    assert sum(len(e["token_ids"]) for e in seen) <= turn["num_output_tokens"]
+    assert_released(app)
+
+
+def test_websocket_client_disconnect_cancels_and_releases(app: LiveApp, http: httpx.Client) -> None:
+    session = http.post("/v1/sessions", json={"text": "ws"}).json()["id"]
+    app.wait_idle()
+    with connect(f"{app.ws_url}/v1/sessions/{session}/ws") as ws:
+        ws.send(json.dumps({"type": "append", "text": " go", "generate": LONG}))
+        assert [json.loads(ws.recv(timeout=10))["type"] for _ in range(3)] == ["delta"] * 3
+        assert running(app)
+    turn = last_turn(http, session, 2)
+    assert turn["finish_reason"] == "cancelled" and turn["num_output_tokens"] < 4000
+    assert_released(app)
+
+
+def test_openai_stream_disconnect_cancels_and_releases(app: LiveApp, http: httpx.Client) -> None:
+    app.wait_idle()
+    body = {"model": "phloem-tiny-qwen3.5", "prompt": "once upon", "max_tokens": 4000,
+            "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as stream:
+        data = (line for line in stream.iter_lines() if line.startswith("data:"))
+        for _ in range(3):
+            next(data)
+        assert running(app)
+    assert_released(app)
+
+
+def test_a_dropped_socket_mid_request_cancels_too(app: LiveApp, http: httpx.Client) -> None:
+    """A TCP reset right after the request (no orderly close) is noticed the same way."""
+    session = http.post("/v1/sessions", json={"text": "rst"}).json()["id"]
+    app.wait_idle()
+    body = json.dumps({"text": " go", "generate": LONG, "stream": True}).encode()
+    host, port = app.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(f"POST /v1/sessions/{session}/append HTTP/1.1\r\nHost: x\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert b"event: delta" in raw.recv(65536) or wait_for(lambda: running(app))
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    assert last_turn(http, session, 2)["finish_reason"] == "cancelled"
+    assert_released(app)
+
+
+def test_a_plain_append_completes_after_its_client_left(app: LiveApp, http: httpx.Client) -> None:
+    session = http.post("/v1/sessions", json={"text": "plain"}).json()["id"]
+    body = {"text": " go", "generate": {**LONG, "max_tokens": 300}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{app.base_url}/v1/sessions/{session}/append", json=body,
+                   timeout=httpx.Timeout(10, read=0.05))
+    turn = last_turn(http, session, 2)
+    assert (turn["finish_reason"], turn["num_output_tokens"]) == ("length", 300)

@@ -1,0 +1,381 @@
+"""Tiered session state over the real engine (tiny random-weight model): spill to host and disk,
+resume copy-on-write, forks of spilled sessions, restarts, faults, and pins that never deadlock.
+
+Every resume path is checked against a never-spilled twin (same tokens, greedy, same output
+token for token), and ``cached_tokens`` shows the resume reused the spilled prefix. The
+engine's prefix cache is reset before the compared turns, so a hit can only come from the
+spilled segment. Each test runs on both index backends (``index_config``) unless it is about
+one of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import resource
+import shutil
+import signal
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from redis_support import TcpProxy, clear_prefix, random_prefix, require_redis
+
+from phloem.runtime import EngineClient, EngineOptions
+from phloem.sessions import (
+    GenerateOptions, GenerationResult, SessionConfig, SessionInput, SessionManager, Tokenizer,
+    model_fingerprint,
+)
+from phloem.storage import DiskStore, RedisIndex, Segment, SessionRecord, SQLiteIndex
+
+T = TypeVar("T")
+ManagerFactory = Callable[..., AbstractAsyncContextManager[SessionManager]]
+OWNER = "key-1"
+
+
+def greedy(max_tokens: int = 4) -> GenerateOptions:
+    return GenerateOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def unique_ids(n: int) -> tuple[int, ...]:
+    """Fresh token ids, so that cache hits never come from another test."""
+    rng = random.Random(uuid.uuid4().int)
+    return tuple(rng.randrange(3, 1900) for _ in range(n))
+
+
+async def turn(m: SessionManager, session_id: str, ids: tuple[int, ...],
+               max_tokens: int = 4) -> GenerationResult:
+    generation = await m.append(OWNER, session_id, SessionInput(input_ids=ids), greedy(max_tokens))
+    return await generation.result()
+
+
+async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting for a condition"
+        await asyncio.sleep(0.02)
+
+
+def run(make_manager: ManagerFactory, body: Callable[[SessionManager], Awaitable[T]],
+        **config: Any) -> T:
+    async def main() -> T:
+        async with make_manager(**config) as manager:
+            return await body(manager)
+    return asyncio.run(main())
+
+
+def index_record(m: SessionManager, session_id: str) -> SessionRecord | None:
+    return m._store._index.get_session(session_id)  # noqa: SLF001 (what the index says)
+
+
+async def twin_and_resumed(engine: EngineClient, m: SessionManager, twin_id: str, spilled_id: str,
+                           follow: tuple[int, ...]) -> tuple[GenerationResult, GenerationResult]:
+    """The same turn on a never-spilled twin (from scratch) and on the spilled session, each
+    after a cache reset: only the spilled segment can make the second a hit."""
+    await engine.reset_prefix_cache()
+    twin = await turn(m, twin_id, follow)
+    assert twin.usage.cached_tokens == 0
+    await engine.reset_prefix_cache()
+    return twin, await turn(m, spilled_id, follow)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_resume_equals_a_never_spilled_twin(make_manager: ManagerFactory, engine: EngineClient,
+                                            index_config: dict[str, Any], tier: str) -> None:
+    async def body(m: SessionManager) -> None:
+        prompt, first, second = unique_ids(40), unique_ids(3), unique_ids(5)
+        a = (await m.create(OWNER, content=SessionInput(input_ids=prompt), ttl=0)).session_id
+        b = (await m.create(OWNER, content=SessionInput(input_ids=prompt), ttl=0)).session_id
+        assert (await turn(m, a, first)).output_ids == (await turn(m, b, first)).output_ids
+
+        snap = await m.offload(OWNER, a, tier, wait=True)  # type: ignore[arg-type]
+        assert snap.status == tier and m.get(OWNER, b).status == "idle"
+        segment = m._sessions[a].segment  # noqa: SLF001
+        assert segment is not None and segment.num_tokens == snap.num_tokens
+        record = index_record(m, a)
+        assert record is not None and (record.tier, record.segment_id) == (tier, segment.segment_id)
+        on_disk = m._store.disk.exists(a, segment.segment_id)  # noqa: SLF001
+        assert on_disk == (tier == "disk") and (segment.segment_id in m._spill.host) != on_disk  # noqa: SLF001
+
+        twin, resumed = await twin_and_resumed(engine, m, b, a, second)
+        assert resumed.usage.cached_tokens == snap.num_tokens, "the spilled prefix was reused"
+        assert resumed.output_ids == twin.output_ids
+        assert m.get(OWNER, a).status == "idle" and index_record(m, a).tier == "gpu"  # type: ignore[union-attr]
+        assert [t.end for t in m.turns(OWNER, a)] == [t.end for t in m.turns(OWNER, b)]
+
+    run(make_manager, body, **index_config)
+
+
+def test_sweeper_spills_idle_sessions_and_demotes_the_oldest_to_disk(
+        make_manager: ManagerFactory, engine: EngineClient, index_config: dict[str, Any]) -> None:
+    async def main() -> None:
+        from phloem.engine import SamplingParams
+
+        # One 47-token segment's size, measured on a throwaway prefix: the budget holds one.
+        probe = list(unique_ids(43))
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        out = [o async for o in engine.generate(probe, params)][-1]
+        state = await engine.export_prefix(probe + out.token_ids)
+        assert state is not None and state.num_tokens == 47
+        budget = int(1.5 * (state.nbytes + 8 * state.num_tokens))
+        async with make_manager(**index_config, host_budget_bytes=budget, idle_to_host_s=0.0,
+                                sweep_interval_s=0.05) as m:
+            ids = []
+            for _ in range(2):
+                s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(40)), ttl=0)
+                await turn(m, s.session_id, unique_ids(3))
+                ids.append(s.session_id)
+                await wait_for(lambda sid=s.session_id: m.get(OWNER, sid).status == "host")
+            a, b = ids
+            await wait_for(lambda: m.get(OWNER, a).status == "disk")
+            assert m.get(OWNER, b).status == "host" and m._spill.host.used_bytes <= budget  # noqa: SLF001
+            assert [index_record(m, sid).tier for sid in ids] == ["disk", "host"]  # type: ignore[union-attr]
+            await engine.reset_prefix_cache()
+            for sid in ids:
+                result = await turn(m, sid, unique_ids(2))
+                assert result.usage.cached_tokens == 47, f"{sid} resumed from its segment"
+
+    asyncio.run(main())
+
+
+def test_fork_of_a_spilled_session_shares_its_segment_and_imports_once(
+        make_manager: ManagerFactory, engine: EngineClient, index_config: dict[str, Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    imports: list[int] = []
+    real_import = engine.import_prefix
+
+    async def counting_import(state: Any) -> bool:
+        imports.append(state.num_tokens)
+        return await real_import(state)
+
+    monkeypatch.setattr(engine, "import_prefix", counting_import)
+
+    async def body(m: SessionManager) -> None:
+        prompt, first = unique_ids(30), unique_ids(4)
+        parent = (await m.create(OWNER, content=SessionInput(input_ids=prompt), ttl=0)).session_id
+        twin = (await m.create(OWNER, content=SessionInput(input_ids=prompt), ttl=0)).session_id
+        await turn(m, parent, first)
+        await turn(m, twin, first)
+        size = (await m.offload(OWNER, parent, "disk", wait=True)).num_tokens
+        children = await m.fork(OWNER, parent, 2)
+        assert [c.status for c in children] == ["disk", "disk"]
+        segment = m._sessions[parent].segment  # noqa: SLF001
+        assert segment is not None and segment.holders == {parent, *(c.session_id for c in children)}
+        await m.delete(OWNER, parent)  # the children keep the shared segment
+        assert m._store.disk.exists(parent, segment.segment_id)  # noqa: SLF001
+
+        branch = unique_ids(3)
+        expected, first_child = await twin_and_resumed(engine, m, twin, children[0].session_id, branch)
+        second_child = await turn(m, children[1].session_id, branch)
+        assert imports == [size], "imported once, by the first child"
+        for child in (first_child, second_child):
+            assert child.usage.cached_tokens == size and child.output_ids == expected.output_ids
+
+    run(make_manager, body, **index_config)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign", "tampered", "missing"])
+def test_a_bad_segment_falls_back_to_recompute(make_manager: ManagerFactory, engine: EngineClient,
+                                               damage: str) -> None:
+    async def body(m: SessionManager) -> None:
+        prompt, first = unique_ids(30), unique_ids(3)
+        a = (await m.create(OWNER, content=SessionInput(input_ids=prompt), ttl=0)).session_id
+        b = (await m.create(OWNER, content=SessionInput(input_ids=prompt), ttl=0)).session_id
+        await turn(m, a, first)
+        await turn(m, b, first)
+        await m.offload(OWNER, a, "disk", wait=True)
+        segment = m._sessions[a].segment  # noqa: SLF001
+        assert segment is not None
+        disk: DiskStore = m._store.disk  # noqa: SLF001
+        path = disk.path_for(a, segment.segment_id)
+        good = disk.read(a, segment.segment_id, expect_fingerprint=None)
+        if damage == "truncated":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        elif damage == "missing":
+            path.unlink()
+        else:
+            tensors = dict(good.tensors)
+            fingerprint = good.meta.model_fingerprint
+            if damage == "foreign":
+                fingerprint = "another-model@sha256:0000000000000000"
+            else:  # the same shapes and a valid header, but other tokens
+                tensors["token_ids"] = tensors["token_ids"].flip(0).contiguous()
+            disk.write(Segment.from_tensors(session_id=a, segment_id=segment.segment_id,
+                                            model_fingerprint=fingerprint, tensors=tensors))
+        twin, resumed = await twin_and_resumed(engine, m, b, a, unique_ids(4))
+        assert resumed.usage.cached_tokens == 0, "recomputed from the token history"
+        assert resumed.output_ids == twin.output_ids and resumed.turn == 2
+        assert m._sessions[a].segment is None  # noqa: SLF001 (the bad segment is forgotten)
+
+    run(make_manager, body)
+
+
+@contextmanager
+def file_size_limit(num_bytes: int) -> Iterator[None]:
+    """Writes past ``num_bytes`` fail with EFBIG, like a full disk (SIGXFSZ ignored)."""
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (num_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous_handler)
+
+
+@pytest.mark.parametrize("fault", ["unwritable", "full"])
+def test_a_failed_spill_leaves_the_session_resident(make_manager: ManagerFactory,
+                                                    engine: EngineClient, fault: str) -> None:
+    async def body(m: SessionManager) -> None:
+        disk_root: Path = m._store.disk.root  # noqa: SLF001
+        a = (await m.create(OWNER, content=SessionInput(input_ids=unique_ids(900)), ttl=0)).session_id
+        before = await turn(m, a, unique_ids(96))  # ~1 MB of state
+        turns = m.turns(OWNER, a, include_tokens=True)
+        if fault == "unwritable":
+            shutil.rmtree(disk_root)
+            disk_root.write_text("not a directory")
+            snap = await m.offload(OWNER, a, "disk", wait=True)
+            disk_root.unlink()
+            disk_root.mkdir()
+        else:
+            with file_size_limit(256 << 10):
+                snap = await m.offload(OWNER, a, "disk", wait=True)
+        assert snap.status == "idle" and m._sessions[a].segment is None  # noqa: SLF001
+        assert list(disk_root.rglob("*")) == [], "no partial file is left"
+        assert m.turns(OWNER, a, include_tokens=True) == turns
+        after = await turn(m, a, unique_ids(2))
+        assert after.usage.cached_tokens == before.num_tokens, "still resident on the GPU"
+        assert (await m.offload(OWNER, a, "disk", wait=True)).status == "disk", "works once fixed"
+
+    run(make_manager, body, host_budget_bytes=0)
+
+
+def test_restart_resumes_from_disk_and_rebuilds_an_empty_index(
+        make_manager: ManagerFactory, engine: EngineClient, index_config: dict[str, Any],
+        tmp_path: Path) -> None:
+    follow = unique_ids(3)
+
+    async def main() -> None:
+        async with make_manager(**index_config) as m:
+            made: dict[str, str] = {}
+            for kind in ("disk", "host", "active", "twin"):
+                s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(20)), ttl=0)
+                await turn(m, s.session_id, unique_ids(3))
+                made[kind] = s.session_id
+            for kind in ("disk", "host"):
+                await m.offload(OWNER, made[kind], kind, wait=True)  # type: ignore[arg-type]
+            before = {k: m.turns(OWNER, sid, include_tokens=True) for k, sid in made.items()}
+            ids = {k: sum((t.token_ids or () for t in v), ()) for k, v in before.items()}
+        if "redis_url" in index_config:
+            clear_prefix(index_config["redis_url"], index_config["redis_prefix"])
+        else:
+            for path in tmp_path.glob("index.sqlite*"):
+                path.unlink()
+        async with make_manager(**index_config) as m:
+            assert {k: m.get(OWNER, sid).status for k, sid in made.items()} == dict.fromkeys(made, "disk")
+            assert {k: m.turns(OWNER, sid, include_tokens=True) for k, sid in made.items()} == before
+            assert index_record(m, made["disk"]).tier == "disk"  # type: ignore[union-attr]
+            assert index_record(m, made["host"]).tier == "none"  # type: ignore[union-attr]
+            results = {}
+            for kind, sid in made.items():
+                twin = await m.create(OWNER, content=SessionInput(input_ids=ids[kind]), ttl=0)
+                await engine.reset_prefix_cache()
+                expected = await turn(m, twin.session_id, follow)
+                await engine.reset_prefix_cache()
+                results[kind] = (expected, await turn(m, sid, follow))
+            for kind, (expected, resumed) in results.items():
+                assert resumed.output_ids == expected.output_ids, kind
+                cached = len(ids[kind]) if kind == "disk" else 0
+                assert resumed.usage.cached_tokens == cached, kind
+
+    asyncio.run(main())
+
+
+def test_redis_unreachable_at_start_and_mid_run_degrades_and_resyncs(
+        make_manager: ManagerFactory) -> None:
+    url, prefix = require_redis(), random_prefix()
+    proxy = TcpProxy(url)  # not listening yet: Redis is unreachable at start
+    index = RedisIndex(url, prefix=prefix)
+
+    async def main() -> None:
+        async with make_manager(redis_url=proxy.url, redis_prefix=prefix,
+                                sweep_interval_s=0.05) as m:
+            assert "unavailable" in (m.health() or "")
+            a = (await m.create(OWNER, content=SessionInput(input_ids=unique_ids(10)))).session_id
+            first = await turn(m, a, unique_ids(2))
+            proxy.restore()
+            await wait_for(lambda: m.health() is None)
+            record = index.get_session(a)
+            assert record is not None and record.num_tokens == first.num_tokens
+
+            proxy.cut()  # mid-run
+            b = (await m.create(OWNER, content=SessionInput(input_ids=unique_ids(10)))).session_id
+            second = await turn(m, a, unique_ids(2))
+            assert "unavailable" in (m.health() or "")
+            await m.delete(OWNER, b)
+            assert m.turns(OWNER, a)[-1].end == second.num_tokens
+            proxy.restore()
+            await wait_for(lambda: m.health() is None)
+            assert index.get_session(a).num_tokens == second.num_tokens  # type: ignore[union-attr]
+            assert index.get_session(b) is None
+
+    try:
+        asyncio.run(main())
+    finally:
+        proxy.cut()
+        index.clear()
+        index.close()
+
+
+@pytest.mark.parametrize("short_of", ["slots", "pages"])
+def test_pinned_sessions_never_block_admission(model_dir: Path, tokenizer: Tokenizer,
+                                               tmp_path: Path, short_of: str) -> None:
+    # Four sessions pinned for a long TTL hold every slot (or nearly every page) of a small engine.
+    options = (EngineOptions(num_state_slots=4) if short_of == "slots"
+               else EngineOptions(num_pages=12, num_state_slots=16))
+    engine = EngineClient.from_pretrained(model_dir, options)
+    engine.start()
+    config = SessionConfig(data_dir=tmp_path, model_fingerprint=model_fingerprint(model_dir),
+                           admission_stall_s=0.2)
+
+    async def main() -> None:
+        m = SessionManager(engine, tokenizer, config)
+        await m.start()
+        try:
+            pinned = []
+            for _ in range(4 if short_of == "slots" else 2):
+                s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(60)), ttl=600)
+                await turn(m, s.session_id, unique_ids(4))
+                pinned.append(s.session_id)
+            assert {m.get(OWNER, sid).status for sid in pinned} == {"active"}
+            newcomer = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(60)))
+            result = await asyncio.wait_for(turn(m, newcomer.session_id, unique_ids(4)), 30)
+            assert len(result.output_ids) == 4
+            demoted = [sid for sid in pinned if m.get(OWNER, sid).status == "host"]
+            assert demoted and demoted == pinned[: len(demoted)], "the least recently used first"
+            resumed = await asyncio.wait_for(turn(m, demoted[0], unique_ids(2)), 30)
+            assert resumed.usage.cached_tokens > 0
+        finally:
+            await m.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+def test_sqlite_index_matches_the_journal_after_spills(make_manager: ManagerFactory,
+                                                       tmp_path: Path) -> None:
+    async def body(m: SessionManager) -> None:
+        a = (await m.create(OWNER, content=SessionInput(input_ids=unique_ids(20)), ttl=0)).session_id
+        await turn(m, a, unique_ids(2))
+        await m.offload(OWNER, a, "disk", wait=True)
+        index = SQLiteIndex(tmp_path / "index.sqlite")
+        record = index.get_session(a)
+        index.close()
+        assert record is not None and record.tier == "disk" and record.segment_id is not None
+
+    run(make_manager, body)
