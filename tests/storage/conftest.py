@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import secrets
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,13 +12,14 @@ from typing import Any
 import pytest
 import torch
 
+from redis_support import random_prefix, require_redis
+
 from phloem.storage import RedisIndex, Segment, SessionIndex, SQLiteIndex
 
 # Tiny hybrid model: 2 attention layers, 3 GDN layers; 10 tokens = 3 pages of 4 (last partial).
 NUM_ATTN_LAYERS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 2, 2, 8, 4
 NUM_GDN_LAYERS, CONV_DIM, CONV_KERNEL, NUM_V_HEADS, KEY_DIM, VALUE_DIM = 3, 12, 4, 2, 8, 6
 FINGERPRINT = "tiny-hybrid@sha256:0123abcd"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def segment_tensors(num_tokens: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
@@ -89,15 +89,6 @@ def fingerprint() -> str:
     return FINGERPRINT
 
 
-def redis_url() -> str:
-    """The test server; ``PHLOEM_TEST_REDIS_URL=''`` disables the Redis tests."""
-    return os.environ.get("PHLOEM_TEST_REDIS_URL", DEFAULT_REDIS_URL)
-
-
-def random_prefix() -> str:
-    return f"phloem-test:{secrets.token_hex(8)}:"
-
-
 @pytest.fixture
 def redis_server_url() -> str:
     """URL of a Redis server that answers; fails (never skips) when none does.
@@ -105,15 +96,7 @@ def redis_server_url() -> str:
     CI guarantees a server; ``PHLOEM_TEST_REDIS_URL=''`` opts out, and only then do the Redis
     cases skip.
     """
-    url = redis_url()
-    if not url:
-        pytest.skip("PHLOEM_TEST_REDIS_URL is empty: Redis index tests disabled")
-    probe = RedisIndex(url, prefix=random_prefix())
-    healthy = probe.health()
-    probe.close()
-    if not healthy:
-        pytest.fail(f"no Redis server answers at {url} (set PHLOEM_TEST_REDIS_URL='' to opt out)")
-    return url
+    return require_redis()
 
 
 @pytest.fixture(params=["sqlite", "redis"])
