@@ -114,30 +114,33 @@ def measure_matmul_rate(device: torch.device, n: int = 8192, repeats: int = 10) 
     return 2 * n**3 / statistics.median(times)
 
 
-def _param_bytes(engine: Engine) -> tuple[int, int, int, int]:
-    """(dense bytes, bytes of one expert's three matrices summed over MoE layers, embedding row bytes, #MoE layers)."""
+def _param_bytes(engine: Engine) -> tuple[int, int, int]:
+    """(dense bytes, bytes of one expert's three matrices summed over MoE layers, embedding row bytes).
+
+    The shared expert is stored as the last expert of each MoE layer, so it counts as an expert
+    that every token reads (see ``step_bytes``), not as a dense weight.
+    """
     dense = expert = 0
-    num_moe = 0
     embed_row = 0
     model = engine.runner.model
     for name, p in model.named_parameters():  # type: ignore[attr-defined]
         nbytes = p.numel() * p.element_size()
         if ".experts." in name:
             expert += nbytes // p.shape[0]
-            num_moe += name.endswith("down_proj")
         elif "embed_tokens" in name:
             embed_row = p.shape[1] * p.element_size()
         else:
             dense += nbytes
-    return dense, expert, embed_row, num_moe
+    return dense, expert, embed_row
 
 
 def step_bytes(engine: Engine, batch: int, context: int) -> StepBytes:
     mc = engine.model_config
-    dense, expert_per_layerset, embed_row, _ = _param_bytes(engine)
+    dense, expert_per_layerset, embed_row = _param_bytes(engine)
     e, k = max(mc.num_experts, 1), mc.num_experts_per_tok
-    # Distinct experts a batch of independent tokens routes to, per layer (uniform routing).
-    distinct = e * (1 - (1 - k / e) ** batch) if mc.num_experts else 0
+    # Distinct routed experts a batch of independent tokens reaches per layer (uniform routing),
+    # plus the shared expert, which every token reads.
+    distinct = e * (1 - (1 - k / e) ** batch) + 1 if mc.num_experts else 0
     weights = int(dense + batch * embed_row + distinct * expert_per_layerset)
     elem = engine.dtype.itemsize
     kv_per_token = len(mc.full_attention_layers) * 2 * mc.num_key_value_heads * mc.head_dim * elem
@@ -206,8 +209,8 @@ def run_prefill(engine: Engine, tokens: int, matmul_rate: float, seed: int = 0) 
     engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
     _sync(engine.device)
     seconds = time.perf_counter() - t0
-    dense, expert, _, _ = _param_bytes(engine)
-    active_params = (dense + mc.num_experts_per_tok * expert) / engine.dtype.itemsize
+    dense, expert, _ = _param_bytes(engine)
+    active_params = (dense + (mc.num_experts_per_tok + 1) * expert) / engine.dtype.itemsize
     attn = len(mc.full_attention_layers) * 2 * mc.num_attention_heads * mc.head_dim * tokens**2
     return PrefillResult(tokens, seconds, 2 * active_params * tokens + attn, matmul_rate)
 
