@@ -103,12 +103,12 @@ def get_ops(device: torch.device) -> KernelOps:
 
 
 # Up to this many tokens the grouped GEMV serves the MoE (covering every CUDA-graph decode bucket);
-# prefill-sized batches take the reference.
+# prefill-sized batches take the grouped GEMM over tokens sorted by expert.
 _SMALL_MOE_TOKENS = 256
 
 
 def _with_triton(reference: KernelOps) -> KernelOps:
-    from phloem.kernels.triton import conv1d_update, gdn_decode, gdn_gates, moe_route
+    from phloem.kernels.triton import conv1d_update, gdn_decode, gdn_gates, moe_grouped, moe_route
     from phloem.kernels.triton import fused_moe as triton_fused_moe
     from phloem.kernels.triton import norm as triton_norm
     from phloem.kernels.triton import qk_norm_rope as triton_qk_norm_rope
@@ -121,7 +121,7 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         small = topk_ids.shape[0] <= _SMALL_MOE_TOKENS
-        impl = triton_fused_moe.fused_moe if small else reference.fused_moe
+        impl = triton_fused_moe.fused_moe if small else moe_grouped.fused_moe_grouped
         out: torch.Tensor = impl(x, w_gate_up, w_down, topk_weights, topk_ids)
         return out
 

@@ -10,7 +10,8 @@ Modules (import them directly; importing this package imports no Triton code)::
     conv1d_update   causal_conv1d_update              kernels.conv1d
     norm            rms_norm, add_rms_norm, gated_rms_norm   kernels.norm
     qk_norm_rope    qk_norm_rope_gate                 kernels.qk_norm_rope
-    moe_route       moe_route                         kernels.moe
+    moe_route       moe_route, moe_route_shared       kernels.moe
+    moe_grouped     fused_moe (prefill batches)       kernels.moe
     fused_moe       fused_moe                         kernels.moe
 
 NOTE: ``@triton.jit`` reads ``TRITON_INTERPRET`` when a module is imported, so on CPU set

@@ -6,20 +6,40 @@ per expert. Here two launches serve every (token, top-k slot) pair at once, each
 its expert's rows by index, so the bytes moved are the top-k experts' weights once:
 
     stage 1  act[t, j, n] = silu(x[t] · Wg[e][n]) * (x[t] · Wu[e][n])      e = topk_ids[t, j]
-    stage 2  part[t, j, m] = topk_weights[t, j] * (act[t, j] · Wd[e][m])
-    out[t]   = Σ_j part[t, j]                               (a deterministic sum, no atomics)
+    stage 2  out[t, m]    = Σ_j topk_weights[t, j] * (act[t, j] · Wd[e][m])
 
-At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8) one token reads 8 × 3 × 2048 × 512
-bf16 = 50 MB per layer, which is what bounds decode. Accumulation is fp32.
+Stage 2 sums the ``k`` experts inside the kernel: a program owns ``BLOCK_N`` output columns of one
+token and walks its experts' down rows in one flat loop (so the software pipeline prefetches
+across expert boundaries), writing the token's output once in ``x.dtype`` — no fp32 partials,
+no separate reduction and cast launches, no atomics (the sum order is fixed: deterministic).
+
+At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8 + shared) one token reads
+9 × 3 × 2048 × 512 bf16 = 57 MB per layer, which is what bounds decode. Accumulation is fp32.
 """
 
 from __future__ import annotations
+
+import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DEFAULT_CONFIG", "fused_moe", "fused_moe_tuned"]
+__all__ = ["DEFAULT_CONFIG", "MoeDecodeConfig", "fused_moe", "fused_moe_tuned", "launch_down_sum", "launch_gate_up"]
+
+
+class MoeDecodeConfig(NamedTuple):
+    """Tile sizes, warps and pipeline stages of the two stages (``1`` = gate/up, ``2`` = down)."""
+
+    block_n1: int
+    block_k1: int
+    num_warps1: int
+    num_stages1: int
+    block_n2: int
+    block_k2: int
+    num_warps2: int
+    num_stages2: int
 
 
 @triton.jit
@@ -27,7 +47,7 @@ def _gate_up_kernel(
     p_x, p_w, p_ids, p_act,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
+):  # fmt: skip
     i_pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + j
     i_n = tl.program_id(1).to(tl.int64)
     i_tok = i_pair // TOP_K
@@ -55,27 +75,52 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_kernel(
-    p_act, p_w, p_ids, p_tw, p_part,
-    H: tl.constexpr, INTER: tl.constexpr,
+def _down_sum_kernel(
+    p_act, p_w, p_ids, p_tw, p_out,
+    H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_BLOCKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    i_pair = tl.program_id(0).to(tl.int64)
+):  # fmt: skip
+    i_tok = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1).to(tl.int64)
-    e = tl.load(p_ids + i_pair).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    p_we = p_w + e * (H * INTER)
-    for k0 in range(0, INTER, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # One flat loop over (expert slot j, K block) so loads pipeline across experts.
+    for s in range(0, TOP_K * K_BLOCKS):
+        i_pair = i_tok * TOP_K + s // K_BLOCKS
+        e = tl.load(p_ids + i_pair).to(tl.int64)
+        b_tw = tl.load(p_tw + i_pair).to(tl.float32)
+        o_k = (s % K_BLOCKS) * BLOCK_K + tl.arange(0, BLOCK_K)
         m_k = o_k < INTER
-        b_a = tl.load(p_act + i_pair * INTER + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_a = tl.load(p_act + i_pair * INTER + o_k, mask=m_k, other=0.0).to(tl.float32) * b_tw
+        p_we = p_w + e * (H * INTER)
         b_w = tl.load(p_we + o_n[:, None] * INTER + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        acc2 += b_w.to(tl.float32) * b_a[None, :]
-    acc = tl.sum(acc2, axis=1)
-    b_tw = tl.load(p_tw + i_pair).to(tl.float32)
-    tl.store(p_part + i_pair * H + o_n, acc * b_tw, mask=m_n)
+        acc += b_w.to(tl.float32) * b_a[None, :]
+    tl.store(p_out + i_tok * H + o_n, tl.sum(acc, axis=1).to(p_out.dtype.element_ty), mask=m_n)
+
+
+_ENV_VAR = "PHLOEM_MOE_DECODE_CONFIG"
+
+# Chosen by a CUDA-graph sweep on an H200 at the 35B-A3B shape (docs/benchmarks.md, "MoE kernel
+# sweep"; docs/bench/moe_sweep.py): one token, and 16 tokens (used from _BATCH_TOKENS up).
+_H200_CONFIG = MoeDecodeConfig(4, 1024, 8, 3, 4, 512, 8, 2)
+_H200_BATCH_CONFIG = MoeDecodeConfig(4, 1024, 8, 2, 4, 256, 1, 2)
+_BATCH_TOKENS = 8
+
+
+def _env_config() -> MoeDecodeConfig | None:
+    """``PHLOEM_MOE_DECODE_CONFIG="bn1,bk1,w1,s1,bn2,bk2,w2,s2"`` (other GPUs), else None."""
+    text = os.environ.get(_ENV_VAR, "").strip()
+    if not text:
+        return None
+    try:
+        return MoeDecodeConfig(*(int(v) for v in text.split(",")))
+    except (TypeError, ValueError):
+        raise ValueError(f"{_ENV_VAR}: expected 8 comma-separated integers, got {text!r}") from None
+
+
+DEFAULT_CONFIG = _env_config() or _H200_CONFIG
+_BATCH_CONFIG = _env_config() or _H200_BATCH_CONFIG
 
 
 def fused_moe(
@@ -85,12 +130,8 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, K]
     topk_ids: torch.Tensor,  # [T, K]
 ) -> torch.Tensor:
-    return fused_moe_tuned(x, w_gate_up, w_down, topk_weights, topk_ids, *DEFAULT_CONFIG)
-
-
-# (block_n gate/up, block_k gate/up, warps gate/up, block_n down, block_k down, warps down);
-# chosen by a sweep on an H200 at the 35B-A3B shape, one token (docs/benchmarks.md).
-DEFAULT_CONFIG = (8, 512, 2, 16, 128, 4)
+    config = DEFAULT_CONFIG if x.shape[0] < _BATCH_TOKENS else _BATCH_CONFIG
+    return fused_moe_tuned(x, w_gate_up, w_down, topk_weights, topk_ids, config)
 
 
 def fused_moe_tuned(
@@ -99,27 +140,39 @@ def fused_moe_tuned(
     w_down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    bn1: int,
-    bk1: int,
-    nw1: int,
-    bn2: int,
-    bk2: int,
-    nw2: int,
+    config: MoeDecodeConfig,
 ) -> torch.Tensor:
-    """``fused_moe`` with explicit block sizes and warp counts (for sweeps)."""
+    """``fused_moe`` with explicit tile sizes, warps and stages (for sweeps)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w_down.shape[2]
     assert w_gate_up.shape[1:] == (2 * inter, hidden) and w_down.shape[1:] == (hidden, inter), "expert shapes"
     x, ids, tw = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
-    part = torch.empty((num_tokens * top_k, hidden), dtype=torch.float32, device=x.device)
-    pairs = num_tokens * top_k
-    _gate_up_kernel[(pairs, triton.cdiv(inter, bn1))](
-        x, w_gate_up, ids, act, H=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=nw1
-    )
-    _down_kernel[(pairs, triton.cdiv(hidden, bn2))](
-        act, w_down, ids, tw, part, H=hidden, INTER=inter, BLOCK_N=bn2,
-        BLOCK_K=min(bk2, triton.next_power_of_2(inter)), num_warps=nw2,
+    out = torch.empty_like(x)
+    launch_gate_up(x, w_gate_up, ids, act, config)
+    launch_down_sum(act, w_down, ids, tw, out, config)
+    return out
+
+
+def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, act: torch.Tensor,
+                   c: MoeDecodeConfig) -> None:  # fmt: skip
+    """Stage 1 alone into ``act`` ``[T * K, I]`` (sweeps time the stages one by one)."""
+    num_tokens, hidden = x.shape
+    top_k, inter = ids.shape[1], act.shape[1]
+    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, c.block_n1))](
+        x, w_gate_up, ids, act, H=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1,
+        num_warps=c.num_warps1, num_stages=c.num_stages1,
     )  # fmt: skip
-    return part.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def launch_down_sum(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor,
+                    out: torch.Tensor, c: MoeDecodeConfig) -> None:  # fmt: skip
+    """Stage 2 alone into ``out`` ``[T, H]``."""
+    num_tokens, hidden = out.shape
+    top_k, inter = ids.shape[1], act.shape[1]
+    block_k = min(c.block_k2, triton.next_power_of_2(inter))
+    _down_sum_kernel[(num_tokens, triton.cdiv(hidden, c.block_n2))](
+        act, w_down, ids, tw, out, H=hidden, INTER=inter, TOP_K=top_k, K_BLOCKS=triton.cdiv(inter, block_k),
+        BLOCK_N=c.block_n2, BLOCK_K=block_k, num_warps=c.num_warps2, num_stages=c.num_stages2,
+    )  # fmt: skip

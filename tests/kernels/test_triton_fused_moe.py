@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 from phloem.kernels.moe import fused_moe as reference  # noqa: E402
 from phloem.kernels.moe import moe_route  # noqa: E402
-from phloem.kernels.triton.fused_moe import fused_moe, fused_moe_tuned  # noqa: E402
+from phloem.kernels.triton.fused_moe import MoeDecodeConfig, fused_moe, fused_moe_tuned  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -35,7 +35,7 @@ def _inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtyp
 )
 def test_matches_reference_fp32(assert_close, tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> None:
     args = _inputs(tokens, experts, top_k, hidden, inter, torch.float32)
-    got = fused_moe_tuned(*args, 16, 16, 4, 16, 16, 4)
+    got = fused_moe_tuned(*args, MoeDecodeConfig(16, 16, 4, 1, 16, 16, 4, 1))
     assert_close(got, reference(*args), atol=1e-5, rtol=1e-4)
 
 
