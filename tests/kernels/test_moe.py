@@ -64,7 +64,13 @@ def test_fused_moe_matches_hf(hf_qwen3_next: ModuleType, assert_close, num_token
         experts.gate_up_proj.copy_(w_gate_up)
         experts.down_proj.copy_(w_down)
         expected = experts(x, topk_ids, topk_weights)
-    assert_close(fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids), expected, exact=True)
+    # Same ops in the same order as HF, but transformers >= 5.24 batches the expert GEMMs
+    # differently, which moves fp32 results by an ulp: fp32 gets a few ulps, bf16 stays exact
+    # (its rounding after every index_add is what the reference mirrors).
+    if dtype == torch.float32:
+        assert_close(fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids), expected, atol=1e-6, rtol=1e-6)
+    else:
+        assert_close(fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids), expected, exact=True)
 
 
 @pytest.mark.parametrize("routing", list(ROUTING), ids=list(ROUTING))
