@@ -31,16 +31,20 @@ class PhloemError(Exception):
         status: The HTTP status, or None when no response was received or the error came in-stream.
         detail: What went wrong, from the server's ``detail`` or ``message``.
         retry_after: Seconds the server asked to wait (``Retry-After``), if it did.
+        request_id: The server's id of the failed request (its ``X-Request-Id``), to quote
+            when reporting the error; None for in-stream errors and when unknown.
     """
 
     def __init__(
-        self, detail: str, *, code: str, status: int | None = None, retry_after: float | None = None
+        self, detail: str, *, code: str, status: int | None = None, retry_after: float | None = None,
+        request_id: str | None = None,
     ) -> None:
         super().__init__(f"[{code}] {detail}")
         self.code = code
         self.status = status
         self.detail = detail
         self.retry_after = retry_after
+        self.request_id = request_id
 
 
 class InvalidRequest(PhloemError):
@@ -151,15 +155,17 @@ def error_from_response(status: int, body: bytes, retry_after: str | None) -> Ph
         The exception of the body's ``code``; when the body is not a Problem, the one of the
         status (``InternalError`` for other 5xx, plain ``PhloemError`` for other 4xx).
     """
+    request_id = None
     try:
         problem = _problem_decoder.decode(body)
-        code, detail = problem.code, problem.detail
+        code, detail, request_id = problem.code, problem.detail, problem.request_id
     except msgspec.DecodeError:
         fallback = ErrorCode.INTERNAL_ERROR if status >= 500 else f"http_{status}"
         code = _CODE_BY_STATUS.get(status, fallback)
         detail = body.decode("utf-8", "replace")[:500] or f"HTTP {status}"
     cls = _BY_CODE.get(code, PhloemError)
-    return cls(detail, code=str(code), status=status, retry_after=parse_retry_after(retry_after))
+    return cls(detail, code=str(code), status=status, retry_after=parse_retry_after(retry_after),
+               request_id=request_id)
 
 
 def error_from_event(event: ErrorEvent) -> PhloemError:

@@ -5,8 +5,9 @@ Only ``api`` knows HTTP. Every exception that reaches a route's caller is classi
 status follows from the code (``schemas.ERROR_STATUS``). Native routes answer
 ``application/problem+json``; the OpenAI-compatible routes (``/v1/chat/completions``,
 ``/v1/completions``, ``/v1/models``) answer ``{"error": {"message", "type", "param", "code"}}``,
-which the stock ``openai`` client turns into its typed exceptions. WebSocket and SSE error events
-use the same classification.
+which the stock ``openai`` client turns into its typed exceptions (its ``request_id`` comes
+from the ``X-Request-Id`` header; problem+json bodies also carry it). WebSocket and SSE error
+events use the same classification.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from phloem.api._openai_schemas import OpenAIError
 from phloem.api.schemas import (
     ERROR_STATUS, PROBLEM_CONTENT_TYPE, ErrorCode, Problem, make_problem,
 )
+from phloem.runtime.logs import current_request_id
 from phloem.sessions import (
     ContextLengthExceeded, GenerationFailed, InvalidInput, Overloaded, SessionBusy, SessionError,
     SessionNotFound,
@@ -139,9 +141,10 @@ def problem_response(code: ErrorCode, detail: str, retry_after: float | None = N
         retry_after: Sent as ``Retry-After`` (whole seconds), if given.
 
     Returns:
-        The response, with the code's status.
+        The response, with the code's status; the body's ``request_id`` is the id of the
+        request being served (``X-Request-Id``).
     """
-    body = msgspec.json.encode(make_problem(code, detail))
+    body = msgspec.json.encode(make_problem(code, detail, current_request_id()))
     return Response(body, status_code=ERROR_STATUS[code], media_type=PROBLEM_CONTENT_TYPE,
                     headers=_headers(code, retry_after))
 

@@ -36,6 +36,7 @@ from phloem.api.schemas import (
     AppendRequest, AppendResult, CreateSessionRequest, ErrorCode, ForkRequest, ForkResult,
     OffloadRequest, SessionInfo, SessionList, TurnList, UpdateSessionRequest,
 )
+from phloem.runtime.logs import current_request_id
 from phloem.sessions import KEEP, Generation, SessionError, SessionSnapshot
 
 __all__ = ["SESSION_ROUTES"]
@@ -248,7 +249,7 @@ async def _sse_events(ctx: ApiContext,
         try:
             result = _convert.append_result(await generation.result())
         except SessionError as exc:
-            yield sse_message(error_event(exc, seq))
+            yield sse_message(error_event(exc, seq, current_request_id()))
             return
         yield sse_message(_convert.done_event(result, seq))
     finally:

@@ -1,18 +1,24 @@
 """The Litestar application (``create_app``) and ``phloem serve`` (``serve``).
 
 Routes: the native sessions API (``_routes_sessions``, ``_ws``), the OpenAI-compatible routes
-(``_routes_openai``), ``GET /health`` and Litestar's OpenAPI schema (``/schema``, JSON at
-``/schema/openapi.json``). Every error, the framework's included, goes through
-``_errors_http.exception_handler``.
+(``_routes_openai``), ``GET /health``, ``GET /metrics`` (Prometheus, ``_metrics``) and Litestar's
+OpenAPI schema (``/schema``, JSON at ``/schema/openapi.json``). Every error, the framework's
+included, goes through ``_errors_http.exception_handler``. Every request and socket passes
+``_observe.RequestObserver`` (request id, one log line, HTTP metrics), which wraps the whole
+handler so that even unrouted requests are seen.
 
 Every route under ``/v1/`` is authenticated by ``_auth.AuthMiddleware`` when API keys are
-configured (``/health`` and the schema stay public). Limits (docs/api.md, "Limits"): bodies
-larger than ``ServerConfig.max_body_bytes`` are 413 ``payload_too_large`` (Litestar's
+configured (``/health``, ``/metrics`` and the schema stay public). Limits (docs/api.md,
+"Limits"): bodies larger than ``ServerConfig.max_body_bytes`` are 413 ``payload_too_large`` (Litestar's
 ``request_max_body_size``, whether or not the request announces its length), and WebSocket
 frames are limited to the same size by uvicorn (``ws_max_size``: the socket closes with 1009);
 per-key quotas are ``_limits``; the server-wide limit on generations is the sessions layer's
 admission (``max_num_generations``, 503); the context window is the engine's ``max_model_len``
 (``max_context_len``, 400); idle streams are cancelled (``_pacing``).
+
+Logs: ``serve`` logs to stderr in ``config.log_format`` at ``config.log_level``
+(``runtime.logs``); uvicorn's loggers go through the same handler, and its access log is off
+(``RequestObserver`` writes one line per request instead).
 
 Lifecycle: ``create_app`` starts the manager on startup (loading the journaled sessions) and
 closes it on shutdown; ``serve`` owns the engine: it builds and starts it, and stops it after
@@ -44,12 +50,16 @@ from phloem.api._context import ApiContext
 from phloem.api._errors_http import ApiError, error_response, exception_handler, problems
 from phloem.api._health import health_body
 from phloem.api._limits import OwnerLimits
+from phloem.api._metrics import METRICS_CONTENT_TYPE, ApiMetrics
+from phloem.api._observe import RequestObserver
 from phloem.api._routes_openai import OPENAI_ROUTES
 from phloem.api._routes_sessions import SESSION_ROUTES
 from phloem.api._ws import session_socket
 from phloem.api.schemas import ErrorCode
 from phloem.runtime import EngineClient, ServerConfig
 from phloem.runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from phloem.runtime.logs import stderr_logging
+from phloem.runtime.pd_decode import engine_client_for
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
 __all__ = ["create_app", "serve"]
@@ -89,6 +99,17 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
                 ErrorCode.OVERLOADED, "the engine is not running", retry_after=5.0))
         return Response(health_body(manager, model_id))
 
+    metrics = ApiMetrics(engine_client, manager)
+
+    @get("/metrics", include_in_schema=True, media_type="text/plain", responses={
+        200: ResponseSpec(str, media_type="text/plain", generate_examples=False,
+                          description="Prometheus text format")})
+    async def metrics_text() -> Response[bytes]:
+        """The server's counters in the Prometheus text format (docs/api.md, "Observability"):
+        HTTP requests, tokens, sessions by status, spills and resumes, pages and state slots,
+        queue depth, engine step times."""
+        return Response(await metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
     # NOTE: Litestar passes the app to a lifespan hook that takes an argument: wrap them.
     async def start_sessions() -> None:
         await manager.start()
@@ -96,12 +117,15 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
     async def close_sessions() -> None:
         await manager.close()
 
-    return Litestar(
-        route_handlers=[*SESSION_ROUTES, session_socket, *OPENAI_ROUTES, health],
+    app = Litestar(
+        route_handlers=[*SESSION_ROUTES, session_socket, *OPENAI_ROUTES, health, metrics_text],
         dependencies={"ctx": Provide(lambda: ctx, sync_to_thread=False, use_cache=True)},
         exception_handlers={Exception: exception_handler},
         middleware=[AuthMiddleware(keys)],
         request_max_body_size=config.max_body_bytes,
+        # Process logging belongs to ``serve`` (runtime.logs), never to the app: Litestar's
+        # default would replace the root logger's handlers on startup.
+        logging_config=None,
         on_startup=[start_sessions],
         on_shutdown=[close_sessions],
         openapi_config=OpenAPIConfig(
@@ -114,6 +138,9 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
                                          description="An API key of the server")}),
             security=[{"apiKey": []}] if keys.enabled else None),
     )
+    # Around routing and the exception handlers (a middleware would miss unrouted requests).
+    app.asgi_handler = RequestObserver(app.asgi_handler, metrics)
+    return app
 
 
 def serve(config: ServerConfig) -> None:
@@ -127,11 +154,18 @@ def serve(config: ServerConfig) -> None:
         ValueError: The model folder or an engine option is invalid.
         OSError: The model folder or the data directory cannot be read or written.
     """
+    with stderr_logging(config.log_format, config.log_level):
+        _serve(config)
+
+
+def _serve(config: ServerConfig) -> None:
     if config.model is None:
-        config = dataclasses.replace(config, model=str(ensure_default_model(config.data_dir)))
+        folder = ensure_default_model(config.data_dir, config.engine_options.show_progress)
+        config = dataclasses.replace(config, model=str(folder))
     assert config.model is not None
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    engine = EngineClient.from_pretrained(config.model, config.engine_options)
+    # A decode instance's client sends prompts to its prefill instance (``--role decode``).
+    engine = engine_client_for(config)
     sessions = SessionConfig(data_dir=config.data_dir, model_fingerprint=model_fingerprint(config.model),
                              redis_url=config.redis_url, default_ttl_s=config.default_ttl_s,
                              max_num_generations=config.max_num_generations,
@@ -146,7 +180,8 @@ def serve(config: ServerConfig) -> None:
     app.on_shutdown.append(stop_engine)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, ws_max_size=config.max_body_bytes,
-        lifespan="on", timeout_graceful_shutdown=_GRACE_S, log_level="info"))
+        lifespan="on", timeout_graceful_shutdown=_GRACE_S, log_level=config.log_level,
+        log_config=None, access_log=False))
     engine.start()
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the
     # handler it found: make SIGTERM end in KeyboardInterrupt too, so serve() returns normally.

@@ -22,6 +22,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -29,7 +30,7 @@ import httpx
 from phloem.api.client import AsyncClient
 from phloem.api.schemas import GenerateParams
 
-__all__ = ["AgenticWorkload", "TurnRecord", "run_agentic", "run_mode", "summarize"]
+__all__ = ["AgenticWorkload", "TurnRecord", "num_turns", "run_agentic", "run_mode", "summarize"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,21 @@ def _timing(t0: float, stamps: list[float]) -> tuple[float, float]:
     return ttft, tpot
 
 
-async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int) -> list[TurnRecord]:
+_Tick = Callable[[int], None]
+
+
+def _ignore(n: int) -> None:
+    del n
+
+
+def num_turns(wl: AgenticWorkload) -> int:
+    """Turns one mode of ``wl`` runs (every agent, every branch after a fork)."""
+    fork_at = wl.fork_at if wl.forks and wl.fork_at else wl.turns
+    return wl.agents * (fork_at + wl.forks * (wl.turns - fork_at))
+
+
+async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int,
+                          tick: _Tick = _ignore) -> list[TurnRecord]:
     rng = random.Random(wl.seed * 1000 + agent)
     params = GenerateParams(max_tokens=wl.output, temperature=0.0, ignore_eos=True)
     session = await client.sessions.create(metadata={"bench": "agentic", "agent": str(agent)})
@@ -103,6 +118,7 @@ async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int) 
                     result.usage.completion_tokens, ttft, tpot, time.perf_counter() - t0,
                 )
             )  # fmt: skip
+            tick(1)
             if wl.tool_pause_s and turn < last:
                 await asyncio.sleep(wl.tool_pause_s)
 
@@ -119,7 +135,8 @@ async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int) 
     return records
 
 
-async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: int, mode: str, model: str) -> list[TurnRecord]:
+async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: int, mode: str, model: str,
+                           tick: _Tick = _ignore) -> list[TurnRecord]:
     rng = random.Random(wl.seed * 1000 + agent)
     records: list[TurnRecord] = []
 
@@ -155,6 +172,7 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
                     ttft, tpot, time.perf_counter() - t0,
                 )
             )  # fmt: skip
+            tick(1)
             state.history += output
             if wl.tool_pause_s and turn < last:
                 await asyncio.sleep(wl.tool_pause_s)
@@ -172,16 +190,18 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
     return records
 
 
-async def run_mode(base_url: str, mode: str, wl: AgenticWorkload) -> tuple[list[TurnRecord], float]:
-    """Run every agent of ``wl`` concurrently in ``mode``; returns the turn records and wall time."""
+async def run_mode(base_url: str, mode: str, wl: AgenticWorkload,
+                   tick: _Tick = _ignore) -> tuple[list[TurnRecord], float]:
+    """Run every agent of ``wl`` concurrently in ``mode``; returns the turn records and wall time.
+    ``tick(1)`` is called after every turn (a progress bar's ``advance``)."""
     t0 = time.perf_counter()
     if mode == "sessions":
         async with AsyncClient(base_url, timeout=3600, max_retries=0) as client:
-            results = await asyncio.gather(*(_sessions_agent(client, wl, a) for a in range(wl.agents)))
+            results = await asyncio.gather(*(_sessions_agent(client, wl, a, tick) for a in range(wl.agents)))
     elif mode in ("stateless", "nocache"):
         async with httpx.AsyncClient(base_url=base_url, timeout=3600) as http:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
-            results = await asyncio.gather(*(_stateless_agent(http, wl, a, mode, model) for a in range(wl.agents)))
+            results = await asyncio.gather(*(_stateless_agent(http, wl, a, mode, model, tick) for a in range(wl.agents)))
     else:
         raise ValueError(f"mode: expected 'sessions', 'stateless' or 'nocache', got {mode!r}")
     return [r for agent in results for r in agent], time.perf_counter() - t0
@@ -272,15 +292,19 @@ def run_agentic(
     server_args: tuple[str, ...] = (),
     out_dir: str | None = None,
     num_gpus: int = 1,
+    show_progress: bool | None = None,
 ) -> tuple[str, dict[str, object]]:
     """Run ``wl`` in each mode (a fresh server per mode unless ``base_url``); returns Markdown + raw data.
 
-    ``nocache`` needs a server without the prefix cache: with ``base_url`` it is skipped.
+    ``nocache`` needs a server without the prefix cache: with ``base_url`` it is skipped. Each
+    mode's turns are counted by a progress bar (``show_progress``: False never, None when stderr
+    is a terminal; ``runtime.progress``).
     """
     import tempfile
     from pathlib import Path
 
     from phloem.api.bench_plots import plot_agentic
+    from phloem.runtime.progress import progress_bar
 
     runs: dict[str, list[TurnRecord]] = {}
     summary: dict[str, object] = {}
@@ -288,7 +312,8 @@ def run_agentic(
         if base_url is not None:
             if mode == "nocache":
                 continue
-            records, wall = asyncio.run(run_mode(base_url, mode, wl))
+            with progress_bar(num_turns(wl), f"agentic {mode}", "turn", show_progress) as tick:
+                records, wall = asyncio.run(run_mode(base_url, mode, wl, tick))
             summary[mode] = summarize(records, wall, num_gpus)
         else:
             with tempfile.TemporaryDirectory() as data_dir:
@@ -296,7 +321,8 @@ def run_agentic(
                 server = _Server([*server_args, *extra], data_dir)
                 try:
                     server.wait()
-                    records, wall = asyncio.run(run_mode(server.url, mode, wl))
+                    with progress_bar(num_turns(wl), f"agentic {mode}", "turn", show_progress) as tick:
+                        records, wall = asyncio.run(run_mode(server.url, mode, wl, tick))
                     summary[mode] = summarize(records, wall, num_gpus) | {"server_rss_mib": _rss_mib(server.proc.pid)}
                 finally:
                     server.stop()

@@ -268,28 +268,31 @@ class ForkResult(Struct, **_STRICT):
 
 
 class Problem(Struct, **_STRICT):
-    """An RFC 9457 problem+json body with our stable ``code``."""
+    """An RFC 9457 problem+json body with our stable ``code``; ``request_id`` (an extension
+    member) is the request's ``X-Request-Id``, to quote when reporting the error."""
 
     type: str
     title: str
     status: int
     detail: str
     code: str
+    request_id: str | None = None
 
 
-def make_problem(code: ErrorCode, detail: str) -> Problem:
+def make_problem(code: ErrorCode, detail: str, request_id: str | None = None) -> Problem:
     """Build the problem body for ``code``.
 
     Args:
         code: The error code; it fixes ``status``, ``title`` and ``type``.
         detail: What was expected and what was received.
+        request_id: The request's id, if known.
 
     Returns:
         The Problem to send with status ``ERROR_STATUS[code]``.
     """
     title = code.value.replace("_", " ").capitalize()
     return Problem(type=f"urn:phloem:error:{code.value}", title=title,
-                   status=ERROR_STATUS[code], detail=detail, code=code.value)
+                   status=ERROR_STATUS[code], detail=detail, code=code.value, request_id=request_id)
 
 
 class AppendMessage(Struct, **_TAGGED, tag="append"):

@@ -258,11 +258,14 @@ class RunnerConfig:
             ``"flashinfer"`` or ``"torch"``.
         enable_cuda_graph: capture decode steps as CUDA graphs (CUDA + FlashInfer only).
         max_graph_batch_size: the largest captured decode batch; bigger ones run eagerly.
+        show_progress: draw a progress bar while capturing CUDA graphs: False never, None when
+            stderr is a terminal.
     """
 
     attention_backend: str = "auto"
     enable_cuda_graph: bool = True
     max_graph_batch_size: int = 64
+    show_progress: bool | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "flashinfer", "torch"):
@@ -304,12 +307,15 @@ class LoadConfig:
         device: torch device string.
         dtype: ``"bfloat16"``, ``"float16"``, ``"float32"`` or ``"auto"`` (checkpoint dtype; bf16 for dummy).
         seed: seed for dummy weights.
+        show_progress: draw a progress bar while loading (``engine._progress``): False never,
+            None when stderr is a terminal. Tensor-parallel workers never draw one.
     """
 
     load_format: str = "safetensors"
     device: str = "cpu"
     dtype: str = "auto"
     seed: int = 0
+    show_progress: bool | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in ("safetensors", "dummy"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from phloem.engine._progress import progress
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
 from phloem.engine.step_plan import StepInputs
 from phloem.kernels.flashinfer_attention import FlashInferAttention
@@ -75,10 +76,12 @@ class CudaGraphRunner:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, show_progress: bool | None = None) -> None:
+        """Capture one graph per bucket, largest first (smaller ones reuse its memory pool)."""
         self._fill(StepInputs.scratch(self.pad_page, self.page_size, self.pad_slot), self.buckets[-1])
         pool = None
-        for bs in reversed(self.buckets):
+        buckets = list(reversed(self.buckets))
+        for bs in progress(buckets, len(buckets), "capturing CUDA graphs", "graph", show_progress):
             batch = self._batch(bs)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

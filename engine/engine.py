@@ -24,6 +24,7 @@ from types import TracebackType
 
 import torch
 
+from phloem.engine import transfer_state
 from phloem.engine.cache_manager import CacheManager, CacheStats
 from phloem.engine.config import (
     CacheConfig,
@@ -41,10 +42,12 @@ from phloem.engine.parallel import TPGroup, check_tp_size
 from phloem.engine.prefix_state import PrefixState, export_prefix, import_prefix
 from phloem.engine.radix_cache import RadixCache, RadixNode
 from phloem.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from phloem.engine.sampler import skip_draws
 from phloem.engine.sampling_params import SamplingParams
 from phloem.engine.scheduler import Scheduler
 from phloem.engine.state_slots import SlotPool
 from phloem.engine.tp_workers import TPWorkers, WorkerSpec, rank_device
+from phloem.engine.transfer_state import TransferReservation, TransferSource
 
 __all__ = ["Engine"]
 
@@ -59,8 +62,9 @@ _CACHE_OPTIONS = {
     "checkpoint_interval",
 }
 _SCHED_OPTIONS = {"max_num_batched_tokens", "max_num_seqs", "max_model_len"}
-_RUNNER_OPTIONS = {"attention_backend", "enable_cuda_graph", "max_graph_batch_size"}
-_LOAD_OPTIONS = {"load_format", "device", "dtype", "seed"}
+# ``show_progress`` reaches both the loader and the runner (CUDA-graph capture).
+_RUNNER_OPTIONS = {"attention_backend", "enable_cuda_graph", "max_graph_batch_size", "show_progress"}
+_LOAD_OPTIONS = {"load_format", "device", "dtype", "seed", "show_progress"}
 _PARALLEL_OPTIONS = {"tensor_parallel_size"}
 
 
@@ -100,7 +104,7 @@ class Engine:
             pad_page, pad_slot = self.page_pool.allocate(1), self.slot_pool.allocate()
             assert pad_page is not None and pad_slot is not None, "pools too small for CUDA-graph padding"
             size = min(runner_config.max_graph_batch_size, scheduler_config.max_num_seqs)
-            self.runner.enable_cuda_graphs(size, pad_page[0], pad_slot)
+            self.runner.enable_cuda_graphs(size, pad_page[0], pad_slot, runner_config.show_progress)
         limit = model_config.max_position_embeddings
         self.max_model_len = min(scheduler_config.max_model_len or limit, limit)
         self._requests: dict[str, Request] = {}
@@ -113,7 +117,8 @@ class Engine:
         Options: ``load_format`` ("safetensors" | "dummy"), ``device``, ``dtype``, ``seed``,
         ``page_size``, ``memory_fraction``, ``state_fraction``, ``num_pages``, ``num_state_slots``,
         ``cpu_pool_bytes``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
-        ``attention_backend``, ``enable_cuda_graph``, ``max_graph_batch_size``,
+        ``attention_backend``, ``enable_cuda_graph``, ``max_graph_batch_size``, ``show_progress``
+        (progress bars while loading and capturing: False never, None when stderr is a terminal),
         ``tensor_parallel_size`` (N > 1 starts N - 1 worker processes; ``close()`` stops them).
         An unknown option is an error (never silently dropped).
 
@@ -177,11 +182,20 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         prefill_only: bool = False,
+        *,
+        sample_first: bool = False,
+        output_token_ids: Sequence[int] = (),
     ) -> str:
         """Validate and enqueue a request; returns its id.
 
         With ``prefill_only`` the prompt is computed and a checkpoint published at its end, and
-        nothing is sampled: the request finishes with reason ``"prefill"`` and no tokens.
+        nothing is sampled: the request finishes with reason ``"prefill"`` and no tokens; with
+        ``sample_first`` too, it samples the token after the prompt and finishes with reason
+        ``"prefill"`` and that one token (a disaggregated prefill's first token).
+
+        ``output_token_ids`` are tokens already generated for this prompt elsewhere (a
+        disaggregated prefill's first token): the request continues after them, and a seeded
+        request's generator skips the draws they took, so its tokens equal a colocated run's.
 
         Raises:
             InvalidRequest: empty prompt, token id outside the vocabulary, prompt at or over the
@@ -189,13 +203,19 @@ class Engine:
             CapacityExceeded: the prompt cannot fit the KV pool even when it is empty.
         """
         prompt = self._validate(prompt_token_ids, params)
+        outputs = self._validate_outputs(prompt, output_token_ids, params, prefill_only, sample_first)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequest(f"request_id: {rid!r} is already in flight")
-        req = Request(rid, prompt, params, arrival_idx=next(self._ids), prefill_only=prefill_only)
+        req = Request(
+            rid, prompt + outputs, params, arrival_idx=next(self._ids), num_prompt_tokens=len(prompt),
+            prefill_only=prefill_only, sample_first=sample_first,
+        )
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
+            if not params.is_greedy:
+                skip_draws(req.generator, self.model_config.vocab_size, len(outputs), self.device)
         self._requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -221,6 +241,25 @@ class Engine:
                 "of this engine"
             )
         return prompt
+
+    def _validate_outputs(
+        self, prompt: list[int], output_token_ids: Sequence[int], params: SamplingParams, prefill_only: bool,
+        sample_first: bool,
+    ) -> list[int]:
+        outputs = list(output_token_ids)
+        if sample_first and not prefill_only:
+            raise InvalidRequest("sample_first: only a prefill_only request can sample its first token alone")
+        if outputs and prefill_only:
+            raise InvalidRequest("output_token_ids: a prefill_only request generates nothing to continue")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in outputs):
+            raise InvalidRequest(f"output_token_ids: expected integers in [0, {vocab}), got {outputs[:5]!r}")
+        if outputs and (len(outputs) >= params.max_tokens or len(prompt) + len(outputs) >= self.max_model_len):
+            raise InvalidRequest(
+                f"output_token_ids: {len(outputs)} token(s) already reach max_tokens={params.max_tokens} or the "
+                f"context limit {self.max_model_len}: nothing is left to generate"
+            )
+        return outputs
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its memory; returns False if it is unknown or already done."""
@@ -248,9 +287,13 @@ class Engine:
                 self.scheduler.complete_finalize(req)
                 continue
             if req.prefill_only and req.num_computed_tokens == req.num_tokens:
-                # The prompt is computed: publishing on release puts the checkpoint at its end.
+                # The prompt is computed: publishing on release puts the checkpoint at its end
+                # (at num_computed_tokens: a first token sampled here is not part of it).
+                first = result.sampled.get(req.request_id)
+                if first is not None:
+                    req.append_output(first)
                 self.scheduler.finish_now(req, FinishReason.PREFILL)
-                outputs.append(self._output(req, []))
+                outputs.append(self._output(req, [] if first is None else [first]))
                 continue
             self.cache.maybe_checkpoint(req)
             token = result.sampled.get(req.request_id)
@@ -348,6 +391,48 @@ class Engine:
         if self.workers is not None:
             return False
         return import_prefix(self.cache, self.runner.caches, state)
+
+    def reserve_transfer(
+        self, token_ids: Sequence[int], params: SamplingParams, local_up_to: int = 0
+    ) -> TransferReservation | None:
+        """Decode side of a disaggregated prefill: lock the cached prefix of ``token_ids`` and
+        reserve pages and a state slot for the rest (``engine.transfer_state``).
+
+        Returns None (taking nothing) when a prefix is cached and at most ``local_up_to`` tokens
+        lie past it (compute them here), or when no room can be made. Every reservation ends in
+        ``install_transfer`` or ``release_transfer``.
+
+        Raises:
+            InvalidRequest, CapacityExceeded: as ``add_request`` would for this prompt.
+        """
+        self._check_no_tp("prefill/decode transfers")
+        prompt = self._validate(token_ids, params)
+        return transfer_state.reserve(self.cache, prompt, local_up_to)
+
+    def install_transfer(
+        self, reservation: TransferReservation, kv: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor
+    ) -> None:
+        """Copy a transferred prompt's KV (``[attn_layers, reserved pages, 2, ps, Hkv, D]``) and
+        final GDN state into the reservation and publish it in the prefix cache.
+
+        Raises:
+            ValueError: the tensors do not match the reservation (it is left as it was).
+        """
+        transfer_state.install(self.cache, self.runner.caches, reservation, kv, conv, ssm)
+
+    def release_transfer(self, reservation: TransferReservation) -> None:
+        """Give back what ``reserve_transfer`` took (idempotent; a no-op after install)."""
+        transfer_state.release(self.cache, reservation)
+
+    def transfer_source(self, token_ids: Sequence[int], first_page: int) -> TransferSource | None:
+        """Prefill side: the pages (from ``first_page``) and state slot of the checkpoint at the end
+        of ``token_ids``, as a prefill-only request published it; None when it is not cached."""
+        self._check_no_tp("prefill/decode transfers")
+        return transfer_state.transfer_source(self.cache, self.runner.caches, list(token_ids), first_page)
+
+    def _check_no_tp(self, what: str) -> None:
+        if self.workers is not None:
+            raise InvalidRequest(f"{what}: not built for tensor parallelism yet (tensor_parallel_size must be 1)")
 
     def cache_stats(self) -> CacheStats:
         """Prefix-cache and pool counters (prompt vs cached tokens, checkpoints, pages in use)."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from phloem.engine._progress import progress, progress_bar, progress_shown
 from phloem.engine.config import LoadConfig, ModelConfig
 from phloem.engine.models import Qwen3HybridForCausalLM, get_model_class
 from phloem.engine.models._gdn import GatedDeltaNet
@@ -65,7 +67,8 @@ def load_model(
     model_path: str | Path, model_config: ModelConfig, load_config: LoadConfig, tp: TPGroup | None = None
 ) -> Qwen3HybridForCausalLM:
     """Returns the model (this rank's shard under ``tp``) in eval mode on ``load_config.device``,
-    weights in the resolved dtype.
+    weights in the resolved dtype. A progress bar counts the tensors read (or drawn) when
+    ``load_config.show_progress`` allows it (``engine._progress``).
 
     Raises:
         ValueError: no safetensors files, or an unknown, missing or mis-shaped tensor.
@@ -78,9 +81,9 @@ def load_model(
     model.post_materialize()
     with torch.no_grad():
         if load_config.load_format == "dummy":
-            _init_dummy(model, load_config.seed)
+            _init_dummy(model, load_config.seed, load_config.show_progress)
         else:
-            _load_safetensors(model, Path(model_path))
+            _load_safetensors(model, Path(model_path), load_config.show_progress)
     return model.eval()
 
 
@@ -179,7 +182,22 @@ def _read(f: Any, name: str, target: str, shards: dict[str, Shard]) -> torch.Ten
     return f.get_tensor(name) if shard is None else shard.read(f.get_slice(name))
 
 
-def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path) -> None:
+def _checkpoint_tensors(files: list[Path], show_progress: bool | None) -> Iterator[tuple[Any, str]]:
+    """Every ``(open file, tensor name)`` of the checkpoint, under one progress bar."""
+    total = 0
+    if progress_shown(show_progress):
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                total += len(f.keys())
+    with progress_bar(total or None, "loading weights", "tensor", show_progress) as advance:
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield f, name
+                    advance(1)
+
+
+def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path, show_progress: bool | None) -> None:
     params = dict(model.named_parameters())
     redirects = _redirects(model)
     shards = _shards(model)
@@ -188,24 +206,22 @@ def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path) -> None:
         if rows is not None:
             row_targets.setdefault(param, set()).add((expert, None, rows))
     loaded: dict[str, set[_Piece]] = {name: set() for name in params}
-    for file in _safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                target = _canonical_name(name, model.config.tie_word_embeddings)
-                if target is None:
-                    continue
-                source = _read(f, name, target, shards)
-                for write in (_redirect(w, redirects) for w in _plan(model, target, source)):
-                    if write.param not in params:
-                        raise ValueError(f"checkpoint: unknown weight {name!r} (no parameter {write.param!r})")
-                    dst = write.destination(params[write.param])
-                    if dst.shape != write.source.shape:
-                        raise ValueError(
-                            f"checkpoint tensor {name!r}: expected shape {tuple(dst.shape)} for "
-                            f"{write.param!r}, got {tuple(write.source.shape)}"
-                        )
-                    dst.copy_(write.source)
-                    loaded[write.param].add(write.piece)
+    for f, name in _checkpoint_tensors(_safetensors_files(path), show_progress):
+        target = _canonical_name(name, model.config.tie_word_embeddings)
+        if target is None:
+            continue
+        source = _read(f, name, target, shards)
+        for write in (_redirect(w, redirects) for w in _plan(model, target, source)):
+            if write.param not in params:
+                raise ValueError(f"checkpoint: unknown weight {name!r} (no parameter {write.param!r})")
+            dst = write.destination(params[write.param])
+            if dst.shape != write.source.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r}: expected shape {tuple(dst.shape)} for "
+                    f"{write.param!r}, got {tuple(write.source.shape)}"
+                )
+            dst.copy_(write.source)
+            loaded[write.param].add(write.piece)
     sources = {(param, rows): src for src, (param, _e, rows) in redirects.items() if rows is not None}
     for name, param in params.items():
         missing = row_targets.get(name) or _required_pieces(name, param)
@@ -298,11 +314,12 @@ def _split_ba(model: Qwen3HybridForCausalLM, prefix: str, tensor: torch.Tensor) 
     ]
 
 
-def _init_dummy(model: Qwen3HybridForCausalLM, seed: int) -> None:
+def _init_dummy(model: Qwen3HybridForCausalLM, seed: int, show_progress: bool | None) -> None:
     """Deterministic random weights of a sensible scale, generated in place on the model's device."""
     device = model.model.embed_tokens.weight.device
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, param in sorted(model.named_parameters()):
+    params = sorted(model.named_parameters())
+    for name, param in progress(params, len(params), "random weights", "tensor", show_progress):
         if name.endswith("A_log"):
             # HF init: A ~ U(0.01, 16); drawn in fp32 since bf16 rounds the bounds.
             a = torch.empty(param.shape, dtype=torch.float32, device=device).uniform_(0.01, 16, generator=gen)

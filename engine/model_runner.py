@@ -69,10 +69,12 @@ class ModelRunner:
         # Copies made since the last plan; the workers replay them before the next forward.
         self._pending_copies: list[tuple[int, int]] = []
 
-    def enable_cuda_graphs(self, max_batch_size: int, pad_page: int, pad_slot: int) -> None:
+    def enable_cuda_graphs(
+        self, max_batch_size: int, pad_page: int, pad_slot: int, show_progress: bool | None = None
+    ) -> None:
         assert self.attn is not None, "CUDA graphs need the FlashInfer attention backend"
         self.graphs = CudaGraphRunner(self.model, self.caches, self.attn, max_batch_size, pad_page, pad_slot)  # type: ignore[arg-type]
-        self.graphs.capture()
+        self.graphs.capture(show_progress)
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one KV page across every full-attention layer (the copy-on-write of a partial page)."""
@@ -105,7 +107,7 @@ class ModelRunner:
             read.append(req.read_slot if req.has_state and req.read_slot is not None else req.write_slot)
             has_state.append(req.has_state)
             pages.append(req.page_ids)
-            if end == req.num_tokens and not req.finalizing and not req.prefill_only:
+            if end == req.num_tokens and not req.finalizing and (not req.prefill_only or req.sample_first):
                 sample_rows.append(i)
         return StepInputs(
             ids, positions, slots, qsl, seq_lens, read, write, has_state, tuple(out.num_new_tokens), pages, sample_rows

@@ -62,6 +62,8 @@ class Request:
     finalizing: bool = False
     # Compute the prompt, publish a checkpoint at its end, sample nothing (a session's turn 0).
     prefill_only: bool = False
+    # With prefill_only: also sample the token after the prompt (a disaggregated prefill).
+    sample_first: bool = False
     # GDN state: read from read_slot (valid iff has_state), write the step's final state to write_slot.
     read_slot: int | None = None
     write_slot: int | None = None

@@ -13,7 +13,7 @@ import torch
 
 from phloem.engine.sampling_params import SamplingParams
 
-__all__ = ["sample"]
+__all__ = ["sample", "skip_draws"]
 
 
 def sample(
@@ -33,6 +33,14 @@ def sample(
         q = torch.empty_like(probs[j]).exponential_(generator=generators[i])
         tokens[i] = (probs[j] / q).argmax()
     return tokens
+
+
+def skip_draws(generator: torch.Generator, vocab_size: int, num_tokens: int, device: torch.device) -> None:
+    """Advance ``generator`` past the draws of ``num_tokens`` random samples (one ``[V]`` fp32
+    exponential each, as ``sample`` takes): a request continued after tokens sampled elsewhere
+    then draws exactly what it would have drawn had it sampled them itself."""
+    for _ in range(num_tokens):
+        torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=generator)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -206,7 +206,8 @@ def _worker_main(rank: int, spec: WorkerSpec, port: int, conn: Connection) -> No
         )
         conn.send(("hello", None))
         group = TPGroup.connect(rank, spec.tp_size, store, device, _COLLECTIVE_TIMEOUT)
-        load_config = replace(spec.load_config, device=str(device))
+        # Rank 0 draws the one progress bar; a worker's would garble it.
+        load_config = replace(spec.load_config, device=str(device), show_progress=False)
         model = load_model(spec.path, spec.model_config, load_config, group)
         conn.send(("ready", None))
         dtype = next(model.parameters()).dtype

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from phloem.engine import Engine, SamplingParams
 from phloem.engine.config import ModelConfig
+from phloem.runtime.progress import progress
 
 __all__ = ["PrefixCacheReport", "TurnStats", "run_prefix_cache_bench"]
 
@@ -57,12 +58,14 @@ class PrefixCacheReport:
         return "\n".join(lines)
 
 
-def _run(engine: Engine, first: list[int], turns: int, append_len: int, output_len: int, seed: int) -> tuple[list[TurnStats], list[list[int]]]:
+def _run(engine: Engine, first: list[int], turns: int, append_len: int, output_len: int, seed: int,
+         bar: tuple[str, bool | None]) -> tuple[list[TurnStats], list[list[int]]]:
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     history, stats, outputs = list(first), [], []
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    for turn in range(1, turns + 1):
+    label, show = bar
+    for turn in progress(range(1, turns + 1), turns, label, "turn", show):
         t0 = time.perf_counter()
         out = engine.generate([history], params)[0]
         stats.append(TurnStats(turn, len(history), out.num_cached_tokens, time.perf_counter() - t0))
@@ -80,14 +83,20 @@ def run_prefix_cache_bench(
     seed: int = 0,
     **engine_options: object,
 ) -> PrefixCacheReport:
-    """Run the workload twice (cache on, cache off) on fresh engines and compare."""
+    """Run the workload twice (cache on, cache off) on fresh engines and compare.
+
+    ``engine_options["show_progress"]`` (False: never) also governs the per-turn progress bars.
+    """
     rng = random.Random(seed)
     vocab = ModelConfig.from_pretrained(model_path).vocab_size
     first = [rng.randrange(vocab) for _ in range(first_turn_len)]
+    show = engine_options.get("show_progress")
     results = []
     for caching in (True, False):
         engine = Engine.from_pretrained(model_path, enable_prefix_caching=caching, **engine_options)
-        results.append(_run(engine, first, turns, append_len, output_len, seed))
+        label = f"prefix cache {'on' if caching else 'off'}"
+        results.append(_run(engine, first, turns, append_len, output_len, seed,
+                            (label, show if isinstance(show, bool) else None)))
     (on, out_on), (off, out_off) = results
     if out_on != out_off:
         raise AssertionError("outputs with and without the prefix cache differ")

@@ -21,6 +21,7 @@ from phloem.runtime.bench_decode import (
     run_prefill,
 )
 from phloem.runtime.model_shapes import write_shape
+from phloem.runtime.progress import progress as bar
 
 __all__ = ["bench_decode"]
 
@@ -42,7 +43,11 @@ def bench_decode(
     progress: Callable[[str], None] | None = None,
     **engine_options: object,
 ) -> str:
-    """Run the decode grid (and one long prefill); returns the report as Markdown."""
+    """Run the decode grid (and one long prefill); returns the report as Markdown.
+
+    ``progress`` gets one line per grid point; ``engine_options["show_progress"]`` (False: never)
+    also governs the progress bars of loading and of the grid (``runtime.progress``).
+    """
     dev = torch.device(device)
     with tempfile.TemporaryDirectory() as tmp:
         path = model or write_shape(shape, Path(tmp))
@@ -58,15 +63,16 @@ def bench_decode(
     matmul = measure_matmul_rate(dev)
     results: list[DecodeResult] = []
     skipped: list[tuple[int, int]] = []
-    for context in contexts:
-        for batch in batches:
-            if context >= engine.max_model_len or not _fits(engine, batch, context, steps):
-                skipped.append((batch, context))
-                continue
-            results.append(run_decode(engine, batch, context, bandwidth, steps=steps))
-            if progress is not None:
-                r = results[-1]
-                progress(f"batch {batch} context {context}: {r.ms_per_step:.2f} ms/step, {r.roofline_fraction:.0%} of roofline, graph {r.gpu_ms_per_step}")
+    grid = [(context, batch) for context in contexts for batch in batches]
+    show = engine_options.get("show_progress")
+    for context, batch in bar(grid, len(grid), "decode grid", "point", show if isinstance(show, bool) else None):
+        if context >= engine.max_model_len or not _fits(engine, batch, context, steps):
+            skipped.append((batch, context))
+            continue
+        results.append(run_decode(engine, batch, context, bandwidth, steps=steps))
+        if progress is not None:
+            r = results[-1]
+            progress(f"batch {batch} context {context}: {r.ms_per_step:.2f} ms/step, {r.roofline_fraction:.0%} of roofline, graph {r.gpu_ms_per_step}")
     prefill: PrefillResult | None = None
     if prefill_tokens and prefill_tokens < engine.max_model_len:
         prefill = run_prefill(engine, prefill_tokens, matmul)

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from phloem.runtime._bench_cli import add_bench_commands
+from phloem.runtime._bench_cli import add_bench_commands, show_progress
 from phloem.runtime._demo import DemoOptions
 from phloem.runtime.config import (
-    DTYPES, ApiKey, EngineOptions, ServerConfig, parse_api_key, read_api_keys_file,
+    DTYPES, LOG_FORMATS, LOG_LEVELS, ApiKey, EngineOptions, ServerConfig, default_data_dir, parse_api_key, read_api_keys_file,
 )
+from phloem.runtime.model_shapes import SHAPES, ensure_shape_model
 from phloem.runtime.env import EnvSettings, read_env
+from phloem.runtime.pd_roles import ROLES, PDConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -31,9 +34,14 @@ examples:
   phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --dtype bfloat16
   phloem serve --port 9000 --redis-url redis://localhost:6379/0
   phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --tp 2   # GPUs 0 and 1
+  phloem serve --role prefill --pd-peer 10.0.0.2:9555 --model DIR      # then, on the decode side:
+  phloem serve --role decode --pd-peer 10.0.0.2:9555 --model DIR       # same model; serves the API
   phloem serve --host 0.0.0.0 --api-keys-file /etc/phloem/keys   # one KEY[:admin] per line
   PHLOEM_API_KEY=$(cat /run/secrets/key) phloem serve --host 0.0.0.0
   phloem serve --max-generations-per-key 8 --max-sessions-per-key 100 --max-context-len 32768
+  phloem serve --log-format json --log-level debug 2> phloem.jsonl   # one JSON object per line
+  curl -s http://127.0.0.1:8000/metrics          # Prometheus metrics of a running server
+  phloem serve --shape qwen3.5-35b-a3b --device cuda --dtype bfloat16   # dummy weights, benchmarks
 """
 _DEMO_EXAMPLES = """\
 examples:
@@ -81,11 +89,16 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
                             "run the model (default: %(default)s)")
     serve.add_argument("--no-prefix-cache", action="store_true",
                        help="disable the radix prefix cache (benchmark baseline)")
+    serve.add_argument("--shape", choices=sorted(SHAPES),
+                       help="serve DUMMY (random) weights of a benchmark shape with the demo "
+                            "tokenizer, instead of --model (benchmarks only)")
     serve.add_argument("--default-ttl", metavar="SECONDS", type=float,
                        default=defaults["default_ttl_s"],
                        help="seconds a session stays pinned after a turn (default: %(default)s)")
     _add_auth_flags(serve, env)
     _add_limit_flags(serve, defaults)
+    _add_pd_flags(serve)
+    _add_output_flags(serve, env, defaults)
     serve.set_defaults(configure=_server_config, run=_serve)
 
     demo = commands.add_parser(
@@ -108,7 +121,7 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
                       help="how long to wait for the server it starts (default: %(default)s)")
     demo.set_defaults(configure=_demo_options, run=_demo)
 
-    add_bench_commands(commands, _bench_agentic)
+    add_bench_commands(commands, _bench_agentic, _bench_trie)
     return parser
 
 
@@ -157,6 +170,54 @@ def _add_limit_flags(serve: argparse.ArgumentParser, defaults: dict[str, object]
                              "and close a WebSocket idle this long (default: %(default)s)")
 
 
+def _add_output_flags(serve: argparse.ArgumentParser, env: EnvSettings,
+                      defaults: dict[str, object]) -> None:
+    output = serve.add_argument_group(
+        "logs and progress", "Logs go to stderr: one line per request (with its X-Request-Id) and "
+                             "per session transition (docs/api.md, \"Observability\").")
+    output.add_argument("--log-format", choices=LOG_FORMATS,
+                        default=_pick(env.log_format, defaults["log_format"]),
+                        help="text lines, or one JSON object per line (default: $PHLOEM_LOG_FORMAT, "
+                             "else %(default)s)")
+    output.add_argument("--log-level", choices=LOG_LEVELS,
+                        default=_pick(env.log_level, defaults["log_level"]),
+                        help="least severe level logged; debug adds /health and /metrics requests "
+                             "(default: $PHLOEM_LOG_LEVEL, else %(default)s)")
+    output.add_argument("--no-progress", action="store_true", default=env.no_progress,
+                        help="no progress bars while building the demo model, loading weights and "
+                             "capturing CUDA graphs (default: on when stderr is a terminal, off "
+                             "with $PHLOEM_NO_PROGRESS=1)")
+
+
+def _add_pd_flags(serve: argparse.ArgumentParser) -> None:
+    pd = serve.add_argument_group(
+        "prefill/decode disaggregation",
+        "Two instances of the same model: `--role prefill` computes prompts and streams their KV "
+        "and GDN state to `--role decode`, which serves the API (docs/disaggregation.md).")
+    pd_defaults = PDConfig()
+    pd.add_argument("--role", choices=ROLES, default=pd_defaults.role,
+                    help="this instance's part (default: %(default)s: prefill and decode in one)")
+    pd.add_argument("--pd-peer", metavar="HOST:PORT",
+                    help="rendezvous of the pair: the prefill instance listens there, the decode "
+                         "instance connects to it (required with --role prefill|decode)")
+    pd.add_argument("--pd-timeout", metavar="SECONDS", type=float, default=pd_defaults.timeout_s,
+                    help="longest wait for one transfer message (default: %(default)s)")
+    pd.add_argument("--pd-local-prefill-tokens", metavar="N", type=int,
+                    default=pd_defaults.local_prefill_tokens,
+                    help="the decode instance prefills a prompt itself when it extends a prefix "
+                         "cached there (a session's later turn) by at most N tokens; 0 sends "
+                         "every prompt to the prefill instance (default: %(default)s)")
+    pd.add_argument("--pd-no-local-retry", action="store_true",
+                    help="fail a request whose transfer failed, instead of retrying it once on "
+                         "the decode instance")
+
+
+def _pd_config(args: argparse.Namespace) -> PDConfig:
+    return PDConfig(role=args.role, peer=args.pd_peer, timeout_s=args.pd_timeout,
+                    local_prefill_tokens=args.pd_local_prefill_tokens,
+                    retry_local=not args.pd_no_local_retry)
+
+
 def _pick(env_value: object, default: object) -> object:
     return default if env_value is None else env_value
 
@@ -200,10 +261,15 @@ def _api_keys(args: argparse.Namespace) -> tuple[ApiKey, ...]:
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     options = {"data_dir": args.data_dir} if args.data_dir is not None else {}
+    model = args.model
+    if args.shape:
+        if args.model:
+            raise ValueError("--shape: give either --model or --shape, not both")
+        model = str(ensure_shape_model(args.shape, options.get("data_dir") or default_data_dir()))
     return ServerConfig(
         host=args.host,
         port=args.port,
-        model=args.model,
+        model=model,
         redis_url=args.redis_url,
         device=args.device,
         dtype=args.dtype,
@@ -217,32 +283,47 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         max_generations_per_key=args.max_generations_per_key,
         max_num_generations=args.max_generations,
         stream_idle_timeout_s=args.stream_idle_timeout,
+        pd=_pd_config(args),
+        log_format=args.log_format,
+        log_level=args.log_level,
         **options,
-        **_no_cache(args),
+        **_engine_options(args),
     )
 
 
-def _no_cache(args: argparse.Namespace) -> dict[str, EngineOptions]:
-    if not args.no_prefix_cache:
+def _engine_options(args: argparse.Namespace) -> dict[str, EngineOptions]:
+    """``ServerConfig.engine`` for the flags that need it (``--no-prefix-cache``, ``--shape``,
+    ``--no-progress``)."""
+    if not args.no_prefix_cache and not args.shape and not args.no_progress:
         return {}
     tp = args.tp if args.tp > 1 else None
-    return {"engine": EngineOptions(device=args.device, dtype=args.dtype, tensor_parallel_size=tp, enable_prefix_caching=False)}
+    return {"engine": EngineOptions(device=args.device, dtype=args.dtype, tensor_parallel_size=tp,
+                                    enable_prefix_caching=not args.no_prefix_cache,
+                                    load_format="dummy" if args.shape else "safetensors",
+                                    show_progress=False if args.no_progress else None)}  # fmt: skip
 
 
 def _serve(config: ServerConfig) -> int:
-    if config.model is None:
-        from phloem.runtime.default_model import ensure_default_model
+    from phloem.runtime.logs import stderr_logging
 
-        folder = ensure_default_model(config.data_dir)
-        sys.stderr.write(
-            f"phloem: no --model given; serving the built-in demo model at {folder}\n"
-            "phloem: ITS WEIGHTS ARE RANDOM: the text it generates is gibberish "
-            "(use --model DIR for a real model)\n"
-        )
-        config = dataclasses.replace(config, model=str(folder))
-    from phloem.api.app import serve
+    # The server's logging, from the first line on (``serve`` finds it installed and keeps it).
+    with stderr_logging(config.log_format, config.log_level):
+        if config.model is None:
+            from phloem.runtime.default_model import ensure_default_model
 
-    serve(config)
+            folder = ensure_default_model(config.data_dir, config.engine_options.show_progress)
+            logging.getLogger("phloem.runtime.cli").warning(
+                "phloem: no --model given; serving the built-in demo model at %s. ITS WEIGHTS ARE "
+                "RANDOM: the text it generates is gibberish (use --model DIR for a real model)", folder)
+            config = dataclasses.replace(config, model=str(folder))
+        if config.pd.role == "prefill":
+            from phloem.runtime.pd_prefill import run_prefill_worker
+
+            run_prefill_worker(config.model, config.engine_options, config.pd)
+            return 0
+        from phloem.api.app import serve
+
+        serve(config)
     return 0
 
 
@@ -273,9 +354,24 @@ def _bench_agentic(args: argparse.Namespace) -> int:
         tool_pause_s=args.tool_pause, fork_at=args.fork_at, forks=args.forks, vocab_hi=args.vocab_hi,
     )  # fmt: skip
     table, data = run_agentic(
-        workload, tuple(args.modes.split(",")), args.base_url, tuple(args.server_arg), str(args.out), args.gpus
+        workload, tuple(args.modes.split(",")), args.base_url, tuple(args.server_arg), str(args.out), args.gpus,
+        show_progress=show_progress(args),
     )
     sys.stdout.write(table + "\n" + f"raw numbers and plots: {args.out}/\n")
+    return 0
+
+
+def _bench_trie(args: argparse.Namespace) -> int:
+    from phloem.api.bench_agentic import AgenticWorkload
+    from phloem.api.bench_trie import run_trie_bench
+
+    workload = AgenticWorkload(
+        agents=args.agents, first_turn=args.first_turn, append=args.append, turns=args.turns, output=args.output,
+        tool_pause_s=args.tool_pause,
+    )  # fmt: skip
+    report, _ = run_trie_bench(workload, args.duration, args.base_url, tuple(args.server_arg), args.tokenizer,
+                               str(args.out))  # fmt: skip
+    sys.stdout.write(report + "\n" + f"workload file, raw numbers and report: {args.out}/\n")
     return 0
 
 

@@ -25,12 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from phloem.runtime.env import default_data_dir
+from phloem.runtime.pd_roles import PDConfig
 
-__all__ = ["DTYPES", "LOAD_FORMATS", "ApiKey", "EngineOptions", "ServerConfig", "is_loopback",
-           "parse_api_key", "read_api_keys_file"]
+__all__ = ["DTYPES", "LOAD_FORMATS", "LOG_FORMATS", "LOG_LEVELS", "ApiKey", "EngineOptions",
+           "ServerConfig", "is_loopback", "parse_api_key", "read_api_keys_file"]
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("safetensors", "dummy")
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # engine.config.MAX_TP_SIZE, repeated: importing phloem.engine would import torch.
 _MAX_TP_SIZE = 8
@@ -163,6 +166,8 @@ class EngineOptions:
         checkpoint_interval: GDN checkpoint every this many prefill tokens (0 disables).
         max_num_batched_tokens / max_num_seqs / max_model_len: scheduler limits.
         tensor_parallel_size: ranks (processes; GPUs on CUDA) running the model, 1 to 8.
+        show_progress: progress bars while loading weights and capturing CUDA graphs: False
+            never; None when stderr is a terminal (``engine._progress``).
     """
 
     load_format: str = "safetensors"
@@ -179,6 +184,7 @@ class EngineOptions:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     tensor_parallel_size: int | None = None
+    show_progress: bool | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -229,8 +235,13 @@ class ServerConfig:
         stream_idle_timeout_s: a streamed generation (SSE or WebSocket) that produces nothing for
             this long is cancelled; an idle WebSocket (no generation, no message) is closed.
         retry_after_s: the ``Retry-After`` of 429 and 503 answers.
+        log_format: ``text`` (human lines) or ``json`` (one object per line); see
+            ``runtime.logs``.
+        log_level: the least severe level logged: ``debug``, ``info``, ``warning``, ``error``.
         engine: every other engine knob; its ``device``, ``dtype`` and ``tensor_parallel_size``
             must equal the fields above.
+        pd: prefill/decode disaggregation (``--role``, ``--pd-peer``; ``runtime.pd_roles``); a
+            prefill or decode instance needs ``tensor_parallel_size`` 1 and the prefix cache.
     """
 
     host: str = "127.0.0.1"
@@ -252,6 +263,9 @@ class ServerConfig:
     max_num_generations: int = 256
     stream_idle_timeout_s: float = 300.0
     retry_after_s: float = 1.0
+    log_format: str = "text"
+    log_level: str = "info"
+    pd: PDConfig = field(default_factory=PDConfig)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -272,6 +286,7 @@ class ServerConfig:
         _check_tp_size("tensor_parallel_size", self.tensor_parallel_size)
         self._check_auth()
         self._check_limits()
+        self._check_pd()
         if self.engine is not None and (self.engine.device, self.engine.dtype) != (self.device, self.dtype):
             raise ValueError(
                 f"engine: its device/dtype ({self.engine.device!r}, {self.engine.dtype!r}) must equal "
@@ -315,6 +330,21 @@ class ServerConfig:
             raise ValueError(f"stream_idle_timeout_s: expected seconds > 0, got {self.stream_idle_timeout_s!r}")
         if not self.retry_after_s > 0:
             raise ValueError(f"retry_after_s: expected seconds > 0, got {self.retry_after_s!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format: expected one of {LOG_FORMATS}, got {self.log_format!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: expected one of {LOG_LEVELS}, got {self.log_level!r}")
+
+    def _check_pd(self) -> None:
+        if not isinstance(self.pd, PDConfig):
+            raise ValueError(f"pd: expected a PDConfig, got {type(self.pd).__name__}")
+        if not self.pd.is_disaggregated:
+            return
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"pd: --role {self.pd.role} runs at tensor_parallel_size 1 for now, "
+                             f"got {self.tensor_parallel_size}")
+        if self.engine is not None and not self.engine.enable_prefix_caching:
+            raise ValueError(f"pd: --role {self.pd.role} needs the prefix cache (drop --no-prefix-cache)")
 
     @property
     def auth_enabled(self) -> bool:

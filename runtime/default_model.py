@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from phloem.runtime.progress import progress_bar
 
 __all__ = ["DEFAULT_MODEL_NAME", "SPECIAL_TOKENS", "ensure_default_model"]
 
@@ -84,11 +87,13 @@ Serve a real model with `phloem serve --model /path/to/hf-folder`.
 """
 
 
-def ensure_default_model(data_dir: Path) -> Path:
+def ensure_default_model(data_dir: Path, show_progress: bool | None = None) -> Path:
     """Return the demo model folder under ``data_dir``, building it on first use.
 
     Args:
         data_dir: The Phloem data directory; the model goes to ``data_dir/models/phloem-tiny-qwen3.5``.
+        show_progress: A progress bar while building: False never, None when stderr is a
+            terminal (``runtime.progress``).
 
     Returns:
         The model folder (complete: the build is atomic).
@@ -102,7 +107,7 @@ def ensure_default_model(data_dir: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=final.parent))
     try:
-        _build(build)
+        _build(build, show_progress)
         try:
             os.rename(build, final)
         except OSError as exc:
@@ -119,18 +124,24 @@ def _is_complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in _FILES)
 
 
-def _build(folder: Path) -> None:
-    tokenizer = _train_tokenizer()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    special: dict[str, int] = {}
-    for token in SPECIAL_TOKENS:
-        token_id = tokenizer.token_to_id(token)
-        assert token_id is not None, f"tokenizer: special token {token!r} missing after training"
-        special[token] = token_id
-    vocab_size = 64 * math.ceil(tokenizer.get_vocab_size() / 64)
-    config = _model_config(vocab_size, eos_id=special["<|im_end|>"], pad_id=special["<|endoftext|>"])
-    _write_json(folder / "config.json", config)
-    save_file(_random_weights(config), str(folder / "model.safetensors"), metadata={"format": "pt"})
+def _build(folder: Path, show_progress: bool | None) -> None:
+    # The bar's units: training the tokenizer, each weight tensor, writing the checkpoint.
+    num_tensors = len(_weight_shapes(_model_config(_TARGET_VOCAB, 0, 0)))
+    with progress_bar(num_tensors + 2, "building the demo model", "step", show_progress) as advance:
+        tokenizer = _train_tokenizer()
+        advance(1)
+        tokenizer.save(str(folder / "tokenizer.json"))
+        special: dict[str, int] = {}
+        for token in SPECIAL_TOKENS:
+            token_id = tokenizer.token_to_id(token)
+            assert token_id is not None, f"tokenizer: special token {token!r} missing after training"
+            special[token] = token_id
+        vocab_size = 64 * math.ceil(tokenizer.get_vocab_size() / 64)
+        config = _model_config(vocab_size, eos_id=special["<|im_end|>"], pad_id=special["<|endoftext|>"])
+        _write_json(folder / "config.json", config)
+        weights = _random_weights(config, advance)
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        advance(1)
     _write_json(folder / "tokenizer_config.json", _tokenizer_config(special))
     (folder / "README.md").write_text(_README)
     for name in _FILES:
@@ -273,7 +284,7 @@ def _weight_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _random_weights(config: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _random_weights(config: dict[str, Any], advance: Callable[[int], None]) -> dict[str, torch.Tensor]:
     """Seeded weights of a scale that keeps activations O(1) and next-token logits far from uniform.
 
     (Hugging Face's init, std 0.02 with zero norms, gives near-uniform logits: greedy output would
@@ -304,6 +315,7 @@ def _random_weights(config: dict[str, Any]) -> dict[str, torch.Tensor]:
         else:
             # Linear [out, in]: unit gain on fan-in.
             weights[name] = normal(shape, 1.0 / math.sqrt(shape[-1]))
+        advance(1)
     return weights
 
 

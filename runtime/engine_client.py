@@ -138,7 +138,12 @@ class EngineClient:
         await self.shutdown()
 
     async def generate(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        output_token_ids: Sequence[int] = (),
     ) -> AsyncGenerator[RequestOutput, None]:
         """Generate from ``prompt_token_ids``, yielding an output per engine step that produced tokens.
 
@@ -151,6 +156,9 @@ class EngineClient:
                 is already computed).
             params: Sampling parameters.
             request_id: The engine request id; None: a fresh unique id. Use it with ``abort``.
+            output_token_ids: Tokens already generated for this prompt elsewhere (a
+                disaggregated prefill's first token): the request continues after them, and
+                the outputs' ``token_ids`` include them.
 
         Yields:
             RequestOutput items, the last one finished.
@@ -170,7 +178,7 @@ class EngineClient:
             # Engine thread: hand over and return at once (raises if the event loop closed).
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        add = AddRequest(tuple(prompt_token_ids), params, request_id, sink)
+        add = AddRequest(tuple(prompt_token_ids), params, request_id, sink, tuple(output_token_ids))
         self._loop.submit(add)
         done = False
         try:
@@ -281,6 +289,18 @@ class EngineClient:
             EngineError: The engine loop is not running.
         """
         return await self._call(GetStats())
+
+    async def stats_or_none(self, timeout_s: float) -> EngineStats | None:
+        """``stats()``, or None when the loop is not running or does not answer within
+        ``timeout_s`` (a step that runs long): for monitoring, which must never fail.
+
+        Args:
+            timeout_s: Seconds to wait for the engine thread.
+        """
+        try:
+            return await asyncio.wait_for(self.stats(), timeout_s)
+        except (EngineError, TimeoutError):
+            return None
 
     async def _call(self, command: _Query[T]) -> T:
         self._loop.submit(command)  # type: ignore[arg-type]

@@ -12,9 +12,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
+import torch
+
 from phloem.engine import EngineError, RequestOutput, SamplingParams
 from phloem.engine.cache_manager import CacheStats
 from phloem.engine.prefix_state import PrefixState
+from phloem.engine.transfer_state import TransferReservation
+from phloem.runtime.histogram import HistogramSnapshot
 
 __all__ = [
     "AbortRequest",
@@ -24,11 +28,14 @@ __all__ = [
     "ExportPrefix",
     "GetStats",
     "ImportPrefix",
+    "InstallTransfer",
     "OutputSink",
     "PinPrefix",
     "PrefixHandle",
     "PrefixState",
     "QueryCachedPrefix",
+    "ReleaseTransfer",
+    "ReserveTransfer",
     "ResetPrefixCache",
     "Shutdown",
     "UnpinPrefix",
@@ -43,12 +50,17 @@ PrefixHandle: TypeAlias = object
 
 @dataclass(frozen=True, slots=True)
 class AddRequest:
-    """Enqueue a request; ``reply`` gets its id, or the ``InvalidRequest``/``CapacityExceeded``."""
+    """Enqueue a request; ``reply`` gets its id, or the ``InvalidRequest``/``CapacityExceeded``.
+
+    ``output_token_ids``: tokens already generated elsewhere (a disaggregated prefill's first
+    token); the request continues after them.
+    """
 
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     request_id: str | None
     sink: OutputSink
+    output_token_ids: tuple[int, ...] = ()
     reply: Future[str] = field(default_factory=Future)
 
 
@@ -119,9 +131,41 @@ class Shutdown:
     reply: Future[None] = field(default_factory=Future)
 
 
+@dataclass(frozen=True, slots=True)
+class ReserveTransfer:
+    """Decode side of a disaggregated prefill: lock the cached prefix of ``token_ids`` and reserve
+    pages and a slot for the rest; ``reply`` is None (nothing taken) when a prefix is cached and at
+    most ``local_up_to`` tokens lie past it, or no room can be made, or the ``InvalidRequest`` /
+    ``CapacityExceeded`` of a prompt the engine could never serve (``Engine.reserve_transfer``)."""
+
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+    local_up_to: int = 0
+    reply: Future[TransferReservation | None] = field(default_factory=Future)
+
+
+@dataclass(frozen=True, slots=True)
+class InstallTransfer:
+    """Install a received prompt state into its reservation and publish it (``Engine.install_transfer``)."""
+
+    reservation: TransferReservation
+    kv: torch.Tensor  # [attn_layers, reserved pages, 2, page_size, kv_heads, head_dim]
+    conv: torch.Tensor  # [gdn_layers, conv_dim, kernel - 1]
+    ssm: torch.Tensor  # [gdn_layers, v_heads, key_dim, value_dim] fp32
+    reply: Future[None] = field(default_factory=Future)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseTransfer:
+    """Give back a reservation's pages and slot and unlock its prefix (idempotent)."""
+
+    reservation: TransferReservation
+    reply: Future[None] = field(default_factory=Future)
+
+
 Command: TypeAlias = (
     AddRequest | AbortRequest | PinPrefix | UnpinPrefix | QueryCachedPrefix | ExportPrefix | ImportPrefix
-    | ResetPrefixCache | GetStats | Shutdown
+    | ResetPrefixCache | GetStats | Shutdown | ReserveTransfer | InstallTransfer | ReleaseTransfer
 )
 
 
@@ -137,3 +181,6 @@ class EngineStats:
     num_requests: int  # in flight through this loop (finished ones excluded)
     num_steps: int
     num_failed_steps: int
+    num_waiting: int  # queued in the scheduler, not yet admitted (queue depth)
+    num_running: int  # admitted: holding pages and a state slot
+    step_seconds: HistogramSnapshot  # wall time of each engine step, failed ones included

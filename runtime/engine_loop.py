@@ -14,7 +14,7 @@ One iteration::
 
 A request's final output comes one step before its turn-end checkpoint is in the prefix cache
 (the engine computes the last token once more to publish it). So a prefix query (``PinPrefix``,
-``QueryCachedPrefix``, ``ExportPrefix``) that arrives while such a checkpoint is pending is
+``QueryCachedPrefix``, ``ExportPrefix``, ``ReserveTransfer``) that arrives while such a checkpoint is pending is
 answered after the next step: a session that pins or spills its new head right after a turn gets
 the whole turn.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -42,13 +43,17 @@ from phloem.runtime.engine_commands import (
     ExportPrefix,
     GetStats,
     ImportPrefix,
+    InstallTransfer,
     OutputSink,
     PinPrefix,
     QueryCachedPrefix,
+    ReleaseTransfer,
+    ReserveTransfer,
     ResetPrefixCache,
     Shutdown,
     UnpinPrefix,
 )
+from phloem.runtime.histogram import STEP_SECONDS_BOUNDS, Histogram
 
 __all__ = ["EngineLoop"]
 
@@ -83,9 +88,10 @@ class EngineLoop:
         self._inflight: dict[str, _InFlight] = {}
         self._paused = False
         # Prefix queries waiting for the next step (see ``_dispatch``); their futures are running.
-        self._parked: list[PinPrefix | QueryCachedPrefix | ExportPrefix] = []
+        self._parked: list[PinPrefix | QueryCachedPrefix | ExportPrefix | ReserveTransfer] = []
         self._num_steps = 0
         self._num_failed_steps = 0
+        self._step_seconds = Histogram(STEP_SECONDS_BOUNDS)
 
     @property
     def is_running(self) -> bool:
@@ -165,7 +171,7 @@ class EngineLoop:
         # A reply future cancelled before we got to it means "never mind": skip the command.
         if not command.reply.set_running_or_notify_cancel():
             return
-        parkable = PinPrefix | QueryCachedPrefix | ExportPrefix
+        parkable = PinPrefix | QueryCachedPrefix | ExportPrefix | ReserveTransfer
         if isinstance(command, parkable) and self.engine.scheduler.num_finalizing():
             # A request that just finished publishes its turn-end checkpoint in the next step;
             # a prefix query answered now would miss it (e.g. a session pinning its new head).
@@ -193,6 +199,14 @@ class EngineLoop:
                     result = self.engine.export_prefix(token_ids)
                 case ImportPrefix(state=state):
                     result = self.engine.import_prefix(state)
+                case ReserveTransfer(token_ids=token_ids, params=params, local_up_to=local_up_to):
+                    result = self.engine.reserve_transfer(token_ids, params, local_up_to)
+                case InstallTransfer(reservation=res, kv=kv, conv=conv, ssm=ssm):
+                    self.engine.install_transfer(res, kv, conv, ssm)
+                    result = None
+                case ReleaseTransfer(reservation=res):
+                    self.engine.release_transfer(res)
+                    result = None
                 case ResetPrefixCache():
                     self._reset_prefix_cache()
                     result = None
@@ -214,7 +228,9 @@ class EngineLoop:
 
     def _add(self, command: AddRequest) -> str:
         prompt = list(command.prompt_token_ids)
-        request_id = self.engine.add_request(prompt, command.params, command.request_id)
+        request_id = self.engine.add_request(
+            prompt, command.params, command.request_id, output_token_ids=command.output_token_ids
+        )
         self._inflight[request_id] = _InFlight(command.sink, prompt)
         return request_id
 
@@ -239,15 +255,18 @@ class EngineLoop:
 
     def _step(self) -> None:
         parked, self._parked = self._parked, []
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:
+            self._step_seconds.observe(time.perf_counter() - start)
             self._num_failed_steps += 1
             self._paused = True
             logger.exception("engine step failed; failing %d request(s) in flight", len(self._inflight))
             self._fail_all(f"engine step failed: {exc!r}", exc)
             outputs = []
         else:
+            self._step_seconds.observe(time.perf_counter() - start)
             self._num_steps += 1
         for command in parked:
             self._answer(command)
@@ -293,6 +312,9 @@ class EngineLoop:
             num_requests=len(self._inflight),
             num_steps=self._num_steps,
             num_failed_steps=self._num_failed_steps,
+            num_waiting=len(self.engine.scheduler.waiting),
+            num_running=len(self.engine.scheduler.running),
+            step_seconds=self._step_seconds.snapshot(),
         )
 
     def _close(self, stops: list[Future[None]]) -> None:

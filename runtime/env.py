@@ -11,6 +11,10 @@
     PHLOEM_API_KEY     API key: the one ``phloem serve`` accepts (``KEY`` or ``KEY:admin``;
                        default of ``--api-key``) and the one the SDK sends (``phloem demo``)
     PHLOEM_API_KEYS_FILE  default of ``phloem serve --api-keys-file``
+    PHLOEM_LOG_FORMAT  ``text`` or ``json``: default of ``phloem serve --log-format``
+    PHLOEM_LOG_LEVEL   ``debug``/``info``/``warning``/``error``: default of ``--log-level``
+    PHLOEM_NO_PROGRESS ``1``/``true``/``yes``: no progress bars (as ``--no-progress``);
+                       ``0``/``false``/``no``: bars when stderr is a terminal
 
 The variables only supply defaults: the CLI's flags win, and the config dataclasses never read
 the environment themselves except ``ServerConfig.data_dir``'s default (``default_data_dir``) and
@@ -44,6 +48,9 @@ class EnvSettings:
     dtype: str | None = None
     api_key: str | None = field(default=None, repr=False)
     api_keys_file: Path | None = None
+    log_format: str | None = None
+    log_level: str | None = None
+    no_progress: bool = False
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
@@ -56,7 +63,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
         The settings; an unset or empty variable is ``None``.
 
     Raises:
-        ValueError: ``PHLOEM_PORT`` is not an integer.
+        ValueError: ``PHLOEM_PORT`` is not an integer, or ``PHLOEM_NO_PROGRESS`` not a boolean.
     """
     env = os.environ if environ is None else environ
 
@@ -79,7 +86,18 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
         dtype=get("DTYPE"),
         api_key=get("API_KEY"),
         api_keys_file=Path(keys_file).expanduser() if keys_file else None,
+        log_format=get("LOG_FORMAT"),
+        log_level=get("LOG_LEVEL"),
+        no_progress=_flag("NO_PROGRESS", get("NO_PROGRESS")),
     )
+
+
+def _flag(name: str, value: str | None) -> bool:
+    if value is None or value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{PREFIX}{name}: expected 1/true/yes/on or 0/false/no/off, got {value!r}")
 
 
 def default_data_dir() -> Path:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SHAPES", "write_shape"]
+__all__ = ["SHAPES", "ensure_shape_model", "write_shape"]
 
 
 def _qwen35_moe(**overrides: Any) -> dict[str, Any]:
@@ -72,4 +72,24 @@ def write_shape(name: str, folder: Path) -> Path:
         raise ValueError(f"shape: expected one of {sorted(SHAPES)}, got {name!r}")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    return folder
+
+
+def ensure_shape_model(name: str, data_dir: Path) -> Path:
+    """A servable folder for shape ``name``: its ``config.json`` and the demo model's tokenizer.
+
+    For ``phloem serve --shape`` (dummy weights). The demo tokenizer's vocabulary is smaller
+    than the shape's, so ids beyond it decode to nothing; benchmarks send token ids and read
+    ``token_ids``, so text does not matter there.
+
+    Raises:
+        ValueError: ``name`` is not a known shape.
+        OSError: ``data_dir`` cannot be written.
+    """
+    from phloem.runtime.default_model import ensure_default_model
+
+    folder = write_shape(name, data_dir / "shapes" / name)
+    tokenizer_dir = ensure_default_model(data_dir)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / file).write_bytes((tokenizer_dir / file).read_bytes())
     return folder

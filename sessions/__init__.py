@@ -21,6 +21,7 @@ from phloem.sessions.errors import (
 from phloem.sessions.generation import (
     GenerateOptions, Generation, GenerationResult, OutputDelta, Usage,
 )
+from phloem.sessions._events import SessionStats, TierCounts
 from phloem.sessions._inputs import SessionInput
 from phloem.sessions.config import KEEP, SessionConfig
 from phloem.sessions.manager import SessionManager
@@ -34,6 +35,7 @@ __all__ = [
     "KEEP", "ChatContext", "ContextLengthExceeded", "FinishReason", "GenerateOptions",
     "Generation", "GenerationFailed", "GenerationResult", "IncrementalDetokenizer", "InvalidInput",
     "Message", "OutputDelta", "Overloaded", "SessionBusy", "SessionConfig", "SessionError",
-    "SessionInput", "SessionManager", "SessionNotFound", "SessionSnapshot", "SessionStatus",
-    "Tokenizer", "ToolSpec", "TurnInfo", "Usage", "model_fingerprint", "render_append",
+    "SessionInput", "SessionManager", "SessionNotFound", "SessionSnapshot", "SessionStats",
+    "SessionStatus", "TierCounts", "Tokenizer", "ToolSpec", "TurnInfo", "Usage",
+    "model_fingerprint", "render_append",
 ]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from phloem.sessions._events import SessionEvents
 from phloem.sessions.session import Session
 from phloem.sessions.store import SessionStore
 from phloem.storage import (
@@ -64,10 +65,12 @@ class SegmentTiers:
         store: The session store (its ``disk``, fingerprint, and index updates).
         host_budget_bytes: The host pool's byte budget.
         sessions: The manager's live sessions by id (statuses of holders are updated).
+        events: Counts the bytes written to each tier.
     """
 
     def __init__(self, store: SessionStore, host_budget_bytes: int,
-                 sessions: dict[str, Session]) -> None:
+                 sessions: dict[str, Session], events: SessionEvents) -> None:
+        self._events = events
         self._store = store
         self.disk = store.disk
         self.host = HostPool(host_budget_bytes)
@@ -97,6 +100,7 @@ class SegmentTiers:
             tier = "disk"
         entry = SpilledSegment(meta.segment_id, meta.session_id, meta.num_tokens, segment.nbytes, tier)
         self._segments[meta.segment_id] = entry
+        self._events.segment_written(tier, segment.nbytes)
         return entry
 
     async def demote(self, entry: SpilledSegment) -> bool:
@@ -116,6 +120,7 @@ class SegmentTiers:
                 return False
             self.host.remove(entry.segment_id)
             entry.tier = "disk"
+            self._events.segment_written("disk", entry.nbytes)
             for holder in self._holders(entry):
                 if holder.status == "host":
                     holder.status = "disk"

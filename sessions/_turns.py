@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from phloem.sessions._events import SessionEvents
 from phloem.sessions._inputs import ResolvedInput, check_context, check_token_ids
 from phloem.sessions._pins import PinKeeper
 from phloem.sessions.config import SessionConfig
@@ -52,11 +53,14 @@ class TurnRunner:
         pins: Pins each new head.
         config: Admission limits.
         spill: Resumes spilled sessions and demotes pinned ones when the engine is full.
+        events: Logs and counts every finished generation.
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, store: SessionStore,
-                 pins: PinKeeper, config: SessionConfig, spill: Spiller) -> None:
+                 pins: PinKeeper, config: SessionConfig, spill: Spiller,
+                 events: SessionEvents) -> None:
         self._engine = engine
+        self._events = events
         self._tokenizer = tokenizer
         self._store = store
         self._pins = pins
@@ -64,6 +68,11 @@ class TurnRunner:
         self._spill = spill
         self._generations: set[Generation] = set()
         self.closing = False
+
+    @property
+    def num_in_flight(self) -> int:
+        """Generations started and not yet settled."""
+        return len(self._generations)
 
     def check_open(self) -> None:
         """Raise ``Overloaded`` once closing."""
@@ -96,9 +105,12 @@ class TurnRunner:
         prompt = session.token_ids + new.token_ids
         room = check_context(len(prompt), self._engine.max_model_len, generate is not None)
         status_before, session.status, session.busy = session.status, "active", True
+        started = time.monotonic()
 
         async def settle(completion: Completion) -> GenerationResult:
-            return await self._commit(session, new, completion)
+            result = await self._commit(session, new, completion)
+            self._finished(session.session_id, result, started)
+            return result
 
         def on_exit() -> None:
             session.busy, session.generation = False, None
@@ -126,10 +138,13 @@ class TurnRunner:
         self.admit()
         check_token_ids(prompt_ids, self._engine.model_config.vocab_size, "prompt")
         room = check_context(len(prompt_ids), self._engine.max_model_len, generate=True)
+        started = time.monotonic()
 
         async def settle(c: Completion) -> GenerationResult:
             usage = Usage(c.num_prompt_tokens, c.num_cached_tokens, len(c.output_ids))
-            return GenerationResult(c.output_ids, c.text, c.finish_reason, usage)
+            result = GenerationResult(c.output_ids, c.text, c.finish_reason, usage)
+            self._finished(None, result, started)
+            return result
 
         hooks = GenerationHooks(settle, lambda: self._generations.discard(generation),
                                 relieve=self._spill.relieve,
@@ -147,6 +162,12 @@ class TurnRunner:
             generation.cancel()
         if pending:
             await asyncio.wait([asyncio.ensure_future(g.result()) for g in pending], timeout=timeout_s)
+
+    def _finished(self, session_id: str | None, result: GenerationResult, started: float) -> None:
+        """Report a settled generation (an append without one computed nothing: not reported)."""
+        if result.finish_reason is not None:
+            self._events.generation_finished(session_id, result.turn, result.finish_reason,
+                                             result.usage, time.monotonic() - started)
 
     async def _commit(self, session: Session, new: ResolvedInput,
                       completion: Completion) -> GenerationResult:

@@ -33,6 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from phloem.sessions._events import SessionEvents, SessionStats
 from phloem.sessions._inputs import ResolvedInput, SessionInput, check_context, resolve_input
 from phloem.sessions._pins import PinKeeper
 from phloem.sessions._turns import TurnRunner
@@ -73,8 +74,10 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         self._new_id = SessionIdGenerator()
         self._pins = PinKeeper(engine)
-        self._spill = Spiller(engine, self._store, self._pins, config, self._sessions)
-        self._turns = TurnRunner(engine, tokenizer, self._store, self._pins, config, self._spill)
+        self._events = SessionEvents()
+        self._spill = Spiller(engine, self._store, self._pins, config, self._sessions, self._events)
+        self._turns = TurnRunner(engine, tokenizer, self._store, self._pins, config, self._spill,
+                                 self._events)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -108,6 +111,17 @@ class SessionManager:
         """None while the sessions layer is fully healthy, else why it is degraded (e.g. the
         index is unreachable: sessions keep working on the journal)."""
         return self._store.index_problem
+
+    def stats(self) -> SessionStats:
+        """Counts of sessions by status, generations, tokens, spills and resumes (plain
+        numbers, for metrics; see ``sessions._events`` for what each counts)."""
+        by_status = dict.fromkeys(("active", "idle", "host", "disk"), 0)
+        for session in self._sessions.values():
+            if not session.deleted:
+                by_status[session.status] += 1
+        host = self._spill.host
+        return self._events.stats(by_status, self._turns.num_in_flight,
+                                  (host.used_bytes, host.byte_budget))
 
     async def create(self, owner: str, *, metadata: Mapping[str, str] | None = None,
                      ttl: float | None = None, content: SessionInput | None = None,
@@ -144,6 +158,7 @@ class SessionManager:
         self._sessions[session.session_id] = session
         async with session.lock:
             await self._pins.activate(session)
+        self._events.created(session)
         return session.snapshot()
 
     def get(self, owner: str, session_id: str) -> SessionSnapshot:
@@ -215,6 +230,7 @@ class SessionManager:
         async with session.lock:
             await self._pins.release(session, "idle")
             await self._spill.forget(session)
+        self._events.deleted(session)
 
     async def append(self, owner: str, session_id: str, new: SessionInput | None,
                      generate: GenerateOptions | None) -> Generation:
@@ -287,6 +303,7 @@ class SessionManager:
             if not is_spilled:
                 async with child.lock:
                     await self._pins.activate(child)
+        self._events.forked(parent, children, last if turns else None)
         return [child.snapshot() for child in children]
 
     def turns(self, owner: str, session_id: str, include_tokens: bool = False) -> list[TurnInfo]:

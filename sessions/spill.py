@@ -63,6 +63,7 @@ import torch
 
 from phloem.engine import EngineError
 from phloem.runtime import PrefixState
+from phloem.sessions._events import SessionEvents
 from phloem.sessions._pins import PinKeeper
 from phloem.sessions._segments import SegmentTiers, SpilledSegment, SpillTier
 from phloem.sessions.config import SessionConfig
@@ -90,16 +91,19 @@ class Spiller:
         pins: Pins and unpins session heads.
         config: Host budget, delays, sweep interval.
         sessions: The manager's live sessions by id (read, never added to or removed from).
+        events: Logs and counts spills and resumes (``sessions._events``).
     """
 
     def __init__(self, engine: EngineClient, store: SessionStore, pins: PinKeeper,
-                 config: SessionConfig, sessions: dict[str, Session]) -> None:
+                 config: SessionConfig, sessions: dict[str, Session],
+                 events: SessionEvents) -> None:
         self._engine = engine
+        self._events = events
         self._store = store
         self._pins = pins
         self._config = config
         self._sessions = sessions
-        self._tiers = SegmentTiers(store, config.host_budget_bytes, sessions)
+        self._tiers = SegmentTiers(store, config.host_budget_bytes, sessions, events)
         self._tasks: set[asyncio.Task[None]] = set()
         self._retry_s = 10 * config.sweep_interval_s
 
@@ -184,17 +188,20 @@ class Spiller:
                 except (StorageError, ValueError) as exc:
                     logger.warning("session %s: cannot resume segment %s (%s); recomputing it",
                                    session.session_id, entry.segment_id, exc)
+                    self._events.resume_failed()
                     await self._tiers.drop(entry, delete_file=isinstance(exc, CorruptSegment))
                     return
                 except EngineError as exc:
                     logger.warning("session %s: import failed (%s); recomputing",
                                    session.session_id, exc)
+                    self._events.resume_failed()
                     return
             # No room in the engine: demote pinned sessions (outside the segment lock, see the
             # lock order), then try once more; after that the request recomputes.
             if attempt or not await self.relieve(exclude=session):
                 logger.warning("session %s: no room to import its segment; recomputing",
                                session.session_id)
+                self._events.resume_failed()
                 return
 
     async def relieve(self, exclude: Session | None = None) -> bool:
@@ -284,6 +291,7 @@ class Spiller:
             return False
         await self._pins.release(session, status)
         await self._store.set_tier(session)
+        self._events.spilled(session, status)
         return True
 
     def _segment(self, session: Session, state: PrefixState) -> Segment | None:
@@ -308,7 +316,11 @@ class Spiller:
         tensors = segment.tensors
         state = PrefixState(tuple(session.token_ids[:n]), tensors["kv"], tensors["conv"],
                             tensors["ssm"])
-        return await self._engine.import_prefix(state)
+        tier = entry.tier
+        if not await self._engine.import_prefix(state):
+            return False
+        self._events.resumed(session, tier, n, entry.nbytes)
+        return True
 
     async def _gpu_holds(self, token_ids: list[int]) -> int:
         try:

@@ -232,3 +232,20 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "branch B" in result.stdout and "random" in result.stdout
+
+
+def test_serve_shape_serves_dummy_weights_with_the_demo_tokenizer(served: list[ServerConfig], tmp_path: Path) -> None:
+    assert main(["serve", "--data-dir", str(tmp_path), "--shape", "tiny", "--no-prefix-cache"]) == 0
+    (config,) = served
+    folder = Path(str(config.model))
+    assert folder == tmp_path / "shapes" / "tiny"
+    assert {p.name for p in folder.iterdir()} == {"config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert config.engine is not None
+    assert (config.engine.load_format, config.engine.enable_prefix_caching) == ("dummy", False)
+
+
+def test_serve_shape_and_model_together_is_a_usage_error(served: list[ServerConfig], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--shape", "tiny", "--model", "/m"])
+    assert info.value.code == 2 and "either --model or --shape" in capsys.readouterr().err
+    assert served == []

@@ -1,0 +1,194 @@
+"""``GET /metrics``: the server's counters in the Prometheus text format (prometheus-client).
+
+Each app has its own ``CollectorRegistry`` (never the process-wide default), so several apps in
+one process (tests) keep separate numbers. Two kinds of metrics live in it:
+
+- HTTP metrics this layer observes itself (``RequestObserver`` calls ``observe_request``):
+  ``phloem_http_requests_total{method,route,status}`` and
+  ``phloem_http_request_duration_seconds{method,route}``. ``route`` is the route's template
+  (``/v1/sessions/{session_id}/append``), never the raw path, so hostile or random paths cannot
+  grow the label set; a path that matches no route is ``route="unmatched"``.
+- Everything else is read at scrape time from the lower layers' result objects — plain numbers,
+  no tensors: ``SessionManager.stats()`` (sessions by status, tokens, spills, resumes) and
+  ``EngineClient.stats()`` (pages, state slots, queue depth, step-time histogram), rendered by
+  ``_SnapshotCollector``. When the engine does not answer within ``_ENGINE_TIMEOUT_S`` (stopped,
+  or stuck in a step) the engine metrics are left out and ``phloem_engine_up`` is 0.
+
+Decision: the prefix-cache hit rate is exported as ``phloem_prefix_cache_hit_ratio``, the
+lifetime ratio ``cached_tokens / prompt_tokens``; for a windowed rate, divide the counters'
+rates (``rate(phloem_cached_tokens_total[5m]) / rate(phloem_prompt_tokens_total[5m])``).
+Decision: ``/metrics`` is public like ``/health`` (outside ``/v1``): it holds aggregate counts
+only — no session id, owner, key or text — and scrapers rarely carry bearer tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from phloem.runtime import EngineClient, EngineStats
+from phloem.runtime.histogram import HistogramSnapshot
+from phloem.sessions import SessionManager, SessionStats
+
+__all__ = ["METRICS_CONTENT_TYPE", "ApiMetrics"]
+
+# Litestar appends the charset to text/* media types itself.
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
+_ENGINE_TIMEOUT_S = 5.0
+_HTTP_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class ApiMetrics:
+    """The app's metrics registry.
+
+    Args:
+        engine: Answers the engine's stats at scrape time.
+        manager: Answers the sessions layer's stats at scrape time.
+    """
+
+    def __init__(self, engine: EngineClient, manager: SessionManager) -> None:
+        self._engine = engine
+        self._manager = manager
+        self.registry = CollectorRegistry()
+        self._requests = Counter("phloem_http_requests", "HTTP requests answered (WebSocket "
+                                 "connections count once, when they end)",
+                                 ["method", "route", "status"], registry=self.registry)
+        self._seconds = Histogram("phloem_http_request_duration_seconds", "Time from a request's "
+                                  "arrival to its last byte (a stream's whole length)",
+                                  ["method", "route"], buckets=_HTTP_SECONDS, registry=self.registry)
+        self._snapshot = _SnapshotCollector()
+        self.registry.register(self._snapshot)
+
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        """Count one answered request."""
+        self._requests.labels(method, route, str(status)).inc()
+        self._seconds.labels(method, route).observe(seconds)
+
+    async def render(self) -> bytes:
+        """The whole registry in the Prometheus text format, with fresh engine/session stats."""
+        engine = await self._engine.stats_or_none(_ENGINE_TIMEOUT_S)
+        # No await between taking the snapshot and rendering it: one scrape, one snapshot.
+        self._snapshot.engine, self._snapshot.sessions = engine, self._manager.stats()
+        return generate_latest(self.registry)
+
+
+class _SnapshotCollector:
+    """Renders the stats taken for the scrape in progress (``ApiMetrics.render``)."""
+
+    def __init__(self) -> None:
+        self.engine: EngineStats | None = None
+        self.sessions: SessionStats | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return [*_session_families(None), *_engine_families(None)]
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _session_families(self.sessions)
+        yield from _engine_families(self.engine)
+
+
+def _counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc)
+    if value is not None:
+        family.add_metric([], value)
+    return family
+
+
+def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc)
+    if value is not None:
+        family.add_metric([], value)
+    return family
+
+
+_SessionValue = Callable[[SessionStats], float]
+# (name, help, is a counter, value): the unlabelled metrics of ``SessionStats``.
+_SESSION_METRICS: tuple[tuple[str, str, bool, _SessionValue], ...] = (
+    ("phloem_prompt_tokens", "Prompt tokens of finished generations (their whole context, cached "
+     "part included)", True, lambda s: s.prompt_tokens),
+    ("phloem_cached_tokens", "Prompt tokens of finished generations taken from the prefix cache",
+     True, lambda s: s.cached_tokens),
+    ("phloem_completion_tokens", "Tokens generated by finished generations", True,
+     lambda s: s.completion_tokens),
+    ("phloem_prefix_cache_hit_ratio", "cached_tokens / prompt_tokens since the server started (0 "
+     "before the first generation)", False,
+     lambda s: s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0),
+    ("phloem_generations_in_flight", "Generations started and not yet settled", False,
+     lambda s: s.num_generations_in_flight),
+    ("phloem_sessions_created", "Sessions created (forks not included)", True,
+     lambda s: s.sessions_created),
+    ("phloem_sessions_forked", "Sessions created by forking", True, lambda s: s.sessions_forked),
+    ("phloem_sessions_deleted", "Sessions deleted", True, lambda s: s.sessions_deleted),
+    ("phloem_session_resume_failures", "Resumes that fell back to recomputing the history", True,
+     lambda s: s.resume_failures),
+    ("phloem_host_pool_bytes", "Spilled session state held in host memory", False,
+     lambda s: s.host_pool_bytes),
+    ("phloem_host_pool_budget_bytes", "Cap on spilled state held in host memory", False,
+     lambda s: s.host_pool_budget_bytes),
+)
+
+
+def _session_families(s: SessionStats | None) -> list[Metric]:
+    """The sessions layer's metrics; without ``s`` (``describe``) the families have no samples."""
+    families: list[Metric] = [
+        (_counter if is_counter else _gauge)(name, doc, None if s is None else value(s))
+        for name, doc, is_counter, value in _SESSION_METRICS
+    ]
+    generations = CounterMetricFamily("phloem_generations", "Finished generations",
+                                      labels=["finish_reason"])
+    sessions = GaugeMetricFamily("phloem_sessions", "Live sessions by status", labels=["status"])
+    moves = [CounterMetricFamily(name, doc, labels=["tier"]) for name, doc in (
+        ("phloem_session_spills", "Sessions moved off the GPU's pins, by tier"),
+        ("phloem_session_spill_bytes", "Bytes of session state written to a tier"),
+        ("phloem_session_resumes", "Spilled session states loaded back, by the tier read"),
+        ("phloem_session_resume_bytes", "Bytes of session state loaded back, by the tier read"))]
+    if s is not None:
+        for reason in sorted({"stop", "length", "cancelled", *s.generations}):
+            generations.add_metric([reason], s.generations.get(reason, 0))
+        for status, num in s.sessions_by_status.items():
+            sessions.add_metric([status], num)
+        for tier in ("host", "disk"):
+            spill, resume = s.spills[tier], s.resumes[tier]
+            for family, value in zip(moves, (spill.count, spill.nbytes, resume.count, resume.nbytes)):
+                family.add_metric([tier], value)
+    return [*families, generations, sessions, *moves]
+
+
+def _engine_families(e: EngineStats | None) -> list[Metric]:
+    describe = e is None
+    up = GaugeMetricFamily("phloem_engine_up", "1 when the engine answered this scrape")
+    if not describe:
+        up.add_metric([], 1.0)
+    requests = GaugeMetricFamily("phloem_engine_requests", "Engine requests by state (queue depth:"
+                                 " waiting = not yet admitted)", labels=["state"])
+    families: list[Metric] = [up, requests]
+    if e is None:
+        return families
+    requests.add_metric(["waiting"], e.num_waiting)
+    requests.add_metric(["running"], e.num_running)
+    families += [
+        _gauge("phloem_kv_pages_used", "KV pages in use (running requests and the prefix cache)",
+               e.num_pages - e.num_free_pages),
+        _gauge("phloem_kv_pages_total", "KV pages in the pool", e.num_pages),
+        _gauge("phloem_kv_pages_cached", "KV pages held by the prefix cache", e.cache.pages_in_tree),
+        _gauge("phloem_state_slots_used", "GDN state slots in use (running requests and "
+               "checkpoints)", e.num_slots - e.num_free_slots),
+        _gauge("phloem_state_slots_total", "GDN state slots in the pool", e.num_slots),
+        _gauge("phloem_prefix_checkpoints", "GDN checkpoints held by the prefix cache",
+               e.cache.checkpoints),
+        _counter("phloem_engine_steps", "Engine steps run", e.num_steps),
+        _counter("phloem_engine_failed_steps", "Engine steps that raised", e.num_failed_steps),
+        _histogram("phloem_engine_step_seconds", "Wall time of one engine step", e.step_seconds),
+    ]
+    return families
+
+
+def _histogram(name: str, doc: str, h: HistogramSnapshot) -> HistogramMetricFamily:
+    cumulative, buckets = 0, []
+    for bound, count in zip([*h.bounds, math.inf], h.counts):
+        cumulative += count
+        buckets.append(("+Inf" if bound == math.inf else repr(bound), cumulative))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h.total)

@@ -1,0 +1,162 @@
+"""The pool side of a prefill/decode transfer: reserve, install or release (decode); read (prefill).
+
+Decode side. Before asking the prefill instance, the decode engine locks the deepest checkpoint
+it holds within the prompt (``held_len`` tokens), and reserves one state slot plus the pages the
+transfer will fill. Pages before ``first_page`` stay the tree's; the transfer rewrites the whole
+page ``first_page`` (its positions before ``held_len`` come back identical to the held tail)::
+
+    prompt:  |<------------- held_len ------------->|<------ computed by prefill ------>|
+    pages:   [ tree p0 ][ tree p1 ][ reserved r0 (held tail | new) ][ r1 ][ r2 (partial) ]
+             |<-- first_page = held_len // ps -->|
+
+``install`` copies the received KV into the reserved pages and the state into the reserved slot,
+then publishes them in the radix tree exactly as a finished request would (checkpoint at the
+prompt's end, the partial last page as its tail page), and unlocks the held prefix: a request on
+this prompt is then a cache hit. ``release`` gives everything back untouched (any failure).
+Pages the tree gained meanwhile for the same positions win; the duplicates are freed by the
+tree's insert, as for a request.
+
+Prefill side. ``transfer_source`` finds the checkpoint a prefill-only request published at the
+prompt's end and lists the pages from ``first_page`` on; ``layer_kv`` and ``state`` read them.
+The prefill worker owns its engine alone while it sends, so nothing can evict them meanwhile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phloem.engine.cache_manager import CacheManager
+from phloem.engine.forward_batch import ModelCaches
+from phloem.engine.radix_cache import Checkpoint, RadixCache, RadixNode
+
+__all__ = ["TransferReservation", "TransferSource", "install", "release", "reserve", "transfer_source"]
+
+
+@dataclass(eq=False, slots=True)
+class TransferReservation:
+    """What the decode engine holds for one transfer until ``install`` or ``release``."""
+
+    token_ids: tuple[int, ...]
+    held_len: int
+    first_page: int
+    held_pages: tuple[int, ...]  # tree pages [0, first_page), kept alive by lock_node
+    pages: list[int]  # reserved: page indices first_page .. ceil(N / ps) - 1
+    slot: int
+    lock_node: RadixNode | None
+    done: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _tree(cache: CacheManager) -> RadixCache:
+    assert cache.tree is not None, "prefill/decode transfers need the prefix cache"
+    return cache.tree
+
+
+def reserve(cache: CacheManager, token_ids: list[int], local_up_to: int = 0) -> TransferReservation | None:
+    """Lock the held prefix and reserve pages and a slot for the rest of ``token_ids``.
+
+    Returns None (taking nothing) when a prefix is held and at most ``local_up_to`` tokens lie
+    past it (this side holds the conversation: it computes the few new tokens itself), or when
+    the pools cannot make room even after eviction.
+    """
+    tree, n, ps = _tree(cache), len(token_ids), cache.page_size
+    assert n >= 1, "a transfer needs at least one token"
+    match = tree.match(token_ids, n - 1)
+    held = match.num_tokens if match else 0
+    if held and n - held <= local_up_to:
+        return None
+    if match is not None:
+        tree.lock(match.node)
+    first_page = held // ps
+    slot = cache.allocate_slot()
+    pages = cache.allocate_page_list(-(-n // ps) - first_page) if slot is not None else None
+    if slot is None or pages is None:
+        if slot is not None:
+            cache.slot_pool.free(slot)
+        if match is not None:
+            tree.unlock(match.node)
+        return None
+    held_pages = match.pages[:first_page] if match else ()
+    node = match.node if match else None
+    return TransferReservation(tuple(token_ids), held, first_page, held_pages, pages, slot, node)
+
+
+def install(cache: CacheManager, caches: ModelCaches, res: TransferReservation, kv: torch.Tensor,
+            conv: torch.Tensor, ssm: torch.Tensor) -> None:
+    """Copy the received state into the reservation and publish it at the prompt's end.
+
+    Raises:
+        ValueError: a tensor does not match the reservation (nothing is taken or changed then).
+    """
+    assert not res.done, "transfer reservation used twice"
+    expect = (caches.kv.shape[0], len(res.pages), *caches.kv.shape[2:])
+    if tuple(kv.shape) != expect or conv.shape != caches.conv[:, 0].shape or ssm.shape != caches.ssm[:, 0].shape:
+        raise ValueError(
+            f"transfer: expected kv {expect}, conv {tuple(caches.conv[:, 0].shape)}, ssm "
+            f"{tuple(caches.ssm[:, 0].shape)}; got kv {tuple(kv.shape)}, conv {tuple(conv.shape)}, "
+            f"ssm {tuple(ssm.shape)}"
+        )
+    dev = caches.kv.device
+    caches.kv.index_copy_(1, torch.tensor(res.pages, dtype=torch.long, device=dev), kv.to(dev, caches.kv.dtype))
+    caches.conv[:, res.slot].copy_(conv)
+    caches.ssm[:, res.slot].copy_(ssm)
+    ps, n = cache.page_size, res.num_tokens
+    full = n // ps
+    own_full = full - res.first_page
+    tail = res.pages[own_full] if n % ps else None
+    res.done = True
+    _tree(cache).insert(list(res.token_ids), list(res.held_pages) + res.pages[:own_full], Checkpoint(res.slot, tail))
+    _unlock(cache, res)
+
+
+def release(cache: CacheManager, res: TransferReservation) -> None:
+    """Give back the reserved pages and slot and unlock the held prefix (idempotent)."""
+    if res.done:
+        return
+    res.done = True
+    cache.page_pool.free(res.pages)
+    cache.slot_pool.free(res.slot)
+    _unlock(cache, res)
+
+
+def _unlock(cache: CacheManager, res: TransferReservation) -> None:
+    if res.lock_node is not None:
+        _tree(cache).unlock(res.lock_node)
+        res.lock_node = None
+
+
+@dataclass(frozen=True, slots=True)
+class TransferSource:
+    """Where the prefill engine holds a prompt's state: its pages from ``first_page`` on, its slot."""
+
+    pages: tuple[int, ...]
+    slot: int
+    caches: ModelCaches
+
+    def layer_kv(self, layer: int) -> torch.Tensor:
+        """``[len(pages), 2, page_size, kv_heads, head_dim]`` of full-attention layer ``layer``."""
+        index = torch.tensor(self.pages, dtype=torch.long, device=self.caches.kv.device)
+        return self.caches.kv[layer].index_select(0, index)
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the conv and recurrent state at the prompt's end, every GDN layer."""
+        return self.caches.conv[:, self.slot].clone(), self.caches.ssm[:, self.slot].clone()
+
+
+def transfer_source(
+    cache: CacheManager, caches: ModelCaches, token_ids: list[int], first_page: int
+) -> TransferSource | None:
+    """The checkpoint at exactly ``len(token_ids)`` and its pages from ``first_page``; None if absent."""
+    n = len(token_ids)
+    match = _tree(cache).match(token_ids, n)
+    if match is None or match.num_tokens != n or not 0 <= first_page <= n // cache.page_size:
+        return None
+    pages = list(match.pages)
+    if match.checkpoint.tail_page is not None:
+        pages.append(match.checkpoint.tail_page)
+    return TransferSource(tuple(pages[first_page:]), match.checkpoint.slot, caches)

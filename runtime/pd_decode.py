@@ -1,0 +1,252 @@
+"""The decode instance's ``EngineClient``: prompts are prefilled by the prefill instance.
+
+Sessions and the API use it exactly like ``EngineClient``; only ``generate`` differs::
+
+    ReserveTransfer (engine thread)   lock the cached prefix (held_len), reserve pages + a slot
+      │ None: a short extension of a cached prefix, or no room ─────────▶ local generate
+      ▼
+    DecodeLink.transfer (transfer thread)   PrefillRequest ─▶ KV per layer, GDN state, first token
+      │ TransferFailed ─▶ ReleaseTransfer ─▶ retry once locally (retry_local) or EngineError
+      ▼
+    InstallTransfer (engine thread)   copy into the reservation, publish at the prompt's end
+      ▼
+    yield the first token; AddRequest(prompt, output_token_ids=(first,)) ─▶ decode as usual
+
+Every reservation ends in exactly one install or release, whatever happens to the consumer
+(cancelled, closed early) or the peer. Transfers run one at a time on one daemon thread (the link
+carries one transfer at a time); a consumer that goes away mid-transfer releases the reservation
+at once and the thread finishes the protocol and drops the result.
+
+``abort`` of a request still in transfer marks it: it ends with reason ``"abort"`` once the
+transfer is over. Outputs report ``num_cached_tokens`` as the prompt tokens the prefill side took
+from its cache (the tokens not computed for this request). A first token that already ends the
+request (a stop token, ``max_tokens == 1``, the context limit) ends it there; its turn-end
+checkpoint is then at the prompt's end, one token short of a colocated run's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from phloem.engine import Engine, EngineError, InvalidRequest, RequestOutput, SamplingParams
+from phloem.engine.kv_transfer import KVTransport
+from phloem.engine.kv_transfer_dist import connect
+from phloem.engine.transfer_state import TransferReservation
+from phloem.runtime.config import ServerConfig
+from phloem.runtime.engine_client import EngineClient
+from phloem.runtime.engine_commands import InstallTransfer, ReleaseTransfer, ReserveTransfer
+from phloem.runtime.pd_link import DecodeLink, TransferFailed, TransferResult, hello_for
+from phloem.runtime.pd_roles import PDConfig
+
+__all__ = ["PDEngineClient", "engine_client_for"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def engine_client_for(config: ServerConfig) -> EngineClient:
+    """The engine client ``phloem serve`` runs: a ``PDEngineClient`` for ``--role decode``.
+
+    Raises:
+        ValueError: the model folder or an engine option is invalid; the role is ``prefill``
+            (that instance serves no HTTP: ``runtime.pd_prefill``).
+    """
+    assert config.model is not None, "resolve the default model first"
+    if config.pd.role == "prefill":
+        raise ValueError("pd_role: a prefill instance serves no HTTP API; run runtime.pd_prefill.serve_prefill")
+    engine = Engine.from_pretrained(config.model, **config.engine_options.as_kwargs())
+    if config.pd.role == "decode":
+        return PDEngineClient(engine, config.pd)
+    return EngineClient(engine)
+
+
+@dataclass(slots=True)
+class _Pending:
+    aborted: bool = False
+
+
+class _TransferThread:
+    """One daemon thread, started on first use, running submitted calls in order (a pool's
+    threads are not daemons: one blocked on a dead peer would hold up interpreter exit)."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="phloem-pd-transfer", daemon=True)
+            self._thread.start()
+        future: Future[T] = Future()
+        self._calls.put((future, fn))
+        return future
+
+    def stop(self, timeout: float) -> None:
+        """Run ``fn``-s already queued, then end; wait up to ``timeout`` s for that."""
+        if self._thread is not None:
+            self._calls.put(None)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, fn = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+class PDEngineClient(EngineClient):
+    """``EngineClient`` of a decode instance (``docs/disaggregation.md``).
+
+    Args:
+        engine: The decode engine (TP=1, prefix cache on).
+        config: Disaggregation settings; ``config.peer`` is the prefill instance.
+        connector: Opens a link to the prefill instance; None: ``torch.distributed`` to
+            ``config.peer`` (``engine.kv_transfer_dist.connect``).
+
+    Raises:
+        ValueError: the engine runs tensor-parallel or without a prefix cache.
+    """
+
+    def __init__(self, engine: Engine, config: PDConfig, connector: Callable[[], KVTransport] | None = None) -> None:
+        if engine.workers is not None or engine.cache.tree is None:
+            raise ValueError("pd_role: a decode instance needs tensor_parallel_size 1 and the prefix cache")
+        super().__init__(engine)
+        if connector is None:
+            host, port = config.address
+            device = engine.device
+
+            def connector() -> KVTransport:
+                return connect(host, port, config.connect_timeout_s, device)
+
+        self._config = config
+        self._link = DecodeLink(config, hello_for(engine, "decode"), connector)
+        self._thread = _TransferThread()
+        self._pending: dict[str, _Pending] = {}
+        self._eos = engine.model_config.eos_token_ids
+        self.num_remote = 0  # requests prefilled by the prefill instance
+        self.num_local = 0  # prefilled here by choice (a short extension, or no room to reserve)
+        self.num_failed = 0  # transfers that failed (then retried locally or failed)
+
+    def _stop(self, timeout: float | None) -> None:
+        try:
+            super()._stop(timeout)
+        finally:
+            # Say goodbye to the prefill instance after any transfer still running (bounded: a
+            # transfer stuck on a silent peer ends with its own timeout; the thread is a daemon).
+            self._thread.submit(self._link.close)
+            self._thread.stop(timeout=2.0)
+
+    async def abort(self, request_id: str) -> bool:
+        """As ``EngineClient.abort``; a request still in transfer ends with ``"abort"`` after it."""
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            pending.aborted = True
+            return True
+        return await super().abort(request_id)
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        output_token_ids: Sequence[int] = (),
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """As ``EngineClient.generate``, with the prompt prefilled by the prefill instance."""
+        prompt = list(prompt_token_ids)
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        if output_token_ids:
+            async for out in super().generate(prompt, params, rid, output_token_ids=output_token_ids):
+                yield out
+            return
+        if rid in self._pending:
+            raise InvalidRequest(f"request_id: {rid!r} is already in flight")
+        res = await self._call(ReserveTransfer(tuple(prompt), params, self._config.local_prefill_tokens))
+        if res is None:
+            self.num_local += 1
+            async for out in super().generate(prompt, params, rid):
+                yield out
+            return
+        pending = self._pending[rid] = _Pending()
+        try:
+            result = await self._prefill_remote(res, params)
+            if result is None:
+                del self._pending[rid]
+                if pending.aborted:
+                    yield RequestOutput(rid, prompt, [], [], True, "abort", 0)
+                    return
+                async for out in super().generate(prompt, params, rid):
+                    yield out
+                return
+            async for out in self._continue(rid, prompt, params, result, pending):
+                yield out
+        finally:
+            if self._pending.get(rid) is pending:
+                del self._pending[rid]
+
+    async def _prefill_remote(self, res: TransferReservation, params: SamplingParams) -> TransferResult | None:
+        """Transfer and install; None when it failed and the request is to be retried locally.
+
+        Raises:
+            EngineError: it failed and ``retry_local`` is off.
+        """
+        installed = False
+        try:
+            result = await asyncio.wrap_future(self._thread.submit(lambda: self._link.transfer(res, params)))
+            await self._call(InstallTransfer(res, result.kv, result.conv, result.ssm))
+            installed = True
+            self.num_remote += 1
+            return result
+        except TransferFailed as exc:
+            self.num_failed += 1
+            if not self._config.retry_local:
+                raise EngineError(f"disaggregated prefill failed: {exc}") from exc
+            logger.warning("disaggregated prefill failed (%s); retrying the request on the decode instance", exc)
+            return None
+        finally:
+            if not installed:
+                # Also on cancellation: queued behind an install already sent, it is a no-op.
+                self._submit_quietly(ReleaseTransfer(res))
+
+    async def _continue(
+        self, rid: str, prompt: list[int], params: SamplingParams, result: TransferResult, pending: _Pending
+    ) -> AsyncGenerator[RequestOutput, None]:
+        first, cached = result.first_token, result.num_cached
+        reason = self._first_token_stop(prompt, params, first)
+        if reason is None and pending.aborted:
+            reason = "abort"
+        yield RequestOutput(rid, prompt, [first], [first], reason is not None, reason, cached)
+        if reason is not None:
+            return
+        if pending.aborted:
+            yield RequestOutput(rid, prompt, [first], [], True, "abort", cached)
+            return
+        # From here ``abort`` must reach the engine: the AddRequest below is queued before any await.
+        del self._pending[rid]
+        inner = super().generate(prompt, params, rid, output_token_ids=(first,))
+        try:
+            async for out in inner:
+                yield replace(out, token_ids=out.token_ids or [first], num_cached_tokens=cached)
+        finally:
+            await inner.aclose()
+
+    def _first_token_stop(self, prompt: list[int], params: SamplingParams, token: int) -> str | None:
+        """``Engine._stop_reason`` for the first token, which the prefill side sampled."""
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos):
+            return "stop"
+        if params.max_tokens <= 1 or len(prompt) + 1 >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,205 @@
+"""The prefill instance: computes prompts for its decode instance and streams their state back.
+
+``PrefillWorker`` owns an ``Engine`` (no engine loop: it is the only user, one request at a time)
+and serves one link at a time::
+
+    accept link ─▶ Hello ⇄ Hello ─▶ loop: PrefillRequest ─▶ prefill-only request (samples the
+      first token; its own radix cache supplies what it already holds) ─▶ PrefillProgress after
+      each step ─▶ KVLayer per full-attention layer ─▶ GDNState ─▶ PrefillDone
+    Goodbye or a broken link ─▶ accept the next link
+
+KV is sent layer by layer *after* the request's last prefill step, not while the forward runs:
+hooking the model's layer loop would let layer ``l`` travel while layer ``l + 1`` computes, and is
+left for the GPU work (docs/disaggregation.md). Only the pages the decode side does not hold are
+sent (from page ``held_len // page_size`` on). When the decode side holds more than this cache,
+this side recomputes the difference from its own deepest checkpoint (no reverse transfer).
+
+Failures: a request the engine refuses or that fails in a step is aborted (its pages and slot
+freed) and answered with ``TransferError``, and the link stays up. A broken link (the decode side
+died, timed out, or sent something malformed) aborts the request in flight, drops the link and
+goes back to accepting. What a finished prefill published stays in the radix cache as any cached
+prefix does (evictable; nothing stays locked).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+
+import torch
+
+from phloem.engine import CapacityExceeded, Engine, EngineError, InvalidRequest, SamplingParams
+from phloem.engine.kv_transfer import (
+    GDNState, Goodbye, KVLayer, KVTransport, PrefillDone, PrefillProgress, PrefillRequest, TransferError,
+    TransportError,
+)
+from phloem.engine.kv_transfer_dist import PrefillListener
+from phloem.runtime.config import EngineOptions
+from phloem.runtime.pd_link import exchange_hello, hello_for
+from phloem.runtime.pd_roles import PDConfig
+
+__all__ = ["PrefillWorker", "run_prefill_worker"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Refused(Exception):
+    """The request cannot be served (bad input, no room, a failed step): answer TransferError."""
+
+
+class PrefillWorker:
+    """Serves disaggregated prefills on ``engine`` for one decode instance at a time.
+
+    Args:
+        engine: This instance's engine (TP=1, prefix cache on); the worker is its only user.
+        config: Disaggregation settings (``timeout_s`` bounds each send).
+
+    Raises:
+        ValueError: the engine runs tensor-parallel or without a prefix cache.
+    """
+
+    def __init__(self, engine: Engine, config: PDConfig) -> None:
+        if engine.workers is not None or engine.cache.tree is None:
+            raise ValueError("pd_role: a prefill instance needs tensor_parallel_size 1 and the prefix cache")
+        self.engine = engine
+        self._config = config
+        self._hello = hello_for(engine, "prefill")
+        self.num_served = 0
+        self.num_refused = 0
+        self.num_links = 0
+        self.num_dropped = 0  # links that broke (the decode side died, timed out, misbehaved)
+
+    def serve_forever(self, listener: PrefillListener, stop: threading.Event) -> None:
+        """Accept links one after the other until ``stop`` is set."""
+        while not stop.is_set():
+            transport = listener.accept(stop)
+            if transport is None:
+                return
+            try:
+                self.serve_link(transport)
+            except TransportError as exc:
+                self.num_dropped += 1
+                logger.warning("prefill: link dropped: %s", exc)
+            except Exception:
+                # A bug, not the peer: drop this link (its request was aborted) but keep serving.
+                self.num_dropped += 1
+                logger.exception("prefill: link dropped after an unexpected error")
+            finally:
+                transport.close()
+
+    def serve_link(self, transport: KVTransport) -> None:
+        """Serve one link until the decode side says goodbye.
+
+        Raises:
+            TransportError: the link broke (whatever was in flight was aborted first).
+        """
+        exchange_hello(transport, self._hello, first=False, timeout_s=self._config.connect_timeout_s)
+        self.num_links += 1
+        logger.info("prefill: serving %s", transport.peer)
+        while True:
+            message = transport.recv(None)
+            match message:
+                case Goodbye():
+                    return
+                case PrefillRequest():
+                    self._serve_request(transport, message)
+                case _:
+                    got = type(message).__name__
+                    raise TransportError(f"link to {transport.peer}: expected a PrefillRequest, got {got}")
+
+    def _serve_request(self, transport: KVTransport, req: PrefillRequest) -> None:
+        timeout = self._config.timeout_s
+        try:
+            prompt = self._check(req)
+            first, cached = self._prefill(transport, req, prompt)
+            source = self.engine.transfer_source(prompt, req.held_len // self.engine.page_pool.page_size)
+            if source is None:
+                raise _Refused("the prompt's checkpoint is not in the prefill cache (evicted)")
+        except _Refused as exc:
+            self.num_refused += 1
+            transport.send(TransferError(req.xfer_id, str(exc)), timeout)
+            return
+        for layer in range(self._hello.kv_shape[0]):
+            transport.send(KVLayer(req.xfer_id, layer, req.held_len // self.engine.page_pool.page_size,
+                                   source.layer_kv(layer)), timeout)
+        conv, ssm = source.state()
+        transport.send(GDNState(req.xfer_id, conv, ssm), timeout)
+        transport.send(PrefillDone(req.xfer_id, first, cached), timeout)
+        self.num_served += 1
+
+    def _check(self, req: PrefillRequest) -> list[int]:
+        ids = req.token_ids
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not 0 <= req.held_len < ids.numel():
+            raise _Refused(
+                f"expected a 1-D int64 prompt and 0 <= held_len < its length, got {ids.dtype} "
+                f"{tuple(ids.shape)} and held_len {req.held_len}"
+            )
+        return [int(t) for t in ids.tolist()]
+
+    def _prefill(self, transport: KVTransport, req: PrefillRequest, prompt: list[int]) -> tuple[int, int]:
+        """Run the prefill-only request to its end; ``(first token, cached tokens)``."""
+        try:
+            params = SamplingParams(max_tokens=1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                    seed=req.seed)
+            rid = self.engine.add_request(prompt, params, prefill_only=True, sample_first=True)
+        except (InvalidRequest, CapacityExceeded, ValueError) as exc:
+            raise _Refused(f"refused: {exc}") from exc
+        done = False
+        try:
+            while True:
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:
+                    logger.exception("prefill: engine step failed")
+                    raise _Refused(f"the prefill step failed: {exc!r}") from exc
+                for out in outputs:
+                    if out.request_id == rid and out.finished:
+                        done = True
+                        if out.finish_reason != "prefill" or not out.token_ids:
+                            raise _Refused(f"the prefill instance has no room for {len(prompt)} tokens")
+                        return out.token_ids[0], out.num_cached_tokens
+                progress = PrefillProgress(req.xfer_id, self._num_computed(rid), len(prompt))
+                transport.send(progress, self._config.timeout_s)
+        finally:
+            if not done:
+                self.engine.abort_request(rid)
+
+    def _num_computed(self, rid: str) -> int:
+        return next((r.num_computed_tokens for r in self.engine.scheduler.running if r.request_id == rid), 0)
+
+
+def run_prefill_worker(model: str, options: EngineOptions, config: PDConfig, ready: Connection | None = None) -> None:
+    """Load the model and serve prefills until SIGINT/SIGTERM (``phloem serve --role prefill``).
+
+    The listener binds ``config.peer`` (port 0: a free one). With ``ready``, a spawned process
+    reports ``("ready", port)`` (or ``("error", text)``) on it once it listens.
+
+    Raises:
+        ValueError: a bad model folder or option, or the address cannot be bound.
+    """
+    try:
+        engine = Engine.from_pretrained(model, **options.as_kwargs())
+        worker = PrefillWorker(engine, config)
+        host, port = config.address if config.peer else ("127.0.0.1", 0)
+        listener = PrefillListener(host, port, config.connect_timeout_s, engine.device)
+    except (ValueError, EngineError) as exc:
+        if ready is not None:
+            ready.send(("error", str(exc)))
+        raise ValueError(str(exc)) from exc
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.serve_forever, args=(listener, stop), name="phloem-prefill", daemon=True)
+    thread.start()
+    sys.stderr.write(f"phloem prefill: listening for a decode instance on {listener.host}:{listener.port}\n")
+    if ready is not None:
+        ready.send(("ready", listener.port))
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+    except KeyboardInterrupt:
+        stop.set()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

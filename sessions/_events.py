@@ -1,0 +1,157 @@
+"""What the sessions layer reports: one log line per session transition, and the counters behind
+``SessionManager.stats()`` (exported by ``api`` as Prometheus metrics).
+
+Events (``runtime.logs.log_event``, logger ``phloem.sessions.events``)::
+
+    session.created      session_id owner num_tokens
+    session.forked       session_id (the parent) owner children at_turn
+    session.deleted      session_id owner
+    session.spilled      session_id tier num_tokens segment_bytes   (left the GPU's pins)
+    session.resumed      session_id tier num_tokens segment_bytes   (state loaded back)
+    generation.finished  session_id (None: stateless) turn finish_reason prompt_tokens
+                         cached_tokens completion_tokens duration_ms
+
+Decisions on what counts (docs/api.md, "Observability"):
+
+- tokens: a generation that ran in the engine (``finish_reason`` set, cancelled ones included)
+  adds its ``usage`` — the API's own numbers — to ``prompt_tokens`` / ``cached_tokens`` /
+  ``completion_tokens``. An append without generation computes nothing and adds nothing; a
+  failed generation returns no usage and adds nothing.
+- spills: a session that leaves the GPU's pins for ``host`` or ``disk`` counts once per move;
+  bytes count segments written to a tier (a new segment, or a host segment demoted to disk), so
+  forks sharing one segment do not multiply them.
+- resumes: a segment imported back into the engine counts once, with its bytes, by the tier it
+  was read from; a resume that fails and falls back to recompute counts in ``resume_failures``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from phloem.runtime.logs import log_event
+
+if TYPE_CHECKING:
+    from phloem.sessions.generation import Usage
+    from phloem.sessions.session import Session
+
+__all__ = ["SessionEvents", "SessionStats", "TierCounts"]
+
+logger = logging.getLogger("phloem.sessions.events")
+
+
+@dataclass(frozen=True, slots=True)
+class TierCounts:
+    """Moves to or from one storage tier, and their payload bytes."""
+
+    count: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStats:
+    """A snapshot of the sessions layer: plain numbers, for metrics.
+
+    Args:
+        sessions_by_status: Live sessions per status (every status present, zeros included).
+        num_generations_in_flight: Generations started and not yet settled.
+        generations: Finished generations by finish reason (``stop``, ``length``, ``cancelled``).
+        prompt_tokens / cached_tokens / completion_tokens: Sums of the finished generations'
+            usage (see the module docstring for what counts).
+        sessions_created / sessions_forked / sessions_deleted: Lifecycle counts (``forked``
+            counts children).
+        spills: Sessions moved off the GPU, and bytes written, per tier (``host``, ``disk``).
+        resumes: Segments imported back, and bytes read, per tier.
+        resume_failures: Resumes that fell back to recomputing the history.
+        host_pool_bytes / host_pool_budget_bytes: Spilled state held in host memory, and the cap.
+    """
+
+    sessions_by_status: dict[str, int]
+    num_generations_in_flight: int
+    generations: dict[str, int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    sessions_created: int
+    sessions_forked: int
+    sessions_deleted: int
+    spills: dict[str, TierCounts]
+    resumes: dict[str, TierCounts]
+    resume_failures: int
+    host_pool_bytes: int
+    host_pool_budget_bytes: int
+
+
+class SessionEvents:
+    """Logs each transition and keeps the counters (event loop only: no locking)."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._generations: Counter[str] = Counter()
+        # tier -> [moves, bytes]
+        self._spills = {"host": [0, 0], "disk": [0, 0]}
+        self._resumes = {"host": [0, 0], "disk": [0, 0]}
+
+    def stats(self, sessions_by_status: dict[str, int], num_generations_in_flight: int,
+              host_pool: tuple[int, int]) -> SessionStats:
+        """The counters, with the manager's live numbers (``host_pool``: used, budget bytes)."""
+        c = self._counts
+        return SessionStats(
+            sessions_by_status=sessions_by_status, num_generations_in_flight=num_generations_in_flight,
+            generations=dict(self._generations), prompt_tokens=c["prompt_tokens"],
+            cached_tokens=c["cached_tokens"], completion_tokens=c["completion_tokens"],
+            sessions_created=c["created"], sessions_forked=c["forked"], sessions_deleted=c["deleted"],
+            spills={tier: TierCounts(*v) for tier, v in self._spills.items()},
+            resumes={tier: TierCounts(*v) for tier, v in self._resumes.items()},
+            resume_failures=c["resume_failures"], host_pool_bytes=host_pool[0],
+            host_pool_budget_bytes=host_pool[1])
+
+    def created(self, session: Session) -> None:
+        self._counts["created"] += 1
+        log_event(logger, "session.created", session_id=session.session_id, owner=session.owner,
+                  num_tokens=len(session.token_ids))
+
+    def forked(self, parent: Session, children: list[Session], at_turn: int | None) -> None:
+        self._counts["forked"] += len(children)
+        log_event(logger, "session.forked", session_id=parent.session_id, owner=parent.owner,
+                  children=[c.session_id for c in children], at_turn=at_turn)
+
+    def deleted(self, session: Session) -> None:
+        self._counts["deleted"] += 1
+        log_event(logger, "session.deleted", session_id=session.session_id, owner=session.owner)
+
+    def segment_written(self, tier: str, nbytes: int) -> None:
+        """A segment was written to ``tier`` (placed there, or demoted from host to disk)."""
+        self._spills[tier][1] += nbytes
+
+    def spilled(self, session: Session, tier: str) -> None:
+        """The session left the GPU's pins for ``tier``."""
+        self._spills[tier][0] += 1
+        segment = session.segment
+        log_event(logger, "session.spilled", session_id=session.session_id, tier=tier,
+                  num_tokens=segment.num_tokens if segment else 0,
+                  segment_bytes=segment.nbytes if segment else 0)
+
+    def resumed(self, session: Session, tier: str, num_tokens: int, nbytes: int) -> None:
+        """A segment of ``session`` read from ``tier`` was imported into the engine."""
+        self._resumes[tier][0] += 1
+        self._resumes[tier][1] += nbytes
+        log_event(logger, "session.resumed", session_id=session.session_id, tier=tier,
+                  num_tokens=num_tokens, segment_bytes=nbytes)
+
+    def resume_failed(self) -> None:
+        self._counts["resume_failures"] += 1
+
+    def generation_finished(self, session_id: str | None, turn: int | None, finish_reason: str,
+                            usage: Usage, duration_s: float) -> None:
+        self._generations[finish_reason] += 1
+        self._counts["prompt_tokens"] += usage.prompt_tokens
+        self._counts["cached_tokens"] += usage.cached_tokens
+        self._counts["completion_tokens"] += usage.completion_tokens
+        log_event(logger, "generation.finished", session_id=session_id, turn=turn,
+                  finish_reason=finish_reason, prompt_tokens=usage.prompt_tokens,
+                  cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
+                  duration_ms=round(1000 * duration_s, 2))
+

@@ -1,0 +1,57 @@
+"""`phloem bench trie`: the external harness tokenspeed-trie against a real server, scaled down."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from trie.types import Workload
+
+from phloem.api.bench_agentic import AgenticWorkload
+from phloem.api.bench_trie import ideal_hit_rates, parse_trie_output, run_trie_bench, trie_workload_rows
+
+WL = AgenticWorkload(agents=2, first_turn=128, append=16, turns=4, output=4)
+
+
+def test_workload_file_is_read_by_trie_as_our_workload() -> None:
+    rows = trie_workload_rows(WL)
+    assert len(rows) == WL.agents
+    for row in rows:
+        trace = Workload.from_jsonl_row(json.loads(json.dumps(row)))
+        # Trie's request r carries our turn r+1: first_turn, then append + output more each turn.
+        assert [trace.cumulative_prompt_tokens(r) for r in range(WL.turns)] == [128, 148, 168, 188]
+        assert [t.assistant_response_length for t in trace.turns] + [trace.final_assistant_response_length] == [4] * 4
+    hit, eligible = ideal_hit_rates(WL)
+    assert hit == pytest.approx((132 + 152 + 172) / (128 + 148 + 168 + 188)) and eligible == 1.0
+
+
+def test_bad_input_is_refused_with_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="forks"):
+        trie_workload_rows(AgenticWorkload(forks=2, fork_at=1))
+    with pytest.raises(ValueError, match="benchmark complete"):
+        parse_trie_output("Traceback (most recent call last): ...")
+
+
+def test_trie_against_a_real_server(tmp_path: Path) -> None:
+    report, data = run_trie_bench(WL, duration_s=3.0, out_dir=str(tmp_path))
+    m = data["trie"]["metrics"]  # type: ignore[index]
+    assert m["failed_requests"] == 0 and m["completed_requests"] >= 2, m
+    assert m["latency_s_min"] >= m["ttft_s_min"] > 0 and m["mean_turn_decode_tps_tok_s_min"] > 0
+    hit, _ = ideal_hit_rates(WL)
+    # Trie's own accounting comes from our workload file: it also counts the finished requests of
+    # traces cancelled at the deadline, whose early turns reuse less, so it is at most the ideal.
+    assert 0.5 * hit < m["cached_prompt_tok_per_s"] / m["prompt_tok_per_s"] <= hit
+    # Server-reported hits: prefixes are reused, never beyond what the trace could reuse (trie's
+    # synthesized texts may miss their length by a token or two: 2 points of slack).
+    assert 0 < m["cache_hit_rate_pct_max"] <= 100 * hit + 2
+    assert 0 < m["eligible_cache_hit_rate_pct_max"] <= 100.0
+    # Our own client on the same workload and server: exact counts.
+    stateless = data["ours"]["turns"]["stateless"]  # type: ignore[index]
+    assert len(stateless) == WL.agents * WL.turns
+    for r in stateless:
+        assert r["prompt_tokens"] == 128 + (r["turn"] - 1) * 20 and r["completion_tokens"] == 4, r
+        assert r["cached_tokens"] == (0 if r["turn"] == 1 else r["prompt_tokens"] - WL.append), r
+    assert "| tokenspeed-trie | text |" in report and "Per-trace metrics" in report
+    for name in ("trie_workload.jsonl", "trie.json", "trie_report.md"):
+        assert (tmp_path / name).stat().st_size > 100
