@@ -11,9 +11,11 @@ A request's memory, with the prefix cache::
     read_slot: the checkpoint it resumed from (tree-owned) until its first step, then == write_slot
     write_slot: private; handed to the tree when the request publishes a checkpoint
 
-Publishing (at the end of a request, and every ``checkpoint_interval`` tokens on the way) inserts
-the full pages into the tree, hands the write slot over as the checkpoint, and, at the end, the
-partial last page as the checkpoint's tail page: integer moves, no copies.
+Publishing (at the end of a request, every ``checkpoint_interval`` tokens on the way, and where a
+generating request's prompt ends) inserts the full pages into the tree and hands the write slot
+over as the checkpoint: integer moves. A checkpoint that ends mid-page needs that partial page as
+its tail: at the end of a request it is the request's own page (no copy); at the prompt end the
+request keeps writing into it, so the tree gets a copy (one page, every attention layer).
 """
 
 from __future__ import annotations
@@ -53,12 +55,14 @@ class CacheManager:
         copy_page: Callable[[int, int], None],
         tree: RadixCache | None,
         checkpoint_interval: int = 0,
+        checkpoint_prompt_end: bool = False,
     ) -> None:
         self.page_pool = page_pool
         self.slot_pool = slot_pool
         self.copy_page = copy_page
         self.tree = tree
         self.checkpoint_interval = checkpoint_interval
+        self.checkpoint_prompt_end = checkpoint_prompt_end
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
@@ -155,14 +159,28 @@ class CacheManager:
         return True
 
     def maybe_checkpoint(self, req: Request) -> None:
-        """After a step: publish a periodic checkpoint if ``req`` just reached a multiple of the interval."""
+        """After a step: publish a checkpoint if ``req`` just reached a multiple of the interval, or
+        the end of its prompt (``checkpoint_prompt_end``; not for prefill-only requests, which
+        publish there when they finish)."""
         n, every = req.num_computed_tokens, self.checkpoint_interval
-        if self.tree is None or every <= 0 or n == 0 or n % every or n >= req.num_tokens:
+        if self.tree is None or n == 0:
+            return
+        periodic = every > 0 and n % every == 0 and n < req.num_tokens
+        prompt_end = self.checkpoint_prompt_end and n == req.num_prompt_tokens and not req.prefill_only
+        if not (periodic or prompt_end):
             return
         new_slot = self.allocate_slot()
         if new_slot is None:
             return  # no slot to keep computing into: skip this checkpoint, nothing is lost
-        node = self._publish(req, final=False)
+        tail = None
+        if n % self.page_size:
+            copy = self.allocate_page_list(1)
+            if copy is None:
+                self.slot_pool.free(new_slot)
+                return
+            tail = copy[0]
+            self.copy_page(req.page_ids[n // self.page_size], tail)
+        node = self._publish(req, final=False, tail_copy=tail)
         assert node.checkpoint is not None
         req.read_slot = node.checkpoint.slot
         req.write_slot = new_slot
@@ -184,12 +202,12 @@ class CacheManager:
         req.read_slot = None
         req.has_state = False
 
-    def _publish(self, req: Request, final: bool) -> RadixNode:
+    def _publish(self, req: Request, final: bool, tail_copy: int | None = None) -> RadixNode:
         assert self.tree is not None and req.write_slot is not None
         ps = self.page_size
         done = req.num_computed_tokens
         full = done // ps
-        tail = req.page_ids[full] if final and done % ps else None
+        tail = req.page_ids[full] if final and done % ps else tail_copy
         ckpt = Checkpoint(slot=req.write_slot, tail_page=tail)
         node, tree_pages = self.tree.insert(req.all_token_ids[:done], req.page_ids[:full], ckpt)
         if final:

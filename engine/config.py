@@ -197,6 +197,12 @@ class CacheConfig:
         checkpoint_interval: also checkpoint every this many tokens of a long prefill (a multiple
             of ``page_size``; 0 disables). A checkpoint of Qwen3.5-35B-A3B weighs ~61 MiB, about
             3,000 tokens of KV, so the default keeps them sparse.
+        checkpoint_prompt_end: also checkpoint where a generating request's prompt ends (a copy
+            of its partial last page goes with it). A client that resends that prompt with a
+            different continuation then reuses all of it: a stateless chat client whose chat
+            template re-renders the previous answer differently (Qwen3's drops the reasoning),
+            output text that does not re-tokenize to the same ids, a retried or regenerated
+            turn. Costs one state slot per generation until the radix cache evicts it (LRU).
     """
 
     page_size: int = 16
@@ -207,6 +213,7 @@ class CacheConfig:
     cpu_pool_bytes: int = 256 * 1024 * 1024
     enable_prefix_caching: bool = True
     checkpoint_interval: int = 4096
+    checkpoint_prompt_end: bool = True
 
     def __post_init__(self) -> None:
         if self.checkpoint_interval < 0 or self.checkpoint_interval % self.page_size:

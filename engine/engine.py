@@ -60,6 +60,7 @@ _CACHE_OPTIONS = {
     "cpu_pool_bytes",
     "enable_prefix_caching",
     "checkpoint_interval",
+    "checkpoint_prompt_end",
 }
 _SCHED_OPTIONS = {"max_num_batched_tokens", "max_num_seqs", "max_model_len"}
 # ``show_progress`` reaches both the loader and the runner (CUDA-graph capture).
@@ -96,7 +97,8 @@ class Engine:
                 cache_config.page_size, self.page_pool.free, self.slot_pool.free, plan.page_bytes, plan.slot_bytes
             )
         self.cache = CacheManager(
-            self.page_pool, self.slot_pool, self.runner.copy_page, tree, cache_config.checkpoint_interval
+            self.page_pool, self.slot_pool, self.runner.copy_page, tree, cache_config.checkpoint_interval,
+            cache_config.checkpoint_prompt_end,
         )
         self.scheduler = Scheduler(scheduler_config, self.cache, finalize=tree is not None)
         if runner_config.enable_cuda_graph and self.runner.attn is not None and tp.size == 1:

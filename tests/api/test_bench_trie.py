@@ -46,6 +46,10 @@ def test_trie_against_a_real_server(tmp_path: Path) -> None:
     # synthesized texts may miss their length by a token or two: 2 points of slack).
     assert 0 < m["cache_hit_rate_pct_max"] <= 100 * hit + 2
     assert 0 < m["eligible_cache_hit_rate_pct_max"] <= 100.0
+    # Trie sends text; the random model's output often does not re-tokenize to the generated ids,
+    # and then only the prompt-end checkpoint serves the history (without it trie measured 64.9%
+    # eligible hits; with it ~98%: docs/bench/tokenspeed_trie.md).
+    assert m["eligible_cache_hit_rate_pct_mean"] >= 85.0, m
     # Our own client on the same workload and server: exact counts.
     stateless = data["ours"]["turns"]["stateless"]  # type: ignore[index]
     assert len(stateless) == WL.agents * WL.turns

@@ -1,6 +1,7 @@
 """The same greedy answer on every prefix-cache path, on a tiny random Qwen3.5-MoE checkpoint.
 
 Each path (hit on a page boundary, mid-page, at a turn-end checkpoint, at a periodic checkpoint,
+at a prompt-end checkpoint,
 concurrent sharers, multi-turn extension, chunked prefill, eviction then recompute) is compared
 token for token with the fresh path: an engine without a prefix cache computing the whole history.
 """
@@ -48,6 +49,26 @@ def test_turn_checkpoint_hit_equals_fresh(path: Path, prompt_len: int, out_len: 
     second = eng.generate([conv], SamplingParams(max_tokens=12))[0]
     assert second.num_cached_tokens == prompt_len + out_len
     assert second.token_ids == fresh(path, [conv], 12)[0]
+
+
+@pytest.mark.parametrize("prompt_len", [21, 32], ids=["mid-page-tail-copy", "page-boundary"])
+def test_prompt_end_checkpoint_serves_another_continuation(path: Path, prompt_len: int) -> None:
+    """A stateless client resends the prompt followed by something other than what was generated
+    (a re-rendered answer, a retried turn): the prompt-end checkpoint serves the whole prompt."""
+    prompt = tokens(prompt_len, 6)
+    results = {}
+    for flag in (True, False):
+        eng = engine(path, checkpoint_prompt_end=flag)
+        first = eng.generate([prompt], SamplingParams(max_tokens=5))[0]
+        retry = prompt + [(first.token_ids[0] + 1) % 256] + tokens(8, 7)
+        results[flag] = eng.generate([retry], SamplingParams(max_tokens=12))[0]
+        # Emptying the cache returns every page (tail copies included) and slot: nothing leaked.
+        assert eng.cache.tree is not None
+        eng.cache.tree.clear()
+        assert (eng.page_pool.num_used_pages, eng.slot_pool.num_used_slots) == (0, 0)
+    assert results[True].num_cached_tokens == prompt_len
+    assert results[False].num_cached_tokens == 0  # only the turn-end checkpoint, past the prompt
+    assert results[True].token_ids == results[False].token_ids == fresh(path, [retry], 12)[0]
 
 
 def test_periodic_checkpoint_hit_equals_fresh(path: Path) -> None:

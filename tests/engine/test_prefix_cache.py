@@ -7,6 +7,8 @@ up as an assertion or a wrong token.
 
 from __future__ import annotations
 
+import pytest
+
 from toy_model import assert_pools_empty, expected, make_engine
 
 from phloem.engine import SamplingParams
@@ -23,7 +25,22 @@ def test_twelve_turn_conversation_computes_only_new_tokens() -> None:
         assert out.num_cached_tokens == (0 if turn == 0 else len(history) - 3)
         history = history + out.token_ids + [turn + 1, turn + 2, turn + 3]  # tool result appended
     stats = engine.cache_stats()
-    assert stats.checkpoints == 12
+    # A turn-end and a prompt-end checkpoint per turn; the 16 slots keep the most recent.
+    assert stats.checkpoints_created == 24 and stats.checkpoints + stats.checkpoints_evicted == 24
+    assert_pools_empty(engine)
+
+
+@pytest.mark.parametrize("prompt_len", [7, 8], ids=["mid-page", "page-boundary"])
+def test_prompt_end_checkpoint_serves_a_retried_turn(prompt_len: int) -> None:
+    """Resending the prompt with another continuation hits the prompt-end checkpoint; mid-page,
+    the tree's tail is a copy, so the first request's later writes to its page do not leak in."""
+    engine = make_engine()
+    prompt = list(range(3, 3 + prompt_len))
+    first = engine.generate([prompt], SamplingParams(max_tokens=6))[0]
+    retry = prompt + [(first.token_ids[0] + 1) % 97, 50]
+    out = engine.generate([retry], SamplingParams(max_tokens=4))[0]
+    assert out.num_cached_tokens == prompt_len
+    assert out.token_ids == expected(retry, 4)
     assert_pools_empty(engine)
 
 

@@ -263,8 +263,11 @@ def test_prefill_process_killed_then_requests_run_on_the_decode_side(model: Path
         async with pair(model, port, connect_timeout_s=1) as (ref, client):
             await both(ref, client, tokens(30, 1))
             stop(proc)
-            for n in (31, 32, 33):  # broken link; then unreachable; then inside the retry interval
-                await both(ref, client, tokens(n, 2))
+            # Broken link; then unreachable; then inside the retry interval. Unrelated prompts: a
+            # prompt extending an earlier one would hit its prompt-end checkpoint and be prefilled
+            # on the decode side without trying the link.
+            for seed, n in ((2, 31), (3, 32), (4, 33)):
+                await both(ref, client, tokens(n, seed))
             assert (client.num_remote, client.num_failed) == (1, 3)
 
     try:
