@@ -42,6 +42,7 @@ examples:
   phloem serve --log-format json --log-level debug 2> phloem.jsonl   # one JSON object per line
   curl -s http://127.0.0.1:8000/metrics          # Prometheus metrics of a running server
   phloem serve --shape qwen3.5-35b-a3b --device cuda --dtype bfloat16   # dummy weights, benchmarks
+  phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --max-num-batched-tokens 8192   # faster prefill
 """
 _DEMO_EXAMPLES = """\
 examples:
@@ -92,6 +93,11 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--shape", choices=sorted(SHAPES),
                        help="serve DUMMY (random) weights of a benchmark shape with the demo "
                             "tokenizer, instead of --model (benchmarks only)")
+    serve.add_argument("--max-num-batched-tokens", metavar="TOKENS", type=int,
+                       help="token budget of one engine step: larger prefills faster, smaller keeps "
+                            "concurrent decodes smoother (default: the engine's, 2048)")
+    serve.add_argument("--max-num-seqs", metavar="N", type=int,
+                       help="requests decoding at once (default: the engine's, 64)")
     serve.add_argument("--default-ttl", metavar="SECONDS", type=float,
                        default=defaults["default_ttl_s"],
                        help="seconds a session stays pinned after a turn (default: %(default)s)")
@@ -293,14 +299,15 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 
 def _engine_options(args: argparse.Namespace) -> dict[str, EngineOptions]:
     """``ServerConfig.engine`` for the flags that need it (``--no-prefix-cache``, ``--shape``,
-    ``--no-progress``)."""
-    if not args.no_prefix_cache and not args.shape and not args.no_progress:
+    ``--no-progress``, ``--max-num-batched-tokens``, ``--max-num-seqs``)."""
+    limits = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs}
+    if not args.no_prefix_cache and not args.shape and not args.no_progress and all(v is None for v in limits.values()):
         return {}
     tp = args.tp if args.tp > 1 else None
     return {"engine": EngineOptions(device=args.device, dtype=args.dtype, tensor_parallel_size=tp,
                                     enable_prefix_caching=not args.no_prefix_cache,
                                     load_format="dummy" if args.shape else "safetensors",
-                                    show_progress=False if args.no_progress else None)}  # fmt: skip
+                                    show_progress=False if args.no_progress else None, **limits)}  # fmt: skip
 
 
 def _serve(config: ServerConfig) -> int:

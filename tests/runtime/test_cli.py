@@ -249,3 +249,18 @@ def test_serve_shape_and_model_together_is_a_usage_error(served: list[ServerConf
         main(["serve", "--shape", "tiny", "--model", "/m"])
     assert info.value.code == 2 and "either --model or --shape" in capsys.readouterr().err
     assert served == []
+
+
+def test_serve_step_budget_flags_reach_the_engine(served: list[ServerConfig]) -> None:
+    assert main(["serve", "--model", "/m", "--max-num-batched-tokens", "8192", "--max-num-seqs", "16"]) == 0
+    (config,) = served
+    assert config.engine is not None
+    assert (config.engine.max_num_batched_tokens, config.engine.max_num_seqs) == (8192, 16)
+    assert config.engine_options.as_kwargs()["max_num_batched_tokens"] == 8192
+
+
+def test_serve_rejects_a_zero_step_budget(served: list[ServerConfig], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", "/m", "--max-num-batched-tokens", "0"])
+    assert info.value.code == 2 and "max_num_batched_tokens" in capsys.readouterr().err
+    assert served == []
