@@ -13,15 +13,17 @@ Every operation is scoped by ``owner`` (the API key): a session of another owner
   the new head is pinned (``sessions._pins``). One append runs per session at a time; another
   one meanwhile is ``SessionBusy``, also for appends without generation.
 - **fork** copies the committed turns ``0..at_turn`` (token ids, turns, chat context) into ``n``
-  children and pins their head: in the engine they share the parent's cached prefix.
+  children and pins their head: in the engine they share the parent's cached prefix
+  (``sessions._forks``).
 - **delete** cancels a generation in flight without committing it, unpins, and forgets the
   session in memory and on disk. **cancel** (``Generation.cancel``) commits the partial output.
 - **complete** runs a stateless generation (the OpenAI-compatible routes), under the same
   admission limit (``max_num_generations``; beyond it, or while closing: ``Overloaded``).
 - **tiers** (``sessions.spill``): idle sessions are spilled to host memory, then disk, by a
-  sweeper, or now by **offload**; an append or **prefetch** resumes them; a fork of a spilled
-  session shares its segment. **start** brings back every journaled session (from its disk
-  segment when there is one). The index is best effort: ``health`` says when it is degraded.
+  sweeper, or now by **offload**; an append or **prefetch** resumes them (both methods come
+  from ``sessions._tier_moves``); a fork of a spilled session shares its segment. **start**
+  brings back every journaled session (from its disk segment when there is one). The index is
+  best effort: ``health`` says when it is degraded.
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phloem.sessions._events import SessionEvents, SessionStats
+from phloem.sessions._forks import commit_children, make_children
 from phloem.sessions._inputs import ResolvedInput, SessionInput, check_context, resolve_input
 from phloem.sessions._pins import PinKeeper
+from phloem.sessions._tier_moves import TierMoves
 from phloem.sessions._turns import TurnRunner
 from phloem.sessions.config import KEEP, Keep, SessionConfig
-from phloem.sessions.errors import GenerationFailed, InvalidInput, SessionBusy, SessionNotFound
+from phloem.sessions.errors import GenerationFailed, InvalidInput, SessionNotFound
 from phloem.sessions.generation import GenerateOptions, Generation
 from phloem.sessions.session import Session, SessionIdGenerator, SessionSnapshot, Turn, TurnInfo
-from phloem.sessions.spill import Spiller, SpillTier
+from phloem.sessions.spill import Spiller
 from phloem.sessions.store import SessionStore
 from phloem.sessions.tokenizer import Tokenizer, ToolSpec
 
@@ -53,8 +57,10 @@ __all__ = ["KEEP", "SessionConfig", "SessionInput", "SessionManager"]
 logger = logging.getLogger(__name__)
 
 
-class SessionManager:
+class SessionManager(TierMoves):
     """Creates, finds, appends to, forks and deletes sessions over one engine client.
+
+    ``offload`` and ``prefetch`` come from the ``TierMoves`` mixin (``sessions._tier_moves``).
 
     Args:
         engine: A started engine client.
@@ -270,40 +276,10 @@ class SessionManager:
         """
         parent = self._get(owner, session_id)
         self._turns.check_open()
-        if n < 1:
-            raise InvalidInput(f"n: expected >= 1, got {n}")
-        num_turns = len(parent.turns)
-        if at_turn is not None and not 0 <= at_turn < num_turns:
-            raise InvalidInput(f"at_turn: expected a committed turn of session {session_id} "
-                               f"(0..{num_turns - 1}), got {at_turn}")
-        last = num_turns - 1 if at_turn is None else at_turn
-        turns = parent.turns[: last + 1]
-        end = turns[-1].end if turns else 0
-        num_chat = turns[-1].num_chat_messages if turns else 0
-        now = int(time.time())
-        children = [Session(self._new_id(), owner, now, dict(parent.metadata), parent.ttl,
-                            token_ids=parent.token_ids[:end], turns=list(turns),
-                            chat_messages=parent.chat_messages[:num_chat], tools=parent.tools,
-                            parent_id=parent.session_id, fork_turn=last if turns else None)
-                    for _ in range(n)]
-        spilled = [self._spill.inherit(child, parent) for child in children]
-        written: list[Session] = []
-        try:
-            for child in children:
-                await self._store.write(child)
-                written.append(child)
-        except GenerationFailed:
-            for child in written:
-                await self._forget_quietly(child.session_id)
-            for child in children:
-                await self._spill.forget(child)
-            raise
-        for child, is_spilled in zip(children, spilled, strict=True):
-            self._sessions[child.session_id] = child
-            if not is_spilled:
-                async with child.lock:
-                    await self._pins.activate(child)
-        self._events.forked(parent, children, last if turns else None)
+        children, fork_turn = make_children(parent, owner, n, at_turn, self._new_id)
+        await commit_children(children, parent, self._store, self._spill, self._pins,
+                              self._sessions)
+        self._events.forked(parent, children, fork_turn)
         return [child.snapshot() for child in children]
 
     def turns(self, owner: str, session_id: str, include_tokens: bool = False) -> list[TurnInfo]:
@@ -314,57 +290,6 @@ class SessionManager:
         """
         session = self._get(owner, session_id)
         return [session.turn_info(turn, include_tokens) for turn in session.turns]
-
-    async def offload(self, owner: str, session_id: str, tier: SpillTier = "host", *,
-                      wait: bool = False) -> SessionSnapshot:
-        """Spill the session's state to ``tier`` and unpin it, in the background.
-
-        A session already at or below ``tier`` is left as it is; a ``host`` session asked for
-        ``disk`` moves its segment (with every fork that shares it). When the state cannot be
-        stored (disk unwritable or full), nothing changes: the session stays resident.
-
-        Args:
-            owner: The owner.
-            session_id: The session.
-            tier: ``"host"`` or ``"disk"``.
-            wait: Return after the move instead of at once.
-
-        Returns:
-            The session as of acceptance (as of the end of the move with ``wait``).
-
-        Raises:
-            SessionNotFound: No such session of this owner.
-            SessionBusy: A generation runs on the session.
-        """
-        session = self._get(owner, session_id)
-        if session.busy:
-            raise SessionBusy(f"session {session_id} is generating; offload it after its done")
-        move = self._spill.spawn(self._spill.offload(session, tier))
-        if wait:
-            await asyncio.shield(move)
-        return session.snapshot()
-
-    async def prefetch(self, owner: str, session_id: str, *, wait: bool = False) -> SessionSnapshot:
-        """Load a spilled session's state back to the GPU and pin it for its TTL (``active``),
-        in the background; an ``active`` session is left as it is.
-
-        Args:
-            owner: The owner.
-            session_id: The session.
-            wait: Return after the load instead of at once.
-
-        Returns:
-            The session as of acceptance (as of the end of the load with ``wait``).
-
-        Raises:
-            SessionNotFound: No such session of this owner.
-        """
-        session = self._get(owner, session_id)
-        if session.status != "active":
-            move = self._spill.spawn(self._spill.prefetch(session))
-            if wait or session.status == "idle":
-                await asyncio.shield(move)
-        return session.snapshot()
 
     def _get(self, owner: str, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -382,9 +307,3 @@ class SessionManager:
         if value < 0:
             raise InvalidInput(f"ttl: expected seconds >= 0, got {ttl}")
         return min(value, self._config.max_ttl_s)
-
-    async def _forget_quietly(self, session_id: str) -> None:
-        try:
-            await self._store.delete(session_id)
-        except GenerationFailed as exc:
-            logger.warning("could not remove the record of session %s: %s", session_id, exc)
