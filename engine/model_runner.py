@@ -29,13 +29,19 @@ from phloem.engine.scheduler import SchedulerOutput
 from phloem.engine.step_plan import StepInputs, StepPlan
 from phloem.kernels.flashinfer_attention import FlashInferAttention, flashinfer_available
 
-__all__ = ["CausalLM", "ModelRunner", "StepInputs", "StepResult", "build_runner"]
+__all__ = ["AttnLayerHook", "CausalLM", "ModelRunner", "StepInputs", "StepLayerHook", "StepResult", "build_runner"]
 
 PlanSink = Callable[[StepPlan], None]
+# Called with a full-attention layer's cache index once that layer's forward wrote its KV.
+AttnLayerHook = Callable[[int], None]
+# Asked before each step: the step's AttnLayerHook, or None (the step runs as if there were none).
+StepLayerHook = Callable[[SchedulerOutput], AttnLayerHook | None]
 
 
 class CausalLM(Protocol):
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor: ...
+    def forward(
+        self, batch: ForwardBatch, caches: ModelCaches, on_attn_layer: AttnLayerHook | None = None
+    ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
 
@@ -68,6 +74,9 @@ class ModelRunner:
         self.plan_sink = plan_sink
         # Copies made since the last plan; the workers replay them before the next forward.
         self._pending_copies: list[tuple[int, int]] = []
+        # Set by a disaggregated prefill while its request runs (runtime.pd_prefill); a step with
+        # a layer hook runs eagerly (no CUDA graph), every other step pays one None check.
+        self.layer_hook: StepLayerHook | None = None
 
     def enable_cuda_graphs(
         self, max_batch_size: int, pad_page: int, pad_slot: int, show_progress: bool | None = None
@@ -141,14 +150,19 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward_logits(self, inp: StepInputs) -> torch.Tensor | None:
+    def forward_logits(self, inp: StepInputs, on_attn_layer: AttnLayerHook | None = None) -> torch.Tensor | None:
         """Logits ``[len(sample_rows), V]`` of the step (None when nothing is sampled)."""
         graphs = self.graphs
-        if graphs is not None and inp.is_decode and len(inp.query_lens) <= graphs.max_batch_size():
+        hooked = on_attn_layer is not None
+        if graphs is not None and inp.is_decode and not hooked and len(inp.query_lens) <= graphs.max_batch_size():
             logits = graphs.run(inp)
             return logits[inp.sample_rows] if inp.sample_rows else None
         batch = self.build_batch(inp)
-        hidden = self.model.forward(batch, self.caches)
+        # Models without a layer loop (test doubles) need not take the hook: passed only when set.
+        if hooked:
+            hidden = self.model.forward(batch, self.caches, on_attn_layer)
+        else:
+            hidden = self.model.forward(batch, self.caches)
         if not inp.sample_rows:
             return None
         return self.model.compute_logits(hidden[batch.logits_indices])
@@ -158,7 +172,8 @@ class ModelRunner:
         if self.plan_sink is not None:
             self.plan_sink(StepPlan(tuple(self._pending_copies), inp))
             self._pending_copies.clear()
-        logits = self.forward_logits(inp)
+        on_attn_layer = self.layer_hook(out) if self.layer_hook is not None else None
+        logits = self.forward_logits(inp, on_attn_layer)
         if logits is None:
             return StepResult({})
         reqs: list[Request] = [out.requests[i] for i in inp.sample_rows]

@@ -16,22 +16,38 @@ this prompt is then a cache hit. ``release`` gives everything back untouched (an
 Pages the tree gained meanwhile for the same positions win; the duplicates are freed by the
 tree's insert, as for a request.
 
-Prefill side. ``transfer_source`` finds the checkpoint a prefill-only request published at the
-prompt's end and lists the pages from ``first_page`` on; ``layer_kv`` and ``state`` read them.
-The prefill worker owns its engine alone while it sends, so nothing can evict them meanwhile.
+Prefill side. ``stream_hook`` (a ``ModelRunner.layer_hook``) copies each full-attention layer's
+pages from ``first_page`` on during the request's last prefill step, right after that layer's
+forward: every page of the prompt is final for that layer then (earlier chunks wrote the pages
+before, this step the rest), so the copy can travel while the later layers compute::
+
+    last step:  attn layer 0 ─▶ emit(0, kv0) │ GDN/MLP layers … │ attn layer 1 ─▶ emit(1, kv1) │ …
+    earlier steps, other requests' steps, decode steps: no hook (one None check)
+
+These are the request's own pages. The tree may keep older copies of the same positions when it
+publishes (a duplicate prefix computed without a checkpoint in it), which is as good a KV for
+the prompt; the stream sends what this request computed, consistent with its GDN state.
+``transfer_source`` finds the checkpoint a prefill-only request published at the prompt's end and
+lists the pages from ``first_page`` on; ``layer_kv`` and ``state`` read them. The prefill worker
+owns its engine alone while it sends, so nothing can evict them meanwhile.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from phloem.engine.cache_manager import CacheManager
 from phloem.engine.forward_batch import ModelCaches
+from phloem.engine.model_runner import AttnLayerHook, StepLayerHook
 from phloem.engine.radix_cache import Checkpoint, RadixCache, RadixNode
+from phloem.engine.scheduler import SchedulerOutput
 
-__all__ = ["TransferReservation", "TransferSource", "install", "release", "reserve", "transfer_source"]
+__all__ = [
+    "TransferReservation", "TransferSource", "install", "release", "reserve", "stream_hook", "transfer_source",
+]
 
 
 @dataclass(eq=False, slots=True)
@@ -160,3 +176,27 @@ def transfer_source(
     if match.checkpoint.tail_page is not None:
         pages.append(match.checkpoint.tail_page)
     return TransferSource(tuple(pages[first_page:]), match.checkpoint.slot, caches)
+
+
+def stream_hook(
+    caches: ModelCaches, request_id: str, first_page: int, page_size: int, emit: Callable[[int, torch.Tensor], None]
+) -> StepLayerHook:
+    """A ``ModelRunner.layer_hook`` that streams ``request_id``'s KV during its last prefill step.
+
+    In the step that computes the last tokens of that request, after each full-attention layer
+    ``l``, it calls ``emit(l, kv)`` with a copy of the layer's pages ``first_page ..`` of the
+    prompt, ``[n, 2, page_size, kv_heads, head_dim]``; every other step runs without a hook.
+    ``emit`` runs on the engine's thread inside the forward: it should hand the copy off and
+    return (blocking there holds the forward back).
+    """
+
+    def for_step(out: SchedulerOutput) -> AttnLayerHook | None:
+        for req, n in zip(out.requests, out.num_new_tokens):
+            if req.request_id != request_id or req.finalizing or req.num_computed_tokens + n != req.num_tokens:
+                continue
+            pages = req.page_ids[first_page : -(-req.num_tokens // page_size)]
+            index = torch.tensor(pages, dtype=torch.long, device=caches.kv.device)
+            return lambda layer: emit(layer, caches.kv[layer].index_select(0, index))
+        return None
+
+    return for_step

@@ -5,14 +5,18 @@ and serves one link at a time::
 
     accept link ─▶ Hello ⇄ Hello ─▶ loop: PrefillRequest ─▶ prefill-only request (samples the
       first token; its own radix cache supplies what it already holds) ─▶ PrefillProgress after
-      each step ─▶ KVLayer per full-attention layer ─▶ GDNState ─▶ PrefillDone
+      each step but the last ─▶ KVLayer per full-attention layer, streamed during the last step
+      ─▶ GDNState ─▶ PrefillDone
     Goodbye or a broken link ─▶ accept the next link
 
-KV is sent layer by layer *after* the request's last prefill step, not while the forward runs:
-hooking the model's layer loop would let layer ``l`` travel while layer ``l + 1`` computes, and is
-left for the GPU work (docs/disaggregation.md). Only the pages the decode side does not hold are
-sent (from page ``held_len // page_size`` on). When the decode side holds more than this cache,
-this side recomputes the difference from its own deepest checkpoint (no reverse transfer).
+KV streams while the last prefill step's forward runs: a ``ModelRunner.layer_hook``
+(``engine.transfer_state.stream_hook``) copies layer ``l``'s pages right after that layer's
+forward and a ``QueuedSender`` thread sends them while layer ``l + 1`` onwards compute. Earlier
+chunks' pages travel with their layer in that step too (one ``KVLayer`` per layer, as before); the
+GDN state and the first token exist only once the step is over. Only the pages the decode side
+does not hold are sent (from page ``held_len // page_size`` on). When the decode side holds more
+than this cache, this side recomputes the difference from its own deepest checkpoint (no reverse
+transfer).
 
 Failures: a request the engine refuses or that fails in a step is aborted (its pages and slot
 freed) and answered with ``TransferError``, and the link stays up. A broken link (the decode side
@@ -37,9 +41,11 @@ from phloem.engine.kv_transfer import (
     TransportError,
 )
 from phloem.engine.kv_transfer_dist import PrefillListener
+from phloem.engine.transfer_state import stream_hook
 from phloem.runtime.config import EngineOptions
 from phloem.runtime.pd_link import exchange_hello, hello_for
 from phloem.runtime.pd_roles import PDConfig
+from phloem.runtime.pd_sender import QueuedSender
 
 __all__ = ["PrefillWorker", "run_prefill_worker"]
 
@@ -111,20 +117,30 @@ class PrefillWorker:
                     raise TransportError(f"link to {transport.peer}: expected a PrefillRequest, got {got}")
 
     def _serve_request(self, transport: KVTransport, req: PrefillRequest) -> None:
+        # The KV stream's sends; this thread sends nothing itself from its first KVLayer to finish().
+        sender = QueuedSender(transport, self._config.timeout_s)
+        try:
+            self._compute_and_send(transport, req, sender)
+        finally:
+            sender.close()
+
+    def _compute_and_send(self, transport: KVTransport, req: PrefillRequest, sender: QueuedSender) -> None:
         timeout = self._config.timeout_s
+        first_page = req.held_len // self.engine.page_pool.page_size
         try:
             prompt = self._check(req)
-            first, cached = self._prefill(transport, req, prompt)
-            source = self.engine.transfer_source(prompt, req.held_len // self.engine.page_pool.page_size)
+            first, cached = self._prefill(transport, req, prompt, sender)
+            sender.finish()
+            source = self.engine.transfer_source(prompt, first_page)
             if source is None:
                 raise _Refused("the prompt's checkpoint is not in the prefill cache (evicted)")
+            if sender.num_sent != self._hello.kv_shape[0]:
+                raise _Refused(f"{sender.num_sent} of {self._hello.kv_shape[0]} KV layers were streamed")
         except _Refused as exc:
+            sender.finish()  # what was streamed goes first; the decode side drops it on TransferError
             self.num_refused += 1
             transport.send(TransferError(req.xfer_id, str(exc)), timeout)
             return
-        for layer in range(self._hello.kv_shape[0]):
-            transport.send(KVLayer(req.xfer_id, layer, req.held_len // self.engine.page_pool.page_size,
-                                   source.layer_kv(layer)), timeout)
         conv, ssm = source.state()
         transport.send(GDNState(req.xfer_id, conv, ssm), timeout)
         transport.send(PrefillDone(req.xfer_id, first, cached), timeout)
@@ -139,14 +155,22 @@ class PrefillWorker:
             )
         return [int(t) for t in ids.tolist()]
 
-    def _prefill(self, transport: KVTransport, req: PrefillRequest, prompt: list[int]) -> tuple[int, int]:
-        """Run the prefill-only request to its end; ``(first token, cached tokens)``."""
+    def _prefill(
+        self, transport: KVTransport, req: PrefillRequest, prompt: list[int], sender: QueuedSender
+    ) -> tuple[int, int]:
+        """Run the prefill-only request to its end, streaming its KV; ``(first token, cached tokens)``."""
         try:
             params = SamplingParams(max_tokens=1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                     seed=req.seed)
             rid = self.engine.add_request(prompt, params, prefill_only=True, sample_first=True)
         except (InvalidRequest, CapacityExceeded, ValueError) as exc:
             raise _Refused(f"refused: {exc}") from exc
+        first_page = req.held_len // self.engine.page_pool.page_size
+        runner = self.engine.runner
+        runner.layer_hook = stream_hook(
+            runner.caches, rid, first_page, self.engine.page_pool.page_size,
+            lambda layer, kv: sender.put(KVLayer(req.xfer_id, layer, first_page, kv)),
+        )
         done = False
         try:
             while True:
@@ -164,6 +188,7 @@ class PrefillWorker:
                 progress = PrefillProgress(req.xfer_id, self._num_computed(rid), len(prompt))
                 transport.send(progress, self._config.timeout_s)
         finally:
+            runner.layer_hook = None
             if not done:
                 self.engine.abort_request(rid)
 

@@ -20,6 +20,8 @@ whole on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -110,12 +112,20 @@ class Qwen3HybridForCausalLM(nn.Module):
         with torch.device(device):
             self.rope_inv_freq = rope_inv_freq(self.config.rotary_dim, self.config.rope_theta)
 
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        """Final-normed hidden states ``[T, H]`` of every token of the batch."""
+    def forward(
+        self, batch: ForwardBatch, caches: ModelCaches, on_attn_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[T, H]`` of every token of the batch.
+
+        ``on_attn_layer(cache_idx)`` runs after each full-attention layer, once its KV of this
+        batch is written (the KV stream of a disaggregated prefill); never under graph capture.
+        """
         hidden = self.model.embed_tokens(batch.input_ids)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, batch, caches, self.rope_inv_freq)
+            if on_attn_layer is not None and layer.is_full_attention:
+                on_attn_layer(layer.cache_idx)
         hidden, _ = self.model.norm.forward_residual(hidden, residual)
         return hidden
 
