@@ -17,6 +17,7 @@ from phloem.engine.kv_transfer import (
     TransportError, join_message, split_message,
 )
 from phloem.engine.kv_transfer_dist import PrefillListener, TorchDistTransport, connect
+from pd_links import link_pair
 
 HELLO = Hello("decode", 16, 256, (1, 2, 16, 2, 32), "float32", (3, 192, 3), "float32", (3, 4, 16, 16))
 MESSAGES = [
@@ -57,18 +58,8 @@ def exchange(sender: TorchDistTransport, messages: list[object], receiver: Torch
 @pytest.fixture
 def link() -> Iterator[tuple[TorchDistTransport, TorchDistTransport]]:
     """(decode end, prefill end) of one fresh link."""
-    listener = PrefillListener("127.0.0.1", 0, connect_timeout_s=10)
-    accepted: list[TorchDistTransport | None] = []
-    thread = threading.Thread(target=lambda: accepted.append(listener.accept()))
-    thread.start()
-    decode = connect("127.0.0.1", listener.port, connect_timeout_s=10)
-    thread.join(10)
-    prefill = accepted[0]
-    assert prefill is not None
-    yield decode, prefill
-    decode.close()
-    prefill.close()
-    listener.close()
+    with link_pair() as ends:
+        yield ends
 
 
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)

@@ -27,6 +27,7 @@ from phloem.runtime.pd_link import exchange_hello, hello_for
 from phloem.runtime.pd_prefill import PrefillWorker
 from phloem.runtime.pd_roles import PDConfig
 from phloem.runtime.pd_sender import QueuedSender
+from pd_links import link_pair
 
 ARCH = "Qwen3_5MoeForCausalLM"
 OPTIONS: dict[str, object] = dict(
@@ -156,18 +157,8 @@ def test_kv_streams_during_the_last_forward_and_equals_a_colocated_run(
 @pytest.fixture
 def bare_link() -> Iterator[tuple[KVTransport, KVTransport]]:
     """(decode end, prefill end) of one fresh link, no engines."""
-    listener = PrefillListener("127.0.0.1", 0, connect_timeout_s=10)
-    accepted: list[KVTransport | None] = []
-    thread = threading.Thread(target=lambda: accepted.append(listener.accept()))
-    thread.start()
-    decode = connect("127.0.0.1", listener.port, connect_timeout_s=10)
-    thread.join(10)
-    prefill = accepted[0]
-    assert prefill is not None
-    yield decode, prefill
-    decode.close()
-    prefill.close()
-    listener.close()
+    with link_pair() as ends:
+        yield ends
 
 
 def test_queued_sender_keeps_order_bounds_its_queue_and_reports_a_failure(
