@@ -41,7 +41,8 @@ def test_trie_against_a_real_server(tmp_path: Path) -> None:
     hit, _ = ideal_hit_rates(WL)
     # Trie's own accounting comes from our workload file: it also counts the finished requests of
     # traces cancelled at the deadline, whose early turns reuse less, so it is at most the ideal.
-    assert 0.5 * hit < m["cached_prompt_tok_per_s"] / m["prompt_tok_per_s"] <= hit
+    # (Both are rates over the same window: their ratio can exceed the ideal by float rounding.)
+    assert 0.5 * hit < m["cached_prompt_tok_per_s"] / m["prompt_tok_per_s"] <= hit + 1e-6
     # Server-reported hits: prefixes are reused, never beyond what the trace could reuse (trie's
     # synthesized texts may miss their length by a token or two: 2 points of slack).
     assert 0 < m["cache_hit_rate_pct_max"] <= 100 * hit + 2
