@@ -82,8 +82,12 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
         The Litestar app.
     """
     model_id = Path(config.model).name if config.model else DEFAULT_MODEL_NAME
-    owned_by = ("phloem (built-in demo model with RANDOM weights: its output is gibberish)"
-                if model_id == DEFAULT_MODEL_NAME else "phloem")
+    if model_id == DEFAULT_MODEL_NAME:
+        owned_by = "phloem (built-in demo model with RANDOM weights: its output is gibberish)"
+    elif config.engine_options.load_format == "dummy":
+        owned_by = "phloem (DUMMY random weights of this shape, for benchmarks: its output is gibberish)"
+    else:
+        owned_by = "phloem"
     keys = KeyRing(config.api_keys)
     limits = OwnerLimits(manager, config.max_sessions_per_key, config.max_generations_per_key,
                          config.retry_after_s)
