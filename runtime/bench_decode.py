@@ -31,6 +31,7 @@ __all__ = [
     "kernel_breakdown",
     "measure_bandwidth",
     "measure_matmul_rate",
+    "replay_ms",
     "run_decode",
     "run_prefill",
     "step_bytes",
@@ -187,7 +188,11 @@ def _graph_replay_ms(engine: Engine, batch: int, repeats: int = 20) -> float | N
     graphs = engine.runner.graphs
     if graphs is None or batch > graphs.max_batch_size():
         return None
-    graph = graphs.graphs[next(b for b in graphs.buckets if b >= batch)]
+    return replay_ms(graphs.graphs[next(b for b in graphs.buckets if b >= batch)], repeats)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
+    """Device ms of one replay of ``graph``, from ``repeats`` replays back to back (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):

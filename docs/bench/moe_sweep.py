@@ -25,6 +25,7 @@ from phloem.kernels.moe import fused_moe as reference
 from phloem.kernels.moe import moe_route_shared
 from phloem.kernels.triton.fused_moe import DEFAULT_CONFIG, MoeDecodeConfig, fused_moe_tuned, launch_down_sum, launch_gate_up
 from phloem.kernels.triton.moe_grouped import fused_moe_grouped
+from phloem.runtime.bench_decode import replay_ms
 
 E, H, I, TOP_K, LAYERS = 257, 2048, 512, 8, 8
 
@@ -40,13 +41,7 @@ def graph_us(fn, calls: int, repeats: int = 30) -> float:
         fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return 1000 * start.elapsed_time(end) / repeats / calls
+    return 1000 * replay_ms(graph, repeats) / calls
 
 
 def make_layers(tokens: int):

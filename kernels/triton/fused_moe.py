@@ -119,8 +119,9 @@ def _env_config() -> MoeDecodeConfig | None:
         raise ValueError(f"{_ENV_VAR}: expected 8 comma-separated integers, got {text!r}") from None
 
 
-DEFAULT_CONFIG = _env_config() or _H200_CONFIG
-_BATCH_CONFIG = _env_config() or _H200_BATCH_CONFIG
+_ENV_CONFIG = _env_config()
+DEFAULT_CONFIG = _ENV_CONFIG or _H200_CONFIG
+_BATCH_CONFIG = _ENV_CONFIG or _H200_BATCH_CONFIG
 
 
 def fused_moe(
