@@ -53,16 +53,6 @@ def test_bench_without_a_kind_is_a_usage_error() -> None:
     assert info.value.code == 2
 
 
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[ServerConfig]:
-    """Stands in for ``phloem.api.app`` (built elsewhere): records the config ``serve`` gets."""
-    configs: list[ServerConfig] = []
-    app = types.ModuleType("phloem.api.app")
-    app.serve = configs.append  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "phloem.api.app", app)
-    return configs
-
-
 def test_serve_without_model_builds_the_demo_model(
     served: list[ServerConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

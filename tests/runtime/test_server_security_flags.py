@@ -4,8 +4,6 @@ shows in a repr, an error message or the help text."""
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -15,18 +13,6 @@ from phloem.runtime.cli import main
 from phloem.runtime.config import ApiKey, is_loopback, parse_api_key, read_api_keys_file
 
 SECRET = "s3cr3t-key-0123456789abcdef"
-
-
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[ServerConfig]:
-    """Stands in for ``phloem.api.app``: records the config ``serve`` gets."""
-    configs: list[ServerConfig] = []
-    app = types.ModuleType("phloem.api.app")
-    app.serve = configs.append  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "phloem.api.app", app)
-    monkeypatch.delenv("PHLOEM_API_KEY", raising=False)
-    monkeypatch.delenv("PHLOEM_API_KEYS_FILE", raising=False)
-    return configs
 
 
 def serve(tmp_path: Path, *argv: str) -> list[str]:
