@@ -44,10 +44,10 @@ def graph_us(fn, calls: int, repeats: int = 30) -> float:
     return 1000 * replay_ms(graph, repeats) / calls
 
 
-def make_layers(tokens: int):
+def make_layers(tokens: int, num_layers: int = LAYERS):
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     layers = []
-    for _ in range(LAYERS):
+    for _ in range(num_layers):
         wgu = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
         wd = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -146,7 +146,7 @@ def decode_rows(tokens: int, quick: bool) -> list[dict]:
 
 
 def prefill_row(tokens: int = 8192) -> dict:
-    (x, wgu, wd, w, ids, _, _), = make_layers_one(tokens)
+    (x, wgu, wd, w, ids, _, _), = make_layers(tokens, num_layers=1)
     expected = reference(x, wgu, wd, w, ids)
     got = fused_moe_grouped(x, wgu, wd, w, ids)
     err = ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
@@ -161,15 +161,6 @@ def prefill_row(tokens: int = 8192) -> dict:
         timings[name] = (time.perf_counter() - t0) / 3 * 1000
     flops = 2 * tokens * (TOP_K + 1) * 3 * H * I
     return dict(tokens=tokens, rel_err=err, ms=timings, grouped_tflops=flops / (timings["grouped"] * 1e-3) / 1e12)
-
-
-def make_layers_one(tokens: int):
-    global LAYERS
-    saved, LAYERS = LAYERS, 1
-    try:
-        return make_layers(tokens)
-    finally:
-        LAYERS = saved
 
 
 def main() -> None:
