@@ -8,7 +8,10 @@ the rest of the bucket with a scratch page and a scratch state slot that no requ
 re-plans FlashInfer's fixed-buffer decode wrapper for the bucket, and replays.
 
 Everything inside the graph must be capturable: the Triton ops and FlashInfer, never the torch
-references (their per-sequence loops read values back to the host).
+references (their per-sequence loops read values back to the host). Under tensor parallelism
+every rank captures the same buckets at the same time (the warm-up forwards run the collectives,
+which pair across ranks) and the NCCL all-reduces and the logits gather are captured with the
+step; a step replays the same bucket on every rank because they all get the same ``StepInputs``.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ class CudaGraphRunner:
         self.write_slots = torch.zeros(n, dtype=torch.int64, device=dev)
         self._host = torch.zeros((5, n), dtype=torch.int64, pin_memory=True)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # None on tensor-parallel worker ranks (the captured LM head gathers logits to rank 0).
+        self.logits: dict[int, torch.Tensor | None] = {}
 
     def max_batch_size(self) -> int:
         return self.buckets[-1]
@@ -109,8 +113,9 @@ class CudaGraphRunner:
             buf[:bs].copy_(host[i], non_blocking=True)
         self.seq_lens[:bs].copy_(torch.tensor(inp.seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
 
-    def run(self, inp: StepInputs) -> torch.Tensor:
-        """Replay the smallest bucket that holds the decode step; returns logits ``[n, V]`` (fp32)."""
+    def run(self, inp: StepInputs) -> torch.Tensor | None:
+        """Replay the smallest bucket that holds the decode step; returns logits ``[n, V]`` (None on a
+        tensor-parallel worker rank)."""
         n = len(inp.input_ids)
         bs = next(b for b in self.buckets if b >= n)
         # NOTE: the pinned staging buffer is reused; wait for the previous step's copies first.
@@ -119,4 +124,5 @@ class CudaGraphRunner:
         pad = bs - n
         self.attn.plan([1] * bs, inp.seq_lens + [1] * pad, inp.page_ids + [[self.pad_page]] * pad, graph_batch_size=bs)
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        logits = self.logits[bs]
+        return logits[:n] if logits is not None else None

@@ -10,8 +10,9 @@ engine keeps serving the others.
 Tensor parallelism (``tensor_parallel_size=N``): this process is rank 0 and the only one that
 schedules, keeps the radix cache and samples; ``engine.tp_workers`` runs ranks 1..N-1 in child
 processes, and each step the runner sends them a compact step plan before the shared forward.
-``close()`` (or ``with Engine.from_pretrained(...) as engine``) stops them. CUDA graphs are off
-under TP until captured collectives are validated on GPUs.
+``close()`` (or ``with Engine.from_pretrained(...) as engine``) stops them. Every rank captures
+the same CUDA-graph buckets (with the collectives inside), and exported prefixes are gathered
+from every rank into the TP=1 layout, so spilled sessions move between TP sizes.
 """
 
 from __future__ import annotations
@@ -101,12 +102,17 @@ class Engine:
             cache_config.checkpoint_prompt_end,
         )
         self.scheduler = Scheduler(scheduler_config, self.cache, finalize=tree is not None)
-        if runner_config.enable_cuda_graph and self.runner.attn is not None and tp.size == 1:
+        graphs = None
+        if runner_config.enable_cuda_graph and self.runner.attn is not None:
             # One page and one slot absorb the writes of a graph bucket's padding rows.
             pad_page, pad_slot = self.page_pool.allocate(1), self.slot_pool.allocate()
             assert pad_page is not None and pad_slot is not None, "pools too small for CUDA-graph padding"
             size = min(runner_config.max_graph_batch_size, scheduler_config.max_num_seqs)
-            self.runner.enable_cuda_graphs(size, pad_page[0], pad_slot, runner_config.show_progress)
+            graphs = (size, pad_page[0], pad_slot)
+        if workers is not None:
+            workers.start(graphs)  # the workers capture the same buckets alongside rank 0
+        if graphs is not None:
+            self.runner.enable_cuda_graphs(*graphs, show_progress=runner_config.show_progress)
         limit = model_config.max_position_embeddings
         self.max_model_len = min(scheduler_config.max_model_len or limit, limit)
         self._requests: dict[str, Request] = {}
@@ -381,18 +387,18 @@ class Engine:
 
     def export_prefix(self, token_ids: Sequence[int]) -> PrefixState | None:
         """Host copies of the KV pages and head checkpoint of the deepest cached prefix of
-        ``token_ids`` (for spilling a session); None when nothing of it is cached, and always under
-        tensor parallelism (rank 0 holds only its shard of the caches; TP spill is not built yet)."""
-        if self.workers is not None:
-            return None
-        return export_prefix(self.cache, self.runner.caches, list(token_ids))
+        ``token_ids`` (for spilling a session), in the TP=1 layout whatever the tensor-parallel
+        size (``engine.tp_state``); None when nothing of it is cached."""
+        return export_prefix(self.cache, self.runner.read_state, list(token_ids))
 
     def import_prefix(self, state: PrefixState) -> bool:
         """Load a spilled prefix into fresh pages and a fresh slot and publish it in the radix
-        cache; False (taking nothing) when no room can be made, and always under tensor parallelism."""
-        if self.workers is not None:
-            return False
-        return import_prefix(self.cache, self.runner.caches, state)
+        cache; False (taking nothing) when no room can be made.
+
+        Raises:
+            ValueError: the tensors do not have this model's (TP=1 layout) shapes.
+        """
+        return import_prefix(self.cache, state, self.runner.state_shapes, self.runner.write_state)
 
     def reserve_transfer(
         self, token_ids: Sequence[int], params: SamplingParams, local_up_to: int = 0

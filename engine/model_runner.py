@@ -7,7 +7,11 @@ logits and sampled. The only device-to-host transfer of a step is the sampled id
 
 Under tensor parallelism rank 0's runner hands each step's ``StepPlan`` (its page copies and
 inputs) to ``plan_sink`` before its own forward; a worker rank's runner gets the plan through
-``run_plan`` and joins the same forward (``engine.step_plan``).
+``run_plan`` and joins the same forward (``engine.step_plan``), replayed from the same CUDA graph
+bucket when graphs are on (every rank captures the same buckets; the collectives are captured
+with them). Reading or writing a cached prefix's state (``read_state`` / ``write_state``, for
+session spill and resume) is a plan too: every rank joins the gather or scatter
+(``engine.tp_state``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from phloem.engine.parallel import TPGroup
 from phloem.engine.request import Request
 from phloem.engine.sampler import sample
 from phloem.engine.scheduler import SchedulerOutput
-from phloem.engine.step_plan import StepInputs, StepPlan
+from phloem.engine.step_plan import StateMove, StepInputs, StepPlan
+from phloem.engine.tp_state import StateTensors, gather_state, scatter_state, state_shapes
 from phloem.kernels.flashinfer_attention import FlashInferAttention, flashinfer_available
 
 __all__ = ["AttnLayerHook", "CausalLM", "ModelRunner", "StepInputs", "StepLayerHook", "StepResult", "build_runner"]
@@ -59,10 +64,14 @@ class ModelRunner:
         model: CausalLM,
         caches: ModelCaches,
         page_size: int,
-        device: torch.device,
+        model_config: ModelConfig,
+        tp: TPGroup,
         attn: FlashInferAttention | None = None,
         plan_sink: PlanSink | None = None,
     ) -> None:
+        device = tp.device
+        self.model_config = model_config
+        self.tp = tp
         self.model = model
         self.caches = caches
         self.page_size = page_size
@@ -84,6 +93,27 @@ class ModelRunner:
         assert self.attn is not None, "CUDA graphs need the FlashInfer attention backend"
         self.graphs = CudaGraphRunner(self.model, self.caches, self.attn, max_batch_size, pad_page, pad_slot)  # type: ignore[arg-type]
         self.graphs.capture(show_progress)
+
+    def read_state(self, pages: list[int], slot: int) -> StateTensors:
+        """The whole (TP=1 layout) KV of ``pages`` and GDN state of ``slot``, on rank 0's device."""
+        self._move(StateMove("export", tuple(pages), slot))
+        state = gather_state(self.tp, self.model_config, self.caches, pages, slot)
+        assert state is not None, "read_state runs on rank 0"
+        return state
+
+    def write_state(self, pages: list[int], slot: int, state: StateTensors) -> None:
+        """Write a whole (TP=1 layout) state into ``pages`` and ``slot`` of every rank."""
+        self._move(StateMove("import", tuple(pages), slot))
+        scatter_state(self.tp, self.model_config, self.caches, pages, slot, state)
+
+    def state_shapes(self, num_pages: int) -> tuple[tuple[int, ...], ...]:
+        """The shapes ``read_state`` returns and ``write_state`` takes for ``num_pages`` pages."""
+        return state_shapes(self.model_config, self.page_size, num_pages)
+
+    def _move(self, move: StateMove) -> None:
+        if self.plan_sink is not None:
+            self.plan_sink(StepPlan(tuple(self._pending_copies), None, move))
+            self._pending_copies.clear()
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one KV page across every full-attention layer (the copy-on-write of a partial page)."""
@@ -156,7 +186,7 @@ class ModelRunner:
         hooked = on_attn_layer is not None
         if graphs is not None and inp.is_decode and not hooked and len(inp.query_lens) <= graphs.max_batch_size():
             logits = graphs.run(inp)
-            return logits[inp.sample_rows] if inp.sample_rows else None
+            return logits[inp.sample_rows] if logits is not None and inp.sample_rows else None
         batch = self.build_batch(inp)
         # Models without a layer loop (test doubles) need not take the hook: passed only when set.
         if hooked:
@@ -165,6 +195,7 @@ class ModelRunner:
             hidden = self.model.forward(batch, self.caches)
         if not inp.sample_rows:
             return None
+        # None on a worker rank: the LM head gathers the logits to rank 0.
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -186,6 +217,11 @@ class ModelRunner:
             self.copy_page(src, dst)
         if plan.inputs is not None:
             self.forward_logits(plan.inputs)
+        move = plan.move
+        if move is not None and move.kind == "export":
+            gather_state(self.tp, self.model_config, self.caches, move.pages, move.slot)
+        elif move is not None:
+            scatter_state(self.tp, self.model_config, self.caches, move.pages, move.slot, None)
 
 
 def _attention_backend(
@@ -223,4 +259,4 @@ def build_runner(
         plan = replace(plan, num_pages=num_pages, num_slots=num_slots)
     caches = allocate_caches(mc, plan, cc.page_size, dtype, device, tp.size)
     attn = _attention_backend(mc, cc, rc, tp, dtype, device)
-    return ModelRunner(model, caches, cc.page_size, device, attn, plan_sink), plan
+    return ModelRunner(model, caches, cc.page_size, mc, tp, attn, plan_sink), plan

@@ -96,6 +96,13 @@ class TPGroup:
         """Concatenate every rank's ``x`` along ``dim`` on rank 0; None on the other ranks."""
         if self.size == 1:
             return x
+        parts = self.gather_list(x)
+        return None if parts is None else torch.cat(parts, dim)
+
+    def gather_list(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``x`` (same shape and dtype on all ranks), in rank order, on rank 0; None elsewhere."""
+        if self.size == 1:
+            return [x]
         x = x.contiguous()
         options = dist.GatherOptions()
         options.rootRank = 0
@@ -104,7 +111,21 @@ class TPGroup:
             return None
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self._backend().gather([parts], [x], options).wait()
-        return torch.cat(parts, dim)
+        return parts
+
+    def scatter_from_first(self, out: torch.Tensor, parts: Sequence[torch.Tensor] | None) -> torch.Tensor:
+        """Rank ``r`` receives ``parts[r]`` (given on rank 0 only, each shaped like ``out``) into ``out``."""
+        if self.size == 1:
+            assert parts is not None
+            return out.copy_(parts[0])
+        options = dist.ScatterOptions()
+        options.rootRank = 0
+        if self.rank != 0:
+            self._backend().scatter([out], [], options).wait()
+            return out
+        assert parts is not None and len(parts) == self.size, "rank 0 scatters one part per rank"
+        self._backend().scatter([out], [[p.contiguous() for p in parts]], options).wait()
+        return out
 
     def all_min(self, values: Sequence[int]) -> list[int]:
         """Element-wise minimum of small integer lists over the ranks (e.g. pool sizes)."""

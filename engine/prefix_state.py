@@ -8,7 +8,8 @@ if a request had computed it: the next request on that history is a cache hit an
 what lies past the checkpoint. Pages the tree still holds for the same positions are kept and the
 imported duplicates freed; nothing is ever written into a page the tree shares.
 
-Layout of the exported tensors (what ``storage`` segments hold)::
+Layout of the exported tensors (what ``storage`` segments hold), the same whatever the
+tensor-parallel size (``engine.tp_state`` gathers and scatters the ranks' shards)::
 
     kv    [num_attn_layers, num_pages, 2, page_size, num_kv_heads, head_dim]   model dtype
     conv  [num_gdn_layers, conv_dim, conv_kernel - 1]                           model dtype
@@ -17,15 +18,23 @@ Layout of the exported tensors (what ``storage`` segments hold)::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from phloem.engine.cache_manager import CacheManager
-from phloem.engine.forward_batch import ModelCaches
 from phloem.engine.radix_cache import Checkpoint
+from phloem.engine.tp_state import StateTensors
 
 __all__ = ["PrefixState", "export_prefix", "import_prefix"]
+
+# ``(pages, slot)`` -> the whole (TP=1 layout) state on the device (``engine.tp_state``).
+StateReader = Callable[[Sequence[int], int], StateTensors]
+# ``(pages, slot, state)``: write a whole state into the pages and slot of every rank.
+StateWriter = Callable[[Sequence[int], int, StateTensors], None]
+# ``num_pages`` -> the whole state's kv, conv and ssm shapes.
+StateShapes = Callable[[int], tuple[tuple[int, ...], ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +53,7 @@ class PrefixState:
         return sum(t.numel() * t.element_size() for t in (self.kv, self.conv, self.ssm))
 
 
-def export_prefix(cache: CacheManager, caches: ModelCaches, token_ids: list[int]) -> PrefixState | None:
+def export_prefix(cache: CacheManager, read: StateReader, token_ids: list[int]) -> PrefixState | None:
     """Host copies of the deepest cached checkpoint within ``token_ids`` (None when nothing is cached)."""
     tree = cache.tree
     match = tree.match(token_ids, len(token_ids)) if tree is not None and token_ids else None
@@ -53,27 +62,21 @@ def export_prefix(cache: CacheManager, caches: ModelCaches, token_ids: list[int]
     pages = list(match.pages)
     if match.checkpoint.tail_page is not None:
         pages.append(match.checkpoint.tail_page)
-    index = torch.tensor(pages, dtype=torch.long, device=caches.kv.device)
-    pin = caches.kv.device.type == "cuda"
-    slot = match.checkpoint.slot
+    kv, conv, ssm = read(pages, match.checkpoint.slot)
+    pin = kv.device.type == "cuda"
 
     def host(t: torch.Tensor) -> torch.Tensor:
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
         out.copy_(t, non_blocking=pin)
         return out
 
-    state = PrefixState(
-        tuple(token_ids[: match.num_tokens]),
-        host(caches.kv.index_select(1, index)),
-        host(caches.conv[:, slot]),
-        host(caches.ssm[:, slot]),
-    )
+    state = PrefixState(tuple(token_ids[: match.num_tokens]), host(kv), host(conv), host(ssm))
     if pin:
-        torch.cuda.current_stream(caches.kv.device).synchronize()
+        torch.cuda.current_stream(kv.device).synchronize()
     return state
 
 
-def import_prefix(cache: CacheManager, caches: ModelCaches, state: PrefixState) -> bool:
+def import_prefix(cache: CacheManager, state: PrefixState, shapes: StateShapes, write: StateWriter) -> bool:
     """Load ``state`` into fresh pages and a fresh slot and publish it in the radix tree.
 
     Returns False (taking nothing) when the pools cannot make room even after eviction.
@@ -86,11 +89,11 @@ def import_prefix(cache: CacheManager, caches: ModelCaches, state: PrefixState) 
     ps = cache.page_size
     n = state.num_tokens
     full, has_tail = n // ps, n % ps != 0
-    expect_kv = (caches.kv.shape[0], full + has_tail, *caches.kv.shape[2:])
-    if tuple(state.kv.shape) != expect_kv or state.conv.shape != caches.conv[:, 0].shape or state.ssm.shape != caches.ssm[:, 0].shape:
+    expect = shapes(full + has_tail)
+    got = tuple(tuple(t.shape) for t in (state.kv, state.conv, state.ssm))
+    if got != expect:
         raise ValueError(
-            f"state: expected kv {expect_kv}, conv {tuple(caches.conv[:, 0].shape)}, ssm {tuple(caches.ssm[:, 0].shape)}; "
-            f"got kv {tuple(state.kv.shape)}, conv {tuple(state.conv.shape)}, ssm {tuple(state.ssm.shape)}"
+            f"state: expected kv {expect[0]}, conv {expect[1]}, ssm {expect[2]}; got kv {got[0]}, conv {got[1]}, ssm {got[2]}"
         )
     slot = cache.allocate_slot()
     if slot is None:
@@ -99,12 +102,7 @@ def import_prefix(cache: CacheManager, caches: ModelCaches, state: PrefixState) 
     if pages is None:
         cache.slot_pool.free(slot)
         return False
-    dev = caches.kv.device
-    index = torch.tensor(pages, dtype=torch.long, device=dev)
-    non_blocking = dev.type == "cuda" and state.kv.is_pinned()
-    caches.kv.index_copy_(1, index, state.kv.to(dev, non_blocking=non_blocking))
-    caches.conv[:, slot].copy_(state.conv, non_blocking=non_blocking)
-    caches.ssm[:, slot].copy_(state.ssm, non_blocking=non_blocking)
+    write(pages, slot, (state.kv, state.conv, state.ssm))
     ckpt = Checkpoint(slot=slot, tail_page=pages[full] if has_tail else None)
     tree.insert(list(state.token_ids), pages[:full], ckpt)
     return True

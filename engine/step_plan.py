@@ -2,17 +2,20 @@
 
 Under tensor parallelism only rank 0 schedules. Each step it sends the other ranks a
 ``StepPlan``: the KV page copies its scheduler made since the last plan (the copy-on-write tail
-page of a prefix hit or fork), then the step's ``StepInputs``. A worker replays the copies and
+page of a prefix hit or fork), then the step's ``StepInputs``. A plan without inputs may instead
+carry a ``StateMove``: export a cached prefix's pages and state slot to rank 0, or import them
+from rank 0 (session spill and resume, ``engine.tp_state``). A worker replays the copies and
 runs the same forward; it never samples (rank 0 alone turns the gathered logits into tokens,
 and the next plan carries them as input ids), so sampling needs no agreement between ranks.
 
 Wire form: one flat int64 array in native byte order (the ranks share a host; no pickle)::
 
-    [B, T, S, C | copies (2C) | input_ids, positions, slot_mapping (T each) | query_start_loc (B+1)
+    [B, T, S, C, M | copies (2C) | input_ids, positions, slot_mapping (T each) | query_start_loc (B+1)
      | seq_lens, read_slots, write_slots, has_state, query_lens, num_pages (B each)
      | sample_rows (S) | page ids (sum num_pages)]
 
-``B = 0`` means copies only; an empty message means shut down.
+``B = 0`` means no forward: copies only (``M = 0``), or copies then a state move ``M`` (1 export,
+2 import) followed by ``[slot, num_pages | page ids]``. An empty message means shut down.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from __future__ import annotations
 import itertools
 from array import array
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["StepInputs", "StepPlan", "decode_plan", "encode_plan"]
+__all__ = ["StateMove", "StepInputs", "StepPlan", "decode_plan", "encode_plan"]
+
+_MOVE_KINDS: tuple[Literal["export", "import"], ...] = ("export", "import")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,19 +57,38 @@ class StepInputs:
 
 
 @dataclass(frozen=True, slots=True)
+class StateMove:
+    """Move a cached prefix's KV ``pages`` and state ``slot`` between the ranks and rank 0's host:
+    ``export`` gathers every rank's shard to rank 0, ``import`` scatters rank 0's to the ranks."""
+
+    kind: Literal["export", "import"]
+    pages: tuple[int, ...]
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
-    """Page copies ``(src, dst)`` to apply in order, then the forward (None: copies only)."""
+    """Page copies ``(src, dst)`` to apply in order, then the forward (None: none), or a state move."""
 
     page_copies: tuple[tuple[int, int], ...]
     inputs: StepInputs | None
+    move: StateMove | None = None
+
+    def __post_init__(self) -> None:
+        assert self.inputs is None or self.move is None, "a step plan runs a forward or moves state, not both"
 
 
 def encode_plan(plan: StepPlan) -> bytes:
     inp = plan.inputs
     copies = list(itertools.chain.from_iterable(plan.page_copies))
     if inp is None:
-        return array("q", [0, 0, 0, len(plan.page_copies), *copies]).tobytes()
-    header = [len(inp.query_lens), len(inp.input_ids), len(inp.sample_rows), len(plan.page_copies)]
+        move = plan.move
+        if move is None:
+            return array("q", [0, 0, 0, len(plan.page_copies), 0, *copies]).tobytes()
+        kind = _MOVE_KINDS.index(move.kind) + 1
+        words = [0, 0, 0, len(plan.page_copies), kind, *copies, move.slot, len(move.pages), *move.pages]
+        return array("q", words).tobytes()
+    header = [len(inp.query_lens), len(inp.input_ids), len(inp.sample_rows), len(plan.page_copies), 0]
     words = array("q", header)
     words.extend(copies)
     for field in (inp.input_ids, inp.positions, inp.slot_mapping, inp.query_start_loc, inp.seq_lens):
@@ -82,8 +107,8 @@ def decode_plan(data: bytes) -> StepPlan:
     words = array("q")
     words.frombytes(data)
     values = words.tolist()
-    num_seqs, num_tokens, num_samples, num_copies = values[:4]
-    pos = 4
+    num_seqs, num_tokens, num_samples, num_copies, move_kind = values[:5]
+    pos = 5
 
     def take(n: int) -> list[int]:
         nonlocal pos
@@ -93,7 +118,12 @@ def decode_plan(data: bytes) -> StepPlan:
     flat = take(2 * num_copies)
     copies = tuple(zip(flat[0::2], flat[1::2]))
     if num_seqs == 0:
-        return StepPlan(copies, None)
+        move = None
+        if move_kind:
+            slot, num_pages = take(2)
+            move = StateMove(_MOVE_KINDS[move_kind - 1], tuple(take(num_pages)), slot)
+        assert pos == len(values), f"step plan: {len(values) - pos} trailing words"
+        return StepPlan(copies, None, move)
     ids, positions, slots = take(num_tokens), take(num_tokens), take(num_tokens)
     qsl = take(num_seqs + 1)
     seq_lens, read, write, has_state, query_lens, num_pages = (take(num_seqs) for _ in range(6))

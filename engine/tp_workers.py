@@ -15,8 +15,12 @@ Two channels per worker::
 
 Startup::
 
-    rank 0: bind store, spawn ──▶ wait "hello" ──▶ join group ──▶ load shard ──▶ wait "ready" ──▶ size pools
-    rank r:        import ──▶ send "hello" ──▶ join group ──▶ load shard ──▶ send "ready" ──▶ size pools ──▶ serve
+    rank 0: bind store, spawn ──▶ wait "hello" ──▶ join group ──▶ load shard ──▶ wait "ready" ──▶ size pools ──▶ send "start" ──▶ capture
+    rank r:        import ──▶ send "hello" ──▶ join group ──▶ load shard ──▶ send "ready" ──▶ size pools ──▶ wait "start" ──▶ capture ──▶ serve
+
+"start" carries the CUDA-graph settings rank 0 chose after sizing its pools (bucket limit,
+padding page and slot) or None; every rank then captures the same buckets together, since the
+warm-up forwards inside a capture run the collectives.
 
 A worker that fails before "ready" sends its traceback and rank 0 raises ``EngineError`` with it,
 rather than hanging in a collective. Workers are daemonic and also stopped by a finalizer when
@@ -128,6 +132,11 @@ class TPWorkers:
         for rank, (proc, conn) in enumerate(zip(self.processes, self._conns), start=1):
             _expect(rank, proc, conn, "ready")
 
+    def start(self, graphs: tuple[int, int, int] | None) -> None:
+        """Let the workers serve, first capturing CUDA graphs with ``(max batch, pad page, pad slot)``."""
+        for conn in self._conns:
+            conn.send(("start", graphs))
+
     def send(self, plan: StepPlan) -> None:
         """Send one step's plan to every worker.
 
@@ -212,6 +221,10 @@ def _worker_main(rank: int, spec: WorkerSpec, port: int, conn: Connection) -> No
         conn.send(("ready", None))
         dtype = next(model.parameters()).dtype
         runner, _ = build_runner(spec.model_config, model, spec.cache_config, spec.runner_config, group, dtype)
+        kind, graphs = conn.recv()
+        assert kind == "start", f"expected 'start' from rank 0, got {kind!r}"
+        if graphs is not None:
+            runner.enable_cuda_graphs(*graphs, show_progress=False)
         while data := conn.recv_bytes():
             runner.run_plan(decode_plan(data))
     except EOFError:

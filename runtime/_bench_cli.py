@@ -21,6 +21,7 @@ _EXAMPLES = """\
 examples:
   phloem bench decode --device cuda                       # Qwen3.5-35B-A3B shape, dummy weights, one GPU
   phloem bench decode --shape tiny --device cpu --batches 1,4 --contexts 256 --prefill-tokens 512
+  phloem bench decode --device cuda --tp 2 --batches 1,16 --contexts 1024   # two GPUs, NCCL
   phloem bench prefix-cache                               # 12-turn conversation, cache on vs off (CPU ok)
   phloem bench long-context --device cuda                 # decode at 128K / 256K / 1M tokens of context
   phloem bench agentic                                    # scaled-down agents against fresh local servers
@@ -128,6 +129,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="a real model folder instead of a dummy shape")
     parser.add_argument("--device", default="cuda", help="default: %(default)s")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks, one GPU each from --device (default: %(default)s); "
+                             "the roofline is one rank's share of the bytes")
     parser.add_argument("--out", type=Path, help="write the raw numbers as JSON here")
 
 
@@ -135,7 +139,8 @@ def _decode(args: argparse.Namespace) -> int:
     from phloem.runtime.bench_report import bench_decode
 
     sys.stdout.write(bench_decode(args.shape, args.model, args.device, args.batches, args.contexts,
-                                  args.prefill_tokens, args.steps, args.out, show_progress=show_progress(args)) + "\n")  # fmt: skip
+                                  args.prefill_tokens, args.steps, args.out, tensor_parallel_size=args.tp,
+                                  show_progress=show_progress(args)) + "\n")  # fmt: skip
     return 0
 
 
@@ -143,7 +148,7 @@ def _long_context(args: argparse.Namespace) -> int:
     from phloem.runtime.bench_report import bench_decode
 
     sys.stdout.write(bench_decode(args.shape, args.model, args.device, (1,), args.contexts, 0, args.steps, args.out,
-                                  max_num_seqs=1, show_progress=show_progress(args)) + "\n")  # fmt: skip
+                                  max_num_seqs=1, tensor_parallel_size=args.tp, show_progress=show_progress(args)) + "\n")  # fmt: skip
     return 0
 
 

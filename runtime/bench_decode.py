@@ -144,7 +144,10 @@ def step_bytes(engine: Engine, batch: int, context: int) -> StepBytes:
     distinct = e * (1 - (1 - k / e) ** batch) + 1 if mc.num_experts else 0
     weights = int(dense + batch * embed_row + distinct * expert_per_layerset)
     elem = engine.dtype.itemsize
-    kv_per_token = len(mc.full_attention_layers) * 2 * mc.num_key_value_heads * mc.head_dim * elem
+    # Rank 0's share under tensor parallelism (its parameters, KV heads and state): every rank
+    # reads its own share at the same time, so the step's roofline is one rank's bytes.
+    kv_heads = engine.runner.caches.kv.shape[-2]
+    kv_per_token = len(mc.full_attention_layers) * 2 * kv_heads * mc.head_dim * elem
     slot_bytes = engine.runner.caches.ssm[:, 0].numel() * 4 + engine.runner.caches.conv[:, 0].numel() * elem
     return StepBytes(weights, batch * context * kv_per_token, batch * 2 * slot_bytes)
 
@@ -184,9 +187,10 @@ def run_decode(
 
 
 def _graph_replay_ms(engine: Engine, batch: int, repeats: int = 20) -> float | None:
-    """Device time of the last-planned graph of this batch's bucket, replayed back to back."""
+    """Device time of the last-planned graph of this batch's bucket, replayed back to back (None under
+    tensor parallelism: replaying rank 0's graph alone would wait forever in its first all-reduce)."""
     graphs = engine.runner.graphs
-    if graphs is None or batch > graphs.max_batch_size():
+    if graphs is None or batch > graphs.max_batch_size() or engine.workers is not None:
         return None
     return replay_ms(graphs.graphs[next(b for b in graphs.buckets if b >= batch)], repeats)
 

@@ -76,7 +76,8 @@ def bench_decode(
     prefill: PrefillResult | None = None
     if prefill_tokens and prefill_tokens < engine.max_model_len:
         prefill = run_prefill(engine, prefill_tokens, matmul)
-    kernels = kernel_breakdown(engine) if dev.type == "cuda" else []
+    # Profiled on rank 0 alone, eagerly: under TP its workers would replay graphs meanwhile.
+    kernels = kernel_breakdown(engine) if dev.type == "cuda" and engine.workers is None else []
     report = _markdown(shape if model is None else str(model), device, bandwidth, matmul, results, skipped, prefill, kernels)
     if out_json is not None:
         out_json.write_text(

@@ -41,8 +41,8 @@ Policy (DESIGN.md §4, "Pin/TTL")::
   directory whose token ids are a prefix of its history, else by recompute. Segments of this
   model that no session references any more are deleted.
 
-Under tensor parallelism the engine exports nothing yet (rank 0 holds a shard): sessions then
-stay ``idle`` on the GPU and are evicted and recomputed as before.
+Under tensor parallelism the engine gathers every rank's shard into the TP=1 layout
+(``engine.tp_state``): segments do not depend on the TP size.
 
 Where segments live and how they move between tiers is ``sessions._segments``; this module is
 the policy. Lock order: ``session.lock`` may be held while taking a ``SpilledSegment.lock``,

@@ -121,15 +121,23 @@ def test_prefix_hits_under_graphs_follow_fresh(model_dir: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_tensor_parallel_2_follows_tp1_over_nccl(model_dir: Path) -> None:
-    """TP=2 (NCCL, GPUs 0 and 1) against TP=1: prefill, decode, a prefix hit and a fork."""
+    """TP=2 (NCCL, GPUs 0 and 1, CUDA-graph decode on both ranks) against TP=1: prefill, decode,
+    a prefix hit, a fork, and a resume from an exported (gathered, then scattered) prefix."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with gpu_engine(model_dir, tensor_parallel_size=2, checkpoint_interval=64) as tp2:
         assert tp2.workers is not None and tp2.workers.group.size == 2
+        assert tp2.runner.graphs is not None and tp2.runner.graphs.graphs
         first = tp2.generate(PROMPTS, params)
+        done = len(PROMPTS[2]) + len(first[2].token_ids)
         conv = PROMPTS[2] + first[2].token_ids + [4, 5, 6]
         forks = tp2.generate([conv + [7], conv + [8, 9]], params)
-        done = len(PROMPTS[2]) + len(first[2].token_ids)
         assert [f.num_cached_tokens for f in forks] == [done, done]
+        state = tp2.export_prefix(conv[:done])
+        assert state is not None and state.num_tokens == done and state.kv.shape[-2] == 2  # both KV heads
+        tp2.cache.tree.clear()  # type: ignore[union-attr]
+        assert tp2.import_prefix(state)
+        resumed = tp2.generate([conv + [10]], params)[0]
+        assert resumed.num_cached_tokens == done
     tp1 = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
-    prompts = [*PROMPTS, conv + [7], conv + [8, 9]]
-    assert_follows(tp1, prompts, [o.token_ids for o in [*first, *forks]])
+    prompts = [*PROMPTS, conv + [7], conv + [8, 9], conv + [10]]
+    assert_follows(tp1, prompts, [o.token_ids for o in [*first, *forks, resumed]])

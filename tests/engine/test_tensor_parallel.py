@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import shutil
+from dataclasses import replace
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ import phloem.engine.loader as loader
 from phloem.engine import Engine, EngineError, SamplingParams
 from phloem.engine.config import LoadConfig, ModelConfig
 from phloem.engine.parallel import TPGroup, kv_head_start
-from phloem.engine.step_plan import StepInputs, StepPlan, decode_plan, encode_plan
+from phloem.engine.prefix_state import PrefixState
+from phloem.engine.step_plan import StateMove, StepInputs, StepPlan, decode_plan, encode_plan
 from phloem.runtime.engine_client import EngineClient
 
 ARCHS = ["Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"]
@@ -93,6 +95,45 @@ def test_prefix_hit_multi_turn_then_fork(arch: str, engines: dict[str, tuple[Eng
     ref_out, tp_out = (engine.generate(branches, SamplingParams(max_tokens=8)) for engine in pair)
     assert [o.token_ids for o in tp_out] == [o.token_ids for o in ref_out]
     assert [o.num_cached_tokens for o in tp_out] == [len(conv)] * 2
+
+
+def assert_same_state(a: PrefixState | None, b: PrefixState | None) -> None:
+    assert a is not None and b is not None and a.token_ids == b.token_ids
+    for x, y in ((a.kv, b.kv), (a.conv, b.conv), (a.ssm, b.ssm)):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        # Not bit-exact: TP=2 sums the row-parallel partials in another order.
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+def clear(pair: tuple[Engine, Engine]) -> None:
+    for engine in pair:
+        engine.cache.tree.clear()  # type: ignore[union-attr]
+        assert engine.page_pool.num_free_pages == engine.page_pool.num_pages
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_spill_and_resume_move_between_tp_sizes(arch: str, engines: dict[str, tuple[Engine, Engine]]) -> None:
+    """A TP=2 export equals the TP=1 one (the TP=1 layout), and each engine resumes from the
+    other's export with the tokens of a fresh recompute."""
+    pair = engines[arch]
+    prompt = tokens(29, 60)
+    conv = prompt + both(pair, [prompt], SamplingParams(max_tokens=6))[0]
+    assert len(conv) % 16, "a mid-page end exercises the checkpoint's tail page"
+    nxt = conv + tokens(4, 61)
+    one, two = (engine.export_prefix(conv) for engine in pair)
+    assert one is not None and one.num_tokens == len(conv)
+    assert_same_state(two, one)
+    clear(pair)
+    fresh = both(pair, [nxt], SamplingParams(max_tokens=8))
+    clear(pair)
+    assert pair[0].import_prefix(two) and pair[1].import_prefix(one)  # type: ignore[arg-type]
+    outs = [engine.generate([nxt], SamplingParams(max_tokens=8))[0] for engine in pair]
+    assert [o.token_ids for o in outs] == fresh * 2
+    assert [o.num_cached_tokens for o in outs] == [len(conv)] * 2
+    clear(pair)
+    with pytest.raises(ValueError, match="state: expected kv"):
+        pair[1].import_prefix(replace(one, ssm=one.ssm[:, :1]))  # type: ignore[union-attr]
+    assert pair[1].slot_pool.num_free_slots == pair[1].slot_pool.num_slots
 
 
 def test_seeded_sampling_matches(engines: dict[str, tuple[Engine, Engine]]) -> None:
@@ -224,7 +265,10 @@ def test_step_plan_round_trips() -> None:
         seq_lens=[4, 2], read_slots=[2, 3], write_slots=[4, 3], has_state=[True, False], query_lens=(1, 2),
         page_ids=[[2], [4, 9]], sample_rows=[0, 1],
     )
-    for plan in (StepPlan(((1, 2), (7, 3)), inputs), StepPlan((), inputs), StepPlan(((4, 5),), None)):
+    moves = [StateMove("export", (3, 9, 4), 2), StateMove("import", (), 0)]
+    plans = [StepPlan(((1, 2), (7, 3)), inputs), StepPlan((), inputs), StepPlan(((4, 5),), None)]
+    plans += [StepPlan(((4, 5),), None, moves[0]), StepPlan((), None, moves[1])]
+    for plan in plans:
         assert decode_plan(encode_plan(plan)) == plan
 
 
@@ -279,11 +323,22 @@ def odd_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_replicated_kv_head_padded_vocab_tied_embeddings(odd_checkpoint: Path) -> None:
     prompts = [[t % 251 for t in tokens(n, n)] for n in (3, 18, 50)]
     params = SamplingParams(max_tokens=10)
-    ref = Engine.from_pretrained(odd_checkpoint, **OPTIONS).generate(prompts, params)
+    ref_engine = Engine.from_pretrained(odd_checkpoint, **OPTIONS)
+    ref = ref_engine.generate(prompts, params)
     with Engine.from_pretrained(odd_checkpoint, tensor_parallel_size=2, **OPTIONS) as engine:
         assert engine.runner.caches.kv.shape[-2] == 1  # the one KV head, on both ranks
         out = engine.generate(prompts, params)
         assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+        # The replicated KV head is exported once; the TP=1 state resumes on TP=2.
+        conv = prompts[2] + ref[2].token_ids
+        state = ref_engine.export_prefix(conv)
+        assert_same_state(engine.export_prefix(conv), state)
+        nxt = [conv + [7, 8]]
+        expected = ref_engine.generate(nxt, params)[0].token_ids
+        engine.cache.tree.clear()  # type: ignore[union-attr]
+        assert engine.import_prefix(state)  # type: ignore[arg-type]
+        resumed = engine.generate(nxt, params)[0]
+        assert resumed.token_ids == expected and resumed.num_cached_tokens == len(conv)
         # A worker that dies is reported at the next step, not a hang in a collective.
         worker = engine.workers.processes[0]  # type: ignore[union-attr]
         worker.kill()
