@@ -157,6 +157,7 @@ class Engine:
             )
             workers = TPWorkers.launch(spec)
         try:
+            _bind_cuda_device(torch.device(load_config.device))
             model = load_model(Path(path), model_config, load_config, workers.group if workers else None)
             if workers is not None:
                 workers.wait_ready()
@@ -167,6 +168,16 @@ class Engine:
             if workers is not None:
                 workers.close()
             raise
+
+    def bind_thread(self) -> None:
+        """Make this engine's GPU the calling thread's current CUDA device (a no-op on CPU).
+
+        Triton kernels, FlashInfer and new CUDA streams use the *current* device, and CUDA keeps
+        it per thread: ``from_pretrained`` binds the constructing thread, and every other thread
+        that runs this engine (the serving loop, the disaggregation threads) calls this first.
+        Without it an engine on ``cuda:1`` launches its kernels against ``cuda:0``.
+        """
+        _bind_cuda_device(self.device)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (idempotent; nothing to do at TP=1).
@@ -445,3 +456,8 @@ class Engine:
     def cache_stats(self) -> CacheStats:
         """Prefix-cache and pool counters (prompt vs cached tokens, checkpoints, pages in use)."""
         return self.cache.stats()
+
+
+def _bind_cuda_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

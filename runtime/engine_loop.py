@@ -141,6 +141,7 @@ class EngineLoop:
     def _run(self) -> None:
         stops: list[Future[None]] = []
         try:
+            self.engine.bind_thread()
             while not stops:
                 block = self._paused or not self.engine.has_unfinished_requests()
                 for command in self._drain(block):

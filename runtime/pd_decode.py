@@ -78,9 +78,10 @@ class _TransferThread:
     """One daemon thread, started on first use, running submitted calls in order (a pool's
     threads are not daemons: one blocked on a dead peer would hold up interpreter exit)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_start: Callable[[], None]) -> None:
         self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._on_start = on_start
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         if self._thread is None:
@@ -97,6 +98,7 @@ class _TransferThread:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        self._on_start()
         while (item := self._calls.get()) is not None:
             future, fn = item
             if not future.set_running_or_notify_cancel():
@@ -133,7 +135,7 @@ class PDEngineClient(EngineClient):
 
         self._config = config
         self._link = DecodeLink(config, hello_for(engine, "decode"), connector)
-        self._thread = _TransferThread()
+        self._thread = _TransferThread(engine.bind_thread)
         self._pending: dict[str, _Pending] = {}
         self._eos = engine.model_config.eos_token_ids
         self.num_remote = 0  # requests prefilled by the prefill instance

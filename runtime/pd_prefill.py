@@ -80,6 +80,7 @@ class PrefillWorker:
 
     def serve_forever(self, listener: PrefillListener, stop: threading.Event) -> None:
         """Accept links one after the other until ``stop`` is set."""
+        self.engine.bind_thread()
         while not stop.is_set():
             transport = listener.accept(stop)
             if transport is None:

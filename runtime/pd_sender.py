@@ -92,7 +92,9 @@ class QueuedSender:
                 if ready is None:
                     self._transport.send(message, self._timeout_s)
                 else:
-                    side = side if side is not None else torch.cuda.Stream()
+                    # On the tensors' GPU: a new stream would otherwise go to this thread's current device.
+                    device = next(t.device for t in _tensors(message) if t.is_cuda)
+                    side = side if side is not None else torch.cuda.Stream(device=device)
                     _send_on(side, ready, self._transport, message, self._timeout_s)
                 self.num_sent += 1
             except TransportError as exc:
