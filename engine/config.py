@@ -294,14 +294,23 @@ class ParallelConfig:
         tensor_parallel_size: ranks of the tensor-parallel group, 1 to ``MAX_TP_SIZE``: one
             process each and, on CUDA, one GPU each (the engine's device and the ones after it).
             It must divide the attention and GDN heads (``engine.parallel.check_tp_size``).
+        expert_parallel: split the routed experts across the ranks whole (rank ``r`` holds experts
+            ``[r*E/N, (r+1)*E/N)``) instead of splitting every expert's intermediate; needs
+            ``tensor_parallel_size > 1``, a MoE model and ``E`` divisible by it. Everything else
+            stays tensor-parallel (``engine.models._moe``).
     """
 
     tensor_parallel_size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_TP_SIZE:
             raise ValueError(f"tensor_parallel_size: expected an integer in [1, {MAX_TP_SIZE}], got {size!r}")
+        if not isinstance(self.expert_parallel, bool):
+            raise ValueError(f"expert_parallel: expected a bool, got {self.expert_parallel!r}")
+        if self.expert_parallel and size == 1:
+            raise ValueError("expert_parallel: needs tensor_parallel_size > 1 (one rank holds every expert)")
 
 
 @dataclass(frozen=True, slots=True)

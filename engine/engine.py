@@ -67,7 +67,7 @@ _SCHED_OPTIONS = {"max_num_batched_tokens", "max_num_seqs", "max_model_len"}
 # ``show_progress`` reaches both the loader and the runner (CUDA-graph capture).
 _RUNNER_OPTIONS = {"attention_backend", "enable_cuda_graph", "max_graph_batch_size", "show_progress"}
 _LOAD_OPTIONS = {"load_format", "device", "dtype", "seed", "show_progress"}
-_PARALLEL_OPTIONS = {"tensor_parallel_size"}
+_PARALLEL_OPTIONS = {"tensor_parallel_size", "expert_parallel"}
 
 
 class Engine:
@@ -127,7 +127,8 @@ class Engine:
         ``cpu_pool_bytes``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
         ``attention_backend``, ``enable_cuda_graph``, ``max_graph_batch_size``, ``show_progress``
         (progress bars while loading and capturing: False never, None when stderr is a terminal),
-        ``tensor_parallel_size`` (N > 1 starts N - 1 worker processes; ``close()`` stops them).
+        ``tensor_parallel_size`` (N > 1 starts N - 1 worker processes; ``close()`` stops them),
+        ``expert_parallel`` (routed experts split whole across those ranks).
         An unknown option is an error (never silently dropped).
 
         Raises:
@@ -147,13 +148,14 @@ class Engine:
         runner_config = RunnerConfig(**pick(_RUNNER_OPTIONS))  # type: ignore[arg-type]
         model_config = ModelConfig.from_pretrained(path)
         tp_size = parallel.tensor_parallel_size
-        check_tp_size(model_config, tp_size, torch.device(load_config.device))
+        check_tp_size(model_config, tp_size, torch.device(load_config.device), parallel.expert_parallel)
         workers = None
         if tp_size > 1:
             device = rank_device(torch.device(load_config.device), 0)
             load_config = replace(load_config, device=str(device))
             spec = WorkerSpec(
-                str(path), model_config, load_config, cache_config, runner_config, tp_size, torch.get_num_threads()
+                str(path), model_config, load_config, cache_config, runner_config, tp_size, torch.get_num_threads(),
+                parallel.expert_parallel,
             )
             workers = TPWorkers.launch(spec)
         try:

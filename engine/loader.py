@@ -28,6 +28,10 @@ Tensor parallelism: a rank reads only its shard of each checkpoint tensor
 (``safe_open(...).get_slice(name)[...]``, as each module's ``checkpoint_shards()`` says), before
 any of the above; the layout conversions and the fused-row redirects then run on the shard,
 against the rank's local parameter shapes. Replicated tensors (norms, the router) are read whole.
+With expert parallelism a rank reads whole experts of its own range (their rows remapped to local
+ones) and never opens another rank's expert tensors (``Shard.skip``); the rows no tensor fills
+(the zero expert, and the shared expert off rank 0) are exempt from the coverage check and
+zeroed after loading, for both formats.
 
 Dummy weights are defined per rank: every rank draws its local tensors from the same seed in the
 same order, so replicated weights agree across ranks, but the model at TP=N is not the TP=1
@@ -84,6 +88,10 @@ def load_model(
             _init_dummy(model, load_config.seed, load_config.show_progress)
         else:
             _load_safetensors(model, Path(model_path), load_config.show_progress)
+        for module in model.modules():
+            zero = getattr(module, "zero_unloaded", None)  # expert parallelism's zero expert rows
+            if zero is not None:
+                zero()
     return model.eval()
 
 
@@ -177,9 +185,23 @@ def _shards(model: Qwen3HybridForCausalLM) -> dict[str, Shard]:
     return out
 
 
-def _read(f: Any, name: str, target: str, shards: dict[str, Shard]) -> torch.Tensor:
-    shard = shards.get(_EXPERT_IDX.sub(".experts.*.", target))
+def _read(f: Any, name: str, target: str, shards: dict[str, Shard]) -> torch.Tensor | None:
+    """This rank's part of checkpoint tensor ``name``; None when it holds none of it (not read)."""
+    shard = shards.get(target) or shards.get(_EXPERT_IDX.sub(".experts.*.", target))
+    if shard is not None and shard.skipped:
+        return None
     return f.get_tensor(name) if shard is None else shard.read(f.get_slice(name))
+
+
+def _unloaded(model: Qwen3HybridForCausalLM) -> dict[str, set[_Piece]]:
+    """Expert-tensor pieces no checkpoint tensor fills on this rank (expert parallelism)."""
+    out: dict[str, set[_Piece]] = {}
+    for prefix, module in model.named_modules():
+        rows = getattr(module, "unloaded_rows", None)
+        if rows is not None and rows():
+            out[f"{prefix}.experts.gate_up_proj"] = {(r, half, None) for r in rows() for half in ("gate", "up")}
+            out[f"{prefix}.experts.down_proj"] = {(r, None, None) for r in rows()}
+    return out
 
 
 def _checkpoint_tensors(files: list[Path], show_progress: bool | None) -> Iterator[tuple[Any, str]]:
@@ -211,6 +233,8 @@ def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path, show_progress: 
         if target is None:
             continue
         source = _read(f, name, target, shards)
+        if source is None:
+            continue
         for write in (_redirect(w, redirects) for w in _plan(model, target, source)):
             if write.param not in params:
                 raise ValueError(f"checkpoint: unknown weight {name!r} (no parameter {write.param!r})")
@@ -223,9 +247,10 @@ def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path, show_progress: 
             dst.copy_(write.source)
             loaded[write.param].add(write.piece)
     sources = {(param, rows): src for src, (param, _e, rows) in redirects.items() if rows is not None}
+    unloaded = _unloaded(model)
     for name, param in params.items():
         missing = row_targets.get(name) or _required_pieces(name, param)
-        missing = missing - loaded[name]
+        missing = missing - loaded[name] - unloaded.get(name, set())
         if missing and name in row_targets:
             absent = sorted(sources[(name, rows)] for _e, _h, rows in missing if rows is not None)
             raise ValueError(f"checkpoint: missing weight {absent[0]!r} (part of {name!r}) in {str(path)!r}")
@@ -255,6 +280,7 @@ def _required_pieces(name: str, param: torch.Tensor) -> set[_Piece]:
 def _plan(model: Qwen3HybridForCausalLM, name: str, tensor: torch.Tensor) -> list[_Write]:
     if m := _EXPERT.match(name):
         prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        expert = _expert_row(model, prefix, expert)
         if proj == "down_proj":
             return [_Write(f"{prefix}.down_proj", tensor, expert=expert)]
         return [_Write(f"{prefix}.gate_up_proj", tensor, expert=expert, half=proj.removesuffix("_proj"))]
@@ -277,6 +303,19 @@ def _plan(model: Qwen3HybridForCausalLM, name: str, tensor: torch.Tensor) -> lis
     if m := _GATE_UP.match(name):
         return [_Write(f"{m.group(1)}.gate_up_proj.weight", tensor, half=m.group(2).removesuffix("_proj"))]
     return [_Write(name, tensor)]
+
+
+def _expert_row(model: Qwen3HybridForCausalLM, experts: str, expert: int) -> int:
+    """The row of global expert ``expert`` in this rank's ``experts`` tensors (its own index unless
+    the experts are split across ranks, whose other experts the loader never reads)."""
+    try:
+        moe = model.get_submodule(experts.removesuffix(".experts"))
+    except AttributeError:
+        return expert  # an unknown weight: reported when its parameter is not found
+    local = getattr(moe, "local_expert", None)
+    row = local(expert) if local is not None else expert
+    assert row is not None, f"expert {expert} of {experts}: another rank's expert was read"
+    return row
 
 
 def _gdn(model: Qwen3HybridForCausalLM, prefix: str, name: str) -> GatedDeltaNet:

@@ -12,7 +12,10 @@ Sharding of rank ``r`` of ``N`` (a weight is ``[out, in]``; "rows" are outputs):
     GDN        key and value heads split: the q, k and v parts of in_proj / conv by heads;
                z, b, a, A_log and dt_bias by value heads; out_proj by input columns, all-reduce
     MLP, MoE   every FFN's intermediate split (each expert, and the shared expert E):
-               gate/up rows, down_proj input columns, then all-reduce; the router is replicated
+               gate/up rows, down_proj input columns, then all-reduce; the router is replicated.
+               With ``expert_parallel`` rank r instead holds routed experts [r*E/N, (r+1)*E/N)
+               whole and rank 0 the whole shared expert; each rank adds its experts' share
+               of every token, then all-reduce
     embedding  vocab rows split, padded to ceil(V / N) per rank; a token outside a rank's rows
                embeds to 0 there, then all-reduce (exactly one rank contributes: exact)
     LM head    vocab rows split; logits gathered to rank 0, the only rank that samples
@@ -54,6 +57,7 @@ class TPGroup:
     size: int
     device: torch.device
     pg: Any = None  # a gloo or NCCL c10d backend
+    expert_parallel: bool = False  # routed experts split whole across the ranks (``engine.models._moe``)
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"rank {self.rank} outside a group of {self.size}"
@@ -63,7 +67,9 @@ class TPGroup:
         return cls(0, 1, torch.device(device))
 
     @classmethod
-    def connect(cls, rank: int, size: int, store: Any, device: torch.device, timeout: timedelta) -> TPGroup:
+    def connect(
+        cls, rank: int, size: int, store: Any, device: torch.device, timeout: timedelta, expert_parallel: bool = False
+    ) -> TPGroup:
         """Join the group through a c10d store: NCCL on CUDA, gloo otherwise (blocks until all ranks join)."""
         prefixed = dist.PrefixStore("phloem-tp", store)  # type: ignore[attr-defined]
         if device.type == "cuda":
@@ -74,7 +80,7 @@ class TPGroup:
             pg = nccl(prefixed, rank, size, options)
         else:
             pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-        return cls(rank, size, device, pg)
+        return cls(rank, size, device, pg, expert_parallel)
 
     def shutdown(self) -> None:
         """Release the process group (NCCL wants it before its peers exit); no collective after."""
@@ -146,18 +152,22 @@ def kv_head_start(num_heads: int, num_kv_heads: int, tp: TPGroup) -> int:
     return q_start // (num_heads // num_kv_heads)
 
 
-def check_tp_size(mc: ModelConfig, tp_size: int, device: torch.device) -> None:
-    """Raise ``ValueError`` unless ``tp_size`` ranks (1..8: ``ParallelConfig``) can shard ``mc`` on ``device``."""
+def check_tp_size(mc: ModelConfig, tp_size: int, device: torch.device, expert_parallel: bool = False) -> None:
+    """Raise ``ValueError`` unless ``tp_size`` ranks (1..8: ``ParallelConfig``) can shard ``mc`` on ``device``
+    (experts split whole across the ranks with ``expert_parallel``)."""
     if tp_size == 1:
         return
     moe = [mc.is_moe_layer(i) for i in range(mc.num_hidden_layers)]
+    if expert_parallel and not any(moe):
+        raise ValueError(f"expert_parallel: {mc.architecture} has no MoE layers to split")
     must_divide = {
         "num_attention_heads": mc.num_attention_heads,
         "linear_num_key_heads": mc.linear_num_key_heads,
         "linear_num_value_heads": mc.linear_num_value_heads,
-        # Only the FFN sizes some layer uses.
+        # Only the FFN sizes some layer uses: whole experts under expert parallelism.
         "intermediate_size": mc.intermediate_size if not all(moe) else 0,
-        "moe_intermediate_size": mc.moe_intermediate_size if any(moe) else 0,
+        "moe_intermediate_size": mc.moe_intermediate_size if any(moe) and not expert_parallel else 0,
+        "num_experts": mc.num_experts if expert_parallel else 0,
     }
     for name, value in must_divide.items():
         if value % tp_size:
@@ -190,6 +200,15 @@ class Shard:
     @classmethod
     def rows(cls, *ranges: tuple[int, int]) -> Shard:
         return cls(tuple((slice(a, b),) for a, b in ranges))
+
+    @classmethod
+    def skip(cls) -> Shard:
+        """This rank holds none of the tensor: the loader does not read it (expert parallelism)."""
+        return cls(())
+
+    @property
+    def skipped(self) -> bool:
+        return not self.parts
 
     @classmethod
     def cols(cls, start: int, end: int) -> Shard:

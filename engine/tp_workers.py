@@ -70,6 +70,7 @@ class WorkerSpec:
     runner_config: RunnerConfig
     tp_size: int
     num_threads: int
+    expert_parallel: bool = False
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -117,7 +118,7 @@ class TPWorkers:
                 conns.append(ours)
             for rank, (proc, conn) in enumerate(zip(processes, conns), start=1):
                 _expect(rank, proc, conn, "hello")
-            group = TPGroup.connect(0, spec.tp_size, store, device, _COLLECTIVE_TIMEOUT)
+            group = TPGroup.connect(0, spec.tp_size, store, device, _COLLECTIVE_TIMEOUT, spec.expert_parallel)
         except BaseException:
             _stop(None, processes, conns)
             raise
@@ -214,7 +215,7 @@ def _worker_main(rank: int, spec: WorkerSpec, port: int, conn: Connection) -> No
             _HOST, port, spec.tp_size, is_master=False, timeout=_COLLECTIVE_TIMEOUT
         )
         conn.send(("hello", None))
-        group = TPGroup.connect(rank, spec.tp_size, store, device, _COLLECTIVE_TIMEOUT)
+        group = TPGroup.connect(rank, spec.tp_size, store, device, _COLLECTIVE_TIMEOUT, spec.expert_parallel)
         # Rank 0 draws the one progress bar; a worker's would garble it.
         load_config = replace(spec.load_config, device=str(device), show_progress=False)
         model = load_model(spec.path, spec.model_config, load_config, group)

@@ -132,6 +132,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel ranks, one GPU each from --device (default: %(default)s); "
                              "the roofline is one rank's share of the bytes")
+    parser.add_argument("--ep", action="store_true", help="with --tp N: split the routed experts whole across the ranks")
     parser.add_argument("--out", type=Path, help="write the raw numbers as JSON here")
 
 
@@ -139,7 +140,7 @@ def _decode(args: argparse.Namespace) -> int:
     from phloem.runtime.bench_report import bench_decode
 
     sys.stdout.write(bench_decode(args.shape, args.model, args.device, args.batches, args.contexts,
-                                  args.prefill_tokens, args.steps, args.out, tensor_parallel_size=args.tp,
+                                  args.prefill_tokens, args.steps, args.out, tensor_parallel_size=args.tp, expert_parallel=args.ep,
                                   show_progress=show_progress(args)) + "\n")  # fmt: skip
     return 0
 
@@ -148,7 +149,7 @@ def _long_context(args: argparse.Namespace) -> int:
     from phloem.runtime.bench_report import bench_decode
 
     sys.stdout.write(bench_decode(args.shape, args.model, args.device, (1,), args.contexts, 0, args.steps, args.out,
-                                  max_num_seqs=1, tensor_parallel_size=args.tp, show_progress=show_progress(args)) + "\n")  # fmt: skip
+                                  max_num_seqs=1, tensor_parallel_size=args.tp, expert_parallel=args.ep, show_progress=show_progress(args)) + "\n")  # fmt: skip
     return 0
 
 

@@ -140,8 +140,10 @@ def step_bytes(engine: Engine, batch: int, context: int) -> StepBytes:
     dense, expert_per_layerset, embed_row = _param_bytes(engine)
     e, k = max(mc.num_experts, 1), mc.num_experts_per_tok
     # Distinct routed experts a batch of independent tokens reaches per layer (uniform routing),
-    # plus the shared expert, which every token reads.
-    distinct = e * (1 - (1 - k / e) ** batch) + 1 if mc.num_experts else 0
+    # plus the shared expert, which every token reads. Under expert parallelism rank 0 (the
+    # busiest: it also holds the shared expert) reads the distinct ones of its E/N.
+    held = e // engine.runner.tp.size if engine.runner.tp.expert_parallel else e
+    distinct = held * (1 - (1 - k / e) ** batch) + 1 if mc.num_experts else 0
     weights = int(dense + batch * embed_row + distinct * expert_per_layerset)
     elem = engine.dtype.itemsize
     # Rank 0's share under tensor parallelism (its parameters, KV heads and state): every rank

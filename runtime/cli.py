@@ -34,6 +34,7 @@ examples:
   phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --dtype bfloat16
   phloem serve --port 9000 --redis-url redis://localhost:6379/0
   phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --tp 2   # GPUs 0 and 1
+  phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --tp 2 --ep   # experts split whole
   phloem serve --role prefill --pd-peer 10.0.0.2:9555 --model DIR      # then, on the decode side:
   phloem serve --role decode --pd-peer 10.0.0.2:9555 --model DIR       # same model; serves the API
   phloem serve --host 0.0.0.0 --api-keys-file /etc/phloem/keys   # one KEY[:admin] per line
@@ -88,6 +89,9 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--tp", metavar="N", type=int, default=defaults["tensor_parallel_size"],
                        help="tensor parallelism: N processes (on CUDA, N GPUs from --device) "
                             "run the model (default: %(default)s)")
+    serve.add_argument("--ep", action="store_true",
+                       help="expert parallelism: with --tp N, each rank holds E/N whole routed experts "
+                            "instead of a slice of every expert")
     serve.add_argument("--no-prefix-cache", action="store_true",
                        help="disable the radix prefix cache (benchmark baseline)")
     serve.add_argument("--shape", choices=sorted(SHAPES),
@@ -299,12 +303,14 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 
 def _engine_options(args: argparse.Namespace) -> dict[str, EngineOptions]:
     """``ServerConfig.engine`` for the flags that need it (``--no-prefix-cache``, ``--shape``,
-    ``--no-progress``, ``--max-num-batched-tokens``, ``--max-num-seqs``)."""
+    ``--no-progress``, ``--max-num-batched-tokens``, ``--max-num-seqs``, ``--ep``)."""
     limits = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs}
-    if not args.no_prefix_cache and not args.shape and not args.no_progress and all(v is None for v in limits.values()):
+    flags = (args.no_prefix_cache, args.shape, args.no_progress, args.ep)
+    if not any(flags) and all(v is None for v in limits.values()):
         return {}
     tp = args.tp if args.tp > 1 else None
     return {"engine": EngineOptions(device=args.device, dtype=args.dtype, tensor_parallel_size=tp,
+                                    expert_parallel=args.ep or None,
                                     enable_prefix_caching=not args.no_prefix_cache,
                                     load_format="dummy" if args.shape else "safetensors",
                                     show_progress=False if args.no_progress else None, **limits)}  # fmt: skip

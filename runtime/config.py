@@ -166,6 +166,7 @@ class EngineOptions:
         checkpoint_interval: GDN checkpoint every this many prefill tokens (0 disables).
         max_num_batched_tokens / max_num_seqs / max_model_len: scheduler limits.
         tensor_parallel_size: ranks (processes; GPUs on CUDA) running the model, 1 to 8.
+        expert_parallel: split the routed experts whole across those ranks (``--ep``).
         show_progress: progress bars while loading weights and capturing CUDA graphs: False
             never; None when stderr is a terminal (``engine._progress``).
     """
@@ -184,6 +185,7 @@ class EngineOptions:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     tensor_parallel_size: int | None = None
+    expert_parallel: bool | None = None
     show_progress: bool | None = None
 
     def __post_init__(self) -> None:
@@ -201,6 +203,8 @@ class EngineOptions:
         if self.checkpoint_interval is not None and self.checkpoint_interval < 0:
             raise ValueError(f"checkpoint_interval: expected >= 0 or None, got {self.checkpoint_interval}")
         _check_tp_size("tensor_parallel_size", self.tensor_parallel_size)
+        if self.expert_parallel and (self.tensor_parallel_size or 1) == 1:
+            raise ValueError("expert_parallel: needs tensor_parallel_size > 1 (--ep with --tp N)")
 
     def as_kwargs(self) -> dict[str, object]:
         """The keyword arguments for ``Engine.from_pretrained`` (``None`` fields left out)."""

@@ -7,6 +7,22 @@ the experts (the loader fuses per-expert checkpoints).
 Under tensor parallelism every FFN (each expert, the shared expert E, the dense MLP) keeps the
 rank's slice ``[r*I/N, (r+1)*I/N)`` of its intermediate; the down projection's partial sums are
 all-reduced. The router is replicated, so every rank routes alike.
+
+Expert parallelism (``TPGroup.expert_parallel``) splits the routed experts instead: rank ``r``
+holds experts ``[r*E/N, (r+1)*E/N)`` whole, rank 0 also the whole shared expert. The rank's
+expert tensors have ``E/N + 2`` rows::
+
+    0 .. E/N-1   its routed experts (global id - r*E/N)
+    E/N          the shared expert (rank 0); zeros on the other ranks, which never read it
+    E/N + 1      zeros: every top-k slot routed to another rank's expert points here
+
+Every rank routes every token alike, remaps the ids, runs the same fused kernel, and the
+all-reduce adds the ranks' shares: each (token, expert) pair is computed by exactly one rank
+and the zero rows contribute exactly 0. Decision: remapping to a zero expert instead of
+skipping slots keeps one kernel for both layouts (Triton decode, grouped prefill, the torch
+reference) with no per-slot branch; the cost is that a slot routed elsewhere still runs its
+GEMV against zeros (L2-resident after the first read, but FLOPs in prefill). Rank 0 reads one
+expert more than the others per token (the shared expert).
 """
 
 from __future__ import annotations
@@ -80,13 +96,39 @@ class SparseMoe(nn.Module):
             )
         self.ops = ops
         self.tp = tp
-        self.num_experts = config.num_experts
-        self.intermediate_size = config.moe_intermediate_size // tp.size
+        self.num_experts = e = config.num_experts
         self.top_k = config.num_experts_per_tok
         # Qwen3.5-MoE's router always renormalises the top-k weights; Qwen3-Next reads the flag.
         self.renormalize = config.norm_topk_prob or config.architecture == "Qwen3_5MoeForCausalLM"
-        self.router = nn.Linear(config.hidden_size, config.num_experts + 1, bias=False)
-        self.experts = Experts(config.num_experts + 1, config.hidden_size, self.intermediate_size)
+        self.router = nn.Linear(config.hidden_size, e + 1, bias=False)
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            self.num_local = e // tp.size
+            self.first_expert = tp.rank * self.num_local
+            self.shared_row, self.zero_row = self.num_local, self.num_local + 1
+            self.intermediate_size = config.moe_intermediate_size
+        else:
+            self.num_local, self.first_expert, self.shared_row, self.zero_row = e, 0, e, -1
+            self.intermediate_size = config.moe_intermediate_size // tp.size
+        rows = self.num_local + (2 if self.expert_parallel else 1)
+        self.experts = Experts(rows, config.hidden_size, self.intermediate_size)
+
+    def local_expert(self, expert: int) -> int | None:
+        """The row of global routed expert ``expert`` in this rank's tensors; None: another rank's."""
+        row = expert - self.first_expert
+        return row if 0 <= row < self.num_local else None
+
+    def unloaded_rows(self) -> tuple[int, ...]:
+        """Expert rows no checkpoint tensor fills on this rank (kept at zero by ``zero_unloaded``)."""
+        if not self.expert_parallel:
+            return ()
+        return (self.zero_row,) if self.tp.rank == 0 else (self.shared_row, self.zero_row)
+
+    @torch.no_grad()
+    def zero_unloaded(self) -> None:
+        for row in self.unloaded_rows():
+            self.experts.gate_up_proj[row].zero_()
+            self.experts.down_proj[row].zero_()
 
     def fused_weights(self) -> dict[str, tuple[str, int | None, tuple[int, int] | None]]:
         """Checkpoint tensor -> (parameter, expert row, rows of that parameter) it fills."""
@@ -94,12 +136,14 @@ class SparseMoe(nn.Module):
         return {
             "gate.weight": ("router.weight", None, (0, e)),
             "shared_expert_gate.weight": ("router.weight", None, (e, e + 1)),
-            "shared_expert.gate_up_proj.weight": ("experts.gate_up_proj", e, None),
-            "shared_expert.down_proj.weight": ("experts.down_proj", e, None),
+            "shared_expert.gate_up_proj.weight": ("experts.gate_up_proj", self.shared_row, None),
+            "shared_expert.down_proj.weight": ("experts.down_proj", self.shared_row, None),
         }
 
     def checkpoint_shards(self) -> dict[str, Shard]:
         """Checkpoint tensor -> the part of it this rank holds (used when ``tp.size > 1``)."""
+        if self.expert_parallel:
+            return self._expert_parallel_shards()
         inter, start = self.intermediate_size, self.tp.rank * self.intermediate_size
         full = inter * self.tp.size
         everything = slice(None)
@@ -114,7 +158,26 @@ class SparseMoe(nn.Module):
             "experts.down_proj": Shard(((everything, everything, slice(start, start + inter)),), dim=2),
         }
 
+    def _expert_parallel_shards(self) -> dict[str, Shard]:
+        """Whole experts: this rank's rows of fused ``[E, ...]`` tensors; other ranks' per-expert
+        tensors (and, except on rank 0, the shared expert's) are not read at all."""
+        first, n = self.first_expert, self.num_local
+        out = {
+            f"experts.{e}.{proj}.weight": Shard.skip()
+            for e in range(self.num_experts)
+            if self.local_expert(e) is None
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        }
+        if self.tp.rank != 0:
+            out.update({f"shared_expert.{proj}.weight": Shard.skip() for proj in ("gate_proj", "up_proj", "down_proj")})
+        out["experts.gate_up_proj"] = out["experts.down_proj"] = Shard.rows((first, first + n))
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.ops.moe_route_shared(self.router(x), self.top_k, self.renormalize)  # [T, k + 1]
+        if self.expert_parallel:
+            routed = ids[:, : self.top_k] - self.first_expert
+            held = (routed >= 0) & (routed < self.num_local)
+            ids = torch.cat((routed.where(held, self.zero_row), torch.full_like(ids[:, self.top_k :], self.shared_row)), 1)
         out: torch.Tensor = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         return self.tp.all_reduce(out)

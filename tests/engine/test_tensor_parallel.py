@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 import phloem.engine.loader as loader
 from phloem.engine import Engine, EngineError, SamplingParams
 from phloem.engine.config import LoadConfig, ModelConfig
-from phloem.engine.parallel import TPGroup, kv_head_start
+from phloem.engine.parallel import TPGroup, check_tp_size, kv_head_start
 from phloem.engine.prefix_state import PrefixState
 from phloem.engine.step_plan import StateMove, StepInputs, StepPlan, decode_plan, encode_plan
 from phloem.runtime.engine_client import EngineClient
@@ -99,7 +99,13 @@ def test_prefix_hit_multi_turn_then_fork(arch: str, engines: dict[str, tuple[Eng
 
 def assert_same_state(a: PrefixState | None, b: PrefixState | None) -> None:
     assert a is not None and b is not None and a.token_ids == b.token_ids
-    for x, y in ((a.kv, b.kv), (a.conv, b.conv), (a.ssm, b.ssm)):
+    assert a.kv.shape == b.kv.shape
+
+    def written(kv: torch.Tensor) -> torch.Tensor:  # the tail page past the checkpoint is not state
+        layers, pages, _, ps, heads, dim = kv.shape
+        return kv.transpose(1, 2).reshape(layers, 2, pages * ps, heads, dim)[:, :, : a.num_tokens]
+
+    for x, y in ((written(a.kv), written(b.kv)), (a.conv, b.conv), (a.ssm, b.ssm)):
         assert x.shape == y.shape and x.dtype == y.dtype
         # Not bit-exact: TP=2 sums the row-parallel partials in another order.
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
@@ -257,6 +263,115 @@ def test_shards_rebuild_the_full_model_without_full_reads(
         assert torch.equal(unshard(name, [r[name] for r in ranks], shards[0]), param), name
     replicated = ("norm.weight", "mlp.gate.weight", "shared_expert_gate.weight", "visual", "mtp.")
     assert whole_reads and all(any(k in n for k in replicated) for n in whole_reads), whole_reads
+
+
+MOE_ARCHS = ["Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"]
+
+
+@pytest.fixture(scope="module")
+def ep_engines(tiny_checkpoint: Callable[..., Path], engines: dict[str, tuple[Engine, Engine]]) -> Iterator[dict[str, tuple[Engine, Engine]]]:
+    """arch -> (the TP=1 engine, a TP=2 engine with the experts split whole across the ranks)."""
+    pairs: dict[str, tuple[Engine, Engine]] = {}
+    try:
+        for arch in MOE_ARCHS:
+            ep = Engine.from_pretrained(tiny_checkpoint(arch), tensor_parallel_size=2, expert_parallel=True, **OPTIONS)
+            pairs[arch] = (engines[arch][0], ep)
+        yield pairs
+    finally:
+        for _, ep in pairs.values():
+            ep.close()
+    for _, ep in pairs.values():
+        assert_stopped(ep)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_expert_parallel_follows_tp1(arch: str, ep_engines: dict[str, tuple[Engine, Engine]]) -> None:
+    """Batched and chunked prefill, decode, a multi-turn prefix hit, a fork and a resume."""
+    pair = ep_engines[arch]
+    moe = pair[1].runner.model.model.layers[0].mlp  # type: ignore[attr-defined]
+    assert moe.expert_parallel and moe.experts.gate_up_proj.shape[0] == moe.num_experts // 2 + 2
+    clear(pair)
+    both(pair, [tokens(n, 70 + n) for n in (3, 16, 45)], SamplingParams(max_tokens=10))
+    history = tokens(37, 2)
+    for _ in range(2):
+        history = history + both(pair, [history], SamplingParams(max_tokens=5))[0] + tokens(3, 9)
+    conv = history[:-3]
+    both(pair, [conv + tokens(2, 30), conv + tokens(4, 31)], SamplingParams(max_tokens=6))
+    states = [engine.export_prefix(conv) for engine in pair]
+    assert_same_state(states[1], states[0])
+    clear(pair)
+    assert pair[1].import_prefix(states[0])  # type: ignore[arg-type]
+    out = pair[1].generate([conv + [7]], SamplingParams(max_tokens=6))[0]
+    assert out.num_cached_tokens == len(conv)
+    assert out.token_ids == pair[0].generate([conv + [7]], SamplingParams(max_tokens=6))[0].token_ids
+    clear(pair)
+
+
+def test_expert_parallel_needs_a_moe_model_and_divisible_experts(tiny_checkpoint: Callable[..., Path]) -> None:
+    with pytest.raises(ValueError, match="expert_parallel: Qwen3_5ForCausalLM has no MoE layers"):
+        Engine.from_pretrained(tiny_checkpoint("Qwen3_5ForCausalLM"), tensor_parallel_size=2, expert_parallel=True)
+    odd = replace(ModelConfig.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM")), num_experts=7)
+    with pytest.raises(ValueError, match="expected a divisor of num_experts=7, got 2"):
+        check_tp_size(odd, 2, torch.device("cpu"), expert_parallel=True)
+    check_tp_size(odd, 2, torch.device("cpu"))  # tensor-parallel experts split their intermediate instead
+    with pytest.raises(ValueError, match="expert_parallel: needs tensor_parallel_size > 1"):
+        Engine.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM"), expert_parallel=True)
+
+
+@pytest.mark.parametrize(("arch", "layout", "experts"), [
+    ("Qwen3NextForCausalLM", "plain", "per_expert"), ("Qwen3_5MoeForCausalLM", "language_model", "fused"),
+])  # fmt: skip
+def test_expert_parallel_ranks_read_only_their_experts(
+    arch: str, layout: str, experts: str, tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_checkpoint(arch, layout, experts)
+    config = ModelConfig.from_pretrained(path)
+    full = dict(loader.load_model(path, config, LoadConfig()).named_parameters())
+    reads: list[str] = []
+    real_open = loader.safe_open
+
+    class Recording:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.inner = real_open(*args, **kwargs)
+
+        def __enter__(self) -> Any:
+            f = self.inner.__enter__()
+            recording = self
+
+            class Reader:
+                def keys(self) -> Any:
+                    return f.keys()
+
+                def get_slice(self, name: str) -> Any:
+                    reads.append(name)
+                    return f.get_slice(name)
+
+                def get_tensor(self, name: str) -> torch.Tensor:
+                    reads.append(name)
+                    return f.get_tensor(name)
+
+            del recording
+            return Reader()
+
+        def __exit__(self, *exc: Any) -> None:
+            self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(loader, "safe_open", Recording)
+    e, half = config.num_experts, config.num_experts // 2
+    for rank in range(2):
+        reads.clear()
+        model = loader.load_model(path, config, LoadConfig(), TPGroup(rank, 2, torch.device("cpu"), expert_parallel=True))
+        local = dict(model.named_parameters())
+        others = range(half, e) if rank == 0 else range(half)
+        assert reads and not [n for n in reads if any(f".experts.{o}." in n for o in others)]
+        assert rank == 0 or not [n for n in reads if ".shared_expert." in n]
+        for name, param in local.items():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                continue
+            whole = full[name]
+            assert torch.equal(param[:half], whole[rank * half : (rank + 1) * half]), name
+            assert torch.equal(param[half], whole[e] if rank == 0 else torch.zeros_like(whole[e])), name
+            assert not param[half + 1].any(), name  # the zero expert
 
 
 def test_step_plan_round_trips() -> None:

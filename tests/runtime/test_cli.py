@@ -78,6 +78,20 @@ def test_serve_flags_and_environment(
     )
 
 
+def test_serve_ep_flag_reaches_the_engine(served: list[ServerConfig]) -> None:
+    assert main(["serve", "--model", "/models/x", "--device", "cuda", "--tp", "2", "--ep"]) == 0
+    (config,) = served
+    assert config.engine is not None and config.engine.expert_parallel is True
+    assert config.engine.as_kwargs()["tensor_parallel_size"] == 2
+
+
+def test_serve_ep_without_tp_is_a_usage_error(served: list[ServerConfig], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", "/m", "--ep"])
+    assert info.value.code == 2 and "expert_parallel: needs tensor_parallel_size > 1" in capsys.readouterr().err
+    assert served == []
+
+
 def test_serve_rejects_a_bad_value_naming_it(served: list[ServerConfig], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["serve", "--model", "/m", "--port", "70000"])
