@@ -26,10 +26,19 @@ Eviction is ordered by recompute cost per byte freed, not recency: dropping a ch
 the tokens between it and the nearest checkpoint above it; pages of a leaf below every
 checkpoint are worth nothing and go first. Ties go to the least recently used, then the oldest
 node id (deterministic, so every tensor-parallel rank evicts the same nodes).
+
+One ``evict`` call walks the tree once and keeps its candidates in a heap, so freeing ``V``
+victims from ``N`` nodes costs ``O((N + V) log N)``, not a full scan per victim (measured with
+3,098 nodes: evicting 768 pages went from 218 ms to a few ms, ``docs/benchmarks.md``). A victim
+can only make other nodes *more* costly (dropping a checkpoint deepens the recompute of those
+below it) or newly evictable (a parent losing its last child), so heap keys are re-checked
+lazily when popped and newly evictable parents are pushed: the victims and their order are
+exactly those of a fresh scan before each victim.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +70,10 @@ class RadixNode:
         return self.depth - len(self.key)
 
 
+# An eviction candidate: (cost per byte, last access, node id, is a checkpoint, push order, node).
+_Entry = tuple[float, int, int, bool, int, "RadixNode"]
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """A reusable prefix: ``num_tokens`` tokens with their full pages and the checkpoint at the end."""
@@ -87,6 +100,7 @@ class RadixCache:
         self.slot_bytes = slot_bytes
         self._ids = itertools.count()
         self._clock = itertools.count(1)
+        self._pushes = itertools.count()  # heap entries of one node may share a key: never compare nodes
         self.root = RadixNode(next(self._ids), None, [], 0)
         self.num_pages = 0
         self.num_checkpoints = 0
@@ -203,8 +217,14 @@ class RadixCache:
     def evict(self, num_pages: int, num_slots: int, free_page_count: Callable[[], int], free_slot_count: Callable[[], int]) -> None:
         """Free tree memory until the pools have ``num_pages`` pages and ``num_slots`` slots free
         (or nothing evictable is left), cheapest recompute cost per byte first."""
+        if free_page_count() >= num_pages and free_slot_count() >= num_slots:
+            return
+        heap: list[_Entry] = []
+        for node in self._nodes():
+            self._push_candidate(heap, node)
         while free_page_count() < num_pages or free_slot_count() < num_slots:
-            victim = self._cheapest_victim(need_slots=free_slot_count() < num_slots)
+            # Free counts only grow here, so once slots suffice they keep sufficing.
+            victim = self._pop_victim(heap, need_slots=free_slot_count() < num_slots)
             if victim is None:
                 return
             node, is_checkpoint = victim
@@ -214,24 +234,46 @@ class RadixCache:
                 node.checkpoint = None
                 self.num_checkpoints -= 1
                 self.checkpoints_evicted += 1
+                self._push_candidate(heap, node)  # a childless node is now a plain leaf
             else:
+                parent = node.parent
                 self._remove_leaf(node)
+                if parent is not None and parent is not self.root:
+                    self._push_candidate(heap, parent)
 
-    def _cheapest_victim(self, need_slots: bool) -> tuple[RadixNode, bool] | None:
-        best: tuple[float, int, int] | None = None
-        choice: tuple[RadixNode, bool] | None = None
-        for node in self._nodes():
-            if node.checkpoint is not None and node.direct_ref == 0 and (need_slots or not node.children):
-                freed = self.slot_bytes + (self.page_bytes if node.checkpoint.tail_page is not None else 0)
-                cost = (node.depth - self._checkpoint_above(node)) / freed
-                key = (cost, node.last_access, node.node_id)
-                if best is None or key < best:
-                    best, choice = key, (node, True)
-            elif node.checkpoint is None and not node.children and node.lock_ref == 0:
-                key = (0.0, node.last_access, node.node_id)
-                if best is None or key < best:
-                    best, choice = key, (node, False)
-        return choice
+    def _candidate_key(self, node: RadixNode) -> tuple[float, int, int, bool] | None:
+        """The eviction key of ``node`` (checkpoints evictable whatever their children; the caller
+        checks that condition against the current need), or None when nothing of it can go."""
+        if node.checkpoint is not None and node.direct_ref == 0:
+            freed = self.slot_bytes + (self.page_bytes if node.checkpoint.tail_page is not None else 0)
+            cost = (node.depth - self._checkpoint_above(node)) / freed
+            return cost, node.last_access, node.node_id, True
+        if node.checkpoint is None and not node.children and node.lock_ref == 0:
+            return 0.0, node.last_access, node.node_id, False
+        return None
+
+    def _push_candidate(self, heap: list[_Entry], node: RadixNode) -> None:
+        key = self._candidate_key(node)
+        if key is not None:
+            heapq.heappush(heap, (*key, next(self._pushes), node))
+
+    def _pop_victim(self, heap: list[_Entry], need_slots: bool) -> tuple[RadixNode, bool] | None:
+        """The cheapest evictable candidate; stale entries are re-keyed or dropped on the way."""
+        while heap:
+            cost, last, node_id, is_checkpoint, _, node = heapq.heappop(heap)
+            parent = node.parent
+            if parent is None or parent.children.get(node.key[0]) is not node:
+                continue  # already removed (a duplicate entry)
+            key = self._candidate_key(node)
+            if key is None:
+                continue
+            if key != (cost, last, node_id, is_checkpoint):
+                heapq.heappush(heap, (*key, next(self._pushes), node))  # costs only grow: re-queue
+                continue
+            if is_checkpoint and node.children and not need_slots:
+                continue  # only a childless checkpoint frees pages; re-pushed when its last child goes
+            return node, is_checkpoint
+        return None
 
     def _checkpoint_above(self, node: RadixNode) -> int:
         n = node.parent

@@ -1,0 +1,91 @@
+"""The radix cache's heap-based eviction frees exactly what a full scan per victim would, in order.
+
+The reference below is the scan the cache used before (every node visited for every victim).
+Random trees of conversations that share prefixes, with checkpoints (some with tail pages),
+locked paths (``lock``) and pinned heads, are evicted under page-only and page+slot demands;
+the sequence of freed pages and slots must be identical.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from phloem.engine.radix_cache import Checkpoint, RadixCache, RadixNode
+
+
+class ScanCache(RadixCache):
+    """The reference: pick each victim by scanning every node."""
+
+    def evict(self, num_pages: int, num_slots: int, free_page_count, free_slot_count) -> None:  # type: ignore[no-untyped-def]
+        while free_page_count() < num_pages or free_slot_count() < num_slots:
+            victim = self._scan(need_slots=free_slot_count() < num_slots)
+            if victim is None:
+                return
+            node, is_checkpoint = victim
+            if is_checkpoint:
+                assert node.checkpoint is not None
+                self._drop_checkpoint_resources(node.checkpoint)
+                node.checkpoint = None
+                self.num_checkpoints -= 1
+                self.checkpoints_evicted += 1
+            else:
+                self._remove_leaf(node)
+
+    def _scan(self, need_slots: bool) -> tuple[RadixNode, bool] | None:
+        best, choice = None, None
+        for node in self._nodes():
+            if node.checkpoint is not None and node.direct_ref == 0 and (need_slots or not node.children):
+                freed = self.slot_bytes + (self.page_bytes if node.checkpoint.tail_page is not None else 0)
+                key = ((node.depth - self._checkpoint_above(node)) / freed, node.last_access, node.node_id)
+                if best is None or key < best:
+                    best, choice = key, (node, True)
+            elif node.checkpoint is None and not node.children and node.lock_ref == 0:
+                key = (0.0, node.last_access, node.node_id)
+                if best is None or key < best:
+                    best, choice = key, (node, False)
+        return choice
+
+
+def build(cls: type[RadixCache], seed: int) -> tuple[RadixCache, list[tuple[str, int]]]:
+    """A random tree; returns it and the log its frees append to."""
+    rng = random.Random(seed)
+    freed: list[tuple[str, int]] = []
+    cache = cls(4, lambda pages: freed.extend(("page", p) for p in pages), lambda s: freed.append(("slot", s)), 10, 70)
+    pages, slots = iter(range(10**6)), iter(range(10**6))
+    roots = [[rng.randrange(6) for _ in range(rng.randrange(1, 9))] for _ in range(3)]
+    for _ in range(rng.randrange(5, 40)):
+        history = list(rng.choice(roots))
+        for _ in range(rng.randrange(1, 5)):
+            history += [rng.randrange(6) for _ in range(rng.randrange(1, 11))]
+            n = len(history)
+            tail = next(pages) if n % 4 else None
+            node, _ = cache.insert(history, [next(pages) for _ in range(n // 4)], Checkpoint(next(slots), tail))
+            if rng.random() < 0.15:
+                cache.lock(node)  # a running request or a pinned session head
+            if rng.random() < 0.5:
+                cache.match(history, n)  # touch: recency varies
+    return cache, freed
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_heap_eviction_equals_a_scan_per_victim(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    heap, heap_log = build(RadixCache, seed)
+    scan, scan_log = build(ScanCache, seed)
+    assert heap_log == scan_log  # the inserts freed the same duplicates
+    base = len(heap_log)
+    for _ in range(3):
+        pages, slots = rng.randrange(0, 40), rng.choice([0, 0, rng.randrange(1, 8)])
+        for cache, log in ((heap, heap_log), (scan, scan_log)):
+            start = len(log)
+            cache.evict(pages, slots, lambda log=log, start=start: sum(k == "page" for k, _ in log[start:]),
+                        lambda log=log, start=start: sum(k == "slot" for k, _ in log[start:]))  # fmt: skip
+        assert heap_log == scan_log
+    assert len(heap_log) > base, "the demands evicted nothing: the test would not test"
+    # Clearing frees everything not locked, in the same order.
+    heap.clear()
+    scan.clear()
+    assert heap_log == scan_log
+    assert heap.num_pages == scan.num_pages and heap.num_checkpoints == scan.num_checkpoints
