@@ -52,7 +52,14 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.read_slots = torch.zeros(n, dtype=torch.int64, device=dev)
         self.write_slots = torch.zeros(n, dtype=torch.int64, device=dev)
-        self._host = torch.zeros((5, n), dtype=torch.int64, pin_memory=True)
+        # Two pinned staging buffers, used in turn: a step writes one while the other's copies
+        # (the previous step's) may still be in flight; an event per buffer says when its copies
+        # are done, so no step waits on the whole stream (the only host sync of a step stays the
+        # read of its sampled ids).
+        self._host = [torch.zeros((5, n), dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._host_lens = [torch.ones(n, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # None on tensor-parallel worker ranks (the captured LM head gathers logits to rank 0).
         self.logits: dict[int, torch.Tensor | None] = {}
@@ -103,23 +110,29 @@ class CudaGraphRunner:
     def _fill(self, inp: StepInputs, bs: int) -> None:
         """Copy the step's rows into the static buffers; rows ``n..bs`` write the scratch page/slot."""
         pad = bs - len(inp.input_ids)
-        host = self._host[:, :bs]
+        turn, self._turn = self._turn, 1 - self._turn
+        copied = self._copied[turn]
+        if copied is not None:
+            copied.synchronize()  # this buffer's copies of two steps ago (long done in practice)
+        host, lens = self._host[turn][:, :bs], self._host_lens[turn][:bs]
         host[0] = torch.tensor(inp.input_ids + [0] * pad)
         host[1] = torch.tensor(inp.positions + [0] * pad)
         host[2] = torch.tensor(inp.slot_mapping + [self.pad_page * self.page_size] * pad)
         host[3] = torch.tensor(inp.read_slots + [self.pad_slot] * pad)
         host[4] = torch.tensor(inp.write_slots + [self.pad_slot] * pad)
+        lens.copy_(torch.tensor(inp.seq_lens + [1] * pad, dtype=torch.int32))
         for i, buf in enumerate((self.input_ids, self.positions, self.slot_mapping, self.read_slots, self.write_slots)):
             buf[:bs].copy_(host[i], non_blocking=True)
-        self.seq_lens[:bs].copy_(torch.tensor(inp.seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+        self.seq_lens[:bs].copy_(lens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[turn] = event
 
     def run(self, inp: StepInputs) -> torch.Tensor | None:
         """Replay the smallest bucket that holds the decode step; returns logits ``[n, V]`` (None on a
         tensor-parallel worker rank)."""
         n = len(inp.input_ids)
         bs = next(b for b in self.buckets if b >= n)
-        # NOTE: the pinned staging buffer is reused; wait for the previous step's copies first.
-        torch.cuda.current_stream().synchronize()
         self._fill(inp, bs)
         pad = bs - n
         self.attn.plan([1] * bs, inp.seq_lens + [1] * pad, inp.page_ids + [[self.pad_page]] * pad, graph_batch_size=bs)

@@ -217,6 +217,11 @@ class ModelRunner:
             self.copy_page(src, dst)
         if plan.inputs is not None:
             self.forward_logits(plan.inputs)
+            if self.device.type == "cuda":
+                # Finish the step as rank 0 does (its step ends reading the sampled ids): the next
+                # step's host work rewrites pinned staging buffers (ours, FlashInfer's plan) that
+                # this step's copies may still be reading.
+                torch.cuda.current_stream(self.device).synchronize()
         move = plan.move
         if move is not None and move.kind == "export":
             gather_state(self.tp, self.model_config, self.caches, move.pages, move.slot)
