@@ -228,18 +228,23 @@ class RadixCache:
             if victim is None:
                 return
             node, is_checkpoint = victim
+            parent = node.parent
+            self._free_victim(node, is_checkpoint)
             if is_checkpoint:
-                assert node.checkpoint is not None
-                self._drop_checkpoint_resources(node.checkpoint)
-                node.checkpoint = None
-                self.num_checkpoints -= 1
-                self.checkpoints_evicted += 1
                 self._push_candidate(heap, node)  # a childless node is now a plain leaf
-            else:
-                parent = node.parent
-                self._remove_leaf(node)
-                if parent is not None and parent is not self.root:
-                    self._push_candidate(heap, parent)
+            elif parent is not None and parent is not self.root:
+                self._push_candidate(heap, parent)
+
+    def _free_victim(self, node: RadixNode, is_checkpoint: bool) -> None:
+        """Drop ``node``'s checkpoint (slot and tail page), or remove the leaf ``node`` (its pages)."""
+        if is_checkpoint:
+            assert node.checkpoint is not None
+            self._drop_checkpoint_resources(node.checkpoint)
+            node.checkpoint = None
+            self.num_checkpoints -= 1
+            self.checkpoints_evicted += 1
+        else:
+            self._remove_leaf(node)
 
     def _candidate_key(self, node: RadixNode) -> tuple[float, int, int, bool] | None:
         """The eviction key of ``node`` (checkpoints evictable whatever their children; the caller

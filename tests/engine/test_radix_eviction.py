@@ -23,15 +23,7 @@ class ScanCache(RadixCache):
             victim = self._scan(need_slots=free_slot_count() < num_slots)
             if victim is None:
                 return
-            node, is_checkpoint = victim
-            if is_checkpoint:
-                assert node.checkpoint is not None
-                self._drop_checkpoint_resources(node.checkpoint)
-                node.checkpoint = None
-                self.num_checkpoints -= 1
-                self.checkpoints_evicted += 1
-            else:
-                self._remove_leaf(node)
+            self._free_victim(*victim)
 
     def _scan(self, need_slots: bool) -> tuple[RadixNode, bool] | None:
         best, choice = None, None

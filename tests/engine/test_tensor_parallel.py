@@ -218,20 +218,9 @@ def unshard(name: str, parts: list[torch.Tensor], model: Any) -> torch.Tensor:
     return torch.cat(parts)  # heads, vocab rows
 
 
-@pytest.mark.parametrize(
-    ("arch", "layout", "experts"),
-    [
-        ("Qwen3NextForCausalLM", "plain", "per_expert"),  # in_proj_qkvz / in_proj_ba
-        ("Qwen3_5MoeForCausalLM", "language_model", "fused"),  # sharded files, fused experts
-    ],
-)
-def test_shards_rebuild_the_full_model_without_full_reads(
-    arch: str, layout: str, experts: str, tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = tiny_checkpoint(arch, layout, experts)
-    config = ModelConfig.from_pretrained(path)
-    full = dict(loader.load_model(path, config, LoadConfig()).named_parameters())
-    whole_reads: list[str] = []
+def record_reads(monkeypatch: pytest.MonkeyPatch, *methods: str) -> list[str]:
+    """Patch the loader's ``safe_open``: the names read through ``methods`` are appended to the list."""
+    reads: list[str] = []
     real_open = loader.safe_open
 
     class Recording:
@@ -249,13 +238,33 @@ def test_shards_rebuild_the_full_model_without_full_reads(
             return self.f.keys()
 
         def get_slice(self, name: str) -> Any:
+            if "get_slice" in methods:
+                reads.append(name)
             return self.f.get_slice(name)
 
         def get_tensor(self, name: str) -> torch.Tensor:
-            whole_reads.append(name)
+            if "get_tensor" in methods:
+                reads.append(name)
             return self.f.get_tensor(name)
 
     monkeypatch.setattr(loader, "safe_open", Recording)
+    return reads
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout", "experts"),
+    [
+        ("Qwen3NextForCausalLM", "plain", "per_expert"),  # in_proj_qkvz / in_proj_ba
+        ("Qwen3_5MoeForCausalLM", "language_model", "fused"),  # sharded files, fused experts
+    ],
+)
+def test_shards_rebuild_the_full_model_without_full_reads(
+    arch: str, layout: str, experts: str, tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_checkpoint(arch, layout, experts)
+    config = ModelConfig.from_pretrained(path)
+    full = dict(loader.load_model(path, config, LoadConfig()).named_parameters())
+    whole_reads = record_reads(monkeypatch, "get_tensor")
     shards = [loader.load_model(path, config, LoadConfig(), TPGroup(r, 2, torch.device("cpu"))) for r in range(2)]
     ranks = [dict(m.named_parameters()) for m in shards]
     assert ranks[0].keys() == full.keys()
@@ -327,36 +336,7 @@ def test_expert_parallel_ranks_read_only_their_experts(
     path = tiny_checkpoint(arch, layout, experts)
     config = ModelConfig.from_pretrained(path)
     full = dict(loader.load_model(path, config, LoadConfig()).named_parameters())
-    reads: list[str] = []
-    real_open = loader.safe_open
-
-    class Recording:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self.inner = real_open(*args, **kwargs)
-
-        def __enter__(self) -> Any:
-            f = self.inner.__enter__()
-            recording = self
-
-            class Reader:
-                def keys(self) -> Any:
-                    return f.keys()
-
-                def get_slice(self, name: str) -> Any:
-                    reads.append(name)
-                    return f.get_slice(name)
-
-                def get_tensor(self, name: str) -> torch.Tensor:
-                    reads.append(name)
-                    return f.get_tensor(name)
-
-            del recording
-            return Reader()
-
-        def __exit__(self, *exc: Any) -> None:
-            self.inner.__exit__(*exc)
-
-    monkeypatch.setattr(loader, "safe_open", Recording)
+    reads = record_reads(monkeypatch, "get_tensor", "get_slice")
     e, half = config.num_experts, config.num_experts // 2
     for rank in range(2):
         reads.clear()
