@@ -294,6 +294,47 @@ def test_restart_resumes_from_disk_and_rebuilds_an_empty_index(
     asyncio.run(main())
 
 
+def test_a_session_spilled_under_tp2_resumes_under_tp1(
+        make_manager: ManagerFactory, engine: EngineClient, model_dir: Path, tokenizer: Tokenizer,
+        tmp_path: Path) -> None:
+    """Segments hold the TP=1 layout (``engine.tp_state``): a TP=2 server's disk segment resumes
+    on a TP=1 server as a full hit, with the tokens of a never-spilled twin."""
+    prompt, follow = unique_ids(40), unique_ids(3)
+
+    async def spill_under_tp2() -> tuple[str, tuple[int, ...]]:
+        tp2 = EngineClient.from_pretrained(model_dir, EngineOptions(tensor_parallel_size=2))
+        tp2.start()
+        try:
+            config = SessionConfig(data_dir=tmp_path, model_fingerprint=model_fingerprint(model_dir))
+            m = SessionManager(tp2, tokenizer, config)
+            await m.start()
+            try:
+                sid = (await m.create(OWNER, content=SessionInput(input_ids=prompt), ttl=0)).session_id
+                await turn(m, sid, unique_ids(3))
+                snap = await m.offload(OWNER, sid, "disk", wait=True)
+                assert snap.status == "disk"
+                ids = sum((t.token_ids or () for t in m.turns(OWNER, sid, include_tokens=True)), ())
+            finally:
+                await m.close()
+        finally:
+            await tp2.shutdown()
+        return sid, ids
+
+    async def resume_under_tp1(sid: str, ids: tuple[int, ...]) -> None:
+        async with make_manager() as m:
+            assert m.get(OWNER, sid).status == "disk"
+            twin = await m.create(OWNER, content=SessionInput(input_ids=ids), ttl=0)
+            await engine.reset_prefix_cache()
+            expected = await turn(m, twin.session_id, follow)
+            await engine.reset_prefix_cache()
+            resumed = await turn(m, sid, follow)
+            assert resumed.usage.cached_tokens == len(ids), "the TP=2 segment was imported"
+            assert resumed.output_ids == expected.output_ids
+
+    sid, ids = asyncio.run(spill_under_tp2())
+    asyncio.run(resume_under_tp1(sid, ids))
+
+
 def test_redis_unreachable_at_start_and_mid_run_degrades_and_resyncs(
         make_manager: ManagerFactory) -> None:
     url, prefix = require_redis(), random_prefix()
