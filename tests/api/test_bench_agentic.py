@@ -19,6 +19,7 @@ def test_scaled_down_agentic_run(tmp_path: Path) -> None:
         assert len(records) == 2 * (2 + 2 * 2)
         for r in records:
             assert r["completion_tokens"] == 6
+            assert r["new_tokens"] == (200 if r["turn"] == 1 else APPEND), r
             if mode == "nocache" or r["turn"] == 1:
                 assert r["cached_tokens"] == 0, r
             else:
@@ -29,3 +30,8 @@ def test_scaled_down_agentic_run(tmp_path: Path) -> None:
     for name in ("ttft_by_turn.png", "cached_tokens_by_turn.png", "decode_speed_by_turn.png", "agentic.json"):
         assert (tmp_path / name).stat().st_size > 1000
     assert "| sessions |" in table
+    for mode in ("sessions", "stateless"):
+        summary = data["summary"][mode]  # type: ignore[index]
+        assert summary["hit_rate_of_seen"] == 1.0, summary  # every token sent before was a hit
+        assert summary["hit_rate"] == summary["hit_rate_ceiling"] < 1.0, summary
+    assert data["summary"]["nocache"]["hit_rate_of_seen"] == 0.0  # type: ignore[index]
