@@ -67,9 +67,9 @@ def state_shapes(mc: ModelConfig, page_size: int, num_pages: int) -> tuple[tuple
 
 
 def read_local(caches: ModelCaches, pages: Sequence[int], slot: int) -> StateTensors:
-    """This rank's pages and slot, copied out of its caches (on the caches' device)."""
+    """This rank's pages (copied out) and slot (views of the caches), on the caches' device."""
     index = torch.tensor(list(pages), dtype=torch.long, device=caches.kv.device)
-    return caches.kv.index_select(1, index), caches.conv[:, slot].clone(), caches.ssm[:, slot].clone()
+    return caches.kv.index_select(1, index), caches.conv[:, slot], caches.ssm[:, slot]
 
 
 def write_local(caches: ModelCaches, pages: Sequence[int], slot: int, state: StateTensors) -> None:
@@ -131,13 +131,14 @@ def scatter_state(
     dev = caches.kv.device
     shapes = ((caches.kv.shape[0], len(pages), *caches.kv.shape[2:]), caches.conv[:, 0].shape, caches.ssm[:, 0].shape)
     dtypes = (caches.kv.dtype, caches.conv.dtype, caches.ssm.dtype)
+    where = [_parts(mc, r, tp.size) for r in range(tp.size)]
     received = []
     for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         out = torch.empty(shape, dtype=dtype, device=dev)
         cuts = None
         if whole is not None:
             t = whole[i].to(dev)
-            cuts = [_cut(t, _parts(mc, r, tp.size)[i]) for r in range(tp.size)]
+            cuts = [_cut(t, w[i]) for w in where]
         received.append(tp.scatter_from_first(out, cuts))
     kv, conv, ssm = received
     write_local(caches, pages, slot, (kv, conv, ssm))
