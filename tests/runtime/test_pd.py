@@ -18,7 +18,6 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -36,6 +35,7 @@ from phloem.runtime.pd_decode import PDEngineClient
 from phloem.runtime.pd_link import exchange_hello, hello_for
 from phloem.runtime.pd_prefill import PrefillWorker, run_prefill_worker
 from phloem.runtime.pd_roles import PDConfig
+from pd_links import serving
 
 ARCH = "Qwen3_5MoeForCausalLM"
 # 8 layers: two full-attention layers, so KV streams as two messages. A 32-token budget chunks
@@ -190,8 +190,12 @@ def test_a_consumer_leaving_or_aborting_mid_transfer_releases_everything(model: 
 
 
 def run_script(*args: str) -> subprocess.Popen[str]:
-    """This file as a script: a scripted peer that dies at a known point (see the bottom)."""
-    return subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True)
+    """This file as a script: a scripted peer that dies at a known point (see the bottom).
+    It imports what pytest's ``pythonpath`` gives the tests (``tests/support``)."""
+    support = str(Path(__file__).parents[1] / "support")
+    path = os.pathsep.join(p for p in (support, os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": path})
 
 
 @pytest.mark.parametrize("retry_local", [False, True], ids=["fails-cleanly", "retried-locally"])
@@ -224,11 +228,7 @@ def test_prefill_peer_dying_mid_transfer(model: Path, retry_local: bool) -> None
 
 def test_decode_peer_dying_mid_prefill_leaves_the_prefill_side_clean(model: Path) -> None:
     worker = PrefillWorker(Engine.from_pretrained(model, **OPTIONS), PDConfig(role="prefill", peer="127.0.0.1:0"))
-    listener = PrefillListener("127.0.0.1", 0, connect_timeout_s=10)
-    halt = threading.Event()
-    thread = threading.Thread(target=worker.serve_forever, args=(listener, halt), daemon=True)
-    thread.start()
-    try:
+    with serving(worker) as listener:
         peer = run_script("faulty-decode", str(model), str(listener.port))
         assert peer.wait(60) == 1
         assert peer.stdout is not None
@@ -250,10 +250,6 @@ def test_decode_peer_dying_mid_prefill_leaves_the_prefill_side_clean(model: Path
 
         asyncio.run(main())
         assert worker.num_served == 1
-    finally:
-        halt.set()
-        thread.join(10)
-        listener.close()
 
 
 def test_prefill_process_killed_then_requests_run_on_the_decode_side(model: Path) -> None:
@@ -278,24 +274,16 @@ def test_prefill_process_killed_then_requests_run_on_the_decode_side(model: Path
 
 def test_a_layout_mismatch_is_refused_with_a_clear_error(model: Path) -> None:
     worker = PrefillWorker(Engine.from_pretrained(model, **OPTIONS), PDConfig(role="prefill", peer="127.0.0.1:0"))
-    listener = PrefillListener("127.0.0.1", 0, connect_timeout_s=10)
-    halt = threading.Event()
-    thread = threading.Thread(target=worker.serve_forever, args=(listener, halt), daemon=True)
-    thread.start()
 
-    async def main() -> None:
-        config = PDConfig(role="decode", peer=f"127.0.0.1:{listener.port}", retry_local=False)
+    async def main(port: int) -> None:
+        config = PDConfig(role="decode", peer=f"127.0.0.1:{port}", retry_local=False)
         other = Engine.from_pretrained(model, **dict(OPTIONS, page_size=32))
         async with PDEngineClient(other, config) as client:
             with pytest.raises(EngineError, match="do not serve the same model layout"):
                 await collect(client, tokens(20, 1))
 
-    try:
-        asyncio.run(main())
-    finally:
-        halt.set()
-        thread.join(10)
-        listener.close()
+    with serving(worker) as listener:
+        asyncio.run(main(listener.port))
 
 
 def _faulty_prefill(phase: str) -> None:

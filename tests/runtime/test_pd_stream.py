@@ -22,12 +22,12 @@ from phloem.engine import Engine, SamplingParams
 from phloem.engine.kv_transfer import (
     GDNState, KVLayer, KVTransport, Message, PrefillDone, PrefillProgress, PrefillRequest, TransportError,
 )
-from phloem.engine.kv_transfer_dist import PrefillListener, connect
+from phloem.engine.kv_transfer_dist import connect
 from phloem.runtime.pd_link import exchange_hello, hello_for
 from phloem.runtime.pd_prefill import PrefillWorker
 from phloem.runtime.pd_roles import PDConfig
 from phloem.runtime.pd_sender import QueuedSender
-from pd_links import link_pair
+from pd_links import link_pair, serving
 
 ARCH = "Qwen3_5MoeForCausalLM"
 OPTIONS: dict[str, object] = dict(
@@ -75,20 +75,14 @@ def served(model: Path) -> Iterator[tuple[PrefillWorker, KVTransport, Engine, Ti
 
     layers[-1].register_forward_pre_hook(before_last_layer)
     layers[-1].register_forward_hook(lambda *_: timeline.add("last-layer-done"))
-    listener = PrefillListener("127.0.0.1", 0, connect_timeout_s=10)
-    halt = threading.Event()
-    thread = threading.Thread(target=worker.serve_forever, args=(listener, halt), daemon=True)
-    thread.start()
     ref = Engine.from_pretrained(model, **OPTIONS)
-    link = connect("127.0.0.1", listener.port, connect_timeout_s=10)
-    exchange_hello(link, hello_for(ref, "decode"), first=True, timeout_s=10)
-    try:
-        yield worker, link, ref, timeline
-    finally:
-        link.close()
-        halt.set()
-        thread.join(10)
-        listener.close()
+    with serving(worker) as listener:
+        link = connect("127.0.0.1", listener.port, connect_timeout_s=10)
+        exchange_hello(link, hello_for(ref, "decode"), first=True, timeout_s=10)
+        try:
+            yield worker, link, ref, timeline
+        finally:
+            link.close()
 
 
 def transfer(link: KVTransport, timeline: Timeline, xfer_id: int, prompt: list[int], held_len: int) -> list[Message]:

@@ -1,4 +1,5 @@
-"""One fresh torch.distributed KV link on loopback, for the transfer and disaggregation tests."""
+"""Loopback plumbing for the transfer and disaggregation tests: one fresh torch.distributed KV
+link, or a prefill worker serving a listener from a thread."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import threading
 from collections.abc import Iterator
 
 from phloem.engine.kv_transfer_dist import PrefillListener, TorchDistTransport, connect
+from phloem.runtime.pd_prefill import PrefillWorker
 
-__all__ = ["link_pair"]
+__all__ = ["link_pair", "serving"]
 
 
 @contextlib.contextmanager
@@ -27,4 +29,19 @@ def link_pair() -> Iterator[tuple[TorchDistTransport, TorchDistTransport]]:
     finally:
         decode.close()
         prefill.close()
+        listener.close()
+
+
+@contextlib.contextmanager
+def serving(worker: PrefillWorker) -> Iterator[PrefillListener]:
+    """``worker`` serving a loopback listener from a thread; halted, joined and closed on exit."""
+    listener = PrefillListener("127.0.0.1", 0, connect_timeout_s=10)
+    halt = threading.Event()
+    thread = threading.Thread(target=worker.serve_forever, args=(listener, halt), daemon=True)
+    thread.start()
+    try:
+        yield listener
+    finally:
+        halt.set()
+        thread.join(10)
         listener.close()
