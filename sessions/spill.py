@@ -253,8 +253,8 @@ class Spiller:
             async with session.lock:
                 if self._due(session, now):
                     await self.spill(session, "host")
-        live = [s for s in self._sessions.values() if not s.deleted]
-        await self._store.probe_index(live)
+        await self._store.probe_index(
+            lambda: [s for s in self._sessions.values() if not s.deleted])
 
     async def _sweep_forever(self) -> None:
         while True:

@@ -13,7 +13,11 @@ journal and the self-describing segment files can rebuild it. When it fails (Red
 at start or mid-run), the store is *degraded*: ``index_problem`` says why (``/health`` reports
 it), sessions keep working on the journal, index writes are skipped (not retried one by one,
 which would stall every turn on a timeout), and ``probe_index`` (run by the spill sweeper)
-rewrites every live session's record once the index answers again.
+rewrites every live session's record once the index answers again. Index operations run one at
+a time under ``_index_lock``: the resync builds its records from the sessions as they are *when
+it holds the lock* and only then reports the index healthy, so a turn committed while the
+resync runs is written after it (never overwritten by an older record), and ``/health`` never
+says ``ok`` before the index holds every live session.
 
 The record's ``data`` is this module's JSON (``_FORMAT``): token ids, turns, chat context,
 metadata, TTL, parent and fork point. At startup ``load`` reads the journal back: sessions of
@@ -88,6 +92,7 @@ class SessionStore:
         self._fingerprint = fingerprint
         self._index_problem: str | None = None
         self._deleted_while_degraded: set[str] = set()
+        self._index_lock = asyncio.Lock()
 
     @property
     def fingerprint(self) -> str:
@@ -114,13 +119,13 @@ class SessionStore:
             await asyncio.to_thread(self._journal.write, record)
         except StorageError as exc:
             raise GenerationFailed(f"could not persist session {session.session_id}: {exc}") from exc
-        await asyncio.to_thread(self._index_call, "write", self._index.put_session, record)
+        await self._locked_index_call("write", self._index.put_session, record)
 
     async def set_tier(self, session: Session) -> None:
         """Record where the session's state lives now (index only, best effort)."""
         tier, segment_id = placement(session)
-        await asyncio.to_thread(self._index_call, "set_tier", self._index.set_tier,
-                                session.session_id, tier, segment_id=segment_id)
+        await self._locked_index_call("set_tier", self._index.set_tier, session.session_id, tier,
+                                      segment_id=segment_id)
 
     async def delete(self, session_id: str) -> None:
         """Forget a session in the journal and the index.
@@ -132,8 +137,7 @@ class SessionStore:
             await asyncio.to_thread(self._journal.delete, session_id)
         except StorageError as exc:
             raise GenerationFailed(f"could not delete session {session_id}: {exc}") from exc
-        if not await asyncio.to_thread(self._index_call, "delete", self._index.delete_session,
-                                       session_id):
+        if not await self._locked_index_call("delete", self._index.delete_session, session_id):
             self._deleted_while_degraded.add(session_id)
 
     def load(self) -> tuple[list[Session], dict[str, SessionRecord]]:
@@ -169,28 +173,45 @@ class SessionStore:
         return sorted(sessions, key=lambda s: s.session_id), {r.session_id: r for r in records}
 
     async def sync_index(self, sessions: list[Session]) -> None:
-        """Write every session's record to the index (after startup, or once it is back)."""
-        records = [self._record(s) for s in sessions]
+        """Write every session's record to the index (after startup)."""
+        async with self._index_lock:
+            records = [self._record(s) for s in sessions]
+            await asyncio.to_thread(self._index_call, "sync", self._put_all, records)
 
-        def put_all() -> None:
-            for session_id in list(self._deleted_while_degraded):
-                self._index.delete_session(session_id)
-                self._deleted_while_degraded.discard(session_id)
-            for record in records:
-                self._index.put_session(record)
-
-        await asyncio.to_thread(self._index_call, "sync", put_all)
-
-    async def probe_index(self, sessions: list[Session]) -> bool:
-        """If degraded, ping the index and resync it once it answers; return whether it is ok."""
+    async def probe_index(self, live: Callable[[], list[Session]]) -> bool:
+        """If degraded, ping the index and, once it answers, rewrite every live session's
+        record (``live()``, read under the index lock); the store is healthy again only when
+        that rewrite has succeeded. Returns whether the index is ok."""
         if self._index_problem is None:
             return True
-        if not await asyncio.to_thread(self._index.health):
-            return False
-        logger.info("the session index answers again: resyncing %d session(s)", len(sessions))
-        self._index_problem = None
-        await self.sync_index(sessions)
-        return self._index_problem is None
+        async with self._index_lock:
+            if self._index_problem is None:
+                return True
+            if not await asyncio.to_thread(self._index.health):
+                return False
+            records = [self._record(s) for s in live()]
+            logger.info("the session index answers again: resyncing %d session(s)", len(records))
+            try:
+                await asyncio.to_thread(self._put_all, records)
+            except StorageError as exc:
+                self._degrade("sync", exc)
+                return False
+            self._index_problem = None
+            return True
+
+    def _put_all(self, records: list[SessionRecord]) -> None:
+        """Apply the deletes missed while degraded, then write ``records`` (worker thread)."""
+        for session_id in list(self._deleted_while_degraded):
+            self._index.delete_session(session_id)
+            self._deleted_while_degraded.discard(session_id)
+        for record in records:
+            self._index.put_session(record)
+
+    async def _locked_index_call(self, what: str, fn: Callable[..., object], *args: object,
+                                 **kwargs: object) -> bool:
+        """``_index_call`` in a worker thread, one index operation at a time."""
+        async with self._index_lock:
+            return await asyncio.to_thread(self._index_call, what, fn, *args, **kwargs)
 
     def _index_call(self, what: str, fn: Callable[..., object], *args: object,
                     **kwargs: object) -> bool:

@@ -358,6 +358,7 @@ def test_redis_unreachable_at_start_and_mid_run_degrades_and_resyncs(
             assert "unavailable" in (m.health() or "")
             await m.delete(OWNER, b)
             assert m.turns(OWNER, a)[-1].end == second.num_tokens
+            proxy.delay_s = 0.05  # a slow resync: health is ok only once it has written
             proxy.restore()
             await wait_for(lambda: m.health() is None)
             assert index.get_session(a).num_tokens == second.num_tokens  # type: ignore[union-attr]

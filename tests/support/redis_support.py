@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -56,7 +57,8 @@ def clear_prefix(url: str, prefix: str) -> None:
 class TcpProxy:
     """Forwards ``127.0.0.1:port`` to the Redis of ``target_url``; ``cut`` drops the listener
     and every connection (clients see refused/reset connections), ``restore`` listens again on
-    the same port."""
+    the same port. ``delay_s`` (settable any time) holds each forwarded chunk that long, to make
+    the index slow rather than gone."""
 
     def __init__(self, target_url: str) -> None:
         parts = urlsplit(target_url)
@@ -65,6 +67,7 @@ class TcpProxy:
         self._listener: socket.socket | None = None
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
+        self.delay_s = 0.0
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -106,10 +109,11 @@ class TcpProxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
+                if self.delay_s:
+                    time.sleep(self.delay_s)
                 dst.sendall(data)
         for sock in (src, dst):
             with contextlib.suppress(OSError):
