@@ -162,12 +162,8 @@ class CacheManager:
         """After a step: publish a checkpoint if ``req`` just reached a multiple of the interval, or
         the end of its prompt (``checkpoint_prompt_end``; not for prefill-only requests, which
         publish there when they finish)."""
-        n, every = req.num_computed_tokens, self.checkpoint_interval
-        if self.tree is None or n == 0:
-            return
-        periodic = every > 0 and n % every == 0 and n < req.num_tokens
-        prompt_end = self.checkpoint_prompt_end and n == req.num_prompt_tokens and not req.prefill_only
-        if not (periodic or prompt_end):
+        n = req.num_computed_tokens
+        if not self.checkpoint_due(req, n, req.num_tokens):
             return
         new_slot = self.allocate_slot()
         if new_slot is None:
@@ -184,6 +180,17 @@ class CacheManager:
         assert node.checkpoint is not None
         req.read_slot = node.checkpoint.slot
         req.write_slot = new_slot
+
+    def checkpoint_due(self, req: Request, num_computed: int, num_tokens: int) -> bool:
+        """Whether ``maybe_checkpoint`` publishes once ``req`` has computed ``num_computed`` of
+        ``num_tokens`` tokens (the async scheduler asks one step ahead: a step must not be
+        queued into a write slot that the previous step's checkpoint is about to hand over)."""
+        n, every = num_computed, self.checkpoint_interval
+        if self.tree is None or n == 0:
+            return False
+        periodic = every > 0 and n % every == 0 and n < num_tokens
+        prompt_end = self.checkpoint_prompt_end and n == req.num_prompt_tokens and not req.prefill_only
+        return periodic or prompt_end
 
     def release(self, req: Request, publish: bool) -> None:
         """Return what ``req`` holds; with ``publish``, first hand its computed prefix to the tree."""

@@ -241,11 +241,15 @@ class SchedulerConfig:
         max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
         max_num_seqs: running requests at most (also the largest decode batch).
         max_model_len: longest token history a request may reach; ``None`` = the model's limit.
+        async_scheduling: queue the next decode step on the device before reading the current
+            one's sampled ids, so host work overlaps device work (``engine.step_pipeline``; the
+            tokens are the same). Off under tensor parallelism and for disaggregated prefill.
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:

@@ -128,12 +128,15 @@ class CudaGraphRunner:
         event.record()
         self._copied[turn] = event
 
-    def run(self, inp: StepInputs) -> torch.Tensor | None:
+    def run(self, inp: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Replay the smallest bucket that holds the decode step; returns logits ``[n, V]`` (None on a
-        tensor-parallel worker rank)."""
+        tensor-parallel worker rank). ``input_ids`` (on the device, ``[n]``) replace the host ids:
+        a device-to-device copy queued behind the step that sampled them."""
         n = len(inp.input_ids)
         bs = next(b for b in self.buckets if b >= n)
         self._fill(inp, bs)
+        if input_ids is not None:
+            self.input_ids[:n].copy_(input_ids, non_blocking=True)
         pad = bs - n
         self.attn.plan([1] * bs, inp.seq_lens + [1] * pad, inp.page_ids + [[self.pad_page]] * pad, graph_batch_size=bs)
         self.graphs[bs].replay()

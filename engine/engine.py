@@ -38,15 +38,16 @@ from phloem.engine.config import (
 from phloem.engine.errors import CapacityExceeded, InvalidRequest
 from phloem.engine.kv_pages import PagePool
 from phloem.engine.loader import load_model
-from phloem.engine.model_runner import CausalLM, build_runner
+from phloem.engine.model_runner import CausalLM, LaunchedStep, StepResult, build_runner
 from phloem.engine.parallel import TPGroup, check_tp_size
 from phloem.engine.prefix_state import PrefixState, export_prefix, import_prefix
 from phloem.engine.radix_cache import RadixCache, RadixNode
 from phloem.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from phloem.engine.sampler import skip_draws
 from phloem.engine.sampling_params import SamplingParams
-from phloem.engine.scheduler import Scheduler
+from phloem.engine.scheduler import Scheduler, SchedulerOutput
 from phloem.engine.state_slots import SlotPool
+from phloem.engine.step_pipeline import next_decode_step
 from phloem.engine.tp_workers import TPWorkers, WorkerSpec, rank_device
 from phloem.engine.transfer_state import TransferReservation, TransferSource
 
@@ -63,7 +64,7 @@ _CACHE_OPTIONS = {
     "checkpoint_interval",
     "checkpoint_prompt_end",
 }
-_SCHED_OPTIONS = {"max_num_batched_tokens", "max_num_seqs", "max_model_len"}
+_SCHED_OPTIONS = {"max_num_batched_tokens", "max_num_seqs", "max_model_len", "async_scheduling"}
 # ``show_progress`` reaches both the loader and the runner (CUDA-graph capture).
 _RUNNER_OPTIONS = {"attention_backend", "enable_cuda_graph", "max_graph_batch_size", "show_progress"}
 _LOAD_OPTIONS = {"load_format", "device", "dtype", "seed", "show_progress"}
@@ -117,6 +118,12 @@ class Engine:
         self.max_model_len = min(scheduler_config.max_model_len or limit, limit)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.async_scheduling = scheduler_config.async_scheduling
+        # A decode step queued on the device behind the one being collected (async scheduling),
+        # and outputs of a step collected outside ``step`` (by ``_drain``), returned by the next.
+        self._queued: LaunchedStep | None = None
+        self._pending: list[RequestOutput] = []
+        self.num_pipelined_steps = 0  # steps queued behind the step being collected
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **options: object) -> Engine:
@@ -124,7 +131,7 @@ class Engine:
 
         Options: ``load_format`` ("safetensors" | "dummy"), ``device``, ``dtype``, ``seed``,
         ``page_size``, ``memory_fraction``, ``state_fraction``, ``num_pages``, ``num_state_slots``,
-        ``cpu_pool_bytes``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
+        ``cpu_pool_bytes``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``async_scheduling``,
         ``attention_backend``, ``enable_cuda_graph``, ``max_graph_batch_size``, ``show_progress``
         (progress bars while loading and capturing: False never, None when stderr is a terminal),
         ``tensor_parallel_size`` (N > 1 starts N - 1 worker processes; ``close()`` stops them),
@@ -284,23 +291,59 @@ class Engine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its memory; returns False if it is unknown or already done."""
+        self.drain()
         req = self.scheduler.abort(request_id)
         if req is None:
             return False
+        # What the drained step sampled for it is dropped: an aborted request reports nothing more.
+        self._pending = [o for o in self._pending if o.request_id != request_id]
         self._requests.pop(request_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._queued is not None or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns an output for every request that changed."""
-        sched = self.scheduler.schedule()
-        outputs = [self._output(r, []) for r in sched.finished_early]
-        if sched.is_empty:
-            return outputs
-        result = self.runner.execute(sched)
+        """Run one engine step; returns an output for every request that changed.
+
+        With async scheduling (``SchedulerConfig.async_scheduling``) a step may leave the next
+        decode step queued on the device (``engine.step_pipeline``): the call then returns the
+        outputs of the step it collected, and the next call collects the queued one.
+        """
+        outputs, self._pending = self._pending, []
+        launched, self._queued = self._queued, None
+        if launched is None:
+            sched = self.scheduler.schedule()
+            outputs += [self._output(r, []) for r in sched.finished_early]
+            if sched.is_empty:
+                return outputs
+            launched = self.runner.launch(sched)
+        if self._pipelined():
+            following = next_decode_step(launched, self.scheduler, self.cache, self.max_model_len)
+            if following is not None:
+                sched, inputs, input_ids = following
+                self._queued = self.runner.launch(sched, inputs, input_ids)
+                self.num_pipelined_steps += 1
+        outputs += self._apply(launched.sched, self.runner.collect(launched))
+        return outputs
+
+    def _pipelined(self) -> bool:
+        return self.async_scheduling and self.workers is None and self.runner.layer_hook is None
+
+    def drain(self) -> None:
+        """Collect the queued step, if any (its outputs go out with the next ``step``), so the
+        requests' counters and memory are those of a synchronous engine between steps. The
+        engine calls it before anything that reads or changes request memory from outside."""
+        launched, self._queued = self._queued, None
+        if launched is not None:
+            self._pending += self._apply(launched.sched, self.runner.collect(launched))
+
+    def _apply(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """Advance the step's requests by what it computed and sampled; their outputs."""
+        outputs: list[RequestOutput] = []
         for req, n in zip(sched.requests, sched.num_new_tokens):
+            if req.is_finished and not req.finalizing:
+                continue  # stopped (or aborted) while a queued step computed one more token
             req.num_computed_tokens += n
             req.has_state = True
             req.read_slot = req.write_slot
@@ -370,7 +413,7 @@ class Engine:
                 if out.finished:
                     final[out.request_id] = out
         # Let turn-end checkpoints land, so a follow-up call hits the whole conversation.
-        while self.scheduler.num_finalizing():
+        while self.scheduler.num_finalizing() or self._queued is not None:
             self.step()
         return [final[i] for i in ids]
 
@@ -402,6 +445,7 @@ class Engine:
         """Host copies of the KV pages and head checkpoint of the deepest cached prefix of
         ``token_ids`` (for spilling a session), in the TP=1 layout whatever the tensor-parallel
         size (``engine.tp_state``); None when nothing of it is cached."""
+        self.drain()
         return export_prefix(self.cache, self.runner.read_state, list(token_ids))
 
     def import_prefix(self, state: PrefixState) -> bool:
@@ -411,6 +455,7 @@ class Engine:
         Raises:
             ValueError: the tensors do not have this model's (TP=1 layout) shapes.
         """
+        self.drain()
         return import_prefix(self.cache, state, self.runner.state_shapes, self.runner.write_state)
 
     def reserve_transfer(
@@ -428,6 +473,7 @@ class Engine:
         """
         self._check_no_tp("prefill/decode transfers")
         prompt = self._validate(token_ids, params)
+        self.drain()
         return transfer_state.reserve(self.cache, prompt, local_up_to)
 
     def install_transfer(
@@ -439,16 +485,19 @@ class Engine:
         Raises:
             ValueError: the tensors do not match the reservation (it is left as it was).
         """
+        self.drain()
         transfer_state.install(self.cache, self.runner.caches, reservation, kv, conv, ssm)
 
     def release_transfer(self, reservation: TransferReservation) -> None:
         """Give back what ``reserve_transfer`` took (idempotent; a no-op after install)."""
+        self.drain()
         transfer_state.release(self.cache, reservation)
 
     def transfer_source(self, token_ids: Sequence[int], first_page: int) -> TransferSource | None:
         """Prefill side: the pages (from ``first_page``) and state slot of the checkpoint at the end
         of ``token_ids``, as a prefill-only request published it; None when it is not cached."""
         self._check_no_tp("prefill/decode transfers")
+        self.drain()
         return transfer_state.transfer_source(self.cache, self.runner.caches, list(token_ids), first_page)
 
     def _check_no_tp(self, what: str) -> None:

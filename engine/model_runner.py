@@ -5,6 +5,11 @@
 them into the captured graph's static buffers. Only rows that need a next token are projected to
 logits and sampled. The only device-to-host transfer of a step is the sampled ids.
 
+A step is ``launch`` (queue the forward and the sampling on the device) then ``collect`` (read
+the sampled ids back: the step's one host sync). Between the two the engine may launch the next
+decode step (``engine.step_pipeline``), whose input ids are the previous step's sampled ids
+*on the device* (``input_ids``): the host then prepares step N+1 while the device runs step N.
+
 Under tensor parallelism rank 0's runner hands each step's ``StepPlan`` (its page copies and
 inputs) to ``plan_sink`` before its own forward; a worker rank's runner gets the plan through
 ``run_plan`` and joins the same forward (``engine.step_plan``), replayed from the same CUDA graph
@@ -34,7 +39,10 @@ from phloem.engine.step_plan import StateMove, StepInputs, StepPlan
 from phloem.engine.tp_state import StateTensors, gather_state, scatter_state, state_shapes
 from phloem.kernels.flashinfer_attention import FlashInferAttention, flashinfer_available
 
-__all__ = ["AttnLayerHook", "CausalLM", "ModelRunner", "StepInputs", "StepLayerHook", "StepResult", "build_runner"]
+__all__ = [
+    "AttnLayerHook", "CausalLM", "LaunchedStep", "ModelRunner", "StepInputs", "StepLayerHook", "StepResult",
+    "build_runner",
+]
 
 PlanSink = Callable[[StepPlan], None]
 # Called with a full-attention layer's cache index once that layer's forward wrote its KV.
@@ -56,6 +64,19 @@ class StepResult:
     """Sampled tokens of one step, keyed by the requests that reached the end of their tokens."""
 
     sampled: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedStep:
+    """A step queued on the device whose sampled ids have not been read back yet.
+
+    ``sampled`` are the requests of the sampled rows, in row order; ``tokens`` their ids
+    ``[len(sampled)]`` int64 on the device (None when the step samples nothing).
+    """
+
+    sched: SchedulerOutput
+    sampled: tuple[Request, ...]
+    tokens: torch.Tensor | None
 
 
 class ModelRunner:
@@ -180,14 +201,22 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward_logits(self, inp: StepInputs, on_attn_layer: AttnLayerHook | None = None) -> torch.Tensor | None:
-        """Logits ``[len(sample_rows), V]`` of the step (None when nothing is sampled)."""
+    def forward_logits(
+        self, inp: StepInputs, on_attn_layer: AttnLayerHook | None = None, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Logits ``[len(sample_rows), V]`` of the step (None when nothing is sampled).
+
+        ``input_ids`` (on the device) replace ``inp.input_ids`` (a step queued behind the one
+        that samples its ids; ``inp.input_ids`` then holds placeholders).
+        """
         graphs = self.graphs
         hooked = on_attn_layer is not None
         if graphs is not None and inp.is_decode and not hooked and len(inp.query_lens) <= graphs.max_batch_size():
-            logits = graphs.run(inp)
-            return logits[inp.sample_rows] if logits is not None and inp.sample_rows else None
+            logits = graphs.run(inp, input_ids)
+            return _rows(logits, inp.sample_rows) if logits is not None and inp.sample_rows else None
         batch = self.build_batch(inp)
+        if input_ids is not None:
+            batch = replace(batch, input_ids=input_ids)
         # Models without a layer loop (test doubles) need not take the hook: passed only when set.
         if hooked:
             hidden = self.model.forward(batch, self.caches, on_attn_layer)
@@ -198,18 +227,37 @@ class ModelRunner:
         # None on a worker rank: the LM head gathers the logits to rank 0.
         return self.model.compute_logits(hidden[batch.logits_indices])
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        inp = self.prepare_inputs(out)
+    def launch(
+        self, out: SchedulerOutput, inp: StepInputs | None = None, input_ids: torch.Tensor | None = None
+    ) -> LaunchedStep:
+        """Queue the step's forward and sampling on the device; nothing is read back.
+
+        ``inp`` defaults to ``prepare_inputs(out)``; ``input_ids`` as in ``forward_logits`` (rank 0
+        only: a worker rank could not see them, so the engine never pipelines under TP).
+        """
+        inp = inp if inp is not None else self.prepare_inputs(out)
         if self.plan_sink is not None:
+            assert input_ids is None, "device-resident input ids cannot be sent to the worker ranks"
             self.plan_sink(StepPlan(tuple(self._pending_copies), inp))
             self._pending_copies.clear()
         on_attn_layer = self.layer_hook(out) if self.layer_hook is not None else None
-        logits = self.forward_logits(inp, on_attn_layer)
+        logits = self.forward_logits(inp, on_attn_layer, input_ids)
         if logits is None:
-            return StepResult({})
-        reqs: list[Request] = [out.requests[i] for i in inp.sample_rows]
+            return LaunchedStep(out, (), None)
+        reqs = tuple(out.requests[i] for i in inp.sample_rows)
         tokens = sample(logits.float(), [r.params for r in reqs], [r.generator or self.default_generator for r in reqs])
-        return StepResult({r.request_id: t for r, t in zip(reqs, tokens.tolist())})
+        return LaunchedStep(out, reqs, tokens)
+
+    @staticmethod
+    def collect(step: LaunchedStep) -> StepResult:
+        """Read a launched step's sampled ids (waits for the device to finish that step)."""
+        if step.tokens is None:
+            return StepResult({})
+        return StepResult({r.request_id: t for r, t in zip(step.sampled, step.tokens.tolist())})
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Launch and collect one step."""
+        return self.collect(self.launch(out))
 
     def run_plan(self, plan: StepPlan) -> None:
         """A worker rank's step: replay rank 0's page copies, then join the forward."""
@@ -227,6 +275,11 @@ class ModelRunner:
             gather_state(self.tp, self.model_config, self.caches, move.pages, move.slot)
         elif move is not None:
             scatter_state(self.tp, self.model_config, self.caches, move.pages, move.slot, None)
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``; no gather when ``rows`` is every row (a decode step samples them all)."""
+    return logits if len(rows) == logits.shape[0] else logits[rows]
 
 
 def _attention_backend(

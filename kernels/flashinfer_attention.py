@@ -9,6 +9,12 @@ head); any step with a multi-token query uses the prefill wrapper with a causal 
 covers chunked prefill over a cached history. For CUDA-graph capture a decode wrapper is built
 per batch size with fixed index buffers (``use_cuda_graph=True``); ``plan`` then refills those
 buffers in place before each replay.
+
+FlashInfer's ``plan`` fills a pinned host buffer and queues its copy to the device; the next
+``plan`` rewrites that buffer. When the engine queues step N+1 before step N has run (async
+scheduling), a plan must not overwrite the buffer before step N's copy has been done: each plan
+waits for the previous plan's copies (an event recorded after them; the device reaches them as
+soon as it starts step N, so the wait is short) and records its own.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ class FlashInferAttention:
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         self._graph_wrappers: dict[int, Any] = {}
+        self._staged: torch.cuda.Event | None = None  # recorded after the last plan's copies
 
     def plan(
         self,
@@ -80,6 +87,20 @@ class FlashInferAttention:
         graph_batch_size: int | None = None,
     ) -> FlashInferPlan:
         """Plan one step. ``graph_batch_size`` selects the fixed-buffer wrapper of a captured graph."""
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous plan's pinned buffer has been copied
+        planned = self._plan(query_lens, seq_lens, page_ids, graph_batch_size)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        return planned
+
+    def _plan(
+        self,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        page_ids: Sequence[Sequence[int]],
+        graph_batch_size: int | None,
+    ) -> FlashInferPlan:
         indptr, indices, last = page_indices(page_ids, seq_lens, self.page_size)
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5)
         if all(n == 1 for n in query_lens):

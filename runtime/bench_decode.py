@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from phloem.engine import Engine, SamplingParams
-from phloem.engine.request import Request
-from phloem.engine.scheduler import SchedulerOutput
+from phloem.engine.request import Request, RequestStatus
 
 __all__ = [
     "DecodeResult",
     "PrefillResult",
     "StepBytes",
+    "decode_tokens",
     "kernel_breakdown",
     "measure_bandwidth",
     "measure_matmul_rate",
@@ -53,10 +53,11 @@ class StepBytes:
 class DecodeResult:
     batch: int
     context: int
-    ms_per_step: float  # wall time of a whole engine step (host work + device + the sampled-id read)
+    ms_per_step: float  # wall time per engine step, as the engine steps (async scheduling on or off)
     bytes: StepBytes
     bandwidth: float  # bytes/s
     gpu_ms_per_step: float | None = None  # CUDA-graph replay alone, timed with device events
+    sync_ms_per_step: float | None = None  # the same steps with async scheduling off
 
     @property
     def tok_per_s_per_user(self) -> float:
@@ -154,38 +155,74 @@ def step_bytes(engine: Engine, batch: int, context: int) -> StepBytes:
     return StepBytes(weights, batch * context * kv_per_token, batch * 2 * slot_bytes)
 
 
+def decode_tokens(steps: int, warmup: int) -> int:
+    """Tokens of KV ``run_decode`` adds to each request's context (both timed passes)."""
+    return 2 * (steps + warmup) + 2
+
+
 def run_decode(
-    engine: Engine, batch: int, context: int, bandwidth: float, steps: int = 20, warmup: int = 3, seed: int = 0
+    engine: Engine, batch: int, context: int, bandwidth: float, steps: int = 20, warmup: int = 3, seed: int = 0,
+    compare_sync: bool = True,
 ) -> DecodeResult:
-    """Decode ``steps`` tokens for ``batch`` synthetic requests of ``context`` tokens of history."""
+    """Decode ``steps`` tokens for ``batch`` synthetic requests of ``context`` tokens of history.
+
+    The requests join the scheduler as running (admitted, pages allocated, history marked
+    computed) and the engine steps them as it would serve them: ``engine.step()`` with its own
+    async scheduling, timed over ``steps`` consecutive calls after ``warmup`` (no sync between
+    them: with a step queued, each call's host work overlaps the device's step). With
+    ``compare_sync`` and async scheduling on, the same requests are then timed with it off
+    (``DecodeResult.sync_ms_per_step``).
+    """
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
+    extra = decode_tokens(steps, warmup)
+    if context + extra >= engine.max_model_len:
+        raise ValueError(f"context {context} + {extra} decoded tokens reaches the limit {engine.max_model_len}")
     reqs = []
     for i in range(batch):
-        req = Request(f"bench-{i}", [rng.randrange(vocab) for _ in range(context)], SamplingParams(max_tokens=steps + warmup + 1, ignore_eos=True), arrival_idx=i)
-        assert engine.cache.admit(req) and engine.cache.allocate_pages(req, context + steps + warmup), (
+        params = SamplingParams(max_tokens=context + extra, ignore_eos=True)
+        # The whole history counts as output past a one-token prompt: no prompt-end checkpoint
+        # lands in the cache when the history's last token is computed.
+        req = Request(f"bench-{i}", [rng.randrange(vocab) for _ in range(context)], params, arrival_idx=i,
+                      num_prompt_tokens=1)
+        assert engine.cache.admit(req) and engine.cache.allocate_pages(req, context + extra), (
             f"batch {batch} x context {context} does not fit the KV pool"
         )
         req.num_computed_tokens = context - 1
         req.has_state, req.read_slot = True, req.write_slot
+        req.status = RequestStatus.RUNNING
         reqs.append(req)
-    times = []
-    gpu_ms = None
+    running = engine.scheduler.running
+    running.extend(reqs)
+    pipelined = engine.async_scheduling
     try:
-        for i in range(warmup + steps):
-            out = SchedulerOutput(tuple(reqs), (1,) * batch)
-            t0 = time.perf_counter()
-            result = engine.runner.execute(out)  # ends in the host read of the sampled ids
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            for r in reqs:
-                r.num_computed_tokens += 1
-                r.append_output(result.sampled[r.request_id])
+        ms = _time_steps(engine, steps, warmup)
+        sync_ms = None
+        if pipelined and compare_sync:
+            engine.async_scheduling = False
+            sync_ms = _time_steps(engine, steps, warmup)
         gpu_ms = _graph_replay_ms(engine, batch)
     finally:
+        engine.async_scheduling = pipelined
+        engine.drain()
         for r in reqs:
+            if r in running:
+                running.remove(r)
             engine.cache.release(r, publish=False)
-    return DecodeResult(batch, context, 1000 * statistics.median(times), step_bytes(engine, batch, context), bandwidth, gpu_ms)
+    return DecodeResult(batch, context, ms, step_bytes(engine, batch, context), bandwidth, gpu_ms, sync_ms)
+
+
+def _time_steps(engine: Engine, steps: int, warmup: int) -> float:
+    """Milliseconds per ``engine.step()`` over ``steps`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        outputs = engine.step()
+        assert len(outputs) == len(engine.scheduler.running), "every request decodes each step"
+    elapsed = time.perf_counter() - t0
+    engine.drain()
+    return 1000 * elapsed / steps
 
 
 def _graph_replay_ms(engine: Engine, batch: int, repeats: int = 20) -> float | None:
@@ -232,9 +269,9 @@ def kernel_breakdown(engine: Engine, batch: int = 1, context: int = 1024, top: i
 
     graphs, engine.runner.graphs = engine.runner.graphs, None
     try:
-        run_decode(engine, batch, context, 1.0, steps=1, warmup=2)
+        run_decode(engine, batch, context, 1.0, steps=1, warmup=2, compare_sync=False)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run_decode(engine, batch, context, 1.0, steps=1, warmup=0)
+            run_decode(engine, batch, context, 1.0, steps=1, warmup=0, compare_sync=False)
     finally:
         engine.runner.graphs = graphs
     rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]

@@ -17,6 +17,7 @@ from phloem.runtime.bench_decode import (
     kernel_breakdown,
     measure_bandwidth,
     measure_matmul_rate,
+    decode_tokens,
     run_decode,
     run_prefill,
 )
@@ -27,7 +28,7 @@ __all__ = ["bench_decode"]
 
 
 def _fits(engine: Engine, batch: int, context: int, steps: int) -> bool:
-    pages = engine.page_pool.pages_for(context + steps + 4)
+    pages = engine.page_pool.pages_for(context + decode_tokens(steps, 3))
     return batch * pages <= engine.page_pool.num_free_pages and batch <= engine.slot_pool.num_free_slots
 
 
@@ -66,7 +67,7 @@ def bench_decode(
     grid = [(context, batch) for context in contexts for batch in batches]
     show = engine_options.get("show_progress")
     for context, batch in bar(grid, len(grid), "decode grid", "point", show if isinstance(show, bool) else None):
-        if context >= engine.max_model_len or not _fits(engine, batch, context, steps):
+        if context + decode_tokens(steps, 3) >= engine.max_model_len or not _fits(engine, batch, context, steps):
             skipped.append((batch, context))
             continue
         results.append(run_decode(engine, batch, context, bandwidth, steps=steps))
@@ -110,13 +111,14 @@ def _markdown(
     lines = [
         f"model {name} on {device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 GEMM {matmul / 1e12:.0f} TFLOP/s",
         "",
-        "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline | GPU ms (graph replay) | GPU fraction |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline | sync ms/step | GPU ms (graph replay) | GPU fraction |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.batch} | {r.context} | {r.ms_per_step:.2f} | {r.tok_per_s_per_user:.0f} | {r.batch * r.tok_per_s_per_user:.0f} "
             f"| {r.bytes.total / 1e9:.2f} | {1000 * r.bytes.total / r.bandwidth:.2f} | {r.roofline_fraction:.0%} "
+            + (f"| {r.sync_ms_per_step:.2f} " if r.sync_ms_per_step else "| - ")
             + (f"| {r.gpu_ms_per_step:.2f} | {1000 * r.bytes.total / r.bandwidth / r.gpu_ms_per_step:.0%} |" if r.gpu_ms_per_step else "| - | - |")
         )
     if skipped:

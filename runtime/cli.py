@@ -102,6 +102,9 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
                             "concurrent decodes smoother (default: the engine's, 2048)")
     serve.add_argument("--max-num-seqs", metavar="N", type=int,
                        help="requests decoding at once (default: the engine's, 64)")
+    serve.add_argument("--no-async-scheduling", action="store_true",
+                       help="read each step's sampled ids before preparing the next step (default: "
+                            "the next decode step is queued while the device runs the current one)")
     serve.add_argument("--default-ttl", metavar="SECONDS", type=float,
                        default=defaults["default_ttl_s"],
                        help="seconds a session stays pinned after a turn (default: %(default)s)")
@@ -303,14 +306,16 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 
 def _engine_options(args: argparse.Namespace) -> dict[str, EngineOptions]:
     """``ServerConfig.engine`` for the flags that need it (``--no-prefix-cache``, ``--shape``,
-    ``--no-progress``, ``--max-num-batched-tokens``, ``--max-num-seqs``, ``--ep``)."""
+    ``--no-progress``, ``--max-num-batched-tokens``, ``--max-num-seqs``, ``--ep``,
+    ``--no-async-scheduling``)."""
     limits = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs}
-    flags = (args.no_prefix_cache, args.shape, args.no_progress, args.ep)
+    flags = (args.no_prefix_cache, args.shape, args.no_progress, args.ep, args.no_async_scheduling)
     if not any(flags) and all(v is None for v in limits.values()):
         return {}
     tp = args.tp if args.tp > 1 else None
     return {"engine": EngineOptions(device=args.device, dtype=args.dtype, tensor_parallel_size=tp,
                                     expert_parallel=args.ep or None,
+                                    async_scheduling=False if args.no_async_scheduling else None,
                                     enable_prefix_caching=not args.no_prefix_cache,
                                     load_format="dummy" if args.shape else "safetensors",
                                     show_progress=False if args.no_progress else None, **limits)}  # fmt: skip

@@ -165,6 +165,8 @@ class EngineOptions:
         enable_prefix_caching: keep finished prefixes in the radix cache.
         checkpoint_interval: GDN checkpoint every this many prefill tokens (0 disables).
         max_num_batched_tokens / max_num_seqs / max_model_len: scheduler limits.
+        async_scheduling: queue the next decode step before reading the current one's ids
+            (None: the engine's default, on; ``--no-async-scheduling``).
         tensor_parallel_size: ranks (processes; GPUs on CUDA) running the model, 1 to 8.
         expert_parallel: split the routed experts whole across those ranks (``--ep``).
         show_progress: progress bars while loading weights and capturing CUDA graphs: False
@@ -184,6 +186,7 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    async_scheduling: bool | None = None
     tensor_parallel_size: int | None = None
     expert_parallel: bool | None = None
     show_progress: bool | None = None

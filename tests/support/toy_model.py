@@ -16,6 +16,8 @@ from phloem.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
 
 VOCAB = 97
+# Distinct first tokens, lengths across page and chunk boundaries (async-scheduling tests).
+PROMPTS_FOR_PIPELINE = [[3], [1, 2, 3, 4, 5], list(range(10, 40)), [7] * 4, [9, 8], list(range(50, 63)), [11] * 17]
 
 
 def toy_config(eos: tuple[int, ...] = ()) -> ModelConfig:
@@ -86,6 +88,7 @@ def make_engine(
     max_seqs: int = 8,
     caching: bool = True,
     interval: int = 0,
+    async_scheduling: bool = True,
     **mc,
 ) -> Engine:
     return Engine(
@@ -98,7 +101,7 @@ def make_engine(
             enable_prefix_caching=caching,
             checkpoint_interval=interval,
         ),
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, async_scheduling=async_scheduling),
         torch.device("cpu"),
         torch.float32,
     )

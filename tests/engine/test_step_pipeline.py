@@ -1,0 +1,155 @@
+"""Async scheduling (``engine.step_pipeline``): the next decode step is queued before the current
+one's ids are read, and nothing observable changes but the overlap.
+
+Each test runs the same workload on a synchronous and an async engine and compares tokens,
+finish reasons, cached-token counts, forwards and pool accounting; ``num_pipelined_steps``
+proves the async path actually ran (so a pipeline that silently never engages fails).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from toy_model import PROMPTS_FOR_PIPELINE, assert_pools_empty, expected, make_engine
+
+from phloem.engine import Engine, SamplingParams
+
+
+def run_both(make: Callable[[bool], Engine], work: Callable[[Engine], object]) -> tuple[object, Engine]:
+    """``work`` on a sync and an async engine: returns the async result after checking equality."""
+    sync_engine, async_engine = make(False), make(True)
+    want, got = work(sync_engine), work(async_engine)
+    assert got == want
+    assert sync_engine.num_pipelined_steps == 0
+    return got, async_engine
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "cache"])
+def test_one_request_queues_every_decode_step_after_the_first(caching: bool) -> None:
+    prompt, m = [1, 2, 3, 4, 5], 12
+
+    def work(engine: Engine) -> object:
+        out = engine.generate([prompt], SamplingParams(max_tokens=m))[0]
+        return out.token_ids, out.finish_reason, engine.runner.model.num_forwards
+
+    (ids, reason, forwards), engine = run_both(lambda a: make_engine(caching=caching, async_scheduling=a), work)
+    assert ids == expected(prompt, m) and reason == "length"
+    # Prefill, then m - 1 decode forwards (+1 turn-end finalize with the cache): no extra work.
+    assert forwards == m + int(caching)
+    # Every decode step but the first (it follows the prefill) is queued, and so is the finalize.
+    assert engine.num_pipelined_steps == m - 2 + int(caching)
+    assert_pools_empty(engine)
+
+
+@pytest.mark.parametrize("interval", [0, 8], ids=["no-interval", "interval-8"])
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "cache"])
+def test_a_mixed_batch_equals_the_synchronous_engine(caching: bool, interval: int) -> None:
+    """Staggered lengths, stop tokens, chunked prefill, periodic checkpoints, a slot shortage."""
+    stops = {p[0]: expected(p, 20)[5] for p in PROMPTS_FOR_PIPELINE}
+    params = [SamplingParams(max_tokens=3 + 4 * i, stop_token_ids=(stops[p[0]],) if i % 3 == 0 else ())
+              for i, p in enumerate(PROMPTS_FOR_PIPELINE)]
+
+    def work(engine: Engine) -> object:
+        outs = engine.generate(PROMPTS_FOR_PIPELINE, params)
+        stats = engine.cache_stats()
+        return [(o.token_ids, o.finish_reason) for o in outs], stats.prompt_tokens, stats.cached_tokens
+
+    make = lambda a: make_engine(caching=caching, interval=interval, budget=16, num_slots=6,  # noqa: E731
+                                 async_scheduling=a)
+    (outs, _, _), engine = run_both(make, work)
+    for prompt, p, (ids, reason) in zip(PROMPTS_FOR_PIPELINE, params, outs):
+        assert ids == expected(prompt, p.max_tokens, set(p.stop_token_ids))
+    assert engine.num_pipelined_steps > 0
+    assert_pools_empty(engine)
+
+
+def test_a_prompt_end_checkpoint_is_not_overwritten_by_the_queued_step() -> None:
+    """Chunks cut at every 4 tokens leave a 5-token prompt's last token to a one-token step that
+    samples: a decode-shaped step after which the prompt-end checkpoint takes the write slot.
+    The step after must not have been queued into that slot (the toy model asserts that its state
+    agrees with its KV pages, and the next turn resumes from that checkpoint)."""
+    prompt = [1, 2, 3, 4, 5]
+
+    def work(engine: Engine) -> object:
+        first = engine.generate([prompt], SamplingParams(max_tokens=20))[0]
+        second = engine.generate([prompt + first.token_ids[:10] + [3]], SamplingParams(max_tokens=5))[0]
+        return first.token_ids, second.token_ids, second.num_cached_tokens, engine.runner.model.num_forwards
+
+    (first, second, cached, _), engine = run_both(lambda a: make_engine(interval=4, async_scheduling=a), work)
+    assert first == expected(prompt, 20)
+    assert second == expected(prompt + first[:10] + [3], 5)
+    assert cached == len(prompt), "resumed from the prompt-end checkpoint"
+    assert engine.num_pipelined_steps > 0
+    assert_pools_empty(engine)
+
+
+def test_turn_end_checkpoints_land_and_the_next_turn_hits_them() -> None:
+    def work(engine: Engine) -> object:
+        conv, seen = [1, 2, 3, 4, 5, 6], []
+        for turn in range(4):
+            out = engine.generate([conv], SamplingParams(max_tokens=7 + turn))[0]
+            seen.append((out.token_ids, out.num_cached_tokens))
+            conv = conv + out.token_ids + [turn + 1] * 3
+        return seen
+
+    seen, engine = run_both(lambda a: make_engine(async_scheduling=a), work)
+    # From turn 2 on, the whole previous conversation (prompt + answer) comes from the cache.
+    conv_lens = [6]
+    for ids, _ in seen[:-1]:
+        conv_lens.append(conv_lens[-1] + len(ids) + 3)
+    assert [cached for _, cached in seen] == [0] + [n - 3 for n in conv_lens[1:]]
+    assert engine.num_pipelined_steps > 0
+    assert_pools_empty(engine)
+
+
+def test_seeded_sampling_draws_the_same_tokens() -> None:
+    params = [SamplingParams(max_tokens=15, temperature=1.5, seed=s) for s in (1, 2, 3)]
+
+    def work(engine: Engine) -> object:
+        return [o.token_ids for o in engine.generate([[4, 5], [6], [7, 8, 9]], params)]
+
+    _, engine = run_both(lambda a: make_engine(async_scheduling=a), work)
+    assert engine.num_pipelined_steps > 0
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "cache"])
+def test_abort_while_a_step_is_queued_frees_everything(caching: bool) -> None:
+    engine = make_engine(caching=caching)
+    victim = engine.add_request([1, 2, 3], SamplingParams(max_tokens=40))
+    other = engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=20))
+    tokens: dict[str, list[int]] = {victim: [], other: []}
+    for _ in range(6):
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert engine._queued is not None, "a decode step is queued between steps"
+    assert engine.abort_request(victim)
+    done = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != victim, "nothing is reported for an aborted request"
+            tokens[out.request_id] += out.new_token_ids
+            done |= out.finished
+    assert done and tokens[other] == expected([4, 5, 6, 7], 20)
+    assert tokens[victim] == expected([1, 2, 3], len(tokens[victim]))
+    assert_pools_empty(engine)
+
+
+def test_real_checkpoint_greedy_tokens_equal_the_synchronous_engine(tiny_checkpoint: Callable[..., Path]) -> None:
+    path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
+    prompts = [[(7 * i + 3 * j) % 256 for j in range(5 + 6 * i)] for i in range(4)]
+
+    def make(a: bool) -> Engine:
+        return Engine.from_pretrained(path, num_pages=64, num_state_slots=16, page_size=16,
+                                      max_num_batched_tokens=64, async_scheduling=a)
+
+    def work(engine: Engine) -> object:
+        first = engine.generate(prompts, [SamplingParams(max_tokens=6 + 5 * i) for i in range(4)])
+        follow = [p + o.token_ids + [11, 12] for p, o in zip(prompts, first)]
+        second = engine.generate(follow, SamplingParams(max_tokens=9))
+        return [o.token_ids for o in first], [(o.token_ids, o.num_cached_tokens) for o in second]
+
+    (_, second), engine = run_both(make, work)
+    assert all(cached > 0 for _, cached in second)
+    assert engine.num_pipelined_steps > 0
