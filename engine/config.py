@@ -243,7 +243,7 @@ class SchedulerConfig:
         max_model_len: longest token history a request may reach; ``None`` = the model's limit.
         async_scheduling: queue the next decode step on the device before reading the current
             one's sampled ids, so host work overlaps device work (``engine.step_pipeline``; the
-            tokens are the same). Off under tensor parallelism and for disaggregated prefill.
+            tokens are the same). Not for the steps of a disaggregated prefill.
     """
 
     max_num_batched_tokens: int = 2048

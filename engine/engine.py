@@ -328,7 +328,7 @@ class Engine:
         return outputs
 
     def _pipelined(self) -> bool:
-        return self.async_scheduling and self.workers is None and self.runner.layer_hook is None
+        return self.async_scheduling and self.runner.layer_hook is None
 
     def drain(self) -> None:
         """Collect the queued step, if any (its outputs go out with the next ``step``), so the

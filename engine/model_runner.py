@@ -232,14 +232,15 @@ class ModelRunner:
     ) -> LaunchedStep:
         """Queue the step's forward and sampling on the device; nothing is read back.
 
-        ``inp`` defaults to ``prepare_inputs(out)``; ``input_ids`` as in ``forward_logits`` (rank 0
-        only: a worker rank could not see them, so the engine never pipelines under TP).
+        ``inp`` defaults to ``prepare_inputs(out)``; ``input_ids`` as in ``forward_logits`` (under
+        tensor parallelism the plan says so and every rank receives them by broadcast).
         """
         inp = inp if inp is not None else self.prepare_inputs(out)
         if self.plan_sink is not None:
-            assert input_ids is None, "device-resident input ids cannot be sent to the worker ranks"
-            self.plan_sink(StepPlan(tuple(self._pending_copies), inp))
+            self.plan_sink(StepPlan(tuple(self._pending_copies), inp, device_ids=input_ids is not None))
             self._pending_copies.clear()
+            if input_ids is not None:
+                self.tp.broadcast_first(input_ids)
         on_attn_layer = self.layer_hook(out) if self.layer_hook is not None else None
         logits = self.forward_logits(inp, on_attn_layer, input_ids)
         if logits is None:
@@ -264,12 +265,13 @@ class ModelRunner:
         for src, dst in plan.page_copies:
             self.copy_page(src, dst)
         if plan.inputs is not None:
-            self.forward_logits(plan.inputs)
-            if self.device.type == "cuda":
-                # Finish the step as rank 0 does (its step ends reading the sampled ids): the next
-                # step's host work rewrites pinned staging buffers (ours, FlashInfer's plan) that
-                # this step's copies may still be reading.
-                torch.cuda.current_stream(self.device).synchronize()
+            ids = None
+            if plan.device_ids:
+                ids = torch.empty(len(plan.inputs.input_ids), dtype=torch.int64, device=self.device)
+                self.tp.broadcast_first(ids)
+            # No sync at the end: like rank 0, a worker queues its steps and moves on (the pinned
+            # staging buffers are guarded by events: ``CudaGraphRunner._fill``, FlashInfer's plan).
+            self.forward_logits(plan.inputs, input_ids=ids)
         move = plan.move
         if move is not None and move.kind == "export":
             gather_state(self.tp, self.model_config, self.caches, move.pages, move.slot)

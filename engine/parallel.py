@@ -133,6 +133,15 @@ class TPGroup:
         self._backend().scatter([out], [[p.contiguous() for p in parts]], options).wait()
         return out
 
+    def broadcast_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype everywhere), in place."""
+        if self.size == 1:
+            return x
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._backend().broadcast([x], options).wait()
+        return x
+
     def all_min(self, values: Sequence[int]) -> list[int]:
         """Element-wise minimum of small integer lists over the ranks (e.g. pool sizes)."""
         if self.size == 1:

@@ -25,9 +25,11 @@ after step N cannot change it:
   request's write slot to the cache, and step N+1 would write into it);
 - no request is a prefill-only one, and every request gets the page for its next position
   without preemption (eviction from the cache is fine: only unlocked nodes go);
-- the runner has no per-step layer hook (disaggregated prefill) and no worker ranks (under
-  tensor parallelism the other ranks could not see device-resident ids; the plan carries host
-  ids).
+- the runner has no per-step layer hook (disaggregated prefill).
+
+Under tensor parallelism the queued step's plan goes to the worker ranks at once, marked
+``device_ids``, and every rank receives the ids from rank 0's device by a broadcast queued just
+before the forward (``engine.step_plan``): no rank waits on the host for them.
 
 Anything else (a new request, a prefill, a preemption, a checkpoint, an abort) runs the
 synchronous path for one step. The engine drains the queued step before any call that reads or

@@ -6,7 +6,10 @@ page of a prefix hit or fork), then the step's ``StepInputs``. A plan without in
 carry a ``StateMove``: export a cached prefix's pages and state slot to rank 0, or import them
 from rank 0 (session spill and resume, ``engine.tp_state``). A worker replays the copies and
 runs the same forward; it never samples (rank 0 alone turns the gathered logits into tokens,
-and the next plan carries them as input ids), so sampling needs no agreement between ranks.
+and the next plan carries them as input ids), so sampling needs no agreement between ranks. A
+step that rank 0 queued before reading the previous step's ids (async scheduling) is sent with
+``device_ids``: its host ids are placeholders and every rank takes the real ones from rank 0's
+device by a broadcast just before the forward.
 
 Wire form: one flat int64 array in native byte order (the ranks share a host; no pickle)::
 
@@ -15,7 +18,8 @@ Wire form: one flat int64 array in native byte order (the ranks share a host; no
      | sample_rows (S) | page ids (sum num_pages)]
 
 ``B = 0`` means no forward: copies only (``M = 0``), or copies then a state move ``M`` (1 export,
-2 import) followed by ``[slot, num_pages | page ids]``. An empty message means shut down.
+2 import) followed by ``[slot, num_pages | page ids]``. With a forward (``B > 0``), ``M = 1``
+means ``device_ids``. An empty message means shut down.
 """
 
 from __future__ import annotations
@@ -68,14 +72,20 @@ class StateMove:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """Page copies ``(src, dst)`` to apply in order, then the forward (None: none), or a state move."""
+    """Page copies ``(src, dst)`` to apply in order, then the forward (None: none), or a state move.
+
+    ``device_ids``: the forward's input ids are broadcast from rank 0's device (``inputs.input_ids``
+    are placeholders).
+    """
 
     page_copies: tuple[tuple[int, int], ...]
     inputs: StepInputs | None
     move: StateMove | None = None
+    device_ids: bool = False
 
     def __post_init__(self) -> None:
         assert self.inputs is None or self.move is None, "a step plan runs a forward or moves state, not both"
+        assert self.inputs is not None or not self.device_ids, "device ids without a forward"
 
 
 def encode_plan(plan: StepPlan) -> bytes:
@@ -88,7 +98,7 @@ def encode_plan(plan: StepPlan) -> bytes:
         kind = _MOVE_KINDS.index(move.kind) + 1
         words = [0, 0, 0, len(plan.page_copies), kind, *copies, move.slot, len(move.pages), *move.pages]
         return array("q", words).tobytes()
-    header = [len(inp.query_lens), len(inp.input_ids), len(inp.sample_rows), len(plan.page_copies), 0]
+    header = [len(inp.query_lens), len(inp.input_ids), len(inp.sample_rows), len(plan.page_copies), int(plan.device_ids)]
     words = array("q", header)
     words.extend(copies)
     for field in (inp.input_ids, inp.positions, inp.slot_mapping, inp.query_start_loc, inp.seq_lens):
@@ -134,4 +144,4 @@ def decode_plan(data: bytes) -> StepPlan:
         ids, positions, slots, qsl, seq_lens, read, write, [bool(h) for h in has_state], tuple(query_lens), pages,
         sample_rows,
     )
-    return StepPlan(copies, inputs)
+    return StepPlan(copies, inputs, device_ids=bool(move_kind))

@@ -64,7 +64,9 @@ def engines(tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, tuple[En
         assert_stopped(tp)
 
 
-def both(pair: tuple[Engine, Engine], prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+def both(
+    pair: tuple[Engine, Engine], prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+) -> list[list[int]]:
     """Run ``prompts`` on both engines; assert equal tokens and cache hits; return the tokens."""
     ref, tp = (engine.generate(prompts, params) for engine in pair)
     assert [o.token_ids for o in tp] == [o.token_ids for o in ref]
@@ -145,6 +147,19 @@ def test_spill_and_resume_move_between_tp_sizes(arch: str, engines: dict[str, tu
 def test_seeded_sampling_matches(engines: dict[str, tuple[Engine, Engine]]) -> None:
     params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.95, seed=7)
     both(engines["Qwen3_5MoeForCausalLM"], [tokens(9, 3), tokens(21, 4)], params)
+
+
+def test_async_scheduling_under_tp2_gives_synchronous_tp1_tokens(engines: dict[str, tuple[Engine, Engine]]) -> None:
+    """TP=2 queues decode steps whose ids every rank receives by broadcast from rank 0's device."""
+    tp1, tp2 = engines["Qwen3_5MoeForCausalLM"]
+    queued = tp2.num_pipelined_steps
+    tp1.async_scheduling = False
+    try:
+        both((tp1, tp2), [tokens(5, 8), tokens(19, 9), tokens(2, 10)],
+             [SamplingParams(max_tokens=n) for n in (14, 6, 9)])
+    finally:
+        tp1.async_scheduling = True
+    assert tp2.num_pipelined_steps > queued
 
 
 def test_engine_client_runs_a_tp_engine_and_stops_its_workers(tiny_checkpoint: Callable[..., Path]) -> None:
@@ -362,6 +377,7 @@ def test_step_plan_round_trips() -> None:
     )
     moves = [StateMove("export", (3, 9, 4), 2), StateMove("import", (), 0)]
     plans = [StepPlan(((1, 2), (7, 3)), inputs), StepPlan((), inputs), StepPlan(((4, 5),), None)]
+    plans += [StepPlan(((1, 2),), inputs, device_ids=True)]
     plans += [StepPlan(((4, 5),), None, moves[0]), StepPlan((), None, moves[1])]
     for plan in plans:
         assert decode_plan(encode_plan(plan)) == plan
