@@ -40,6 +40,7 @@ class KernelOps:
     add_rms_norm: Op
     gated_rms_norm: Op
     qk_norm_rope_gate: Op
+    qk_norm_rope_gate_store: Op
     causal_conv1d_update: Op
     causal_conv1d_varlen: Op
     recurrent_gated_delta_rule: Op
@@ -88,6 +89,7 @@ def get_ops(device: torch.device) -> KernelOps:
         add_rms_norm=norm.add_rms_norm,
         gated_rms_norm=norm.gated_rms_norm,
         qk_norm_rope_gate=qk_norm_rope.qk_norm_rope_gate,
+        qk_norm_rope_gate_store=qk_norm_rope.qk_norm_rope_gate_store,
         causal_conv1d_update=conv1d.causal_conv1d_update,
         causal_conv1d_varlen=conv1d.causal_conv1d_varlen,
         recurrent_gated_delta_rule=gdn.recurrent_gated_delta_rule,
@@ -134,6 +136,7 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         add_rms_norm=triton_norm.add_rms_norm,
         gated_rms_norm=triton_norm.gated_rms_norm,
         qk_norm_rope_gate=triton_qk_norm_rope.qk_norm_rope_gate,
+        qk_norm_rope_gate_store=triton_qk_norm_rope.qk_norm_rope_gate_store,
         causal_conv1d_update=conv1d_update.causal_conv1d_update,
         recurrent_gated_delta_rule=gdn_decode.recurrent_gated_delta_rule,
         moe_route=moe_route.moe_route,

@@ -73,11 +73,11 @@ class GatedAttention(nn.Module):
         q_gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        # QK-RMSNorm + partial RoPE + output-gate split, one fused op on GPU.
-        query, key, gate = self.ops.qk_norm_rope_gate(
-            q_gate, key, self.q_norm.weight, self.k_norm.weight, batch.positions, inv_freq, self.eps
+        # QK-RMSNorm + partial RoPE + output-gate split + the KV-cache write, one fused op on GPU.
+        query, gate = self.ops.qk_norm_rope_gate_store(
+            q_gate, key, value, self.q_norm.weight, self.k_norm.weight, batch.positions, inv_freq, self.eps,
+            kv_cache, batch.slot_mapping,
         )
-        self.ops.store_kv(key, value, kv_cache, batch.slot_mapping)
         if batch.attn_metadata is not None:
             out = batch.attn_metadata.run(query, kv_cache)  # [T, Hq, D]
         else:

@@ -9,7 +9,7 @@ Modules (import them directly; importing this package imports no Triton code)::
     gdn_decode      recurrent_gated_delta_rule        kernels.gdn
     conv1d_update   causal_conv1d_update              kernels.conv1d
     norm            rms_norm, add_rms_norm, gated_rms_norm   kernels.norm
-    qk_norm_rope    qk_norm_rope_gate                 kernels.qk_norm_rope
+    qk_norm_rope    qk_norm_rope_gate(_store)         kernels.qk_norm_rope
     moe_route       moe_route, moe_route_shared       kernels.moe
     moe_grouped     fused_moe (prefill batches)       kernels.moe
     fused_moe       fused_moe                         kernels.moe

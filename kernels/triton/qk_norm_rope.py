@@ -11,6 +11,11 @@ rotated: dim ``j < R`` pairs with ``j +- R/2``, whose normalised value comes fro
 the row rather than a register shuffle. cos/sin are computed in fp32 and rounded to the input
 dtype, and ``x*cos``, ``rot*sin`` and their sum each round to it, as the reference's eager ops do.
 
+``qk_norm_rope_gate_store`` (the reference of the same name) is the same launch with the key
+programs writing their rotated row straight into the paged KV cache at ``slot_mapping`` and
+copying the value row beside it (``STORE``): the four launches of the torch ``store_kv`` (page and
+offset arithmetic, two index-puts) and the ``k`` round trip through memory are gone.
+
 Memory traffic at the 35B-A3B decode shape (16 q / 2 kv heads of 256, bf16, one token): reads
 q_gate 16 KiB + k 1 KiB + weights 1 KiB, writes q 8 KiB + gate 8 KiB + k 1 KiB: ~35 KiB.
 Measured on an H200 (CUDA-graph replay, one token): 2.0 us against 61 us for the reference.
@@ -22,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["qk_norm_rope_gate"]
+__all__ = ["qk_norm_rope_gate", "qk_norm_rope_gate_store"]
 
 
 @triton.jit
@@ -62,16 +67,27 @@ def qk_norm_rope_gate_kernel(
     o_q,
     o_k,
     o_gate,
+    v,
+    slots,
+    kv,
     s_qt,
     s_qh,
     s_kt,
     s_kh,
+    s_vt,
+    s_vh,
+    s_cp,
+    s_c2,
+    s_co,
+    s_ch,
+    PAGE,
     HQ,
     HK,
     D,
     HALF,
     eps,
     BD: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -85,7 +101,29 @@ def qk_norm_rope_gate_kernel(
     else:
         i_hk = i_h - HQ
         p_row = k + i_t * s_kt + i_hk * s_kh
-        _norm_rope_row(p_row, k_norm_w, o_k + (i_t * HK + i_hk) * D, inv_freq, b_pos, D, HALF, eps, BD)
+        if STORE:
+            # K and V of this token and head go to their page: K plane 0, V plane 1 (NHD layout).
+            i_slot = tl.load(slots + i_t).to(tl.int64)
+            p_dst = kv + (i_slot // PAGE) * s_cp + (i_slot % PAGE) * s_co + i_hk * s_ch
+            _norm_rope_row(p_row, k_norm_w, p_dst, inv_freq, b_pos, D, HALF, eps, BD)
+            o_d = tl.arange(0, BD)
+            m_d = o_d < D
+            b_v = tl.load(v + i_t * s_vt + i_hk * s_vh + o_d, mask=m_d)
+            tl.store(p_dst + s_c2 + o_d, b_v.to(kv.dtype.element_ty), mask=m_d)
+        else:
+            _norm_rope_row(p_row, k_norm_w, o_k + (i_t * HK + i_hk) * D, inv_freq, b_pos, D, HALF, eps, BD)
+
+
+def _check_shapes(q_gate: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    num_tokens, _, width = q_gate.shape
+    head_dim = k.shape[-1]
+    if width != 2 * head_dim or k.shape[0] != num_tokens or q_gate.dtype != k.dtype:
+        raise ValueError(
+            f"q_gate must be [T, Hq, 2D] and k [T, Hk, D] of one dtype, "
+            f"got {tuple(q_gate.shape)} {q_gate.dtype} and {tuple(k.shape)} {k.dtype}"
+        )
+    if 2 * inv_freq.shape[0] > head_dim:
+        raise ValueError(f"rotary dims 2 * {inv_freq.shape[0]} exceed head_dim {head_dim}")
 
 
 def qk_norm_rope_gate(
@@ -98,26 +136,67 @@ def qk_norm_rope_gate(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q [T, Hq, D], k [T, Hk, D], gate [T, Hq * D])``, see the module docstring."""
-    num_tokens, num_q_heads, width = q_gate.shape
-    num_k_heads, head_dim = k.shape[1:]
-    if width != 2 * head_dim or k.shape[0] != num_tokens or q_gate.dtype != k.dtype:
+    _check_shapes(q_gate, k, inv_freq)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q, gate = _launch(q_gate, k, q_norm_w, k_norm_w, positions, inv_freq, eps, k_out, None)
+    return q, k_out, gate
+
+
+def qk_norm_rope_gate_store(
+    q_gate: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_w: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [T, Hq, D], gate [T, Hq * D])``; rotated ``k`` and ``v`` land in ``kv_cache`` at ``slot_mapping``."""
+    _check_shapes(q_gate, k, inv_freq)
+    if v.shape != k.shape or kv_cache.shape[1] != 2 or kv_cache.shape[3:] != k.shape[1:] or kv_cache.stride(-1) != 1:
         raise ValueError(
-            f"q_gate must be [T, Hq, 2D] and k [T, Hk, D] of one dtype, "
-            f"got {tuple(q_gate.shape)} {q_gate.dtype} and {tuple(k.shape)} {k.dtype}"
+            f"v must be shaped like k {tuple(k.shape)} and kv_cache [pages, 2, page_size, Hk, D] with a unit "
+            f"last stride, got v {tuple(v.shape)} and kv_cache {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
         )
-    if 2 * inv_freq.shape[0] > head_dim:
-        raise ValueError(f"rotary dims 2 * {inv_freq.shape[0]} exceed head_dim {head_dim}")
+    return _launch(q_gate, k, q_norm_w, k_norm_w, positions, inv_freq, eps, None, (v, kv_cache, slot_mapping))
+
+
+def _launch(
+    q_gate: torch.Tensor,
+    k: torch.Tensor,
+    q_norm_w: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    eps: float,
+    k_out: torch.Tensor | None,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch over ``(token, q head | k head)``: ``k`` to ``k_out``, or with ``store`` to the cache."""
+    num_tokens, num_q_heads, _ = q_gate.shape
+    num_k_heads, head_dim = k.shape[1:]
     q_gate, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_gate, k))
     q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q_gate.dtype, device=q_gate.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     gate = torch.empty((num_tokens, num_q_heads * head_dim), dtype=q_gate.dtype, device=q_gate.device)
     if num_tokens == 0:
-        return q, k_out, gate
+        return q, gate
+    if store is None:
+        assert k_out is not None
+        v, kv, slots = k, k_out, positions  # unused by the kernel without STORE
+    else:
+        v, kv, slots = store
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        k_out = kv
     qk_norm_rope_gate_kernel[(num_tokens, num_q_heads + num_k_heads)](
         q_gate, k, q_norm_w.contiguous(), k_norm_w.contiguous(), positions, inv_freq.float().contiguous(),
-        q, k_out, gate,
-        q_gate.stride(0), q_gate.stride(1), k.stride(0), k.stride(1),
+        q, k_out, gate, v, slots, kv,
+        q_gate.stride(0), q_gate.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv.stride(0), kv.stride(1) if store else 0, kv.stride(2) if store else 0, kv.stride(3) if store else 0,
+        kv.shape[2] if store else 1,
         num_q_heads, num_k_heads, head_dim, inv_freq.shape[0], eps,
-        BD=triton.next_power_of_2(head_dim),
+        BD=triton.next_power_of_2(head_dim), STORE=store is not None,
     )  # fmt: skip
-    return q, k_out, gate
+    return q, gate

@@ -11,8 +11,9 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from phloem.kernels.qk_norm_rope import qk_norm_rope_gate as reference  # noqa: E402
+from phloem.kernels.qk_norm_rope import qk_norm_rope_gate_store as reference_store  # noqa: E402
 from phloem.kernels.rope import rope_inv_freq  # noqa: E402
-from phloem.kernels.triton.qk_norm_rope import qk_norm_rope_gate  # noqa: E402
+from phloem.kernels.triton.qk_norm_rope import qk_norm_rope_gate, qk_norm_rope_gate_store  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6
@@ -106,6 +107,45 @@ def test_bfloat16_runs_and_keeps_dtypes(assert_close) -> None:
     _check(assert_close, args, {"atol": 3e-2, "rtol": 3e-2} if DEVICE.type == "cpu" else {})
 
 
+def _check_store(assert_close, args, tol, page_size: int = 4, seed: int = 0) -> None:
+    """The fused cache write against the reference composition, from the same random cache: the
+    written slots hold K (rotated) and V, every other slot is untouched."""
+    q_gate, k, *rest = args
+    num_tokens, num_k_heads, head_dim = k.shape
+    gen = torch.Generator().manual_seed(seed)
+    v = (torch.randn(k.shape, generator=gen)).to(DEVICE, k.dtype)
+    num_pages = num_tokens // page_size + 3
+    cache = torch.randn(num_pages, 2, page_size, num_k_heads, head_dim, generator=gen).to(DEVICE, k.dtype)
+    # Distinct slots, out of order and across pages (a varlen batch's tokens).
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens].to(DEVICE)
+    got_cache, want_cache = cache.clone(), cache.clone()
+    q, gate = qk_norm_rope_gate_store(q_gate, k, v, *rest, EPS, got_cache, slots)
+    want_q, want_gate = reference_store(q_gate, k, v, *rest, EPS, want_cache, slots)
+    assert_close(q, want_q, **tol, msg="q")
+    assert_close(gate, want_gate, exact=True, msg="gate")
+    page, off = slots // page_size, slots % page_size
+    assert_close(got_cache[page, 0, off], want_cache[page, 0, off], **tol, msg="k in the cache")
+    assert_close(got_cache[page, 1, off], want_cache[page, 1, off], exact=True, msg="v in the cache")
+    untouched = torch.ones(num_pages * page_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    flat = lambda c: c.transpose(1, 2).reshape(num_pages * page_size, 2, num_k_heads, head_dim)  # noqa: E731
+    assert torch.equal(flat(got_cache)[untouched], flat(cache)[untouched]), "a slot outside slot_mapping changed"
+
+
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+def test_store_variant_writes_the_cache_like_the_reference(assert_close, shape) -> None:
+    _check_store(assert_close, _inputs(*shape), {})
+
+
+def test_store_variant_with_strided_k_and_v(assert_close) -> None:
+    """k and v as column slices of one fused qkv projection output (the model's case)."""
+    q_gate, k, *rest = _inputs(6, 2, 2, 16, 4, seed=5)
+    wide = torch.cat((k.flatten(1), k.flatten(1) * 0.5), dim=-1)
+    k_view = wide[:, : k[0].numel()].view(k.shape)
+    assert not k_view.is_contiguous()
+    _check_store(assert_close, (q_gate, k_view, *rest), {}, page_size=2, seed=6)
+
+
 def test_rejects_mismatched_head_dims() -> None:
     q_gate, k, *rest = _inputs(2, 2, 1, 16, 4)
     with pytest.raises(ValueError, match="q_gate must be"):
@@ -120,3 +160,4 @@ def test_qwen35_35b_a3b_shape_on_cuda(assert_close, num_tokens, dtype) -> None:
     """16 q / 2 kv heads of 256, rotary 64; positions up to 256K exercise cos/sin range reduction."""
     args = _inputs(num_tokens, 16, 2, 256, 64, dtype=dtype, seed=4)
     _check(assert_close, args, {})
+    _check_store(assert_close, args, {}, page_size=16, seed=7)
