@@ -44,6 +44,7 @@ class KernelOps:
     causal_conv1d_update: Op
     causal_conv1d_varlen: Op
     recurrent_gated_delta_rule: Op
+    recurrent_gated_delta_rule_with_gates: Op
     chunk_gated_delta_rule: Op
     gdn_gates: Op
     store_kv: Op
@@ -93,6 +94,7 @@ def get_ops(device: torch.device) -> KernelOps:
         causal_conv1d_update=conv1d.causal_conv1d_update,
         causal_conv1d_varlen=conv1d.causal_conv1d_varlen,
         recurrent_gated_delta_rule=gdn.recurrent_gated_delta_rule,
+        recurrent_gated_delta_rule_with_gates=gdn.recurrent_gated_delta_rule_with_gates,
         chunk_gated_delta_rule=gdn.chunk_gated_delta_rule,
         gdn_gates=gdn.gdn_gates,
         store_kv=attention.store_kv,
@@ -139,6 +141,7 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         qk_norm_rope_gate_store=triton_qk_norm_rope.qk_norm_rope_gate_store,
         causal_conv1d_update=conv1d_update.causal_conv1d_update,
         recurrent_gated_delta_rule=gdn_decode.recurrent_gated_delta_rule,
+        recurrent_gated_delta_rule_with_gates=gdn_decode.recurrent_gated_delta_rule_with_gates,
         moe_route=moe_route.moe_route,
         moe_route_shared=moe_route.moe_route_shared,
         gdn_gates=gdn_gates.gdn_gates,

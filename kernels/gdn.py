@@ -22,7 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunk_gated_delta_rule", "gdn_gates", "naive_recurrent_gated_delta_rule", "recurrent_gated_delta_rule"]
+__all__ = [
+    "chunk_gated_delta_rule", "gdn_gates", "naive_recurrent_gated_delta_rule", "recurrent_gated_delta_rule",
+    "recurrent_gated_delta_rule_with_gates",
+]
 
 _L2_EPS = 1e-6
 
@@ -166,3 +169,21 @@ def gdn_gates(
     (fp32 log decay) and ``beta = sigmoid(b)`` (in ``b``'s dtype), as HF computes them."""
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     return g, torch.sigmoid(b)
+
+
+def recurrent_gated_delta_rule_with_gates(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    read_slots: torch.Tensor,
+    write_slots: torch.Tensor,
+) -> torch.Tensor:
+    """``gdn_gates`` then ``recurrent_gated_delta_rule``: the decode step from the raw ``a``/``b``
+    projections ``[B, Hv]`` (the Triton version computes the gates inside its one launch)."""
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, read_slots, write_slots)

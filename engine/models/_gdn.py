@@ -88,8 +88,6 @@ class GatedDeltaNet(nn.Module):
         num_tokens = hidden.shape[0]
         mixed_qkv, z, b, a = torch.split(self.in_proj(hidden), self.proj_sizes, dim=-1)
         z = z.view(num_tokens, self.num_v_heads, self.value_head_dim)
-        # g: fp32 log decay (exp(A_log) overflows fp16); beta in the model dtype.
-        g, beta = self.ops.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
         if batch.is_decode:
             mixed_qkv = self.ops.causal_conv1d_update(
                 mixed_qkv, self.conv_weight, None, conv_states, batch.read_slots, batch.write_slots
@@ -104,10 +102,13 @@ class GatedDeltaNet(nn.Module):
         key = key.view(num_tokens, self.num_k_heads, self.key_head_dim)
         value = value.view(num_tokens, self.num_v_heads, self.value_head_dim)
         if batch.is_decode:
-            out = self.ops.recurrent_gated_delta_rule(
-                query, key, value, g, beta, ssm_states, batch.read_slots, batch.write_slots
+            # The gates are computed inside the decode step's kernel on GPU.
+            out = self.ops.recurrent_gated_delta_rule_with_gates(
+                query, key, value, a, b, self.A_log, self.dt_bias, ssm_states, batch.read_slots, batch.write_slots
             )
         else:
+            # g: fp32 log decay (exp(A_log) overflows fp16); beta in the model dtype.
+            g, beta = self.ops.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
             out = self.ops.chunk_gated_delta_rule(
                 query, key, value, g, beta, ssm_states, batch.query_start_loc,
                 batch.read_slots, batch.write_slots, batch.has_initial_state,

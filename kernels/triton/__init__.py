@@ -6,7 +6,7 @@ these or the references per device.
 
 Modules (import them directly; importing this package imports no Triton code)::
 
-    gdn_decode      recurrent_gated_delta_rule        kernels.gdn
+    gdn_decode      recurrent_gated_delta_rule(_with_gates)   kernels.gdn
     conv1d_update   causal_conv1d_update              kernels.conv1d
     norm            rms_norm, add_rms_norm, gated_rms_norm   kernels.norm
     qk_norm_rope    qk_norm_rope_gate(_store)         kernels.qk_norm_rope

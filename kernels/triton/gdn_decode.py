@@ -20,6 +20,11 @@ state 2 MiB read + 2 MiB written (fp32), q/k/v/out 4 x 8 KiB in bf16, g/beta 256
 Measured on an H200 (CUDA-graph replay): 3-4 us at batch 1 (latency-bound, 128 programs) against
 62 us for the reference; 82 us at batch 64, 3.3 TB/s. ``BV`` 32 with 4 warps was within ~10% of
 the best of BV 8-64 x 1-8 warps at batch 1, 8 and 64.
+
+``recurrent_gated_delta_rule_with_gates`` (the reference of the same name) takes the raw ``a``/``b``
+projections and computes the gates in the same program (``FROM_GATES``): ``g = -exp(A_log) *
+softplus(a + dt_bias)`` in fp32 and ``beta = sigmoid(b)`` rounded to ``b``'s dtype, as
+``kernels.gdn.gdn_gates`` does; the separate gates launch of each GDN layer is gone at decode.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["recurrent_gated_delta_rule"]
+__all__ = ["recurrent_gated_delta_rule", "recurrent_gated_delta_rule_with_gates"]
 
 # Same epsilon as kernels.gdn (HF's l2norm).
 _L2_EPS = 1e-6
@@ -60,11 +65,14 @@ def recurrent_gated_delta_rule_kernel(
     s_sk,
     q_divisor,
     eps,
+    a_log,
+    dt_bias,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    FROM_GATES: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -81,8 +89,16 @@ def recurrent_gated_delta_rule_kernel(
     b_q = tl.load(q + i_b * s_qb + i_hk * s_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_k = tl.load(k + i_b * s_kb + i_hk * s_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + i_b * s_vb + i_h * s_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_g = tl.load(g + i_b * s_gb + i_h).to(tl.float32)
-    b_beta = tl.load(beta + i_b * s_betab + i_h).to(tl.float32)
+    if FROM_GATES:
+        # ``g`` and ``beta`` point at the raw ``a`` and ``b`` projections (kernels.gdn.gdn_gates).
+        b_x = tl.load(g + i_b * s_gb + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
+        b_sp = tl.where(b_x > 20.0, b_x, tl.log(1.0 + tl.exp(b_x)))  # torch's softplus threshold
+        b_g = -tl.exp(tl.load(a_log + i_h).to(tl.float32)) * b_sp
+        b_raw = tl.load(beta + i_b * s_betab + i_h)
+        b_beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+    else:
+        b_g = tl.load(g + i_b * s_gb + i_h).to(tl.float32)
+        b_beta = tl.load(beta + i_b * s_betab + i_h).to(tl.float32)
     b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + eps) / q_divisor
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + eps)
 
@@ -113,6 +129,37 @@ def recurrent_gated_delta_rule(
     write_slots: torch.Tensor,
 ) -> torch.Tensor:
     """Decode, one token per sequence (always from a stored state): ``[B, Hv, Dv]`` in ``v.dtype``."""
+    return _launch(q, k, v, g, beta, ssm_states, read_slots, write_slots, None)
+
+
+def recurrent_gated_delta_rule_with_gates(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    read_slots: torch.Tensor,
+    write_slots: torch.Tensor,
+) -> torch.Tensor:
+    """The decode step with its gates computed in the kernel from ``a``, ``b`` ``[B, Hv]``."""
+    return _launch(q, k, v, a, b, ssm_states, read_slots, write_slots, (A_log.contiguous(), dt_bias.contiguous()))
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    read_slots: torch.Tensor,
+    write_slots: torch.Tensor,
+    gates: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """One launch; with ``gates`` (``A_log``, ``dt_bias``) ``g`` and ``beta`` are the raw ``a`` and ``b``."""
     num_seqs, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1:]
     if num_v_heads % num_k_heads:
@@ -126,6 +173,7 @@ def recurrent_gated_delta_rule(
     out = torch.empty((num_seqs, num_v_heads, v_dim), dtype=v.dtype, device=v.device)
     if num_seqs == 0:
         return out
+    a_log, dt_bias = gates if gates is not None else (g, g)  # unused without FROM_GATES
     block_v = min(triton.next_power_of_2(v_dim), _MAX_BV)
     grid = (num_seqs, num_v_heads, triton.cdiv(v_dim, block_v))
     recurrent_gated_delta_rule_kernel[grid](
@@ -133,8 +181,8 @@ def recurrent_gated_delta_rule(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
-        k_dim**0.5, _L2_EPS,
+        k_dim**0.5, _L2_EPS, a_log, dt_bias,
         GROUP=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim,
-        BK=triton.next_power_of_2(k_dim), BV=block_v,
+        BK=triton.next_power_of_2(k_dim), BV=block_v, FROM_GATES=gates is not None,
     )  # fmt: skip
     return out

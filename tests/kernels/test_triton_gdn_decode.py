@@ -11,7 +11,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from phloem.kernels.gdn import recurrent_gated_delta_rule as reference  # noqa: E402
-from phloem.kernels.triton.gdn_decode import recurrent_gated_delta_rule  # noqa: E402
+from phloem.kernels.gdn import recurrent_gated_delta_rule_with_gates as reference_with_gates  # noqa: E402
+from phloem.kernels.triton.gdn_decode import (  # noqa: E402
+    recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_with_gates,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_SLOTS = 8
@@ -91,6 +95,46 @@ def test_strided_views_of_conv_output(assert_close) -> None:
     _check(assert_close, (*views, g, beta, ssm_states), slots, slots, FP32_TOL, FP32_TOL)
 
 
+def _gate_inputs(num_seqs: int, num_v_heads: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """Raw ``a``/``b`` projections (``b`` in the model dtype), ``A_log`` and ``dt_bias``; ``a`` spans
+    softplus's linear branch (a + dt_bias > 20) too."""
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(num_seqs, num_v_heads, generator=gen) * 8).to(DEVICE, dtype)
+    b = (torch.randn(num_seqs, num_v_heads, generator=gen) * 3).to(DEVICE, dtype)
+    a_log = torch.randn(num_v_heads, generator=gen).to(DEVICE)
+    dt_bias = (torch.randn(num_v_heads, generator=gen) * 10).to(DEVICE)
+    return a, b, a_log, dt_bias
+
+
+def _check_with_gates(assert_close, args, gates, read_slots, write_slots, out_tol, state_tol) -> None:
+    q, k, v, _, _, ssm_states = args
+    expected_states = ssm_states.clone()
+    expected = reference_with_gates(q, k, v, *gates, expected_states, read_slots, write_slots)
+    out = recurrent_gated_delta_rule_with_gates(q, k, v, *gates, ssm_states, read_slots, write_slots)
+    assert_close(out, expected, **out_tol, msg="out")
+    assert_close(ssm_states, expected_states, **state_tol, msg="states")
+
+
+@pytest.mark.parametrize("same_slot", [True, False], ids=["read_eq_write", "read_ne_write"])
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+def test_gates_in_the_kernel_match_gdn_gates_then_the_step(assert_close, shape, same_slot) -> None:
+    args = _inputs(*shape, seed=4)
+    num_seqs = shape[0]
+    read_slots = torch.arange(num_seqs, dtype=torch.int64, device=DEVICE) * 2
+    write_slots = read_slots if same_slot else read_slots + 1
+    gates = _gate_inputs(num_seqs, shape[2], torch.float32, seed=5)
+    _check_with_gates(assert_close, args, gates, read_slots, write_slots, FP32_TOL, FP32_TOL)
+
+
+def test_gates_in_the_kernel_round_beta_to_the_model_dtype(assert_close) -> None:
+    """bf16 ``b``: beta is sigmoid(b) rounded to bf16 as ``gdn_gates`` returns it."""
+    args = _inputs(2, 2, 4, 16, 16, dtype=torch.bfloat16, seed=6)
+    gates = _gate_inputs(2, 4, torch.bfloat16, seed=7)
+    slots = torch.tensor([1, 4], device=DEVICE)
+    tol = {"atol": 3e-2, "rtol": 3e-2} if DEVICE.type == "cpu" else {}  # the interpreter truncates to bf16
+    _check_with_gates(assert_close, args, gates, slots, slots, tol, FP32_TOL if DEVICE.type == "cuda" else tol)
+
+
 def test_empty_batch() -> None:
     args = _inputs(0, 2, 4, 16, 16)
     slots = torch.empty(0, dtype=torch.int64, device=DEVICE)
@@ -108,3 +152,5 @@ def test_qwen35_35b_a3b_shape_on_cuda(assert_close, num_seqs, same_slot, dtype) 
     write_slots = read_slots if same_slot else read_slots + 1
     out_tol = FP32_TOL if dtype == torch.float32 else {}
     _check(assert_close, args, read_slots, write_slots, out_tol, FP32_TOL)
+    gates = _gate_inputs(num_seqs, 32, dtype, seed=8)
+    _check_with_gates(assert_close, args, gates, read_slots, write_slots, out_tol, FP32_TOL)
