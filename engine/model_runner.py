@@ -71,12 +71,18 @@ class LaunchedStep:
     """A step queued on the device whose sampled ids have not been read back yet.
 
     ``sampled`` are the requests of the sampled rows, in row order; ``tokens`` their ids
-    ``[len(sampled)]`` int64 on the device (None when the step samples nothing).
+    ``[len(sampled)]`` int64 on the device (None when the step samples nothing). On CUDA the ids
+    are also copied, asynchronously, into pinned ``host_tokens`` right after the sampling, and
+    ``copied`` is recorded behind that copy: reading them waits for this step only. (A plain
+    ``tokens.tolist()`` would queue its copy behind everything launched since, i.e. behind the
+    next step that async scheduling has queued, and wait for that step too.)
     """
 
     sched: SchedulerOutput
     sampled: tuple[Request, ...]
     tokens: torch.Tensor | None
+    host_tokens: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
 
 
 class ModelRunner:
@@ -246,15 +252,24 @@ class ModelRunner:
         if logits is None:
             return LaunchedStep(out, (), None)
         reqs = tuple(out.requests[i] for i in inp.sample_rows)
-        tokens = sample(logits.float(), [r.params for r in reqs], [r.generator or self.default_generator for r in reqs])
-        return LaunchedStep(out, reqs, tokens)
+        tokens = sample(logits, [r.params for r in reqs], [r.generator or self.default_generator for r in reqs])
+        if not tokens.is_cuda:
+            return LaunchedStep(out, reqs, tokens, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return LaunchedStep(out, reqs, tokens, host, copied)
 
     @staticmethod
     def collect(step: LaunchedStep) -> StepResult:
-        """Read a launched step's sampled ids (waits for the device to finish that step)."""
+        """Read a launched step's sampled ids (waits for the device to finish that step only)."""
         if step.tokens is None:
             return StepResult({})
-        return StepResult({r.request_id: t for r, t in zip(step.sampled, step.tokens.tolist())})
+        if step.copied is not None:
+            step.copied.synchronize()
+        host = step.host_tokens if step.host_tokens is not None else step.tokens
+        return StepResult({r.request_id: t for r, t in zip(step.sampled, host.tolist())})
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Launch and collect one step."""

@@ -17,18 +17,23 @@ __all__ = ["sample", "skip_draws"]
 
 
 def sample(
-    logits: torch.Tensor,  # [S, V] fp32
+    logits: torch.Tensor,  # [S, V], the model's dtype
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
-    """Pick one token per row; returns ``[S]`` int64 on the logits' device."""
+    """Pick one token per row; returns ``[S]`` int64 on the logits' device.
+
+    Greedy rows take the argmax of the logits as they come (bf16's argmax is its fp32 upcast's,
+    first index on ties in both, so no fp32 copy of a ``[S, V]`` tensor is made for them); random
+    rows are sampled in fp32.
+    """
     assert logits.shape[0] == len(params) == len(generators), "one SamplingParams and generator per row"
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
         return tokens
     idx = torch.tensor(rows, device=logits.device)
-    probs = _filtered_probs(logits[idx], [params[i] for i in rows])
+    probs = _filtered_probs(logits[idx].float(), [params[i] for i in rows])
     for j, i in enumerate(rows):
         q = torch.empty_like(probs[j]).exponential_(generator=generators[i])
         tokens[i] = (probs[j] / q).argmax()

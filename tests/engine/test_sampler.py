@@ -64,3 +64,18 @@ def test_top_p_keeps_the_nucleus() -> None:
     p = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.7)
     draws = {sample(lg, [p], [gen(s)]).item() for s in range(200)}
     assert draws == {0, 1}
+
+
+def test_greedy_rows_take_the_argmax_in_the_logits_dtype() -> None:
+    """bf16 logits (with exact ties, as bf16 makes many) pick what their fp32 upcast picks: the
+    sampler skips the fp32 copy for greedy rows; random rows still sample in fp32."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 500, generator=gen) * 3).to(torch.bfloat16)
+    logits[2, 17] = logits[2, 300] = logits[2].max() + 1  # a tie: the first index wins
+    greedy = [SamplingParams(max_tokens=1)] * 6
+    tokens = sample(logits, greedy, [None] * 6)
+    assert tokens.tolist() == logits.float().argmax(-1).tolist() and tokens[2] == 17
+    mixed = [SamplingParams(max_tokens=1, temperature=0.7, seed=1) if i % 2 else greedy[0] for i in range(6)]
+    gens = [torch.Generator().manual_seed(i) for i in range(6)]
+    gens32 = [torch.Generator().manual_seed(i) for i in range(6)]
+    assert sample(logits, mixed, gens).tolist() == sample(logits.float(), mixed, gens32).tolist()
