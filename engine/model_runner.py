@@ -30,6 +30,7 @@ import torch
 from phloem.engine.config import CacheConfig, ModelConfig, RunnerConfig
 from phloem.engine.cuda_graph import CudaGraphRunner
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
+from phloem.engine.host_copy import to_device
 from phloem.engine.memory import PoolPlan, allocate_caches, plan_pools
 from phloem.engine.parallel import TPGroup
 from phloem.engine.request import Request
@@ -183,7 +184,7 @@ class ModelRunner:
         dev = self.device
 
         def to_dev(values: list[int] | list[bool], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+            return to_device(values, dtype, dev)  # type: ignore[arg-type]
 
         max_pages = max(len(p) for p in inp.page_ids)
         table = torch.zeros((len(inp.page_ids), max_pages), dtype=torch.int32)
@@ -195,7 +196,7 @@ class ModelRunner:
             positions=to_dev(inp.positions, torch.int64),
             query_start_loc=to_dev(inp.query_start_loc, torch.int32),
             seq_lens=to_dev(inp.seq_lens, torch.int32),
-            page_table=table.to(dev, non_blocking=True),
+            page_table=(table.pin_memory() if dev.type == "cuda" else table).to(dev, non_blocking=True),
             slot_mapping=to_dev(inp.slot_mapping, torch.int64),
             read_slots=to_dev(inp.read_slots, torch.int64),
             write_slots=to_dev(inp.write_slots, torch.int64),
@@ -296,7 +297,7 @@ class ModelRunner:
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``logits[rows]``; no gather when ``rows`` is every row (a decode step samples them all)."""
-    return logits if len(rows) == logits.shape[0] else logits[rows]
+    return logits if len(rows) == logits.shape[0] else logits[to_device(rows, torch.int64, logits.device)]
 
 
 def _attention_backend(

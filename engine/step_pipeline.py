@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from phloem.engine.cache_manager import CacheManager
+from phloem.engine.host_copy import to_device
 from phloem.engine.model_runner import LaunchedStep
 from phloem.engine.request import Request, RequestStatus
 from phloem.engine.scheduler import Scheduler, SchedulerOutput
@@ -87,7 +88,7 @@ def next_decode_step(
         if len(keep) < len(reqs):
             if not keep:
                 return None
-            tokens = tokens[torch.tensor(keep, device=tokens.device)]
+            tokens = tokens[to_device(keep, torch.int64, tokens.device)]
             reqs = tuple(reqs[i] for i in keep)
     for req in reqs:
         if not cache.allocate_pages(req, 2):  # positions up to the one after ``step``'s token
