@@ -51,16 +51,20 @@ class FlashInferPlan:
 
 
 def page_indices(
-    page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size: int
+    page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size: int, pin: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Host-side ``(indptr [B+1], indices [nnz], last_page_len [B])`` int32 for FlashInfer."""
+    """Host-side ``(indptr [B+1], indices [nnz], last_page_len [B])`` int32 for FlashInfer.
+
+    ``pin``: in pinned memory, so FlashInfer's non-blocking copies of them are queued, not staged
+    through a copy that may wait for the device (``engine.host_copy`` says why that matters).
+    """
     indptr, indices, last = [0], [], []
     for pages, n in zip(page_ids, seq_lens):
         used = -(-n // page_size)
         indices.extend(pages[:used])
         indptr.append(indptr[-1] + used)
         last.append(n - (used - 1) * page_size)
-    as_i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    as_i32 = lambda v: torch.tensor(v, dtype=torch.int32, pin_memory=pin)  # noqa: E731
     return as_i32(indptr), as_i32(indices), as_i32(last)
 
 
@@ -101,7 +105,7 @@ class FlashInferAttention:
         page_ids: Sequence[Sequence[int]],
         graph_batch_size: int | None,
     ) -> FlashInferPlan:
-        indptr, indices, last = page_indices(page_ids, seq_lens, self.page_size)
+        indptr, indices, last = page_indices(page_ids, seq_lens, self.page_size, pin=True)
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5)
         if all(n == 1 for n in query_lens):
             wrapper = self.decode_wrapper if graph_batch_size is None else self._graph_wrapper(graph_batch_size)
