@@ -20,7 +20,8 @@ no copy). A hit copies at most that one tail page into a private page of the new
 Locks. A running request locks the node it resumed from; a session pins its head. ``lock_ref``
 counts locks passing through a node (a node with ``lock_ref > 0`` keeps its pages);
 ``direct_ref`` counts locks on the node itself (its checkpoint is then kept too). Mid-path
-checkpoints of a locked path stay evictable.
+checkpoints of a locked path stay evictable: for a slot, and for a page when they have a tail
+page (a checkpoint with children and no tail page frees no page).
 
 Eviction is ordered by recompute cost per byte freed, not recency: dropping a checkpoint costs
 the tokens between it and the nearest checkpoint above it; pages of a leaf below every
@@ -275,8 +276,8 @@ class RadixCache:
             if key != (cost, last, node_id, is_checkpoint):
                 heapq.heappush(heap, (*key, next(self._pushes), node))  # costs only grow: re-queue
                 continue
-            if is_checkpoint and node.children and not need_slots:
-                continue  # only a childless checkpoint frees pages; re-pushed when its last child goes
+            if is_checkpoint and node.children and not need_slots and node.checkpoint.tail_page is None:  # type: ignore[union-attr]
+                continue  # frees no page (a slot only); re-pushed when its last child goes
             return node, is_checkpoint
         return None
 

@@ -28,7 +28,8 @@ class ScanCache(RadixCache):
     def _scan(self, need_slots: bool) -> tuple[RadixNode, bool] | None:
         best, choice = None, None
         for node in self._nodes():
-            if node.checkpoint is not None and node.direct_ref == 0 and (need_slots or not node.children):
+            frees_a_page = not node.children or (node.checkpoint is not None and node.checkpoint.tail_page is not None)
+            if node.checkpoint is not None and node.direct_ref == 0 and (need_slots or frees_a_page):
                 freed = self.slot_bytes + (self.page_bytes if node.checkpoint.tail_page is not None else 0)
                 key = ((node.depth - self._checkpoint_above(node)) / freed, node.last_access, node.node_id)
                 if best is None or key < best:
@@ -81,3 +82,18 @@ def test_heap_eviction_equals_a_scan_per_victim(seed: int) -> None:
     scan.clear()
     assert heap_log == scan_log
     assert heap.num_pages == scan.num_pages and heap.num_checkpoints == scan.num_checkpoints
+
+
+def test_a_mid_path_checkpoint_gives_up_its_tail_page_under_page_pressure() -> None:
+    """A checkpoint with children frees no pages of the path, but its tail page is its own: when
+    only pages are short, it goes (before, it stayed until its last child went, and a request
+    alone in a small pool finished early for want of that page)."""
+    freed: list[tuple[str, int]] = []
+    cache = RadixCache(4, lambda pages: freed.extend(("page", p) for p in pages), lambda s: freed.append(("slot", s)), 10, 70)
+    history = list(range(1, 24))
+    cache.insert(history[:5], [0], Checkpoint(slot=1, tail_page=11))  # mid-page: a tail page
+    head, _ = cache.insert(history, [0, 5, 6, 9, 12], Checkpoint(slot=0, tail_page=10))
+    cache.lock(head)  # the running request holds the deeper checkpoint and the whole path
+    cache.evict(1, 0, lambda: len(freed), lambda: 0)
+    assert freed == [("slot", 1), ("page", 11)]
+    assert cache.match(history, 6) is None and cache.match(history, 23) is not None

@@ -1,0 +1,92 @@
+"""Random workloads on the toy model with async scheduling: every answer is its closed form.
+
+Each seed interleaves, between engine steps, new requests (fresh prompts and continuations of
+earlier conversations, so prefix hits, turn-end checkpoints and forks happen), aborts and steps,
+on small pools (preemption, slot shortage, eviction) and with random stop tokens, lengths,
+chunk budgets and checkpoint intervals. The toy model checks on every forward that its KV pages
+agree with its GDN state; here every finished request must equal ``expected`` (the closed form),
+every aborted one must have reported a prefix of it, and the pools must come back full. A
+request longer than the whole KV pool is refused at admission (``CapacityExceeded``) or, alone
+and out of pages, finishes early with ``length`` (then its tokens are a prefix of the closed form
+and it filled the pool).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from toy_model import VOCAB, assert_pools_empty, expected, make_engine
+
+from phloem.engine import CapacityExceeded, Engine, InvalidRequest, SamplingParams
+
+
+def run_random_workload(engine: Engine, rng: random.Random, num_ops: int = 120) -> int:
+    prompts: dict[str, list[int]] = {}
+    params: dict[str, SamplingParams] = {}
+    reported: dict[str, list[int]] = {}
+    finished: dict[str, str | None] = {}
+    aborted: set[str] = set()
+    conversations: list[list[int]] = []
+
+    def collect(outputs: list) -> None:  # type: ignore[type-arg]
+        for out in outputs:
+            assert out.request_id not in aborted, "output after abort"
+            assert out.request_id not in finished, "output after the finish"
+            reported[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+
+    for _ in range(num_ops):
+        op = rng.random()
+        if op < 0.3:
+            if conversations and rng.random() < 0.5:  # continue (or fork) an earlier conversation
+                prompt = rng.choice(conversations) + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 6))]
+            else:
+                prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))]
+            stop = (rng.randrange(VOCAB),) if rng.random() < 0.3 else ()
+            p = SamplingParams(max_tokens=rng.randrange(1, 25), stop_token_ids=stop)
+            try:
+                rid = engine.add_request(prompt, p)
+            except (CapacityExceeded, InvalidRequest):
+                continue  # longer than the pool or the context: refused, nothing enqueued
+            prompts[rid], params[rid], reported[rid] = prompt, p, []
+        elif op < 0.37:
+            live = [r for r in prompts if r not in finished and r not in aborted]
+            if live:
+                victim = rng.choice(live)
+                engine.abort_request(victim)
+                aborted.add(victim)
+        else:
+            collect(engine.step())
+    while engine.has_unfinished_requests():
+        collect(engine.step())
+
+    for rid, prompt in prompts.items():
+        want = expected(prompt, params[rid].max_tokens, set(params[rid].stop_token_ids))
+        if rid in aborted:
+            assert reported[rid] == want[: len(reported[rid])], f"{rid} reported a wrong token before its abort"
+            continue
+        if len(reported[rid]) < len(want):
+            assert reported[rid] == want[: len(reported[rid])] and finished[rid] == "length", rid
+            pool = engine.page_pool
+            assert len(prompt) + len(reported[rid]) > (pool.num_pages - 1) * pool.page_size, f"{rid} cut short"
+            continue
+        assert reported[rid] == want, f"{rid}: {reported[rid]} != {want}"
+        stopped = bool(want) and want[-1] in params[rid].stop_token_ids
+        assert finished[rid] == ("stop" if stopped else "length")
+        conversations.append(prompt + want)
+    return len(prompts)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_give_closed_form_answers(seed: int) -> None:
+    rng = random.Random(seed)
+    engine = make_engine(
+        num_pages=rng.choice([12, 24, 64]), num_slots=rng.choice([3, 6, 16]), budget=rng.choice([4, 16, 64]),
+        max_seqs=rng.choice([2, 4, 8]), caching=seed % 4 != 3, interval=rng.choice([0, 0, 4, 8]),
+    )
+    num_requests = run_random_workload(engine, rng)
+    assert num_requests > 10
+    assert engine.num_pipelined_steps > 0, "the workload never reached steady decode"
+    assert_pools_empty(engine)
