@@ -55,8 +55,8 @@ def run_random_workload(engine: Engine, rng: random.Random, num_ops: int = 120) 
             live = [r for r in prompts if r not in finished and r not in aborted]
             if live:
                 victim = rng.choice(live)
-                engine.abort_request(victim)
-                aborted.add(victim)
+                if engine.abort_request(victim):  # False: it finished in the step just collected
+                    aborted.add(victim)
         else:
             collect(engine.step())
     while engine.has_unfinished_requests():
