@@ -35,7 +35,7 @@ from phloem.engine.config import (
     RunnerConfig,
     SchedulerConfig,
 )
-from phloem.engine.errors import CapacityExceeded, InvalidRequest
+from phloem.engine.errors import InvalidRequest
 from phloem.engine.kv_pages import PagePool
 from phloem.engine.loader import load_model
 from phloem.engine.model_runner import CausalLM, LaunchedStep, StepResult, build_runner
@@ -43,6 +43,7 @@ from phloem.engine.parallel import TPGroup, check_tp_size
 from phloem.engine.prefix_state import PrefixState, export_prefix, import_prefix
 from phloem.engine.radix_cache import RadixCache, RadixNode
 from phloem.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from phloem.engine.request_checks import check_outputs, check_prompt
 from phloem.engine.sampler import skip_draws
 from phloem.engine.sampling_params import SamplingParams
 from phloem.engine.scheduler import Scheduler, SchedulerOutput
@@ -231,7 +232,10 @@ class Engine:
             CapacityExceeded: the prompt cannot fit the KV pool even when it is empty.
         """
         prompt = self._validate(prompt_token_ids, params)
-        outputs = self._validate_outputs(prompt, output_token_ids, params, prefill_only, sample_first)
+        outputs = check_outputs(
+            prompt, output_token_ids, params, prefill_only, sample_first, self.model_config.vocab_size,
+            self.max_model_len,
+        )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequest(f"request_id: {rid!r} is already in flight")
@@ -249,45 +253,7 @@ class Engine:
         return rid
 
     def _validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params: expected SamplingParams, got {type(params).__name__}")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise InvalidRequest("prompt_token_ids: expected at least one token, got an empty prompt")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"prompt_token_ids: expected integers in [0, {vocab}), got {bad[:5]!r}")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt_token_ids: the prompt has {len(prompt)} tokens; the context limit is "
-                f"{self.max_model_len} including at least one generated token"
-            )
-        if self.page_pool.pages_for(len(prompt) + 1) > self.page_pool.num_pages:
-            raise CapacityExceeded(
-                f"prompt_token_ids: {len(prompt)} tokens need more than the {self.page_pool.num_pages} KV pages "
-                "of this engine"
-            )
-        return prompt
-
-    def _validate_outputs(
-        self, prompt: list[int], output_token_ids: Sequence[int], params: SamplingParams, prefill_only: bool,
-        sample_first: bool,
-    ) -> list[int]:
-        outputs = list(output_token_ids)
-        if sample_first and not prefill_only:
-            raise InvalidRequest("sample_first: only a prefill_only request can sample its first token alone")
-        if outputs and prefill_only:
-            raise InvalidRequest("output_token_ids: a prefill_only request generates nothing to continue")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in outputs):
-            raise InvalidRequest(f"output_token_ids: expected integers in [0, {vocab}), got {outputs[:5]!r}")
-        if outputs and (len(outputs) >= params.max_tokens or len(prompt) + len(outputs) >= self.max_model_len):
-            raise InvalidRequest(
-                f"output_token_ids: {len(outputs)} token(s) already reach max_tokens={params.max_tokens} or the "
-                f"context limit {self.max_model_len}: nothing is left to generate"
-            )
-        return outputs
+        return check_prompt(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len, self.page_pool)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its memory; returns False if it is unknown or already done."""
