@@ -3,12 +3,13 @@
 Each seed interleaves, between engine steps, new requests (fresh prompts and continuations of
 earlier conversations, so prefix hits, turn-end checkpoints and forks happen), aborts and steps,
 on small pools (preemption, slot shortage, eviction) and with random stop tokens, lengths,
-chunk budgets and checkpoint intervals. The toy model checks on every forward that its KV pages
+chunk budgets and checkpoint intervals; with the prefix cache, sessions' operations too: pins
+and unpins of finished conversations, and spills (export, cache reset, import back). The toy model checks on every forward that its KV pages
 agree with its GDN state; here every finished request must equal ``expected`` (the closed form),
 every aborted one must have reported a prefix of it, and the pools must come back full. A
 request longer than the whole KV pool is refused at admission (``CapacityExceeded``) or, alone
 and out of pages, finishes early with ``length`` (then its tokens are a prefix of the closed form
-and it filled the pool).
+and it filled the pool, unless pins held part of it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def run_random_workload(engine: Engine, rng: random.Random, num_ops: int = 120) 
     finished: dict[str, str | None] = {}
     aborted: set[str] = set()
     conversations: list[list[int]] = []
+    pins: list[object] = []
+    pinned_ever = False
+    tree = engine.cache.tree
 
     def collect(outputs: list) -> None:  # type: ignore[type-arg]
         for out in outputs:
@@ -36,6 +40,7 @@ def run_random_workload(engine: Engine, rng: random.Random, num_ops: int = 120) 
             reported[out.request_id] += out.new_token_ids
             if out.finished:
                 finished[out.request_id] = out.finish_reason
+                conversations.append(prompts[out.request_id] + reported[out.request_id])
 
     for _ in range(num_ops):
         op = rng.random()
@@ -51,7 +56,21 @@ def run_random_workload(engine: Engine, rng: random.Random, num_ops: int = 120) 
             except (CapacityExceeded, InvalidRequest):
                 continue  # longer than the pool or the context: refused, nothing enqueued
             prompts[rid], params[rid], reported[rid] = prompt, p, []
-        elif op < 0.37:
+        elif op < 0.42 and tree is not None and conversations:
+            conv = rng.choice(conversations)
+            if op < 0.39:
+                handle = engine.pin_prefix(conv)
+                if handle is not None:
+                    pins.append(handle)
+                    pinned_ever = True
+            elif op < 0.40 and pins:
+                engine.unpin_prefix(pins.pop(rng.randrange(len(pins))))  # type: ignore[arg-type]
+            else:
+                state = engine.export_prefix(conv)
+                if state is not None:
+                    tree.clear()  # what a cache reset drops (locked paths stay)
+                    engine.import_prefix(state)  # False when no room: then it is recomputed
+        elif op < 0.49:
             live = [r for r in prompts if r not in finished and r not in aborted]
             if live:
                 victim = rng.choice(live)
@@ -59,8 +78,15 @@ def run_random_workload(engine: Engine, rng: random.Random, num_ops: int = 120) 
                     aborted.add(victim)
         else:
             collect(engine.step())
-    while engine.has_unfinished_requests():
+    # Pins held for good could keep a waiting request out forever (the sessions layer expires
+    # them; here they all go before the final drain).
+    for handle in pins:
+        engine.unpin_prefix(handle)  # type: ignore[arg-type]
+    for _ in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
         collect(engine.step())
+    assert not engine.has_unfinished_requests(), "the engine did not drain"
 
     for rid, prompt in prompts.items():
         want = expected(prompt, params[rid].max_tokens, set(params[rid].stop_token_ids))
@@ -70,12 +96,12 @@ def run_random_workload(engine: Engine, rng: random.Random, num_ops: int = 120) 
         if len(reported[rid]) < len(want):
             assert reported[rid] == want[: len(reported[rid])] and finished[rid] == "length", rid
             pool = engine.page_pool
-            assert len(prompt) + len(reported[rid]) > (pool.num_pages - 1) * pool.page_size, f"{rid} cut short"
+            held = len(prompt) + len(reported[rid])
+            assert pinned_ever or held > (pool.num_pages - 1) * pool.page_size, f"{rid} cut short"
             continue
         assert reported[rid] == want, f"{rid}: {reported[rid]} != {want}"
         stopped = bool(want) and want[-1] in params[rid].stop_token_ids
         assert finished[rid] == ("stop" if stopped else "length")
-        conversations.append(prompt + want)
     return len(prompts)
 
 
