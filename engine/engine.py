@@ -4,8 +4,10 @@
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=32))
 
 A step reads as five calls: schedule → prepare → forward → sample → update. Requests are
-validated when they are added, so a bad request raises at once and never reaches the loop; the
-engine keeps serving the others.
+validated when they are added (``engine.request_checks``), so a bad request raises at once and
+never reaches the loop; the engine keeps serving the others. With async scheduling (the default)
+a decode step's successor is queued on the device before the step's sampled ids are read
+(``engine.step_pipeline``): ``step`` then launches one step and collects the one before.
 
 Tensor parallelism (``tensor_parallel_size=N``): this process is rank 0 and the only one that
 schedules, keeps the radix cache and samples; ``engine.tp_workers`` runs ranks 1..N-1 in child
@@ -121,7 +123,7 @@ class Engine:
         self._ids = itertools.count()
         self.async_scheduling = scheduler_config.async_scheduling
         # A decode step queued on the device behind the one being collected (async scheduling),
-        # and outputs of a step collected outside ``step`` (by ``_drain``), returned by the next.
+        # and outputs of a step collected outside ``step`` (by ``drain``), returned by the next.
         self._queued: LaunchedStep | None = None
         self._pending: list[RequestOutput] = []
         self.num_pipelined_steps = 0  # steps queued behind the step being collected
