@@ -271,6 +271,11 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._queued is not None or bool(self._pending)
 
+    def is_stalled(self) -> bool:
+        """Requests wait but none runs: the last step could admit none (their memory is held,
+        e.g. by pinned prefixes); stepping again changes nothing until something is freed."""
+        return bool(self.scheduler.waiting) and not self.scheduler.running and self._queued is None and not self._pending
+
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that changed.
 

@@ -21,7 +21,9 @@ the whole turn.
 An exception in ``step()`` never kills the thread: it is logged, every in-flight request is
 aborted in the engine (freeing its pages and slots) and its sink gets an ``EngineError`` whose
 ``__cause__`` is the original exception; the loop then waits for the next command before it steps
-again, so an engine that keeps failing cannot spin the thread.
+again, so an engine that keeps failing cannot spin the thread. Nor can requests that wait while
+nothing runs (pinned sessions hold the memory they need, until the sessions layer relieves them):
+after such a step the loop waits up to ``_STALL_WAIT_S`` for a command before it tries again.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ __all__ = ["EngineLoop"]
 logger = logging.getLogger(__name__)
 
 _MAX_CLOSING_STEPS = 4
+# A stalled engine (requests wait, nothing runs) retries admission this often, or at a command.
+_STALL_WAIT_S = 0.01
 
 
 @dataclass(slots=True)
@@ -142,9 +146,10 @@ class EngineLoop:
         stops: list[Future[None]] = []
         try:
             self.engine.bind_thread()
+            stalled = False
             while not stops:
                 block = self._paused or not self.engine.has_unfinished_requests()
-                for command in self._drain(block):
+                for command in self._drain(block, _STALL_WAIT_S if stalled else None):
                     self._paused = False
                     if isinstance(command, Shutdown):
                         stops.append(command.reply)
@@ -152,16 +157,24 @@ class EngineLoop:
                         self._dispatch(command)
                     else:
                         _refuse(command)
+                stalled = False
                 if not stops and not self._paused and self.engine.has_unfinished_requests():
                     self._step()
+                    stalled = self.engine.is_stalled()
         except Exception:
             # A bug in the loop itself: stop, but fail every waiter rather than leave it hanging.
             logger.exception("engine loop crashed; failing every request in flight")
         finally:
             self._close(stops)
 
-    def _drain(self, block: bool) -> list[Command]:
+    def _drain(self, block: bool, wait_s: float | None = None) -> list[Command]:
+        """Every queued command; with ``block`` at least one; with ``wait_s`` whatever comes within it."""
         commands = [self._commands.get()] if block else []
+        if not block and wait_s is not None:
+            try:
+                commands.append(self._commands.get(timeout=wait_s))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())

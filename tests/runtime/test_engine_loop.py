@@ -167,3 +167,40 @@ class _Gated:
 
     def compute_logits(self, hidden: object) -> object:
         return self.inner.compute_logits(hidden)  # type: ignore[attr-defined]
+
+
+def test_requests_kept_out_by_pins_do_not_spin_the_loop() -> None:
+    """Both state slots hold pinned heads: a new request waits while nothing runs. The loop then
+    waits for a command between attempts (a few ms) instead of stepping flat out; once the pins
+    go, the request runs."""
+    engine_loop = EngineLoop(make_engine(num_slots=2))
+    engine_loop.start()
+    try:
+        handles = []
+        for prompt in ([1, 2, 3], [4, 5, 6, 7]):
+            sink = Collector()
+            engine_loop.submit(AddRequest(tuple(prompt), SamplingParams(max_tokens=3), None, sink))
+            assert sink.done.wait(TIMEOUT)
+            pin = PinPrefix(tuple(prompt + expected(prompt, 3)))
+            engine_loop.submit(pin)
+            handles.append(pin.reply.result(TIMEOUT))
+        assert all(h is not None for h in handles)
+        waiting = Collector()
+        engine_loop.submit(AddRequest((9, 9), SamplingParams(max_tokens=2), None, waiting))
+
+        def steps() -> int:
+            stats = GetStats()
+            engine_loop.submit(stats)
+            return stats.reply.result(TIMEOUT).num_steps
+
+        before = steps()
+        assert not waiting.done.wait(0.3)
+        # 0.3 s at one attempt per 10 ms is ~30 steps (plus one per stats command); flat out it is thousands.
+        assert steps() - before < 100
+        for handle in handles:
+            engine_loop.submit(UnpinPrefix(handle))
+        assert waiting.done.wait(TIMEOUT)
+        final = waiting.items[-1]
+        assert isinstance(final, RequestOutput) and final.token_ids == expected([9, 9], 2)
+    finally:
+        engine_loop.shutdown(TIMEOUT)
