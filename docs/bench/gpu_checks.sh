@@ -8,9 +8,11 @@
 # so step 0 compiles them once, in one process, before anything runs in parallel or under a timeout.
 #   0  warm-up: the tiny model (head_dim 64) in bf16 and fp32, prefill + decode + graphs, and the
 #      35B-A3B shape (head_dim 256) decode, on GPU 0
-#   1  single-GPU tests (pytest -m gpu) on GPU 0
+#   1  single-GPU tests (pytest -m gpu) on GPU 0, incl. async scheduling against sync, bitwise, and
+#      the fused KV-write prologue and in-kernel GDN gates at the 35B-A3B shapes
 #   2  TP=2 tests (graphs on both ranks, a resume from a gathered export; the cuda:1 engine test)
-#   3  decode bench: TP=1, TP=2, TP=2 + expert parallelism, batch 1 and 16 at 1K context
+#   3  decode bench: TP=1, TP=2, TP=2 + expert parallelism, batch 1 and 16 at 1K context (each point
+#      timed with async scheduling and again without it: the "sync ms/step" column)
 #   4  PD: tiny model, prefill on GPU 0 and decode on GPU 1, tokens against a colocated server
 #   5  PD vs colocated on the 35B-A3B shape, agentic workload (50K first turn, 800-token turns)
 set -u
