@@ -1,0 +1,144 @@
+"""Compile the Triton kernels for the H200 (sm_90) down to a cubin, without a GPU.
+
+Run as a script (``python3 tests/support/triton_codegen.py``) in a process where
+``TRITON_INTERPRET`` is unset: the kernels must import as compiled ``JITFunction``s, which the
+interpreter tests of the same pytest session would prevent. Prints one JSON object: case name ->
+"ok" or the error. Triton ships its own LLVM and ptxas, so an explicit target needs no driver.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+H200 = ("cuda", 90, 32)
+
+
+def compile_for_h200(
+    kernel: Any, pointers: dict[str, str], constexprs: dict[str, object], floats: frozenset[str] = frozenset({"eps"})
+) -> None:
+    """Compile ``kernel`` for sm_90: ``pointers`` give the pointer parameters' types, ``constexprs``
+    the value of every ``tl.constexpr`` parameter (all must be given); ``floats`` are fp32 scalars
+    and every other parameter an int64 scalar (strides, sizes)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name, param in inspect.signature(kernel.fn).parameters.items():
+        if "constexpr" in str(param.annotation):
+            assert name in constexprs, f"{kernel.fn.__name__}: no value for constexpr {name}"
+            signature[name] = "constexpr"
+        else:
+            signature[name] = pointers.get(name) or ("fp32" if name in floats else "i64")
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=GPUTarget(*H200))
+    assert compiled.asm["cubin"], "no cubin"
+
+
+def _all(names: str, dtype: str) -> dict[str, str]:
+    return dict.fromkeys(names.split(), dtype)
+
+
+def qk_norm_rope(store: bool) -> None:
+    from phloem.kernels.triton.qk_norm_rope import qk_norm_rope_gate_kernel
+
+    bf16 = ("q_gate", "k", "q_norm_w", "k_norm_w", "o_q", "o_k", "o_gate", "v", "kv")
+    pointers = {name: "*bf16" for name in bf16} | {"positions": "*i64", "slots": "*i64", "inv_freq": "*fp32"}
+    compile_for_h200(qk_norm_rope_gate_kernel, pointers, {"BD": 256, "STORE": store})
+
+
+def gdn_decode(from_gates: bool) -> None:
+    from phloem.kernels.triton.gdn_decode import recurrent_gated_delta_rule_kernel
+
+    pointers = {name: "*bf16" for name in ("q", "k", "v", "o")}
+    pointers |= {"ssm_states": "*fp32", "read_slots": "*i64", "write_slots": "*i64", "a_log": "*fp32", "dt_bias": "*fp32"}
+    # With the gates in the kernel, ``g`` and ``beta`` are the raw bf16 a/b projections.
+    pointers |= {"g": "*bf16", "beta": "*bf16"} if from_gates else {"g": "*fp32", "beta": "*bf16"}
+    constexprs = {"GROUP": 2, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "FROM_GATES": from_gates}
+    compile_for_h200(recurrent_gated_delta_rule_kernel, pointers, constexprs, frozenset({"q_divisor", "eps"}))
+
+
+# The 35B-A3B decode shapes: hidden 2048, expert FFN 512, 256 experts + the shared one, top-8 + 1.
+def conv1d_update() -> None:
+    from phloem.kernels.triton.conv1d_update import causal_conv1d_update_kernel
+
+    pointers = _all("x weight bias o", "*bf16") | _all("read_slots write_slots", "*i64") | {"conv_states": "*bf16"}
+    compile_for_h200(causal_conv1d_update_kernel, pointers, {"K": 4, "BK": 4, "BD": 256, "HAS_BIAS": False})
+
+
+def fused_moe_decode() -> None:
+    from phloem.kernels.triton.fused_moe import _down_sum_kernel, _gate_up_kernel
+
+    moe = {"H": 2048, "INTER": 512, "TOP_K": 9}
+    compile_for_h200(_gate_up_kernel, _all("p_x p_w p_act", "*bf16") | {"p_ids": "*i64"},
+                     moe | {"BLOCK_N": 32, "BLOCK_K": 256})
+    compile_for_h200(_down_sum_kernel, _all("p_act p_w p_tw p_out", "*bf16") | {"p_ids": "*i64"},
+                     moe | {"K_BLOCKS": 2, "BLOCK_N": 32, "BLOCK_K": 256})
+
+
+def moe_grouped_prefill() -> None:
+    from phloem.kernels.triton.moe_grouped import _grouped_down_kernel, _grouped_gate_up_kernel
+
+    tiles = {"E": 257, "H": 2048, "INTER": 512, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PRECISION": "tf32"}
+    compile_for_h200(_grouped_gate_up_kernel, _all("p_x p_w p_act", "*bf16") | _all("p_rows p_block_e", "*i64"),
+                     tiles | {"TOP_K": 9})
+    compile_for_h200(_grouped_down_kernel, _all("p_act p_w p_tw", "*bf16") | _all("p_rows p_block_e", "*i64")
+                     | {"p_part": "*fp32"}, tiles)
+
+
+def moe_route(shared: bool) -> None:
+    from phloem.kernels.triton.moe_route import moe_route_kernel
+
+    pointers = {"logits": "*bf16", "topk_weights": "*bf16", "topk_ids": "*i64"}
+    compile_for_h200(moe_route_kernel, pointers,
+                     {"TOP_K": 8, "BE": 256, "BK": 16 if shared else 8, "RENORMALIZE": True, "HAS_SHARED": shared})
+
+
+def gdn_gates() -> None:
+    from phloem.kernels.triton.gdn_gates import gdn_gates_kernel
+
+    pointers = _all("p_a p_b p_beta", "*bf16") | _all("p_alog p_dt p_g", "*fp32")
+    compile_for_h200(gdn_gates_kernel, pointers, {"H": 32, "BLOCK_H": 32})
+
+
+def norms() -> None:
+    from phloem.kernels.triton.norm import add_rms_norm_kernel, gated_rms_norm_kernel, rms_norm_kernel
+
+    compile_for_h200(rms_norm_kernel, _all("x weight o", "*bf16"), {"BD": 2048})
+    compile_for_h200(add_rms_norm_kernel, _all("x residual weight o o_residual", "*bf16"), {"BD": 2048})
+    compile_for_h200(gated_rms_norm_kernel, _all("x gate weight o", "*bf16"), {"BD": 128, "ROUND_WEIGHTED": True})
+
+
+CASES: dict[str, Callable[[], None]] = {
+    "qk_norm_rope_gate[store_kv]": lambda: qk_norm_rope(True),
+    "qk_norm_rope_gate[k_out]": lambda: qk_norm_rope(False),
+    "recurrent_gated_delta_rule[gates_in_kernel]": lambda: gdn_decode(True),
+    "recurrent_gated_delta_rule[gates_given]": lambda: gdn_decode(False),
+    "causal_conv1d_update": conv1d_update,
+    "fused_moe (decode: gate_up, down_sum)": fused_moe_decode,
+    "fused_moe_grouped (prefill: gate_up, down)": moe_grouped_prefill,
+    "moe_route[shared]": lambda: moe_route(True),
+    "moe_route[plain]": lambda: moe_route(False),
+    "gdn_gates": gdn_gates,
+    "rms_norm, add_rms_norm, gated_rms_norm": norms,
+}
+
+
+def main() -> None:
+    assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET (see the module docstring)"
+    results = {}
+    for name, case in CASES.items():
+        try:
+            case()
+            results[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported per case
+            results[name] = f"{type(exc).__name__}: {exc}"[:2000]
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
