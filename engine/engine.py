@@ -40,7 +40,7 @@ from phloem.engine.config import (
 from phloem.engine.errors import InvalidRequest
 from phloem.engine.kv_pages import PagePool
 from phloem.engine.loader import load_model
-from phloem.engine.model_runner import CausalLM, LaunchedStep, StepResult, build_runner
+from phloem.engine.model_runner import CausalLM, LaunchedStep, build_runner
 from phloem.engine.parallel import TPGroup, check_tp_size
 from phloem.engine.prefix_state import PrefixState, export_prefix, import_prefix
 from phloem.engine.radix_cache import RadixCache, RadixNode
@@ -48,7 +48,7 @@ from phloem.engine.request import FinishReason, Request, RequestOutput, RequestS
 from phloem.engine.request_checks import check_outputs, check_prompt
 from phloem.engine.sampler import skip_draws
 from phloem.engine.sampling_params import SamplingParams
-from phloem.engine.scheduler import Scheduler, SchedulerOutput
+from phloem.engine.scheduler import Scheduler
 from phloem.engine.state_slots import SlotPool
 from phloem.engine.step_pipeline import next_decode_step
 from phloem.engine.tp_workers import TPWorkers, WorkerSpec, rank_device
@@ -297,7 +297,7 @@ class Engine:
                 sched, inputs, input_ids = following
                 self._queued = self.runner.launch(sched, inputs, input_ids)
                 self.num_pipelined_steps += 1
-        outputs += self._apply(launched.sched, self.runner.collect(launched))
+        outputs += self._apply(launched)
         return outputs
 
     def _pipelined(self) -> bool:
@@ -309,10 +309,12 @@ class Engine:
         engine calls it before anything that reads or changes request memory from outside."""
         launched, self._queued = self._queued, None
         if launched is not None:
-            self._pending += self._apply(launched.sched, self.runner.collect(launched))
+            self._pending += self._apply(launched)
 
-    def _apply(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        """Advance the step's requests by what it computed and sampled; their outputs."""
+    def _apply(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Collect a launched step and advance its requests by what it computed and sampled;
+        their outputs."""
+        sched, result = launched.sched, self.runner.collect(launched)
         outputs: list[RequestOutput] = []
         for req, n in zip(sched.requests, sched.num_new_tokens):
             if req.is_finished and not req.finalizing:
@@ -347,7 +349,7 @@ class Engine:
         params = req.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
             return FinishReason.STOP
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.reaches_length(self.max_model_len):
             return FinishReason.LENGTH
         return None
 

@@ -3,22 +3,20 @@
 ``torch.tensor(values, device="cuda")`` (and indexing a CUDA tensor with a Python list) copies
 synchronously: the host waits until everything already queued on the stream has run. With async
 scheduling a whole decode step is queued behind the current one, so such a copy in the launch
-path would stall the host for a step and undo the overlap. ``to_device`` stages the values in
-pinned memory and queues the copy; torch's pinned allocator keeps the block until the copy has
+path would stall the host for a step and undo the overlap. ``to_device`` stages a host tensor
+in pinned memory and queues the copy; torch's pinned allocator keeps the block until the copy has
 run, so the next call cannot overwrite it early.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
 __all__ = ["to_device"]
 
 
-def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a 1-D ``dtype`` tensor on ``device``, queued rather than waited for on CUDA."""
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``, queued rather than waited for on CUDA (pinned first)."""
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -72,11 +72,12 @@ class LaunchedStep:
     """A step queued on the device whose sampled ids have not been read back yet.
 
     ``sampled`` are the requests of the sampled rows, in row order; ``tokens`` their ids
-    ``[len(sampled)]`` int64 on the device (None when the step samples nothing). On CUDA the ids
-    are also copied, asynchronously, into pinned ``host_tokens`` right after the sampling, and
-    ``copied`` is recorded behind that copy: reading them waits for this step only. (A plain
-    ``tokens.tolist()`` would queue its copy behind everything launched since, i.e. behind the
-    next step that async scheduling has queued, and wait for that step too.)
+    ``[len(sampled)]`` int64 on the device and ``host_tokens`` the same ids on the host (both None
+    when the step samples nothing). On CUDA ``host_tokens`` is a pinned copy queued right after
+    the sampling, and ``copied`` is recorded behind that copy: reading them waits for this step
+    only. (A plain ``tokens.tolist()`` would queue its copy behind everything launched since, i.e.
+    behind the next step that async scheduling has queued, and wait for that step too.) On CPU
+    ``host_tokens`` is ``tokens``.
     """
 
     sched: SchedulerOutput
@@ -184,7 +185,7 @@ class ModelRunner:
         dev = self.device
 
         def to_dev(values: list[int] | list[bool], dtype: torch.dtype) -> torch.Tensor:
-            return to_device(values, dtype, dev)  # type: ignore[arg-type]
+            return to_device(torch.tensor(values, dtype=dtype), dev)
 
         max_pages = max(len(p) for p in inp.page_ids)
         table = torch.zeros((len(inp.page_ids), max_pages), dtype=torch.int32)
@@ -196,7 +197,7 @@ class ModelRunner:
             positions=to_dev(inp.positions, torch.int64),
             query_start_loc=to_dev(inp.query_start_loc, torch.int32),
             seq_lens=to_dev(inp.seq_lens, torch.int32),
-            page_table=(table.pin_memory() if dev.type == "cuda" else table).to(dev, non_blocking=True),
+            page_table=to_device(table, dev),
             slot_mapping=to_dev(inp.slot_mapping, torch.int64),
             read_slots=to_dev(inp.read_slots, torch.int64),
             write_slots=to_dev(inp.write_slots, torch.int64),
@@ -265,16 +266,11 @@ class ModelRunner:
     @staticmethod
     def collect(step: LaunchedStep) -> StepResult:
         """Read a launched step's sampled ids (waits for the device to finish that step only)."""
-        if step.tokens is None:
+        if step.host_tokens is None:
             return StepResult({})
         if step.copied is not None:
             step.copied.synchronize()
-        host = step.host_tokens if step.host_tokens is not None else step.tokens
-        return StepResult({r.request_id: t for r, t in zip(step.sampled, host.tolist())})
-
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Launch and collect one step."""
-        return self.collect(self.launch(out))
+        return StepResult({r.request_id: t for r, t in zip(step.sampled, step.host_tokens.tolist())})
 
     def run_plan(self, plan: StepPlan) -> None:
         """A worker rank's step: replay rank 0's page copies, then join the forward."""
@@ -297,7 +293,7 @@ class ModelRunner:
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``logits[rows]``; no gather when ``rows`` is every row (a decode step samples them all)."""
-    return logits if len(rows) == logits.shape[0] else logits[to_device(rows, torch.int64, logits.device)]
+    return logits if len(rows) == logits.shape[0] else logits[to_device(torch.tensor(rows), logits.device)]
 
 
 def _attention_backend(

@@ -90,6 +90,11 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    def reaches_length(self, max_model_len: int, ahead: int = 0) -> bool:
+        """Whether ``ahead`` more tokens bring it to ``max_tokens`` generated or to the context
+        limit (``ahead=0``: whether it is there now, the engine's length stop)."""
+        return self.num_output_tokens + ahead >= self.params.max_tokens or self.num_tokens + ahead >= max_model_len
+
     def append_output(self, token: int) -> None:
         self.all_token_ids.append(token)
 

@@ -33,7 +33,7 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
         return tokens
-    idx = to_device(rows, torch.int64, logits.device)
+    idx = to_device(torch.tensor(rows), logits.device)
     probs = _filtered_probs(logits[idx].float(), [params[i] for i in rows])
     for j, i in enumerate(rows):
         q = torch.empty_like(probs[j]).exponential_(generator=generators[i])
@@ -51,14 +51,14 @@ def skip_draws(generator: torch.Generator, vocab_size: int, num_tokens: int, dev
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax of temperature-scaled logits with top-k and top-p applied per row."""
-    temps = to_device([p.temperature for p in params], logits.dtype, logits.device)
+    temps = to_device(torch.tensor([p.temperature for p in params], dtype=logits.dtype), logits.device)
     logits = logits / temps[:, None]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)
-    top_k = to_device([p.top_k or logits.shape[-1] for p in params], torch.int64, logits.device)
+    top_k = to_device(torch.tensor([p.top_k or logits.shape[-1] for p in params]), logits.device)
     drop = ranks[None, :] >= top_k[:, None]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    top_p = to_device([p.top_p for p in params], logits.dtype, logits.device)
+    top_p = to_device(torch.tensor([p.top_p for p in params], dtype=logits.dtype), logits.device)
     # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop |= mass_before >= top_p[:, None]

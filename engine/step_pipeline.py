@@ -45,7 +45,7 @@ import torch
 from phloem.engine.cache_manager import CacheManager
 from phloem.engine.host_copy import to_device
 from phloem.engine.model_runner import LaunchedStep
-from phloem.engine.request import Request, RequestStatus
+from phloem.engine.request import RequestStatus
 from phloem.engine.scheduler import Scheduler, SchedulerOutput
 from phloem.engine.step_plan import StepInputs
 
@@ -84,11 +84,11 @@ def next_decode_step(
             return None
     if not scheduler.finalize:
         # No finalize step to run: leave out the requests that ``step``'s token finishes.
-        keep = [i for i, r in enumerate(reqs) if not _length_reached(r, max_model_len)]
+        keep = [i for i, r in enumerate(reqs) if not r.reaches_length(max_model_len, ahead=1)]
         if len(keep) < len(reqs):
             if not keep:
                 return None
-            tokens = tokens[to_device(keep, torch.int64, tokens.device)]
+            tokens = tokens[to_device(torch.tensor(keep), tokens.device)]
             reqs = tuple(reqs[i] for i in keep)
     for req in reqs:
         if not cache.allocate_pages(req, 2):  # positions up to the one after ``step``'s token
@@ -113,7 +113,3 @@ def next_decode_step(
     )
     return SchedulerOutput(reqs, (1,) * n), inputs, tokens
 
-
-def _length_reached(req: Request, max_model_len: int) -> bool:
-    """Whether the token being sampled for ``req`` finishes it by length (``Engine._stop_reason``)."""
-    return req.num_output_tokens + 1 >= req.params.max_tokens or req.num_tokens + 1 >= max_model_len

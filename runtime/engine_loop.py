@@ -169,10 +169,10 @@ class EngineLoop:
 
     def _drain(self, block: bool, wait_s: float | None = None) -> list[Command]:
         """Every queued command; with ``block`` at least one; with ``wait_s`` whatever comes within it."""
-        commands = [self._commands.get()] if block else []
-        if not block and wait_s is not None:
+        commands: list[Command] = []
+        if block or wait_s is not None:
             try:
-                commands.append(self._commands.get(timeout=wait_s))
+                commands.append(self._commands.get(timeout=None if block else wait_s))
             except queue.Empty:
                 return commands
         while True:

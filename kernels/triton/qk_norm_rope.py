@@ -186,16 +186,17 @@ def _launch(
     if store is None:
         assert k_out is not None
         v, kv, slots = k, k_out, positions  # unused by the kernel without STORE
+        cache = (0, 0, 0, 0, 1)
     else:
         v, kv, slots = store
         v = v if v.stride(-1) == 1 else v.contiguous()
         k_out = kv
+        cache = (*kv.stride()[:4], kv.shape[2])  # page, K/V, offset, head strides; page size
     qk_norm_rope_gate_kernel[(num_tokens, num_q_heads + num_k_heads)](
         q_gate, k, q_norm_w.contiguous(), k_norm_w.contiguous(), positions, inv_freq.float().contiguous(),
         q, k_out, gate, v, slots, kv,
         q_gate.stride(0), q_gate.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv.stride(0), kv.stride(1) if store else 0, kv.stride(2) if store else 0, kv.stride(3) if store else 0,
-        kv.shape[2] if store else 1,
+        *cache,
         num_q_heads, num_k_heads, head_dim, inv_freq.shape[0], eps,
         BD=triton.next_power_of_2(head_dim), STORE=store is not None,
     )  # fmt: skip

@@ -266,13 +266,12 @@ def record_reads(monkeypatch: pytest.MonkeyPatch, *methods: str) -> list[str]:
     return reads
 
 
-@pytest.mark.parametrize(
-    ("arch", "layout", "experts"),
-    [
-        ("Qwen3NextForCausalLM", "plain", "per_expert"),  # in_proj_qkvz / in_proj_ba
-        ("Qwen3_5MoeForCausalLM", "language_model", "fused"),  # sharded files, fused experts
-    ],
-)
+# Checkpoint layouts the sharded loader must read: Qwen3-Next's fused in_proj_qkvz / in_proj_ba
+# with per-expert tensors, and Qwen3.5's language_model prefix, sharded files and fused experts.
+SHARDED_LAYOUTS = [("Qwen3NextForCausalLM", "plain", "per_expert"), ("Qwen3_5MoeForCausalLM", "language_model", "fused")]
+
+
+@pytest.mark.parametrize(("arch", "layout", "experts"), SHARDED_LAYOUTS)
 def test_shards_rebuild_the_full_model_without_full_reads(
     arch: str, layout: str, experts: str, tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -342,9 +341,7 @@ def test_expert_parallel_needs_a_moe_model_and_divisible_experts(tiny_checkpoint
         Engine.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM"), expert_parallel=True)
 
 
-@pytest.mark.parametrize(("arch", "layout", "experts"), [
-    ("Qwen3NextForCausalLM", "plain", "per_expert"), ("Qwen3_5MoeForCausalLM", "language_model", "fused"),
-])  # fmt: skip
+@pytest.mark.parametrize(("arch", "layout", "experts"), SHARDED_LAYOUTS)
 def test_expert_parallel_ranks_read_only_their_experts(
     arch: str, layout: str, experts: str, tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
