@@ -18,6 +18,11 @@ Sharding of rank ``r`` of ``N`` (a weight is ``[out, in]``; "rows" are outputs):
                of every token, then all-reduce
     embedding  vocab rows split, padded to ceil(V / N) per rank; a token outside a rank's rows
                embeds to 0 there, then all-reduce (exactly one rank contributes: exact)
+
+Every "then all-reduce" above is deferred: those modules return this rank's partial sum, and the
+RMSNorm that reads it next reduces it together with the residual add and the norm
+(``TPGroup.all_reduce_add_rms_norm``: one NVLink kernel per call at decode sizes on GPUs, see
+``engine.one_shot``; the process group's all-reduce elsewhere). So a layer pays two reductions.
     LM head    vocab rows split; logits gathered to rank 0, the only rank that samples
     replicated every norm weight (the GDN gated norm is [Dv], shared by all heads), q/k norms
 
@@ -27,8 +32,8 @@ A group with ``pg=None`` and ``size > 1`` builds or loads one rank's shard in a 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from phloem.engine.config import ModelConfig
+from phloem.engine.one_shot import OneShotAllReduce
+
+Op = Callable[..., Any]
 
 __all__ = [
     "ParallelEmbedding",
@@ -58,6 +66,7 @@ class TPGroup:
     device: torch.device
     pg: Any = None  # a gloo or NCCL c10d backend
     expert_parallel: bool = False  # routed experts split whole across the ranks (``engine.models._moe``)
+    one_shot: OneShotAllReduce | None = None  # NVLink buffers for small all-reduces (``engine.one_shot``)
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"rank {self.rank} outside a group of {self.size}"
@@ -80,10 +89,19 @@ class TPGroup:
             pg = nccl(prefixed, rank, size, options)
         else:
             pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-        return cls(rank, size, device, pg, expert_parallel)
+        group = cls(rank, size, device, pg, expert_parallel)
+        if device.type != "cuda":
+            return group
+        one_shot = OneShotAllReduce.connect(
+            rank, size, device, dist.PrefixStore("phloem-one-shot", store),  # type: ignore[attr-defined]
+            lambda ok: group.all_min([int(ok)])[0] == 1,
+        )  # fmt: skip
+        return replace(group, one_shot=one_shot)
 
     def shutdown(self) -> None:
         """Release the process group (NCCL wants it before its peers exit); no collective after."""
+        if self.one_shot is not None:
+            self.one_shot.close()
         if self.pg is not None and hasattr(self.pg, "shutdown"):
             self.pg.shutdown()
 
@@ -97,6 +115,23 @@ class TPGroup:
             return x
         self._backend().allreduce([x]).wait()
         return x
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, add_rms_norm: Op
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_rms_norm(all_reduce(x), residual, weight, eps)``: the sum of the ranks' partial ``x``,
+        added to the residual stream and normalised; every rank gets the same values.
+
+        One kernel through ``one_shot`` where the group has it and the call fits (decode sizes on
+        GPUs with peer access), else the process group's all-reduce then ``add_rms_norm`` (the op
+        table's, the same numerics for two ranks).
+        """
+        if self.size > 1:
+            if self.one_shot is not None and self.one_shot.fits(x):
+                return self.one_shot.add_rms_norm(x, residual, weight, eps)
+            x = self.all_reduce(x)
+        out: tuple[torch.Tensor, torch.Tensor] = add_rms_norm(x, residual, weight, eps)
+        return out
 
     def gather_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` along ``dim`` on rank 0; None on the other ranks."""
@@ -258,12 +293,14 @@ class ParallelEmbedding(nn.Module):
         return _vocab_shard(self.vocab_size, self.start, self.weight.shape[0])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the embeddings (zero rows for tokens outside its vocab rows);
+        the first layer's input norm reduces it, as for a ``RowParallelLinear``."""
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0.0))
+        return out.masked_fill_(outside[:, None], 0.0)
 
 
 class ParallelLMHead(nn.Module):
@@ -288,11 +325,16 @@ class ParallelLMHead(nn.Module):
 
 
 class RowParallelLinear(nn.Linear):
-    """A linear layer whose input features are split across ranks: partial sums, then all-reduce."""
+    """A linear layer whose input features are split across ranks; returns this rank's partial sum.
+
+    The sum over the ranks is left to whoever reads the output: in the model that is the next
+    ``RMSNorm.forward_residual``, which reduces it in the same kernel as the residual add and norm
+    (``TPGroup.all_reduce_add_rms_norm``).
+    """
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return F.linear(x, self.weight)

@@ -13,10 +13,12 @@ Two weight conventions coexist in these checkpoints:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["add_rms_norm", "gated_rms_norm", "rms_norm"]
+__all__ = ["add_rms_norm", "all_reduce_add_rms_norm", "gated_rms_norm", "rms_norm"]
 
 
 def _normalize_fp32(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,6 +36,19 @@ def add_rms_norm(
     """Returns ``(rms_norm(x + residual), x + residual)``; the sum is rounded to ``x.dtype`` first."""
     residual = x if residual is None else x + residual
     return rms_norm(residual, weight, eps), residual
+
+
+def all_reduce_add_rms_norm(
+    parts: Sequence[torch.Tensor], residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm(sum(parts), residual)``: the ranks' partial sums added in fp32 in rank order and
+    rounded to their dtype (the reference of ``kernels.triton.allreduce_norm``; for two ranks this is
+    exactly a bf16 all-reduce's sum)."""
+    total = parts[0].float()
+    for part in parts[1:]:
+        total = total + part.float()
+    total = total.to(parts[0].dtype)
+    return add_rms_norm(total, residual, weight, eps)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

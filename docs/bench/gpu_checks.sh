@@ -1,31 +1,41 @@
 #!/bin/bash
 # Every GPU acceptance check still open, in one run on a two-H200 machine; a table at the end.
 #
-#   bash docs/bench/gpu_checks.sh OUT_DIR          # from the repository root, phloem importable
+#   bash docs/bench/gpu_checks.sh OUT_DIR [STEPS]   # from the repository root, phloem importable
 #
+# STEPS (default "0 1+3a 4 5 2 3b 9") runs in the order given; "A+B" runs A on GPU 0 and B on GPU 1
+# at the same time (a correctness step beside a single-GPU timing: they share no GPU).
 # Order matters for device time: FlashInfer JIT-compiles each kernel variant on first use (minutes
 # on a fresh machine; the third session's TP test sat in two ranks' ninja builds for 15 minutes),
 # so step 0 compiles them once, in one process, before anything runs in parallel or under a timeout.
-#   0  warm-up: the tiny model (head_dim 64) in bf16 and fp32, prefill + decode + graphs, and the
-#      35B-A3B shape (head_dim 256) decode, on GPU 0
-#   1  single-GPU tests (pytest -m gpu) on GPU 0, incl. async scheduling against sync, bitwise, and
-#      the fused KV-write prologue and in-kernel GDN gates at the 35B-A3B shapes
-#   2  TP=2 tests (graphs on both ranks, a resume from a gathered export; the cuda:1 engine test)
-#   3  decode bench: TP=1, TP=2, TP=2 + expert parallelism, batch 1 and 16 at 1K context (each point
-#      timed with async scheduling and again without it: the "sync ms/step" column)
-#   4  PD: tiny model, prefill on GPU 0 and decode on GPU 1, tokens against a colocated server
-#   5  PD vs colocated on the 35B-A3B shape, agentic workload (50K first turn, 800-token turns)
+#   0   warm-up: the tiny model (head_dim 64) in bf16 and fp32, prefill + decode + graphs, and the
+#       35B-A3B shape (head_dim 256) prefill + decode; then FlashInfer's built modules are packed
+#       into OUT/flashinfer_so.tgz (a later machine can start from them: docs/bench/gpu_poll.sh)
+#   1   single-GPU tests (pytest -m gpu), incl. async scheduling against sync, bitwise, and the
+#       fused KV-write prologue and in-kernel GDN gates at the 35B-A3B shapes
+#   2   TP=2 tests (graphs on both ranks, a resume from a gathered export; the cuda:1 engine test)
+#   3a  decode bench TP=1, batch 1 and 16 at 1K context (each point timed with async scheduling
+#       and again without it: the "sync ms/step" column)
+#   3b  decode bench TP=2, and TP=2 + expert parallelism
+#   4   PD: tiny model, prefill on GPU 0 and decode on GPU 1, tokens against a colocated server
+#   5   PD vs colocated on the 35B-A3B shape, agentic workload (50K first turn, 800-token turns)
+#   6   the TP all-reduce: one-shot NVLink all-reduce + residual + RMSNorm against NCCL (tokens
+#       and µs per call, docs/bench/allreduce_bench.py)
+#   9   the summary table
+# A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0).
 set -u
-OUT=${1:?usage: gpu_checks.sh OUT_DIR}
+OUT=${1:?usage: gpu_checks.sh OUT_DIR [STEPS]}
+STEPS=${2:-"0 1+3a 4 5 2 3b 9"}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PHLOEM_NO_PROGRESS=1
-export PHLOEM_DATA_DIR=${PHLOEM_DATA_DIR:-/tmp/phloem-data}
+export PHLOEM_DATA_DIR=${PHLOEM_DATA_DIR:-/tmp/phloem-data} PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
 PY="python3 -m phloem.runtime.cli"
 stamp() { echo "$(date +%T) $*" | tee -a "$OUT/phases.txt"; }
 wait_up() { for _ in $(seq 600); do curl -s -o /dev/null "http://127.0.0.1:$1/v1/models" && return 0; sleep 1; done; return 1; }
 
-stamp "0 warm-up"
-CUDA_VISIBLE_DEVICES=0 python3 - > "$OUT/0_warmup.txt" 2>&1 <<'EOF'
+step_0() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} python3 - > "$OUT/0_warmup.txt" 2>&1 <<'PYEOF'
 import time
 from phloem.engine import Engine, SamplingParams
 from phloem.runtime.default_model import ensure_default_model
@@ -38,53 +48,78 @@ for dtype in ("bfloat16", "float32"):
     e = Engine.from_pretrained(tiny, device="cuda", dtype=dtype, num_pages=256, num_state_slots=16, max_num_seqs=4)
     e.generate([list(range(1, 200)), [5, 6]], SamplingParams(max_tokens=4, ignore_eos=True))
     print(f"tiny {dtype}: {time.time() - t:.0f} s", flush=True)
+    del e
 t = time.time()
 e = Engine.from_pretrained(ensure_shape_model("qwen3.5-35b-a3b", data), load_format="dummy", device="cuda",
                            dtype="bfloat16", num_pages=2048, num_state_slots=8, max_num_seqs=2)
 e.generate([list(range(1, 300))], SamplingParams(max_tokens=4, ignore_eos=True))
 print(f"35B-A3B shape: {time.time() - t:.0f} s", flush=True)
-EOF
+PYEOF
+  (cd "$FLASHINFER_WORKSPACE_BASE" 2>/dev/null && find . -name '*.so' | tar czf "$OUT/flashinfer_so.tgz" -T -)
+}
+step_1() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 900 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests \
+    > "$OUT/1_gpu_tests.txt" 2>&1
+}
+step_2() {
+  timeout 900 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_gpu_engine.py \
+    -k "tensor_parallel or second_gpu" > "$OUT/2_tp_tests.txt" 2>&1
+}
+BENCH="bench decode --device cuda --batches 1,16 --contexts 1024 --prefill-tokens 0"
+step_3a() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 900 $PY $BENCH --out "$OUT/3_tp1.json" > "$OUT/3_tp1.txt" 2>&1
+}
+step_3b() {
+  timeout 900 $PY $BENCH --tp 2 --out "$OUT/3_tp2.json" > "$OUT/3_tp2.txt" 2>&1
+  timeout 900 $PY $BENCH --tp 2 --ep --out "$OUT/3_tp2_ep.json" > "$OUT/3_tp2_ep.txt" 2>&1
+}
+step_4() {
+  $PY serve --device cuda:0 --dtype bfloat16 --role prefill --pd-peer 127.0.0.1:9555 --port 8200 > "$OUT/4_prefill.log" 2>&1 &
+  local p1=$!
+  $PY serve --device cuda:1 --dtype bfloat16 --role decode --pd-peer 127.0.0.1:9555 --port 8201 > "$OUT/4_decode.log" 2>&1 &
+  local p2=$!
+  CUDA_VISIBLE_DEVICES=0 $PY serve --device cuda --dtype bfloat16 --port 8300 > "$OUT/4_colocated.log" 2>&1 &
+  local p3=$!
+  wait_up 8201 && wait_up 8300 && timeout 600 python3 docs/bench/pd_check.py 8201 8300 > "$OUT/4_pd_check.txt" 2>&1
+  kill $p1 $p2 $p3; wait $p1 $p2 $p3 2>/dev/null
+}
+step_5() {
+  local wl="--modes sessions --agents 1 --first-turn 50000 --append 800 --turns 6 --output 256 --no-progress"
+  local srv="--shape qwen3.5-35b-a3b --dtype bfloat16 --max-num-batched-tokens 8192"
+  $PY serve $srv --device cuda:0 --role prefill --pd-peer 127.0.0.1:9556 --port 8400 > "$OUT/5_prefill.log" 2>&1 &
+  local p1=$!
+  $PY serve $srv --device cuda:1 --role decode --pd-peer 127.0.0.1:9556 --port 8401 > "$OUT/5_decode.log" 2>&1 &
+  local p2=$!
+  wait_up 8401 && timeout 900 $PY bench agentic --base-url http://127.0.0.1:8401 $wl --gpus 2 --out "$OUT/5_pd" > "$OUT/5_pd.txt" 2>&1
+  kill $p1 $p2; wait $p1 $p2 2>/dev/null
+  CUDA_VISIBLE_DEVICES=0 $PY serve $srv --device cuda --port 8402 > "$OUT/5_colocated.log" 2>&1 &
+  local p3=$!
+  wait_up 8402 && timeout 900 $PY bench agentic --base-url http://127.0.0.1:8402 $wl --gpus 1 --out "$OUT/5_colocated" > "$OUT/5_colocated.txt" 2>&1
+  kill $p3; wait $p3 2>/dev/null
+}
+step_6() {
+  timeout 300 python3 docs/bench/allreduce_bench.py > "$OUT/6_allreduce.txt" 2>&1
+}
+step_9() {
+  echo; echo "== summary =="
+  cat "$OUT/0_warmup.txt" 2>/dev/null
+  for f in 1_gpu_tests 2_tp_tests; do [ -f "$OUT/$f.txt" ] && echo "$f: $(tail -n 1 "$OUT/$f.txt")"; done
+  for f in 3_tp1 3_tp2 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
+  [ -f "$OUT/4_pd_check.txt" ] && echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt")"
+  for f in 5_pd 5_colocated; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| sessions' "$OUT/$f.txt"; }; done
+  [ -f "$OUT/6_allreduce.txt" ] && tail -n 12 "$OUT/6_allreduce.txt"
+}
 
-stamp "1 single-GPU tests"
-CUDA_VISIBLE_DEVICES=0 timeout 1200 python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/1_gpu_tests.txt" 2>&1
-stamp "2 two-GPU tests"
-timeout 900 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_gpu_engine.py \
-  -k "tensor_parallel or second_gpu" > "$OUT/2_tp_tests.txt" 2>&1
-
-stamp "3 decode bench"
-B="bench decode --device cuda --batches 1,16 --contexts 1024 --prefill-tokens 0"
-CUDA_VISIBLE_DEVICES=0 timeout 900 $PY $B --out "$OUT/3_tp1.json" > "$OUT/3_tp1.txt" 2>&1
-timeout 900 $PY $B --tp 2 --out "$OUT/3_tp2.json" > "$OUT/3_tp2.txt" 2>&1
-timeout 900 $PY $B --tp 2 --ep --out "$OUT/3_tp2_ep.json" > "$OUT/3_tp2_ep.txt" 2>&1
-
-stamp "4 PD tiny"
-$PY serve --device cuda:0 --dtype bfloat16 --role prefill --pd-peer 127.0.0.1:9555 --port 8200 > "$OUT/4_prefill.log" 2>&1 &
-P1=$!
-$PY serve --device cuda:1 --dtype bfloat16 --role decode --pd-peer 127.0.0.1:9555 --port 8201 > "$OUT/4_decode.log" 2>&1 &
-P2=$!
-CUDA_VISIBLE_DEVICES=0 $PY serve --device cuda --dtype bfloat16 --port 8300 > "$OUT/4_colocated.log" 2>&1 &
-P3=$!
-wait_up 8201 && wait_up 8300 && python3 docs/bench/pd_check.py 8201 8300 > "$OUT/4_pd_check.txt" 2>&1
-kill $P1 $P2 $P3; wait $P1 $P2 $P3 2>/dev/null
-
-stamp "5 PD vs colocated, 35B-A3B shape"
-WL="--modes sessions --agents 1 --first-turn 50000 --append 800 --turns 6 --output 256 --no-progress"
-SRV="--shape qwen3.5-35b-a3b --dtype bfloat16 --max-num-batched-tokens 8192"
-$PY serve $SRV --device cuda:0 --role prefill --pd-peer 127.0.0.1:9556 --port 8400 > "$OUT/5_prefill.log" 2>&1 &
-P1=$!
-$PY serve $SRV --device cuda:1 --role decode --pd-peer 127.0.0.1:9556 --port 8401 > "$OUT/5_decode.log" 2>&1 &
-P2=$!
-wait_up 8401 && timeout 900 $PY bench agentic --base-url http://127.0.0.1:8401 $WL --gpus 2 --out "$OUT/5_pd" > "$OUT/5_pd.txt" 2>&1
-kill $P1 $P2; wait $P1 $P2 2>/dev/null
-CUDA_VISIBLE_DEVICES=0 $PY serve $SRV --device cuda --port 8402 > "$OUT/5_colocated.log" 2>&1 &
-P3=$!
-wait_up 8402 && timeout 900 $PY bench agentic --base-url http://127.0.0.1:8402 $WL --gpus 1 --out "$OUT/5_colocated" > "$OUT/5_colocated.txt" 2>&1
-kill $P3; wait $P3 2>/dev/null
+for s in $STEPS; do
+  if [[ $s == *+* ]]; then
+    a=${s%+*} b=${s#*+}
+    stamp "$a on GPU 0 + $b on GPU 1"
+    GPU=0 "step_$a" & pa=$!
+    GPU=1 "step_$b" & pb=$!
+    wait $pa $pb
+  else
+    stamp "$s"
+    "step_$s"
+  fi
+done
 stamp "done"
-
-echo; echo "== summary =="
-cat "$OUT/0_warmup.txt"
-for f in 1_gpu_tests 2_tp_tests; do echo "$f: $(tail -n 1 "$OUT/$f.txt")"; done
-for f in 3_tp1 3_tp2 3_tp2_ep; do echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; done
-echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt" 2>/dev/null)"
-for f in 5_pd 5_colocated; do echo "$f:"; grep '^| sessions' "$OUT/$f.txt"; done

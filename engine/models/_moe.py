@@ -180,4 +180,4 @@ class SparseMoe(nn.Module):
             held = (routed >= 0) & (routed < self.num_local)
             ids = torch.cat((routed.where(held, self.zero_row), torch.full_like(ids[:, self.top_k :], self.shared_row)), 1)
         out: torch.Tensor = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-        return self.tp.all_reduce(out)
+        return out  # this rank's partial sum: the next norm reduces it (engine.parallel)

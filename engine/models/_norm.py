@@ -5,19 +5,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from phloem.engine.parallel import TPGroup
 from phloem.kernels.dispatch import KernelOps
 
 __all__ = ["GatedRMSNorm", "RMSNorm"]
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm (scale ``1 + weight``) of the layer, final and QK norms."""
+    """Zero-centred RMSNorm (scale ``1 + weight``) of the layer, final and QK norms.
 
-    def __init__(self, dim: int, eps: float, ops: KernelOps) -> None:
+    ``tp`` is the group whose ranks' partial sums ``forward_residual`` receives (the layer and final
+    norms under tensor parallelism): it reduces them in the same kernel as the add and the norm.
+    """
+
+    def __init__(self, dim: int, eps: float, ops: KernelOps, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
         self.ops = ops
+        self.tp = tp if tp is not None else TPGroup.single()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.ops.rms_norm(x, self.weight, self.eps)
@@ -26,9 +32,10 @@ class RMSNorm(nn.Module):
     def forward_residual(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``; ``residual=None`` starts the stream at ``x``."""
-        normed, res = self.ops.add_rms_norm(x, residual, self.weight, self.eps)
-        return normed, res
+        """``(norm(x + residual), x + residual)``; ``residual=None`` starts the stream at ``x``.
+
+        Under tensor parallelism ``x`` is this rank's partial sum and is all-reduced first."""
+        return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.ops.add_rms_norm)
 
 
 class GatedRMSNorm(nn.Module):

@@ -8,14 +8,16 @@ which ``engine.loader`` absorbs. Parameter names follow the plain Hugging Face l
 
 Each layer is pre-norm with a residual stream carried beside the hidden states::
 
-    normed, residual = input_layernorm(h, residual)        # residual += h
+    normed, residual = input_layernorm(h, residual)        # residual += all_reduce(h)
     h = self_attn(normed) | linear_attn(normed)
     normed, residual = post_attention_layernorm(h, residual)
     h = mlp(normed)
 
 Head, expert-FFN, GDN head and vocab counts are per rank of the ``TPGroup`` the model is built
 with (``engine.parallel`` has the sharding table); the hidden size and the residual stream are
-whole on every rank.
+whole on every rank. Under tensor parallelism the embedding and every sublayer return this rank's
+partial sum and the norm after it reduces (``RMSNorm.forward_residual``), so the all-reduce, the
+residual add and the norm are one kernel where the group has the one-shot path.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoe(config, ops, tp)
         else:
             self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, tp)
 
     def forward(
         self,
@@ -79,7 +81,7 @@ class Qwen3HybridModel(nn.Module):
         super().__init__()
         self.embed_tokens = ParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, i, ops, tp) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, tp)
 
 
 class Qwen3HybridForCausalLM(nn.Module):

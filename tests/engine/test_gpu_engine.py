@@ -147,6 +147,7 @@ def test_tensor_parallel_2_follows_tp1_over_nccl(model_dir: Path) -> None:
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with gpu_engine(model_dir, tensor_parallel_size=2, checkpoint_interval=64) as tp2:
         assert tp2.workers is not None and tp2.workers.group.size == 2
+        assert tp2.workers.group.one_shot is not None  # decode's all-reduces take the NVLink kernel
         assert tp2.runner.graphs is not None and tp2.runner.graphs.graphs
         first = tp2.generate(PROMPTS, params)
         done = len(PROMPTS[2]) + len(first[2].token_ids)
@@ -162,6 +163,18 @@ def test_tensor_parallel_2_follows_tp1_over_nccl(model_dir: Path) -> None:
     tp1 = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
     prompts = [*PROMPTS, conv + [7], conv + [8, 9], conv + [10]]
     assert_follows(tp1, prompts, [o.token_ids for o in [*first, *forks, resumed]])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tensor_parallel_one_shot_all_reduce_gives_nccls_bits() -> None:
+    """The one-shot all-reduce + add + norm against NCCL + ``add_rms_norm`` on two GPUs: same bits on
+    random inputs at 1..256 rows, eagerly and from a CUDA graph, on both ranks."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[2] / "docs" / "bench" / "allreduce_bench.py"
+    done = subprocess.run([sys.executable, str(script), "--iters", "20"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ALL SAME" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

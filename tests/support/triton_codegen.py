@@ -113,6 +113,15 @@ def norms() -> None:
     compile_for_h200(gated_rms_norm_kernel, _all("x gate weight o", "*bf16"), {"BD": 128, "ROUND_WEIGHTED": True})
 
 
+def one_shot_norm(world: int) -> None:
+    from phloem.kernels.triton.allreduce_norm import one_shot_add_rms_norm_kernel
+
+    pointers = _all("x residual weight o o_residual", "*bf16") | _all("buffers flags epochs", "*i64")
+    constexprs = {"WORLD": world, "MAX_ROWS": 256, "BD": 2048, "HAS_RESIDUAL": True}
+    compile_for_h200(one_shot_add_rms_norm_kernel, pointers, constexprs)
+    compile_for_h200(one_shot_add_rms_norm_kernel, pointers, constexprs | {"HAS_RESIDUAL": False})
+
+
 CASES: dict[str, Callable[[], None]] = {
     "qk_norm_rope_gate[store_kv]": lambda: qk_norm_rope(True),
     "qk_norm_rope_gate[k_out]": lambda: qk_norm_rope(False),
@@ -125,6 +134,8 @@ CASES: dict[str, Callable[[], None]] = {
     "moe_route[plain]": lambda: moe_route(False),
     "gdn_gates": gdn_gates,
     "rms_norm, add_rms_norm, gated_rms_norm": norms,
+    "one_shot_add_rms_norm[world=2]": lambda: one_shot_norm(2),
+    "one_shot_add_rms_norm[world=8]": lambda: one_shot_norm(8),
 }
 
 

@@ -1,0 +1,141 @@
+"""Buffers every GPU of a tensor-parallel group has mapped, for the one-shot all-reduce + norm.
+
+``OneShotAllReduce.connect`` runs on every rank while the group forms (``TPGroup.connect``): each
+rank allocates one device buffer with ``cudaMalloc`` (two halves of ``HALF_BYTES`` for the data,
+by epoch parity, then its flags: int64 ``[world, MAX_ROWS]``, zeroed), publishes its CUDA IPC
+handle in the group's store, and opens every peer's with ``cudaIpcMemLazyEnablePeerAccess`` on its
+own device (the peer's memory becomes addressable from this GPU over NVLink). The kernel
+(``kernels.triton.allreduce_norm``) gets the table of addresses and this rank's epoch counters.
+
+Decisions:
+
+- The ranks agree before anyone uses it: every rank reports whether its setup worked and the group
+  takes the minimum, so either all ranks run the one-shot kernel or all take NCCL (a mix would
+  deadlock: both sides must run the same collective).
+- Used only where it pays and fits: decode-sized calls (at most ``MAX_ROWS`` rows and ``HALF_BYTES``
+  per call); larger batches (prefill) take NCCL's all-reduce and the ``add_rms_norm`` kernel.
+- ``PHLOEM_ONE_SHOT_ALLREDUCE=0`` turns it off (the NCCL path everywhere; for A/B timing).
+- The CUDA runtime calls go through ``engine.cuda_ipc`` (PyTorch's own libcudart, by ctypes);
+  without peer access between every pair of the group's GPUs the group keeps NCCL.
+- The buffers live as long as the process group; ``close`` unmaps the peers' and frees its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from phloem.engine.cuda_ipc import CudaRuntime, IpcHandle
+
+__all__ = ["ENV_VAR", "HALF_BYTES", "MAX_ROWS", "OneShotAllReduce"]
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "PHLOEM_ONE_SHOT_ALLREDUCE"
+MAX_ROWS = 256
+HALF_BYTES = 1 << 20  # 256 tokens x hidden 2048 x bf16
+_FLAGS_AT = 2 * HALF_BYTES
+_WORLD_MAX = 8
+
+
+class OneShotAllReduce:
+    """This rank's view of the mapped buffers: address tables and epoch counters on its GPU."""
+
+    def __init__(self, rank: int, addresses: Sequence[int], device: torch.device, close: Callable[[], None]) -> None:
+        self.rank = rank
+        self.world = len(addresses)
+        self.buffers = torch.tensor(list(addresses), dtype=torch.int64, device=device)
+        self.flags = torch.tensor([a + _FLAGS_AT for a in addresses], dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(MAX_ROWS, dtype=torch.int64, device=device)
+        self._close = close
+
+    @classmethod
+    def connect(
+        cls, rank: int, world: int, device: torch.device, store: Any, agree: Callable[[bool], bool]
+    ) -> OneShotAllReduce | None:
+        """Map every rank's buffer on this rank; None on every rank unless all of them succeeded.
+
+        ``store`` is a c10d store shared by the group (keys ``one-shot/<rank>``); ``agree(ok)``
+        returns whether every rank's ``ok`` is true (a collective: every rank calls it once).
+        """
+        made: OneShotAllReduce | None = None
+        ok = False
+        if os.environ.get(ENV_VAR, "1") != "0" and device.type == "cuda" and 1 < world <= _WORLD_MAX:
+            try:
+                made = cls._map(rank, world, device, store)
+                ok = True
+            except Exception as exc:  # noqa: BLE001 - any setup failure means: use NCCL
+                log.warning("one-shot all-reduce unavailable on rank %d (%s); using NCCL", rank, exc)
+        if agree(ok):
+            return made
+        if made is not None:
+            made.close()
+        return None
+
+    @classmethod
+    def _map(cls, rank: int, world: int, device: torch.device, store: Any) -> OneShotAllReduce:
+        key = f"one-shot/{rank}"
+        cudart: CudaRuntime | None = None
+        own: int | None = None
+        try:
+            cudart = CudaRuntime()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            for peer in range(world):
+                if peer != rank and not torch.cuda.can_device_access_peer(index, peer):
+                    raise RuntimeError(f"cuda:{index} cannot access cuda:{peer} (no P2P)")
+            torch.cuda.set_device(index)
+            cudart.set_device(index)
+            own = cudart.malloc_zeroed(_FLAGS_AT + _WORLD_MAX * MAX_ROWS * 8)
+            handle = cudart.ipc_handle(own).data
+        except BaseException:
+            store.set(key, b"")  # the peers waiting for this rank's handle learn it failed
+            if cudart is not None and own is not None:
+                cudart.free(own)
+            raise
+        assert own is not None
+        opened: list[int] = []
+
+        def close() -> None:
+            for ptr in opened:
+                cudart.ipc_close(ptr)
+            cudart.free(own)
+
+        try:
+            store.set(key, handle)
+            addresses = []
+            for peer in range(world):
+                if peer == rank:
+                    addresses.append(own)
+                    continue
+                theirs = bytes(store.get(f"one-shot/{peer}"))
+                if not theirs:
+                    raise RuntimeError(f"rank {peer} could not set up its buffer")
+                ptr = cudart.ipc_open(IpcHandle(theirs))
+                opened.append(ptr)
+                addresses.append(ptr)
+        except BaseException:
+            close()
+            raise
+        return cls(rank, addresses, torch.device("cuda", index), close)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether one call with ``x`` (this rank's partial sum ``[..., D]``) fits the buffers."""
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        return rows <= MAX_ROWS and x.numel() * x.element_size() <= HALF_BYTES
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_rms_norm(all_reduce(x), residual, weight, eps)`` in one kernel (every rank calls it)."""
+        from phloem.kernels.triton.allreduce_norm import one_shot_add_rms_norm
+
+        half = HALF_BYTES // x.element_size()
+        return one_shot_add_rms_norm(x, residual, weight, eps, self.buffers, self.flags, self.epochs, self.rank, half)
+
+    def close(self) -> None:
+        self._close()
+        self._close = lambda: None

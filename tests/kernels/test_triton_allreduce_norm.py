@@ -1,0 +1,106 @@
+"""The one-shot all-reduce + add + RMSNorm kernel, run by real concurrent processes on CPU.
+
+Each rank is a process running the kernel under the Triton interpreter; the "GPU buffers" are CPU
+shared memory every process has mapped (at its own address, as CUDA IPC maps a peer's buffer), so
+the flag protocol runs for real: the ranks publish rows, signal each other with release/acquire
+atomics, wait, read every rank's row, and must all produce the reference's bits. The two-GPU run
+(``docs/bench/allreduce_bench.py``, ``test_gpu_engine``) checks the same kernel over NVLink.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from phloem.kernels.norm import all_reduce_add_rms_norm
+
+pytest.importorskip("triton")
+
+# @triton.jit binds to the interpreter at import time: on CPU switch it on before the kernel imports.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+D, MAX_ROWS = 96, 8
+HALF = MAX_ROWS * D
+EPS = 1e-6
+
+
+def _case(it: int, world: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + it)
+    rows = (1, 3, MAX_ROWS, 2)[it % 4]
+    parts = [torch.randn(rows, D, generator=gen).to(dtype) for _ in range(world)]
+    residual = torch.randn(rows, D, generator=gen).to(dtype) if it % 3 else None
+    weight = torch.randn(D, generator=gen) * 0.2
+    return parts, residual, weight
+
+
+def _rank(rank: int, world: int, dtype: torch.dtype, iters: int, data: list, flags: list, queue: object) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module imports (spawned process)
+    from phloem.kernels.triton.allreduce_norm import one_shot_add_rms_norm
+
+    try:
+        buffers = torch.tensor([d.data_ptr() for d in data], dtype=torch.int64)
+        flag_addresses = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+        epochs = torch.zeros(MAX_ROWS, dtype=torch.int64)
+        results = []
+        for it in range(iters):
+            parts, residual, weight = _case(it, world, dtype)
+            out, res = one_shot_add_rms_norm(
+                parts[rank], residual, weight, EPS, buffers, flag_addresses, epochs, rank, HALF
+            )  # fmt: skip
+            results.append((out.float().numpy().tobytes(), res.float().numpy().tobytes()))
+        queue.put((rank, results, epochs.tolist()))  # type: ignore[attr-defined]
+    except BaseException as exc:
+        queue.put((rank, repr(exc), None))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("world", "dtype"), [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
+def test_ranks_agree_with_the_reference_and_each_other(world: int, dtype: torch.dtype) -> None:
+    iters = 12
+    ctx = mp.get_context("spawn")
+    data = [torch.zeros(2 * HALF, dtype=dtype).share_memory_() for _ in range(world)]
+    flags = [torch.zeros(world * MAX_ROWS, dtype=torch.int64).share_memory_() for _ in range(world)]
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, dtype, iters, data, flags, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        answers = sorted((queue.get(timeout=240) for _ in procs), key=lambda a: a[0])
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+    for rank, results, epochs in answers:
+        assert epochs is not None, f"rank {rank}: {results}"
+        # Row r ran once per call with more than r rows.
+        assert epochs == [sum(1 for it in range(iters) if _case(it, world, dtype)[0][0].shape[0] > r)
+                          for r in range(MAX_ROWS)]  # fmt: skip
+    for it in range(iters):
+        parts, residual, weight = _case(it, world, dtype)
+        ref, ref_res = all_reduce_add_rms_norm(parts, residual, weight, EPS)
+        first = answers[0][1][it]
+        for rank, results, _ in answers[1:]:
+            assert results[it] == first, f"call {it}: rank {rank} differs from rank 0"
+        out = torch.frombuffer(bytearray(first[0]), dtype=torch.float32).view(ref.shape)
+        res = torch.frombuffer(bytearray(first[1]), dtype=torch.float32).view(ref.shape)
+        # The interpreter truncates fp32 -> bf16 where torch rounds: a few bf16 ulps apart.
+        tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(res, ref_res.float(), atol=tol, rtol=tol, msg=f"call {it}: reduced sum")
+        torch.testing.assert_close(out, ref.float(), atol=tol, rtol=tol, msg=f"call {it}: normed")
+
+
+def test_a_call_larger_than_the_buffer_is_refused() -> None:
+    from phloem.kernels.triton.allreduce_norm import one_shot_add_rms_norm
+
+    table = torch.zeros(2, dtype=torch.int64)
+    epochs = torch.zeros(MAX_ROWS, dtype=torch.int64)
+    x = torch.zeros(MAX_ROWS + 1, D)
+    with pytest.raises(ValueError, match="exceed the one-shot buffer"):
+        one_shot_add_rms_norm(x, None, torch.zeros(D), EPS, table, table, epochs, 0, HALF)
+    with pytest.raises(ValueError, match="residual must match"):
+        one_shot_add_rms_norm(x[:2], x[:3], torch.zeros(D), EPS, table, table, epochs, 0, HALF)
+    assert epochs.sum() == 0  # nothing ran
