@@ -10,8 +10,14 @@ from pathlib import Path
 BENCH = Path(__file__).parents[2] / "docs" / "bench"
 
 
-def test_gpu_checks_script_parses() -> None:
-    subprocess.run(["bash", "-n", str(BENCH / "gpu_checks.sh")], check=True)
+def test_gpu_scripts_parse() -> None:
+    for script in ("gpu_checks.sh", "gpu_lease.sh"):
+        subprocess.run(["bash", "-n", str(BENCH / script)], check=True)
+
+
+def test_allreduce_bench_imports() -> None:
+    module = runpy.run_path(str(BENCH / "allreduce_bench.py"), run_name="allreduce_bench")
+    assert callable(module["main"]) and module["ROWS"][-1] == 256
 
 
 def test_pd_check_imports() -> None:
