@@ -152,6 +152,7 @@ class Engine:
             raise TypeError(f"Engine.from_pretrained: unknown option(s) {sorted(unknown)}")
         pick = lambda names: {k: v for k, v in options.items() if k in names}  # noqa: E731
         load_config = LoadConfig(**pick(_LOAD_OPTIONS))  # type: ignore[arg-type]
+        load_config = replace(load_config, device=str(_with_index(torch.device(load_config.device))))
         parallel = ParallelConfig(**pick(_PARALLEL_OPTIONS))  # type: ignore[arg-type]
         cache_config = CacheConfig(**pick(_CACHE_OPTIONS))  # type: ignore[arg-type]
         scheduler_config = SchedulerConfig(**pick(_SCHED_OPTIONS))  # type: ignore[arg-type]
@@ -484,6 +485,15 @@ class Engine:
         return self.cache.stats()
 
 
+def _with_index(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current device>``: the engine stays on the GPU it was built on whatever
+    thread runs it later (``torch.cuda.set_device`` refuses a device without an index). Without
+    CUDA the device is left as given, for the clear errors of the checks that follow."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _bind_cuda_device(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(_with_index(device))

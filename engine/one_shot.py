@@ -14,7 +14,10 @@ Decisions:
   deadlock: both sides must run the same collective).
 - Used only where it pays and fits: decode-sized calls (at most ``MAX_ROWS`` rows and ``HALF_BYTES``
   per call); larger batches (prefill) take NCCL's all-reduce and the ``add_rms_norm`` kernel.
-- ``PHLOEM_ONE_SHOT_ALLREDUCE=0`` turns it off (the NCCL path everywhere; for A/B timing).
+- Off by default until it has run on two GPUs: ``PHLOEM_ONE_SHOT_ALLREDUCE=1`` turns it on (the
+  fifth session built it with no device time left; its protocol is tested on CPU by concurrent
+  processes under the Triton interpreter and it compiles for sm_90, but a kernel that spins on
+  another GPU's flags must be seen to work there before it is the default). ``0`` or unset: NCCL.
 - The CUDA runtime calls go through ``engine.cuda_ipc`` (PyTorch's own libcudart, by ctypes);
   without peer access between every pair of the group's GPUs the group keeps NCCL.
 - The buffers live as long as the process group; ``close`` unmaps the peers' and frees its own.
@@ -55,26 +58,44 @@ class OneShotAllReduce:
 
     @classmethod
     def connect(
-        cls, rank: int, world: int, device: torch.device, store: Any, agree: Callable[[bool], bool]
+        cls,
+        rank: int,
+        world: int,
+        device: torch.device,
+        store: Any,
+        agree: Callable[[bool], bool],
+        all_reduce: Callable[[torch.Tensor], torch.Tensor],
     ) -> OneShotAllReduce | None:
-        """Map every rank's buffer on this rank; None on every rank unless all of them succeeded.
+        """Map every rank's buffer on this rank; None on every rank unless all of them succeeded
+        and a first call gave the process group's all-reduce's bits on every rank.
 
         ``store`` is a c10d store shared by the group (keys ``one-shot/<rank>``); ``agree(ok)``
-        returns whether every rank's ``ok`` is true (a collective: every rank calls it once).
+        returns whether every rank's ``ok`` is true and ``all_reduce`` sums a tensor over the
+        ranks (collectives: every rank calls them alike).
         """
         made: OneShotAllReduce | None = None
         ok = False
-        if os.environ.get(ENV_VAR, "1") != "0" and device.type == "cuda" and 1 < world <= _WORLD_MAX:
+        if os.environ.get(ENV_VAR, "0") == "1" and device.type == "cuda" and 1 < world <= _WORLD_MAX:
             try:
                 made = cls._map(rank, world, device, store)
                 ok = True
             except Exception as exc:  # noqa: BLE001 - any setup failure means: use NCCL
                 log.warning("one-shot all-reduce unavailable on rank %d (%s); using NCCL", rank, exc)
         if agree(ok):
-            return made
+            assert made is not None
+            if agree(made.self_check(all_reduce)):
+                return made
+            log.warning("one-shot all-reduce disagreed with the process group's all-reduce; using NCCL")
         if made is not None:
             made.close()
         return None
+
+    def self_check(self, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+        """One call on a known input against ``all_reduce``: the mapping and the flags work."""
+        device = self.buffers.device
+        x = (torch.arange(4 * 128, device=device).view(4, 128) % 37 + self.rank).to(torch.bfloat16)
+        _, summed = self.add_rms_norm(x, None, torch.zeros(128, device=device), 1e-6)
+        return bool(torch.equal(summed, all_reduce(x.clone())))
 
     @classmethod
     def _map(cls, rank: int, world: int, device: torch.device, store: Any) -> OneShotAllReduce:

@@ -94,7 +94,7 @@ class TPGroup:
             return group
         one_shot = OneShotAllReduce.connect(
             rank, size, device, dist.PrefixStore("phloem-one-shot", store),  # type: ignore[attr-defined]
-            lambda ok: group.all_min([int(ok)])[0] == 1,
+            lambda ok: group.all_min([int(ok)])[0] == 1, group.all_reduce,
         )  # fmt: skip
         return replace(group, one_shot=one_shot)
 
@@ -124,7 +124,7 @@ class TPGroup:
 
         One kernel through ``one_shot`` where the group has it and the call fits (decode sizes on
         GPUs with peer access), else the process group's all-reduce then ``add_rms_norm`` (the op
-        table's, the same numerics for two ranks).
+        table's, the same numerics for two ranks). ``x`` may be overwritten (reduced in place).
         """
         if self.size > 1:
             if self.one_shot is not None and self.one_shot.fits(x):

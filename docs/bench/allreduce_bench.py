@@ -120,6 +120,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=200)
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ["PHLOEM_ONE_SHOT_ALLREDUCE"] = "1"  # off by default (engine.one_shot)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29611

@@ -16,7 +16,7 @@
 #   2   TP=2 tests (graphs on both ranks, a resume from a gathered export; the cuda:1 engine test)
 #   3a  decode bench TP=1, batch 1 and 16 at 1K context (each point timed with async scheduling
 #       and again without it: the "sync ms/step" column)
-#   3b  decode bench TP=2, and TP=2 + expert parallelism
+#   3b  decode bench TP=2 (NCCL all-reduces, then the one-shot kernel), and TP=2 + expert parallelism
 #   4   PD: tiny model, prefill on GPU 0 and decode on GPU 1, tokens against a colocated server
 #   5   PD vs colocated on the 35B-A3B shape, agentic workload (50K first turn, 800-token turns)
 #   6   the TP all-reduce: one-shot NVLink all-reduce + residual + RMSNorm against NCCL (tokens
@@ -32,7 +32,17 @@ export PHLOEM_DATA_DIR=${PHLOEM_DATA_DIR:-/tmp/phloem-data} PYTHONUNBUFFERED=1
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
 PY="python3 -m phloem.runtime.cli"
 stamp() { echo "$(date +%T) $*" | tee -a "$OUT/phases.txt"; }
-wait_up() { for _ in $(seq 600); do curl -s -o /dev/null "http://127.0.0.1:$1/v1/models" && return 0; sleep 1; done; return 1; }
+# wait_up PORT PID...: until the server on PORT answers; gives up at once when any PID has exited
+# (a server that died at start must not cost the 10 minutes of the timeout: the fifth session's did).
+wait_up() {
+  local port=$1; shift
+  for _ in $(seq 600); do
+    curl -s -o /dev/null "http://127.0.0.1:$port/v1/models" && return 0
+    for pid in "$@"; do kill -0 "$pid" 2>/dev/null || { stamp "server for port $port exited"; return 1; }; done
+    sleep 1
+  done
+  return 1
+}
 
 step_0() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} python3 - > "$OUT/0_warmup.txt" 2>&1 <<'PYEOF'
@@ -55,10 +65,15 @@ e = Engine.from_pretrained(ensure_shape_model("qwen3.5-35b-a3b", data), load_for
 e.generate([list(range(1, 300))], SamplingParams(max_tokens=4, ignore_eos=True))
 print(f"35B-A3B shape: {time.time() - t:.0f} s", flush=True)
 PYEOF
+  local rc=$?
   (cd "$FLASHINFER_WORKSPACE_BASE" 2>/dev/null && find . -name '*.so' | tar czf "$OUT/flashinfer_so.tgz" -T -)
+  # Everything after depends on it; a failure here would otherwise reappear as JIT builds and
+  # timeouts in every later step.
+  [ $rc -eq 0 ] || { stamp "warm-up failed: stopping (see 0_warmup.txt)"; tail -n 5 "$OUT/0_warmup.txt"; exit 1; }
 }
 step_1() {
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 900 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests \
+  # tests/engine and tests/kernels hold every `gpu` test; tests/api needs packages the GPU image lacks.
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 900 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/engine tests/kernels \
     > "$OUT/1_gpu_tests.txt" 2>&1
 }
 step_2() {
@@ -71,6 +86,7 @@ step_3a() {
 }
 step_3b() {
   timeout 900 $PY $BENCH --tp 2 --out "$OUT/3_tp2.json" > "$OUT/3_tp2.txt" 2>&1
+  PHLOEM_ONE_SHOT_ALLREDUCE=1 timeout 900 $PY $BENCH --tp 2 --out "$OUT/3_tp2_one_shot.json" > "$OUT/3_tp2_one_shot.txt" 2>&1
   timeout 900 $PY $BENCH --tp 2 --ep --out "$OUT/3_tp2_ep.json" > "$OUT/3_tp2_ep.txt" 2>&1
 }
 step_4() {
@@ -80,8 +96,8 @@ step_4() {
   local p2=$!
   CUDA_VISIBLE_DEVICES=0 $PY serve --device cuda --dtype bfloat16 --port 8300 > "$OUT/4_colocated.log" 2>&1 &
   local p3=$!
-  wait_up 8201 && wait_up 8300 && timeout 600 python3 docs/bench/pd_check.py 8201 8300 > "$OUT/4_pd_check.txt" 2>&1
-  kill $p1 $p2 $p3; wait $p1 $p2 $p3 2>/dev/null
+  wait_up 8201 $p1 $p2 && wait_up 8300 $p3 && timeout 600 python3 docs/bench/pd_check.py 8201 8300 > "$OUT/4_pd_check.txt" 2>&1
+  kill $p1 $p2 $p3 2>/dev/null; wait $p1 $p2 $p3 2>/dev/null
 }
 step_5() {
   local wl="--modes sessions --agents 1 --first-turn 50000 --append 800 --turns 6 --output 256 --no-progress"
@@ -90,12 +106,12 @@ step_5() {
   local p1=$!
   $PY serve $srv --device cuda:1 --role decode --pd-peer 127.0.0.1:9556 --port 8401 > "$OUT/5_decode.log" 2>&1 &
   local p2=$!
-  wait_up 8401 && timeout 900 $PY bench agentic --base-url http://127.0.0.1:8401 $wl --gpus 2 --out "$OUT/5_pd" > "$OUT/5_pd.txt" 2>&1
-  kill $p1 $p2; wait $p1 $p2 2>/dev/null
+  wait_up 8401 $p1 $p2 && timeout 900 $PY bench agentic --base-url http://127.0.0.1:8401 $wl --gpus 2 --out "$OUT/5_pd" > "$OUT/5_pd.txt" 2>&1
+  kill $p1 $p2 2>/dev/null; wait $p1 $p2 2>/dev/null
   CUDA_VISIBLE_DEVICES=0 $PY serve $srv --device cuda --port 8402 > "$OUT/5_colocated.log" 2>&1 &
   local p3=$!
-  wait_up 8402 && timeout 900 $PY bench agentic --base-url http://127.0.0.1:8402 $wl --gpus 1 --out "$OUT/5_colocated" > "$OUT/5_colocated.txt" 2>&1
-  kill $p3; wait $p3 2>/dev/null
+  wait_up 8402 $p3 && timeout 900 $PY bench agentic --base-url http://127.0.0.1:8402 $wl --gpus 1 --out "$OUT/5_colocated" > "$OUT/5_colocated.txt" 2>&1
+  kill $p3 2>/dev/null; wait $p3 2>/dev/null
 }
 step_6() {
   timeout 300 python3 docs/bench/allreduce_bench.py > "$OUT/6_allreduce.txt" 2>&1
@@ -104,7 +120,7 @@ step_9() {
   echo; echo "== summary =="
   cat "$OUT/0_warmup.txt" 2>/dev/null
   for f in 1_gpu_tests 2_tp_tests; do [ -f "$OUT/$f.txt" ] && echo "$f: $(tail -n 1 "$OUT/$f.txt")"; done
-  for f in 3_tp1 3_tp2 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
+  for f in 3_tp1 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
   [ -f "$OUT/4_pd_check.txt" ] && echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt")"
   for f in 5_pd 5_colocated; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| sessions' "$OUT/$f.txt"; }; done
   [ -f "$OUT/6_allreduce.txt" ] && tail -n 12 "$OUT/6_allreduce.txt"

@@ -14,7 +14,7 @@ set -u
 RUN=/tmp/o
 watch() {
   local until=$(( $(date +%s) + $1 ))
-  while [ "$(date +%s)" -lt "$until" ] && ! grep -q " done$" "$RUN/phases.txt" 2>/dev/null; do sleep 5; done
+  while [ "$(date +%s)" -lt "$until" ] && ! grep -qE " done$|stopping" "$RUN/phases.txt" 2>/dev/null; do sleep 5; done
   [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" -C "$RUN" --exclude flashinfer_so.tgz . \
     && { [ -f "$RUN/flashinfer_so.tgz" ] && cp "$RUN/flashinfer_so.tgz" "$OUT/"; true; }
   echo "== phases =="; cat "$RUN/phases.txt" 2>/dev/null
@@ -23,7 +23,7 @@ watch() {
     echo "== $(basename "$f") =="; tail -n 6 "$f"
   done
   echo "== driver.log =="; tail -n 40 "$RUN/driver.log" 2>/dev/null
-  grep -q " done$" "$RUN/phases.txt" 2>/dev/null && echo "RUN DONE" || echo "RUN STILL GOING"
+  grep -qE " done$|stopping" "$RUN/phases.txt" 2>/dev/null && echo "RUN DONE" || echo "RUN STILL GOING"
 }
 case ${1:?start or watch} in
   start)

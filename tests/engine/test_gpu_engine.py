@@ -141,13 +141,16 @@ def test_prefix_hits_under_graphs_follow_fresh(model_dir: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_tensor_parallel_2_follows_tp1_over_nccl(model_dir: Path) -> None:
+@pytest.mark.parametrize("one_shot", ["0", "1"], ids=["nccl", "one-shot"])
+def test_tensor_parallel_2_follows_tp1_over_nccl(model_dir: Path, one_shot: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """TP=2 (NCCL, GPUs 0 and 1, CUDA-graph decode on both ranks) against TP=1: prefill, decode,
-    a prefix hit, a fork, and a resume from an exported (gathered, then scattered) prefix."""
+    a prefix hit, a fork, and a resume from an exported (gathered, then scattered) prefix; with
+    the decode all-reduces through NCCL and through the one-shot kernel (``engine.one_shot``)."""
+    monkeypatch.setenv("PHLOEM_ONE_SHOT_ALLREDUCE", one_shot)  # the spawned worker inherits it
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with gpu_engine(model_dir, tensor_parallel_size=2, checkpoint_interval=64) as tp2:
         assert tp2.workers is not None and tp2.workers.group.size == 2
-        assert tp2.workers.group.one_shot is not None  # decode's all-reduces take the NVLink kernel
+        assert (tp2.workers.group.one_shot is not None) == (one_shot == "1")
         assert tp2.runner.graphs is not None and tp2.runner.graphs.graphs
         first = tp2.generate(PROMPTS, params)
         done = len(PROMPTS[2]) + len(first[2].token_ids)

@@ -104,3 +104,64 @@ def test_a_call_larger_than_the_buffer_is_refused() -> None:
     with pytest.raises(ValueError, match="residual must match"):
         one_shot_add_rms_norm(x[:2], x[:3], torch.zeros(D), EPS, table, table, epochs, 0, HALF)
     assert epochs.sum() == 0  # nothing ran
+
+
+def _group_rank(rank: int, port: int, data: list, queue: object) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    from dataclasses import replace
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phloem.engine import one_shot
+    from phloem.engine.parallel import TPGroup
+    from phloem.kernels.norm import add_rms_norm
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+        group = TPGroup.connect(rank, 2, store, torch.device("cpu"), timedelta(seconds=60))
+        assert group.one_shot is None  # gloo: the process group's all-reduce
+        shot = one_shot.OneShotAllReduce(rank, [d.data_ptr() for d in data], torch.device("cpu"), lambda: None)
+        group = replace(group, one_shot=shot)
+        checked = shot.self_check(group.all_reduce)
+        worst, used = 0.0, []
+        for it, rows in enumerate((1, 5, one_shot.MAX_ROWS + 1, 2)):
+            gen = torch.Generator().manual_seed(it)
+            parts = [torch.randn(rows, 64, generator=gen) for _ in range(2)]
+            residual, weight = torch.randn(rows, 64, generator=gen), torch.randn(64, generator=gen)
+            before = shot.epochs.clone()
+            out, res = group.all_reduce_add_rms_norm(parts[rank].clone(), residual, weight, EPS, add_rms_norm)
+            used.append(bool((shot.epochs != before).any()))
+            ref, ref_res = all_reduce_add_rms_norm(parts, residual, weight, EPS)
+            worst = max(worst, (out - ref).abs().max().item(), (res - ref_res).abs().max().item())
+        group.shutdown()
+        queue.put((rank, checked, worst, used))  # type: ignore[attr-defined]
+    except BaseException as exc:
+        queue.put((rank, repr(exc), None, None))  # type: ignore[attr-defined]
+
+
+def test_tp_group_takes_the_one_shot_kernel_for_calls_that_fit() -> None:
+    """``TPGroup.all_reduce_add_rms_norm`` over a gloo group with one-shot buffers attached (CPU
+    shared memory standing in for the IPC-mapped GPU buffers): the self-check passes, calls of at
+    most ``MAX_ROWS`` rows take the kernel, a larger one the process group, all give the reference."""
+    from phloem.engine import one_shot
+
+    size = 2 * one_shot.HALF_BYTES + 8 * one_shot.MAX_ROWS * 8
+    data = [torch.zeros(size, dtype=torch.uint8).share_memory_() for _ in range(2)]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = 29000 + os.getpid() % 2000
+    procs = [ctx.Process(target=_group_rank, args=(r, port, data, queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        answers = sorted((queue.get(timeout=240) for _ in procs), key=lambda a: a[0])
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+    for rank, checked, worst, used in answers:
+        assert checked is True, f"rank {rank}: {checked}"
+        assert worst < 1e-5, f"rank {rank}: max error {worst}"
+        assert used == [True, True, False, True], f"rank {rank}: one-shot taken per call {used}"
