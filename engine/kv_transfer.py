@@ -6,6 +6,8 @@ A decode instance and a prefill instance exchange, per request (``xfer_id``)::
       Hello(layout) ─────────────────────────────────▶               once per link,
       ◀───────────────────────────────────────────── Hello(layout)  both ways
       PrefillRequest(token_ids, held_len, sampling) ─▶
+      ◀── PrefillDeclined(num_cached)       instead of all below: the decode side is the cheaper
+                                            side to prefill on (``may_decline``; see the class)
       ◀── PrefillProgress(num_computed)     after every prefill step (a heartbeat)
       ◀── KVLayer(layer, first_page, kv)    one per full-attention layer
       ◀── GDNState(conv, ssm)               the state at the prompt's end, every GDN layer
@@ -45,6 +47,7 @@ __all__ = [
     "KVLayer",
     "KVTransport",
     "Message",
+    "PrefillDeclined",
     "PrefillDone",
     "PrefillProgress",
     "PrefillRequest",
@@ -87,7 +90,8 @@ class PrefillRequest:
 
     The decode side already holds the first ``held_len`` tokens (a checkpoint there) and has
     pre-allocated pages for page indices ``held_len // page_size`` .. ``ceil(N / page_size) - 1``
-    and one state slot; only those pages come back.
+    and one state slot; only those pages come back. ``may_decline`` (1 or 0): the prefill side may
+    answer ``PrefillDeclined`` instead of computing.
     """
 
     xfer_id: int
@@ -97,6 +101,20 @@ class PrefillRequest:
     top_p: float
     top_k: int
     seed: int | None
+    may_decline: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDeclined:
+    """The prefill side will not compute the request: it holds ``num_cached`` tokens of the prompt,
+    so it would recompute more tokens the decode side already holds (``held_len - num_cached``)
+    than the decode side has left to compute itself (``N - held_len``). The decode side releases
+    its reservation and prefills locally. Happens after the prefill side lost the conversation
+    (evicted, restarted, a failed transfer retried locally) or when a session was resumed on the
+    decode side; not an error (the link stays up)."""
+
+    xfer_id: int
+    num_cached: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,12 +167,13 @@ class Goodbye:
 
 Message: TypeAlias = (
     Hello | PrefillRequest | PrefillProgress | KVLayer | GDNState | PrefillDone | TransferError | Goodbye
+    | PrefillDeclined
 )
 
 # Wire kind codes: stable, never reused.
 _KINDS: dict[type, int] = {
     Hello: 1, PrefillRequest: 2, PrefillProgress: 3, KVLayer: 4, GDNState: 5, PrefillDone: 6,
-    TransferError: 7, Goodbye: 8,
+    TransferError: 7, Goodbye: 8, PrefillDeclined: 9,
 }  # fmt: skip
 _BY_KIND = {code: cls for cls, code in _KINDS.items()}
 

@@ -6,6 +6,7 @@ Sessions and the API use it exactly like ``EngineClient``; only ``generate`` dif
       │ None: a short extension of a cached prefix, or no room ─────────▶ local generate
       ▼
     DecodeLink.transfer (transfer thread)   PrefillRequest ─▶ KV per layer, GDN state, first token
+      │ Declined ─▶ ReleaseTransfer ─▶ local generate (the prefill side holds too little of it)
       │ TransferFailed ─▶ ReleaseTransfer ─▶ retry once locally (retry_local) or EngineError
       ▼
     InstallTransfer (engine thread)   copy into the reservation, publish at the prompt's end
@@ -43,7 +44,7 @@ from phloem.engine.transfer_state import TransferReservation
 from phloem.runtime.config import ServerConfig
 from phloem.runtime.engine_client import EngineClient
 from phloem.runtime.engine_commands import InstallTransfer, ReleaseTransfer, ReserveTransfer
-from phloem.runtime.pd_link import DecodeLink, TransferFailed, TransferResult, hello_for
+from phloem.runtime.pd_link import Declined, DecodeLink, TransferFailed, TransferResult, hello_for
 from phloem.runtime.pd_roles import PDConfig
 
 __all__ = ["PDEngineClient", "engine_client_for"]
@@ -139,7 +140,8 @@ class PDEngineClient(EngineClient):
         self._pending: dict[str, _Pending] = {}
         self._eos = engine.model_config.eos_token_ids
         self.num_remote = 0  # requests prefilled by the prefill instance
-        self.num_local = 0  # prefilled here by choice (a short extension, or no room to reserve)
+        self.num_local = 0  # prefilled here by choice (a short extension, no room to reserve, declined)
+        self.num_declined = 0  # of those, declined by the prefill side (it held too little of the prompt)
         self.num_failed = 0  # transfers that failed (then retried locally or failed)
 
     def _stop(self, timeout: float | None) -> None:
@@ -200,7 +202,8 @@ class PDEngineClient(EngineClient):
                 del self._pending[rid]
 
     async def _prefill_remote(self, res: TransferReservation, params: SamplingParams) -> TransferResult | None:
-        """Transfer and install; None when it failed and the request is to be retried locally.
+        """Transfer and install; None when the request is to be prefilled locally (declined, or
+        failed and retried).
 
         Raises:
             EngineError: it failed and ``retry_local`` is off.
@@ -212,6 +215,11 @@ class PDEngineClient(EngineClient):
             installed = True
             self.num_remote += 1
             return result
+        except Declined as exc:
+            self.num_declined += 1
+            self.num_local += 1
+            logger.info("prefill instance declined (%s); prefilling on the decode instance", exc)
+            return None
         except TransferFailed as exc:
             self.num_failed += 1
             if not self._config.retry_local:

@@ -7,6 +7,7 @@ message against the reservation it is for::
 
     send PrefillRequest ─▶ { Progress* , KVLayer × attn_layers , GDNState } ─▶ PrefillDone
                                          any order between the three kinds; Done last
+                       └─▶ PrefillDeclined (nothing else): raise Declined, prefill locally
 
 It never touches the engine: the caller installs the result (or releases the reservation) on
 the engine thread. A ``TransferError`` from the peer fails that request only; anything else
@@ -27,13 +28,13 @@ import torch
 
 from phloem.engine import Engine, EngineError, SamplingParams
 from phloem.engine.kv_transfer import (
-    GDNState, Goodbye, Hello, KVLayer, KVTransport, Message, PrefillDone, PrefillProgress, PrefillRequest,
-    TransferError, TransportError,
+    GDNState, Goodbye, Hello, KVLayer, KVTransport, Message, PrefillDeclined, PrefillDone, PrefillProgress,
+    PrefillRequest, TransferError, TransportError,
 )
 from phloem.engine.transfer_state import TransferReservation
 from phloem.runtime.pd_roles import PDConfig
 
-__all__ = ["DecodeLink", "TransferFailed", "TransferResult", "exchange_hello", "hello_for"]
+__all__ = ["DecodeLink", "Declined", "TransferFailed", "TransferResult", "exchange_hello", "hello_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,15 @@ class TransferFailed(EngineError):
     def __init__(self, message: str, link_lost: bool) -> None:
         super().__init__(message)
         self.link_lost = link_lost
+
+
+class Declined(TransferFailed):
+    """The prefill side declined (``PrefillDeclined``): the decode side is the cheaper side; the
+    link stays up and the request is prefilled locally (not counted as a failure)."""
+
+    def __init__(self, num_cached: int) -> None:
+        super().__init__(f"the prefill instance holds only {num_cached} tokens of the prompt", link_lost=False)
+        self.num_cached = num_cached
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,13 +126,14 @@ class DecodeLink:
         """Have the prefill instance compute ``res``'s prompt; return what to install.
 
         Raises:
+            Declined: the prefill side declined (the decode side is the cheaper side to prefill on).
             TransferFailed: the peer could not be reached, refused, or the link broke.
         """
         transport = self._connected()
         xfer_id = next(self._xfer_ids)
         request = PrefillRequest(
             xfer_id, torch.tensor(res.token_ids, dtype=torch.int64), res.held_len, params.temperature, params.top_p,
-            params.top_k, params.seed,
+            params.top_k, params.seed, int(self._config.local_prefill_tokens > 0),
         )
         try:
             transport.send(request, self._config.timeout_s)
@@ -181,6 +192,10 @@ class DecodeLink:
             match message:
                 case PrefillProgress():
                     continue
+                case PrefillDeclined(num_cached=num_cached):
+                    if any(t is not None for t in layers) or state is not None:
+                        raise self._violation(transport, f"{_describe(message)} after the transfer started")
+                    raise Declined(num_cached)
                 case TransferError(message=text):
                     raise TransferFailed(f"the prefill instance failed the request: {text}", link_lost=False)
                 case KVLayer(layer=layer, first_page=first_page, kv=kv):

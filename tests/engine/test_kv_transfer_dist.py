@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from phloem.engine.kv_transfer import (
-    GDNState, Goodbye, Hello, KVLayer, PrefillDone, PrefillProgress, PrefillRequest, TransferError,
-    TransportError, join_message, split_message,
+    GDNState, Goodbye, Hello, KVLayer, PrefillDeclined, PrefillDone, PrefillProgress, PrefillRequest,
+    TransferError, TransportError, join_message, split_message,
 )
 from phloem.engine.kv_transfer_dist import PrefillListener, TorchDistTransport, connect
 from pd_links import link_pair
@@ -22,8 +22,9 @@ from pd_links import link_pair
 HELLO = Hello("decode", 16, 256, (1, 2, 16, 2, 32), "float32", (3, 192, 3), "float32", (3, 4, 16, 16))
 MESSAGES = [
     HELLO,
-    PrefillRequest(1, torch.arange(37, dtype=torch.int64), 16, 0.7, 0.9, 5, None),
-    PrefillRequest(2, torch.tensor([3], dtype=torch.int64), 0, 0.0, 1.0, 0, 2**62),
+    PrefillRequest(1, torch.arange(37, dtype=torch.int64), 16, 0.7, 0.9, 5, None, 1),
+    PrefillRequest(2, torch.tensor([3], dtype=torch.int64), 0, 0.0, 1.0, 0, 2**62, 0),
+    PrefillDeclined(3, 40),
     PrefillProgress(1, 32, 37),
     KVLayer(1, 0, 1, torch.randn(2, 2, 16, 2, 32)),
     KVLayer(1, 0, 0, torch.randn(3, 2, 4, 1, 8).to(torch.bfloat16)),

@@ -33,7 +33,7 @@ from phloem.runtime.config import EngineOptions
 from phloem.runtime.engine_client import EngineClient
 from phloem.runtime.pd_decode import PDEngineClient
 from phloem.runtime.pd_link import exchange_hello, hello_for
-from phloem.runtime.pd_prefill import PrefillWorker, run_prefill_worker
+from phloem.runtime.pd_prefill import PrefillWorker, declines, run_prefill_worker
 from phloem.runtime.pd_roles import PDConfig
 from pd_links import serving
 
@@ -164,6 +164,50 @@ def test_multi_turn_and_forks_equal_one_process(model: Path, prefill_port: int, 
             assert (client.num_remote, client.num_local) == ((1, 4) if local else (5, 0))
 
     asyncio.run(main())
+
+
+def test_declines_only_when_the_decode_side_is_the_cheaper_side() -> None:
+    # Later turn of a conversation both sides followed: waste = last outputs, local = those + new.
+    assert not declines(num_tokens=51_056, held_len=50_256, num_cached=50_000)
+    # The prefill side lost it (the fifth session's turn 2 on two H200s): 46K wasted vs 800 local.
+    assert declines(num_tokens=51_056, held_len=50_256, num_cached=4_096)
+    assert not declines(num_tokens=100, held_len=0, num_cached=0)  # nothing held: nothing to waste
+    assert not declines(num_tokens=100, held_len=50, num_cached=0)  # 50 wasted vs 50 local: a tie
+
+
+@pytest.mark.parametrize("local", [0, 4], ids=["never-local", "local-allowed"])
+def test_a_prefill_side_that_lost_the_conversation_declines_it(model: Path, local: int) -> None:
+    """The prefill side's cache is emptied between turns (as after an eviction, a restart or a
+    failed transfer retried locally): the next turn is declined and prefilled on the decode side,
+    which holds it, unless the decode side never prefills (``local_prefill_tokens=0``); tokens
+    equal a colocated run either way and nothing leaks on either side."""
+    worker = PrefillWorker(Engine.from_pretrained(model, **OPTIONS), PDConfig(role="prefill", peer="127.0.0.1:0"))
+    with serving(worker) as listener:
+
+        async def main() -> None:
+            async with pair(model, listener.port, local_prefill_tokens=local) as (ref, client):
+                history = tokens(60, 3)
+                out = await both(ref, client, history)  # remote: the decode side holds nothing
+                history = history + out.token_ids + tokens(9, 4)
+                await client.cached_prefix_len([0])  # the turn-end checkpoint has landed
+                held = await client.cached_prefix_len(history)
+                assert held == len(history) - 9  # the turn-end checkpoint: prompt + every output token
+                worker.engine.cache.tree.clear()  # the link is idle: the worker thread waits in recv
+                out = await both(ref, client, history)
+                if local:
+                    assert (client.num_declined, worker.num_declined, client.num_remote) == (1, 1, 1)
+                    assert out.num_cached_tokens == held  # the decode side's own cache
+                else:
+                    assert (client.num_declined, worker.num_declined, client.num_remote) == (0, 0, 2)
+                    assert out.num_cached_tokens == 0  # the prefill side recomputed it all
+                assert client.num_failed == 0
+
+        asyncio.run(main())
+    engine = worker.engine
+    assert not engine.has_unfinished_requests()
+    engine.cache.tree.clear()
+    assert (engine.page_pool.num_free_pages, engine.slot_pool.num_free_slots) == (
+        engine.page_pool.num_pages, engine.slot_pool.num_slots)
 
 
 def test_a_consumer_leaving_or_aborting_mid_transfer_releases_everything(model: Path, prefill_port: int) -> None:
@@ -313,7 +357,7 @@ def _faulty_decode(model: str, port: int) -> None:
     engine = Engine.from_pretrained(model, **OPTIONS)
     link = connect("127.0.0.1", port, connect_timeout_s=30)
     exchange_hello(link, hello_for(engine, "decode"), first=True, timeout_s=30)
-    link.send(PrefillRequest(1, torch.tensor(tokens(400, 9)), 0, 0.0, 1.0, 0, None), 30)
+    link.send(PrefillRequest(1, torch.tensor(tokens(400, 9)), 0, 0.0, 1.0, 0, None, 1), 30)
     while not isinstance(link.recv(30), PrefillProgress):
         pass
     os._exit(1)

@@ -88,7 +88,7 @@ def served(model: Path) -> Iterator[tuple[PrefillWorker, KVTransport, Engine, Ti
 def transfer(link: KVTransport, timeline: Timeline, xfer_id: int, prompt: list[int], held_len: int) -> list[Message]:
     timeline.layer0_received.clear()
     timeline.prompt_len = len(prompt)
-    link.send(PrefillRequest(xfer_id, torch.tensor(prompt), held_len, 0.0, 1.0, 0, None), 10)
+    link.send(PrefillRequest(xfer_id, torch.tensor(prompt), held_len, 0.0, 1.0, 0, None, 0), 10)
     received: list[Message] = []
     while not received or not isinstance(received[-1], PrefillDone):
         message = link.recv(WAIT_S * 2)
