@@ -20,7 +20,8 @@ Decisions:
   another GPU's flags must be seen to work there before it is the default). ``0`` or unset: NCCL.
 - The CUDA runtime calls go through ``engine.cuda_ipc`` (PyTorch's own libcudart, by ctypes);
   without peer access between every pair of the group's GPUs the group keeps NCCL.
-- The buffers live as long as the process group; ``close`` unmaps the peers' and frees its own.
+- The buffers live as long as the process group; ``close`` unmaps the peers' (this rank's own
+  2 MiB stay allocated until the process ends, see ``close`` in ``_map``).
 """
 
 from __future__ import annotations
@@ -105,9 +106,10 @@ class OneShotAllReduce:
         try:
             cudart = CudaRuntime()
             index = device.index if device.index is not None else torch.cuda.current_device()
-            for peer in range(world):
-                if peer != rank and not torch.cuda.can_device_access_peer(index, peer):
-                    raise RuntimeError(f"cuda:{index} cannot access cuda:{peer} (no P2P)")
+            for peer in range(world):  # rank r runs on the r-th GPU from rank 0's (tp_workers.rank_device)
+                other = index - rank + peer
+                if peer != rank and not torch.cuda.can_device_access_peer(index, other):
+                    raise RuntimeError(f"cuda:{index} cannot access cuda:{other} (no P2P)")
             torch.cuda.set_device(index)
             cudart.set_device(index)
             own = cudart.malloc_zeroed(_FLAGS_AT + _WORLD_MAX * MAX_ROWS * 8)
@@ -121,9 +123,12 @@ class OneShotAllReduce:
         opened: list[int] = []
 
         def close() -> None:
+            # Unmap the peers' buffers once this GPU's kernels are done with them. This rank's
+            # own buffer is left to the process's end: a peer's last kernel may still be reading
+            # it (ranks shut down one after the other), and freeing it first would fault there.
+            torch.cuda.synchronize(index)
             for ptr in opened:
                 cudart.ipc_close(ptr)
-            cudart.free(own)
 
         try:
             store.set(key, handle)

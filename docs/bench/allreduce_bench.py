@@ -111,6 +111,7 @@ def _rank(rank: int, port: int, iters: int, queue) -> None:  # type: ignore[no-u
         rows_out.append({"rows": rows, "mismatches": mismatches, "worst": worst, "ranks_same": same,
                          "graph_mismatches": graph_bad, **timing})  # fmt: skip
     torch.cuda.synchronize()
+    tp.all_min([0])  # both ranks' kernels are done before either unmaps the other's buffer
     tp.shutdown()
     queue.put((rank, rows_out))
 
