@@ -10,6 +10,7 @@ atomics, wait, read every rank's row, and must all produce the reference's bits.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,6 +27,22 @@ if not torch.cuda.is_available():
 D, MAX_ROWS = 96, 8
 HALF = MAX_ROWS * D
 EPS = 1e-6
+
+
+def _run_ranks(world: int, target: Callable[..., None], args: Callable[[int, object], tuple]) -> list:  # type: ignore[type-arg]
+    """Run ``target(*args(rank, queue))`` in one spawned process per rank; their answers by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=args(r, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        return sorted((queue.get(timeout=240) for _ in procs), key=lambda a: a[0])
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
 
 
 def _case(it: int, world: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
@@ -60,20 +77,9 @@ def _rank(rank: int, world: int, dtype: torch.dtype, iters: int, data: list, fla
 @pytest.mark.parametrize(("world", "dtype"), [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
 def test_ranks_agree_with_the_reference_and_each_other(world: int, dtype: torch.dtype) -> None:
     iters = 12
-    ctx = mp.get_context("spawn")
     data = [torch.zeros(2 * HALF, dtype=dtype).share_memory_() for _ in range(world)]
     flags = [torch.zeros(world * MAX_ROWS, dtype=torch.int64).share_memory_() for _ in range(world)]
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, dtype, iters, data, flags, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        answers = sorted((queue.get(timeout=240) for _ in procs), key=lambda a: a[0])
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.terminate()
+    answers = _run_ranks(world, _rank, lambda r, queue: (r, world, dtype, iters, data, flags, queue))
     for rank, results, epochs in answers:
         assert epochs is not None, f"rank {rank}: {results}"
         # Row r ran once per call with more than r rows.
@@ -148,19 +154,8 @@ def test_tp_group_takes_the_one_shot_kernel_for_calls_that_fit() -> None:
 
     size = 2 * one_shot.HALF_BYTES + 8 * one_shot.MAX_ROWS * 8
     data = [torch.zeros(size, dtype=torch.uint8).share_memory_() for _ in range(2)]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     port = 29000 + os.getpid() % 2000
-    procs = [ctx.Process(target=_group_rank, args=(r, port, data, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        answers = sorted((queue.get(timeout=240) for _ in procs), key=lambda a: a[0])
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.terminate()
+    answers = _run_ranks(2, _group_rank, lambda r, queue: (r, port, data, queue))
     for rank, checked, worst, used in answers:
         assert checked is True, f"rank {rank}: {checked}"
         assert worst < 1e-5, f"rank {rank}: max error {worst}"
