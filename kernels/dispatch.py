@@ -21,11 +21,14 @@ from typing import Any, Literal
 
 import torch
 
-from phloem.kernels import attention, conv1d, gdn, moe, norm, qk_norm_rope
+from phloem.kernels import attention, conv1d, gdn, linear, moe, norm, qk_norm_rope
 
-__all__ = ["ENV_VAR", "KernelOps", "get_ops", "kernel_backend"]
+__all__ = ["ENV_VAR", "GEMV_ENV_VAR", "KernelOps", "get_ops", "kernel_backend"]
 
 ENV_VAR = "PHLOEM_KERNELS"
+# "1": the single-token Triton GEMV serves ``linear`` on the Triton backend (off until measured:
+# kernels/triton/gemv.py).
+GEMV_ENV_VAR = "PHLOEM_TRITON_GEMV"
 
 Backend = Literal["torch", "triton"]
 Op = Callable[..., Any]
@@ -52,6 +55,7 @@ class KernelOps:
     moe_route: Op
     moe_route_shared: Op
     fused_moe: Op
+    linear: Op
 
 
 def kernel_backend(device: torch.device) -> Backend:
@@ -102,6 +106,7 @@ def get_ops(device: torch.device) -> KernelOps:
         moe_route=moe.moe_route,
         moe_route_shared=moe.moe_route_shared,
         fused_moe=moe.fused_moe,
+        linear=linear.linear,
     )
     return reference if kernel_backend(device) == "torch" else _with_triton(reference)
 
@@ -112,7 +117,7 @@ _SMALL_MOE_TOKENS = 256
 
 
 def _with_triton(reference: KernelOps) -> KernelOps:
-    from phloem.kernels.triton import conv1d_update, gdn_decode, gdn_gates, moe_grouped, moe_route
+    from phloem.kernels.triton import conv1d_update, gdn_decode, gdn_gates, gemv, moe_grouped, moe_route
     from phloem.kernels.triton import fused_moe as triton_fused_moe
     from phloem.kernels.triton import norm as triton_norm
     from phloem.kernels.triton import qk_norm_rope as triton_qk_norm_rope
@@ -145,6 +150,7 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         moe_route=moe_route.moe_route,
         moe_route_shared=moe_route.moe_route_shared,
         gdn_gates=gdn_gates.gdn_gates,
+        linear=gemv.linear if os.environ.get(GEMV_ENV_VAR, "") == "1" else reference.linear,
     )
 
 

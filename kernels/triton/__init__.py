@@ -13,6 +13,8 @@ Modules (import them directly; importing this package imports no Triton code)::
     moe_route       moe_route, moe_route_shared       kernels.moe
     moe_grouped     fused_moe (prefill batches)       kernels.moe
     fused_moe       fused_moe                         kernels.moe
+    gemv            linear (one token)                kernels.linear
+    allreduce_norm  one_shot_add_rms_norm (TP)        kernels.norm.all_reduce_add_rms_norm
 
 NOTE: ``@triton.jit`` reads ``TRITON_INTERPRET`` when a module is imported, so on CPU set
 ``TRITON_INTERPRET=1`` before the first import of any of these modules.

@@ -75,3 +75,15 @@ def test_triton_ops_keep_the_reference_signature(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv(ENV_VAR, raising=False)
     reference, triton_op = getattr(get_ops(CPU), name), getattr(get_ops(CUDA), name)
     assert inspect.signature(triton_op) == inspect.signature(reference)
+
+
+def test_the_triton_gemv_serves_linear_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off until measured (``kernels/triton/gemv.py``): cuBLAS (``F.linear``) by default."""
+    from phloem.kernels.dispatch import GEMV_ENV_VAR
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv(GEMV_ENV_VAR, raising=False)
+    assert get_ops(CUDA).linear is get_ops(CPU).linear
+    monkeypatch.setenv(GEMV_ENV_VAR, "1")
+    assert get_ops(CUDA).linear.__module__ == "phloem.kernels.triton.gemv"
+    assert get_ops(CPU).linear.__module__ == "phloem.kernels.linear"  # the torch backend ignores it

@@ -122,6 +122,12 @@ def one_shot_norm(world: int) -> None:
     compile_for_h200(one_shot_add_rms_norm_kernel, pointers, constexprs | {"HAS_RESIDUAL": False})
 
 
+def gemv() -> None:
+    from phloem.kernels.triton.gemv import gemv_kernel
+
+    compile_for_h200(gemv_kernel, _all("p_x p_w p_y", "*bf16"), {"BLOCK_N": 4, "BLOCK_K": 1024})
+
+
 CASES: dict[str, Callable[[], None]] = {
     "qk_norm_rope_gate[store_kv]": lambda: qk_norm_rope(True),
     "qk_norm_rope_gate[k_out]": lambda: qk_norm_rope(False),
@@ -134,6 +140,7 @@ CASES: dict[str, Callable[[], None]] = {
     "moe_route[plain]": lambda: moe_route(False),
     "gdn_gates": gdn_gates,
     "rms_norm, add_rms_norm, gated_rms_norm": norms,
+    "linear (one-token GEMV)": gemv,
     "one_shot_add_rms_norm[world=2]": lambda: one_shot_norm(2),
     "one_shot_add_rms_norm[world=8]": lambda: one_shot_norm(8),
 }

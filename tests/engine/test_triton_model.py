@@ -1,0 +1,41 @@
+"""The whole model on the Triton op table, run by Triton's interpreter on CPU, against the torch
+references: the same greedy tokens (fp32), for batched decode and for the one-token steps that
+take the Triton GEMV (``PHLOEM_TRITON_GEMV=1``). Every Triton kernel the model calls on a GPU runs
+here except FlashInfer's attention and fla's chunked prefill (their torch fallbacks run instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from phloem.engine import Engine, SamplingParams
+
+pytest.importorskip("triton")
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7] * 2, list(range(30, 50))]
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton interpreter (CPU machines)")
+def test_the_triton_op_table_gives_the_reference_tokens(
+    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
+    options = dict(dtype="float32", enable_prefix_caching=False, num_pages=64, num_state_slots=8)
+    reference = Engine.from_pretrained(path, **options)
+    assert reference.runner.model.model.layers[0].mlp.ops.backend == "torch"
+    batched = [o.token_ids for o in reference.generate(PROMPTS, PARAMS)]
+    alone = reference.generate(PROMPTS[:1], PARAMS)[0].token_ids
+
+    monkeypatch.setenv("PHLOEM_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PHLOEM_TRITON_GEMV", "1")
+    engine = Engine.from_pretrained(path, **options)
+    ops = engine.runner.model.model.layers[0].mlp.ops
+    assert ops.backend == "triton" and ops.linear.__module__ == "phloem.kernels.triton.gemv"
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == batched
+    assert engine.generate(PROMPTS[:1], PARAMS)[0].token_ids == alone
