@@ -447,7 +447,6 @@ class Engine:
         Raises:
             InvalidRequest, CapacityExceeded: as ``add_request`` would for this prompt.
         """
-        self._check_no_tp("prefill/decode transfers")
         prompt = self._validate(token_ids, params)
         self.drain()
         return transfer_state.reserve(self.cache, prompt, local_up_to)
@@ -456,13 +455,14 @@ class Engine:
         self, reservation: TransferReservation, kv: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor
     ) -> None:
         """Copy a transferred prompt's KV (``[attn_layers, reserved pages, 2, ps, Hkv, D]``) and
-        final GDN state into the reservation and publish it in the prefix cache.
+        final GDN state, in the TP=1 layout, into the reservation (every rank's part under tensor
+        parallelism) and publish it in the prefix cache.
 
         Raises:
             ValueError: the tensors do not match the reservation (it is left as it was).
         """
         self.drain()
-        transfer_state.install(self.cache, self.runner.caches, reservation, kv, conv, ssm)
+        transfer_state.install(self.cache, self.runner.state_shapes, self.runner.write_state, reservation, kv, conv, ssm)
 
     def release_transfer(self, reservation: TransferReservation) -> None:
         """Give back what ``reserve_transfer`` took (idempotent; a no-op after install)."""
@@ -471,14 +471,10 @@ class Engine:
 
     def transfer_source(self, token_ids: Sequence[int], first_page: int) -> TransferSource | None:
         """Prefill side: the pages (from ``first_page``) and state slot of the checkpoint at the end
-        of ``token_ids``, as a prefill-only request published it; None when it is not cached."""
-        self._check_no_tp("prefill/decode transfers")
+        of ``token_ids``, as a prefill-only request published it (read in the TP=1 layout); None
+        when it is not cached."""
         self.drain()
-        return transfer_state.transfer_source(self.cache, self.runner.caches, list(token_ids), first_page)
-
-    def _check_no_tp(self, what: str) -> None:
-        if self.workers is not None:
-            raise InvalidRequest(f"{what}: not built for tensor parallelism yet (tensor_parallel_size must be 1)")
+        return transfer_state.transfer_source(self.cache, self.runner.read_state, list(token_ids), first_page)
 
     def cache_stats(self) -> CacheStats:
         """Prefix-cache and pool counters (prompt vs cached tokens, checkpoints, pages in use)."""

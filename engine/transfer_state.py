@@ -30,6 +30,13 @@ the prompt; the stream sends what this request computed, consistent with its GDN
 ``transfer_source`` finds the checkpoint a prefill-only request published at the prompt's end and
 lists the pages from ``first_page`` on; ``layer_kv`` and ``state`` read them. The prefill worker
 owns its engine alone while it sends, so nothing can evict them meanwhile.
+
+Tensor parallelism. Every tensor crosses the link in the TP=1 layout (all KV heads, all GDN
+channels), whatever either side's TP size, like a spilled session (``engine.tp_state``): the
+decode side's ``install`` writes through ``ModelRunner.write_state`` (each rank gets its part)
+and the prefill side reads through ``ModelRunner.read_state`` (rank 0 gathers the parts). Under
+TP the prefill side cannot stream during the forward (the hook sees rank 0's heads only): it
+sends every layer once the prompt is computed.
 """
 
 from __future__ import annotations
@@ -44,6 +51,12 @@ from phloem.engine.forward_batch import ModelCaches
 from phloem.engine.model_runner import AttnLayerHook, StepLayerHook
 from phloem.engine.radix_cache import Checkpoint, RadixCache, RadixNode
 from phloem.engine.scheduler import SchedulerOutput
+from phloem.engine.tp_state import StateTensors
+
+# ModelRunner.read_state / write_state / state_shapes: whole (TP=1 layout) state, every rank.
+ReadState = Callable[[list[int], int], StateTensors]
+WriteState = Callable[[list[int], int, StateTensors], None]
+StateShapes = Callable[[int], tuple[tuple[int, ...], ...]]
 
 __all__ = [
     "TransferReservation", "TransferSource", "install", "release", "reserve", "stream_hook", "transfer_source",
@@ -102,25 +115,20 @@ def reserve(cache: CacheManager, token_ids: list[int], local_up_to: int = 0) -> 
     return TransferReservation(tuple(token_ids), held, first_page, held_pages, pages, slot, node)
 
 
-def install(cache: CacheManager, caches: ModelCaches, res: TransferReservation, kv: torch.Tensor,
-            conv: torch.Tensor, ssm: torch.Tensor) -> None:
-    """Copy the received state into the reservation and publish it at the prompt's end.
+def install(cache: CacheManager, shapes: StateShapes, write: WriteState, res: TransferReservation,
+            kv: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+    """Copy the received (TP=1 layout) state into the reservation on every rank and publish it at
+    the prompt's end.
 
     Raises:
         ValueError: a tensor does not match the reservation (nothing is taken or changed then).
     """
     assert not res.done, "transfer reservation used twice"
-    expect = (caches.kv.shape[0], len(res.pages), *caches.kv.shape[2:])
-    if tuple(kv.shape) != expect or conv.shape != caches.conv[:, 0].shape or ssm.shape != caches.ssm[:, 0].shape:
-        raise ValueError(
-            f"transfer: expected kv {expect}, conv {tuple(caches.conv[:, 0].shape)}, ssm "
-            f"{tuple(caches.ssm[:, 0].shape)}; got kv {tuple(kv.shape)}, conv {tuple(conv.shape)}, "
-            f"ssm {tuple(ssm.shape)}"
-        )
-    dev = caches.kv.device
-    caches.kv.index_copy_(1, torch.tensor(res.pages, dtype=torch.long, device=dev), kv.to(dev, caches.kv.dtype))
-    caches.conv[:, res.slot].copy_(conv)
-    caches.ssm[:, res.slot].copy_(ssm)
+    expect = shapes(len(res.pages))
+    got = (tuple(kv.shape), tuple(conv.shape), tuple(ssm.shape))
+    if got != expect:
+        raise ValueError(f"transfer: expected kv, conv, ssm of shapes {expect}; got {got}")
+    write(list(res.pages), res.slot, (kv, conv, ssm))
     ps, n = cache.page_size, res.num_tokens
     full = n // ps
     own_full = full - res.first_page
@@ -148,24 +156,31 @@ def _unlock(cache: CacheManager, res: TransferReservation) -> None:
 
 @dataclass(frozen=True, slots=True)
 class TransferSource:
-    """Where the prefill engine holds a prompt's state: its pages from ``first_page`` on, its slot."""
+    """Where the prefill engine holds a prompt's state: its pages from ``first_page`` on, its slot;
+    read in the TP=1 layout (gathered from every rank under tensor parallelism)."""
 
     pages: tuple[int, ...]
     slot: int
-    caches: ModelCaches
+    read: ReadState
+
+    def whole(self) -> StateTensors:
+        """KV ``[attn_layers, len(pages), 2, page_size, kv_heads, head_dim]`` and copies of the conv
+        and recurrent state at the prompt's end (one collective under tensor parallelism)."""
+        kv, conv, ssm = self.read(list(self.pages), self.slot)
+        return kv, conv.clone(), ssm.clone()
 
     def layer_kv(self, layer: int) -> torch.Tensor:
         """``[len(pages), 2, page_size, kv_heads, head_dim]`` of full-attention layer ``layer``."""
-        index = torch.tensor(self.pages, dtype=torch.long, device=self.caches.kv.device)
-        return self.caches.kv[layer].index_select(0, index)
+        return self.whole()[0][layer]
 
     def state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the conv and recurrent state at the prompt's end, every GDN layer."""
-        return self.caches.conv[:, self.slot].clone(), self.caches.ssm[:, self.slot].clone()
+        """Copies of the conv and recurrent state at the prompt's end, every GDN layer (no KV read)."""
+        _, conv, ssm = self.read([], self.slot)
+        return conv.clone(), ssm.clone()
 
 
 def transfer_source(
-    cache: CacheManager, caches: ModelCaches, token_ids: list[int], first_page: int
+    cache: CacheManager, read: ReadState, token_ids: list[int], first_page: int
 ) -> TransferSource | None:
     """The checkpoint at exactly ``len(token_ids)`` and its pages from ``first_page``; None if absent."""
     n = len(token_ids)
@@ -175,7 +190,7 @@ def transfer_source(
     pages = list(match.pages)
     if match.checkpoint.tail_page is not None:
         pages.append(match.checkpoint.tail_page)
-    return TransferSource(tuple(pages[first_page:]), match.checkpoint.slot, caches)
+    return TransferSource(tuple(pages[first_page:]), match.checkpoint.slot, read)
 
 
 def stream_hook(

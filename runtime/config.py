@@ -347,9 +347,6 @@ class ServerConfig:
             raise ValueError(f"pd: expected a PDConfig, got {type(self.pd).__name__}")
         if not self.pd.is_disaggregated:
             return
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"pd: --role {self.pd.role} runs at tensor_parallel_size 1 for now, "
-                             f"got {self.tensor_parallel_size}")
         if self.engine is not None and not self.engine.enable_prefix_caching:
             raise ValueError(f"pd: --role {self.pd.role} needs the prefix cache (drop --no-prefix-cache)")
 

@@ -114,18 +114,18 @@ class PDEngineClient(EngineClient):
     """``EngineClient`` of a decode instance (``docs/disaggregation.md``).
 
     Args:
-        engine: The decode engine (TP=1, prefix cache on).
+        engine: The decode engine (prefix cache on; any tensor-parallel size).
         config: Disaggregation settings; ``config.peer`` is the prefill instance.
         connector: Opens a link to the prefill instance; None: ``torch.distributed`` to
             ``config.peer`` (``engine.kv_transfer_dist.connect``).
 
     Raises:
-        ValueError: the engine runs tensor-parallel or without a prefix cache.
+        ValueError: the engine runs without a prefix cache.
     """
 
     def __init__(self, engine: Engine, config: PDConfig, connector: Callable[[], KVTransport] | None = None) -> None:
-        if engine.workers is not None or engine.cache.tree is None:
-            raise ValueError("pd_role: a decode instance needs tensor_parallel_size 1 and the prefix cache")
+        if engine.cache.tree is None:
+            raise ValueError("pd_role: a decode instance needs the prefix cache")
         super().__init__(engine)
         if connector is None:
             host, port = config.address

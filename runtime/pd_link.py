@@ -66,18 +66,19 @@ class TransferResult:
 
 
 def hello_for(engine: Engine, role: str) -> Hello:
-    """This engine's cache layout, as the peer must see it."""
+    """This engine's cache layout, as the peer must see it: the TP=1 layout (what crosses the link,
+    whatever either side's tensor-parallel size)."""
     caches = engine.runner.caches
-    kv = tuple(caches.kv.shape)
+    kv, conv, ssm = engine.runner.state_shapes(1)
     return Hello(
         role=role,
         page_size=engine.page_pool.page_size,
         vocab_size=engine.model_config.vocab_size,
         kv_shape=(kv[0], *kv[2:]),
         kv_dtype=str(caches.kv.dtype).removeprefix("torch."),
-        conv_shape=tuple(caches.conv[:, 0].shape),
+        conv_shape=tuple(conv),
         conv_dtype=str(caches.conv.dtype).removeprefix("torch."),
-        ssm_shape=tuple(caches.ssm[:, 0].shape),
+        ssm_shape=tuple(ssm),
     )
 
 

@@ -76,17 +76,20 @@ class PrefillWorker:
     """Serves disaggregated prefills on ``engine`` for one decode instance at a time.
 
     Args:
-        engine: This instance's engine (TP=1, prefix cache on); the worker is its only user.
+        engine: This instance's engine (prefix cache on; any tensor-parallel size); the worker is its
+            only user.
         config: Disaggregation settings (``timeout_s`` bounds each send).
 
     Raises:
-        ValueError: the engine runs tensor-parallel or without a prefix cache.
+        ValueError: the engine runs without a prefix cache.
     """
 
     def __init__(self, engine: Engine, config: PDConfig) -> None:
-        if engine.workers is not None or engine.cache.tree is None:
-            raise ValueError("pd_role: a prefill instance needs tensor_parallel_size 1 and the prefix cache")
+        if engine.cache.tree is None:
+            raise ValueError("pd_role: a prefill instance needs the prefix cache")
         self.engine = engine
+        # Under tensor parallelism the KV goes after the prompt is computed, not during the forward.
+        self._streams = engine.workers is None
         self._config = config
         self._hello = hello_for(engine, "prefill")
         self.num_served = 0
@@ -158,14 +161,19 @@ class PrefillWorker:
             source = self.engine.transfer_source(prompt, first_page)
             if source is None:
                 raise _Refused("the prompt's checkpoint is not in the prefill cache (evicted)")
-            if sender.num_sent != self._hello.kv_shape[0]:
+            if self._streams and sender.num_sent != self._hello.kv_shape[0]:
                 raise _Refused(f"{sender.num_sent} of {self._hello.kv_shape[0]} KV layers were streamed")
         except _Refused as exc:
             sender.finish()  # what was streamed goes first; the decode side drops it on TransferError
             self.num_refused += 1
             transport.send(TransferError(req.xfer_id, str(exc)), timeout)
             return
-        conv, ssm = source.state()
+        if self._streams:
+            conv, ssm = source.state()
+        else:  # tensor-parallel: every layer now, gathered from the ranks (engine.transfer_state)
+            kv, conv, ssm = source.whole()
+            for layer in range(kv.shape[0]):
+                transport.send(KVLayer(req.xfer_id, layer, first_page, kv[layer]), timeout)
         transport.send(GDNState(req.xfer_id, conv, ssm), timeout)
         transport.send(PrefillDone(req.xfer_id, first, cached), timeout)
         self.num_served += 1
@@ -191,10 +199,11 @@ class PrefillWorker:
             raise _Refused(f"refused: {exc}") from exc
         first_page = req.held_len // self.engine.page_pool.page_size
         runner = self.engine.runner
-        runner.layer_hook = stream_hook(
-            runner.caches, rid, first_page, self.engine.page_pool.page_size,
-            lambda layer, kv: sender.put(KVLayer(req.xfer_id, layer, first_page, kv)),
-        )
+        if self._streams:
+            runner.layer_hook = stream_hook(
+                runner.caches, rid, first_page, self.engine.page_pool.page_size,
+                lambda layer, kv: sender.put(KVLayer(req.xfer_id, layer, first_page, kv)),
+            )
         done = False
         try:
             while True:

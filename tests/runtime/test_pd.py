@@ -210,6 +210,43 @@ def test_a_prefill_side_that_lost_the_conversation_declines_it(model: Path, loca
         engine.page_pool.num_pages, engine.slot_pool.num_slots)
 
 
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_tensor_parallel_on_either_side_equals_one_process(model: Path, side: str) -> None:
+    """TP=2 on the prefill side (its KV gathered from both ranks and sent once the prompt is
+    computed) or on the decode side (the TP=1-layout state installed into both ranks' parts):
+    fresh prompts and a conversation's later turns equal a colocated TP=1 engine, nothing leaks."""
+    tp2 = dict(OPTIONS, tensor_parallel_size=2)
+    prefill_engine = Engine.from_pretrained(model, **(tp2 if side == "prefill" else OPTIONS))
+    worker = PrefillWorker(prefill_engine, PDConfig(role="prefill", peer="127.0.0.1:0"))
+    try:
+        with serving(worker) as listener:
+
+            async def main() -> None:
+                async with EngineClient(Engine.from_pretrained(model, **OPTIONS)) as ref:
+                    config = PDConfig(role="decode", peer=f"127.0.0.1:{listener.port}", timeout_s=20,
+                                      connect_timeout_s=5, local_prefill_tokens=0)  # fmt: skip
+                    decode_engine = Engine.from_pretrained(model, **(tp2 if side == "decode" else OPTIONS))
+                    async with PDEngineClient(decode_engine, config) as client:
+                        for n in (7, 45):
+                            await both(ref, client, tokens(n, 70 + n))
+                        history, previous = tokens(37, 2), 0
+                        for turn in range(2):
+                            out = await both(ref, client, history, SamplingParams(max_tokens=5))
+                            assert out.num_cached_tokens == previous  # the prefill side's checkpoint
+                            previous = len(history)
+                            history = history + out.token_ids + tokens(3, 30 + turn)
+                        assert (client.num_remote, client.num_failed) == (4, 0)
+                        await assert_no_leak(client)
+
+            asyncio.run(main())
+        assert worker.num_served == 4 and not prefill_engine.has_unfinished_requests()
+        prefill_engine.cache.tree.clear()
+        assert (prefill_engine.page_pool.num_free_pages, prefill_engine.slot_pool.num_free_slots) == (
+            prefill_engine.page_pool.num_pages, prefill_engine.slot_pool.num_slots)
+    finally:
+        prefill_engine.close()
+
+
 def test_a_consumer_leaving_or_aborting_mid_transfer_releases_everything(model: Path, prefill_port: int) -> None:
     async def main() -> None:
         async with pair(model, prefill_port) as (ref, client):
