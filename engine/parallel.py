@@ -18,13 +18,13 @@ Sharding of rank ``r`` of ``N`` (a weight is ``[out, in]``; "rows" are outputs):
                of every token, then all-reduce
     embedding  vocab rows split, padded to ceil(V / N) per rank; a token outside a rank's rows
                embeds to 0 there, then all-reduce (exactly one rank contributes: exact)
+    LM head    vocab rows split; logits gathered to rank 0, the only rank that samples
+    replicated every norm weight (the GDN gated norm is [Dv], shared by all heads), q/k norms
 
 Every "then all-reduce" above is deferred: those modules return this rank's partial sum, and the
 RMSNorm that reads it next reduces it together with the residual add and the norm
 (``TPGroup.all_reduce_add_rms_norm``: one NVLink kernel per call at decode sizes on GPUs, see
-``engine.one_shot``; the process group's all-reduce elsewhere). So a layer pays two reductions.
-    LM head    vocab rows split; logits gathered to rank 0, the only rank that samples
-    replicated every norm weight (the GDN gated norm is [Dv], shared by all heads), q/k norms
+``engine.one_shot``, opt-in; the process group's all-reduce otherwise). A layer pays two.
 
 A group with ``pg=None`` and ``size > 1`` builds or loads one rank's shard in a single process
 (tests); it must not communicate.
