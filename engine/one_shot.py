@@ -14,10 +14,10 @@ Decisions:
   deadlock: both sides must run the same collective).
 - Used only where it pays and fits: decode-sized calls (at most ``MAX_ROWS`` rows and ``HALF_BYTES``
   per call); larger batches (prefill) take NCCL's all-reduce and the ``add_rms_norm`` kernel.
-- Off by default until it has run on two GPUs: ``PHLOEM_ONE_SHOT_ALLREDUCE=1`` turns it on (the
-  fifth session built it with no device time left; its protocol is tested on CPU by concurrent
-  processes under the Triton interpreter and it compiles for sm_90, but a kernel that spins on
-  another GPU's flags must be seen to work there before it is the default). ``0`` or unset: NCCL.
+- Off by default until it has run on two GPUs: ``PHLOEM_ONE_SHOT_ALLREDUCE=1`` turns it on (it
+  was built without a GPU run; its protocol is tested on CPU by concurrent processes under the
+  Triton interpreter and it compiles for sm_90, but a kernel that spins on another GPU's flags
+  must be seen to work there before it is the default). ``0`` or unset: NCCL.
 - The CUDA runtime calls go through ``engine.cuda_ipc`` (PyTorch's own libcudart, by ctypes);
   without peer access between every pair of the group's GPUs the group keeps NCCL.
 - The buffers live as long as the process group; ``close`` unmaps the peers' (this rank's own
