@@ -248,7 +248,7 @@ class ServerConfig:
         engine: every other engine knob; its ``device``, ``dtype`` and ``tensor_parallel_size``
             must equal the fields above.
         pd: prefill/decode disaggregation (``--role``, ``--pd-peer``; ``runtime.pd_roles``); a
-            prefill or decode instance needs ``tensor_parallel_size`` 1 and the prefix cache.
+            prefill or decode instance needs the prefix cache (any ``tensor_parallel_size``).
     """
 
     host: str = "127.0.0.1"
