@@ -3,7 +3,8 @@
 #
 #   bash docs/bench/gpu_checks.sh OUT_DIR [STEPS]   # from the repository root, phloem importable
 #
-# STEPS (default "0 1+3a 6 5 2 3b 4 9": most needed first, for a lease that ends early) runs in the order given; "A+B" runs A on GPU 0 and B on GPU 1
+# STEPS (default "0 1+3a 6 5 2 3b 4 9": most needed first, for a lease that ends early) runs in
+# the order given; "A+B" runs A on GPU 0 and B on GPU 1
 # at the same time (a correctness step beside a single-GPU timing: they share no GPU).
 # Order matters for device time: FlashInfer JIT-compiles each kernel variant on first use (minutes
 # on a fresh machine; the third session's TP test sat in two ranks' ninja builds for 15 minutes),
