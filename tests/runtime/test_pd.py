@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import multiprocessing
 import os
+import random
 import subprocess
 import sys
 import time
@@ -398,6 +399,86 @@ def _faulty_decode(model: str, port: int) -> None:
     while not isinstance(link.recv(30), PrefillProgress):
         pass
     os._exit(1)
+
+
+# Random conversations through a disaggregated pair against the colocated engine. Each seed draws a
+# workload: new conversations, later turns, forks (two branches at once), first tokens that end the
+# request, and the events that move a prefix from one side to the other (the prefill side's cache
+# emptied: an eviction or a restart; the decode side's emptied), with a local_prefill_tokens of its
+# own, so later turns go local, remote or get declined. Every answer must equal the colocated
+# engine's tokens, and at the end neither side holds a page or slot.
+
+FUZZ_SEEDS = [0, 1, 2, 3]
+
+
+async def _workload(ref, client, worker: PrefillWorker, rng: random.Random, ops: int) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    conversations: list[list[int]] = []
+    seen = {"new": 0, "turn": 0, "fork": 0, "clear_prefill": 0, "clear_decode": 0}
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(256) for _ in range(n)]
+
+    def params() -> SamplingParams:
+        return SamplingParams(max_tokens=rng.choice([1, 2, 5, 6]), ignore_eos=rng.random() < 0.8)
+
+    for _ in range(ops):
+        kind = rng.choices(["new", "turn", "fork", "clear_prefill", "clear_decode"], [3, 6, 2, 1, 1])[0]
+        if kind != "new" and not conversations and kind in ("turn", "fork"):
+            kind = "new"
+        seen[kind] += 1
+        if kind == "new":
+            prompt = draw(rng.randrange(1, 90))
+            out = await both(ref, client, prompt, params())
+            conversations.append(prompt + out.token_ids)
+        elif kind == "turn":
+            i = rng.randrange(len(conversations))
+            prompt = conversations[i] + draw(rng.randrange(1, 40))
+            out = await both(ref, client, prompt, params())
+            conversations[i] = prompt + out.token_ids
+        elif kind == "fork":
+            base = rng.choice(conversations)
+            branches = [base + draw(rng.randrange(1, 20)) for _ in range(2)]
+            p = params()
+            expected = [await _collect(ref, b, p) for b in branches]
+            got = await asyncio.gather(*(_collect(client, b, p) for b in branches))
+            assert got == expected, "forked branches differ from the colocated run"
+            conversations += [b + t for b, t in zip(branches, got)]
+        elif kind == "clear_prefill":
+            worker.engine.cache.tree.clear()  # idle link: the worker thread waits in recv
+        else:
+            await client.cached_prefix_len([0])
+            await client.reset_prefix_cache()
+    return seen
+
+
+async def _collect(client, prompt: list[int], params: SamplingParams) -> list[int]:  # type: ignore[no-untyped-def]
+    items = [out async for out in client.generate(prompt, params)]
+    return list(items[-1].token_ids)
+
+
+@pytest.mark.parametrize("seed", FUZZ_SEEDS)
+def test_random_conversations_equal_one_process(model: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    local = rng.choice([0, 8, 64])
+    worker = PrefillWorker(Engine.from_pretrained(model, **OPTIONS), PDConfig(role="prefill", peer="127.0.0.1:0"))
+    with serving(worker) as listener:
+
+        async def main() -> dict[str, int]:
+            async with pair(model, listener.port, local_prefill_tokens=local) as (ref, client):
+                seen = await _workload(ref, client, worker, rng, ops=24)
+                assert client.num_failed == 0
+                assert client.num_remote + client.num_local >= seen["new"] + seen["turn"]
+                if local == 0:
+                    assert client.num_declined == 0  # never local: never declined
+                return seen
+
+        seen = asyncio.run(main())
+    assert seen["turn"] and seen["new"]
+    engine = worker.engine
+    assert not engine.has_unfinished_requests()
+    engine.cache.tree.clear()
+    assert (engine.page_pool.num_free_pages, engine.slot_pool.num_free_slots) == (
+        engine.page_pool.num_pages, engine.slot_pool.num_slots)
 
 
 if __name__ == "__main__":
