@@ -17,7 +17,8 @@
 #   2   TP=2 tests (graphs on both ranks, a resume from a gathered export; the cuda:1 engine test)
 #   3a  decode bench TP=1, batch 1 and 16 at 1K context (each point timed with async scheduling
 #       and again without it: the "sync ms/step" column); again with the one-token Triton GEMV
-#       for the output projections (PHLOEM_TRITON_GEMV=1: is it faster than cuBLAS?)
+#       for the output projections (PHLOEM_TRITON_GEMV=1: is it faster than cuBLAS?), and with
+#       programmatic dependent launch on top (PHLOEM_PDL=1)
 #   3b  decode bench TP=2 (NCCL all-reduces, then the one-shot kernel), and TP=2 + expert parallelism
 #   4   PD: tiny model, prefill on GPU 0 and decode on GPU 1, tokens against a colocated server
 #   5   PD vs colocated on the 35B-A3B shape, agentic workload (50K first turn, 800-token turns)
@@ -87,6 +88,8 @@ step_3a() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 900 $PY $BENCH --out "$OUT/3_tp1.json" > "$OUT/3_tp1.txt" 2>&1
   CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_TRITON_GEMV=1 timeout 900 $PY $BENCH --out "$OUT/3_tp1_gemv.json" \
     > "$OUT/3_tp1_gemv.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_TRITON_GEMV=1 PHLOEM_PDL=1 timeout 900 $PY $BENCH \
+    --out "$OUT/3_tp1_gemv_pdl.json" > "$OUT/3_tp1_gemv_pdl.txt" 2>&1
 }
 step_3b() {
   timeout 900 $PY $BENCH --tp 2 --out "$OUT/3_tp2.json" > "$OUT/3_tp2.txt" 2>&1
@@ -124,7 +127,7 @@ step_9() {
   echo; echo "== summary =="
   cat "$OUT/0_warmup.txt" 2>/dev/null
   for f in 1_gpu_tests 2_tp_tests; do [ -f "$OUT/$f.txt" ] && echo "$f: $(tail -n 1 "$OUT/$f.txt")"; done
-  for f in 3_tp1 3_tp1_gemv 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
+  for f in 3_tp1 3_tp1_gemv 3_tp1_gemv_pdl 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
   [ -f "$OUT/4_pd_check.txt" ] && echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt")"
   for f in 5_pd 5_colocated; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| sessions' "$OUT/$f.txt"; }; done
   [ -f "$OUT/6_allreduce.txt" ] && tail -n 12 "$OUT/6_allreduce.txt"

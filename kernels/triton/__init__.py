@@ -16,6 +16,8 @@ Modules (import them directly; importing this package imports no Triton code)::
     gemv            linear (one token)                kernels.linear
     allreduce_norm  one_shot_add_rms_norm (TP)        kernels.norm.all_reduce_add_rms_norm
 
+``_pdl`` holds the programmatic-dependent-launch switch the decode kernels read (``PHLOEM_PDL=1``).
+
 NOTE: ``@triton.jit`` reads ``TRITON_INTERPRET`` when a module is imported, so on CPU set
 ``TRITON_INTERPRET=1`` before the first import of any of these modules.
 

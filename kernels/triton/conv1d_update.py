@@ -29,6 +29,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["causal_conv1d_update"]
 
@@ -54,6 +57,8 @@ def causal_conv1d_update_kernel(
     BD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_b = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
     x_dtype = x.dtype.element_ty
@@ -119,5 +124,6 @@ def causal_conv1d_update(
         x, weight, bias, conv_states, read_slots, write_slots, out,
         x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), dim,
         K=kernel_size, BK=triton.next_power_of_2(kernel_size), BD=block_d, HAS_BIAS=bias is not None,
+        launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
     return out

@@ -25,6 +25,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["DEFAULT_CONFIG", "MoeDecodeConfig", "fused_moe", "fused_moe_tuned", "launch_down_sum", "launch_gate_up"]
 
@@ -48,6 +51,8 @@ def _gate_up_kernel(
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + j
     i_n = tl.program_id(1).to(tl.int64)
     i_tok = i_pair // TOP_K
@@ -80,6 +85,8 @@ def _down_sum_kernel(
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_BLOCKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_tok = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -163,7 +170,7 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
     top_k, inter = ids.shape[1], act.shape[1]
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, c.block_n1))](
         x, w_gate_up, ids, act, H=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1,
-        num_warps=c.num_warps1, num_stages=c.num_stages1,
+        num_warps=c.num_warps1, num_stages=c.num_stages1, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
 
 
@@ -176,4 +183,5 @@ def launch_down_sum(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, 
     _down_sum_kernel[(num_tokens, triton.cdiv(hidden, c.block_n2))](
         act, w_down, ids, tw, out, H=hidden, INTER=inter, TOP_K=top_k, K_BLOCKS=triton.cdiv(inter, block_k),
         BLOCK_N=c.block_n2, BLOCK_K=block_k, num_warps=c.num_warps2, num_stages=c.num_stages2,
+        launch_pdl=LAUNCH_PDL,
     )  # fmt: skip

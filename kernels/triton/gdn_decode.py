@@ -32,6 +32,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["recurrent_gated_delta_rule", "recurrent_gated_delta_rule_with_gates"]
 
@@ -74,6 +77,8 @@ def recurrent_gated_delta_rule_kernel(
     BV: tl.constexpr,
     FROM_GATES: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     i_v = tl.program_id(2).to(tl.int64)
@@ -183,6 +188,6 @@ def _launch(
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
         k_dim**0.5, _L2_EPS, a_log, dt_bias,
         GROUP=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim,
-        BK=triton.next_power_of_2(k_dim), BV=block_v, FROM_GATES=gates is not None,
+        BK=triton.next_power_of_2(k_dim), BV=block_v, FROM_GATES=gates is not None, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
     return out

@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["linear"]
 
@@ -28,6 +31,8 @@ _BLOCK_N, _BLOCK_K, _NUM_WARPS, _NUM_STAGES = 4, 1024, 8, 3
 
 @triton.jit
 def gemv_kernel(p_x, p_w, p_y, N, K, s_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    if PDL:
+        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -52,6 +57,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_k = min(_BLOCK_K, triton.next_power_of_2(num_k))
     gemv_kernel[(triton.cdiv(num_n, _BLOCK_N),)](
         x.contiguous(), weight, y, num_n, num_k, weight.stride(0), BLOCK_N=_BLOCK_N, BLOCK_K=block_k,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
     return y

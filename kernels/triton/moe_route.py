@@ -25,6 +25,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["moe_route", "moe_route_shared"]
 
@@ -46,6 +49,8 @@ def moe_route_kernel(
     RENORMALIZE: tl.constexpr,
     HAS_SHARED: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_t = tl.program_id(0).to(tl.int64)
     # With a shared expert, each row holds E routed logits then its gate logit; outputs get a
     # (k+1)-th column (sigmoid(gate), E).
@@ -112,6 +117,6 @@ def _route(
     moe_route_kernel[(num_tokens,)](
         router_logits, topk_weights, topk_ids, router_logits.stride(0), num_experts,
         TOP_K=top_k, BE=triton.next_power_of_2(num_experts), BK=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize, HAS_SHARED=shared, num_warps=1,
+        RENORMALIZE=renormalize, HAS_SHARED=shared, num_warps=1, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
     return topk_weights, topk_ids

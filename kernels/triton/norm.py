@@ -24,12 +24,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["add_rms_norm", "gated_rms_norm", "rms_norm"]
 
 
 @triton.jit
 def rms_norm_kernel(x, weight, o, s_x, D, eps, BD: tl.constexpr):
+    if PDL:
+        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -41,6 +46,8 @@ def rms_norm_kernel(x, weight, o, s_x, D, eps, BD: tl.constexpr):
 
 @triton.jit
 def add_rms_norm_kernel(x, residual, weight, o, o_residual, s_x, s_r, D, eps, BD: tl.constexpr):
+    if PDL:
+        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -57,6 +64,8 @@ def add_rms_norm_kernel(x, residual, weight, o, o_residual, s_x, s_r, D, eps, BD
 
 @triton.jit
 def gated_rms_norm_kernel(x, gate, weight, o, s_x, s_g, D, eps, BD: tl.constexpr, ROUND_WEIGHTED: tl.constexpr):
+    if PDL:
+        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_r = tl.program_id(0).to(tl.int64)
     x_dtype = x.dtype.element_ty
     o_d = tl.arange(0, BD)
@@ -89,7 +98,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = _rows(x)
     if rows.shape[0]:
         rms_norm_kernel[(rows.shape[0],)](
-            rows, weight.contiguous(), out, rows.stride(0), x.shape[-1], eps, **_launch_config(x.shape[-1])
+            rows, weight.contiguous(), out, rows.stride(0), x.shape[-1], eps, **_launch_config(x.shape[-1]),
+            launch_pdl=LAUNCH_PDL,
         )
     return out
 
@@ -110,7 +120,7 @@ def add_rms_norm(
     if x_rows.shape[0]:
         add_rms_norm_kernel[(x_rows.shape[0],)](
             x_rows, res_rows, weight.contiguous(), out, out_residual,
-            x_rows.stride(0), res_rows.stride(0), shape[-1], eps, **_launch_config(shape[-1]),
+            x_rows.stride(0), res_rows.stride(0), shape[-1], eps, **_launch_config(shape[-1]), launch_pdl=LAUNCH_PDL,
         )  # fmt: skip
     return out, out_residual
 
@@ -125,6 +135,6 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
             x_rows, gate_rows, weight.contiguous(), out,
             x_rows.stride(0), gate_rows.stride(0), x.shape[-1], eps,
             ROUND_WEIGHTED=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
-            **_launch_config(x.shape[-1]),
+            **_launch_config(x.shape[-1]), launch_pdl=LAUNCH_PDL,
         )  # fmt: skip
     return out

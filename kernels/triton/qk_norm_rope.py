@@ -26,6 +26,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["qk_norm_rope_gate", "qk_norm_rope_gate_store"]
 
@@ -89,6 +92,8 @@ def qk_norm_rope_gate_kernel(
     BD: tl.constexpr,
     STORE: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     b_pos = tl.load(positions + i_t).to(tl.float32)
@@ -198,6 +203,6 @@ def _launch(
         q_gate.stride(0), q_gate.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache,
         num_q_heads, num_k_heads, head_dim, inv_freq.shape[0], eps,
-        BD=triton.next_power_of_2(head_dim), STORE=store is not None,
+        BD=triton.next_power_of_2(head_dim), STORE=store is not None, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
     return q, gate

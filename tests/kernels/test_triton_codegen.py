@@ -23,9 +23,13 @@ sys.path.insert(0, str(SCRIPT.parent))
 from triton_codegen import CASES  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+@pytest.fixture(scope="module", params=["plain", "pdl"])
+def results(request: pytest.FixtureRequest) -> dict[str, str]:
+    """Every case compiled as launched by default, and with programmatic dependent launch
+    (``PHLOEM_PDL=1``: the decode kernels then start with ``griddepcontrol.wait``)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PHLOEM_PDL")}
+    if request.param == "pdl":
+        env["PHLOEM_PDL"] = "1"
     done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)  # type: ignore[no-any-return]

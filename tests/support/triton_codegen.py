@@ -37,6 +37,9 @@ def compile_for_h200(
             signature[name] = pointers.get(name) or ("fp32" if name in floats else "i64")
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=GPUTarget(*H200))
     assert compiled.asm["cubin"], "no cubin"
+    if "PDL" in kernel.fn.__globals__:  # a decode kernel that opts into programmatic dependent launch
+        waits = "griddepcontrol.wait" in compiled.asm["ptx"]
+        assert waits == (os.environ.get("PHLOEM_PDL") == "1"), f"{kernel.fn.__name__}: griddepcontrol.wait {waits}"
 
 
 def _all(names: str, dtype: str) -> dict[str, str]:
