@@ -24,7 +24,29 @@ from phloem.runtime.bench_decode import (
 from phloem.runtime.model_shapes import write_shape
 from phloem.runtime.progress import progress as bar
 
-__all__ = ["bench_decode"]
+__all__ = ["bench_decode", "engine_switches"]
+
+
+def engine_switches(engine: Engine) -> dict[str, object]:
+    """The kernel and scheduling choices a run's numbers depend on (the opt-in switches of
+    ``docs/configuration.md`` as the engine took them), printed and saved with the numbers."""
+    from phloem.kernels.dispatch import get_ops
+
+    ops = get_ops(engine.device)
+    pdl = False
+    if ops.backend == "triton":
+        from phloem.kernels.triton._pdl import LAUNCH_PDL
+
+        pdl = LAUNCH_PDL
+    group = engine.workers.group if engine.workers is not None else None
+    return {
+        "kernels": ops.backend,
+        "async_scheduling": engine.async_scheduling,
+        "triton_gemv": ops.linear.__module__.endswith(".gemv"),
+        "pdl": pdl,
+        "tensor_parallel_size": group.size if group is not None else 1,
+        "one_shot_allreduce": group is not None and group.one_shot is not None,
+    }
 
 
 def _fits(engine: Engine, batch: int, context: int, steps: int) -> bool:
@@ -79,12 +101,15 @@ def bench_decode(
         prefill = run_prefill(engine, prefill_tokens, matmul)
     # Profiled on rank 0 alone, eagerly: under TP its workers would replay graphs meanwhile.
     kernels = kernel_breakdown(engine) if dev.type == "cuda" and engine.workers is None else []
+    switches = engine_switches(engine)
     report = _markdown(shape if model is None else str(model), device, bandwidth, matmul, results, skipped, prefill, kernels)
+    report = ", ".join(f"{k} {v}" for k, v in switches.items()) + "\n" + report
     if out_json is not None:
         out_json.write_text(
             json.dumps(
                 {
                     "shape": shape,
+                    "switches": switches,
                     "bandwidth": bandwidth,
                     "matmul_rate": matmul,
                     "decode": [asdict(r) | {"roofline_fraction": r.roofline_fraction} for r in results],
