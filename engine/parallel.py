@@ -332,9 +332,8 @@ class RowParallelLinear(nn.Linear):
     (``TPGroup.all_reduce_add_rms_norm``).
     """
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, linear: Op = F.linear) -> None:
+    def __init__(self, in_features: int, out_features: int, linear: Op = F.linear) -> None:
         super().__init__(in_features, out_features, bias=False)
-        self.tp = tp
         self.linear = linear  # the op table's ``linear`` where the owner has one (``kernels.dispatch``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ These are the request's own pages. The tree may keep older copies of the same po
 publishes (a duplicate prefix computed without a checkpoint in it), which is as good a KV for
 the prompt; the stream sends what this request computed, consistent with its GDN state.
 ``transfer_source`` finds the checkpoint a prefill-only request published at the prompt's end and
-lists the pages from ``first_page`` on; ``layer_kv`` and ``state`` read them. The prefill worker
+lists the pages from ``first_page`` on; ``whole`` and ``state`` read them. The prefill worker
 owns its engine alone while it sends, so nothing can evict them meanwhile.
 
 Tensor parallelism. Every tensor crosses the link in the TP=1 layout (all KV heads, all GDN
@@ -168,10 +168,6 @@ class TransferSource:
         and recurrent state at the prompt's end (one collective under tensor parallelism)."""
         kv, conv, ssm = self.read(list(self.pages), self.slot)
         return kv, conv.clone(), ssm.clone()
-
-    def layer_kv(self, layer: int) -> torch.Tensor:
-        """``[len(pages), 2, page_size, kv_heads, head_dim]`` of full-attention layer ``layer``."""
-        return self.whole()[0][layer]
 
     def state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the conv and recurrent state at the prompt's end, every GDN layer (no KV read)."""

@@ -39,7 +39,7 @@ class GatedAttention(nn.Module):
         # q_proj | k_proj | v_proj as one GEMM (``fused_weights`` maps the checkpoint's three).
         self.proj_sizes = [self.num_heads * self.head_dim * 2, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         self.qkv_proj = nn.Linear(hidden, sum(self.proj_sizes), bias=False)
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden, tp, ops.linear)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden, ops.linear)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
 

@@ -45,7 +45,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = GatedRMSNorm(self.value_head_dim, config.rms_norm_eps, ops)
-        self.out_proj = RowParallelLinear(self.value_dim, hidden, tp, ops.linear)
+        self.out_proj = RowParallelLinear(self.value_dim, hidden, ops.linear)
 
     def fused_weights(self) -> dict[str, tuple[str, int | None, tuple[int, int] | None]]:
         """Checkpoint tensor -> (parameter, expert row, rows of that parameter) it fills."""

@@ -55,7 +55,7 @@ class SwiGluMlp(nn.Module):
         self.tp = tp
         self.intermediate_size = intermediate_size // tp.size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = RowParallelLinear(self.intermediate_size, hidden_size, tp)
+        self.down_proj = RowParallelLinear(self.intermediate_size, hidden_size)
 
     def checkpoint_shards(self) -> dict[str, Shard]:
         """Checkpoint tensor -> the part of it this rank holds (used when ``tp.size > 1``)."""

@@ -44,7 +44,7 @@ def ship(src: Engine, dst: Engine, res: TransferReservation) -> None:
     """Copy the prompt's state from ``src``'s cache into ``dst``'s reservation (the transport's job)."""
     source = src.transfer_source(list(res.token_ids), res.first_page)
     assert source is not None and len(source.pages) == len(res.pages)
-    kv = torch.stack([source.layer_kv(a) for a in range(src.runner.caches.kv.shape[0])])
+    kv = source.whole()[0]
     conv, ssm = source.state()
     dst.install_transfer(res, kv, conv, ssm)
 

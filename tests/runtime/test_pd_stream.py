@@ -108,7 +108,7 @@ def colocated(ref: Engine, prompt: list[int], first_page: int) -> tuple[list[tor
     source = ref.transfer_source(prompt, first_page)
     assert source is not None
     conv, ssm = source.state()
-    return [source.layer_kv(layer) for layer in range(2)], GDNState(0, conv, ssm), first
+    return list(source.whole()[0][:2]), GDNState(0, conv, ssm), first
 
 
 @pytest.mark.parametrize(("prompt_len", "held_len"), [(30, 0), (100, 0), (150, 40)],
