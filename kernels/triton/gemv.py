@@ -1,62 +1,377 @@
-"""Single-token dense projection (decode's output projections): Triton version of ``kernels.linear.linear``.
+"""One-token GEMVs of the decode step, each fused with the row ops around it: Triton versions of
+``kernels.linear.linear`` and of the projections of ``kernels.fused_linear``.
 
-``x`` ``[1, K]`` (or ``[K]``-like ``[..., K]`` with one row), ``weight`` ``[N, K]`` with a unit last
-stride, one dtype; returns ``[..., N]`` in ``x.dtype`` with fp32 accumulation. Any other shape
-(more than one row, mixed dtypes) goes to ``torch.nn.functional.linear``.
+``y = W x̂`` for one row ``x`` ``[1, K]`` and ``W`` ``[N, K]`` (unit last stride), with ``x̂`` made from
+the inputs by a prologue (``PRO``) and, with ``CONV``, the first rows of ``y`` finished by the GDN
+conv update::
 
-Why: at batch 1 the attention ``o_proj`` and GDN ``out_proj`` of the 35B-A3B shape (``[2048,
-4096]``, 16.8 MB each, 40 per step) ran in the H200 profile as cuBLAS split-K GEMVs at 2.3 TB/s
-plus a split-K reduce launch (355 µs per step together, 1.9 TB/s). This kernel has the shape of
-the MoE gate/up stage that a CUDA-graph sweep put at 3.2 TB/s (``kernels.triton.fused_moe``:
-``BLOCK_N`` 4 rows per program, ``BLOCK_K`` 1024, 8 warps, 3 stages; 512 programs for N = 2048),
-with elementwise fp32 accumulators reduced once at the end and no split-K: predicted ~210 µs
-per step for the 40 calls. Not measured yet; ``kernels.dispatch`` uses it only with
-``PHLOEM_TRITON_GEMV=1`` until a ``phloem bench decode`` run shows the gain.
+    PRO_NONE            x̂ = x                                   linear
+    PRO_ADD_RMS_NORM    s = x + residual; x̂ = rms_norm(s)       add_rms_norm_linear / _router / conv
+                        (program 0 writes s, and x̂ for the router, whose experts read it)
+    PRO_GATED_RMS_NORM  x̂ = gated_rms_norm(x, gate) per head    gated_rms_norm_linear
+    PRO_SIGMOID_GATE    x̂ = x * sigmoid(gate)                   sigmoid_gate_linear
+    CONV                rows < D: the causal conv1d + SiLU update of y with the state at the read /
+                        write slot (stored in place of y); rows >= D: y   add_rms_norm_conv_linear
+
+Every program computes the prologue of the whole row (``K`` <= ``MAX_K``, held in registers: a few
+KiB read through L2 by each program, instead of a launch of its own), then walks row blocks of
+``BLOCK_N`` rows of ``W``, ``program_id, program_id + num_programs, ...``: each block is one
+``[BLOCK_N, K]`` tile, multiplied in fp32 and reduced once. With ``PREFETCH`` the next block's tile
+is loaded before the current one is reduced, and the first block's weights before
+``gdc_wait``: weights are never written by the kernels before, so under programmatic dependent
+launch the weight stream starts while those kernels finish (``kernels/triton/_pdl.py``).
+
+Rounding follows the references: the prologue's values are rounded to the input dtype where the
+reference's intermediate tensors are (the residual sum, the normalised row, the gate product),
+``y`` once from the fp32 sum; the conv update rounds as ``kernels.triton.conv1d_update``. The conv
+state of a row is read and written by the one program that owns the row (loads before a CTA
+barrier, stores after), so ``read_slot == write_slot`` updates in place.
+
+Tiles: ``gemv_config`` (measured, see there). Anything the kernel does not cover (more than one
+row, ``K > MAX_K``, mixed dtypes, a weight without unit last stride) goes to the unfused ops.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
+from phloem.kernels.triton import conv1d_update, norm
 
-__all__ = ["linear"]
+__all__ = [
+    "GemvConfig",
+    "add_rms_norm_conv_linear",
+    "add_rms_norm_linear",
+    "add_rms_norm_router",
+    "gated_rms_norm_linear",
+    "gemv_config",
+    "linear",
+    "linear_tuned",
+    "sigmoid_gate_linear",
+]
 
-_BLOCK_N, _BLOCK_K, _NUM_WARPS, _NUM_STAGES = 4, 1024, 8, 3
+PRO_NONE, PRO_ADD_RMS_NORM, PRO_GATED_RMS_NORM, PRO_SIGMOID_GATE = 0, 1, 2, 3
+MAX_K = 8192
+
+
+class GemvConfig(NamedTuple):
+    """Rows per tile, warps, pipeline stages, programs per SM (0: one program per row block) and
+    the one-block-ahead prefetch."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int
+    prefetch: bool
 
 
 @triton.jit
-def gemv_kernel(p_x, p_w, p_y, N, K, s_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_input(
+    p_x, p_a, p_nw, p_res, p_normed, K, eps, i_p,
+    PRO: tl.constexpr, HAS_A: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr,
+    HEAD: tl.constexpr, KP: tl.constexpr,
+):  # fmt: skip
+    """``x̂`` ``[KP]`` fp32 (zeros past ``K``); see the module docstring for the modes."""
+    dtype = p_x.dtype.element_ty
+    o_k = tl.arange(0, KP)
+    m_k = o_k < K
+    if PRO == 2:  # PRO_GATED_RMS_NORM: heads of HEAD values, each normalised on its own
+        NH: tl.constexpr = KP // HEAD
+        o_2 = tl.arange(0, NH)[:, None] * HEAD + tl.arange(0, HEAD)[None, :]
+        m_2 = o_2 < K
+        b_v = tl.load(p_x + o_2, mask=m_2, other=0.0).to(tl.float32)
+        b_g = tl.load(p_a + o_2, mask=m_2, other=0.0).to(tl.float32)
+        b_rstd = tl.rsqrt(tl.sum(b_v * b_v, axis=1) / HEAD + eps)
+        b_nw = tl.load(p_nw + tl.arange(0, HEAD)).to(tl.float32)
+        b_n = b_nw[None, :] * (b_v * b_rstd[:, None]).to(dtype).to(tl.float32)
+        if ROUND_WEIGHTED:
+            b_n = b_n.to(dtype).to(tl.float32)
+        b_n = (b_n * (b_g / (1.0 + tl.exp(-b_g)))).to(dtype).to(tl.float32)
+        return tl.reshape(b_n, (KP,))
+    b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
+    if PRO == 1:  # PRO_ADD_RMS_NORM
+        if HAS_A:
+            b_x = (b_x + tl.load(p_a + o_k, mask=m_k, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        b_rstd = tl.rsqrt(tl.sum(b_x * b_x) / K + eps)
+        b_nw = tl.load(p_nw + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_n = (b_x * b_rstd * (1.0 + b_nw)).to(dtype).to(tl.float32)
+        if i_p == 0:
+            if HAS_A:
+                tl.store(p_res + o_k, b_x.to(dtype), mask=m_k)
+            if WRITE_NORMED:
+                tl.store(p_normed + o_k, b_n.to(dtype), mask=m_k)
+        return b_n
+    if PRO == 3:  # PRO_SIGMOID_GATE
+        b_g = tl.load(p_a + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_x = (b_x * tl.sigmoid(b_g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return b_x
+
+
+@triton.jit
+def _conv_operands(o_n, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC: tl.constexpr, BKC: tl.constexpr):
+    """The conv state (window columns ``0..KC-2``, and ``1..KC-2`` shifted to the front) and weights
+    of rows ``o_n``; zeros past ``CONV_N``."""
+    dtype = p_cs.dtype.element_ty
+    o_c = tl.arange(0, BKC)
+    m_c = (o_n < N) & (o_n < CONV_N)
+    p_read = p_cs + i_read * s_cn + o_n[:, None] * s_cd + o_c[None, :]
+    b_s = tl.load(p_read, mask=m_c[:, None] & (o_c[None, :] < KC - 1), other=0.0).to(dtype)
+    b_next = tl.load(p_read + 1, mask=m_c[:, None] & (o_c[None, :] < KC - 2), other=0.0).to(dtype)
+    b_cw = tl.load(p_cw + o_n[:, None] * s_cw + o_c[None, :], mask=m_c[:, None] & (o_c[None, :] < KC), other=0.0)
+    return b_s, b_next, b_cw
+
+
+@triton.jit
+def _conv_epilogue(
+    b_y, o_n, m_n, b_s, b_next, b_cw, p_y, p_cs, i_write, s_cn, s_cd, CONV_N,
+    KC: tl.constexpr, BKC: tl.constexpr,
+):  # fmt: skip
+    """Rows ``< CONV_N`` of ``b_y`` (the block's projection, rounded) through the conv update
+    (``kernels.triton.conv1d_update``'s rounding), the state shifted into the write slot."""
+    dtype = p_y.dtype.element_ty
+    w_dtype = b_cw.dtype
+    o_c = tl.arange(0, BKC)
+    m_s = (m_n & (o_n < CONV_N))[:, None] & (o_c[None, :] < KC - 1)
+    b_win = tl.where(o_c[None, :] == KC - 1, b_y[:, None], b_s.to(dtype))
+    b_acc = tl.sum(b_win.to(w_dtype).to(tl.float32) * b_cw.to(tl.float32), 1).to(w_dtype).to(tl.float32)
+    b_conv = (b_acc / (1.0 + tl.exp(-b_acc))).to(w_dtype).to(dtype)
+    tl.store(p_y + o_n, tl.where(o_n < CONV_N, b_conv, b_y), mask=m_n)
+    b_new = tl.where(o_c[None, :] == KC - 2, b_y[:, None], b_next.to(dtype))
+    # Every thread has loaded its part of the state before any shifts it in place.
+    tl.debug_barrier()
+    tl.store(p_cs + i_write * s_cn + o_n[:, None] * s_cd + o_c[None, :], b_new.to(p_cs.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
+def gemv_kernel(
+    p_x, p_w, p_y, N, K, s_wn,
+    p_a, p_nw, p_res, p_normed, eps,
+    p_cw, p_cs, p_read, p_write, s_cw, s_cn, s_cd, CONV_N,
+    PRO: tl.constexpr, CONV: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_A: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr, HEAD: tl.constexpr,
+    KC: tl.constexpr, BKC: tl.constexpr,
+):  # fmt: skip
+    i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
+    o_k = tl.arange(0, KP)
+    m_k = o_k < K
+    o_b = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        o_first = i_p * BLOCK_N + o_b
+        b_w = tl.load(p_w + o_first[:, None].to(tl.int64) * s_wn + o_k[None, :],
+                      mask=(o_first < N)[:, None] & m_k[None, :], other=0.0)  # fmt: skip
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
-    i_n = tl.program_id(0).to(tl.int64)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < K
-        b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_w = tl.load(p_w + o_n[:, None] * s_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        acc += b_w.to(tl.float32) * b_x[None, :]
-    tl.store(p_y + o_n, tl.sum(acc, axis=1).to(p_y.dtype.element_ty), mask=m_n)
+    b_x = _gemv_input(p_x, p_a, p_nw, p_res, p_normed, K, eps, i_p, PRO, HAS_A, WRITE_NORMED, ROUND_WEIGHTED, HEAD, KP)
+    if CONV:
+        i_read = tl.load(p_read).to(tl.int64)
+        i_write = tl.load(p_write).to(tl.int64)
+    for i_blk in range(i_p, tl.cdiv(N, BLOCK_N), n_p):
+        o_n = i_blk * BLOCK_N + o_b
+        m_n = o_n < N
+        if PREFETCH:
+            # The next block's tile is in flight while this block is reduced.
+            o_next = o_n + n_p * BLOCK_N
+            b_cur = b_w
+            b_w = tl.load(p_w + o_next[:, None].to(tl.int64) * s_wn + o_k[None, :],
+                          mask=(o_next < N)[:, None] & m_k[None, :], other=0.0)  # fmt: skip
+        else:
+            b_cur = tl.load(p_w + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
+                            other=0.0)  # fmt: skip
+        if CONV:
+            # Loaded in the block's own step: prefetching them with the next tile measured slower on
+            # an H200 (in_proj + conv 17.4 -> 19.5 us: 244 registers a thread, 2 programs an SM).
+            b_s, b_next, b_cw = _conv_operands(o_n, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC, BKC)
+        b_y = tl.sum(b_cur.to(tl.float32) * b_x[None, :], axis=1).to(p_y.dtype.element_ty)
+        if CONV:
+            _conv_epilogue(b_y, o_n, m_n, b_s, b_next, b_cw, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC)
+        else:
+            tl.store(p_y + o_n, b_y, mask=m_n)
+
+
+# From docs/bench/gemv_sweep.py on an H200 at the 35B-A3B shapes (CUDA-graph replays over distinct
+# weights, docs/benchmarks.md "decode GEMVs"): 4 programs per SM walking row blocks with the
+# one-ahead prefetch beat one program per block by 10-40% (the prologue runs once per program)
+# and cuBLAS by 5-35%; tiles of 8 K bf16 per block; 4 warps where the conv epilogue holds more
+# registers, and for the router (257 rows: one block per program pair of SMs).
+_WIDE = GemvConfig(block_n=4, num_warps=8, num_stages=1, programs_per_sm=4, prefetch=True)
+
+
+def gemv_config(num_n: int, num_k: int, conv: bool = False) -> GemvConfig:
+    """The launch configuration for an ``[num_n, num_k]`` weight (``conv``: with the conv epilogue)."""
+    block_n = max(1, min(8, 8192 // triton.next_power_of_2(num_k)))
+    if num_n < 1024:
+        return _WIDE._replace(block_n=min(block_n, 2), num_warps=4, programs_per_sm=1)
+    return _WIDE._replace(block_n=block_n, num_warps=4 if conv else 8)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a small grid, so programs walk several row blocks
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _covered(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    num_k = x.shape[-1]
+    return (
+        x.numel() == num_k and weight.dim() == 2 and weight.shape[1] == num_k and weight.stride(1) == 1
+        and x.dtype == weight.dtype and num_k <= MAX_K
+    )  # fmt: skip
+
+
+class _Call(NamedTuple):
+    """Prologue / epilogue operands of one launch (``x`` stands in for any it does not use)."""
+
+    a: torch.Tensor | None = None
+    nw: torch.Tensor | None = None
+    res: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
+    eps: float = 0.0
+    head: int = 1
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # weight, states, read, write
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, call: _Call,
+            config: GemvConfig | None = None) -> None:  # fmt: skip
+    num_n, num_k = weight.shape
+    c = config or gemv_config(num_n, num_k, call.conv is not None)
+    blocks = triton.cdiv(num_n, c.block_n)
+    # Programs walk whole, equal numbers of blocks: 3088 blocks over a 528-program cap is 6 each
+    # for 515 programs, not 5.8 (the last wave's stragglers set the kernel's time).
+    cap = c.programs_per_sm * _num_sms(x.device)
+    grid = blocks if c.programs_per_sm == 0 else triton.cdiv(blocks, triton.cdiv(blocks, cap))
+    conv_w, conv_s, r_slot, w_slot = call.conv if call.conv is not None else (x, x, x, x)
+    nw = call.nw if call.nw is not None else x
+    gemv_kernel[(grid,)](
+        x, weight, y, num_n, num_k, weight.stride(0),
+        call.a if call.a is not None else x, nw, call.res if call.res is not None else x,
+        call.normed if call.normed is not None else x, call.eps,
+        conv_w, conv_s, r_slot, w_slot, conv_w.stride(0), conv_s.stride(0), conv_s.stride(1) if conv_s.dim() > 1 else 0,
+        conv_w.shape[0] if call.conv is not None else 0,
+        PRO=pro, CONV=call.conv is not None, KP=triton.next_power_of_2(num_k), BLOCK_N=c.block_n, PREFETCH=c.prefetch,
+        HAS_A=call.a is not None, WRITE_NORMED=call.normed is not None,
+        ROUND_WEIGHTED=torch.promote_types(nw.dtype, x.dtype) == x.dtype, HEAD=call.head,
+        KC=conv_w.shape[1] if call.conv is not None else 1,
+        BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
+    )  # fmt: skip
+
+
+def _row(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T``; one row through the kernel, anything else through ``F.linear``."""
-    num_k = x.shape[-1]
-    if x.numel() != num_k or weight.dim() != 2 or weight.shape[1] != num_k or weight.stride(1) != 1 or (
-            x.dtype != weight.dtype):
+    return linear_tuned(x, weight, None)
+
+
+def linear_tuned(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None) -> torch.Tensor:
+    """``linear`` with an explicit launch configuration (sweeps; None: ``gemv_config``'s)."""
+    if not _covered(x, weight):
         return F.linear(x, weight)
-    num_n = weight.shape[0]
-    y = torch.empty((*x.shape[:-1], num_n), dtype=x.dtype, device=x.device)
-    block_k = min(_BLOCK_K, triton.next_power_of_2(num_k))
-    gemv_kernel[(triton.cdiv(num_n, _BLOCK_N),)](
-        x.contiguous(), weight, y, num_n, num_k, weight.stride(0), BLOCK_N=_BLOCK_N, BLOCK_K=block_k,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, launch_pdl=LAUNCH_PDL,
-    )  # fmt: skip
+    y = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(_row(x), weight, y, PRO_NONE, _Call(), config)
     return y
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.fused_linear.add_rms_norm_linear``."""
+    if not _covered(x, weight) or (residual is not None and residual.shape != x.shape):
+        normed, residual = norm.add_rms_norm(x, residual, norm_w, eps)
+        return linear(normed, weight), residual
+    y, res = _outputs(x, residual, weight.shape[0])
+    _launch(_row(x), weight, y, PRO_ADD_RMS_NORM, _Call(a=_opt_row(residual), nw=norm_w, res=res, eps=eps))
+    return y, res
+
+
+def add_rms_norm_conv_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    conv_w: torch.Tensor,
+    conv_states: torch.Tensor,
+    read_slots: torch.Tensor,
+    write_slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.fused_linear.add_rms_norm_conv_linear``."""
+    conv_dim, kernel_size = conv_w.shape
+    fits = (
+        _covered(x, weight) and (residual is None or residual.shape == x.shape) and conv_dim <= weight.shape[0]
+        and conv_states.shape[1:] == (conv_dim, kernel_size - 1) and conv_states.stride(-1) == 1
+        and conv_w.stride(-1) == 1 and kernel_size >= 2
+    )  # fmt: skip
+    if not fits:
+        y, residual = add_rms_norm_linear(x, residual, norm_w, eps, weight)
+        conv = conv1d_update.causal_conv1d_update(y[:, :conv_dim], conv_w, None, conv_states, read_slots, write_slots)
+        return torch.cat((conv, y[:, conv_dim:]), dim=-1), residual
+    y, res = _outputs(x, residual, weight.shape[0])
+    call = _Call(a=_opt_row(residual), nw=norm_w, res=res, eps=eps, conv=(conv_w, conv_states, read_slots, write_slots))
+    _launch(_row(x), weight, y, PRO_ADD_RMS_NORM, call)
+    return y, res
+
+
+def gated_rms_norm_linear(
+    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor
+) -> torch.Tensor:
+    """``kernels.fused_linear.gated_rms_norm_linear`` (``x``, ``gate`` ``[1, H, D]``)."""
+    head = x.shape[-1]
+    flat = x.reshape(x.shape[0], -1)
+    if not _covered(flat, weight) or gate.shape != x.shape or head & (head - 1) or norm_w.shape != (head,):
+        return linear(norm.gated_rms_norm(x, gate, norm_w, eps).reshape(flat.shape), weight)
+    y = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(_row(flat), weight, y, PRO_GATED_RMS_NORM, _Call(a=_heads(gate), nw=norm_w, eps=eps, head=head))
+    return y
+
+
+def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``kernels.fused_linear.sigmoid_gate_linear``."""
+    if not _covered(x, weight) or gate.shape != x.shape:
+        return linear(x * torch.sigmoid(gate), weight)
+    y = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(_row(x), weight, y, PRO_SIGMOID_GATE, _Call(a=_row(gate)))
+    return y
+
+
+def add_rms_norm_router(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.fused_linear.add_rms_norm_router``: ``(router logits, normed, x + residual)``."""
+    if not _covered(x, router_w) or (residual is not None and residual.shape != x.shape):
+        normed, residual = norm.add_rms_norm(x, residual, norm_w, eps)
+        return linear(normed, router_w), normed, residual
+    logits, res = _outputs(x, residual, router_w.shape[0])
+    normed = torch.empty_like(x)
+    _launch(_row(x), router_w, logits, PRO_ADD_RMS_NORM, _Call(a=_opt_row(residual), nw=norm_w, res=res, normed=normed, eps=eps))
+    return logits, normed, res
+
+
+def _outputs(x: torch.Tensor, residual: torch.Tensor | None, num_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y`` ``[1, num_n]`` and the residual stream's next value (``x`` itself when it starts here)."""
+    y = torch.empty((1, num_n), dtype=x.dtype, device=x.device)
+    return y, x if residual is None else torch.empty_like(x)
+
+
+def _opt_row(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else _row(x)
+
+
+def _heads(gate: torch.Tensor) -> torch.Tensor:
+    """``[1, H, D]`` whose rows the kernel may read as one flat row (unit stride within a head,
+    heads ``D`` apart), else a contiguous copy."""
+    if gate.stride(-1) == 1 and gate.stride(-2) == gate.shape[-1]:
+        return gate
+    return gate.contiguous()

@@ -1,0 +1,86 @@
+"""Decode projections fused with the elementwise ops around them: references composed of those ops.
+
+At batch 1 a decode step is hundreds of launches whose bytes are tiny next to the GEMVs between
+them, so the ops that only read or write one row of the hidden state go into the projection that
+consumes or produces it (``kernels.triton.gemv`` runs each as one launch)::
+
+    add_rms_norm_linear       add_rms_norm -> linear                       attention qkv_proj
+    add_rms_norm_conv_linear  add_rms_norm -> linear -> conv1d update      GDN in_proj (+ conv)
+    gated_rms_norm_linear     gated_rms_norm -> linear                     GDN out_proj
+    sigmoid_gate_linear       x * sigmoid(gate) -> linear                  attention o_proj
+    add_rms_norm_router       add_rms_norm -> router linear                MoE router (the routing
+                                                                           runs in the experts'
+                                                                           kernel: moe.fused_moe_routed)
+
+Each function here is exactly the composition of the references of ``kernels.norm``,
+``kernels.linear`` and ``kernels.conv1d`` it names, so a model calling them on the
+torch backend computes what the unfused calls compute. Shapes: ``x``, ``residual`` ``[T, K]``;
+``weight`` ``[N, K]``; outputs ``[T, N]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phloem.kernels.conv1d import causal_conv1d_update
+from phloem.kernels.linear import linear
+from phloem.kernels.norm import add_rms_norm, gated_rms_norm
+
+__all__ = [
+    "add_rms_norm_conv_linear",
+    "add_rms_norm_linear",
+    "add_rms_norm_router",
+    "gated_rms_norm_linear",
+    "sigmoid_gate_linear",
+]
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(x + residual)), x + residual)``."""
+    normed, residual = add_rms_norm(x, residual, norm_w, eps)
+    return linear(normed, weight), residual
+
+
+def add_rms_norm_conv_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    conv_w: torch.Tensor,
+    conv_states: torch.Tensor,
+    read_slots: torch.Tensor,
+    write_slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDN's decode input projection: ``add_rms_norm_linear``, then the first ``D = conv_w.shape[0]``
+    output columns (the conv channels ``q|k|v``) replaced by their causal conv1d + SiLU update
+    (``kernels.conv1d.causal_conv1d_update``, no bias, state at ``read_slots`` / ``write_slots``)."""
+    y, residual = add_rms_norm_linear(x, residual, norm_w, eps, weight)
+    conv_dim = conv_w.shape[0]
+    conv = causal_conv1d_update(y[:, :conv_dim], conv_w, None, conv_states, read_slots, write_slots)
+    return torch.cat((conv, y[:, conv_dim:]), dim=-1), residual
+
+
+def gated_rms_norm_linear(
+    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor
+) -> torch.Tensor:
+    """``linear(gated_rms_norm(x, gate))`` with ``x``, ``gate`` ``[T, H, D]`` normalised per head of ``D``;
+    the projection reads them as ``[T, H * D]``."""
+    normed = gated_rms_norm(x, gate, norm_w, eps)
+    return linear(normed.reshape(x.shape[0], -1), weight)
+
+
+def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``linear(x * sigmoid(gate))`` in ``x.dtype`` (the attention output gate, then ``o_proj``)."""
+    return linear(x * torch.sigmoid(gate), weight)
+
+
+def add_rms_norm_router(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(router logits, normed, x + residual)``: the MoE block's norm and its router ``[E + 1, K]``
+    (the shared-expert gate as the last row); the experts read ``normed``."""
+    normed, residual = add_rms_norm(x, residual, norm_w, eps)
+    return linear(normed, router_w), normed, residual
