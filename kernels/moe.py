@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["fused_moe", "moe_route", "moe_route_shared"]
+__all__ = ["fused_moe", "fused_moe_routed", "moe_route", "moe_route_shared"]
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,3 +58,17 @@ def fused_moe(
         h = h * topk_weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out
+
+
+def fused_moe_routed(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """``fused_moe`` over ``moe_route_shared(router_logits, top_k, renormalize)``: routing and experts
+    as one op (the Triton version routes inside the experts' kernel)."""
+    weights, ids = moe_route_shared(router_logits, top_k, renormalize)
+    return fused_moe(x, w_gate_up, w_down, weights, ids)

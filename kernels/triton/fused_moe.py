@@ -25,11 +25,20 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
+from phloem.kernels.triton.moe_route import route_row, select_expert
 
-__all__ = ["DEFAULT_CONFIG", "MoeDecodeConfig", "fused_moe", "fused_moe_tuned", "launch_down_sum", "launch_gate_up"]
+__all__ = [
+    "DEFAULT_CONFIG",
+    "MoeDecodeConfig",
+    "fused_moe",
+    "fused_moe_routed",
+    "fused_moe_tuned",
+    "launch_down_sum",
+    "launch_gate_up",
+]
 
 
 class MoeDecodeConfig(NamedTuple):
@@ -47,16 +56,31 @@ class MoeDecodeConfig(NamedTuple):
 
 @triton.jit
 def _gate_up_kernel(
-    p_x, p_w, p_ids, p_act,
+    p_x, p_w, p_ids, p_act, p_logits, p_tw, s_lt, E,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUTE: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr,
 ):  # fmt: skip
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + j
     i_n = tl.program_id(1).to(tl.int64)
     i_tok = i_pair // TOP_K
-    e = tl.load(p_ids + i_pair).to(tl.int64)
+    if ROUTE:
+        # TOP_K slots = the routed top-(TOP_K - 1) + the shared expert E; each program finds its
+        # slot's expert from the router logits, and one program per token writes the weights and
+        # ids the down stage reads.
+        j = i_pair % TOP_K
+        p_row = p_logits + i_tok * s_lt
+        if j == TOP_K - 1:
+            e = E.to(tl.int64)
+            if i_n == 0:
+                route_row(p_row, p_tw + i_tok * TOP_K, p_ids + i_tok * TOP_K, E, TOP_K - 1, BE, BR, RENORMALIZE, True)
+        else:
+            e = select_expert(p_row, j, E, BE).to(tl.int64)
+    else:
+        e = tl.load(p_ids + i_pair).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < INTER
     # Elementwise accumulators, reduced once at the end: a cross-lane reduction per K step
@@ -86,6 +110,7 @@ def _down_sum_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_tok = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1).to(tl.int64)
@@ -107,6 +132,7 @@ def _down_sum_kernel(
 
 
 _ENV_VAR = "PHLOEM_MOE_DECODE_CONFIG"
+_MAX_EXPERTS = 1024  # the routing keeps a row of logits in registers (kernels.triton.moe_route)
 
 # Chosen by a CUDA-graph sweep on an H200 at the 35B-A3B shape (docs/benchmarks.md, "MoE kernel
 # sweep"; docs/bench/moe_sweep.py): one token, and 16 tokens (used from _BATCH_TOKENS up).
@@ -142,6 +168,32 @@ def fused_moe(
     return fused_moe_tuned(x, w_gate_up, w_down, topk_weights, topk_ids, config)
 
 
+def fused_moe_routed(
+    x: torch.Tensor,  # [T, H]
+    router_logits: torch.Tensor,  # [T, E + 1]: the routed experts' logits, then the shared gate's
+    w_gate_up: torch.Tensor,  # [E + 1, 2I, H]
+    w_down: torch.Tensor,  # [E + 1, H, I]
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """``kernels.moe.fused_moe_routed``: the routing (``moe_route.route_row`` / ``select_expert``) in
+    the gate/up stage's programs, no launch of its own."""
+    num_tokens, num_cols = router_logits.shape
+    if not 1 <= top_k <= num_cols - 1 <= _MAX_EXPERTS or router_logits.stride(-1) != 1:
+        raise ValueError(f"need 1 <= top_k <= E <= {_MAX_EXPERTS} and unit-stride logits, got top_k={top_k}, "
+                         f"logits {tuple(router_logits.shape)} strides {router_logits.stride()}")  # fmt: skip
+    config = DEFAULT_CONFIG if num_tokens < _BATCH_TOKENS else _BATCH_CONFIG
+    x = x.contiguous()
+    inter = w_down.shape[2]
+    ids = torch.empty((num_tokens, top_k + 1), dtype=torch.int64, device=x.device)
+    tw = torch.empty((num_tokens, top_k + 1), dtype=router_logits.dtype, device=x.device)
+    act = torch.empty((num_tokens * (top_k + 1), inter), dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    launch_gate_up(x, w_gate_up, ids, act, config, (router_logits, tw, renormalize))
+    launch_down_sum(act, w_down, ids, tw, out, config)
+    return out
+
+
 def fused_moe_tuned(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -164,13 +216,19 @@ def fused_moe_tuned(
 
 
 def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, act: torch.Tensor,
-                   c: MoeDecodeConfig) -> None:  # fmt: skip
-    """Stage 1 alone into ``act`` ``[T * K, I]`` (sweeps time the stages one by one)."""
+                   c: MoeDecodeConfig, route: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> None:  # fmt: skip
+    """Stage 1 alone into ``act`` ``[T * K, I]`` (sweeps time the stages one by one). With ``route``
+    (router logits ``[T, E + 1]``, weights out ``[T, K]``, renormalise) the kernel routes and writes
+    ``ids`` and the weights itself."""
     num_tokens, hidden = x.shape
     top_k, inter = ids.shape[1], act.shape[1]
+    logits, tw, renormalize = route if route is not None else (x, x, False)
+    num_experts = logits.shape[1] - 1 if route is not None else 1
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, c.block_n1))](
-        x, w_gate_up, ids, act, H=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1,
-        num_warps=c.num_warps1, num_stages=c.num_stages1, launch_pdl=LAUNCH_PDL,
+        x, w_gate_up, ids, act, logits, tw, logits.stride(0), num_experts,
+        H=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1,
+        ROUTE=route is not None, BE=triton.next_power_of_2(num_experts), BR=triton.next_power_of_2(max(top_k - 1, 1)),
+        RENORMALIZE=renormalize, num_warps=c.num_warps1, num_stages=c.num_stages1, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
 
 

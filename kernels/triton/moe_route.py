@@ -4,16 +4,18 @@ Shapes (as the reference): ``router_logits`` ``[T, E]`` with unit last stride an
 returns ``topk_weights`` ``[T, top_k]`` in the logits dtype and ``topk_ids`` ``[T, top_k]`` int64,
 sorted by descending weight.
 
-One program per token keeps the whole row of ``E`` logits in registers: fp32 softmax, then
-``top_k`` rounds of "max, lowest index holding it, knock it out", then the optional
-renormalisation, and writes ``2 * top_k`` values. The reference runs ~5 launches and round-trips
-the ``[T, E]`` fp32 probabilities through memory.
+One program per token keeps the whole row of ``E`` logits in registers (``route_row``): ``top_k``
+rounds of "arg-max (the lowest index holding the maximum), knock it out" on the logits, the
+selected experts' fp32 softmax probabilities, then the optional renormalisation; it writes
+``2 * top_k`` values. The reference runs ~5 launches and round-trips the ``[T, E]`` fp32
+probabilities through memory. ``select_expert`` finds one slot's expert alone, by the same rounds,
+so the experts' kernel can route in each of its programs and agree with ``route_row``.
 
-Ties: among equal probabilities the lowest expert index is taken first. ``torch.topk`` makes no
-such promise (on CPU it returned ``[1, 5, 2]`` for three equal maxima at 1, 2 and 5), so on exact
-ties the ids can be a permutation of the reference's while the weights agree. Away from ties the
-selection matches the reference; probabilities closer than an fp32 ulp (where this kernel's
-``exp`` and torch's may round differently) can swap.
+Ties: among equal logits the lowest expert index is taken first. ``torch.topk`` makes no such
+promise (on CPU it returned ``[1, 5, 2]`` for three equal maxima at 1, 2 and 5), so on exact ties
+the ids can be a permutation of the reference's while the weights agree. Selecting on logits
+rather than on probabilities is the same order, except where two logits a hair apart round to
+one fp32 probability: the reference may then take either.
 
 Memory traffic at the 35B-A3B decode shape (256 experts, top 8, bf16, one token): 512 B read,
 16 B + 64 B written. Measured on an H200 (CUDA-graph replay, one token): 2.4 us against 17 us for
@@ -25,15 +27,71 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
-__all__ = ["moe_route", "moe_route_shared"]
+__all__ = ["moe_route", "moe_route_shared", "route_row", "select_expert"]
 
 _MAX_EXPERTS = 1024
 # One warp: the top-k rounds are serial reductions and cross-warp ones cost more than they save
 # (H200, 256 experts: 2.4 us with 1 warp, 3.4 us with 4).
+
+
+@triton.jit
+def route_row(
+    p_logits, p_weights, p_ids, E,
+    TOP_K: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
+    store=True,
+):  # fmt: skip
+    """Route one token: its ``E`` (+1) logits at ``p_logits`` -> ``TOP_K`` (+1) weights and ids,
+    stored where ``store``; returns the ids ``[BK]`` (the routed ones, without the shared expert).
+
+    Experts are selected on the logits (softmax is monotonic), each round one arg-max; the weights
+    are their fp32 softmax probabilities over all ``E``. ``select_expert`` makes the same choice."""
+    # With a shared expert, each row holds E routed logits then its gate logit; outputs get a
+    # (k+1)-th column (sigmoid(gate), E).
+    o_e = tl.arange(0, BE)
+    o_k = tl.arange(0, BK)
+    m_e = o_e < E
+    m_k = o_k < TOP_K
+
+    b_l = tl.load(p_logits + o_e, mask=m_e, other=-float("inf")).to(tl.float32)
+    b_max = tl.max(b_l)
+    b_z = tl.sum(tl.where(m_e, tl.exp(b_l - b_max), 0.0))
+
+    b_w = tl.zeros([BK], dtype=tl.float32)
+    b_i = tl.zeros([BK], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        b_top, i_sel = tl.max(b_l, 0, return_indices=True, return_indices_tie_break_left=True)
+        b_w = tl.where(o_k == j, tl.exp(b_top - b_max) / b_z, b_w)
+        b_i = tl.where(o_k == j, i_sel.to(tl.int64), b_i)
+        b_l = tl.where(o_e == i_sel, -float("inf"), b_l)
+    if RENORMALIZE:
+        b_w = b_w / tl.sum(b_w)
+
+    tl.store(p_weights + o_k, b_w.to(p_weights.dtype.element_ty), mask=m_k & store)
+    tl.store(p_ids + o_k, b_i, mask=m_k & store)
+    if HAS_SHARED:
+        b_g = tl.load(p_logits + E).to(p_weights.dtype.element_ty)
+        b_s = tl.sigmoid(b_g.to(tl.float32)).to(p_weights.dtype.element_ty)
+        tl.store(p_weights + TOP_K, b_s, mask=store)
+        tl.store(p_ids + TOP_K, E.to(tl.int64), mask=store)
+    return b_i
+
+
+@triton.jit
+def select_expert(p_logits, j, E, BE: tl.constexpr):
+    """The id ``route_row`` puts in slot ``j`` (the ``j``-th largest of the ``E`` logits, ties to the
+    lowest id), found alone: ``j + 1`` arg-max rounds (``kernels.triton.fused_moe`` routes in the
+    experts' programs with it)."""
+    o_e = tl.arange(0, BE)
+    b_l = tl.load(p_logits + o_e, mask=o_e < E, other=-float("inf")).to(tl.float32)
+    i_sel = tl.zeros([], dtype=tl.int32)
+    for _ in range(0, j + 1):
+        _, i_sel = tl.max(b_l, 0, return_indices=True, return_indices_tie_break_left=True)
+        b_l = tl.where(o_e == i_sel, -float("inf"), b_l)
+    return i_sel
 
 
 @triton.jit
@@ -50,39 +108,12 @@ def moe_route_kernel(
     HAS_SHARED: tl.constexpr,
 ):
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_t = tl.program_id(0).to(tl.int64)
-    # With a shared expert, each row holds E routed logits then its gate logit; outputs get a
-    # (k+1)-th column (sigmoid(gate), E).
     S_OUT: tl.constexpr = TOP_K + HAS_SHARED
-    o_e = tl.arange(0, BE)
-    o_k = tl.arange(0, BK)
-    m_e = o_e < E
-    m_k = o_k < TOP_K
-
-    b_l = tl.load(logits + i_t * s_lt + o_e, mask=m_e, other=-float("inf")).to(tl.float32)
-    b_e = tl.where(m_e, tl.exp(b_l - tl.max(b_l)), 0.0)
-    # Padding lanes sit below every probability (>= 0), so they are never selected.
-    b_p = tl.where(m_e, b_e / tl.sum(b_e), -1.0)  # [BE]
-
-    b_w = tl.zeros([BK], dtype=tl.float32)
-    b_i = tl.zeros([BK], dtype=tl.int64)
-    for j in tl.static_range(TOP_K):
-        b_max = tl.max(b_p)
-        i_sel = tl.min(tl.where(b_p == b_max, o_e, BE))
-        b_w = tl.where(o_k == j, b_max, b_w)
-        b_i = tl.where(o_k == j, i_sel.to(tl.int64), b_i)
-        b_p = tl.where(o_e == i_sel, -2.0, b_p)
-    if RENORMALIZE:
-        b_w = b_w / tl.sum(b_w)
-
-    tl.store(topk_weights + i_t * S_OUT + o_k, b_w.to(topk_weights.dtype.element_ty), mask=m_k)
-    tl.store(topk_ids + i_t * S_OUT + o_k, b_i, mask=m_k)
-    if HAS_SHARED:
-        b_g = tl.load(logits + i_t * s_lt + E).to(topk_weights.dtype.element_ty)
-        b_s = tl.sigmoid(b_g.to(tl.float32)).to(topk_weights.dtype.element_ty)
-        tl.store(topk_weights + i_t * S_OUT + TOP_K, b_s)
-        tl.store(topk_ids + i_t * S_OUT + TOP_K, E.to(tl.int64))
+    route_row(logits + i_t * s_lt, topk_weights + i_t * S_OUT, topk_ids + i_t * S_OUT, E,
+              TOP_K, BE, BK, RENORMALIZE, HAS_SHARED)  # fmt: skip
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
