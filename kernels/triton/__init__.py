@@ -12,11 +12,12 @@ Modules (import them directly; importing this package imports no Triton code)::
     qk_norm_rope    qk_norm_rope_gate(_store)         kernels.qk_norm_rope
     moe_route       moe_route, moe_route_shared       kernels.moe
     moe_grouped     fused_moe (prefill batches)       kernels.moe
-    fused_moe       fused_moe                         kernels.moe
-    gemv            linear (one token)                kernels.linear
+    fused_moe       fused_moe, fused_moe_routed       kernels.moe
+    gemv            linear and the fused projections  kernels.linear, kernels.fused_linear
+                    (one token)
     allreduce_norm  one_shot_add_rms_norm (TP)        kernels.norm.all_reduce_add_rms_norm
 
-``_pdl`` holds the programmatic-dependent-launch switch the decode kernels read (``PHLOEM_PDL=1``).
+``_pdl`` holds the programmatic-dependent-launch switch the decode kernels read (on for sm_90+; ``PHLOEM_PDL``).
 
 NOTE: ``@triton.jit`` reads ``TRITON_INTERPRET`` when a module is imported, so on CPU set
 ``TRITON_INTERPRET=1`` before the first import of any of these modules.

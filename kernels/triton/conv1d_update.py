@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
@@ -58,6 +58,7 @@ def causal_conv1d_update_kernel(
     HAS_BIAS: tl.constexpr,
 ):
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_b = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
@@ -78,6 +78,7 @@ def recurrent_gated_delta_rule_kernel(
     FROM_GATES: tl.constexpr,
 ):
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)

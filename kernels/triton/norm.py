@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
@@ -34,6 +34,7 @@ __all__ = ["add_rms_norm", "gated_rms_norm", "rms_norm"]
 @triton.jit
 def rms_norm_kernel(x, weight, o, s_x, D, eps, BD: tl.constexpr):
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
@@ -47,6 +48,7 @@ def rms_norm_kernel(x, weight, o, s_x, D, eps, BD: tl.constexpr):
 @triton.jit
 def add_rms_norm_kernel(x, residual, weight, o, o_residual, s_x, s_r, D, eps, BD: tl.constexpr):
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
@@ -65,6 +67,7 @@ def add_rms_norm_kernel(x, residual, weight, o, o_residual, s_x, s_r, D, eps, BD
 @triton.jit
 def gated_rms_norm_kernel(x, gate, weight, o, s_x, s_g, D, eps, BD: tl.constexpr, ROUND_WEIGHTED: tl.constexpr):
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_r = tl.program_id(0).to(tl.int64)
     x_dtype = x.dtype.element_ty

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
@@ -93,6 +93,7 @@ def qk_norm_rope_gate_kernel(
     STORE: tl.constexpr,
 ):
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)

@@ -38,8 +38,12 @@ def compile_for_h200(
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=GPUTarget(*H200))
     assert compiled.asm["cubin"], "no cubin"
     if "PDL" in kernel.fn.__globals__:  # a decode kernel that opts into programmatic dependent launch
-        waits = "griddepcontrol.wait" in compiled.asm["ptx"]
-        assert waits == (os.environ.get("PHLOEM_PDL") == "1"), f"{kernel.fn.__name__}: griddepcontrol.wait {waits}"
+        from phloem.kernels.triton._pdl import LAUNCH_PDL
+
+        pdl = LAUNCH_PDL  # PHLOEM_PDL=1 forces it; unset on a machine without a GPU: off
+        for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+            found = instruction in compiled.asm["ptx"]
+            assert found == pdl, f"{kernel.fn.__name__}: {instruction} {found}"
 
 
 def _all(names: str, dtype: str) -> dict[str, str]:
@@ -77,8 +81,9 @@ def fused_moe_decode() -> None:
     from phloem.kernels.triton.fused_moe import _down_sum_kernel, _gate_up_kernel
 
     moe = {"H": 2048, "INTER": 512, "TOP_K": 9}
-    compile_for_h200(_gate_up_kernel, _all("p_x p_w p_act", "*bf16") | {"p_ids": "*i64"},
-                     moe | {"BLOCK_N": 32, "BLOCK_K": 256})
+    for route in (False, True):  # ids given / routed in the kernel from the router logits
+        compile_for_h200(_gate_up_kernel, _all("p_x p_w p_act p_logits p_tw", "*bf16") | {"p_ids": "*i64"},
+                         moe | {"BLOCK_N": 4, "BLOCK_K": 1024, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True})
     compile_for_h200(_down_sum_kernel, _all("p_act p_w p_tw p_out", "*bf16") | {"p_ids": "*i64"},
                      moe | {"K_BLOCKS": 2, "BLOCK_N": 32, "BLOCK_K": 256})
 
@@ -125,10 +130,18 @@ def one_shot_norm(world: int) -> None:
     compile_for_h200(one_shot_add_rms_norm_kernel, pointers, constexprs | {"HAS_RESIDUAL": False})
 
 
-def gemv() -> None:
+def gemv(pro: int, conv: bool, prefetch: bool) -> None:
+    """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape."""
     from phloem.kernels.triton.gemv import gemv_kernel
 
-    compile_for_h200(gemv_kernel, _all("p_x p_w p_y", "*bf16"), {"BLOCK_N": 4, "BLOCK_K": 1024})
+    pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs", "*bf16") | _all("p_read p_write", "*i64")
+    kp = 4096 if pro in (2, 3) else 2048
+    constexprs = {
+        "PRO": pro, "CONV": conv, "KP": kp, "BLOCK_N": 8192 // kp, "PREFETCH": prefetch, "HAS_A": pro != 0,
+        "WRITE_NORMED": pro == 1 and not conv, "ROUND_WEIGHTED": True, "HEAD": 128 if pro == 2 else 1,
+        "KC": 4 if conv else 1, "BKC": 4 if conv else 1,
+    }  # fmt: skip
+    compile_for_h200(gemv_kernel, pointers, constexprs)
 
 
 CASES: dict[str, Callable[[], None]] = {
@@ -137,13 +150,19 @@ CASES: dict[str, Callable[[], None]] = {
     "recurrent_gated_delta_rule[gates_in_kernel]": lambda: gdn_decode(True),
     "recurrent_gated_delta_rule[gates_given]": lambda: gdn_decode(False),
     "causal_conv1d_update": conv1d_update,
-    "fused_moe (decode: gate_up, down_sum)": fused_moe_decode,
+    "fused_moe (decode: gate_up, routed gate_up, down_sum)": fused_moe_decode,
     "fused_moe_grouped (prefill: gate_up, down)": moe_grouped_prefill,
     "moe_route[shared]": lambda: moe_route(True),
     "moe_route[plain]": lambda: moe_route(False),
     "gdn_gates": gdn_gates,
     "rms_norm, add_rms_norm, gated_rms_norm": norms,
-    "linear (one-token GEMV)": gemv,
+    "linear (one-token GEMV)": lambda: gemv(0, False, False),
+    "linear (one-token GEMV, prefetch)": lambda: gemv(0, False, True),
+    "add_rms_norm_linear / _router": lambda: gemv(1, False, True),
+    "add_rms_norm_conv_linear": lambda: gemv(1, True, True),
+    "add_rms_norm_conv_linear (no prefetch)": lambda: gemv(1, True, False),
+    "gated_rms_norm_linear": lambda: gemv(2, False, True),
+    "sigmoid_gate_linear": lambda: gemv(3, False, True),
     "one_shot_add_rms_norm[world=2]": lambda: one_shot_norm(2),
     "one_shot_add_rms_norm[world=8]": lambda: one_shot_norm(8),
 }
