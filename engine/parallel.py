@@ -282,9 +282,10 @@ def _vocab_shard(vocab_size: int, start: int, per_rank: int) -> dict[str, Shard]
 class ParallelEmbedding(nn.Module):
     """Vocab-parallel token embedding; ``weight`` holds this rank's (padded) vocab rows."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, linear: Op = F.linear) -> None:
         super().__init__()
         self.tp = tp
+        self.linear = linear  # the op table's ``linear`` (one-token GEMV on GPU)
         self.vocab_size = vocab_size
         self.start, per_rank = _vocab_rows(vocab_size, tp)
         self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
@@ -306,9 +307,10 @@ class ParallelEmbedding(nn.Module):
 class ParallelLMHead(nn.Module):
     """Vocab-parallel output projection; logits come back whole on rank 0 only."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, linear: Op = F.linear) -> None:
         super().__init__()
         self.tp = tp
+        self.linear = linear  # the op table's ``linear`` (one-token GEMV on GPU)
         self.vocab_size = vocab_size
         self.start, per_rank = _vocab_rows(vocab_size, tp)
         self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
@@ -318,7 +320,7 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``[S, H]`` -> ``[S, V]`` in the weight dtype (None on ranks other than 0)."""
-        logits = self.tp.gather_first(F.linear(hidden, self.weight), dim=-1)
+        logits = self.tp.gather_first(self.linear(hidden, self.weight), dim=-1)
         if logits is None or logits.shape[-1] == self.vocab_size:
             return logits
         return logits[:, : self.vocab_size]

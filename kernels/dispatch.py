@@ -21,14 +21,16 @@ from typing import Any, Literal
 
 import torch
 
-from phloem.kernels import attention, conv1d, gdn, linear, moe, norm, qk_norm_rope
+from phloem.kernels import attention, conv1d, fused_linear, gdn, linear, moe, norm, qk_norm_rope
 
-__all__ = ["ENV_VAR", "GEMV_ENV_VAR", "KernelOps", "get_ops", "kernel_backend"]
+__all__ = ["ENV_VAR", "FUSED_DECODE_ENV_VAR", "GEMV_ENV_VAR", "KernelOps", "get_ops", "kernel_backend"]
 
 ENV_VAR = "PHLOEM_KERNELS"
-# "1": the single-token Triton GEMV serves ``linear`` on the Triton backend (off until measured:
-# kernels/triton/gemv.py).
+# "0": cuBLAS serves one-token ``linear`` calls too; by default the Triton GEMV does
+# (kernels/triton/gemv.py: 5-35% faster than cuBLAS at every 35B-A3B decode shape on an H200).
 GEMV_ENV_VAR = "PHLOEM_TRITON_GEMV"
+# "0": the model's one-token decode path calls the unfused ops (``KernelOps.fused_decode``).
+FUSED_DECODE_ENV_VAR = "PHLOEM_FUSED_DECODE"
 
 Backend = Literal["torch", "triton"]
 Op = Callable[..., Any]
@@ -36,9 +38,16 @@ Op = Callable[..., Any]
 
 @dataclass(frozen=True, slots=True)
 class KernelOps:
-    """The model's ops for one backend; ``backend`` names the choice made."""
+    """The model's ops for one backend; ``backend`` names the choice made.
+
+    ``fused_decode``: a one-token decode step calls the fused projections (``add_rms_norm_linear``
+    and the rest of ``kernels.fused_linear``) instead of the ops they compose. On the torch backend
+    they are exactly those compositions, so the choice changes launches, not values; it is on in
+    both backends unless ``PHLOEM_FUSED_DECODE=0``.
+    """
 
     backend: Backend
+    fused_decode: bool
     rms_norm: Op
     add_rms_norm: Op
     gated_rms_norm: Op
@@ -55,7 +64,13 @@ class KernelOps:
     moe_route: Op
     moe_route_shared: Op
     fused_moe: Op
+    fused_moe_routed: Op
     linear: Op
+    add_rms_norm_linear: Op
+    add_rms_norm_conv_linear: Op
+    gated_rms_norm_linear: Op
+    sigmoid_gate_linear: Op
+    add_rms_norm_router: Op
 
 
 def kernel_backend(device: torch.device) -> Backend:
@@ -90,6 +105,7 @@ def get_ops(device: torch.device) -> KernelOps:
     """The op table for ``device`` (see ``kernel_backend`` for the choice and what it raises)."""
     reference = KernelOps(
         backend="torch",
+        fused_decode=os.environ.get(FUSED_DECODE_ENV_VAR, "").strip() != "0",
         rms_norm=norm.rms_norm,
         add_rms_norm=norm.add_rms_norm,
         gated_rms_norm=norm.gated_rms_norm,
@@ -106,7 +122,13 @@ def get_ops(device: torch.device) -> KernelOps:
         moe_route=moe.moe_route,
         moe_route_shared=moe.moe_route_shared,
         fused_moe=moe.fused_moe,
+        fused_moe_routed=moe.fused_moe_routed,
         linear=linear.linear,
+        add_rms_norm_linear=fused_linear.add_rms_norm_linear,
+        add_rms_norm_conv_linear=fused_linear.add_rms_norm_conv_linear,
+        gated_rms_norm_linear=fused_linear.gated_rms_norm_linear,
+        sigmoid_gate_linear=fused_linear.sigmoid_gate_linear,
+        add_rms_norm_router=fused_linear.add_rms_norm_router,
     )
     return reference if kernel_backend(device) == "torch" else _with_triton(reference)
 
@@ -134,10 +156,25 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         out: torch.Tensor = impl(x, w_gate_up, w_down, topk_weights, topk_ids)
         return out
 
+    def fused_moe_routed(
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+    ) -> torch.Tensor:
+        if router_logits.shape[0] <= _SMALL_MOE_TOKENS:
+            out: torch.Tensor = triton_fused_moe.fused_moe_routed(x, router_logits, w_gate_up, w_down, top_k, renormalize)
+            return out
+        weights, ids = moe_route.moe_route_shared(router_logits, top_k, renormalize)
+        return fused_moe(x, w_gate_up, w_down, weights, ids)
+
     return replace(
         reference,
         backend="triton",
         fused_moe=fused_moe,
+        fused_moe_routed=fused_moe_routed,
         chunk_gated_delta_rule=_fla_chunk_or(reference.chunk_gated_delta_rule),
         rms_norm=triton_norm.rms_norm,
         add_rms_norm=triton_norm.add_rms_norm,
@@ -150,7 +187,12 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         moe_route=moe_route.moe_route,
         moe_route_shared=moe_route.moe_route_shared,
         gdn_gates=gdn_gates.gdn_gates,
-        linear=gemv.linear if os.environ.get(GEMV_ENV_VAR, "") == "1" else reference.linear,
+        linear=reference.linear if os.environ.get(GEMV_ENV_VAR, "").strip() == "0" else gemv.linear,
+        add_rms_norm_linear=gemv.add_rms_norm_linear,
+        add_rms_norm_conv_linear=gemv.add_rms_norm_conv_linear,
+        gated_rms_norm_linear=gemv.gated_rms_norm_linear,
+        sigmoid_gate_linear=gemv.sigmoid_gate_linear,
+        add_rms_norm_router=gemv.add_rms_norm_router,
     )
 
 

@@ -68,8 +68,26 @@ class GatedAttention(nn.Module):
         self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, inv_freq: torch.Tensor
     ) -> torch.Tensor:
         """``hidden`` ``[T, H]``, ``kv_cache`` ``[pages, 2, page_size, Hkv, D]`` -> ``[T, H]``."""
-        num_tokens = hidden.shape[0]
-        q_gate, key, value = torch.split(self.qkv_proj(hidden), self.proj_sizes, dim=-1)
+        out, gate = self._attend(self.qkv_proj(hidden), batch, kv_cache, inv_freq)
+        result: torch.Tensor = self.o_proj(out * torch.sigmoid(gate))
+        return result
+
+    def forward_decode(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
+        kv_cache: torch.Tensor, inv_freq: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """One token, TP=1: ``norm`` (the layer's input norm) runs inside ``qkv_proj``'s GEMV and the
+        output gate inside ``o_proj``'s (``kernels.fused_linear``). Returns ``(out, residual)``."""
+        qkv, residual = self.ops.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight)
+        out, gate = self._attend(qkv, batch, kv_cache, inv_freq)
+        return self.ops.sigmoid_gate_linear(out, gate, self.o_proj.weight), residual
+
+    def _attend(
+        self, qkv: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projected ``qkv`` ``[T, *]`` -> attention output and its gate, both ``[T, Hq * D]``."""
+        num_tokens = qkv.shape[0]
+        q_gate, key, value = torch.split(qkv, self.proj_sizes, dim=-1)
         q_gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -84,6 +102,4 @@ class GatedAttention(nn.Module):
             out = self.ops.paged_attention(
                 query, kv_cache, batch.page_table, batch.query_start_loc, batch.seq_lens, self.scale
             )  # [T, Hq, D]
-        out = out.reshape(num_tokens, self.num_heads * self.head_dim) * torch.sigmoid(gate)
-        result: torch.Tensor = self.o_proj(out)
-        return result
+        return out.reshape(num_tokens, self.num_heads * self.head_dim), gate

@@ -19,7 +19,7 @@ from torch import nn
 
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ForwardBatch
-from phloem.engine.models._norm import GatedRMSNorm
+from phloem.engine.models._norm import GatedRMSNorm, RMSNorm
 from phloem.engine.parallel import RowParallelLinear, Shard, TPGroup
 from phloem.kernels.dispatch import KernelOps
 
@@ -85,9 +85,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """``hidden`` ``[T, H]``; ``conv_states`` ``[slots, conv_dim, K-1]``,
         ``ssm_states`` ``[slots, Hv, Dk, Dv]`` fp32 -> ``[T, H]``."""
-        num_tokens = hidden.shape[0]
         mixed_qkv, z, b, a = torch.split(self.in_proj(hidden), self.proj_sizes, dim=-1)
-        z = z.view(num_tokens, self.num_v_heads, self.value_head_dim)
         if batch.is_decode:
             mixed_qkv = self.ops.causal_conv1d_update(
                 mixed_qkv, self.conv_weight, None, conv_states, batch.read_slots, batch.write_slots
@@ -97,22 +95,48 @@ class GatedDeltaNet(nn.Module):
                 mixed_qkv, self.conv_weight, None, conv_states, batch.query_start_loc,
                 batch.read_slots, batch.write_slots, batch.has_initial_state,
             )
+        out = self._mix(mixed_qkv, a, b, batch, ssm_states)
+        out = self.norm(out, self._heads(z))
+        result: torch.Tensor = self.out_proj(out.reshape(hidden.shape[0], self.value_dim))
+        return result
+
+    def forward_decode(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
+        conv_states: torch.Tensor, ssm_states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """One decode token, TP=1: ``norm`` (the layer's input norm) and the conv update run inside
+        ``in_proj``'s GEMV, the gated output norm inside ``out_proj``'s (``kernels.fused_linear``).
+        Returns ``(out, residual)``."""
+        proj, residual = self.ops.add_rms_norm_conv_linear(
+            hidden, residual, norm.weight, norm.eps, self.in_proj.weight, self.conv_weight, conv_states,
+            batch.read_slots, batch.write_slots,
+        )
+        mixed_qkv, z, b, a = torch.split(proj, self.proj_sizes, dim=-1)
+        out = self._mix(mixed_qkv, a, b, batch, ssm_states)
+        return self.ops.gated_rms_norm_linear(out, self._heads(z), self.norm.weight, self.norm.eps, self.out_proj.weight), residual
+
+    def _heads(self, z: torch.Tensor) -> torch.Tensor:
+        return z.view(z.shape[0], self.num_v_heads, self.value_head_dim)
+
+    def _mix(
+        self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch, ssm_states: torch.Tensor
+    ) -> torch.Tensor:
+        """The conv output ``q|k|v`` and the gate projections -> the delta rule's output ``[T, Hv, Dv]``."""
+        num_tokens = mixed_qkv.shape[0]
         query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.view(num_tokens, self.num_k_heads, self.key_head_dim)
         key = key.view(num_tokens, self.num_k_heads, self.key_head_dim)
         value = value.view(num_tokens, self.num_v_heads, self.value_head_dim)
         if batch.is_decode:
             # The gates are computed inside the decode step's kernel on GPU.
-            out = self.ops.recurrent_gated_delta_rule_with_gates(
+            out: torch.Tensor = self.ops.recurrent_gated_delta_rule_with_gates(
                 query, key, value, a, b, self.A_log, self.dt_bias, ssm_states, batch.read_slots, batch.write_slots
             )
-        else:
-            # g: fp32 log decay (exp(A_log) overflows fp16); beta in the model dtype.
-            g, beta = self.ops.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
-            out = self.ops.chunk_gated_delta_rule(
-                query, key, value, g, beta, ssm_states, batch.query_start_loc,
-                batch.read_slots, batch.write_slots, batch.has_initial_state,
-            )  # [T, Hv, Dv]
-        out = self.norm(out, z)
-        result: torch.Tensor = self.out_proj(out.reshape(num_tokens, self.value_dim))
-        return result
+            return out
+        # g: fp32 log decay (exp(A_log) overflows fp16); beta in the model dtype.
+        g, beta = self.ops.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
+        out = self.ops.chunk_gated_delta_rule(
+            query, key, value, g, beta, ssm_states, batch.query_start_loc,
+            batch.read_slots, batch.write_slots, batch.has_initial_state,
+        )  # [T, Hv, Dv]
+        return out

@@ -58,6 +58,9 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, tp)
+        # One-token decode steps take the fused projections (kernels.fused_linear): the norms, the
+        # conv, the output gates and the routing inside the GEMVs next to them.
+        self.fuse_decode = ops.fused_decode and tp.size == 1
 
     def forward(
         self,
@@ -67,11 +70,33 @@ class DecoderLayer(nn.Module):
         caches: ModelCaches,
         inv_freq: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fuse_decode and batch.is_decode and hidden.shape[0] == 1:
+            return self._forward_decode(hidden, residual, batch, caches, inv_freq)
         normed, residual = self.input_layernorm.forward_residual(hidden, residual)
         if self.is_full_attention:
             hidden = self.self_attn(normed, batch, caches.kv[self.cache_idx], inv_freq)
         else:
             hidden = self.linear_attn(normed, batch, caches.conv[self.cache_idx], caches.ssm[self.cache_idx])
+        normed, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
+        return self.mlp(normed), residual
+
+    def _forward_decode(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        caches: ModelCaches,
+        inv_freq: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` for one decode token at TP=1: each norm runs inside the projection after it."""
+        norm = self.input_layernorm
+        if self.is_full_attention:
+            hidden, residual = self.self_attn.forward_decode(hidden, residual, norm, batch, caches.kv[self.cache_idx], inv_freq)
+        else:
+            conv, ssm = caches.conv[self.cache_idx], caches.ssm[self.cache_idx]
+            hidden, residual = self.linear_attn.forward_decode(hidden, residual, norm, batch, conv, ssm)
+        if isinstance(self.mlp, SparseMoe):
+            return self.mlp.forward_decode(hidden, residual, self.post_attention_layernorm)
         normed, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
         return self.mlp(normed), residual
 
@@ -98,7 +123,7 @@ class Qwen3HybridForCausalLM(nn.Module):
         self.config = config
         self.tp = tp if tp is not None else TPGroup.single()
         self.model = Qwen3HybridModel(config, ops, self.tp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.tp, ops.linear)
         self.tie_weights()
         inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta)  # [rotary_dim // 2] fp32
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)

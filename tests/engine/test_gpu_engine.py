@@ -86,9 +86,11 @@ def test_async_scheduling_gives_the_synchronous_tokens_bitwise(model_dir: Path) 
 
 
 def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: Path) -> None:
-    """``PHLOEM_PDL=1`` (read when the kernel modules import, so in a fresh process) changes when
-    kernels launch, not what they compute: the same tokens as the default launch, bit for bit, with
-    CUDA graphs and eager prefill, and one-token steps through the Triton GEMV too."""
+    """Programmatic dependent launch (on by default on sm_90+; ``PHLOEM_PDL=0`` is read when the
+    kernel modules import, so in a fresh process) changes when kernels launch, not what they
+    compute: the same tokens with it off, bit for bit, with CUDA graphs and eager prefill; and
+    one-token ``linear`` calls through cuBLAS instead of the Triton GEMV (``PHLOEM_TRITON_GEMV=0``)
+    still follow them."""
     import json
     import subprocess
     import sys
@@ -104,7 +106,7 @@ def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: 
         "print(json.dumps([o.token_ids for o in outs + alone]))\n"
     )
     runs = []
-    for extra in ({}, {"PHLOEM_PDL": "1"}, {"PHLOEM_PDL": "1", "PHLOEM_TRITON_GEMV": "1"}):
+    for extra in ({}, {"PHLOEM_PDL": "0"}, {"PHLOEM_PDL": "0", "PHLOEM_TRITON_GEMV": "0"}):
         env = {k: v for k, v in os.environ.items() if k not in ("PHLOEM_PDL", "PHLOEM_TRITON_GEMV")} | extra
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -125,6 +127,27 @@ def test_gpu_tokens_follow_the_cpu_reference(model_dir: Path) -> None:
     outs = gpu_engine(model_dir, dtype="float32").generate(PROMPTS, params)
     cpu = Engine.from_pretrained(model_dir, dtype="float32", num_pages=256, num_state_slots=16, enable_prefix_caching=False)
     assert_follows(cpu, PROMPTS, [o.token_ids for o in outs])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_token_decode_through_the_fused_projections_follows_the_reference(model_dir: Path, dtype: str) -> None:
+    """A sequence decoding alone takes the fused one-token path (``kernels.fused_linear``: the norms,
+    the conv, the gates inside the GEMVs; the routing inside the experts' kernel), in its CUDA
+    graph and eagerly; teacher-forced against prefill logits (never that path) of an unfused
+    engine in bf16, of the CPU references in fp32."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    outs = []
+    for graphs in (True, False):
+        engine = gpu_engine(model_dir, dtype=dtype, enable_cuda_graph=graphs, enable_prefix_caching=False)
+        assert engine.runner.model.model.layers[0].fuse_decode  # type: ignore[attr-defined]
+        outs.append([engine.generate([p], params)[0].token_ids for p in PROMPTS])
+    if dtype == "float32":
+        reference = Engine.from_pretrained(model_dir, dtype="float32", num_pages=256, num_state_slots=16,
+                                           enable_prefix_caching=False)  # fmt: skip
+    else:
+        reference = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
+    for tokens in outs:
+        assert_follows(reference, PROMPTS, tokens)
 
 
 def assert_follows(reference: Engine, prompts: list[list[int]], outputs: list[list[int]]) -> int:

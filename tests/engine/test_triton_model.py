@@ -34,8 +34,31 @@ def test_the_triton_op_table_gives_the_reference_tokens(
     monkeypatch.setenv("PHLOEM_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("PHLOEM_TRITON_GEMV", "1")
+    calls = _count_fused_ops(monkeypatch)
     engine = Engine.from_pretrained(path, **options)
     ops = engine.runner.model.model.layers[0].mlp.ops
     assert ops.backend == "triton" and ops.linear.__module__ == "phloem.kernels.triton.gemv"
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == batched
+    assert not any(calls.values()), f"batched decode steps are not one-token steps: {calls}"
     assert engine.generate(PROMPTS[:1], PARAMS)[0].token_ids == alone
+    # The one-token steps took every fused projection (3 decode steps of the 4-layer model).
+    assert all(calls.values()), calls
+
+
+def _count_fused_ops(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Wrap the fused one-token ops (kernels.fused_linear's Triton versions) to count their calls."""
+    from phloem.kernels.triton import gemv  # imported under the interpreter (set above)
+
+    calls: dict[str, int] = {}
+    names = ("add_rms_norm_linear", "add_rms_norm_conv_linear", "gated_rms_norm_linear", "sigmoid_gate_linear",
+             "add_rms_norm_router")  # fmt: skip
+    for module, name in [(gemv, n) for n in names]:
+        calls[name] = 0
+        op = getattr(module, name)
+
+        def counted(*args: object, _op: Callable[..., object] = op, _name: str = name) -> object:
+            calls[_name] += 1
+            return _op(*args)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls

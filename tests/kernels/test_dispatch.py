@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 from phloem.kernels import norm  # noqa: E402
 from phloem.kernels.dispatch import ENV_VAR, KernelOps, get_ops  # noqa: E402
 
-OP_NAMES = [f.name for f in dataclasses.fields(KernelOps) if f.name != "backend"]
+OP_NAMES = [f.name for f in dataclasses.fields(KernelOps) if f.name not in ("backend", "fused_decode")]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
@@ -77,13 +77,22 @@ def test_triton_ops_keep_the_reference_signature(monkeypatch: pytest.MonkeyPatch
     assert inspect.signature(triton_op) == inspect.signature(reference)
 
 
-def test_the_triton_gemv_serves_linear_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off until measured (``kernels/triton/gemv.py``): cuBLAS (``F.linear``) by default."""
+def test_the_triton_gemv_serves_linear_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-token Triton GEMV by default on the Triton backend; ``PHLOEM_TRITON_GEMV=0``: cuBLAS."""
     from phloem.kernels.dispatch import GEMV_ENV_VAR
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.delenv(GEMV_ENV_VAR, raising=False)
-    assert get_ops(CUDA).linear is get_ops(CPU).linear
-    monkeypatch.setenv(GEMV_ENV_VAR, "1")
     assert get_ops(CUDA).linear.__module__ == "phloem.kernels.triton.gemv"
     assert get_ops(CPU).linear.__module__ == "phloem.kernels.linear"  # the torch backend ignores it
+    monkeypatch.setenv(GEMV_ENV_VAR, "0")
+    assert get_ops(CUDA).linear is get_ops(CPU).linear
+
+
+def test_fused_decode_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phloem.kernels.dispatch import FUSED_DECODE_ENV_VAR
+
+    monkeypatch.delenv(FUSED_DECODE_ENV_VAR, raising=False)
+    assert get_ops(CPU).fused_decode and get_ops(CUDA).fused_decode
+    monkeypatch.setenv(FUSED_DECODE_ENV_VAR, "0")
+    assert not get_ops(CPU).fused_decode and not get_ops(CUDA).fused_decode
