@@ -265,8 +265,9 @@ class RunnerConfig:
     """How steps run on the device.
 
     Args:
-        attention_backend: ``"auto"`` (FlashInfer on CUDA when importable, else torch),
-            ``"flashinfer"`` or ``"torch"``.
+        attention_backend: ``"auto"`` (FlashInfer on CUDA when importable and the model runs in
+            fp16 / bf16, the only dtypes FlashInfer builds; else torch), ``"flashinfer"`` or
+            ``"torch"``.
         enable_cuda_graph: capture decode steps as CUDA graphs (CUDA + FlashInfer only).
         max_graph_batch_size: the largest captured decode batch; bigger ones run eagerly.
         show_progress: draw a progress bar while capturing CUDA graphs: False never, None when

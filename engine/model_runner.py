@@ -299,12 +299,19 @@ def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def _attention_backend(
     mc: ModelConfig, cc: CacheConfig, rc: RunnerConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device
 ) -> FlashInferAttention | None:
-    """FlashInfer on CUDA (when importable and not turned off), else None: the torch reference."""
+    """FlashInfer on CUDA (when importable, not turned off, and the dtype fp16 / bf16), else None:
+    the torch reference (and no CUDA graphs: they capture FlashInfer's decode)."""
     if device.type != "cuda" or rc.attention_backend == "torch":
         return None
+    asked = rc.attention_backend == "flashinfer"
     if not flashinfer_available():
-        if rc.attention_backend == "flashinfer":
+        if asked:
             raise ValueError("attention_backend: 'flashinfer' was asked for but flashinfer does not import")
+        return None
+    if dtype not in (torch.float16, torch.bfloat16):
+        # FlashInfer's JIT has no fp32 kernels (0.6: a KeyError deep in its module naming).
+        if asked:
+            raise ValueError(f"attention_backend: 'flashinfer' serves float16 / bfloat16 models, got {dtype}")
         return None
     num_heads, num_kv_heads = mc.num_attention_heads // tp.size, max(1, mc.num_key_value_heads // tp.size)
     return FlashInferAttention(num_heads, num_kv_heads, mc.head_dim, cc.page_size, dtype, device)

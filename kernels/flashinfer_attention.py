@@ -11,7 +11,10 @@ per batch size with fixed index buffers (``use_cuda_graph=True``); ``plan`` then
 buffers in place before each replay.
 
 FlashInfer's ``plan`` fills a pinned host buffer and queues its copy to the device; the next
-``plan`` rewrites that buffer. When the engine queues step N+1 before step N has run (async
+``plan`` rewrites that buffer. The page indices of a captured graph's wrapper reach the device by a
+queued copy of ours first (FlashInfer's own copy of host indices into the fixed buffer blocks the
+host until the device has run every queued step: measured on an H200, the batch-1 host step waited
+~2 ms in it and async scheduling hid nothing). When the engine queues step N+1 before step N has run (async
 scheduling), a plan must not overwrite the buffer before step N's copy has been done: each plan
 waits for the previous plan's copies (an event recorded after them; the device reaches them as
 soon as it starts step N, so the wait is short) and records its own.
@@ -109,6 +112,11 @@ class FlashInferAttention:
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5)
         if all(n == 1 for n in query_lens):
             wrapper = self.decode_wrapper if graph_batch_size is None else self._graph_wrapper(graph_batch_size)
+            if graph_batch_size is not None:
+                # The fixed-buffer wrapper copies host indices into its buffer with a blocking copy
+                # (FlashInfer 0.6: non_blocking only from a device tensor), which waits for the step
+                # async scheduling queued before this one; a queued copy from pinned memory does not.
+                indices = indices.to(self.device, non_blocking=True)
             wrapper.plan(
                 indptr, indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, **common
             )
