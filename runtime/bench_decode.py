@@ -17,6 +17,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ __all__ = [
     "DecodeResult",
     "PrefillResult",
     "StepBytes",
+    "StepProfile",
     "decode_tokens",
     "kernel_breakdown",
     "measure_bandwidth",
@@ -263,17 +265,62 @@ def run_prefill(engine: Engine, tokens: int, matmul_rate: float, seed: int = 0) 
     return PrefillResult(tokens, seconds, 2 * active_params * tokens + attn, matmul_rate)
 
 
-def kernel_breakdown(engine: Engine, batch: int = 1, context: int = 1024, top: int = 12) -> list[tuple[str, float, int]]:
-    """Per-kernel device time of one eager decode step: ``(kernel, µs, calls)``, largest first."""
+@dataclass(frozen=True, slots=True)
+class StepProfile:
+    """Where one decode step's device time goes: per kernel, and the launches' total span.
+
+    ``busy_us`` is the union of the kernels' intervals per step and ``span_us`` first start to last
+    end, so ``span_us - busy_us`` is the time the GPU sat between dependent launches."""
+
+    source: str  # "graph": the step's CUDA graph replayed; "eager": one step launched op by op
+    kernels: list[tuple[str, float, float]]  # (kernel, µs per step, launches per step), largest first
+    launches: float  # per step
+    busy_us: float
+    span_us: float
+
+
+def kernel_breakdown(engine: Engine, batch: int = 1, context: int = 1024, top: int = 20, replays: int = 10) -> StepProfile:
+    """Profile one decode step of ``batch`` requests at ``context``: its CUDA graph replayed
+    ``replays`` times when the engine has one, else one eager step."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs, engine.runner.graphs = engine.runner.graphs, None
+    run_decode(engine, batch, context, 1.0, steps=1, warmup=2, compare_sync=False)
+    graphs = engine.runner.graphs
+    if graphs is not None and batch <= graphs.max_batch_size():
+        graph = graphs.graphs[next(b for b in graphs.buckets if b >= batch)]
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+        result = _step_profile(prof, "graph", replays, top)
+        if result.launches:
+            return result
+    engine.runner.graphs = None
     try:
-        run_decode(engine, batch, context, 1.0, steps=1, warmup=2, compare_sync=False)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run_decode(engine, batch, context, 1.0, steps=1, warmup=0, compare_sync=False)
     finally:
         engine.runner.graphs = graphs
-    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
-    rows.sort(key=lambda r: -r[1])
-    return [(name[:70], us, n) for name, us, n in rows[:top]]
+    return _step_profile(prof, "eager", 1, top)
+
+
+def _step_profile(prof: Any, source: str, steps: int, top: int) -> StepProfile:
+    """Kernel rows and busy/span times per step from a profiler's device events."""
+    from torch.autograd import DeviceType
+
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    totals: dict[str, list[float]] = {}
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in events)
+    for e in events:
+        row = totals.setdefault(e.name, [0.0, 0])
+        row[0] += e.time_range.end - e.time_range.start
+        row[1] += 1
+    busy, reach = 0.0, float("-inf")
+    for start, end in intervals:
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = intervals[-1][1] - intervals[0][0] if intervals else 0.0
+    rows = sorted(((name[:70], us / steps, n / steps) for name, (us, n) in totals.items()), key=lambda r: -r[1])
+    return StepProfile(source, rows[:top], len(events) / steps, busy / steps, span / steps)

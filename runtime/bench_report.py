@@ -14,6 +14,7 @@ from phloem.engine import Engine
 from phloem.runtime.bench_decode import (
     DecodeResult,
     PrefillResult,
+    StepProfile,
     kernel_breakdown,
     measure_bandwidth,
     measure_matmul_rate,
@@ -43,6 +44,7 @@ def engine_switches(engine: Engine) -> dict[str, object]:
         "kernels": ops.backend,
         "async_scheduling": engine.async_scheduling,
         "triton_gemv": ops.linear.__module__.endswith(".gemv"),
+        "fused_decode": ops.fused_decode,
         "pdl": pdl,
         "tensor_parallel_size": group.size if group is not None else 1,
         "one_shot_allreduce": group is not None and group.one_shot is not None,
@@ -100,7 +102,7 @@ def bench_decode(
     if prefill_tokens and prefill_tokens < engine.max_model_len:
         prefill = run_prefill(engine, prefill_tokens, matmul)
     # Profiled on rank 0 alone, eagerly: under TP its workers would replay graphs meanwhile.
-    kernels = kernel_breakdown(engine) if dev.type == "cuda" and engine.workers is None else []
+    kernels = kernel_breakdown(engine) if dev.type == "cuda" and engine.workers is None else None
     switches = engine_switches(engine)
     report = _markdown(shape if model is None else str(model), device, bandwidth, matmul, results, skipped, prefill, kernels)
     report = ", ".join(f"{k} {v}" for k, v in switches.items()) + "\n" + report
@@ -115,7 +117,7 @@ def bench_decode(
                     "decode": [asdict(r) | {"roofline_fraction": r.roofline_fraction} for r in results],
                     "skipped": skipped,
                     "prefill": asdict(prefill) | {"roofline_fraction": prefill.roofline_fraction} if prefill else None,
-                    "kernels": kernels,
+                    "kernels": asdict(kernels) if kernels is not None else None,
                 },
                 indent=2,
             )
@@ -131,7 +133,7 @@ def _markdown(
     results: list[DecodeResult],
     skipped: list[tuple[int, int]],
     prefill: PrefillResult | None,
-    kernels: list[tuple[str, float, int]],
+    kernels: StepProfile | None,
 ) -> str:
     lines = [
         f"model {name} on {device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 GEMM {matmul / 1e12:.0f} TFLOP/s",
@@ -155,7 +157,15 @@ def _markdown(
             f"prefill {prefill.tokens} tokens: {prefill.seconds:.2f} s ({prefill.tokens / prefill.seconds:.0f} tok/s), "
             f"{prefill.flops / 1e12:.0f} TFLOP -> {prefill.roofline_fraction:.0%} of the GEMM roofline",
         ]
-    if kernels:
-        lines += ["", "| kernel (one eager decode step, batch 1, 1K context) | µs | calls |", "|---|---|---|"]
-        lines += [f"| `{k}` | {us:.0f} | {n} |" for k, us, n in kernels]
+    if kernels is not None:
+        lines += [
+            "",
+            f"one decode step, batch 1, 1K context ({kernels.source}): {kernels.launches:.0f} launches, "
+            f"{kernels.busy_us:.0f} µs busy in a {kernels.span_us:.0f} µs span "
+            f"({kernels.span_us - kernels.busy_us:.0f} µs between kernels)",
+            "",
+            "| kernel | µs per step | launches per step |",
+            "|---|---|---|",
+        ]
+        lines += [f"| `{k}` | {us:.1f} | {n:g} |" for k, us, n in kernels.kernels]
     return "\n".join(lines)

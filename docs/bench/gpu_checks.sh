@@ -24,6 +24,14 @@
 #   5   PD vs colocated on the 35B-A3B shape, agentic workload (50K first turn, 800-token turns)
 #   6   the TP all-reduce: one-shot NVLink all-reduce + residual + RMSNorm against NCCL (tokens
 #       and µs per call, docs/bench/allreduce_bench.py)
+#   7   the one-token decode GEMVs (docs/bench/gemv_sweep.py): every launch configuration against
+#       cuBLAS, the fused projections against the unfused ops; then the best again under PDL
+#   8   decode bench TP=1, batch 1 and 16 at 1K, variants from $DECODE_VARIANTS: unfused (the
+#       one-token path's unfused ops, PHLOEM_FUSED_DECODE=0), fused (PDL off), fused_pdl (the
+#       default), cublas (PHLOEM_TRITON_GEMV=0); each with the kernel profile of the batch-1 graph
+#   11  the decode bench's whole grid with the defaults: batch 1/4/16/64 at 1K/32K/128K, a 50K prefill
+#   12  batch-1 decode alone at 1K/32K/128K with the defaults (the one-token path; batches > 1 are step 11's)
+#   10  where the host's time goes in batch-1 async decode steps (docs/bench/host_profile.py, cProfile)
 #   9   the summary table
 # A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0).
 set -u
@@ -123,10 +131,42 @@ step_5() {
 step_6() {
   timeout 300 python3 docs/bench/allreduce_bench.py > "$OUT/6_allreduce.txt" 2>&1
 }
+step_7() {
+  # GEMV_SWEEP=full: the whole grid; else only the best configurations of the recorded sweep.
+  local grid="--top docs/bench/h200_gemv_sweep.json"
+  [ "${GEMV_SWEEP:-}" = full ] && grid=""
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 600 python3 docs/bench/gemv_sweep.py $grid --out "$OUT/7_gemv.json" > "$OUT/7_gemv.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_PDL=0 timeout 300 python3 docs/bench/gemv_sweep.py --top "$OUT/7_gemv.json" \
+    --out "$OUT/7_gemv_nopdl.json" > "$OUT/7_gemv_nopdl.txt" 2>&1
+}
+step_8() {
+  local v
+  declare -A envs=([unfused]=PHLOEM_FUSED_DECODE=0 [fused]=PHLOEM_PDL=0 [fused_pdl]=PHLOEM_PDL=1 [cublas]=PHLOEM_TRITON_GEMV=0)
+  for v in ${DECODE_VARIANTS:-unfused fused fused_pdl}; do
+    CUDA_VISIBLE_DEVICES=${GPU:-0} env "${envs[$v]}" timeout 600 $PY $BENCH --out "$OUT/8_$v.json" > "$OUT/8_$v.txt" 2>&1
+  done
+}
+step_11() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 600 $PY bench decode --device cuda --batches 1,4,16,64 --contexts 1024,32768,131072 \
+    --prefill-tokens 50000 --out "$OUT/11_decode.json" > "$OUT/11_decode.txt" 2>&1
+}
+step_12() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 $PY bench decode --device cuda --batches 1 --contexts 1024,32768,131072 \
+    --prefill-tokens 0 --out "$OUT/12_decode_b1.json" > "$OUT/12_decode_b1.txt" 2>&1
+}
+step_10() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/host_profile.py > "$OUT/10_host.txt" 2>&1
+}
 step_9() {
   echo; echo "== summary =="
   cat "$OUT/0_warmup.txt" 2>/dev/null
   for f in 1_gpu_tests 2_tp_tests; do [ -f "$OUT/$f.txt" ] && echo "$f: $(tail -n 1 "$OUT/$f.txt")"; done
+  for f in 7_gemv 7_gemv_nopdl; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^|' "$OUT/$f.txt" | grep -v '| plain |' ; grep 'plain' "$OUT/$f.txt" | head -n 12; }; done
+  for f in 8_unfused 8_fused 8_fused_pdl 8_cublas; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; head -n 1 "$OUT/$f.txt"; grep '^| 1 \|^| 16 \|launches' "$OUT/$f.txt"; }; done
+  [ -f "$OUT/8_fused.txt" ] && grep -A 26 'launches' "$OUT/8_fused.txt"
+  [ -f "$OUT/11_decode.txt" ] && grep -v Warning "$OUT/11_decode.txt" | grep '^|\|prefill\|launches\|kernels' | head -n 48
+  [ -f "$OUT/12_decode_b1.txt" ] && grep -v Warning "$OUT/12_decode_b1.txt" | grep '^|\|launches\|kernels' | head -n 30
+  [ -f "$OUT/10_host.txt" ] && grep -v Warning "$OUT/10_host.txt" | head -n 40
   for f in 3_tp1 3_tp1_gemv 3_tp1_gemv_pdl 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
   [ -f "$OUT/4_pd_check.txt" ] && echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt")"
   for f in 5_pd 5_colocated; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| sessions' "$OUT/$f.txt"; }; done
