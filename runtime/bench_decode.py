@@ -30,6 +30,7 @@ __all__ = [
     "StepBytes",
     "StepProfile",
     "decode_tokens",
+    "graph_us",
     "kernel_breakdown",
     "measure_bandwidth",
     "measure_matmul_rate",
@@ -245,6 +246,21 @@ def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / repeats
+
+
+def graph_us(fn: Any, calls: int, repeats: int = 30) -> float:
+    """Device µs per call of ``fn`` (which makes ``calls`` launches), from a CUDA graph of one
+    ``fn()`` captured after a warm-up call (compilation stays out) and replayed (kernel sweeps)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return 1000 * replay_ms(graph, repeats) / calls
 
 
 def run_prefill(engine: Engine, tokens: int, matmul_rate: float, seed: int = 0) -> PrefillResult:

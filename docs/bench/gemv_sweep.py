@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from phloem.kernels import fused_linear as ref
 from phloem.kernels.triton import conv1d_update, gemv, moe_route, norm
-from phloem.runtime.bench_decode import measure_bandwidth, replay_ms
+from phloem.runtime.bench_decode import graph_us, measure_bandwidth
 
 H, CONV, VD, HQD, E, TOP_K = 2048, 8192, 4096, 4096, 256, 8
 SHAPES = {  # name: (N, K)
@@ -48,20 +48,6 @@ def configs(num_k: int, quick: bool) -> list[gemv.GemvConfig]:
     out += [gemv.GemvConfig(bn, w, st, pps, pf)
             for bn, w, pps, (pf, st) in itertools.product((2, 4, 8), (4, 8), (1, 2, 4), modes)]  # fmt: skip
     return [c for c in out if c.block_n * kp <= 16384]
-
-
-def graph_us(fn, calls: int, repeats: int = 30) -> float:
-    """Device µs per call of ``fn`` (``calls`` launches), from a replayed CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return 1000 * replay_ms(graph, repeats) / calls
 
 
 def weights(name: str) -> list[torch.Tensor]:

@@ -25,23 +25,9 @@ from phloem.kernels.moe import fused_moe as reference
 from phloem.kernels.moe import moe_route_shared
 from phloem.kernels.triton.fused_moe import DEFAULT_CONFIG, MoeDecodeConfig, fused_moe_tuned, launch_down_sum, launch_gate_up
 from phloem.kernels.triton.moe_grouped import fused_moe_grouped
-from phloem.runtime.bench_decode import replay_ms
+from phloem.runtime.bench_decode import graph_us
 
 E, H, I, TOP_K, LAYERS = 257, 2048, 512, 8, 8
-
-
-def graph_us(fn, calls: int, repeats: int = 30) -> float:
-    """Device µs per call of ``fn`` (which makes ``calls`` launches), from a replayed CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # warm-up / compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return 1000 * replay_ms(graph, repeats) / calls
 
 
 def make_layers(tokens: int, num_layers: int = LAYERS):
