@@ -282,10 +282,9 @@ def _vocab_shard(vocab_size: int, start: int, per_rank: int) -> dict[str, Shard]
 class ParallelEmbedding(nn.Module):
     """Vocab-parallel token embedding; ``weight`` holds this rank's (padded) vocab rows."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, linear: Op = F.linear) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
-        self.linear = linear  # the op table's ``linear`` (one-token GEMV on GPU)
         self.vocab_size = vocab_size
         self.start, per_rank = _vocab_rows(vocab_size, tp)
         self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))

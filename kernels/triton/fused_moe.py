@@ -13,6 +13,11 @@ token and walks its experts' down rows in one flat loop (so the software pipelin
 across expert boundaries), writing the token's output once in ``x.dtype`` — no fp32 partials,
 no separate reduction and cast launches, no atomics (the sum order is fixed: deterministic).
 
+``fused_moe_routed`` takes the router logits instead of the weights and ids: each gate/up program
+finds its slot's expert itself (``moe_route.select_expert``) and one program per token writes the
+weights and ids stage 2 reads, so the routing needs no launch of its own (the one-token decode
+path; with more tokens the routing in every program costs more than the launch it saves).
+
 At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8 + shared) one token reads
 9 × 3 × 2048 × 512 bf16 = 57 MB per layer, which is what bounds decode. Accumulation is fp32.
 """

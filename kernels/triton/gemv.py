@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 from phloem.kernels.triton import conv1d_update, norm
+from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = [
     "GemvConfig",

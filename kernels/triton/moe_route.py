@@ -42,10 +42,8 @@ _MAX_EXPERTS = 1024
 def route_row(
     p_logits, p_weights, p_ids, E,
     TOP_K: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
-    store=True,
 ):  # fmt: skip
-    """Route one token: its ``E`` (+1) logits at ``p_logits`` -> ``TOP_K`` (+1) weights and ids,
-    stored where ``store``; returns the ids ``[BK]`` (the routed ones, without the shared expert).
+    """Route one token: its ``E`` (+1) logits at ``p_logits`` -> ``TOP_K`` (+1) weights and ids.
 
     Experts are selected on the logits (softmax is monotonic), each round one arg-max; the weights
     are their fp32 softmax probabilities over all ``E``. ``select_expert`` makes the same choice."""
@@ -70,14 +68,13 @@ def route_row(
     if RENORMALIZE:
         b_w = b_w / tl.sum(b_w)
 
-    tl.store(p_weights + o_k, b_w.to(p_weights.dtype.element_ty), mask=m_k & store)
-    tl.store(p_ids + o_k, b_i, mask=m_k & store)
+    tl.store(p_weights + o_k, b_w.to(p_weights.dtype.element_ty), mask=m_k)
+    tl.store(p_ids + o_k, b_i, mask=m_k)
     if HAS_SHARED:
         b_g = tl.load(p_logits + E).to(p_weights.dtype.element_ty)
         b_s = tl.sigmoid(b_g.to(tl.float32)).to(p_weights.dtype.element_ty)
-        tl.store(p_weights + TOP_K, b_s, mask=store)
-        tl.store(p_ids + TOP_K, E.to(tl.int64), mask=store)
-    return b_i
+        tl.store(p_weights + TOP_K, b_s)
+        tl.store(p_ids + TOP_K, E.to(tl.int64))
 
 
 @triton.jit
