@@ -16,9 +16,9 @@
 #       fused KV-write prologue and in-kernel GDN gates at the 35B-A3B shapes
 #   2   TP=2 tests (graphs on both ranks, a resume from a gathered export; the cuda:1 engine test)
 #   3a  decode bench TP=1, batch 1 and 16 at 1K context (each point timed with async scheduling
-#       and again without it: the "sync ms/step" column); again with the one-token Triton GEMV
-#       for the output projections (PHLOEM_TRITON_GEMV=1: is it faster than cuBLAS?), and with
-#       programmatic dependent launch on top (PHLOEM_PDL=1)
+#       and again without it: the "sync ms/step" column), with the defaults; again with cuBLAS
+#       for one-token linear calls (PHLOEM_TRITON_GEMV=0), and without programmatic dependent
+#       launch on top (PHLOEM_PDL=0)
 #   3b  decode bench TP=2 (NCCL all-reduces, then the one-shot kernel), and TP=2 + expert parallelism
 #   4   PD: tiny model, prefill on GPU 0 and decode on GPU 1, tokens against a colocated server
 #   5   PD vs colocated on the 35B-A3B shape, agentic workload (50K first turn, 800-token turns)
@@ -94,10 +94,10 @@ step_2() {
 BENCH="bench decode --device cuda --batches 1,16 --contexts 1024 --prefill-tokens 0"
 step_3a() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 900 $PY $BENCH --out "$OUT/3_tp1.json" > "$OUT/3_tp1.txt" 2>&1
-  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_TRITON_GEMV=1 timeout 900 $PY $BENCH --out "$OUT/3_tp1_gemv.json" \
-    > "$OUT/3_tp1_gemv.txt" 2>&1
-  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_TRITON_GEMV=1 PHLOEM_PDL=1 timeout 900 $PY $BENCH \
-    --out "$OUT/3_tp1_gemv_pdl.json" > "$OUT/3_tp1_gemv_pdl.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_TRITON_GEMV=0 timeout 900 $PY $BENCH --out "$OUT/3_tp1_cublas.json" \
+    > "$OUT/3_tp1_cublas.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_TRITON_GEMV=0 PHLOEM_PDL=0 timeout 900 $PY $BENCH \
+    --out "$OUT/3_tp1_cublas_nopdl.json" > "$OUT/3_tp1_cublas_nopdl.txt" 2>&1
 }
 step_3b() {
   timeout 900 $PY $BENCH --tp 2 --out "$OUT/3_tp2.json" > "$OUT/3_tp2.txt" 2>&1
@@ -167,7 +167,7 @@ step_9() {
   [ -f "$OUT/11_decode.txt" ] && grep -v Warning "$OUT/11_decode.txt" | grep '^|\|prefill\|launches\|kernels' | head -n 48
   [ -f "$OUT/12_decode_b1.txt" ] && grep -v Warning "$OUT/12_decode_b1.txt" | grep '^|\|launches\|kernels' | head -n 30
   [ -f "$OUT/10_host.txt" ] && grep -v Warning "$OUT/10_host.txt" | head -n 40
-  for f in 3_tp1 3_tp1_gemv 3_tp1_gemv_pdl 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
+  for f in 3_tp1 3_tp1_cublas 3_tp1_cublas_nopdl 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
   [ -f "$OUT/4_pd_check.txt" ] && echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt")"
   for f in 5_pd 5_colocated; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| sessions' "$OUT/$f.txt"; }; done
   [ -f "$OUT/6_allreduce.txt" ] && tail -n 12 "$OUT/6_allreduce.txt"
