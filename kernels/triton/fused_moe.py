@@ -33,7 +33,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
-from phloem.kernels.triton.moe_route import route_row, select_expert
+from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -137,7 +137,6 @@ def _down_sum_kernel(
 
 
 _ENV_VAR = "PHLOEM_MOE_DECODE_CONFIG"
-_MAX_EXPERTS = 1024  # the routing keeps a row of logits in registers (kernels.triton.moe_route)
 
 # Chosen by a CUDA-graph sweep on an H200 at the 35B-A3B shape (docs/benchmarks.md, "MoE kernel
 # sweep"; docs/bench/moe_sweep.py): one token, and 16 tokens (used from _BATCH_TOKENS up).
@@ -184,8 +183,8 @@ def fused_moe_routed(
     """``kernels.moe.fused_moe_routed``: the routing (``moe_route.route_row`` / ``select_expert``) in
     the gate/up stage's programs, no launch of its own."""
     num_tokens, num_cols = router_logits.shape
-    if not 1 <= top_k <= num_cols - 1 <= _MAX_EXPERTS or router_logits.stride(-1) != 1:
-        raise ValueError(f"need 1 <= top_k <= E <= {_MAX_EXPERTS} and unit-stride logits, got top_k={top_k}, "
+    if not 1 <= top_k <= num_cols - 1 <= MAX_EXPERTS or router_logits.stride(-1) != 1:
+        raise ValueError(f"need 1 <= top_k <= E <= {MAX_EXPERTS} and unit-stride logits, got top_k={top_k}, "
                          f"logits {tuple(router_logits.shape)} strides {router_logits.stride()}")  # fmt: skip
     config = DEFAULT_CONFIG if num_tokens < _BATCH_TOKENS else _BATCH_CONFIG
     x = x.contiguous()

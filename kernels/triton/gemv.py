@@ -220,11 +220,12 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _covered(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _covered(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """One row the kernel can take (and a residual of its shape, where there is one)."""
     num_k = x.shape[-1]
     return (
         x.numel() == num_k and weight.dim() == 2 and weight.shape[1] == num_k and weight.stride(1) == 1
-        and x.dtype == weight.dtype and num_k <= MAX_K
+        and x.dtype == weight.dtype and num_k <= MAX_K and (residual is None or residual.shape == x.shape)
     )  # fmt: skip
 
 
@@ -288,7 +289,7 @@ def add_rms_norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels.fused_linear.add_rms_norm_linear``."""
-    if not _covered(x, weight) or (residual is not None and residual.shape != x.shape):
+    if not _covered(x, weight, residual):
         normed, residual = norm.add_rms_norm(x, residual, norm_w, eps)
         return linear(normed, weight), residual
     y, res = _outputs(x, residual, weight.shape[0])
@@ -310,7 +311,7 @@ def add_rms_norm_conv_linear(
     """``kernels.fused_linear.add_rms_norm_conv_linear``."""
     conv_dim, kernel_size = conv_w.shape
     fits = (
-        _covered(x, weight) and (residual is None or residual.shape == x.shape) and conv_dim <= weight.shape[0]
+        _covered(x, weight, residual) and conv_dim <= weight.shape[0]
         and conv_states.shape[1:] == (conv_dim, kernel_size - 1) and conv_states.stride(-1) == 1
         and conv_w.stride(-1) == 1 and kernel_size >= 2
     )  # fmt: skip
@@ -350,7 +351,7 @@ def add_rms_norm_router(
     x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernels.fused_linear.add_rms_norm_router``: ``(router logits, normed, x + residual)``."""
-    if not _covered(x, router_w) or (residual is not None and residual.shape != x.shape):
+    if not _covered(x, router_w, residual):
         normed, residual = norm.add_rms_norm(x, residual, norm_w, eps)
         return linear(normed, router_w), normed, residual
     logits, res = _outputs(x, residual, router_w.shape[0])

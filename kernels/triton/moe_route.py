@@ -33,7 +33,7 @@ from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["moe_route", "moe_route_shared", "route_row", "select_expert"]
 
-_MAX_EXPERTS = 1024
+MAX_EXPERTS = 1024
 # One warp: the top-k rounds are serial reductions and cross-warp ones cost more than they save
 # (H200, 256 experts: 2.4 us with 1 warp, 3.4 us with 4).
 
@@ -130,9 +130,9 @@ def _route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_cols = router_logits.shape
     num_experts = num_cols - int(shared)
-    if not 1 <= top_k <= num_experts or num_experts > _MAX_EXPERTS:
+    if not 1 <= top_k <= num_experts or num_experts > MAX_EXPERTS:
         raise ValueError(
-            f"need 1 <= top_k <= E <= {_MAX_EXPERTS}, got top_k={top_k}, E={num_experts}"
+            f"need 1 <= top_k <= E <= {MAX_EXPERTS}, got top_k={top_k}, E={num_experts}"
         )
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
