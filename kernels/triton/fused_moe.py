@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from phloem.kernels.triton import moe_token
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert
 
@@ -168,6 +169,8 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, K]
     topk_ids: torch.Tensor,  # [T, K]
 ) -> torch.Tensor:
+    if moe_token.covered(x, w_gate_up, w_down, topk_ids):
+        return moe_token.fused_moe_token(x, w_gate_up, w_down, topk_weights, topk_ids)
     config = DEFAULT_CONFIG if x.shape[0] < _BATCH_TOKENS else _BATCH_CONFIG
     return fused_moe_tuned(x, w_gate_up, w_down, topk_weights, topk_ids, config)
 

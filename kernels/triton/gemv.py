@@ -12,6 +12,8 @@ conv update::
     PRO_SIGMOID_GATE    x̂ = x * sigmoid(gate)                   sigmoid_gate_linear
     CONV                rows < D: the causal conv1d + SiLU update of y with the state at the read /
                         write slot (stored in place of y); rows >= D: y   add_rms_norm_conv_linear
+    ROUTE               y = the router's E + 1 logits; the program that finishes last (a count of
+                        finished programs) routes them (``moe_route.route_row``)   add_rms_norm_route
 
 Every program computes the prologue of the whole row (``K`` <= ``MAX_K``, held in registers: a few
 KiB read through L2 by each program, instead of a launch of its own), then walks row blocks of
@@ -42,13 +44,15 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.triton import conv1d_update, norm
+from phloem.kernels.triton import conv1d_update, moe_route, norm
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
+from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row
 
 __all__ = [
     "GemvConfig",
     "add_rms_norm_conv_linear",
     "add_rms_norm_linear",
+    "add_rms_norm_route",
     "add_rms_norm_router",
     "gated_rms_norm_linear",
     "gemv_config",
@@ -131,7 +135,7 @@ def _conv_operands(o_n, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC: tl.
 @triton.jit
 def _conv_epilogue(
     b_y, o_n, m_n, b_s, b_next, b_cw, p_y, p_cs, i_write, s_cn, s_cd, CONV_N,
-    KC: tl.constexpr, BKC: tl.constexpr,
+    KC: tl.constexpr, BKC: tl.constexpr, BARRIER: tl.constexpr,
 ):  # fmt: skip
     """Rows ``< CONV_N`` of ``b_y`` (the block's projection, rounded) through the conv update
     (``kernels.triton.conv1d_update``'s rounding), the state shifted into the write slot."""
@@ -144,8 +148,8 @@ def _conv_epilogue(
     b_conv = (b_acc / (1.0 + tl.exp(-b_acc))).to(w_dtype).to(dtype)
     tl.store(p_y + o_n, tl.where(o_n < CONV_N, b_conv, b_y), mask=m_n)
     b_new = tl.where(o_c[None, :] == KC - 2, b_y[:, None], b_next.to(dtype))
-    # Every thread has loaded its part of the state before any shifts it in place.
-    tl.debug_barrier()
+    if BARRIER:  # every thread has loaded its part of the state before any shifts it in place
+        tl.debug_barrier()
     tl.store(p_cs + i_write * s_cn + o_n[:, None] * s_cd + o_c[None, :], b_new.to(p_cs.dtype.element_ty), mask=m_s)
 
 
@@ -154,9 +158,11 @@ def gemv_kernel(
     p_x, p_w, p_y, N, K, s_wn,
     p_a, p_nw, p_res, p_normed, eps,
     p_cw, p_cs, p_read, p_write, s_cw, s_cn, s_cd, CONV_N,
+    p_tw, p_ids, p_done,
     PRO: tl.constexpr, CONV: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_A: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr, HEAD: tl.constexpr,
-    KC: tl.constexpr, BKC: tl.constexpr,
+    KC: tl.constexpr, BKC: tl.constexpr, CONV_BLOCKS: tl.constexpr,
+    ROUTE: tl.constexpr, TOP_K: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr,
 ):  # fmt: skip
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -167,13 +173,26 @@ def gemv_kernel(
         o_first = i_p * BLOCK_N + o_b
         b_w = tl.load(p_w + o_first[:, None].to(tl.int64) * s_wn + o_k[None, :],
                       mask=(o_first < N)[:, None] & m_k[None, :], other=0.0)  # fmt: skip
+    if CONV:
+        # Step inputs (copied in before the step) and the layer's own conv state: no kernel before
+        # this one in the step writes them.
+        i_read = tl.load(p_read).to(tl.int64)
+        i_write = tl.load(p_write).to(tl.int64)
+        if CONV_BLOCKS > 0:
+            # The conv operands of all this program's blocks (at most CONV_BLOCKS), before the wait:
+            # loaded block by block they put a memory latency into every step of the walk.
+            o_j = tl.arange(0, CONV_BLOCKS)
+            o_rows = tl.reshape((i_p + o_j * n_p)[:, None] * BLOCK_N + o_b[None, :], (CONV_BLOCKS * BLOCK_N,))
+            b_s3, b_next3, b_cw3 = _conv_operands(o_rows, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC, BKC)
+            b_s3 = tl.reshape(b_s3, (CONV_BLOCKS, BLOCK_N, BKC))
+            b_next3 = tl.reshape(b_next3, (CONV_BLOCKS, BLOCK_N, BKC))
+            b_cw3 = tl.reshape(b_cw3, (CONV_BLOCKS, BLOCK_N, BKC))
+            # Every thread has loaded its part of the state before any shifts it in place.
+            tl.debug_barrier()
     if PDL:
         gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     b_x = _gemv_input(p_x, p_a, p_nw, p_res, p_normed, K, eps, i_p, PRO, HAS_A, WRITE_NORMED, ROUND_WEIGHTED, HEAD, KP)
-    if CONV:
-        i_read = tl.load(p_read).to(tl.int64)
-        i_write = tl.load(p_write).to(tl.int64)
     for i_blk in range(i_p, tl.cdiv(N, BLOCK_N), n_p):
         o_n = i_blk * BLOCK_N + o_b
         m_n = o_n < N
@@ -187,14 +206,29 @@ def gemv_kernel(
             b_cur = tl.load(p_w + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
                             other=0.0)  # fmt: skip
         if CONV:
-            # Loaded in the block's own step: prefetching them with the next tile measured slower on
-            # an H200 (in_proj + conv 17.4 -> 19.5 us: 244 registers a thread, 2 programs an SM).
-            b_s, b_next, b_cw = _conv_operands(o_n, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC, BKC)
+            if CONV_BLOCKS > 0:
+                j = (i_blk - i_p) // n_p
+                b_s = tl.sum(tl.where(o_j[:, None, None] == j, b_s3, 0), axis=0).to(b_s3.dtype)
+                b_next = tl.sum(tl.where(o_j[:, None, None] == j, b_next3, 0), axis=0).to(b_next3.dtype)
+                b_cw = tl.sum(tl.where(o_j[:, None, None] == j, b_cw3, 0), axis=0).to(b_cw3.dtype)
+            else:
+                # Loaded in the block's own step (prefetching them with the next tile measured slower
+                # on an H200: in_proj + conv 17.4 -> 19.5 us, 244 registers a thread, 2 programs an SM).
+                b_s, b_next, b_cw = _conv_operands(o_n, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC, BKC)
         b_y = tl.sum(b_cur.to(tl.float32) * b_x[None, :], axis=1).to(p_y.dtype.element_ty)
         if CONV:
-            _conv_epilogue(b_y, o_n, m_n, b_s, b_next, b_cw, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC)
+            _conv_epilogue(b_y, o_n, m_n, b_s, b_next, b_cw, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC,
+                           CONV_BLOCKS == 0)  # fmt: skip
         else:
             tl.store(p_y + o_n, b_y, mask=m_n)
+    if ROUTE:
+        # The program that finishes last routes the token: every other program's logits are in
+        # memory before its count (each program's stores, then a CTA barrier, then one release
+        # increment; the last program's increment acquires them all).
+        tl.debug_barrier()
+        if tl.atomic_add(p_done, 1, sem="acq_rel", scope="gpu") == n_p - 1:
+            route_row(p_y, p_tw, p_ids, N - 1, TOP_K, BE, BR, RENORMALIZE, True)
+            tl.atomic_xchg(p_done, 0, sem="relaxed", scope="gpu")  # for the next launch
 
 
 # From docs/bench/gemv_sweep.py on an H200 at the 35B-A3B shapes (CUDA-graph replays over distinct
@@ -202,6 +236,9 @@ def gemv_kernel(
 # one-ahead prefetch beat one program per block by 10-40% (the prologue runs once per program)
 # and cuBLAS by 5-35%; tiles of 8 K bf16 per block; 4 warps where the conv epilogue holds more
 # registers, and for the router (257 rows: one block per program pair of SMs).
+# The conv operands of a program's blocks all loaded at its start, before ``gdc_wait``, not one
+# block's at a time inside the walk (up to 16 blocks a program; module-level for A/B sweeps).
+CONV_PRELOAD = True
 _WIDE = GemvConfig(block_n=4, num_warps=8, num_stages=1, programs_per_sm=4, prefetch=True)
 
 
@@ -218,6 +255,14 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 2  # the interpreter: a small grid, so programs walk several row blocks
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+@functools.cache
+def _done_counter(device: torch.device) -> torch.Tensor:
+    """The routing GEMV's count of finished programs, zero between launches (its last program
+    resets it). One per device: launches that use it run one after another on the device's
+    stream (a decode step's MoE layers), never concurrently on two streams."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _covered(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
@@ -239,6 +284,7 @@ class _Call(NamedTuple):
     eps: float = 0.0
     head: int = 1
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # weight, states, read, write
+    route: tuple[torch.Tensor, torch.Tensor, int, bool] | None = None  # weights out, ids out, top_k, renormalise
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, call: _Call,
@@ -250,7 +296,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
     # for 515 programs, not 5.8 (the last wave's stragglers set the kernel's time).
     cap = c.programs_per_sm * _num_sms(x.device)
     grid = blocks if c.programs_per_sm == 0 else triton.cdiv(blocks, triton.cdiv(blocks, cap))
+    walk = triton.cdiv(blocks, grid)  # blocks per program
+    conv_blocks = triton.next_power_of_2(walk) if call.conv is not None and CONV_PRELOAD and walk <= 16 else 0
     conv_w, conv_s, r_slot, w_slot = call.conv if call.conv is not None else (x, x, x, x)
+    tw, ids, top_k, renormalize = call.route if call.route is not None else (x, x, 1, False)
     nw = call.nw if call.nw is not None else x
     gemv_kernel[(grid,)](
         x, weight, y, num_n, num_k, weight.stride(0),
@@ -258,11 +307,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
         call.normed if call.normed is not None else x, call.eps,
         conv_w, conv_s, r_slot, w_slot, conv_w.stride(0), conv_s.stride(0), conv_s.stride(1) if conv_s.dim() > 1 else 0,
         conv_w.shape[0] if call.conv is not None else 0,
+        tw, ids, _done_counter(x.device) if call.route is not None else x,
         PRO=pro, CONV=call.conv is not None, KP=triton.next_power_of_2(num_k), BLOCK_N=c.block_n, PREFETCH=c.prefetch,
         HAS_A=call.a is not None, WRITE_NORMED=call.normed is not None,
         ROUND_WEIGHTED=torch.promote_types(nw.dtype, x.dtype) == x.dtype, HEAD=call.head,
         KC=conv_w.shape[1] if call.conv is not None else 1,
-        BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1,
+        BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks,
+        ROUTE=call.route is not None, TOP_K=top_k, BE=triton.next_power_of_2(num_n - 1) if call.route is not None else 1,
+        BR=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
 
@@ -358,6 +410,27 @@ def add_rms_norm_router(
     normed = torch.empty_like(x)
     _launch(_row(x), router_w, logits, PRO_ADD_RMS_NORM, _Call(a=_opt_row(residual), nw=norm_w, res=res, normed=normed, eps=eps))
     return logits, normed, res
+
+
+def add_rms_norm_route(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor,
+    top_k: int, renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.fused_linear.add_rms_norm_route``: ``(topk_weights, topk_ids, normed, x + residual)``,
+    the routing (``moe_route.route_row``) in the program that finishes the router's rows last."""
+    num_experts = router_w.shape[0] - 1
+    if not 1 <= top_k <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"need 1 <= top_k <= E <= {MAX_EXPERTS}, got top_k={top_k}, E={num_experts}")
+    if not _covered(x, router_w, residual):
+        logits, normed, residual = add_rms_norm_router(x, residual, norm_w, eps, router_w)
+        return (*moe_route.moe_route_shared(logits, top_k, renormalize), normed, residual)
+    logits, res = _outputs(x, residual, router_w.shape[0])
+    normed = torch.empty_like(x)
+    tw = torch.empty((1, top_k + 1), dtype=x.dtype, device=x.device)
+    ids = torch.empty((1, top_k + 1), dtype=torch.int64, device=x.device)
+    call = _Call(a=_opt_row(residual), nw=norm_w, res=res, normed=normed, eps=eps, route=(tw, ids, top_k, renormalize))
+    _launch(_row(x), router_w, logits, PRO_ADD_RMS_NORM, call)
+    return tw, ids, normed, res
 
 
 def _outputs(x: torch.Tensor, residual: torch.Tensor | None, num_n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,89 @@
+"""The experts of one token (``kernels.triton.moe_token``) against the torch reference ``kernels.moe.fused_moe``.
+
+On CPU under the interpreter at small shapes, in several launch layouts (programs walking several
+tiles; one program per tile); the ids in the model's layout (the shared expert, stored last, in the
+last slot: the tile the kernels load before their inputs are ready) and in others (the last slot
+another expert, repeated experts), where that early tile must be replaced. On the GPU at the
+35B-A3B shape (marker ``gpu``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# @triton.jit binds to the interpreter at import time: on CPU switch it on before the kernels import.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from phloem.kernels.moe import fused_moe as reference  # noqa: E402
+from phloem.kernels.moe import moe_route_shared  # noqa: E402
+from phloem.kernels.triton import fused_moe, moe_token  # noqa: E402
+from phloem.kernels.triton.moe_token import MoeTokenConfig  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+LAYOUTS = {
+    "default": moe_token.DEFAULT_CONFIG,
+    "walk": MoeTokenConfig(2, 4, 1, 4, 4),
+    "tile_per_program": MoeTokenConfig(4, 4, 0, 8, 2),
+    "one_row": MoeTokenConfig(1, 2, 2, 2, 2),
+}
+
+
+def _experts(experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, hidden, generator=gen).to(DEVICE, dtype)
+    w_gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(DEVICE, dtype)
+    w_down = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE, dtype)
+    return x, w_gate_up, w_down, gen
+
+
+def _shared_layout(experts: int, top_k: int, gen: torch.Generator, dtype: torch.dtype):
+    """Routed top-k of ``experts - 1`` + the shared expert (``experts - 1``) last."""
+    return moe_route_shared(torch.randn(1, experts, generator=gen).to(DEVICE, dtype), top_k, True)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(("experts", "top_k", "hidden", "inter"), [(9, 3, 40, 24), (17, 4, 64, 32)], ids=["odd-dims", "pow2"])
+def test_shared_layout_matches_reference(assert_close, layout: str, experts: int, top_k: int, hidden: int, inter: int) -> None:
+    x, w_gate_up, w_down, gen = _experts(experts, hidden, inter, torch.float32, seed=experts)
+    weights, ids = _shared_layout(experts, top_k, gen, torch.float32)
+    got = moe_token.fused_moe_token(x, w_gate_up, w_down, weights, ids, LAYOUTS[layout])
+    assert_close(got, reference(x, w_gate_up, w_down, weights, ids), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "ids", [[[3, 1, 3, 5]], [[0]], [[8, 2, 0, 7, 1]]], ids=["repeated-and-last-not-shared", "one-slot", "last-expert-not-last"]
+)
+def test_any_ids_match_reference(assert_close, layout: str, ids: list[list[int]]) -> None:
+    """Where the last slot is not the last expert, the tile loaded early for it is replaced."""
+    x, w_gate_up, w_down, gen = _experts(9, 40, 24, torch.float32, seed=3)
+    topk_ids = torch.tensor(ids, device=DEVICE)
+    weights = torch.rand(topk_ids.shape, generator=gen).to(DEVICE)
+    got = moe_token.fused_moe_token(x, w_gate_up, w_down, weights, topk_ids, LAYOUTS[layout])
+    assert_close(got, reference(x, w_gate_up, w_down, weights, topk_ids), atol=1e-5, rtol=1e-4)
+
+
+def test_one_token_goes_to_the_token_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fused_moe`` with one token takes ``moe_token``; with two, the batched kernels."""
+    x, w_gate_up, w_down, gen = _experts(9, 32, 16, torch.float32, seed=4)
+    weights, ids = _shared_layout(9, 2, gen, torch.float32)
+    calls = []
+    monkeypatch.setattr(moe_token, "fused_moe_token", lambda *a: calls.append(a) or torch.zeros_like(x))
+    fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids)
+    fused_moe.fused_moe(x.repeat(2, 1), w_gate_up, w_down, weights.repeat(2, 1), ids.repeat(2, 1))
+    assert len(calls) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_real_shape_bf16(assert_close, layout: str) -> None:
+    x, w_gate_up, w_down, gen = _experts(257, 2048, 512, torch.bfloat16, seed=5)
+    weights, ids = _shared_layout(257, 8, gen, torch.bfloat16)
+    expected = reference(x.float(), w_gate_up.float(), w_down.float(), weights.float(), ids)
+    got = moe_token.fused_moe_token(x, w_gate_up, w_down, weights, ids, LAYOUTS[layout])
+    assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
