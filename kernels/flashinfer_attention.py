@@ -18,19 +18,30 @@ host until the device has run every queued step: measured on an H200, the batch-
 scheduling), a plan must not overwrite the buffer before step N's copy has been done: each plan
 waits for the previous plan's copies (an event recorded after them; the device reaches them as
 soon as it starts step N, so the wait is short) and records its own.
+
+Pure-decode steps of fp16/bf16 models run the split-KV Triton kernel
+(``kernels.triton.decode_attention``) instead of FlashInfer's decode, unless
+``PHLOEM_TRITON_DECODE_ATTENTION=0``: it reads the same indptr / indices / last-page lengths, which
+a plan copies from pinned memory into the device (fixed buffers per batch size for a captured
+graph), needs no host-side scheduling of its own, and joins the decode kernels' programmatic
+dependent launch. Measured on an H200 at the 35B-A3B shape: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["FlashInferAttention", "FlashInferPlan", "flashinfer_available"]
+__all__ = ["TRITON_DECODE_ENV_VAR", "FlashInferAttention", "FlashInferPlan", "TritonDecodePlan", "flashinfer_available"]
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
+TRITON_DECODE_ENV_VAR = "PHLOEM_TRITON_DECODE_ATTENTION"
+# Page ids a captured graph's decode plan can hold (all sequences of the bucket together).
+_MAX_GRAPH_PAGES = 1 << 20
 
 
 def flashinfer_available() -> bool:
@@ -51,6 +62,26 @@ class FlashInferPlan:
         """``q`` ``[T, Hq, D]``, ``kv_cache`` ``[pages, 2, page_size, Hkv, D]`` -> ``[T, Hq, D]``."""
         out: torch.Tensor = self.wrapper.run(q, kv_cache)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class TritonDecodePlan:
+    """A pure-decode step through ``kernels.triton.decode_attention``: the page lists on the device
+    and the split count (fixed per batch size, so a captured graph's grid holds for any lengths)."""
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    scale: float
+    max_splits: int
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[B, Hq, D]``, ``kv_cache`` ``[pages, 2, page_size, Hkv, D]`` -> ``[B, Hq, D]``."""
+        from phloem.kernels.triton.decode_attention import paged_decode_attention
+
+        return paged_decode_attention(
+            q, kv_cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.scale, self.max_splits
+        )
 
 
 def page_indices(
@@ -85,6 +116,9 @@ class FlashInferAttention:
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         self._graph_wrappers: dict[int, Any] = {}
         self._staged: torch.cuda.Event | None = None  # recorded after the last plan's copies
+        self.triton_decode = os.environ.get(TRITON_DECODE_ENV_VAR, "").strip() != "0"
+        self._graph_buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     def plan(
         self,
@@ -92,8 +126,8 @@ class FlashInferAttention:
         seq_lens: Sequence[int],
         page_ids: Sequence[Sequence[int]],
         graph_batch_size: int | None = None,
-    ) -> FlashInferPlan:
-        """Plan one step. ``graph_batch_size`` selects the fixed-buffer wrapper of a captured graph."""
+    ) -> FlashInferPlan | TritonDecodePlan:
+        """Plan one step. ``graph_batch_size`` selects the fixed buffers of a captured graph."""
         if self._staged is not None:
             self._staged.synchronize()  # the previous plan's pinned buffer has been copied
         planned = self._plan(query_lens, seq_lens, page_ids, graph_batch_size)
@@ -107,9 +141,11 @@ class FlashInferAttention:
         seq_lens: Sequence[int],
         page_ids: Sequence[Sequence[int]],
         graph_batch_size: int | None,
-    ) -> FlashInferPlan:
+    ) -> FlashInferPlan | TritonDecodePlan:
         indptr, indices, last = page_indices(page_ids, seq_lens, self.page_size, pin=True)
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5)
+        if all(n == 1 for n in query_lens) and self.triton_decode:
+            return self._triton_plan(indptr, indices, last, graph_batch_size)
         if all(n == 1 for n in query_lens):
             wrapper = self.decode_wrapper if graph_batch_size is None else self._graph_wrapper(graph_batch_size)
             if graph_batch_size is not None:
@@ -137,17 +173,41 @@ class FlashInferAttention:
         )
         return FlashInferPlan(self.prefill_wrapper)
 
+    def _triton_plan(
+        self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, graph_batch_size: int | None
+    ) -> TritonDecodePlan:
+        """The page lists to the device by queued copies (into a captured graph's fixed buffers)."""
+        from phloem.kernels.triton.decode_attention import default_max_splits
+
+        num_seqs = len(last)
+        if graph_batch_size is None:
+            dev_indptr, dev_indices, dev_last = (t.to(self.device, non_blocking=True) for t in (indptr, indices, last))
+        else:
+            if len(indices) > _MAX_GRAPH_PAGES:
+                raise ValueError(f"a captured decode step holds at most {_MAX_GRAPH_PAGES} pages, got {len(indices)}")
+            buffers = self._graph_buffers.get(graph_batch_size)
+            if buffers is None:
+                i32 = dict(dtype=torch.int32, device=self.device)
+                buffers = (torch.zeros(graph_batch_size + 1, **i32), torch.zeros(_MAX_GRAPH_PAGES, **i32),
+                           torch.ones(graph_batch_size, **i32))  # fmt: skip
+                self._graph_buffers[graph_batch_size] = buffers
+            dev_indptr, dev_indices, dev_last = buffers
+            dev_indptr.copy_(indptr, non_blocking=True)
+            dev_indices[: len(indices)].copy_(indices, non_blocking=True)
+            dev_last.copy_(last, non_blocking=True)
+        splits = default_max_splits(num_seqs, self.num_kv_heads, self._num_sms)
+        return TritonDecodePlan(dev_indptr, dev_indices, dev_last, self.head_dim**-0.5, splits)
+
     def _graph_wrapper(self, batch_size: int) -> Any:
         wrapper = self._graph_wrappers.get(batch_size)
         if wrapper is None:
-            max_pages = 1 << 20
             wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace,
                 "NHD",
                 use_cuda_graph=True,
                 use_tensor_cores=True,
                 paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
-                paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=self.device),
+                paged_kv_indices_buffer=torch.zeros(_MAX_GRAPH_PAGES, dtype=torch.int32, device=self.device),
                 paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device),
             )
             self._graph_wrappers[batch_size] = wrapper

@@ -7,9 +7,14 @@ starts with ``gdc_launch_dependents(); gdc_wait()``: the first lets the next ker
 as every program of this one has started (its programs then wait, resident, in their own
 ``gdc_wait``), the second waits for the previous kernel to complete and its writes to be visible
 before this one reads anything the previous one may write, so the results are the same as
-without PDL. What a kernel reads before its wait must be written by nobody in the step: the
-one-token GEMVs load their first weight tile there (``kernels/triton/gemv.py``), so the weight
-stream starts while the kernel before them finishes.
+without PDL. What a kernel reads before its wait must be written by no kernel before it in the
+step: the weights (the one-token GEMVs load their first tile there, ``kernels/triton/gemv.py``;
+the experts' kernels the shared expert's, ``kernels/triton/moe_token.py``), the step's inputs
+(copied in before its first kernel) and a layer's own conv and recurrent state, whose only writer
+in a step is the kernel that reads it (the in_proj GEMV's conv operands, the GDN decode step's
+state tile). So the memory stream starts while the kernel before finishes. (What was queued
+before the step, the input copies or a copy-on-write of a state slot, has completed by then: a
+kernel that does not trigger its dependents lets the next one launch only when it ends.)
 
 On by default where the GPU has it (compute capability 9.0 and up: ``griddepcontrol`` is a
 Hopper instruction): measured on an H200, the batch-1 decode graph of the 35B-A3B shape went from

@@ -77,9 +77,6 @@ def recurrent_gated_delta_rule_kernel(
     BV: tl.constexpr,
     FROM_GATES: tl.constexpr,
 ):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     i_v = tl.program_id(2).to(tl.int64)
@@ -91,6 +88,16 @@ def recurrent_gated_delta_rule_kernel(
     m_k = o_k < DK
     m_v = o_v < DV
     m_h = m_k[:, None] & m_v[None, :]
+    # The state tile before the wait: the slots are step inputs and the state at the read slot is
+    # written by no kernel of the step before this one (its last writer is this layer's step
+    # before), so its 16 KiB per program stream in while the projection before finishes.
+    i_read = tl.load(read_slots + i_b).to(tl.int64)
+    i_write = tl.load(write_slots + i_b).to(tl.int64)
+    o_h = i_h * s_sh + o_k[:, None] * s_sk + o_v[None, :]
+    b_h = tl.load(ssm_states + i_read * s_sn + o_h, mask=m_h, other=0.0).to(tl.float32)  # [BK, BV]
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
 
     b_q = tl.load(q + i_b * s_qb + i_hk * s_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_k = tl.load(k + i_b * s_kb + i_hk * s_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -107,11 +114,6 @@ def recurrent_gated_delta_rule_kernel(
         b_beta = tl.load(beta + i_b * s_betab + i_h).to(tl.float32)
     b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + eps) / q_divisor
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + eps)
-
-    i_read = tl.load(read_slots + i_b).to(tl.int64)
-    i_write = tl.load(write_slots + i_b).to(tl.int64)
-    o_h = i_h * s_sh + o_k[:, None] * s_sk + o_v[None, :]
-    b_h = tl.load(ssm_states + i_read * s_sn + o_h, mask=m_h, other=0.0).to(tl.float32)  # [BK, BV]
 
     b_h = b_h * tl.exp(b_g)
     b_delta = (b_v - tl.sum(b_h * b_k[:, None], 0)) * b_beta  # [BV]

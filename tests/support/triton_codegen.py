@@ -140,6 +140,17 @@ def moe_token() -> None:
                      moe | {"IP": 512, "BLOCK_N": 4})
 
 
+def decode_attention() -> None:
+    from phloem.kernels.triton.decode_attention import decode_attention_merge_kernel, decode_attention_split_kernel
+
+    common = {"GROUP": 8, "D": 256, "PAGE": 16, "MIN_SPLIT": 16}
+    pointers = _all("q kv_cache out", "*bf16") | _all("kv_indptr kv_indices kv_last_page_len", "*i32") | _all("o_part lse_part", "*fp32")
+    for direct in (False, True):
+        compile_for_h200(decode_attention_split_kernel, pointers, common | {
+            "BLOCK_G": 16, "BLOCK_T": 32, "DIRECT": direct, "NUM_STAGES": 2, "PRECISION": "tf32"}, floats=frozenset({"qk_scale"}))  # fmt: skip
+    compile_for_h200(decode_attention_merge_kernel, pointers, common | {"BLOCK_S": 16, "BLOCK_D": 256})
+
+
 def gemv(pro: int, conv: bool, prefetch: bool, route: bool = False) -> None:
     """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape."""
     from phloem.kernels.triton.gemv import gemv_kernel
@@ -165,6 +176,7 @@ CASES: dict[str, Callable[[], None]] = {
     "fused_moe (decode: gate_up, routed gate_up, down_sum)": fused_moe_decode,
     "fused_moe_grouped (prefill: gate_up, down)": moe_grouped_prefill,
     "fused_moe_token (one token: gate_up, down)": moe_token,
+    "paged_decode_attention (split, direct, merge)": decode_attention,
     "moe_route[shared]": lambda: moe_route(True),
     "moe_route[plain]": lambda: moe_route(False),
     "gdn_gates": gdn_gates,

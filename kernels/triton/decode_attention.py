@@ -1,0 +1,372 @@
+"""Split-KV paged decode attention (one query token per sequence): Triton version of a pure-decode
+step of ``kernels.attention.paged_attention``.
+
+Shapes: ``q`` ``[B, Hq, D]``; ``kv_cache`` ``[num_pages, 2, page_size, Hkv, D]`` (K plane 0, V plane 1,
+unit last stride); ``kv_indptr`` ``[B + 1]``, ``kv_indices`` ``[>= nnz]``, ``kv_last_page_len`` ``[B]``
+int32, as FlashInfer plans them (``kernels.flashinfer_attention.page_indices``). Query head ``h``
+reads KV head ``h // G`` (``G = Hq // Hkv``); scores, softmax and the weighted sum accumulate in fp32
+and the output is cast to ``q.dtype``. Every sequence has at least one key.
+
+Two launches, both with a grid fixed by the shapes alone (CUDA-graph safe for any lengths):
+
+1. ``(Hkv, B, S)`` programs, ``S = max_splits`` (split slowest: the busy programs of short
+   sequences are dispatched first). Sequence ``i`` of ``seq_len`` keys is cut, in the kernel,
+   into ``num_active = cdiv(seq_len, split_len)`` splits of
+   ``split_len = max(MIN_SPLIT, round_up(cdiv(seq_len, S), MIN_SPLIT))`` keys; programs past
+   ``num_active`` exit at once::
+
+       keys  0 ...... split_len-1 | split_len ...... 2*split_len-1 | ... seq_len-1 | (idle programs)
+             program s=0          | s=1                            | s=num_active-1
+
+   A program loads the ``G`` query heads of its KV head once (padded with zero rows to
+   ``BLOCK_G >= 16``, the smallest M of ``tl.dot``), walks its keys in tiles of ``BLOCK_T`` tokens
+   (each token's page id through ``kv_indices``; tiles past the split's end are masked, so
+   ``BLOCK_T`` may exceed ``MIN_SPLIT``), keeps an fp32 online softmax (base 2) and writes its
+   normalised partial output ``[G, D]`` fp32 and log-sum-exp ``[G]`` to a workspace
+   ``[B, Hkv, S, G, (D)]``. With ``S == 1`` (a host-side choice) it writes the output itself and
+   the merge is not launched.
+2. ``(B, Hq, D // BLOCK_D)`` programs combine the ``num_active`` partials of a query head (computed
+   as above, so unwritten workspace rows are never read).
+
+Why ``tl.dot`` (tensor cores) and not a broadcast multiply-and-sum: at the target shape (G 8,
+D 256) each key costs 2 x 8 x 256 multiply-adds for QK and as many for PV against 1 KiB of K+V read,
+8 flops per byte: on CUDA cores that is about half the H200's fp32 rate at full bandwidth, and the
+``[G, BLOCK_T, D]`` product would not fit in registers. Padding 8 rows to 16 wastes tensor-core
+cycles, which are idle anyway. ``P`` is rounded to the KV dtype for the PV product (as FlashInfer
+and FlashAttention do); fp32 inputs use ``ieee`` dots, so fp32 matches the reference tightly.
+
+Memory traffic at the Qwen3.5-35B-A3B shape (Hq 16, Hkv 2, D 256, bf16, page 16): K+V are 2 KiB a
+token per layer (2 MiB at 1K context, 64 MiB at 32K, 256 MiB at 128K); the workspace adds
+``S x 16 x 1 KiB`` per sequence, written and read back (mostly from L2). Measured on an H200
+(``docs/bench/decode_attention_bench.py``, CUDA-graph replay over distinct caches, PDL on), µs with
+FlashInfer's tensor-core decode in brackets, at 1K / 32K / 128K: batch 1 7.8 / 27.6 / 73.8
+(10.6 / 33.4 / 78.6), batch 4 10.8 / 77 / 267 (17.0 / 75 / 252), batch 16 21 / 259 / 977
+(22 / 254 / 965), i.e. up to 4.4 TB/s. Tiles (``DecodeAttentionConfig``): 32 tokens, 4 warps,
+2 stages were within ~5% of the best of 16-64 tokens x 4-8 warps x 2-3 stages at the long
+contexts. Batch 1 at 1K is latency-bound: 64 splits instead of the default 256 take 5.6 µs, the
+idle programs of the long-context grid cost ~2 µs there.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
+
+__all__ = ["DecodeAttentionConfig", "default_max_splits", "paged_decode_attention", "paged_decode_attention_tuned"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 512
+# Splits per (sequence, KV head) at most: bounds the workspace and the merge's loop.
+_MAX_SPLITS = 256
+# Programs to aim for per SM in the split launch (see ``default_max_splits``).
+_PROGRAMS_PER_SM = 4
+# Elements of a merge tile ([BLOCK_S, BLOCK_D] fp32): 32 registers a thread over 4 warps.
+_MERGE_TILE = 4096
+
+
+class DecodeAttentionConfig(NamedTuple):
+    """Tokens per tile, warps and pipeline stages of the split launch, and the shortest split (keys).
+
+    ``default_max_splits`` assumes the defaults' occupancy (4 programs per SM on an H200)."""
+
+    block_t: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    min_split: int = 16
+
+
+@triton.jit
+def _seq_split(kv_indptr, kv_last_page_len, i_b, num_splits, PAGE: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """``(first kv_indices slot, seq_len, split_len, num_active)`` of sequence ``i_b``; both kernels
+    call this, so they agree on which workspace rows exist."""
+    i_first = tl.load(kv_indptr + i_b)
+    num_pages = tl.load(kv_indptr + i_b + 1) - i_first
+    seq_len = tl.maximum((num_pages - 1) * PAGE + tl.load(kv_last_page_len + i_b), 0)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), MIN_SPLIT) * MIN_SPLIT, MIN_SPLIT)
+    return i_first.to(tl.int64), seq_len, split_len, tl.cdiv(seq_len, split_len)
+
+
+@triton.jit
+def decode_attention_split_kernel(
+    q,
+    kv_cache,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    o_part,
+    lse_part,
+    out,
+    s_qb,
+    s_qh,
+    s_cp,
+    s_ckv,
+    s_ct,
+    s_ch,
+    s_ob,
+    s_oh,
+    qk_scale,
+    num_splits,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    DIRECT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    if PDL:
+        gdc_launch_dependents()
+    # Split slowest: the busy programs of short sequences (low splits) are dispatched first.
+    i_hk = tl.program_id(0).to(tl.int64)
+    i_b = tl.program_id(1).to(tl.int64)
+    i_s = tl.program_id(2)
+    num_kv_heads = tl.num_programs(0).to(tl.int64)
+    o_g = tl.arange(0, BLOCK_G)
+    m_g = o_g < GROUP
+    o_d = tl.arange(0, D)
+    # The page lists are step inputs (copied in before the step's first kernel): read before the
+    # wait, so the programs past a short sequence's splits end without waiting for anything.
+    i_first, seq_len, split_len, num_active = _seq_split(kv_indptr, kv_last_page_len, i_b, num_splits, PAGE, MIN_SPLIT)
+    if i_s < num_active:
+        if PDL:
+            gdc_wait()  # q and this step's K/V row come from the kernel before (kernels/triton/_pdl.py)
+        p_q = q + i_b * s_qb + (i_hk * GROUP + o_g[:, None]) * s_qh + o_d[None, :]
+        b_q = tl.load(p_q, mask=m_g[:, None], other=0.0)  # [BLOCK_G, D]
+        t_start = i_s * split_len
+        t_end = tl.minimum(t_start + split_len, seq_len)
+        o_t = tl.arange(0, BLOCK_T)
+        b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        b_l = tl.zeros([BLOCK_G], tl.float32)
+        b_acc = tl.zeros([BLOCK_G, D], tl.float32)
+        p_kv = kv_cache + i_hk * s_ch + o_d[None, :]
+        for t in tl.range(t_start, t_end, BLOCK_T, num_stages=NUM_STAGES):
+            o_pos = t + o_t
+            m_t = o_pos < t_end
+            i_page = tl.load(kv_indices + i_first + o_pos // PAGE, mask=m_t, other=0).to(tl.int64)
+            o_kv = i_page[:, None] * s_cp + (o_pos % PAGE)[:, None] * s_ct  # [BLOCK_T, 1] int64
+            # Masked rows read as 0: unwritten slots of the last page may hold anything (NaN).
+            b_k = tl.load(p_kv + o_kv, mask=m_t[:, None], other=0.0)  # [BLOCK_T, D]
+            b_v = tl.load(p_kv + s_ckv + o_kv, mask=m_t[:, None], other=0.0)  # [BLOCK_T, D]
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_T]
+            b_s = tl.where(m_t[None, :], b_s, float("-inf"))
+            b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+            b_alpha = tl.exp2(b_m - b_m_new)
+            b_p = tl.exp2(b_s - b_m_new[:, None])
+            b_l = b_l * b_alpha + tl.sum(b_p, 1)
+            b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+            b_acc = b_acc * b_alpha[:, None] + b_pv
+            b_m = b_m_new
+        # Every active split has a key, and the zero padding rows score 0: b_l >= 1 on every row.
+        b_o = b_acc / b_l[:, None]
+        if DIRECT:
+            p_out = out + i_b * s_ob + (i_hk * GROUP + o_g[:, None]) * s_oh + o_d[None, :]
+            tl.store(p_out, b_o.to(out.dtype.element_ty), mask=m_g[:, None])
+        else:
+            i_row = ((i_b * num_kv_heads + i_hk) * num_splits + i_s) * GROUP
+            tl.store(o_part + (i_row + o_g[:, None]) * D + o_d[None, :], b_o, mask=m_g[:, None])
+            tl.store(lse_part + i_row + o_g, b_m + tl.log2(b_l), mask=m_g)
+
+
+@triton.jit
+def decode_attention_merge_kernel(
+    o_part,
+    lse_part,
+    kv_indptr,
+    kv_last_page_len,
+    out,
+    s_ob,
+    s_oh,
+    num_splits,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # the split kernel's partials first (kernels/triton/_pdl.py)
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_d = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1).to(tl.int64) // GROUP
+    _, _, _, num_active = _seq_split(kv_indptr, kv_last_page_len, i_b, num_splits, PAGE, MIN_SPLIT)
+    # Row of split 0 for this query head; split s is GROUP rows further.
+    i_row = (i_b * num_kv_heads + i_h // GROUP) * num_splits * GROUP + i_h % GROUP
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    o_s = tl.arange(0, BLOCK_S)
+    b_m = tl.full([], float("-inf"), tl.float32)
+    b_l = tl.zeros([], tl.float32)
+    b_acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, num_active, BLOCK_S):
+        m_s = s + o_s < num_active
+        o_row = i_row + (s + o_s) * GROUP
+        b_lse = tl.load(lse_part + o_row, mask=m_s, other=float("-inf"))  # [BLOCK_S]
+        b_o = tl.load(o_part + o_row[:, None] * D + o_d[None, :], mask=m_s[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
+        b_m_new = tl.maximum(b_m, tl.max(b_lse, 0))
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_w = tl.exp2(b_lse - b_m_new)
+        b_l = b_l * b_alpha + tl.sum(b_w, 0)
+        b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_o, 0)
+        b_m = b_m_new
+    b_out = tl.where(b_l > 0, b_acc / b_l, 0.0)
+    tl.store(out + i_b * s_ob + i_h * s_oh + o_d, b_out.to(out.dtype.element_ty))
+
+
+def default_max_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head): one wave of ``_PROGRAMS_PER_SM`` programs per SM, less 2%.
+
+    The grid must not depend on the lengths, so it is sized for a long context. With the default
+    tiles (116 registers, 41 KiB of shared memory) 4 programs fit an H200 SM: 512 programs in all
+    keep enough loads in flight to reach ~4.1-4.4 TB/s (fewer, with longer splits, fall off:
+    batch 1 at 128K with 128 splits took 97 µs against 74 with 256). A grid just over one wave
+    leaves its last programs to a second one (batch 16 at 32K: 17 splits, 544 programs, 355 µs
+    against 258 for 16), hence the floor and the 2% of the SMs' slots left to the kernels beside
+    it under PDL. H200, Hkv 2: batch 1 -> 256 (the cap), 4 -> 64, 16 -> 16, 64 -> 4, 259+ -> 1.
+    Short sequences use only the splits ``MIN_SPLIT`` allows (1K at batch 1: 64 of 16 keys).
+    """
+    slots = _PROGRAMS_PER_SM * num_sms * 49 // 50
+    return max(1, min(_MAX_SPLITS, slots // (num_seqs * num_kv_heads)))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a small grid
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != q.shape[2]:
+        raise ValueError(
+            f"q must be [B, Hq, D] and kv_cache [num_pages, 2, page_size, Hkv, D], "
+            f"got q {tuple(q.shape)} and kv_cache {tuple(kv_cache.shape)}"
+        )
+    num_seqs, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = kv_cache.shape[2:4]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq must be a multiple of Hkv, got Hq={num_q_heads}, Hkv={num_kv_heads}")
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a power of two in [16, {_MAX_HEAD_DIM}], got {head_dim}")
+    if page_size & (page_size - 1) or page_size == 0:
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if q.dtype not in _DTYPES or kv_cache.dtype != q.dtype:
+        raise ValueError(f"q and kv_cache must share a dtype of {_DTYPES}, got {q.dtype} and {kv_cache.dtype}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache must have a unit last stride, got strides {kv_cache.stride()}")
+    shapes = {"kv_indptr": (num_seqs + 1,), "kv_last_page_len": (num_seqs,), "kv_indices": None}
+    for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
+        want = shapes[name]
+        if t.dtype != torch.int32 or t.dim() != 1 or (want is not None and tuple(t.shape) != want):
+            raise ValueError(
+                f"{name} must be 1-D int32{f' of shape {want}' if want else ''}, got {t.dtype} {tuple(t.shape)}"
+            )
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+    if kv_cache.device != q.device:
+        raise ValueError(f"kv_cache must be on {q.device}, got {kv_cache.device}")
+    if out is not None and (
+        out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.device != q.device
+    ):
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with a unit last stride, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device} strides {out.stride()}"
+        )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    scale: float,
+    max_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged keys: ``[B, Hq, D]`` in ``q.dtype``.
+
+    ``max_splits``: programs per (sequence, KV head) at most, capped at 256 (None: ``default_max_splits``).
+    ``out``: written in place when given. Raises ``ValueError`` for inputs the kernels do not cover.
+    """
+    return paged_decode_attention_tuned(
+        q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, scale, max_splits, out, DecodeAttentionConfig()
+    )
+
+
+def paged_decode_attention_tuned(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    scale: float,
+    max_splits: int | None,
+    out: torch.Tensor | None,
+    config: DecodeAttentionConfig,
+) -> torch.Tensor:
+    """``paged_decode_attention`` with an explicit launch configuration (sweeps)."""
+    _check_inputs(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, out)
+    if max_splits is not None and max_splits < 1:
+        raise ValueError(f"max_splits must be >= 1, got {max_splits}")
+    if config.block_t < 16 or config.block_t & (config.block_t - 1) or config.min_split < 1:
+        raise ValueError(f"block_t must be a power of two >= 16 and min_split >= 1, got {config}")
+    num_seqs, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = kv_cache.shape[2:4]
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    num_splits = max_splits or default_max_splits(num_seqs, num_kv_heads, _num_sms(q.device))
+    num_splits = min(num_splits, _MAX_SPLITS)
+    if num_splits > 1:
+        rows = (num_seqs, num_kv_heads, num_splits, group)
+        o_part = torch.empty((*rows, head_dim), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(rows, dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse_part = out  # unused: the split program writes the output
+    common = dict(GROUP=group, D=head_dim, PAGE=page_size, MIN_SPLIT=config.min_split)
+    decode_attention_split_kernel[(num_kv_heads, num_seqs, num_splits)](
+        q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, o_part, lse_part, out,
+        q.stride(0), q.stride(1), *kv_cache.stride()[:4], out.stride(0), out.stride(1),
+        scale * 1.4426950408889634,  # log2(e): the softmax runs in base 2
+        num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_T=config.block_t, DIRECT=num_splits == 1,
+        NUM_STAGES=config.num_stages, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, launch_pdl=LAUNCH_PDL, **common,
+    )  # fmt: skip
+    if num_splits > 1:
+        block_d = _merge_block_d(num_seqs * num_q_heads, head_dim, _num_sms(q.device))
+        block_s = min(triton.next_power_of_2(num_splits), max(1, _MERGE_TILE // block_d))
+        decode_attention_merge_kernel[(num_seqs, num_q_heads, head_dim // block_d)](
+            o_part, lse_part, kv_indptr, kv_last_page_len, out, out.stride(0), out.stride(1), num_splits,
+            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, launch_pdl=LAUNCH_PDL, **common,
+        )  # fmt: skip
+    return out
+
+
+def _merge_block_d(num_rows: int, head_dim: int, num_sms: int) -> int:
+    """Head-dim columns per merge program: ``head_dim``, or fewer (down to 32) until there are
+    about two programs per SM (batch 1 has only Hq rows to merge)."""
+    block_d = head_dim
+    while block_d > 32 and num_rows * (head_dim // block_d) < 2 * num_sms:
+        block_d //= 2
+    return block_d
