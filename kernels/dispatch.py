@@ -71,7 +71,6 @@ class KernelOps:
     gated_rms_norm_linear: Op
     sigmoid_gate_linear: Op
     add_rms_norm_router: Op
-    add_rms_norm_route: Op
 
 
 def kernel_backend(device: torch.device) -> Backend:
@@ -130,7 +129,6 @@ def get_ops(device: torch.device) -> KernelOps:
         gated_rms_norm_linear=fused_linear.gated_rms_norm_linear,
         sigmoid_gate_linear=fused_linear.sigmoid_gate_linear,
         add_rms_norm_router=fused_linear.add_rms_norm_router,
-        add_rms_norm_route=fused_linear.add_rms_norm_route,
     )
     return reference if kernel_backend(device) == "torch" else _with_triton(reference)
 
@@ -195,7 +193,6 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         gated_rms_norm_linear=gemv.gated_rms_norm_linear,
         sigmoid_gate_linear=gemv.sigmoid_gate_linear,
         add_rms_norm_router=gemv.add_rms_norm_router,
-        add_rms_norm_route=gemv.add_rms_norm_route,
     )
 
 

@@ -187,8 +187,11 @@ class FlashInferAttention:
                 raise ValueError(f"a captured decode step holds at most {_MAX_GRAPH_PAGES} pages, got {len(indices)}")
             buffers = self._graph_buffers.get(graph_batch_size)
             if buffers is None:
+                # One page-id buffer for every bucket: steps replay one at a time, in stream order.
+                shared = next(iter(self._graph_buffers.values()))[1] if self._graph_buffers else None
                 i32 = dict(dtype=torch.int32, device=self.device)
-                buffers = (torch.zeros(graph_batch_size + 1, **i32), torch.zeros(_MAX_GRAPH_PAGES, **i32),
+                buffers = (torch.zeros(graph_batch_size + 1, **i32),
+                           shared if shared is not None else torch.zeros(_MAX_GRAPH_PAGES, **i32),
                            torch.ones(graph_batch_size, **i32))  # fmt: skip
                 self._graph_buffers[graph_batch_size] = buffers
             dev_indptr, dev_indices, dev_last = buffers

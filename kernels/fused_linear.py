@@ -8,12 +8,12 @@ consumes or produces it (``kernels.triton.gemv`` runs each as one launch)::
     add_rms_norm_conv_linear  add_rms_norm -> linear -> conv1d update      GDN in_proj (+ conv)
     gated_rms_norm_linear     gated_rms_norm -> linear                     GDN out_proj
     sigmoid_gate_linear       x * sigmoid(gate) -> linear                  attention o_proj
-    add_rms_norm_router       add_rms_norm -> router linear                MoE router
-    add_rms_norm_route        add_rms_norm -> router linear -> routing     MoE router + top-k
-                              (moe.moe_route_shared)
+    add_rms_norm_router       add_rms_norm -> router linear                MoE router (the routing
+                                                                           runs in the experts'
+                                                                           kernel: moe.fused_moe_routed)
 
 Each function here is exactly the composition of the references of ``kernels.norm``,
-``kernels.linear``, ``kernels.conv1d`` and ``kernels.moe`` it names, so a model calling them on the
+``kernels.linear`` and ``kernels.conv1d`` it names, so a model calling them on the
 torch backend computes what the unfused calls compute. Shapes: ``x``, ``residual`` ``[T, K]``;
 ``weight`` ``[N, K]``; outputs ``[T, N]``.
 """
@@ -24,13 +24,11 @@ import torch
 
 from phloem.kernels.conv1d import causal_conv1d_update
 from phloem.kernels.linear import linear
-from phloem.kernels.moe import moe_route_shared
 from phloem.kernels.norm import add_rms_norm, gated_rms_norm
 
 __all__ = [
     "add_rms_norm_conv_linear",
     "add_rms_norm_linear",
-    "add_rms_norm_route",
     "add_rms_norm_router",
     "gated_rms_norm_linear",
     "sigmoid_gate_linear",
@@ -86,14 +84,3 @@ def add_rms_norm_router(
     (the shared-expert gate as the last row); the experts read ``normed``."""
     normed, residual = add_rms_norm(x, residual, norm_w, eps)
     return linear(normed, router_w), normed, residual
-
-
-def add_rms_norm_route(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor,
-    top_k: int, renormalize: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(topk_weights, topk_ids, normed, x + residual)``: ``add_rms_norm_router``, then
-    ``moe_route_shared`` of its logits (``[T, top_k + 1]`` weights and ids, the shared expert last)."""
-    logits, normed, residual = add_rms_norm_router(x, residual, norm_w, eps, router_w)
-    weights, ids = moe_route_shared(logits, top_k, renormalize)
-    return weights, ids, normed, residual

@@ -30,14 +30,14 @@
 #       one-token path's unfused ops, PHLOEM_FUSED_DECODE=0), fused (PDL off), fused_pdl (the
 #       default), cublas (PHLOEM_TRITON_GEMV=0); each with the kernel profile of the batch-1 graph
 #   11  the decode bench's whole grid with the defaults: batch 1/4/16/64 at 1K/32K/128K, a 50K prefill
-#   12  batch-1 decode alone at 1K/32K/128K with the defaults (the one-token path; batches > 1 are step 11's)
+#   12  batch-1 decode alone at 1K/32K/128K with the defaults (the one-token path; batches > 1 are step 11's),
+#       with step 13's fastest one-token MoE tiles when step 13 ran first
 #   13  the one-token MoE kernels (docs/bench/moe_token_sweep.py): stage sweeps, then the MoE block
 #       (norm + router + routing + experts) of the sixth session against this one's
 #   14  GDN in_proj + conv, the conv operands per block or preloaded (docs/bench/gemv_sweep.py --conv)
 #   15  the split-KV Triton decode attention against FlashInfer's (docs/bench/decode_attention_bench.py)
 #   16  the GPU tests of the seventh session's kernels alone (a quick subset of step 1)
-#   17  batch-1 decode at 1K: FlashInfer's decode instead of the Triton one (PHLOEM_TRITON_DECODE_ATTENTION=0),
-#       and without PDL (PHLOEM_PDL=0: the graph's per-kernel profile is durations only then)
+#   17  batch-1 decode at 1K: FlashInfer's decode instead of the Triton one (PHLOEM_TRITON_DECODE_ATTENTION=0)
 #   10  where the host's time goes in batch-1 async decode steps (docs/bench/host_profile.py, cProfile)
 #   9   the summary table
 # A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0).
@@ -158,11 +158,14 @@ step_11() {
     --prefill-tokens 50000 --out "$OUT/11_decode.json" > "$OUT/11_decode.txt" 2>&1
 }
 step_12() {
+  # With step 13's fastest one-token MoE tiles where it ran before (PHLOEM_MOE_TOKEN_CONFIG).
+  [ -f "$OUT/13_best.env" ] && . "$OUT/13_best.env"
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 $PY bench decode --device cuda --batches 1 --contexts 1024,32768,131072 \
     --prefill-tokens 0 --out "$OUT/12_decode_b1.json" > "$OUT/12_decode_b1.txt" 2>&1
 }
 step_13() {
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 docs/bench/moe_token_sweep.py --out "$OUT/13_moe_token.json" > "$OUT/13_moe_token.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 docs/bench/moe_token_sweep.py --out "$OUT/13_moe_token.json" \
+    --env-out "$OUT/13_best.env" > "$OUT/13_moe_token.txt" 2>&1
 }
 step_14() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/gemv_sweep.py --conv --out "$OUT/14_conv.json" > "$OUT/14_conv.txt" 2>&1
@@ -177,9 +180,9 @@ step_16() {
 }
 step_17() {
   local b1="bench decode --device cuda --batches 1 --contexts 1024 --prefill-tokens 0"
+  [ -f "$OUT/13_best.env" ] && . "$OUT/13_best.env"
   CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_TRITON_DECODE_ATTENTION=0 timeout 300 $PY $b1 --out "$OUT/17_flashinfer.json" \
     > "$OUT/17_flashinfer.txt" 2>&1
-  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_PDL=0 timeout 300 $PY $b1 --out "$OUT/17_nopdl.json" > "$OUT/17_nopdl.txt" 2>&1
 }
 step_10() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/host_profile.py > "$OUT/10_host.txt" 2>&1
@@ -194,7 +197,7 @@ step_9() {
   [ -f "$OUT/11_decode.txt" ] && grep -v Warning "$OUT/11_decode.txt" | grep '^|\|prefill\|launches\|kernels' | head -n 48
   [ -f "$OUT/12_decode_b1.txt" ] && grep -v Warning "$OUT/12_decode_b1.txt" | grep '^|\|launches\|kernels' | head -n 30
   [ -f "$OUT/16_kernel_tests.txt" ] && echo "16_kernel_tests: $(tail -n 1 "$OUT/16_kernel_tests.txt")"
-  for f in 17_flashinfer 17_nopdl; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | grep '^|\|launches\|kernels' | head -n 30; }; done
+  for f in 17_flashinfer; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | grep '^|\|launches\|kernels' | head -n 30; }; done
   for f in 13_moe_token 14_conv 15_attn; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | tail -n 40; }; done
   [ -f "$OUT/10_host.txt" ] && grep -v Warning "$OUT/10_host.txt" | head -n 40
   for f in 3_tp1 3_tp1_cublas 3_tp1_cublas_nopdl 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done

@@ -1,7 +1,7 @@
 """Sweep the one-token MoE kernels (``kernels/triton/moe_token.py``) on the GPU and time the whole
 MoE block of a batch-1 decode layer, old composition against new, as CUDA-graph replays.
 
-    python3 docs/bench/moe_token_sweep.py [--out moe_token.json] [--quick]
+    python3 docs/bench/moe_token_sweep.py [--out moe_token.json] [--quick] [--env-out best.env]
 
 Shape: Qwen3.5-35B-A3B (256 routed experts + the shared one stored as expert 256, H=2048, I=512,
 bf16, top-8 + shared). Every timing is a CUDA graph of ``LAYERS`` calls on distinct layers' weights
@@ -9,11 +9,12 @@ bf16, top-8 + shared). Every timing is a CUDA graph of ``LAYERS`` calls on disti
 the whole block). Every configuration is checked against the torch reference before it is timed.
 
     1. gate/up alone per configuration (block_n1, warps, programs per SM), ids given;
-    2. down alone per configuration (block_n2, warps);
+    2. down alone per configuration (block_n2, warps, programs per SM, prefetch);
     3. the block after the attention, end to end (norm + router + routing + experts):
-       ``add_rms_norm_router`` + ``fused_moe_routed`` (the sixth session's: routing inside every
-       gate/up program) against ``add_rms_norm_route`` (routing in the router GEMV's last program)
-       + ``fused_moe_token`` with the best few stage pairs and the shipped default.
+       ``add_rms_norm_router`` + the sixth session's routed kernels (``kernels.triton.fused_moe``:
+       1152 gate/up programs, each routing its own slot) against ``moe_token``'s routed path with
+       the best few stage pairs and the shipped default; ``--env-out`` writes the fastest
+       configuration as ``PHLOEM_MOE_TOKEN_CONFIG`` for a decode bench to use.
 
 Prints Markdown tables; ``--out`` writes the rows as JSON.
 """
@@ -26,8 +27,8 @@ import json
 
 import torch
 
-from phloem.kernels import fused_linear as ref
 from phloem.kernels.moe import fused_moe as reference
+from phloem.kernels.moe import fused_moe_routed as reference_routed
 from phloem.kernels.moe import moe_route_shared
 from phloem.kernels.triton import fused_moe, gemv, moe_token
 from phloem.runtime.bench_decode import graph_us, measure_bandwidth
@@ -60,8 +61,13 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def check(got: torch.Tensor, want: torch.Tensor, what: object, tol: float = 2e-2) -> None:
+def check(got: torch.Tensor, want: torch.Tensor, what: object, tol: float = 2e-2, strict: bool = True) -> None:
+    """``strict=False``: a warning, not a failure (a routed block against the reference, where two
+    bf16 logits tied at the top-k boundary may pick another expert)."""
     err = rel_err(got, want)
+    if err >= tol and not strict:
+        print(f"warning: {what}: relative error {err:.3g}", flush=True)
+        return
     assert err < tol, (what, err)
 
 
@@ -69,12 +75,13 @@ def _row(part: str, variant: str, config: object, us: float, nbytes: int) -> dic
     return {"part": part, "variant": variant, "config": config, "us": us, "tb_s": nbytes / us / 1e6}
 
 
-def stage_grids(quick: bool) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+def stage_grids(quick: bool) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int, bool]]]:
     if quick:
         d = moe_token.DEFAULT_CONFIG
-        return [(d.block_n1, d.num_warps1, d.programs_per_sm1)], [(d.block_n2, d.num_warps2)]
-    g1 = list(itertools.product((1, 2, 4), (4, 8), (2, 4, 0)))
-    g2 = list(itertools.product((2, 4, 8), (2, 4, 8)))
+        return [tuple(d[:3])], [tuple(d[3:])]
+    g1 = list(itertools.product((2, 4), (4, 8), (2, 4, 8)))
+    g2 = [(bn, w, pps, pf) for bn, w in itertools.product((1, 2, 4), (4, 8))
+          for pps, pf in ((1, True), (2, True), (4, False), (0, False))]  # fmt: skip
     return g1, g2
 
 
@@ -85,16 +92,16 @@ def sweep_stages(layers: list[dict], quick: bool) -> list[dict]:
     want = reference(l0["x"].float(), l0["wgu"].float(), l0["wd"].float(), l0["w"].float(), l0["ids"])
     rows = []
     gate_up_bytes, down_bytes = EXPERT_BYTES * 2 // 3, EXPERT_BYTES // 3
-    for bn, warps, pps in g1:
-        c = base._replace(block_n1=bn, num_warps1=warps, programs_per_sm1=pps)
+    for g in g1:
+        c = base._replace(block_n1=g[0], num_warps1=g[1], programs_per_sm1=g[2])
         check(moe_token.fused_moe_token(l0["x"], l0["wgu"], l0["wd"], l0["w"], l0["ids"], c), want, c)
         us = graph_us(lambda: [moe_token.launch_gate_up(ly["x"], ly["wgu"], ly["ids"], ly["act"], c) for ly in layers], LAYERS)  # noqa: B023
-        rows.append(_row("gate_up", "moe_token", (bn, warps, pps), us, gate_up_bytes))
-    for bn, warps in g2:
-        c = base._replace(block_n2=bn, num_warps2=warps)
+        rows.append(_row("gate_up", "moe_token", g, us, gate_up_bytes))
+    for g in g2:
+        c = base._replace(block_n2=g[0], num_warps2=g[1], programs_per_sm2=g[2], prefetch2=g[3])
         check(moe_token.fused_moe_token(l0["x"], l0["wgu"], l0["wd"], l0["w"], l0["ids"], c), want, c)
         us = graph_us(lambda: [moe_token.launch_down(ly["act"], ly["wd"], ly["ids"], ly["w"], ly["out"], c) for ly in layers], LAYERS)  # noqa: B023
-        rows.append(_row("down", "moe_token", (bn, warps), us, down_bytes))
+        rows.append(_row("down", "moe_token", g, us, down_bytes))
     # The sixth session's kernels at the same ids, for the same two parts.
     old = fused_moe.DEFAULT_CONFIG
     us = graph_us(lambda: [fused_moe.launch_gate_up(ly["x"], ly["wgu"], ly["ids"], ly["act"], old) for ly in layers], LAYERS)
@@ -109,37 +116,43 @@ def _best(rows: list[dict], part: str, n: int) -> list[tuple]:
     return [tuple(r["config"]) for r in mine[:n]]
 
 
-def time_blocks(layers: list[dict], stage_rows: list[dict]) -> list[dict]:
-    """Norm + router + routing + experts of one token, old against new."""
+def time_blocks(layers: list[dict], stage_rows: list[dict]) -> tuple[list[dict], moe_token.MoeTokenConfig]:
+    """Norm + router + routing + experts of one token: the sixth session's kernels (routing in
+    every gate/up program, 1152 of them) against ``moe_token``'s routed path. Returns the rows and
+    the fastest configuration."""
     nbytes = EXPERT_BYTES + E * H * 2
     l0 = layers[0]
+    old = fused_moe.DEFAULT_CONFIG
 
     def old_block(ly: dict) -> torch.Tensor:
         logits, normed, _ = gemv.add_rms_norm_router(ly["x"], ly["res"], ly["nw"], 1e-6, ly["router"])
-        return fused_moe.fused_moe_routed(normed, logits, ly["wgu"], ly["wd"], TOP_K, True)
+        ids = torch.empty((1, TOP_K + 1), dtype=torch.int64, device=normed.device)
+        tw = torch.empty((1, TOP_K + 1), dtype=logits.dtype, device=normed.device)
+        act = torch.empty((TOP_K + 1, I), dtype=normed.dtype, device=normed.device)
+        out = torch.empty_like(normed)
+        fused_moe.launch_gate_up(normed, ly["wgu"], ids, act, old, (logits, tw, True))
+        fused_moe.launch_down_sum(act, ly["wd"], ids, tw, out, old)
+        return out
 
     def new_block(ly: dict, c: moe_token.MoeTokenConfig) -> torch.Tensor:
-        w, ids, normed, _ = gemv.add_rms_norm_route(ly["x"], ly["res"], ly["nw"], 1e-6, ly["router"], TOP_K, True)
-        return moe_token.fused_moe_token(normed, ly["wgu"], ly["wd"], w, ids, c)
+        logits, normed, _ = gemv.add_rms_norm_router(ly["x"], ly["res"], ly["nw"], 1e-6, ly["router"])
+        return moe_token.fused_moe_token_routed(normed, logits, ly["wgu"], ly["wd"], TOP_K, True, c)
 
-    w_ref, ids_ref, normed_ref, _ = ref.add_rms_norm_route(l0["x"], l0["res"], l0["nw"], 1e-6, l0["router"], TOP_K, True)
-    want = reference(normed_ref.float(), l0["wgu"].float(), l0["wd"].float(), w_ref.float(), ids_ref)
-    check(old_block(l0), want, "old block")
-    rows = [_row("block", "router + fused_moe_routed", None, graph_us(lambda: [old_block(ly) for ly in layers], LAYERS), nbytes)]
+    logits, normed, _ = gemv.add_rms_norm_router(l0["x"], l0["res"], l0["nw"], 1e-6, l0["router"])
+    want = reference_routed(normed.float(), logits.float(), l0["wgu"].float(), l0["wd"].float(), TOP_K, True)
+    check(old_block(l0), want, "old block", strict=False)
+    rows = [_row("block", "router + fused_moe routed (sixth session)", None, graph_us(lambda: [old_block(ly) for ly in layers], LAYERS), nbytes)]
     pairs = {moe_token.DEFAULT_CONFIG}
-    for g1, g2 in itertools.product(_best(stage_rows, "gate_up", 3), _best(stage_rows, "down", 2)):
+    for g1, g2 in itertools.product(_best(stage_rows, "gate_up", 3), _best(stage_rows, "down", 3)):
         pairs.add(moe_token.MoeTokenConfig(*g1, *g2))
+    best = (float("inf"), moe_token.DEFAULT_CONFIG)
     for c in sorted(pairs):
-        check(new_block(l0, c), want, c)
+        check(new_block(l0, c), want, c, strict=False)
         us = graph_us(lambda: [new_block(ly, c) for ly in layers], LAYERS)  # noqa: B023
-        rows.append(_row("block", "route GEMV + fused_moe_token" + (" (default)" if c == moe_token.DEFAULT_CONFIG else ""),
+        best = min(best, (us, c))
+        rows.append(_row("block", "router + moe_token routed" + (" (default)" if c == moe_token.DEFAULT_CONFIG else ""),
                          tuple(c), us, nbytes))  # fmt: skip
-    # The routing epilogue's own cost: the router GEMV with and without it.
-    us = graph_us(lambda: [gemv.add_rms_norm_router(ly["x"], ly["res"], ly["nw"], 1e-6, ly["router"]) for ly in layers], LAYERS)
-    rows.append(_row("router", "add_rms_norm_router", None, us, E * H * 2))
-    us = graph_us(lambda: [gemv.add_rms_norm_route(ly["x"], ly["res"], ly["nw"], 1e-6, ly["router"], TOP_K, True) for ly in layers], LAYERS)
-    rows.append(_row("router", "add_rms_norm_route", None, us, E * H * 2))
-    return rows
+    return rows, best[1]
 
 
 def table(rows: list[dict], bandwidth: float) -> str:
@@ -150,7 +163,7 @@ def table(rows: list[dict], bandwidth: float) -> str:
         lines += [f"| {r['part']} | {r['variant']} | {r['config']} | {r['us']:.1f} | {r['tb_s']:.2f} |"
                   for r in mine[4:] if r["variant"] != "moe_token"]  # fmt: skip
     lines += [f"| {r['part']} | {r['variant']} | {r['config']} | {r['us']:.1f} | {r['tb_s']:.2f} |"
-              for r in rows if r["part"] in ("block", "router")]  # fmt: skip
+              for r in rows if r["part"] == "block"]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -158,13 +171,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--env-out", help="write the fastest configuration as a shell export to this file")
     args = ap.parse_args()
     device = torch.device("cuda")
     bandwidth = measure_bandwidth(device)
     layers = make_layers(device)
     rows = sweep_stages(layers, args.quick)
-    rows += time_blocks(layers, rows)
+    blocks, best = time_blocks(layers, rows)
+    rows += blocks
     print(table(rows, bandwidth))
+    # For the decode bench that follows (gpu_checks.sh step 12 reads it): the fastest block's tiles.
+    print(f"best {moe_token._ENV_VAR}={','.join(str(int(v)) for v in best)}")
+    if args.env_out:
+        with open(args.env_out, "w") as f:
+            f.write(f"export {moe_token._ENV_VAR}={','.join(str(int(v)) for v in best)}\n")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"bandwidth": bandwidth, "rows": rows}, f, indent=1)

@@ -186,6 +186,8 @@ def fused_moe_routed(
     """``kernels.moe.fused_moe_routed``: the routing (``moe_route.route_row`` / ``select_expert``) in
     the gate/up stage's programs, no launch of its own."""
     num_tokens, num_cols = router_logits.shape
+    if num_tokens == 1 and moe_token.covered(x, w_gate_up, w_down, router_logits[:, : top_k + 1]):
+        return moe_token.fused_moe_token_routed(x, router_logits, w_gate_up, w_down, top_k, renormalize)
     if not 1 <= top_k <= num_cols - 1 <= MAX_EXPERTS or router_logits.stride(-1) != 1:
         raise ValueError(f"need 1 <= top_k <= E <= {MAX_EXPERTS} and unit-stride logits, got top_k={top_k}, "
                          f"logits {tuple(router_logits.shape)} strides {router_logits.stride()}")  # fmt: skip

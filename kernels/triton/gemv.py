@@ -12,8 +12,6 @@ conv update::
     PRO_SIGMOID_GATE    x̂ = x * sigmoid(gate)                   sigmoid_gate_linear
     CONV                rows < D: the causal conv1d + SiLU update of y with the state at the read /
                         write slot (stored in place of y); rows >= D: y   add_rms_norm_conv_linear
-    ROUTE               y = the router's E + 1 logits; the program that finishes last (a count of
-                        finished programs) routes them (``moe_route.route_row``)   add_rms_norm_route
 
 Every program computes the prologue of the whole row (``K`` <= ``MAX_K``, held in registers: a few
 KiB read through L2 by each program, instead of a launch of its own), then walks row blocks of
@@ -44,15 +42,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.triton import conv1d_update, moe_route, norm
+from phloem.kernels.triton import conv1d_update, norm
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
-from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row
 
 __all__ = [
     "GemvConfig",
     "add_rms_norm_conv_linear",
     "add_rms_norm_linear",
-    "add_rms_norm_route",
     "add_rms_norm_router",
     "gated_rms_norm_linear",
     "gemv_config",
@@ -158,11 +154,9 @@ def gemv_kernel(
     p_x, p_w, p_y, N, K, s_wn,
     p_a, p_nw, p_res, p_normed, eps,
     p_cw, p_cs, p_read, p_write, s_cw, s_cn, s_cd, CONV_N,
-    p_tw, p_ids, p_done,
     PRO: tl.constexpr, CONV: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_A: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr, HEAD: tl.constexpr,
     KC: tl.constexpr, BKC: tl.constexpr, CONV_BLOCKS: tl.constexpr,
-    ROUTE: tl.constexpr, TOP_K: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr,
 ):  # fmt: skip
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -221,14 +215,6 @@ def gemv_kernel(
                            CONV_BLOCKS == 0)  # fmt: skip
         else:
             tl.store(p_y + o_n, b_y, mask=m_n)
-    if ROUTE:
-        # The program that finishes last routes the token: every other program's logits are in
-        # memory before its count (each program's stores, then a CTA barrier, then one release
-        # increment; the last program's increment acquires them all).
-        tl.debug_barrier()
-        if tl.atomic_add(p_done, 1, sem="acq_rel", scope="gpu") == n_p - 1:
-            route_row(p_y, p_tw, p_ids, N - 1, TOP_K, BE, BR, RENORMALIZE, True)
-            tl.atomic_xchg(p_done, 0, sem="relaxed", scope="gpu")  # for the next launch
 
 
 # From docs/bench/gemv_sweep.py on an H200 at the 35B-A3B shapes (CUDA-graph replays over distinct
@@ -257,14 +243,6 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-@functools.cache
-def _done_counter(device: torch.device) -> torch.Tensor:
-    """The routing GEMV's count of finished programs, zero between launches (its last program
-    resets it). One per device: launches that use it run one after another on the device's
-    stream (a decode step's MoE layers), never concurrently on two streams."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
 def _covered(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """One row the kernel can take (and a residual of its shape, where there is one)."""
     num_k = x.shape[-1]
@@ -284,7 +262,6 @@ class _Call(NamedTuple):
     eps: float = 0.0
     head: int = 1
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # weight, states, read, write
-    route: tuple[torch.Tensor, torch.Tensor, int, bool] | None = None  # weights out, ids out, top_k, renormalise
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, call: _Call,
@@ -299,7 +276,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
     walk = triton.cdiv(blocks, grid)  # blocks per program
     conv_blocks = triton.next_power_of_2(walk) if call.conv is not None and CONV_PRELOAD and walk <= 16 else 0
     conv_w, conv_s, r_slot, w_slot = call.conv if call.conv is not None else (x, x, x, x)
-    tw, ids, top_k, renormalize = call.route if call.route is not None else (x, x, 1, False)
     nw = call.nw if call.nw is not None else x
     gemv_kernel[(grid,)](
         x, weight, y, num_n, num_k, weight.stride(0),
@@ -307,14 +283,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
         call.normed if call.normed is not None else x, call.eps,
         conv_w, conv_s, r_slot, w_slot, conv_w.stride(0), conv_s.stride(0), conv_s.stride(1) if conv_s.dim() > 1 else 0,
         conv_w.shape[0] if call.conv is not None else 0,
-        tw, ids, _done_counter(x.device) if call.route is not None else x,
         PRO=pro, CONV=call.conv is not None, KP=triton.next_power_of_2(num_k), BLOCK_N=c.block_n, PREFETCH=c.prefetch,
         HAS_A=call.a is not None, WRITE_NORMED=call.normed is not None,
         ROUND_WEIGHTED=torch.promote_types(nw.dtype, x.dtype) == x.dtype, HEAD=call.head,
         KC=conv_w.shape[1] if call.conv is not None else 1,
         BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks,
-        ROUTE=call.route is not None, TOP_K=top_k, BE=triton.next_power_of_2(num_n - 1) if call.route is not None else 1,
-        BR=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
 
@@ -410,27 +383,6 @@ def add_rms_norm_router(
     normed = torch.empty_like(x)
     _launch(_row(x), router_w, logits, PRO_ADD_RMS_NORM, _Call(a=_opt_row(residual), nw=norm_w, res=res, normed=normed, eps=eps))
     return logits, normed, res
-
-
-def add_rms_norm_route(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor,
-    top_k: int, renormalize: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``kernels.fused_linear.add_rms_norm_route``: ``(topk_weights, topk_ids, normed, x + residual)``,
-    the routing (``moe_route.route_row``) in the program that finishes the router's rows last."""
-    num_experts = router_w.shape[0] - 1
-    if not 1 <= top_k <= num_experts <= MAX_EXPERTS:
-        raise ValueError(f"need 1 <= top_k <= E <= {MAX_EXPERTS}, got top_k={top_k}, E={num_experts}")
-    if not _covered(x, router_w, residual):
-        logits, normed, residual = add_rms_norm_router(x, residual, norm_w, eps, router_w)
-        return (*moe_route.moe_route_shared(logits, top_k, renormalize), normed, residual)
-    logits, res = _outputs(x, residual, router_w.shape[0])
-    normed = torch.empty_like(x)
-    tw = torch.empty((1, top_k + 1), dtype=x.dtype, device=x.device)
-    ids = torch.empty((1, top_k + 1), dtype=torch.int64, device=x.device)
-    call = _Call(a=_opt_row(residual), nw=norm_w, res=res, normed=normed, eps=eps, route=(tw, ids, top_k, renormalize))
-    _launch(_row(x), router_w, logits, PRO_ADD_RMS_NORM, call)
-    return tw, ids, normed, res
 
 
 def _outputs(x: torch.Tensor, residual: torch.Tensor | None, num_n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,8 +54,7 @@ def route_row(
     m_e = o_e < E
     m_k = o_k < TOP_K
 
-    # Through L2 (``.cg``): the routing GEMV's last program reads the logits other programs wrote.
-    b_l = tl.load(p_logits + o_e, mask=m_e, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
+    b_l = tl.load(p_logits + o_e, mask=m_e, other=-float("inf")).to(tl.float32)
     b_max = tl.max(b_l)
     b_z = tl.sum(tl.where(m_e, tl.exp(b_l - b_max), 0.0))
 
@@ -72,7 +71,7 @@ def route_row(
     tl.store(p_weights + o_k, b_w.to(p_weights.dtype.element_ty), mask=m_k)
     tl.store(p_ids + o_k, b_i, mask=m_k)
     if HAS_SHARED:
-        b_g = tl.load(p_logits + E, cache_modifier=".cg").to(p_weights.dtype.element_ty)
+        b_g = tl.load(p_logits + E).to(p_weights.dtype.element_ty)
         b_s = tl.sigmoid(b_g.to(tl.float32)).to(p_weights.dtype.element_ty)
         tl.store(p_weights + TOP_K, b_s)
         tl.store(p_ids + TOP_K, E.to(tl.int64))

@@ -51,7 +51,7 @@ def _count_fused_ops(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
     calls: dict[str, int] = {}
     names = ("add_rms_norm_linear", "add_rms_norm_conv_linear", "gated_rms_norm_linear", "sigmoid_gate_linear",
-             "add_rms_norm_route")  # fmt: skip
+             "add_rms_norm_router")  # fmt: skip
     for module, name in [(gemv, n) for n in names]:
         calls[name] = 0
         op = getattr(module, name)

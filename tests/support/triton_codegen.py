@@ -133,11 +133,13 @@ def one_shot_norm(world: int) -> None:
 def moe_token() -> None:
     from phloem.kernels.triton.moe_token import _down_token_kernel, _gate_up_token_kernel
 
-    moe = {"S": 9, "H": 2048, "INTER": 512, "BS": 16}
-    compile_for_h200(_gate_up_token_kernel, _all("p_x p_w p_act", "*bf16") | {"p_ids": "*i64"},
-                     moe | {"KP": 2048, "BLOCK_N": 2})
-    compile_for_h200(_down_token_kernel, _all("p_act p_w p_tw p_out", "*bf16") | {"p_ids": "*i64"},
-                     moe | {"IP": 512, "BLOCK_N": 4})
+    moe = {"S": 9, "H": 2048, "INTER": 512}
+    for route in (False, True):  # ids given / routed in the kernel from the router logits
+        compile_for_h200(_gate_up_token_kernel, _all("p_x p_w p_act p_logits p_tw", "*bf16") | {"p_ids": "*i64"},
+                         moe | {"KP": 2048, "BLOCK_N": 4, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True})
+    for prefetch in (False, True):
+        compile_for_h200(_down_token_kernel, _all("p_act p_w p_tw p_out", "*bf16") | {"p_ids": "*i64"},
+                         moe | {"SR": 8, "IP": 512, "BLOCK_N": 2, "PREFETCH": prefetch})
 
 
 def decode_attention() -> None:
@@ -151,19 +153,17 @@ def decode_attention() -> None:
     compile_for_h200(decode_attention_merge_kernel, pointers, common | {"BLOCK_S": 16, "BLOCK_D": 256})
 
 
-def gemv(pro: int, conv: bool, prefetch: bool, route: bool = False) -> None:
+def gemv(pro: int, conv: bool, prefetch: bool) -> None:
     """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape."""
     from phloem.kernels.triton.gemv import gemv_kernel
 
-    pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs p_tw", "*bf16") | _all("p_read p_write p_ids", "*i64")
+    pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs", "*bf16") | _all("p_read p_write", "*i64")
     kp = 4096 if pro in (2, 3) else 2048
     constexprs = {
-        "PRO": pro, "CONV": conv, "KP": kp, "BLOCK_N": 2 if route else 8192 // kp, "PREFETCH": prefetch,
+        "PRO": pro, "CONV": conv, "KP": kp, "BLOCK_N": 8192 // kp, "PREFETCH": prefetch,
         "HAS_A": pro != 0, "WRITE_NORMED": pro == 1 and not conv, "ROUND_WEIGHTED": True,
         "HEAD": 128 if pro == 2 else 1, "KC": 4 if conv else 1, "BKC": 4 if conv else 1, "CONV_BLOCKS": 8 if conv and prefetch else 0,
-        "ROUTE": route, "TOP_K": 8 if route else 1, "BE": 256 if route else 1, "BR": 8 if route else 1, "RENORMALIZE": True,
     }  # fmt: skip
-    pointers["p_done"] = "*i32"
     compile_for_h200(gemv_kernel, pointers, constexprs)
 
 
@@ -184,7 +184,6 @@ CASES: dict[str, Callable[[], None]] = {
     "linear (one-token GEMV)": lambda: gemv(0, False, False),
     "linear (one-token GEMV, prefetch)": lambda: gemv(0, False, True),
     "add_rms_norm_linear / _router": lambda: gemv(1, False, True),
-    "add_rms_norm_route (router GEMV + routing)": lambda: gemv(1, False, True, route=True),
     "add_rms_norm_conv_linear": lambda: gemv(1, True, True),
     "add_rms_norm_conv_linear (no prefetch)": lambda: gemv(1, True, False),
     "gated_rms_norm_linear": lambda: gemv(2, False, True),
