@@ -8,13 +8,13 @@ bf16, top-8 + shared). Every timing is a CUDA graph of ``LAYERS`` calls on disti
 (nothing served from L2), replayed; TB/s counts the 9 experts' weight bytes (+ the router's for
 the whole block). Every configuration is checked against the torch reference before it is timed.
 
-    1. gate/up alone per configuration (block_n1, warps, programs per SM), ids given;
-    2. down alone per configuration (block_n2, warps, programs per SM, prefetch);
-    3. the block after the attention, end to end (norm + router + routing + experts):
-       ``add_rms_norm_router`` + the sixth session's routed kernels (``kernels.triton.fused_moe``:
-       1152 gate/up programs, each routing its own slot) against ``moe_token``'s routed path with
-       the best few stage pairs and the shipped default; ``--env-out`` writes the fastest
-       configuration as ``PHLOEM_MOE_TOKEN_CONFIG`` for a decode bench to use.
+    1. ``moe_token``'s gate/up per configuration (block_n, warps, programs per SM), ids given,
+       against the sixth session's (``fused_moe._gate_up_kernel``), and the down + sum stage;
+    2. the block after the attention, end to end (norm + router + routing + experts):
+       ``add_rms_norm_router`` + the sixth session's routed kernels (1152 gate/up programs, each
+       routing its own slot) against ``fused_moe_token_routed`` with the best few gate/up
+       configurations and the shipped default; ``--env-out`` writes the fastest as
+       ``PHLOEM_MOE_TOKEN_CONFIG`` for a decode bench to use.
 
 Prints Markdown tables; ``--out`` writes the rows as JSON.
 """
@@ -75,51 +75,40 @@ def _row(part: str, variant: str, config: object, us: float, nbytes: int) -> dic
     return {"part": part, "variant": variant, "config": config, "us": us, "tb_s": nbytes / us / 1e6}
 
 
-def stage_grids(quick: bool) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int, bool]]]:
+def gate_up_grid(quick: bool) -> list[tuple[int, int, int]]:
     if quick:
-        d = moe_token.DEFAULT_CONFIG
-        return [tuple(d[:3])], [tuple(d[3:])]
-    g1 = list(itertools.product((2, 4), (4, 8), (2, 4, 8)))
-    g2 = [(bn, w, pps, pf) for bn, w in itertools.product((1, 2, 4), (4, 8))
-          for pps, pf in ((1, True), (2, True), (4, False), (0, False))]  # fmt: skip
-    return g1, g2
+        return [tuple(moe_token.DEFAULT_CONFIG)]
+    return list(itertools.product((2, 4), (4, 8), (2, 4, 8)))
 
 
-def sweep_stages(layers: list[dict], quick: bool) -> list[dict]:
-    g1, g2 = stage_grids(quick)
-    base = moe_token.DEFAULT_CONFIG
+def sweep_gate_up(layers: list[dict], quick: bool) -> list[dict]:
+    """``moe_token``'s gate/up per configuration with the ids given, and the sixth session's."""
     l0 = layers[0]
     want = reference(l0["x"].float(), l0["wgu"].float(), l0["wd"].float(), l0["w"].float(), l0["ids"])
     rows = []
-    gate_up_bytes, down_bytes = EXPERT_BYTES * 2 // 3, EXPERT_BYTES // 3
-    for g in g1:
-        c = base._replace(block_n1=g[0], num_warps1=g[1], programs_per_sm1=g[2])
-        check(moe_token.fused_moe_token(l0["x"], l0["wgu"], l0["wd"], l0["w"], l0["ids"], c), want, c)
+    nbytes = EXPERT_BYTES * 2 // 3
+    for g in gate_up_grid(quick):
+        c = moe_token.MoeTokenConfig(*g)
+        check(fused_moe.fused_moe_token(l0["x"], l0["wgu"], l0["wd"], l0["w"], l0["ids"], c), want, c)
         us = graph_us(lambda: [moe_token.launch_gate_up(ly["x"], ly["wgu"], ly["ids"], ly["act"], c) for ly in layers], LAYERS)  # noqa: B023
-        rows.append(_row("gate_up", "moe_token", g, us, gate_up_bytes))
-    for g in g2:
-        c = base._replace(block_n2=g[0], num_warps2=g[1], programs_per_sm2=g[2], prefetch2=g[3])
-        check(moe_token.fused_moe_token(l0["x"], l0["wgu"], l0["wd"], l0["w"], l0["ids"], c), want, c)
-        us = graph_us(lambda: [moe_token.launch_down(ly["act"], ly["wd"], ly["ids"], ly["w"], ly["out"], c) for ly in layers], LAYERS)  # noqa: B023
-        rows.append(_row("down", "moe_token", g, us, down_bytes))
-    # The sixth session's kernels at the same ids, for the same two parts.
+        rows.append(_row("gate_up", "moe_token", g, us, nbytes))
     old = fused_moe.DEFAULT_CONFIG
     us = graph_us(lambda: [fused_moe.launch_gate_up(ly["x"], ly["wgu"], ly["ids"], ly["act"], old) for ly in layers], LAYERS)
-    rows.append(_row("gate_up", "fused_moe (ids given)", tuple(old[:4]), us, gate_up_bytes))
+    rows.append(_row("gate_up", "fused_moe (ids given)", tuple(old[:4]), us, nbytes))
     us = graph_us(lambda: [fused_moe.launch_down_sum(ly["act"], ly["wd"], ly["ids"], ly["w"], ly["out"], old) for ly in layers], LAYERS)
-    rows.append(_row("down", "fused_moe", tuple(old[4:]), us, down_bytes))
+    rows.append(_row("down", "fused_moe", tuple(old[4:]), us, EXPERT_BYTES // 3))
     return rows
 
 
-def _best(rows: list[dict], part: str, n: int) -> list[tuple]:
-    mine = sorted((r for r in rows if r["part"] == part and r["variant"] == "moe_token"), key=lambda r: r["us"])
+def _best(rows: list[dict], n: int) -> list[tuple]:
+    mine = sorted((r for r in rows if r["part"] == "gate_up" and r["variant"] == "moe_token"), key=lambda r: r["us"])
     return [tuple(r["config"]) for r in mine[:n]]
 
 
-def time_blocks(layers: list[dict], stage_rows: list[dict]) -> tuple[list[dict], moe_token.MoeTokenConfig]:
-    """Norm + router + routing + experts of one token: the sixth session's kernels (routing in
-    every gate/up program, 1152 of them) against ``moe_token``'s routed path. Returns the rows and
-    the fastest configuration."""
+def time_blocks(layers: list[dict], gate_up_rows: list[dict]) -> tuple[list[dict], moe_token.MoeTokenConfig]:
+    """Norm + router + routing + experts of one token: the sixth session's routed kernels (1152
+    gate/up programs, each routing its slot) against ``fused_moe_token_routed``. Returns the rows
+    and the fastest configuration."""
     nbytes = EXPERT_BYTES + E * H * 2
     l0 = layers[0]
     old = fused_moe.DEFAULT_CONFIG
@@ -136,21 +125,18 @@ def time_blocks(layers: list[dict], stage_rows: list[dict]) -> tuple[list[dict],
 
     def new_block(ly: dict, c: moe_token.MoeTokenConfig) -> torch.Tensor:
         logits, normed, _ = gemv.add_rms_norm_router(ly["x"], ly["res"], ly["nw"], 1e-6, ly["router"])
-        return moe_token.fused_moe_token_routed(normed, logits, ly["wgu"], ly["wd"], TOP_K, True, c)
+        return fused_moe.fused_moe_token_routed(normed, logits, ly["wgu"], ly["wd"], TOP_K, True, c)
 
     logits, normed, _ = gemv.add_rms_norm_router(l0["x"], l0["res"], l0["nw"], 1e-6, l0["router"])
     want = reference_routed(normed.float(), logits.float(), l0["wgu"].float(), l0["wd"].float(), TOP_K, True)
     check(old_block(l0), want, "old block", strict=False)
     rows = [_row("block", "router + fused_moe routed (sixth session)", None, graph_us(lambda: [old_block(ly) for ly in layers], LAYERS), nbytes)]
-    pairs = {moe_token.DEFAULT_CONFIG}
-    for g1, g2 in itertools.product(_best(stage_rows, "gate_up", 3), _best(stage_rows, "down", 3)):
-        pairs.add(moe_token.MoeTokenConfig(*g1, *g2))
     best = (float("inf"), moe_token.DEFAULT_CONFIG)
-    for c in sorted(pairs):
+    for c in sorted({moe_token.DEFAULT_CONFIG, *(moe_token.MoeTokenConfig(*g) for g in _best(gate_up_rows, 3))}):
         check(new_block(l0, c), want, c, strict=False)
         us = graph_us(lambda: [new_block(ly, c) for ly in layers], LAYERS)  # noqa: B023
         best = min(best, (us, c))
-        rows.append(_row("block", "router + moe_token routed" + (" (default)" if c == moe_token.DEFAULT_CONFIG else ""),
+        rows.append(_row("block", "router + fused_moe_token_routed" + (" (default)" if c == moe_token.DEFAULT_CONFIG else ""),
                          tuple(c), us, nbytes))  # fmt: skip
     return rows, best[1]
 
@@ -176,7 +162,7 @@ def main() -> None:
     device = torch.device("cuda")
     bandwidth = measure_bandwidth(device)
     layers = make_layers(device)
-    rows = sweep_stages(layers, args.quick)
+    rows = sweep_gate_up(layers, args.quick)
     blocks, best = time_blocks(layers, rows)
     rows += blocks
     print(table(rows, bandwidth))

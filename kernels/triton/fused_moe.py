@@ -18,6 +18,10 @@ finds its slot's expert itself (``moe_route.select_expert``) and one program per
 weights and ids stage 2 reads, so the routing needs no launch of its own (the one-token decode
 path; with more tokens the routing in every program costs more than the launch it saves).
 
+One token (batch-1 decode) takes stage 1 from ``kernels.triton.moe_token`` (a slot-major grid of
+programs walking their slot's blocks, each routing once: ``fused_moe_token`` /
+``fused_moe_token_routed``), then stage 2 here.
+
 At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8 + shared) one token reads
 9 × 3 × 2048 × 512 bf16 = 57 MB per layer, which is what bounds decode. Accumulation is fp32.
 """
@@ -41,6 +45,8 @@ __all__ = [
     "MoeDecodeConfig",
     "fused_moe",
     "fused_moe_routed",
+    "fused_moe_token",
+    "fused_moe_token_routed",
     "fused_moe_tuned",
     "launch_down_sum",
     "launch_gate_up",
@@ -170,7 +176,7 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [T, K]
 ) -> torch.Tensor:
     if moe_token.covered(x, w_gate_up, w_down, topk_ids):
-        return moe_token.fused_moe_token(x, w_gate_up, w_down, topk_weights, topk_ids)
+        return fused_moe_token(x, w_gate_up, w_down, topk_weights, topk_ids)
     config = DEFAULT_CONFIG if x.shape[0] < _BATCH_TOKENS else _BATCH_CONFIG
     return fused_moe_tuned(x, w_gate_up, w_down, topk_weights, topk_ids, config)
 
@@ -187,7 +193,7 @@ def fused_moe_routed(
     the gate/up stage's programs, no launch of its own."""
     num_tokens, num_cols = router_logits.shape
     if num_tokens == 1 and moe_token.covered(x, w_gate_up, w_down, router_logits[:, : top_k + 1]):
-        return moe_token.fused_moe_token_routed(x, router_logits, w_gate_up, w_down, top_k, renormalize)
+        return fused_moe_token_routed(x, router_logits, w_gate_up, w_down, top_k, renormalize)
     if not 1 <= top_k <= num_cols - 1 <= MAX_EXPERTS or router_logits.stride(-1) != 1:
         raise ValueError(f"need 1 <= top_k <= E <= {MAX_EXPERTS} and unit-stride logits, got top_k={top_k}, "
                          f"logits {tuple(router_logits.shape)} strides {router_logits.stride()}")  # fmt: skip
@@ -201,6 +207,46 @@ def fused_moe_routed(
     launch_gate_up(x, w_gate_up, ids, act, config, (router_logits, tw, renormalize))
     launch_down_sum(act, w_down, ids, tw, out, config)
     return out
+
+
+def fused_moe_token(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: moe_token.MoeTokenConfig | None = None,
+) -> torch.Tensor:
+    """``fused_moe`` of one token (``moe_token.covered``): ``moe_token``'s gate/up, then down + sum."""
+    ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
+    act, out = _token_buffers(x, w_down, ids.shape[1])
+    moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, config or moe_token.DEFAULT_CONFIG)
+    launch_down_sum(act, w_down, ids, tw, out, DEFAULT_CONFIG)
+    return out
+
+
+def fused_moe_token_routed(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    config: moe_token.MoeTokenConfig | None = None,
+) -> torch.Tensor:
+    """``fused_moe_routed`` of one token: the routing inside ``moe_token``'s gate/up programs."""
+    slots = top_k + 1
+    ids = torch.empty((1, slots), dtype=torch.int64, device=x.device)
+    tw = torch.empty((1, slots), dtype=router_logits.dtype, device=x.device)
+    act, out = _token_buffers(x, w_down, slots)
+    route = (router_logits, tw, renormalize)
+    moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, config or moe_token.DEFAULT_CONFIG, route)
+    launch_down_sum(act, w_down, ids, tw, out, DEFAULT_CONFIG)
+    return out
+
+
+def _token_buffers(x: torch.Tensor, w_down: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty((slots, w_down.shape[2]), dtype=x.dtype, device=x.device), torch.empty_like(x)
 
 
 def fused_moe_tuned(

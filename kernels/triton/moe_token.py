@@ -1,31 +1,31 @@
-"""The experts of one token (batch-1 decode): two weight-streaming kernels.
+"""The gate/up stage of one token's experts (batch-1 decode), with the routing in its programs.
 
-Same semantics as ``kernels.moe.fused_moe`` for ``T == 1`` (``kernels.triton.fused_moe`` sends one
-token here), and ``fused_moe_token_routed`` as ``kernels.moe.fused_moe_routed`` (the routing inside
-the gate/up kernel). With one token the experts' bytes are small (9 × 3 × 2048 × 512 bf16 = 57 MB
-a layer at the 35B-A3B shape, ~14 µs at 4 TB/s), so what costs is the time the weight stream stands
-still: a kernel's first loads waiting for its inputs, the last wave's stragglers. The two stages
-are written like ``kernels.triton.gemv``'s GEMVs (a fixed grid of programs walking tiles, the next
-tile in flight while one is reduced):
+``kernels.triton.fused_moe`` runs one token's experts as this kernel, then its own down + weighted
+sum (``_down_sum_kernel``): ``fused_moe`` with the ids given, ``fused_moe_routed`` with the router
+logits. With one token the experts' bytes are small (9 × 3 × 2048 × 512 bf16 = 57 MB a layer at the
+35B-A3B shape, ~14 µs at 4 TB/s), so what costs is the time the weight stream stands still::
 
-    gate/up  act[s, n] = silu(x · Wg[e_s][n]) * (x · Wu[e_s][n])      slot-major: ``NUM_P``
-             programs per slot walk its blocks of ``BLOCK_N`` gate and up rows. Routed, each
-             program finds its slot's expert alone (``moe_route.select_expert``: ``s + 1`` arg-max
-             rounds over the logits, once per program) and program 0 writes the weights and ids.
-    down     out[m] = Σ_s w_s * (act[s] · Wd[e_s][m])                  programs walk blocks of
-             ``BLOCK_N`` output rows; a block's rows of all ``S`` experts are one load (every byte
-             of the block in flight at once), the next block's with ``PREFETCH``; fp32 sums, one
-             rounding at the end, fixed order (deterministic).
+    act[s, n] = silu(x · Wg[e_s][n]) * (x · Wu[e_s][n])
+
+Slot-major: ``NUM_P`` programs per slot walk its blocks of ``BLOCK_N`` gate and up rows, the next
+block's tiles in flight while one is reduced (as ``kernels.triton.gemv``'s GEMVs). Routed, each
+program finds its own slot's expert once (``moe_route.select_expert``: ``s + 1`` arg-max rounds over
+the logits) and program 0 writes the weights and ids the down stage reads; the sixth session's
+kernel (``fused_moe._gate_up_kernel``) ran 1152 programs in several waves, each routing again.
 
 Under programmatic dependent launch (``kernels/triton/_pdl.py``) a kernel may load, before its
-``gdc_wait``, only what no kernel before it in the step writes: the weights, not the ids. Both
-stages load the last slot's tile of the **last expert** before the wait — in the model's layout
+``gdc_wait``, only what no kernel before it in the step writes: the weights, not the ids. The last
+slot's programs load their first tile of the **last expert** there — in the model's layout
 (``kernels.moe.moe_route_shared``) the last slot is the shared expert, stored last — and after the
-wait check the ids: where the last slot holds another expert, that tile is loaded again (correct
-for any ids, only slower). So the stream starts while the router (gate/up) or gate/up (down)
-finish.
+wait check the ids: where the last slot holds another expert, the tile is loaded again (correct for
+any ids, only slower).
 
-``act`` rounds to ``x.dtype`` between the stages, as the reference's intermediate does.
+Measured on an H200 (``docs/bench/moe_token_sweep.py``, docs/benchmarks.md): ids given 11.2 µs a
+layer against 12.4 for ``fused_moe._gate_up_kernel``; routed, the MoE block (router GEMV, gate/up,
+down) ~1.7 µs a layer less than with the sixth session's routed kernel. Two variants measured worse
+and were removed: routing in the router GEMV's last program (a count of finished programs; the
+router went from 2.0 to 5.6 µs, the block from 24.1 to 25.8) and a down stage loading a block's rows
+of all nine experts at once (16.4 µs against 7.7 for ``_down_sum_kernel``).
 """
 
 from __future__ import annotations
@@ -42,39 +42,32 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert
 
-__all__ = ["DEFAULT_CONFIG", "MoeTokenConfig", "covered", "fused_moe_token", "fused_moe_token_routed", "launch_down", "launch_gate_up"]
+__all__ = ["DEFAULT_CONFIG", "MAX_SLOTS", "MoeTokenConfig", "covered", "launch_gate_up"]
 
 
 class MoeTokenConfig(NamedTuple):
-    """Rows per tile, warps and programs per SM of gate/up (``1``) and of down (``2``; 0 programs per
-    SM: one program per tile), and whether down's programs load their next block's tiles ahead."""
+    """Gate/up rows per tile, warps and programs per SM (0: one program per tile)."""
 
-    block_n1: int
-    num_warps1: int
-    programs_per_sm1: int
-    block_n2: int
-    num_warps2: int
-    programs_per_sm2: int
-    prefetch2: bool
+    block_n: int
+    num_warps: int
+    programs_per_sm: int
 
 
 _ENV_VAR = "PHLOEM_MOE_TOKEN_CONFIG"
 # Chosen on an H200 at the 35B-A3B shape (docs/bench/moe_token_sweep.py; docs/benchmarks.md).
-_H200_CONFIG = MoeTokenConfig(block_n1=4, num_warps1=4, programs_per_sm1=4, block_n2=2, num_warps2=4,
-                              programs_per_sm2=2, prefetch2=True)  # fmt: skip
+_H200_CONFIG = MoeTokenConfig(block_n=2, num_warps=4, programs_per_sm=4)
 MAX_SLOTS = 64
 
 
 def _env_config() -> MoeTokenConfig | None:
-    """``PHLOEM_MOE_TOKEN_CONFIG="bn1,w1,pps1,bn2,w2,pps2,prefetch2"`` (sweeps, other GPUs), else None."""
+    """``PHLOEM_MOE_TOKEN_CONFIG="block_n,warps,programs_per_sm"`` (sweeps, other GPUs), else None."""
     text = os.environ.get(_ENV_VAR, "").strip()
     if not text:
         return None
     try:
-        *ints, prefetch = (int(v) for v in text.split(","))
-        return MoeTokenConfig(*ints, bool(prefetch))
+        return MoeTokenConfig(*(int(v) for v in text.split(",")))
     except (TypeError, ValueError):
-        raise ValueError(f"{_ENV_VAR}: expected 7 comma-separated integers, got {text!r}") from None
+        raise ValueError(f"{_ENV_VAR}: expected 3 comma-separated integers, got {text!r}") from None
 
 
 DEFAULT_CONFIG = _env_config() or _H200_CONFIG
@@ -139,64 +132,6 @@ def _gate_up_token_kernel(
         tl.store(p_act + s * INTER + o_n, b_act.to(p_act.dtype.element_ty), mask=o_n < INTER)
 
 
-@triton.jit
-def _down_tiles(p_w, b_er, m_r, e_last, i_blk, o_b, o_i, H: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, ok):
-    """Rows of block ``i_blk`` of the routed slots' experts ``b_er`` ``[SR, BLOCK_N, IP]`` and of the
-    last slot's expert ``e_last`` ``[BLOCK_N, IP]`` (zeros where not ``ok``)."""
-    o_n = i_blk * BLOCK_N + o_b
-    m_2 = ((o_n < H) & ok)[:, None] & (o_i < INTER)[None, :]
-    o_2 = o_n[:, None].to(tl.int64) * INTER + o_i[None, :]
-    b_last = tl.load(p_w + e_last.to(tl.int64) * (H * INTER) + o_2, mask=m_2, other=0.0)
-    p_r = p_w + b_er.to(tl.int64)[:, None, None] * (H * INTER) + o_2[None, :, :]
-    b_r = tl.load(p_r, mask=m_r[:, None, None] & m_2[None, :, :], other=0.0)
-    return b_r, b_last
-
-
-@triton.jit(do_not_specialize=["E_LAST"])
-def _down_token_kernel(
-    p_act, p_w, p_ids, p_tw, p_out, E_LAST,
-    S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
-    SR: tl.constexpr, IP: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
-):  # fmt: skip
-    # A block's rows of every slot's expert in one load ([SR, BLOCK_N, IP] routed + the last slot's
-    # [BLOCK_N, IP]): all of a block's bytes in flight at once. Programs walk blocks i_p, i_p + n_p, ...
-    i_p = tl.program_id(0)
-    n_p = tl.num_programs(0)
-    NB: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
-    o_b = tl.arange(0, BLOCK_N)
-    o_i = tl.arange(0, IP)
-    m_i = o_i < INTER
-    o_r = tl.arange(0, SR)
-    m_r = o_r < S - 1
-    o_n = i_p * BLOCK_N + o_b
-    m_2 = (o_n < H)[:, None] & m_i[None, :]
-    b_last = tl.load(p_w + E_LAST.to(tl.int64) * (H * INTER) + o_n[:, None].to(tl.int64) * INTER + o_i[None, :],
-                     mask=m_2, other=0.0)  # fmt: skip
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()  # gate/up's act (and the ids before it)
-    b_er = tl.load(p_ids + o_r, mask=m_r, other=0)
-    e_last = tl.load(p_ids + S - 1)
-    b_ar = tl.load(p_act + o_r[:, None] * INTER + o_i[None, :], mask=m_r[:, None] & m_i[None, :], other=0.0).to(tl.float32)
-    b_ar = b_ar * tl.load(p_tw + o_r, mask=m_r, other=0.0).to(tl.float32)[:, None]  # [SR, IP]
-    b_alast = tl.load(p_act + (S - 1) * INTER + o_i, mask=m_i, other=0.0).to(tl.float32)
-    b_alast = b_alast * tl.load(p_tw + S - 1).to(tl.float32)  # [IP]
-    b_r, b_l2 = _down_tiles(p_w, b_er, m_r, e_last, i_p, o_b, o_i, H, INTER, BLOCK_N, True)
-    if e_last != E_LAST:
-        b_last = b_l2
-    for i_blk in range(i_p, NB, n_p):
-        if PREFETCH:
-            b_rc, b_lc = b_r, b_last
-            b_r, b_last = _down_tiles(p_w, b_er, m_r, e_last, i_blk + n_p, o_b, o_i, H, INTER, BLOCK_N, i_blk + n_p < NB)
-        else:
-            if i_blk != i_p:
-                b_r, b_last = _down_tiles(p_w, b_er, m_r, e_last, i_blk, o_b, o_i, H, INTER, BLOCK_N, True)
-            b_rc, b_lc = b_r, b_last
-        b_acc = tl.sum(b_rc.to(tl.float32) * b_ar[:, None, :], axis=0) + b_lc.to(tl.float32) * b_alast[None, :]
-        o_n = i_blk * BLOCK_N + o_b
-        tl.store(p_out + o_n, tl.sum(b_acc, axis=1).to(p_out.dtype.element_ty), mask=o_n < H)
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -212,50 +147,6 @@ def covered(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk
     )  # fmt: skip
 
 
-def fused_moe_token(
-    x: torch.Tensor,  # [1, H]
-    w_gate_up: torch.Tensor,  # [E, 2I, H]
-    w_down: torch.Tensor,  # [E, H, I]
-    topk_weights: torch.Tensor,  # [1, S]
-    topk_ids: torch.Tensor,  # [1, S]
-    config: MoeTokenConfig | None = None,
-) -> torch.Tensor:
-    """``kernels.moe.fused_moe`` for one token (callers check ``covered``)."""
-    c = config or DEFAULT_CONFIG
-    ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
-    act, out = _buffers(x, w_gate_up, w_down, ids.shape[1])
-    launch_gate_up(x.contiguous(), w_gate_up, ids, act, c)
-    launch_down(act, w_down, ids, tw, out, c)
-    return out
-
-
-def fused_moe_token_routed(
-    x: torch.Tensor,  # [1, H]
-    router_logits: torch.Tensor,  # [1, E + 1]: the routed experts' logits, then the shared gate's
-    w_gate_up: torch.Tensor,  # [E + 1, 2I, H]
-    w_down: torch.Tensor,  # [E + 1, H, I]
-    top_k: int,
-    renormalize: bool,
-    config: MoeTokenConfig | None = None,
-) -> torch.Tensor:
-    """``kernels.moe.fused_moe_routed`` for one token: each gate/up program finds its slot's expert
-    (``moe_route.select_expert``) and one writes the weights and ids the down stage reads."""
-    c = config or DEFAULT_CONFIG
-    slots = top_k + 1
-    ids = torch.empty((1, slots), dtype=torch.int64, device=x.device)
-    tw = torch.empty((1, slots), dtype=router_logits.dtype, device=x.device)
-    act, out = _buffers(x, w_gate_up, w_down, slots)
-    launch_gate_up(x.contiguous(), w_gate_up, ids, act, c, (router_logits, tw, renormalize))
-    launch_down(act, w_down, ids, tw, out, c)
-    return out
-
-
-def _buffers(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inter = w_down.shape[2]
-    assert w_gate_up.shape[1:] == (2 * inter, x.shape[1]) and w_down.shape[1:] == (x.shape[1], inter), "expert shapes"
-    return torch.empty((slots, inter), dtype=x.dtype, device=x.device), torch.empty_like(x)
-
-
 def _grid(tiles: int, programs_per_sm: int, device: torch.device, share: int = 1) -> int:
     """Programs walking equal numbers of ``tiles`` (the last wave's stragglers set a kernel's time),
     at most ``programs_per_sm`` an SM among ``share`` such grids (0: one program per tile)."""
@@ -267,13 +158,13 @@ def _grid(tiles: int, programs_per_sm: int, device: torch.device, share: int = 1
 
 def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, act: torch.Tensor, c: MoeTokenConfig,
                    route: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> None:  # fmt: skip
-    """Stage 1 into ``act`` ``[S, I]`` (sweeps time the stages one by one). With ``route`` (router
+    """The gate/up stage into ``act`` ``[S, I]``. With ``route`` (router
     logits ``[1, E + 1]``, weights out ``[1, S]``, renormalise) the kernel routes and writes ``ids``
     and the weights itself."""
     num_slots, inter = act.shape
     hidden = x.shape[1]
-    blocks = triton.cdiv(inter, c.block_n1)
-    per_slot = _grid(blocks, c.programs_per_sm1, x.device, share=num_slots)
+    blocks = triton.cdiv(inter, c.block_n)
+    per_slot = _grid(blocks, c.programs_per_sm, x.device, share=num_slots)
     logits, tw, renormalize = route if route is not None else (x, x, False)
     experts = w_gate_up.shape[0] - 1
     if route is not None and (logits.shape[1] != experts + 1 or logits.stride(-1) != 1
@@ -282,22 +173,8 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
                          f"got logits {tuple(logits.shape)} strides {logits.stride()}, {num_slots - 1} routed slots")  # fmt: skip
     _gate_up_token_kernel[(num_slots * per_slot,)](
         x, w_gate_up, ids, act, logits, tw, w_gate_up.shape[0] - 1, per_slot,
-        S=num_slots, H=hidden, INTER=inter, KP=triton.next_power_of_2(hidden), BLOCK_N=c.block_n1,
+        S=num_slots, H=hidden, INTER=inter, KP=triton.next_power_of_2(hidden), BLOCK_N=c.block_n,
         ROUTE=route is not None, BE=triton.next_power_of_2(w_gate_up.shape[0] - 1) if route is not None else 1,
         BR=triton.next_power_of_2(max(num_slots - 1, 1)), RENORMALIZE=renormalize,
-        num_warps=c.num_warps1, launch_pdl=LAUNCH_PDL,
-    )  # fmt: skip
-
-
-def launch_down(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, out: torch.Tensor,
-                c: MoeTokenConfig) -> None:  # fmt: skip
-    """Stage 2 into ``out`` ``[1, H]``."""
-    num_slots, inter = act.shape
-    hidden = out.shape[1]
-    grid = _grid(triton.cdiv(hidden, c.block_n2), c.programs_per_sm2, out.device)
-    _down_token_kernel[(grid,)](
-        act, w_down, ids, tw, out, w_down.shape[0] - 1,
-        S=num_slots, H=hidden, INTER=inter, SR=triton.next_power_of_2(max(num_slots - 1, 1)),
-        IP=triton.next_power_of_2(inter), BLOCK_N=c.block_n2, PREFETCH=c.prefetch2,
-        num_warps=c.num_warps2, launch_pdl=LAUNCH_PDL,
+        num_warps=c.num_warps, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip

@@ -1,4 +1,5 @@
-"""The experts of one token (``kernels.triton.moe_token``) against the torch reference ``kernels.moe.fused_moe``.
+"""The experts of one token (``kernels.triton.moe_token``'s gate/up, then ``fused_moe``'s down) against
+the torch references ``kernels.moe.fused_moe`` / ``fused_moe_routed``.
 
 On CPU under the interpreter at small shapes, in several launch layouts (programs walking several
 tiles; one program per tile); the ids in the model's layout (the shared expert, stored last, in the
@@ -27,10 +28,9 @@ from phloem.kernels.triton.moe_token import MoeTokenConfig  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LAYOUTS = {
     "default": moe_token.DEFAULT_CONFIG,
-    "walk": MoeTokenConfig(2, 4, 1, 4, 4, 1, True),
-    "walk_no_prefetch": MoeTokenConfig(2, 4, 2, 2, 4, 1, False),
-    "tile_per_program": MoeTokenConfig(4, 4, 0, 8, 2, 0, False),
-    "one_row": MoeTokenConfig(1, 2, 2, 1, 2, 2, True),
+    "walk": MoeTokenConfig(2, 4, 1),
+    "tile_per_program": MoeTokenConfig(4, 4, 0),
+    "one_row": MoeTokenConfig(1, 2, 2),
 }
 
 
@@ -52,7 +52,7 @@ def _shared_layout(experts: int, top_k: int, gen: torch.Generator, dtype: torch.
 def test_shared_layout_matches_reference(assert_close, layout: str, experts: int, top_k: int, hidden: int, inter: int) -> None:
     x, w_gate_up, w_down, gen = _experts(experts, hidden, inter, torch.float32, seed=experts)
     weights, ids = _shared_layout(experts, top_k, gen, torch.float32)
-    got = moe_token.fused_moe_token(x, w_gate_up, w_down, weights, ids, LAYOUTS[layout])
+    got = fused_moe.fused_moe_token(x, w_gate_up, w_down, weights, ids, LAYOUTS[layout])
     assert_close(got, reference(x, w_gate_up, w_down, weights, ids), atol=1e-5, rtol=1e-4)
 
 
@@ -65,7 +65,7 @@ def test_any_ids_match_reference(assert_close, layout: str, ids: list[list[int]]
     x, w_gate_up, w_down, gen = _experts(9, 40, 24, torch.float32, seed=3)
     topk_ids = torch.tensor(ids, device=DEVICE)
     weights = torch.rand(topk_ids.shape, generator=gen).to(DEVICE)
-    got = moe_token.fused_moe_token(x, w_gate_up, w_down, weights, topk_ids, LAYOUTS[layout])
+    got = fused_moe.fused_moe_token(x, w_gate_up, w_down, weights, topk_ids, LAYOUTS[layout])
     assert_close(got, reference(x, w_gate_up, w_down, weights, topk_ids), atol=1e-5, rtol=1e-4)
 
 
@@ -76,16 +76,16 @@ def test_routed_matches_route_then_experts(assert_close, layout: str, experts: i
     """Each gate/up program routes its own slot; one writes the weights and ids down reads."""
     x, w_gate_up, w_down, gen = _experts(experts + 1, 40, 24, torch.float32, seed=experts)
     logits = torch.randn(1, experts + 1, generator=gen).to(DEVICE)
-    got = moe_token.fused_moe_token_routed(x, logits, w_gate_up, w_down, top_k, renormalize, LAYOUTS[layout])
+    got = fused_moe.fused_moe_token_routed(x, logits, w_gate_up, w_down, top_k, renormalize, LAYOUTS[layout])
     assert_close(got, reference_routed(x, logits, w_gate_up, w_down, top_k, renormalize), atol=1e-5, rtol=1e-4)
 
 
 def test_routed_rejects_bad_logits() -> None:
     x, w_gate_up, w_down, gen = _experts(5, 16, 8, torch.float32, seed=6)
     with pytest.raises(ValueError, match="top_k"):
-        moe_token.fused_moe_token_routed(x, torch.randn(1, 5, device=DEVICE), w_gate_up, w_down, 5, True)
+        fused_moe.fused_moe_token_routed(x, torch.randn(1, 5, device=DEVICE), w_gate_up, w_down, 5, True)
     with pytest.raises(ValueError, match="logits"):
-        moe_token.fused_moe_token_routed(x, torch.randn(1, 7, device=DEVICE), w_gate_up, w_down, 2, True)
+        fused_moe.fused_moe_token_routed(x, torch.randn(1, 7, device=DEVICE), w_gate_up, w_down, 2, True)
 
 
 def test_one_token_goes_to_the_token_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,8 +93,8 @@ def test_one_token_goes_to_the_token_kernels(monkeypatch: pytest.MonkeyPatch) ->
     x, w_gate_up, w_down, gen = _experts(9, 32, 16, torch.float32, seed=4)
     weights, ids = _shared_layout(9, 2, gen, torch.float32)
     calls = []
-    monkeypatch.setattr(moe_token, "fused_moe_token", lambda *a: calls.append(a) or torch.zeros_like(x))
-    monkeypatch.setattr(moe_token, "fused_moe_token_routed", lambda *a: calls.append(a) or torch.zeros_like(x))
+    monkeypatch.setattr(fused_moe, "fused_moe_token", lambda *a: calls.append(a) or torch.zeros_like(x))
+    monkeypatch.setattr(fused_moe, "fused_moe_token_routed", lambda *a: calls.append(a) or torch.zeros_like(x))
     fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids)
     fused_moe.fused_moe(x.repeat(2, 1), w_gate_up, w_down, weights.repeat(2, 1), ids.repeat(2, 1))
     logits = torch.randn(2, 9, generator=gen).to(DEVICE)
@@ -110,10 +110,10 @@ def test_real_shape_bf16(assert_close, layout: str) -> None:
     x, w_gate_up, w_down, gen = _experts(257, 2048, 512, torch.bfloat16, seed=5)
     weights, ids = _shared_layout(257, 8, gen, torch.bfloat16)
     expected = reference(x.float(), w_gate_up.float(), w_down.float(), weights.float(), ids)
-    got = moe_token.fused_moe_token(x, w_gate_up, w_down, weights, ids, LAYOUTS[layout])
+    got = fused_moe.fused_moe_token(x, w_gate_up, w_down, weights, ids, LAYOUTS[layout])
     assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
     # Distinct logits (k / 64 is exact in bf16): no tie for torch.topk to break its own way.
     logits = (torch.randperm(257, generator=gen) / 64).view(1, -1).to(DEVICE, torch.bfloat16)
     expected = reference_routed(x.float(), logits.float(), w_gate_up.float(), w_down.float(), 8, True)
-    got = moe_token.fused_moe_token_routed(x, logits, w_gate_up, w_down, 8, True, LAYOUTS[layout])
+    got = fused_moe.fused_moe_token_routed(x, logits, w_gate_up, w_down, 8, True, LAYOUTS[layout])
     assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)

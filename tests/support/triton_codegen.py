@@ -131,15 +131,12 @@ def one_shot_norm(world: int) -> None:
 
 
 def moe_token() -> None:
-    from phloem.kernels.triton.moe_token import _down_token_kernel, _gate_up_token_kernel
+    from phloem.kernels.triton.moe_token import _gate_up_token_kernel
 
     moe = {"S": 9, "H": 2048, "INTER": 512}
     for route in (False, True):  # ids given / routed in the kernel from the router logits
         compile_for_h200(_gate_up_token_kernel, _all("p_x p_w p_act p_logits p_tw", "*bf16") | {"p_ids": "*i64"},
                          moe | {"KP": 2048, "BLOCK_N": 4, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True})
-    for prefetch in (False, True):
-        compile_for_h200(_down_token_kernel, _all("p_act p_w p_tw p_out", "*bf16") | {"p_ids": "*i64"},
-                         moe | {"SR": 8, "IP": 512, "BLOCK_N": 2, "PREFETCH": prefetch})
 
 
 def decode_attention() -> None:
@@ -175,7 +172,7 @@ CASES: dict[str, Callable[[], None]] = {
     "causal_conv1d_update": conv1d_update,
     "fused_moe (decode: gate_up, routed gate_up, down_sum)": fused_moe_decode,
     "fused_moe_grouped (prefill: gate_up, down)": moe_grouped_prefill,
-    "fused_moe_token (one token: gate_up, down)": moe_token,
+    "moe_token (one token's gate_up, ids given / routed)": moe_token,
     "paged_decode_attention (split, direct, merge)": decode_attention,
     "moe_route[shared]": lambda: moe_route(True),
     "moe_route[plain]": lambda: moe_route(False),
