@@ -13,6 +13,8 @@ Modules (import them directly; importing this package imports no Triton code)::
     moe_route       moe_route, moe_route_shared       kernels.moe
     moe_grouped     fused_moe (prefill batches)       kernels.moe
     fused_moe       fused_moe, fused_moe_routed       kernels.moe
+    moe_token       one token's gate/up (+ routing)   kernels.moe (via fused_moe)
+    decode_attention  paged_decode_attention          kernels.attention.paged_attention (decode steps)
     gemv            linear and the fused projections  kernels.linear, kernels.fused_linear
                     (one token)
     allreduce_norm  one_shot_add_rms_norm (TP)        kernels.norm.all_reduce_add_rms_norm

@@ -13,7 +13,7 @@ Two launches, both with a grid fixed by the shapes alone (CUDA-graph safe for an
    sequences are dispatched first). Sequence ``i`` of ``seq_len`` keys is cut, in the kernel,
    into ``num_active = cdiv(seq_len, split_len)`` splits of
    ``split_len = max(MIN_SPLIT, round_up(cdiv(seq_len, S), MIN_SPLIT))`` keys; programs past
-   ``num_active`` exit at once::
+   ``num_active`` exit at once (before ``gdc_wait``: the page lists are step inputs)::
 
        keys  0 ...... split_len-1 | split_len ...... 2*split_len-1 | ... seq_len-1 | (idle programs)
              program s=0          | s=1                            | s=num_active-1
@@ -43,8 +43,12 @@ FlashInfer's tensor-core decode in brackets, at 1K / 32K / 128K: batch 1 7.8 / 2
 (10.6 / 33.4 / 78.6), batch 4 10.8 / 77 / 267 (17.0 / 75 / 252), batch 16 21 / 259 / 977
 (22 / 254 / 965), i.e. up to 4.4 TB/s. Tiles (``DecodeAttentionConfig``): 32 tokens, 4 warps,
 2 stages were within ~5% of the best of 16-64 tokens x 4-8 warps x 2-3 stages at the long
-contexts. Batch 1 at 1K is latency-bound: 64 splits instead of the default 256 take 5.6 µs, the
-idle programs of the long-context grid cost ~2 µs there.
+contexts. Batch 1 at 1K is latency-bound: 64 splits instead of the default 256 took 5.6 µs, the
+idle programs of the long-context grid ~2 µs there; they have since read the page lists before
+``gdc_wait`` and end there (not timed alone; in the batch-1 decode step the kernel is worth
+0.09 ms against FlashInfer's decode, docs/benchmarks.md).
+
+Pure-decode steps reach it through ``kernels.flashinfer_attention`` (``TritonDecodePlan``).
 """
 
 from __future__ import annotations
