@@ -28,7 +28,6 @@ At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8 + shared) one token re
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -37,6 +36,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton import moe_token
+from phloem.kernels.triton._env import env_config
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert
 
@@ -153,14 +153,9 @@ _BATCH_TOKENS = 8
 
 
 def _env_config() -> MoeDecodeConfig | None:
-    """``PHLOEM_MOE_DECODE_CONFIG="bn1,bk1,w1,s1,bn2,bk2,w2,s2"`` (other GPUs), else None."""
-    text = os.environ.get(_ENV_VAR, "").strip()
-    if not text:
-        return None
-    try:
-        return MoeDecodeConfig(*(int(v) for v in text.split(",")))
-    except (TypeError, ValueError):
-        raise ValueError(f"{_ENV_VAR}: expected 8 comma-separated integers, got {text!r}") from None
+    """``PHLOEM_MOE_DECODE_CONFIG``: one integer per field of ``MoeDecodeConfig`` (sweeps, other GPUs), else None."""
+    config: MoeDecodeConfig | None = env_config(_ENV_VAR, MoeDecodeConfig)
+    return config
 
 
 _ENV_CONFIG = _env_config()

@@ -31,7 +31,6 @@ of all nine experts at once (16.4 µs against 7.7 for ``_down_sum_kernel``).
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -39,6 +38,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from phloem.kernels.triton._env import env_config
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert
 
@@ -60,14 +60,9 @@ MAX_SLOTS = 64
 
 
 def _env_config() -> MoeTokenConfig | None:
-    """``PHLOEM_MOE_TOKEN_CONFIG="block_n,warps,programs_per_sm"`` (sweeps, other GPUs), else None."""
-    text = os.environ.get(_ENV_VAR, "").strip()
-    if not text:
-        return None
-    try:
-        return MoeTokenConfig(*(int(v) for v in text.split(",")))
-    except (TypeError, ValueError):
-        raise ValueError(f"{_ENV_VAR}: expected 3 comma-separated integers, got {text!r}") from None
+    """``PHLOEM_MOE_TOKEN_CONFIG``: one integer per field of ``MoeTokenConfig`` (sweeps, other GPUs), else None."""
+    config: MoeTokenConfig | None = env_config(_ENV_VAR, MoeTokenConfig)
+    return config
 
 
 DEFAULT_CONFIG = _env_config() or _H200_CONFIG

@@ -1,0 +1,31 @@
+"""Launch configurations overridden from the environment (tile sweeps, GPUs other than the H200).
+
+``env_config("PHLOEM_X_CONFIG", XConfig)`` reads ``"a,b,c"`` into the ``NamedTuple`` ``XConfig`` (one
+integer per field; booleans as ``0``/``1``), or returns None when the variable is unset or empty.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["env_config"]
+
+
+def env_config(var: str, cls: Any) -> Any:
+    """``cls`` from the comma-separated integers in ``var``, or None if unset.
+
+    Raises:
+        ValueError: not ``len(cls._fields)`` integers.
+    """
+    text = os.environ.get(var, "").strip()
+    if not text:
+        return None
+    fields = cls._fields
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != len(fields):
+        raise ValueError(f"{var}: expected {len(fields)} comma-separated integers ({', '.join(fields)}), got {text!r}")
+    return cls(*values)
