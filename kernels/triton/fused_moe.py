@@ -170,7 +170,7 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, K]
     topk_ids: torch.Tensor,  # [T, K]
 ) -> torch.Tensor:
-    if moe_token.covered(x, w_gate_up, w_down, topk_ids):
+    if topk_ids.shape[0] == 1 and moe_token.covered(x, w_gate_up, w_down, topk_ids.shape[1]):
         return fused_moe_token(x, w_gate_up, w_down, topk_weights, topk_ids)
     config = DEFAULT_CONFIG if x.shape[0] < _BATCH_TOKENS else _BATCH_CONFIG
     return fused_moe_tuned(x, w_gate_up, w_down, topk_weights, topk_ids, config)
@@ -187,7 +187,7 @@ def fused_moe_routed(
     """``kernels.moe.fused_moe_routed``: the routing (``moe_route.route_row`` / ``select_expert``) in
     the gate/up stage's programs, no launch of its own."""
     num_tokens, num_cols = router_logits.shape
-    if num_tokens == 1 and moe_token.covered(x, w_gate_up, w_down, router_logits[:, : top_k + 1]):
+    if num_tokens == 1 and moe_token.covered(x, w_gate_up, w_down, top_k + 1):
         return fused_moe_token_routed(x, router_logits, w_gate_up, w_down, top_k, renormalize)
     if not 1 <= top_k <= num_cols - 1 <= MAX_EXPERTS or router_logits.stride(-1) != 1:
         raise ValueError(f"need 1 <= top_k <= E <= {MAX_EXPERTS} and unit-stride logits, got top_k={top_k}, "

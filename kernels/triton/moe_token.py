@@ -134,10 +134,10 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def covered(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+def covered(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, slots: int) -> bool:
     """One token with contiguous expert weights of one dtype and at most ``MAX_SLOTS`` slots."""
     return (
-        x.shape[0] == 1 and topk_ids.shape[0] == 1 and topk_ids.shape[1] <= MAX_SLOTS
+        x.shape[0] == 1 and slots <= MAX_SLOTS
         and w_gate_up.is_contiguous() and w_down.is_contiguous() and x.dtype == w_gate_up.dtype == w_down.dtype
     )  # fmt: skip
 
