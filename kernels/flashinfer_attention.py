@@ -67,21 +67,19 @@ class FlashInferPlan:
 @dataclass(frozen=True, slots=True)
 class TritonDecodePlan:
     """A pure-decode step through ``kernels.triton.decode_attention``: the page lists on the device
-    and the split count (fixed per batch size, so a captured graph's grid holds for any lengths)."""
+    (the kernel's split count depends on the batch size alone, so a captured graph's grid holds for
+    any lengths)."""
 
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
     scale: float
-    max_splits: int
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """``q`` ``[B, Hq, D]``, ``kv_cache`` ``[pages, 2, page_size, Hkv, D]`` -> ``[B, Hq, D]``."""
         from phloem.kernels.triton.decode_attention import paged_decode_attention
 
-        return paged_decode_attention(
-            q, kv_cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.scale, self.max_splits
-        )
+        return paged_decode_attention(q, kv_cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.scale)
 
 
 def page_indices(
@@ -117,8 +115,8 @@ class FlashInferAttention:
         self._graph_wrappers: dict[int, Any] = {}
         self._staged: torch.cuda.Event | None = None  # recorded after the last plan's copies
         self.triton_decode = os.environ.get(TRITON_DECODE_ENV_VAR, "").strip() != "0"
-        self._graph_buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._graph_lists: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # indptr, last page lens
+        self._graph_indices: torch.Tensor | None = None  # one page-id buffer for every bucket
 
     def plan(
         self,
@@ -177,29 +175,24 @@ class FlashInferAttention:
         self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, graph_batch_size: int | None
     ) -> TritonDecodePlan:
         """The page lists to the device by queued copies (into a captured graph's fixed buffers)."""
-        from phloem.kernels.triton.decode_attention import default_max_splits
-
-        num_seqs = len(last)
         if graph_batch_size is None:
             dev_indptr, dev_indices, dev_last = (t.to(self.device, non_blocking=True) for t in (indptr, indices, last))
-        else:
-            if len(indices) > _MAX_GRAPH_PAGES:
-                raise ValueError(f"a captured decode step holds at most {_MAX_GRAPH_PAGES} pages, got {len(indices)}")
-            buffers = self._graph_buffers.get(graph_batch_size)
-            if buffers is None:
-                # One page-id buffer for every bucket: steps replay one at a time, in stream order.
-                shared = next(iter(self._graph_buffers.values()))[1] if self._graph_buffers else None
-                i32 = dict(dtype=torch.int32, device=self.device)
-                buffers = (torch.zeros(graph_batch_size + 1, **i32),
-                           shared if shared is not None else torch.zeros(_MAX_GRAPH_PAGES, **i32),
-                           torch.ones(graph_batch_size, **i32))  # fmt: skip
-                self._graph_buffers[graph_batch_size] = buffers
-            dev_indptr, dev_indices, dev_last = buffers
-            dev_indptr.copy_(indptr, non_blocking=True)
-            dev_indices[: len(indices)].copy_(indices, non_blocking=True)
-            dev_last.copy_(last, non_blocking=True)
-        splits = default_max_splits(num_seqs, self.num_kv_heads, self._num_sms)
-        return TritonDecodePlan(dev_indptr, dev_indices, dev_last, self.head_dim**-0.5, splits)
+            return TritonDecodePlan(dev_indptr, dev_indices, dev_last, self.head_dim**-0.5)
+        if len(indices) > _MAX_GRAPH_PAGES:
+            raise ValueError(f"a captured decode step holds at most {_MAX_GRAPH_PAGES} pages, got {len(indices)}")
+        i32 = dict(dtype=torch.int32, device=self.device)
+        if self._graph_indices is None:
+            # Shared by the buckets: steps replay one at a time, in stream order.
+            self._graph_indices = torch.zeros(_MAX_GRAPH_PAGES, **i32)
+        lists = self._graph_lists.get(graph_batch_size)
+        if lists is None:
+            lists = self._graph_lists[graph_batch_size] = (
+                torch.zeros(graph_batch_size + 1, **i32), torch.ones(graph_batch_size, **i32))  # fmt: skip
+        dev_indptr, dev_last = lists
+        dev_indptr.copy_(indptr, non_blocking=True)
+        self._graph_indices[: len(indices)].copy_(indices, non_blocking=True)
+        dev_last.copy_(last, non_blocking=True)
+        return TritonDecodePlan(dev_indptr, self._graph_indices, dev_last, self.head_dim**-0.5)
 
     def _graph_wrapper(self, batch_size: int) -> Any:
         wrapper = self._graph_wrappers.get(batch_size)

@@ -31,6 +31,7 @@ if not torch.cuda.is_available():
 
 from phloem.kernels.attention import paged_attention  # noqa: E402
 from phloem.kernels.triton import decode_attention as da  # noqa: E402
+from phloem.kernels.triton._device import num_sms  # noqa: E402
 
 CALLS, REPEATS, CACHE_BUDGET = 10, 20, 40e9
 
@@ -137,7 +138,7 @@ def main_grid(shape: Shape, batches, contexts, with_flashinfer: bool) -> list[di
         batch = Batch(shape, num_seqs, context, num_caches(shape, num_seqs, context), batch_device())
         got = batch.ours(batch.caches[0])
         ref_err = max_abs(got, batch.reference())
-        splits = da.default_max_splits(num_seqs, shape.num_kv_heads, da._num_sms(batch.q.device))
+        splits = da.default_max_splits(num_seqs, shape.num_kv_heads, num_sms(batch.q.device))
         rows.append(row(batch, "triton", timed(batch, batch.ours), max_splits=splits, ref_max_abs=ref_err))
         if with_flashinfer:
             fi = flashinfer_decode(batch)

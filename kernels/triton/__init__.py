@@ -19,7 +19,9 @@ Modules (import them directly; importing this package imports no Triton code)::
                     (one token)
     allreduce_norm  one_shot_add_rms_norm (TP)        kernels.norm.all_reduce_add_rms_norm
 
-``_pdl`` holds the programmatic-dependent-launch switch the decode kernels read (on for sm_90+; ``PHLOEM_PDL``).
+``_pdl`` holds the programmatic-dependent-launch switch the decode kernels read (on for sm_90+; ``PHLOEM_PDL``),
+``_device`` the SM count and the balanced grid of the kernels whose programs walk tiles, ``_env`` the
+launch configurations read from the environment.
 
 NOTE: ``@triton.jit`` reads ``TRITON_INTERPRET`` when a module is imported, so on CPU set
 ``TRITON_INTERPRET=1`` before the first import of any of these modules.

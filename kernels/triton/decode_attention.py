@@ -53,7 +53,6 @@ Pure-decode steps reach it through ``kernels.flashinfer_attention`` (``TritonDec
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -61,6 +60,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from phloem.kernels.triton import _device
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["DecodeAttentionConfig", "default_max_splits", "paged_decode_attention", "paged_decode_attention_tuned"]
@@ -243,13 +243,6 @@ def default_max_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return max(1, min(_MAX_SPLITS, slots // (num_seqs * num_kv_heads)))
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the interpreter: a small grid
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def _check_inputs(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -340,7 +333,7 @@ def paged_decode_attention_tuned(
     if num_seqs == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
-    num_splits = max_splits or default_max_splits(num_seqs, num_kv_heads, _num_sms(q.device))
+    num_splits = max_splits or default_max_splits(num_seqs, num_kv_heads, _device.num_sms(q.device))
     num_splits = min(num_splits, _MAX_SPLITS)
     if num_splits > 1:
         rows = (num_seqs, num_kv_heads, num_splits, group)
@@ -358,7 +351,7 @@ def paged_decode_attention_tuned(
         num_warps=config.num_warps, launch_pdl=LAUNCH_PDL, **common,
     )  # fmt: skip
     if num_splits > 1:
-        block_d = _merge_block_d(num_seqs * num_q_heads, head_dim, _num_sms(q.device))
+        block_d = _merge_block_d(num_seqs * num_q_heads, head_dim, _device.num_sms(q.device))
         block_s = min(triton.next_power_of_2(num_splits), max(1, _MERGE_TILE // block_d))
         decode_attention_merge_kernel[(num_seqs, num_q_heads, head_dim // block_d)](
             o_part, lse_part, kv_indptr, kv_last_page_len, out, out.stride(0), out.stride(1), num_splits,

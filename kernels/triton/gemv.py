@@ -33,7 +33,6 @@ row, ``K > MAX_K``, mixed dtypes, a weight without unit last stride) goes to the
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -43,6 +42,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton import conv1d_update, norm
+from phloem.kernels.triton._device import balanced_grid
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = [
@@ -236,13 +236,6 @@ def gemv_config(num_n: int, num_k: int, conv: bool = False) -> GemvConfig:
     return _WIDE._replace(block_n=block_n, num_warps=4 if conv else 8)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the interpreter: a small grid, so programs walk several row blocks
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def _covered(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """One row the kernel can take (and a residual of its shape, where there is one)."""
     num_k = x.shape[-1]
@@ -269,10 +262,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
     num_n, num_k = weight.shape
     c = config or gemv_config(num_n, num_k, call.conv is not None)
     blocks = triton.cdiv(num_n, c.block_n)
-    # Programs walk whole, equal numbers of blocks: 3088 blocks over a 528-program cap is 6 each
-    # for 515 programs, not 5.8 (the last wave's stragglers set the kernel's time).
-    cap = c.programs_per_sm * _num_sms(x.device)
-    grid = blocks if c.programs_per_sm == 0 else triton.cdiv(blocks, triton.cdiv(blocks, cap))
+    grid = balanced_grid(blocks, c.programs_per_sm, x.device)
     walk = triton.cdiv(blocks, grid)  # blocks per program
     conv_blocks = triton.next_power_of_2(walk) if call.conv is not None and CONV_PRELOAD and walk <= 16 else 0
     conv_w, conv_s, r_slot, w_slot = call.conv if call.conv is not None else (x, x, x, x)

@@ -30,7 +30,6 @@ of all nine experts at once (16.4 µs against 7.7 for ``_down_sum_kernel``).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -39,6 +38,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton._env import env_config
+from phloem.kernels.triton._device import balanced_grid
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert
 
@@ -66,12 +66,6 @@ def _env_config() -> MoeTokenConfig | None:
 
 
 DEFAULT_CONFIG = _env_config() or _H200_CONFIG
-
-
-@triton.jit
-def _slot_value(b_vals, o_s, v):
-    """``b_vals[v]`` of a small register vector, as a scalar."""
-    return tl.sum(tl.where(o_s == v, b_vals, 0))
 
 
 @triton.jit
@@ -127,28 +121,12 @@ def _gate_up_token_kernel(
         tl.store(p_act + s * INTER + o_n, b_act.to(p_act.dtype.element_ty), mask=o_n < INTER)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the interpreter: a small grid, so programs walk several tiles
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def covered(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, slots: int) -> bool:
     """One token with contiguous expert weights of one dtype and at most ``MAX_SLOTS`` slots."""
     return (
         x.shape[0] == 1 and slots <= MAX_SLOTS
         and w_gate_up.is_contiguous() and w_down.is_contiguous() and x.dtype == w_gate_up.dtype == w_down.dtype
     )  # fmt: skip
-
-
-def _grid(tiles: int, programs_per_sm: int, device: torch.device, share: int = 1) -> int:
-    """Programs walking equal numbers of ``tiles`` (the last wave's stragglers set a kernel's time),
-    at most ``programs_per_sm`` an SM among ``share`` such grids (0: one program per tile)."""
-    if programs_per_sm == 0:
-        return tiles
-    cap = max(1, programs_per_sm * _num_sms(device) // share)
-    return triton.cdiv(tiles, triton.cdiv(tiles, cap))
 
 
 def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, act: torch.Tensor, c: MoeTokenConfig,
@@ -159,7 +137,7 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
     num_slots, inter = act.shape
     hidden = x.shape[1]
     blocks = triton.cdiv(inter, c.block_n)
-    per_slot = _grid(blocks, c.programs_per_sm, x.device, share=num_slots)
+    per_slot = balanced_grid(blocks, c.programs_per_sm, x.device, share=num_slots)
     logits, tw, renormalize = route if route is not None else (x, x, False)
     experts = w_gate_up.shape[0] - 1
     if route is not None and (logits.shape[1] != experts + 1 or logits.stride(-1) != 1
