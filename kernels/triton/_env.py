@@ -1,7 +1,8 @@
 """Launch configurations overridden from the environment (tile sweeps, GPUs other than the H200).
 
 ``env_config("PHLOEM_X_CONFIG", XConfig)`` reads ``"a,b,c"`` into the ``NamedTuple`` ``XConfig`` (one
-integer per field; booleans as ``0``/``1``), or returns None when the variable is unset or empty.
+integer per field, trailing fields with defaults may be left out; booleans as ``0``/``1``), or
+returns None when the variable is unset or empty.
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ def env_config(var: str, cls: Any) -> Any:
     """``cls`` from the comma-separated integers in ``var``, or None if unset.
 
     Raises:
-        ValueError: not ``len(cls._fields)`` integers.
+        ValueError: not one integer per field (the trailing defaulted ones optional).
     """
     text = os.environ.get(var, "").strip()
     if not text:
         return None
     fields = cls._fields
+    required = len(fields) - len(getattr(cls, "_field_defaults", {}))
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         values = []
-    if len(values) != len(fields):
-        raise ValueError(f"{var}: expected {len(fields)} comma-separated integers ({', '.join(fields)}), got {text!r}")
+    if not required <= len(values) <= len(fields) or not values:
+        count = f"{required} to {len(fields)}" if required < len(fields) else f"{len(fields)}"
+        raise ValueError(f"{var}: expected {count} comma-separated integers ({', '.join(fields)}), got {text!r}")
     return cls(*values)

@@ -34,3 +34,20 @@ def test_anything_else_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, text: s
     monkeypatch.setenv("PHLOEM_TEST_CONFIG", text)
     with pytest.raises(ValueError, match=r"PHLOEM_TEST_CONFIG: expected 3 comma-separated integers \(block_n, num_warps, prefetch\)"):
         env_config("PHLOEM_TEST_CONFIG", _Config)
+
+
+class _WithDefault(NamedTuple):
+    block_n: int
+    num_warps: int
+    maxnreg: int = 0
+
+
+def test_trailing_defaults_may_be_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PHLOEM_TEST_CONFIG", "2,4")
+    assert env_config("PHLOEM_TEST_CONFIG", _WithDefault) == _WithDefault(2, 4, 0)
+    monkeypatch.setenv("PHLOEM_TEST_CONFIG", "2,4,96")
+    assert env_config("PHLOEM_TEST_CONFIG", _WithDefault) == _WithDefault(2, 4, 96)
+    for text in ("2", "2,4,96,1"):
+        monkeypatch.setenv("PHLOEM_TEST_CONFIG", text)
+        with pytest.raises(ValueError, match=r"expected 2 to 3 comma-separated integers \(block_n, num_warps, maxnreg\)"):
+            env_config("PHLOEM_TEST_CONFIG", _WithDefault)

@@ -19,11 +19,18 @@ H200 = ("cuda", 90, 32)
 
 
 def compile_for_h200(
-    kernel: Any, pointers: dict[str, str], constexprs: dict[str, object], floats: frozenset[str] = frozenset({"eps"})
-) -> None:
+    kernel: Any,
+    pointers: dict[str, str],
+    constexprs: dict[str, object],
+    floats: frozenset[str] = frozenset({"eps"}),
+    options: dict[str, int] | None = None,
+) -> Any:
     """Compile ``kernel`` for sm_90: ``pointers`` give the pointer parameters' types, ``constexprs``
     the value of every ``tl.constexpr`` parameter (all must be given); ``floats`` are fp32 scalars
-    and every other parameter an int64 scalar (strides, sizes)."""
+    and every other parameter an int64 scalar (strides, sizes). Pointers are taken as 16-byte
+    aligned, as a launch with torch tensors specialises them (without it every load compiles to
+    2-byte scalars and a register count means nothing). ``options``: compile options of the launch
+    (``num_warps``, ``maxnreg``). Returns the compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -35,7 +42,9 @@ def compile_for_h200(
             signature[name] = "constexpr"
         else:
             signature[name] = pointers.get(name) or ("fp32" if name in floats else "i64")
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=GPUTarget(*H200))
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in pointers}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    compiled = triton.compile(source, target=GPUTarget(*H200), options=options)
     assert compiled.asm["cubin"], "no cubin"
     if "PDL" in kernel.fn.__globals__:  # a decode kernel that opts into programmatic dependent launch
         from phloem.kernels.triton._pdl import LAUNCH_PDL
@@ -44,6 +53,7 @@ def compile_for_h200(
         for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
             found = instruction in compiled.asm["ptx"]
             assert found == pdl, f"{kernel.fn.__name__}: {instruction} {found}"
+    return compiled
 
 
 def _all(names: str, dtype: str) -> dict[str, str]:
@@ -160,6 +170,7 @@ def gemv(pro: int, conv: bool, prefetch: bool) -> None:
         "PRO": pro, "CONV": conv, "KP": kp, "BLOCK_N": 8192 // kp, "PREFETCH": prefetch,
         "HAS_A": pro != 0, "WRITE_NORMED": pro == 1 and not conv, "ROUND_WEIGHTED": True,
         "HEAD": 128 if pro == 2 else 1, "KC": 4 if conv else 1, "BKC": 4 if conv else 1, "CONV_BLOCKS": 8 if conv and prefetch else 0,
+        "DEFER": conv and prefetch,
     }  # fmt: skip
     compile_for_h200(gemv_kernel, pointers, constexprs)
 
