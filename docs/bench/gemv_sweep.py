@@ -2,7 +2,7 @@
 CUDA-graph replays over distinct weights (nothing served from L2).
 
     python3 docs/bench/gemv_sweep.py [--out gemv.json] [--quick]
-    python3 docs/bench/gemv_sweep.py --conv --out conv.json   # in_proj + conv: operands preloaded or not
+    python3 docs/bench/gemv_sweep.py --conv --out conv.json   # in_proj + conv: operands preloaded or not, conv after the walk
     PHLOEM_PDL=0 python3 docs/bench/gemv_sweep.py --top gemv.json --out gemv_nopdl.json
 
 Shapes: the 35B-A3B decode projections (bf16). Pass 1 times the plain GEMV in every launch
@@ -198,18 +198,19 @@ def sweep_conv() -> list[dict]:
     (variant, fused, _, reference), = [case for case in fused_cases(name, ws) if case[0] == "add_rms_norm_conv_linear"]
     x = torch.randn(1, k, device="cuda", dtype=DT)
     rows = []
-    original, preload = gemv.gemv_config, gemv.CONV_PRELOAD
+    original, preload, after = gemv.gemv_config, gemv.CONV_PRELOAD, gemv.CONV_AFTER_WALK
+    modes = {"preload off": (False, False), "preload on": (True, False), "preload on, conv after the walk": (True, True)}
     for c in [gemv.GemvConfig(bn, w, 1, pps, True) for bn in (2, 4) for w in (4, 8) for pps in (2, 4)]:
         rows.append(_row(name, "plain", c, graph_us(lambda: [gemv.linear_tuned(x, w, c) for w in ws], len(ws)), n * k * 2))  # noqa: B023
-        for on in (False, True):
-            gemv.gemv_config, gemv.CONV_PRELOAD = (lambda n_, k_, conv=False, c=c: c), on
+        for mode, (on, walk) in modes.items():
+            gemv.gemv_config, gemv.CONV_PRELOAD, gemv.CONV_AFTER_WALK = (lambda n_, k_, conv=False, c=c: c), on, walk
             try:
                 want = reference(ws[0])  # before the fused call updates the state in place
-                check(fused(ws[0]), want, (variant, c, on))
+                check(fused(ws[0]), want, (variant, c, mode))
                 us = graph_us(lambda: [fused(w) for w in ws], len(ws))  # noqa: B023
-                rows.append(_row(name, f"{variant} (preload {'on' if on else 'off'})", c, us, n * k * 2))
+                rows.append(_row(name, f"{variant} ({mode})", c, us, n * k * 2))
             finally:
-                gemv.gemv_config, gemv.CONV_PRELOAD = original, preload
+                gemv.gemv_config, gemv.CONV_PRELOAD, gemv.CONV_AFTER_WALK = original, preload, after
     return rows
 
 

@@ -33,6 +33,7 @@ row, ``K > MAX_K``, mixed dtypes, a weight without unit last stride) goes to the
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -156,7 +157,7 @@ def gemv_kernel(
     p_cw, p_cs, p_read, p_write, s_cw, s_cn, s_cd, CONV_N,
     PRO: tl.constexpr, CONV: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_A: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr, HEAD: tl.constexpr,
-    KC: tl.constexpr, BKC: tl.constexpr, CONV_BLOCKS: tl.constexpr,
+    KC: tl.constexpr, BKC: tl.constexpr, CONV_BLOCKS: tl.constexpr, DEFER: tl.constexpr,
 ):  # fmt: skip
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -178,9 +179,10 @@ def gemv_kernel(
             o_j = tl.arange(0, CONV_BLOCKS)
             o_rows = tl.reshape((i_p + o_j * n_p)[:, None] * BLOCK_N + o_b[None, :], (CONV_BLOCKS * BLOCK_N,))
             b_s3, b_next3, b_cw3 = _conv_operands(o_rows, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC, BKC)
-            b_s3 = tl.reshape(b_s3, (CONV_BLOCKS, BLOCK_N, BKC))
-            b_next3 = tl.reshape(b_next3, (CONV_BLOCKS, BLOCK_N, BKC))
-            b_cw3 = tl.reshape(b_cw3, (CONV_BLOCKS, BLOCK_N, BKC))
+            if not DEFER:
+                b_s3 = tl.reshape(b_s3, (CONV_BLOCKS, BLOCK_N, BKC))
+                b_next3 = tl.reshape(b_next3, (CONV_BLOCKS, BLOCK_N, BKC))
+                b_cw3 = tl.reshape(b_cw3, (CONV_BLOCKS, BLOCK_N, BKC))
             # Every thread has loaded its part of the state before any shifts it in place.
             tl.debug_barrier()
     if PDL:
@@ -199,7 +201,7 @@ def gemv_kernel(
         else:
             b_cur = tl.load(p_w + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
                             other=0.0)  # fmt: skip
-        if CONV:
+        if CONV and not DEFER:
             if CONV_BLOCKS > 0:
                 j = (i_blk - i_p) // n_p
                 b_s = tl.sum(tl.where(o_j[:, None, None] == j, b_s3, 0), axis=0).to(b_s3.dtype)
@@ -210,11 +212,19 @@ def gemv_kernel(
                 # on an H200: in_proj + conv 17.4 -> 19.5 us, 244 registers a thread, 2 programs an SM).
                 b_s, b_next, b_cw = _conv_operands(o_n, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC, BKC)
         b_y = tl.sum(b_cur.to(tl.float32) * b_x[None, :], axis=1).to(p_y.dtype.element_ty)
-        if CONV:
+        if CONV and not DEFER:
             _conv_epilogue(b_y, o_n, m_n, b_s, b_next, b_cw, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC,
                            CONV_BLOCKS == 0)  # fmt: skip
         else:
             tl.store(p_y + o_n, b_y, mask=m_n)
+    if DEFER:
+        # The conv update of all this program's conv rows at once, after the walk: their projections
+        # were stored like any row's and are read back (this program's own writes, visible to all its
+        # threads after the barrier), so no step of the walk waits on the epilogue.
+        tl.debug_barrier()
+        m_rows = (o_rows < N) & (o_rows < CONV_N)
+        b_y = tl.load(p_y + o_rows, mask=m_rows, other=0.0)
+        _conv_epilogue(b_y, o_rows, m_rows, b_s3, b_next3, b_cw3, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC, False)
 
 
 # From docs/bench/gemv_sweep.py on an H200 at the 35B-A3B shapes (CUDA-graph replays over distinct
@@ -225,6 +235,9 @@ def gemv_kernel(
 # The conv operands of a program's blocks all loaded at its start, before ``gdc_wait``, not one
 # block's at a time inside the walk (up to 16 blocks a program; module-level for A/B sweeps).
 CONV_PRELOAD = True
+# With the operands preloaded, the conv update of a program's rows after its walk, not block by
+# block inside it (PHLOEM_GEMV_CONV_AFTER_WALK=0: inside; module-level for A/B sweeps).
+CONV_AFTER_WALK = os.environ.get("PHLOEM_GEMV_CONV_AFTER_WALK", "1").strip() != "0"
 _WIDE = GemvConfig(block_n=4, num_warps=8, num_stages=1, programs_per_sm=4, prefetch=True)
 
 
@@ -233,7 +246,9 @@ def gemv_config(num_n: int, num_k: int, conv: bool = False) -> GemvConfig:
     block_n = max(1, min(8, 8192 // triton.next_power_of_2(num_k)))
     if num_n < 1024:
         return _WIDE._replace(block_n=min(block_n, 2), num_warps=4, programs_per_sm=1)
-    return _WIDE._replace(block_n=block_n, num_warps=4 if conv else 8)
+    # The conv epilogue inside the walk holds more registers: 4 warps there; after the walk, 8
+    # (in_proj + conv 14.9 us against 15.4 for the best per-block configuration; docs/benchmarks.md).
+    return _WIDE._replace(block_n=block_n, num_warps=4 if conv and not (CONV_PRELOAD and CONV_AFTER_WALK) else 8)
 
 
 def _covered(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
@@ -265,6 +280,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
     grid = balanced_grid(blocks, c.programs_per_sm, x.device)
     walk = triton.cdiv(blocks, grid)  # blocks per program
     conv_blocks = triton.next_power_of_2(walk) if call.conv is not None and CONV_PRELOAD and walk <= 16 else 0
+    defer = conv_blocks > 0 and CONV_AFTER_WALK
     conv_w, conv_s, r_slot, w_slot = call.conv if call.conv is not None else (x, x, x, x)
     nw = call.nw if call.nw is not None else x
     gemv_kernel[(grid,)](
@@ -277,7 +293,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
         HAS_A=call.a is not None, WRITE_NORMED=call.normed is not None,
         ROUND_WEIGHTED=torch.promote_types(nw.dtype, x.dtype) == x.dtype, HEAD=call.head,
         KC=conv_w.shape[1] if call.conv is not None else 1,
-        BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks,
+        BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks, DEFER=defer,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
 

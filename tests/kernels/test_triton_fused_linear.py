@@ -60,10 +60,14 @@ def test_add_rms_norm_linear(with_residual: bool, assert_close) -> None:
     assert_close(out_res, want_res, exact=True)
 
 
-@pytest.mark.parametrize("preload", [True, False], ids=["conv_preloaded", "conv_per_block"])
+@pytest.mark.parametrize(("preload", "after_walk"), [(True, True), (True, False), (False, False)],
+                         ids=["conv_preloaded_after_walk", "conv_preloaded_per_block", "conv_per_block"])  # fmt: skip
 @pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "copy_on_write"])
-def test_add_rms_norm_conv_linear(in_place: bool, preload: bool, assert_close, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_add_rms_norm_conv_linear(
+    in_place: bool, preload: bool, after_walk: bool, assert_close, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(gemv, "CONV_PRELOAD", preload)
+    monkeypatch.setattr(gemv, "CONV_AFTER_WALK", after_walk)
     hidden, conv_dim, extra, kernel = 40, 24, 11, 4  # rows past the conv channels: z | b | a
     x, res = _randn(1, hidden, seed=5), _randn(1, hidden, seed=6)
     norm_w, w = _randn(hidden, seed=7, scale=0.1), _randn(conv_dim + extra, hidden, seed=8, scale=0.3)
