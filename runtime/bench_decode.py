@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -293,6 +293,10 @@ class StepProfile:
     launches: float  # per step
     busy_us: float
     span_us: float
+    # The first step's launches in order: (kernel, start µs from the step's first launch, µs). Under
+    # programmatic dependent launch a kernel's interval includes the time it sat in its wait for the
+    # kernel before; with PHLOEM_PDL=0 each interval is the kernel alone.
+    timeline: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 def kernel_breakdown(engine: Engine, batch: int = 1, context: int = 1024, top: int = 20, replays: int = 10) -> StepProfile:
@@ -339,4 +343,7 @@ def _step_profile(prof: Any, source: str, steps: int, top: int) -> StepProfile:
         reach = max(reach, end)
     span = intervals[-1][1] - intervals[0][0] if intervals else 0.0
     rows = sorted(((name[:70], us / steps, n / steps) for name, (us, n) in totals.items()), key=lambda r: -r[1])
-    return StepProfile(source, rows[:top], len(events) / steps, busy / steps, span / steps)
+    first = sorted(events, key=lambda e: e.time_range.start)[: len(events) // max(steps, 1)]
+    t0 = first[0].time_range.start if first else 0.0
+    timeline = [(e.name[:48], e.time_range.start - t0, e.time_range.end - e.time_range.start) for e in first]
+    return StepProfile(source, rows[:top], len(events) / steps, busy / steps, span / steps, timeline)

@@ -38,6 +38,8 @@
 #   15  the split-KV Triton decode attention against FlashInfer's (docs/bench/decode_attention_bench.py)
 #   16  the GPU tests of the seventh session's kernels alone (a quick subset of step 1)
 #   17  batch-1 decode at 1K: FlashInfer's decode instead of the Triton one (PHLOEM_TRITON_DECODE_ATTENTION=0)
+#   20  batch-1 decode at 1K once per environment in $DECODE_ENVS ("name:VAR=v+VAR=v name2:..."; a value
+#       may hold commas)
 #   10  where the host's time goes in batch-1 async decode steps (docs/bench/host_profile.py, cProfile)
 #   9   the summary table
 # A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0).
@@ -176,6 +178,7 @@ step_15() {
 step_16() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/kernels/test_triton_moe_token.py \
     tests/kernels/test_triton_fused_linear.py tests/kernels/test_triton_fused_moe.py tests/kernels/test_triton_decode_attention.py \
+    tests/kernels/test_triton_env.py \
     > "$OUT/16_kernel_tests.txt" 2>&1
 }
 step_17() {
@@ -183,6 +186,14 @@ step_17() {
   [ -f "$OUT/13_best.env" ] && . "$OUT/13_best.env"
   CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_TRITON_DECODE_ATTENTION=0 timeout 300 $PY $b1 --out "$OUT/17_flashinfer.json" \
     > "$OUT/17_flashinfer.txt" 2>&1
+}
+step_20() {
+  local b1="bench decode --device cuda --batches 1 --contexts 1024 --prefill-tokens 0" spec name vars
+  for spec in ${DECODE_ENVS:-"default:PHLOEM_PDL=1"}; do
+    name=${spec%%:*} vars=${spec#*:}
+    CUDA_VISIBLE_DEVICES=${GPU:-0} env ${vars//+/ } timeout 300 $PY $b1 --out "$OUT/20_$name.json" > "$OUT/20_$name.txt" 2>&1
+    echo "20_$name ($vars): $(grep '^| 1 ' "$OUT/20_$name.txt")" >> "$OUT/20_summary.txt"
+  done
 }
 step_10() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/host_profile.py > "$OUT/10_host.txt" 2>&1
@@ -197,6 +208,7 @@ step_9() {
   [ -f "$OUT/11_decode.txt" ] && grep -v Warning "$OUT/11_decode.txt" | grep '^|\|prefill\|launches\|kernels' | head -n 48
   [ -f "$OUT/12_decode_b1.txt" ] && grep -v Warning "$OUT/12_decode_b1.txt" | grep '^|\|launches\|kernels' | head -n 30
   [ -f "$OUT/16_kernel_tests.txt" ] && echo "16_kernel_tests: $(tail -n 1 "$OUT/16_kernel_tests.txt")"
+  [ -f "$OUT/20_summary.txt" ] && cat "$OUT/20_summary.txt"
   for f in 17_flashinfer; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | grep '^|\|launches\|kernels' | head -n 30; }; done
   for f in 13_moe_token 14_conv 15_attn; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | tail -n 40; }; done
   [ -f "$OUT/10_host.txt" ] && grep -v Warning "$OUT/10_host.txt" | head -n 40

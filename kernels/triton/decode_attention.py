@@ -61,6 +61,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton import _device
+from phloem.kernels.triton._env import env_config
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["DecodeAttentionConfig", "default_max_splits", "paged_decode_attention", "paged_decode_attention_tuned"]
@@ -84,6 +85,10 @@ class DecodeAttentionConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 2
     min_split: int = 16
+
+
+# PHLOEM_DECODE_ATTENTION_CONFIG: block_t[,num_warps[,num_stages[,min_split]]] (sweeps, other GPUs).
+_DEFAULT_CONFIG = env_config("PHLOEM_DECODE_ATTENTION_CONFIG", DecodeAttentionConfig) or DecodeAttentionConfig()
 
 
 @triton.jit
@@ -304,7 +309,7 @@ def paged_decode_attention(
     ``out``: written in place when given. Raises ``ValueError`` for inputs the kernels do not cover.
     """
     return paged_decode_attention_tuned(
-        q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, scale, max_splits, out, DecodeAttentionConfig()
+        q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, scale, max_splits, out, _DEFAULT_CONFIG
     )
 
 

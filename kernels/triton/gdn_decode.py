@@ -29,19 +29,32 @@ softplus(a + dt_bias)`` in fp32 and ``beta = sigmoid(b)`` rounded to ``b``'s dty
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from phloem.kernels.triton._env import env_config
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["recurrent_gated_delta_rule", "recurrent_gated_delta_rule_with_gates"]
 
 # Same epsilon as kernels.gdn (HF's l2norm).
 _L2_EPS = 1e-6
-# Value columns per program: a [128, 32] fp32 tile is 32 registers a thread over 4 warps.
-_MAX_BV = 32
+
+
+class GdnDecodeConfig(NamedTuple):
+    """Value columns of the state per program (at most) and warps."""
+
+    block_v: int = 32
+    num_warps: int = 4
+
+
+# A [128, 32] fp32 state tile is 32 registers a thread over 4 warps. PHLOEM_GDN_DECODE_CONFIG:
+# block_v[,num_warps] (sweeps, other GPUs).
+_CONFIG = env_config("PHLOEM_GDN_DECODE_CONFIG", GdnDecodeConfig) or GdnDecodeConfig()
 
 
 @triton.jit
@@ -182,7 +195,7 @@ def _launch(
     if num_seqs == 0:
         return out
     a_log, dt_bias = gates if gates is not None else (g, g)  # unused without FROM_GATES
-    block_v = min(triton.next_power_of_2(v_dim), _MAX_BV)
+    block_v = min(triton.next_power_of_2(v_dim), _CONFIG.block_v)
     grid = (num_seqs, num_v_heads, triton.cdiv(v_dim, block_v))
     recurrent_gated_delta_rule_kernel[grid](
         q, k, v, g, beta, ssm_states, read_slots, write_slots, out,
@@ -191,6 +204,7 @@ def _launch(
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
         k_dim**0.5, _L2_EPS, a_log, dt_bias,
         GROUP=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim,
-        BK=triton.next_power_of_2(k_dim), BV=block_v, FROM_GATES=gates is not None, launch_pdl=LAUNCH_PDL,
+        BK=triton.next_power_of_2(k_dim), BV=block_v, FROM_GATES=gates is not None,
+        num_warps=_CONFIG.num_warps, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
     return out

@@ -31,3 +31,14 @@ def test_busy_time_is_the_union_of_kernel_intervals_and_rows_are_per_step() -> N
 def test_no_device_events_give_an_empty_profile() -> None:
     profile = _step_profile(SimpleNamespace(events=lambda: []), "eager", steps=1, top=5)
     assert profile.launches == 0 and profile.kernels == [] and profile.busy_us == profile.span_us == 0
+
+
+def test_timeline_is_the_first_steps_launches_in_order() -> None:
+    """One step's launches in start order, from its first launch: (kernel, start, duration)."""
+    events = [
+        _event("down", 110, 118), _event("gate_up", 100, 108), _event("router", 96, 99),
+        _event("down", 140, 147), _event("gate_up", 130, 137), _event("router", 126, 128),
+    ]  # fmt: skip
+    profile = _step_profile(SimpleNamespace(events=lambda: events), "graph", steps=2, top=5)
+    assert profile.timeline == [("router", 0, 3), ("gate_up", 4, 8), ("down", 14, 8)]
+    assert _step_profile(SimpleNamespace(events=lambda: []), "eager", steps=1, top=5).timeline == []
