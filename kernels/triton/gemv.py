@@ -25,7 +25,10 @@ Rounding follows the references: the prologue's values are rounded to the input 
 reference's intermediate tensors are (the residual sum, the normalised row, the gate product),
 ``y`` once from the fp32 sum; the conv update rounds as ``kernels.triton.conv1d_update``. The conv
 state of a row is read and written by the one program that owns the row (loads before a CTA
-barrier, stores after), so ``read_slot == write_slot`` updates in place.
+barrier, stores after), so ``read_slot == write_slot`` updates in place. With the operands
+preloaded (``CONV_PRELOAD``) the update runs after the walk (``CONV_AFTER_WALK``): the walk stores
+every row's projection, then the program reads its conv rows back (its own writes, after a CTA
+barrier) and updates them at once, so no step of the walk waits on the epilogue.
 
 Tiles: ``gemv_config`` (measured, see there). Anything the kernel does not cover (more than one
 row, ``K > MAX_K``, mixed dtypes, a weight without unit last stride) goes to the unfused ops.

@@ -25,7 +25,11 @@ layer against 12.4 for ``fused_moe._gate_up_kernel``; routed, the MoE block (rou
 down) ~1.7 µs a layer less than with the sixth session's routed kernel. Two variants measured worse
 and were removed: routing in the router GEMV's last program (a count of finished programs; the
 router went from 2.0 to 5.6 µs, the block from 24.1 to 25.8) and a down stage loading a block's rows
-of all nine experts at once (16.4 µs against 7.7 for ``_down_sum_kernel``).
+of all nine experts at once (16.4 µs against 7.7 for ``_down_sum_kernel``). Two more in the eighth
+session (docs/benchmarks.md): both stages in one launch joined by per-slot counters (the block
+25.1 µs against 22.0; the wait cost 2.1 µs more than the kernel boundary), and a down stage routing
+again to load all its weights before ``gdc_wait`` (23.0 against 22.2: while this kernel fills the
+SMs, none of its programs is resident to prefetch).
 """
 
 from __future__ import annotations
