@@ -19,18 +19,13 @@ H200 = ("cuda", 90, 32)
 
 
 def compile_for_h200(
-    kernel: Any,
-    pointers: dict[str, str],
-    constexprs: dict[str, object],
-    floats: frozenset[str] = frozenset({"eps"}),
-    options: dict[str, int] | None = None,
-) -> Any:
+    kernel: Any, pointers: dict[str, str], constexprs: dict[str, object], floats: frozenset[str] = frozenset({"eps"})
+) -> None:
     """Compile ``kernel`` for sm_90: ``pointers`` give the pointer parameters' types, ``constexprs``
     the value of every ``tl.constexpr`` parameter (all must be given); ``floats`` are fp32 scalars
     and every other parameter an int64 scalar (strides, sizes). Pointers are taken as 16-byte
     aligned, as a launch with torch tensors specialises them (without it every load compiles to
-    2-byte scalars and a register count means nothing). ``options``: compile options of the launch
-    (``num_warps``, ``maxnreg``). Returns the compiled kernel."""
+    2-byte scalars, and ``ptxas -v`` register counts on the PTX mean nothing)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -44,7 +39,7 @@ def compile_for_h200(
             signature[name] = pointers.get(name) or ("fp32" if name in floats else "i64")
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in pointers}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(source, target=GPUTarget(*H200), options=options)
+    compiled = triton.compile(source, target=GPUTarget(*H200))
     assert compiled.asm["cubin"], "no cubin"
     if "PDL" in kernel.fn.__globals__:  # a decode kernel that opts into programmatic dependent launch
         from phloem.kernels.triton._pdl import LAUNCH_PDL
@@ -53,7 +48,6 @@ def compile_for_h200(
         for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
             found = instruction in compiled.asm["ptx"]
             assert found == pdl, f"{kernel.fn.__name__}: {instruction} {found}"
-    return compiled
 
 
 def _all(names: str, dtype: str) -> dict[str, str]:
@@ -160,8 +154,9 @@ def decode_attention() -> None:
     compile_for_h200(decode_attention_merge_kernel, pointers, common | {"BLOCK_S": 16, "BLOCK_D": 256})
 
 
-def gemv(pro: int, conv: bool, prefetch: bool) -> None:
-    """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape."""
+def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True) -> None:
+    """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape (``defer``:
+    with the conv operands preloaded, the conv update after the walk, not inside it)."""
     from phloem.kernels.triton.gemv import gemv_kernel
 
     pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs", "*bf16") | _all("p_read p_write", "*i64")
@@ -170,7 +165,7 @@ def gemv(pro: int, conv: bool, prefetch: bool) -> None:
         "PRO": pro, "CONV": conv, "KP": kp, "BLOCK_N": 8192 // kp, "PREFETCH": prefetch,
         "HAS_A": pro != 0, "WRITE_NORMED": pro == 1 and not conv, "ROUND_WEIGHTED": True,
         "HEAD": 128 if pro == 2 else 1, "KC": 4 if conv else 1, "BKC": 4 if conv else 1, "CONV_BLOCKS": 8 if conv and prefetch else 0,
-        "DEFER": conv and prefetch,
+        "DEFER": conv and prefetch and defer,
     }  # fmt: skip
     compile_for_h200(gemv_kernel, pointers, constexprs)
 
@@ -193,6 +188,7 @@ CASES: dict[str, Callable[[], None]] = {
     "linear (one-token GEMV, prefetch)": lambda: gemv(0, False, True),
     "add_rms_norm_linear / _router": lambda: gemv(1, False, True),
     "add_rms_norm_conv_linear": lambda: gemv(1, True, True),
+    "add_rms_norm_conv_linear (conv per block)": lambda: gemv(1, True, True, defer=False),
     "add_rms_norm_conv_linear (no prefetch)": lambda: gemv(1, True, False),
     "gated_rms_norm_linear": lambda: gemv(2, False, True),
     "sigmoid_gate_linear": lambda: gemv(3, False, True),
