@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from phloem.kernels import attention, conv1d, fused_linear, gdn, linear, moe, norm, qk_norm_rope
+from phloem.kernels import argmax, attention, conv1d, fused_linear, gdn, linear, moe, norm, qk_norm_rope
 
 __all__ = ["ENV_VAR", "FUSED_DECODE_ENV_VAR", "GEMV_ENV_VAR", "KernelOps", "get_ops", "kernel_backend"]
 
@@ -71,6 +71,7 @@ class KernelOps:
     gated_rms_norm_linear: Op
     sigmoid_gate_linear: Op
     add_rms_norm_router: Op
+    argmax: Op
 
 
 def kernel_backend(device: torch.device) -> Backend:
@@ -129,6 +130,7 @@ def get_ops(device: torch.device) -> KernelOps:
         gated_rms_norm_linear=fused_linear.gated_rms_norm_linear,
         sigmoid_gate_linear=fused_linear.sigmoid_gate_linear,
         add_rms_norm_router=fused_linear.add_rms_norm_router,
+        argmax=argmax.argmax,
     )
     return reference if kernel_backend(device) == "torch" else _with_triton(reference)
 
@@ -139,6 +141,7 @@ _SMALL_MOE_TOKENS = 256
 
 
 def _with_triton(reference: KernelOps) -> KernelOps:
+    from phloem.kernels.triton import argmax as triton_argmax
     from phloem.kernels.triton import conv1d_update, gdn_decode, gdn_gates, gemv, moe_grouped, moe_route
     from phloem.kernels.triton import fused_moe as triton_fused_moe
     from phloem.kernels.triton import norm as triton_norm
@@ -193,6 +196,7 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         gated_rms_norm_linear=gemv.gated_rms_norm_linear,
         sigmoid_gate_linear=gemv.sigmoid_gate_linear,
         add_rms_norm_router=gemv.add_rms_norm_router,
+        argmax=triton_argmax.argmax,
     )
 
 

@@ -143,6 +143,13 @@ def moe_token() -> None:
                          moe | {"KP": 2048, "BLOCK_N": 4, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True})
 
 
+def argmax() -> None:
+    from phloem.kernels.triton.argmax import argmax_final_kernel, argmax_partial_kernel
+
+    compile_for_h200(argmax_partial_kernel, {"p_x": "*bf16", "p_key": "*i32", "p_idx": "*i32"}, {"BLOCK": 1024})
+    compile_for_h200(argmax_final_kernel, _all("p_key p_idx", "*i32") | {"p_out": "*i64"}, {"BP": 128})
+
+
 def decode_attention() -> None:
     from phloem.kernels.triton.decode_attention import decode_attention_merge_kernel, decode_attention_split_kernel
 
@@ -180,6 +187,7 @@ CASES: dict[str, Callable[[], None]] = {
     "fused_moe_grouped (prefill: gate_up, down)": moe_grouped_prefill,
     "moe_token (one token's gate_up, ids given / routed)": moe_token,
     "paged_decode_attention (split, direct, merge)": decode_attention,
+    "argmax (partial, final)": argmax,
     "moe_route[shared]": lambda: moe_route(True),
     "moe_route[plain]": lambda: moe_route(False),
     "gdn_gates": gdn_gates,

@@ -1,0 +1,17 @@
+"""Greedy token choice: the index of each row's largest logit (``[S, V]`` -> ``[S]`` int64).
+
+The reference is ``torch.argmax(logits, dim=-1)``: the first index of the maximum, a NaN counting
+as larger than any number (so the first NaN of a row wins). ``kernels.triton.argmax`` is the GPU
+version the CUDA-graph decode step runs inside its graph, on the logits in the model's dtype
+(bf16's argmax is its fp32 upcast's: the upcast is exact and keeps the order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["argmax"]
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
