@@ -3,9 +3,11 @@
 A decode step launches hundreds of small kernels (40 layers × norms, projections, GDN, MoE);
 at batch 1 the launches, not the bytes, would bound it. Each bucket (1, 2, 4, 8, 16, 24, 32,
 48, 64, ...) is captured once with static input buffers (token ids, positions, slot mapping,
-sequence lengths, read/write slots); a step copies its inputs into the first ``n`` rows, pads
-the rest of the bucket with a scratch page and a scratch state slot that no request owns,
-re-plans FlashInfer's fixed-buffer decode wrapper for the bucket, and replays.
+sequence lengths, read/write slots, and the split-KV Triton decode attention's page lists); a
+step writes its inputs into the first ``n`` rows of a pinned mirror of those buffers, pads the rest
+of the bucket with a scratch page and a scratch state slot that no request owns, queues one copy
+of it to the device (with FlashInfer's decode instead, it re-plans that fixed-buffer wrapper for
+the bucket) and replays.
 
 Everything inside the graph must be capturable: the Triton ops and FlashInfer, never the torch
 references (their per-sequence loops read values back to the host). Under tensor parallelism
@@ -16,12 +18,15 @@ step; a step replays the same bucket on every rank because they all get the same
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 from phloem.engine._progress import progress
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
 from phloem.engine.step_plan import StepInputs
-from phloem.kernels.flashinfer_attention import FlashInferAttention
+from phloem.kernels.flashinfer_attention import MAX_GRAPH_PAGES, FlashInferAttention, fill_page_lists
 
 __all__ = ["CudaGraphRunner", "graph_buckets"]
 
@@ -46,23 +51,25 @@ class CudaGraphRunner:
         self.pad_page, self.pad_slot = pad_page, pad_slot
         self.buckets = graph_buckets(max_batch_size)
         n, dev = max_batch_size, attn.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.read_slots = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.write_slots = torch.zeros(n, dtype=torch.int64, device=dev)
-        # Two pinned staging buffers, used in turn: a step writes one while the other's copies
-        # (the previous step's) may still be in flight; an event per buffer says when its copies
-        # are done, so no step waits on the whole stream (the only host sync of a step stays the
-        # read of its sampled ids).
-        self._host = [torch.zeros((5, n), dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self._host_lens = [torch.ones(n, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        # The static inputs and (with the Triton decode attention) the page lists live in one device
+        # buffer, mirrored by two pinned host buffers used in turn, so a step's inputs reach the
+        # device in one copy (ten small copies cost ~27 us of device time a step on an H200,
+        # docs/benchmarks.md). A step writes one host buffer while the other's copy (the previous
+        # step's) may still be in flight; an event per buffer says when its copy is done, so no
+        # step waits on the whole stream (the only host sync of a step stays the read of its ids).
+        self._layout = _StagingLayout(n, MAX_GRAPH_PAGES if attn.triton_decode else 0)
+        self._dev = torch.zeros(self._layout.nbytes, dtype=torch.uint8, device=dev)
+        self._host = [torch.zeros(self._layout.nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self._host_views = [self._layout.views(h.numpy()) for h in self._host]
+        rows, self.seq_lens, lists = self._layout.views(self._dev)
+        self.input_ids, self.positions, self.slot_mapping, self.read_slots, self.write_slots = rows
+        self.kv_lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = lists  # indptr, last, indices
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # None on tensor-parallel worker ranks (the captured LM head gathers logits to rank 0).
         self.logits: dict[int, torch.Tensor | None] = {}
+        self.greedy: dict[int, torch.Tensor | None] = {}
 
     def max_batch_size(self) -> int:
         return self.buckets[-1]
@@ -83,8 +90,14 @@ class CudaGraphRunner:
             logits_indices=torch.arange(bs, dtype=torch.int64, device=dev),
             query_lens_cpu=(1,) * bs,
             is_decode=True,
-            attn_metadata=self.attn.plan([1] * bs, [1] * bs, [[self.pad_page]] * bs, graph_batch_size=bs),
+            attn_metadata=self._attn_plan(bs),
         )
+
+    def _attn_plan(self, bs: int) -> Any:
+        if self.kv_lists is not None:
+            indptr, last, indices = self.kv_lists
+            return self.attn.staged_decode_plan(indptr[: bs + 1], indices, last[:bs])
+        return self.attn.plan([1] * bs, [1] * bs, [[self.pad_page]] * bs, graph_batch_size=bs)
 
     @torch.inference_mode()
     def capture(self, show_progress: bool | None = None) -> None:
@@ -98,14 +111,21 @@ class CudaGraphRunner:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.model.compute_logits(self.model.forward(batch, self.caches))
+                    self._step(batch)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs] = self.model.compute_logits(self.model.forward(batch, self.caches))
+                self.logits[bs], self.greedy[bs] = self._step(batch)
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
+
+    def _step(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The captured step: logits in the model's dtype (the sampler upcasts the rows it samples at
+        random; an fp32 copy of ``[bs, V]`` in the graph cost ~4 us at batch 1) and every row's
+        greedy id, so a greedy step samples nothing outside the graph."""
+        logits = self.model.compute_logits(self.model.forward(batch, self.caches), upcast=False)
+        return logits, (self.model.greedy_ids(logits) if logits is not None else None)
 
     def _fill(self, inp: StepInputs, bs: int) -> None:
         """Copy the step's rows into the static buffers; rows ``n..bs`` write the scratch page/slot."""
@@ -113,32 +133,80 @@ class CudaGraphRunner:
         turn, self._turn = self._turn, 1 - self._turn
         copied = self._copied[turn]
         if copied is not None:
-            copied.synchronize()  # this buffer's copies of two steps ago (long done in practice)
-        host, lens = self._host[turn][:, :bs], self._host_lens[turn][:bs]
-        host[0] = torch.tensor(inp.input_ids + [0] * pad)
-        host[1] = torch.tensor(inp.positions + [0] * pad)
-        host[2] = torch.tensor(inp.slot_mapping + [self.pad_page * self.page_size] * pad)
-        host[3] = torch.tensor(inp.read_slots + [self.pad_slot] * pad)
-        host[4] = torch.tensor(inp.write_slots + [self.pad_slot] * pad)
-        lens.copy_(torch.tensor(inp.seq_lens + [1] * pad, dtype=torch.int32))
-        for i, buf in enumerate((self.input_ids, self.positions, self.slot_mapping, self.read_slots, self.write_slots)):
-            buf[:bs].copy_(host[i], non_blocking=True)
-        self.seq_lens[:bs].copy_(lens, non_blocking=True)
+            copied.synchronize()  # this buffer's copy of two steps ago (long done in practice)
+        rows, lens, lists = self._host_views[turn]
+        rows[0, :bs] = inp.input_ids + [0] * pad
+        rows[1, :bs] = inp.positions + [0] * pad
+        rows[2, :bs] = inp.slot_mapping + [self.pad_page * self.page_size] * pad
+        rows[3, :bs] = inp.read_slots + [self.pad_slot] * pad
+        rows[4, :bs] = inp.write_slots + [self.pad_slot] * pad
+        lens[:bs] = inp.seq_lens + [1] * pad
+        nbytes = self._layout.lists_offset
+        if lists is not None:
+            indptr, last, indices = lists
+            nnz = fill_page_lists(inp.page_ids + [[self.pad_page]] * pad, inp.seq_lens + [1] * pad, self.page_size,
+                                  indptr, indices, last)  # fmt: skip
+            nbytes = self._layout.indices_end(nnz)
+        self._dev[:nbytes].copy_(self._host[turn][:nbytes], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._copied[turn] = event
 
-    def run(self, inp: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Replay the smallest bucket that holds the decode step; returns logits ``[n, V]`` (None on a
-        tensor-parallel worker rank). ``input_ids`` (on the device, ``[n]``) replace the host ids:
-        a device-to-device copy queued behind the step that sampled them."""
+    def run(
+        self, inp: StepInputs, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Replay the smallest bucket that holds the decode step; returns logits ``[n, V]`` in the
+        model's dtype and each row's greedy id ``[n]`` (None on a tensor-parallel worker rank):
+        views of the graph's static outputs, valid until the bucket's next replay (whatever reads
+        them is queued before it). ``input_ids`` (on the device, ``[n]``) replace the host ids: a
+        device-to-device copy queued behind the step that sampled them."""
         n = len(inp.input_ids)
         bs = next(b for b in self.buckets if b >= n)
         self._fill(inp, bs)
         if input_ids is not None:
             self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        pad = bs - n
-        self.attn.plan([1] * bs, inp.seq_lens + [1] * pad, inp.page_ids + [[self.pad_page]] * pad, graph_batch_size=bs)
+        if self.kv_lists is None:
+            pad = bs - n
+            self.attn.plan([1] * bs, inp.seq_lens + [1] * pad, inp.page_ids + [[self.pad_page]] * pad, graph_batch_size=bs)
         self.graphs[bs].replay()
-        logits = self.logits[bs]
-        return logits[:n] if logits is not None else None
+        logits, greedy = self.logits[bs], self.greedy[bs]
+        return (logits[:n], greedy[:n]) if logits is not None and greedy is not None else None
+
+
+class _StagingLayout:
+    """One staging buffer's bytes: int64 rows ``[5, n]`` (input ids, positions, slot mapping, read
+    and write slots), int32 sequence lengths ``[n]``, then the int32 page lists (indptr ``[n + 1]``,
+    last-page lengths ``[n]``, page ids ``[max_pages]``), each part 16-byte aligned. A step copies
+    the bytes up to its last page id."""
+
+    def __init__(self, n: int, max_pages: int) -> None:
+        self.n, self.max_pages = n, max_pages
+        self.lens_offset = 5 * n * 8
+        self.lists_offset = _align16(self.lens_offset + 4 * n)
+        self.last_offset = self.lists_offset + _align16(4 * (n + 1))
+        self.indices_offset = self.last_offset + _align16(4 * n)
+        self.nbytes = self.indices_offset + 4 * max_pages if max_pages else self.lists_offset
+
+    def indices_end(self, nnz: int) -> int:
+        return self.indices_offset + 4 * nnz
+
+    def views(self, buf: Any) -> tuple[Any, Any, tuple[Any, Any, Any] | None]:
+        """``(rows [5, n] int64, seq_lens [n] int32, (indptr, last, indices) int32 or None)`` of a
+        uint8 buffer (a device tensor or a pinned buffer's numpy array)."""
+        i64 = torch.int64 if isinstance(buf, torch.Tensor) else np.int64
+        i32 = torch.int32 if isinstance(buf, torch.Tensor) else np.int32
+        n = self.n
+        rows = buf[: self.lens_offset].view(i64).reshape(5, n)
+        lens = buf[self.lens_offset : self.lens_offset + 4 * n].view(i32)
+        if not self.max_pages:
+            return rows, lens, None
+        lists = (
+            buf[self.lists_offset : self.lists_offset + 4 * (n + 1)].view(i32),
+            buf[self.last_offset : self.last_offset + 4 * n].view(i32),
+            buf[self.indices_offset : self.nbytes].view(i32),
+        )
+        return rows, lens, lists
+
+
+def _align16(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16

@@ -208,20 +208,30 @@ class ModelRunner:
             attn_metadata=plan,
         )
 
-    @torch.inference_mode()
     def forward_logits(
         self, inp: StepInputs, on_attn_layer: AttnLayerHook | None = None, input_ids: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """Logits ``[len(sample_rows), V]`` of the step (None when nothing is sampled).
+        """Logits ``[len(sample_rows), V]`` of the step (None when nothing is sampled): fp32, or in
+        the model's dtype from a CUDA graph.
 
         ``input_ids`` (on the device) replace ``inp.input_ids`` (a step queued behind the one
         that samples its ids; ``inp.input_ids`` then holds placeholders).
         """
+        return self._forward(inp, on_attn_layer, input_ids)[0]
+
+    @torch.inference_mode()
+    def _forward(
+        self, inp: StepInputs, on_attn_layer: AttnLayerHook | None, input_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``forward_logits``'s logits and, from a CUDA graph, the sampled rows' greedy ids."""
         graphs = self.graphs
         hooked = on_attn_layer is not None
         if graphs is not None and inp.is_decode and not hooked and len(inp.query_lens) <= graphs.max_batch_size():
-            logits = graphs.run(inp, input_ids)
-            return _rows(logits, inp.sample_rows) if logits is not None and inp.sample_rows else None
+            out = graphs.run(inp, input_ids)
+            if out is None or not inp.sample_rows:
+                return None, None
+            logits, greedy = out
+            return _rows(logits, inp.sample_rows), _rows(greedy, inp.sample_rows)
         batch = self.build_batch(inp)
         if input_ids is not None:
             batch = replace(batch, input_ids=input_ids)
@@ -231,9 +241,9 @@ class ModelRunner:
         else:
             hidden = self.model.forward(batch, self.caches)
         if not inp.sample_rows:
-            return None
+            return None, None
         # None on a worker rank: the LM head gathers the logits to rank 0.
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(hidden[batch.logits_indices]), None
 
     def launch(
         self, out: SchedulerOutput, inp: StepInputs | None = None, input_ids: torch.Tensor | None = None
@@ -250,11 +260,12 @@ class ModelRunner:
             if input_ids is not None:
                 self.tp.broadcast_first(input_ids)
         on_attn_layer = self.layer_hook(out) if self.layer_hook is not None else None
-        logits = self.forward_logits(inp, on_attn_layer, input_ids)
+        logits, greedy = self._forward(inp, on_attn_layer, input_ids)
         if logits is None:
             return LaunchedStep(out, (), None)
         reqs = tuple(out.requests[i] for i in inp.sample_rows)
-        tokens = sample(logits, [r.params for r in reqs], [r.generator or self.default_generator for r in reqs])
+        generators = [r.generator or self.default_generator for r in reqs]
+        tokens = sample(logits, [r.params for r in reqs], generators, greedy)
         if not tokens.is_cuda:
             return LaunchedStep(out, reqs, tokens, tokens)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -291,9 +302,9 @@ class ModelRunner:
             scatter_state(self.tp, self.model_config, self.caches, move.pages, move.slot, None)
 
 
-def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits[rows]``; no gather when ``rows`` is every row (a decode step samples them all)."""
-    return logits if len(rows) == logits.shape[0] else logits[to_device(torch.tensor(rows), logits.device)]
+def _rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``values[rows]``; no gather when ``rows`` is every row (a decode step samples them all)."""
+    return values if len(rows) == values.shape[0] else values[to_device(torch.tensor(rows), values.device)]
 
 
 def _attention_backend(

@@ -18,19 +18,26 @@ __all__ = ["sample", "skip_draws"]
 
 
 def sample(
-    logits: torch.Tensor,  # [S, V], the model's dtype
+    logits: torch.Tensor,  # [S, V], the model's dtype or fp32
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    greedy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pick one token per row; returns ``[S]`` int64 on the logits' device.
 
     Greedy rows take the argmax of the logits as they come (bf16's argmax is its fp32 upcast's,
-    first index on ties in both, so no fp32 copy of a ``[S, V]`` tensor is made for them); random
-    rows are sampled in fp32.
+    first index on ties in both, so no fp32 copy of a ``[S, V]`` tensor is made for them), or
+    ``greedy`` where the caller has it (a CUDA graph computes every row's argmax inside the graph;
+    then a greedy step launches nothing here, and ``greedy`` itself is returned); random rows are
+    sampled in fp32.
     """
     assert logits.shape[0] == len(params) == len(generators), "one SamplingParams and generator per row"
-    tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if greedy is not None:
+        # Never written in place: it is the graph's output buffer, which the next replay rewrites.
+        tokens = greedy.clone() if rows else greedy
+    else:
+        tokens = logits.argmax(dim=-1)
     if not rows:
         return tokens
     idx = to_device(torch.tensor(rows), logits.device)

@@ -29,19 +29,24 @@ dependent launch. Measured on an H200 at the 35B-A3B shape: docs/benchmarks.md.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["TRITON_DECODE_ENV_VAR", "FlashInferAttention", "FlashInferPlan", "TritonDecodePlan", "flashinfer_available"]
+__all__ = [
+    "MAX_GRAPH_PAGES", "TRITON_DECODE_ENV_VAR", "FlashInferAttention", "FlashInferPlan", "TritonDecodePlan", "fill_page_lists",
+    "flashinfer_available", "page_indices",
+]
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
 TRITON_DECODE_ENV_VAR = "PHLOEM_TRITON_DECODE_ATTENTION"
 # Page ids a captured graph's decode plan can hold (all sequences of the bucket together).
-_MAX_GRAPH_PAGES = 1 << 20
+MAX_GRAPH_PAGES = 1 << 20
 
 
 def flashinfer_available() -> bool:
@@ -90,21 +95,39 @@ def page_indices(
     ``pin``: in pinned memory, so FlashInfer's non-blocking copies of them are queued, not staged
     through a copy that may wait for the device (``engine.host_copy`` says why that matters).
     """
+    num = len(seq_lens)
+    indptr = torch.empty(num + 1, dtype=torch.int32, pin_memory=pin)
+    last = torch.empty(num, dtype=torch.int32, pin_memory=pin)
+    indices = torch.empty(sum(-(-n // page_size) for n in seq_lens), dtype=torch.int32, pin_memory=pin)
+    fill_page_lists(page_ids, seq_lens, page_size, indptr.numpy(), indices.numpy(), last.numpy())
+    return indptr, indices, last
+
+
+def fill_page_lists(
+    page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size: int,
+    indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
+) -> int:  # fmt: skip
+    """``page_indices``'s lists written into int32 arrays (``indptr[:B+1]``, ``last[:B]``,
+    ``indices[:nnz]``; e.g. views of a pinned staging buffer); returns ``nnz``.
+
+    The page ids go straight into the array, a request's slice at a time, not a Python list through
+    ``torch.tensor``: on this project's 2-core CPU host, 16 x 8192 pages (batch 16 at 128K tokens)
+    5-7 ms against 14-19, one request of 8192 pages 0.5-0.7 against 1.2 ms, the same at 64 pages.
+
+    Raises:
+        ValueError: a request has fewer pages than its tokens need, or ``indices`` is too short.
+    """
     used = [-(-n // page_size) for n in seq_lens]
-    indptr = [0]
-    for u in used:
-        indptr.append(indptr[-1] + u)
-    last = [n - (u - 1) * page_size for n, u in zip(seq_lens, used)]
-    # The page ids straight into the (pinned) tensor's memory, a request's slice at a time, not a
-    # Python list through torch.tensor: on this project's 2-core CPU host, 16 x 8192 pages (batch 16
-    # at 128K tokens) 5-7 ms against 14-19, one request of 8192 pages 0.5-0.7 against 1.2 ms, the
-    # same at 64 pages (~40 us). A request with fewer pages than its tokens need raises ValueError.
-    indices = torch.empty(indptr[-1], dtype=torch.int32, pin_memory=pin)
-    flat = indices.numpy()
-    for pages, start, end in zip(page_ids, indptr, indptr[1:]):
-        flat[start:end] = pages[: end - start]
-    as_i32 = lambda v: torch.tensor(v, dtype=torch.int32, pin_memory=pin)  # noqa: E731
-    return as_i32(indptr), indices, as_i32(last)
+    ends = list(itertools.accumulate(used, initial=0))
+    if ends[-1] > len(indices):
+        raise ValueError(f"{ends[-1]} pages do not fit a page list of {len(indices)}")
+    indptr[: len(ends)] = ends
+    last[: len(used)] = [n - (u - 1) * page_size for n, u in zip(seq_lens, used)]
+    for i, (pages, start, end) in enumerate(zip(page_ids, ends, ends[1:])):
+        if len(pages) < end - start:
+            raise ValueError(f"request {i} has {len(pages)} pages for {seq_lens[i]} tokens of {page_size} a page")
+        indices[start:end] = pages[: end - start]
+    return ends[-1]
 
 
 class FlashInferAttention:
@@ -185,12 +208,12 @@ class FlashInferAttention:
         if graph_batch_size is None:
             dev_indptr, dev_indices, dev_last = (t.to(self.device, non_blocking=True) for t in (indptr, indices, last))
             return TritonDecodePlan(dev_indptr, dev_indices, dev_last, self.head_dim**-0.5)
-        if len(indices) > _MAX_GRAPH_PAGES:
-            raise ValueError(f"a captured decode step holds at most {_MAX_GRAPH_PAGES} pages, got {len(indices)}")
+        if len(indices) > MAX_GRAPH_PAGES:
+            raise ValueError(f"a captured decode step holds at most {MAX_GRAPH_PAGES} pages, got {len(indices)}")
         i32 = dict(dtype=torch.int32, device=self.device)
         if self._graph_indices is None:
             # Shared by the buckets: steps replay one at a time, in stream order.
-            self._graph_indices = torch.zeros(_MAX_GRAPH_PAGES, **i32)
+            self._graph_indices = torch.zeros(MAX_GRAPH_PAGES, **i32)
         lists = self._graph_lists.get(graph_batch_size)
         if lists is None:
             lists = self._graph_lists[graph_batch_size] = (
@@ -201,6 +224,11 @@ class FlashInferAttention:
         dev_last.copy_(last, non_blocking=True)
         return TritonDecodePlan(dev_indptr, self._graph_indices, dev_last, self.head_dim**-0.5)
 
+    def staged_decode_plan(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> TritonDecodePlan:
+        """The split-KV Triton decode over page lists its caller keeps on the device (a captured
+        graph's static staging buffer, ``engine.cuda_graph``): no ``plan`` call per step."""
+        return TritonDecodePlan(indptr, indices, last, self.head_dim**-0.5)
+
     def _graph_wrapper(self, batch_size: int) -> Any:
         wrapper = self._graph_wrappers.get(batch_size)
         if wrapper is None:
@@ -210,7 +238,7 @@ class FlashInferAttention:
                 use_cuda_graph=True,
                 use_tensor_cores=True,
                 paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
-                paged_kv_indices_buffer=torch.zeros(_MAX_GRAPH_PAGES, dtype=torch.int32, device=self.device),
+                paged_kv_indices_buffer=torch.zeros(MAX_GRAPH_PAGES, dtype=torch.int32, device=self.device),
                 paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device),
             )
             self._graph_wrappers[batch_size] = wrapper

@@ -121,6 +121,7 @@ class Qwen3HybridForCausalLM(nn.Module):
         # The op table binds every layer to Triton kernels (CUDA) or the torch references.
         ops = ops if ops is not None else get_ops(torch.device("cpu"))
         self.config = config
+        self.ops = ops
         self.tp = tp if tp is not None else TPGroup.single()
         self.model = Qwen3HybridModel(config, ops, self.tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.tp, ops.linear)
@@ -156,8 +157,16 @@ class Qwen3HybridForCausalLM(nn.Module):
         hidden, _ = self.model.norm.forward_residual(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """``[S, H]`` -> ``[S, V]`` fp32 (the GEMM runs in the weight dtype, as in HF); under
-        tensor parallelism the whole logits exist on rank 0 only (None elsewhere)."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor | None:
+        """``[S, H]`` -> ``[S, V]`` fp32 (the GEMM runs in the weight dtype, as in HF; ``upcast``
+        False: left in that dtype, the values the same); under tensor parallelism the whole logits
+        exist on rank 0 only (None elsewhere)."""
         logits = self.lm_head(hidden)
-        return None if logits is None else logits.float()
+        if logits is None or not upcast:
+            return logits
+        return logits.float()
+
+    def greedy_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[S, V]`` logits -> ``[S]`` int64, each row's first largest (``kernels.argmax``)."""
+        ids: torch.Tensor = self.ops.argmax(logits)
+        return ids

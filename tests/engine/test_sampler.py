@@ -79,3 +79,20 @@ def test_greedy_rows_take_the_argmax_in_the_logits_dtype() -> None:
     gens = [torch.Generator().manual_seed(i) for i in range(6)]
     gens32 = [torch.Generator().manual_seed(i) for i in range(6)]
     assert sample(logits, mixed, gens).tolist() == sample(logits.float(), mixed, gens32).tolist()
+
+
+def test_greedy_ids_given_are_used_and_never_written() -> None:
+    """A CUDA graph hands the sampler every row's greedy id (its static output buffer): a greedy
+    step returns those ids; a step with random rows samples them into a copy, the buffer intact,
+    and its greedy rows keep the given ids."""
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(4, 300, generator=gen)
+    given = values.argmax(-1)
+    buffer = given.clone()
+    greedy = [SamplingParams(max_tokens=1)] * 4
+    assert sample(values, greedy, [None] * 4, buffer) is buffer
+    mixed = [SamplingParams(max_tokens=1, temperature=0.9, seed=1) if i in (1, 2) else greedy[0] for i in range(4)]
+    want = sample(values, mixed, [torch.Generator().manual_seed(i) for i in range(4)])
+    got = sample(values, mixed, [torch.Generator().manual_seed(i) for i in range(4)], buffer)
+    assert got.tolist() == want.tolist() and got is not buffer
+    assert buffer.tolist() == given.tolist()
