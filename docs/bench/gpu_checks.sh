@@ -39,7 +39,11 @@
 #   16  the GPU tests of the seventh session's kernels alone (a quick subset of step 1)
 #   17  batch-1 decode at 1K: FlashInfer's decode instead of the Triton one (PHLOEM_TRITON_DECODE_ATTENTION=0)
 #   20  batch-1 decode at 1K once per environment in $DECODE_ENVS ("name:VAR=v+VAR=v name2:..."; a value
-#       may hold commas)
+#       may hold commas); $DECODE_BATCHES (e.g. 1,16) for other batch sizes
+#   21  what the device runs between two batch-1 decode graphs (docs/bench/step_trace.py)
+#   23  the GPU tests of the GDN decode, argmax and one-token MoE kernels and the engine (tokens: graphs,
+#       eager, CPU)
+#   24  the engine's GPU tests alone (tests/engine/test_gpu_engine.py; $TEST_TIMEOUT seconds, default 400)
 #   10  where the host's time goes in batch-1 async decode steps (docs/bench/host_profile.py, cProfile)
 #   9   the summary table
 # A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0).
@@ -188,12 +192,24 @@ step_17() {
     > "$OUT/17_flashinfer.txt" 2>&1
 }
 step_20() {
-  local b1="bench decode --device cuda --batches 1 --contexts 1024 --prefill-tokens 0" spec name vars
+  local b1="bench decode --device cuda --batches ${DECODE_BATCHES:-1} --contexts 1024 --prefill-tokens 0" spec name vars
   for spec in ${DECODE_ENVS:-"default:PHLOEM_PDL=1"}; do
     name=${spec%%:*} vars=${spec#*:}
     CUDA_VISIBLE_DEVICES=${GPU:-0} env ${vars//+/ } timeout 300 $PY $b1 --out "$OUT/20_$name.json" > "$OUT/20_$name.txt" 2>&1
-    echo "20_$name ($vars): $(grep '^| 1 ' "$OUT/20_$name.txt")" >> "$OUT/20_summary.txt"
+    grep '^| [0-9]' "$OUT/20_$name.txt" | sed "s/^/20_$name ($vars): /" >> "$OUT/20_summary.txt"
   done
+}
+step_21() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/step_trace.py --out "$OUT/21_trace.json" > "$OUT/21_trace.txt" 2>&1
+}
+step_23() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/kernels/test_triton_gdn_decode.py \
+    tests/kernels/test_triton_argmax.py tests/kernels/test_triton_moe_token.py tests/kernels/test_triton_fused_moe.py \
+    tests/engine/test_gpu_engine.py > "$OUT/23_tests.txt" 2>&1  # ~7 min
+}
+step_24() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
+    tests/engine/test_gpu_engine.py > "$OUT/24_engine_tests.txt" 2>&1
 }
 step_10() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/host_profile.py > "$OUT/10_host.txt" 2>&1
@@ -211,6 +227,9 @@ step_9() {
   [ -f "$OUT/20_summary.txt" ] && cat "$OUT/20_summary.txt"
   for f in 17_flashinfer; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | grep '^|\|launches\|kernels' | head -n 30; }; done
   for f in 13_moe_token 14_conv 15_attn; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | tail -n 40; }; done
+  [ -f "$OUT/23_tests.txt" ] && echo "23_tests: $(tail -n 1 "$OUT/23_tests.txt")"
+  [ -f "$OUT/24_engine_tests.txt" ] && echo "24_engine_tests: $(tail -n 1 "$OUT/24_engine_tests.txt")"
+  [ -f "$OUT/21_trace.txt" ] && { echo "21_trace:"; grep -v Warning "$OUT/21_trace.txt" | tail -n 30; }
   [ -f "$OUT/10_host.txt" ] && grep -v Warning "$OUT/10_host.txt" | head -n 40
   for f in 3_tp1 3_tp1_cublas 3_tp1_cublas_nopdl 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
   [ -f "$OUT/4_pd_check.txt" ] && echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt")"

@@ -32,3 +32,8 @@ def test_radix_evict_bench_builds_and_clears_its_tree() -> None:
     tree.clear()
     # Every edge page and every checkpoint's tail page goes back.
     assert pages > 0 and tree.num_pages == 0 and len(freed) - before >= pages
+
+
+def test_step_trace_imports() -> None:
+    module = runpy.run_path(str(BENCH / "step_trace.py"), run_name="step_trace")
+    assert callable(module["main"])
