@@ -22,9 +22,10 @@ soon as it starts step N, so the wait is short) and records its own.
 Pure-decode steps of fp16/bf16 models run the split-KV Triton kernel
 (``kernels.triton.decode_attention``) instead of FlashInfer's decode, unless
 ``PHLOEM_TRITON_DECODE_ATTENTION=0``: it reads the same indptr / indices / last-page lengths, which
-a plan copies from pinned memory into the device (fixed buffers per batch size for a captured
-graph), needs no host-side scheduling of its own, and joins the decode kernels' programmatic
-dependent launch. Measured on an H200 at the 35B-A3B shape: docs/benchmarks.md.
+a plan copies from pinned memory into the device (a captured graph keeps them in its staging
+buffer with the step's other inputs, ``engine.cuda_graph``, and plans nothing), needs no host-side
+scheduling of its own, and joins the decode kernels' programmatic dependent launch. Measured on an
+H200 at the 35B-A3B shape: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ __all__ = [
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
 TRITON_DECODE_ENV_VAR = "PHLOEM_TRITON_DECODE_ATTENTION"
-# Page ids a captured graph's decode plan can hold (all sequences of the bucket together).
+# Page ids a captured decode step can hold (all sequences of the bucket together): FlashInfer's
+# fixed-buffer wrapper and the graph runner's staging buffer (engine.cuda_graph).
 MAX_GRAPH_PAGES = 1 << 20
 
 
@@ -145,8 +147,6 @@ class FlashInferAttention:
         self._graph_wrappers: dict[int, Any] = {}
         self._staged: torch.cuda.Event | None = None  # recorded after the last plan's copies
         self.triton_decode = os.environ.get(TRITON_DECODE_ENV_VAR, "").strip() != "0"
-        self._graph_lists: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # indptr, last page lens
-        self._graph_indices: torch.Tensor | None = None  # one page-id buffer for every bucket
 
     def plan(
         self,
@@ -204,25 +204,12 @@ class FlashInferAttention:
     def _triton_plan(
         self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, graph_batch_size: int | None
     ) -> TritonDecodePlan:
-        """The page lists to the device by queued copies (into a captured graph's fixed buffers)."""
-        if graph_batch_size is None:
-            dev_indptr, dev_indices, dev_last = (t.to(self.device, non_blocking=True) for t in (indptr, indices, last))
-            return TritonDecodePlan(dev_indptr, dev_indices, dev_last, self.head_dim**-0.5)
-        if len(indices) > MAX_GRAPH_PAGES:
-            raise ValueError(f"a captured decode step holds at most {MAX_GRAPH_PAGES} pages, got {len(indices)}")
-        i32 = dict(dtype=torch.int32, device=self.device)
-        if self._graph_indices is None:
-            # Shared by the buckets: steps replay one at a time, in stream order.
-            self._graph_indices = torch.zeros(MAX_GRAPH_PAGES, **i32)
-        lists = self._graph_lists.get(graph_batch_size)
-        if lists is None:
-            lists = self._graph_lists[graph_batch_size] = (
-                torch.zeros(graph_batch_size + 1, **i32), torch.ones(graph_batch_size, **i32))  # fmt: skip
-        dev_indptr, dev_last = lists
-        dev_indptr.copy_(indptr, non_blocking=True)
-        self._graph_indices[: len(indices)].copy_(indices, non_blocking=True)
-        dev_last.copy_(last, non_blocking=True)
-        return TritonDecodePlan(dev_indptr, self._graph_indices, dev_last, self.head_dim**-0.5)
+        """The page lists to the device by queued copies. A captured step's lists live in the graph
+        runner's staging buffer instead (``staged_decode_plan``, ``engine.cuda_graph``)."""
+        if graph_batch_size is not None:
+            raise ValueError("a captured Triton decode step takes its page lists from the graph's staging buffer "
+                             "(staged_decode_plan), not from plan()")  # fmt: skip
+        return self.staged_decode_plan(*(t.to(self.device, non_blocking=True) for t in (indptr, indices, last)))
 
     def staged_decode_plan(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> TritonDecodePlan:
         """The split-KV Triton decode over page lists its caller keeps on the device (a captured
