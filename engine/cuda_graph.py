@@ -140,12 +140,12 @@ class CudaGraphRunner:
         rows[2, :bs] = inp.slot_mapping + [self.pad_page * self.page_size] * pad
         rows[3, :bs] = inp.read_slots + [self.pad_slot] * pad
         rows[4, :bs] = inp.write_slots + [self.pad_slot] * pad
-        lens[:bs] = inp.seq_lens + [1] * pad
+        seq_lens = inp.seq_lens + [1] * pad
+        lens[:bs] = seq_lens
         nbytes = self._layout.lists_offset
         if lists is not None:
             indptr, last, indices = lists
-            nnz = fill_page_lists(inp.page_ids + [[self.pad_page]] * pad, inp.seq_lens + [1] * pad, self.page_size,
-                                  indptr, indices, last)  # fmt: skip
+            nnz = fill_page_lists(inp.page_ids + [[self.pad_page]] * pad, seq_lens, self.page_size, indptr, indices, last)
             nbytes = self._layout.indices_end(nnz)
         self._dev[:nbytes].copy_(self._host[turn][:nbytes], non_blocking=True)
         event = torch.cuda.Event()

@@ -81,9 +81,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() != 2 or not logits.dtype.is_floating_point or logits.shape[1] > _MAX_INDEX:
         return logits.argmax(dim=-1)
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0 or vocab == 0:
         return logits.argmax(dim=-1)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     # ~2 blocks a program, at most 256 partials a row (one program reduces them).
