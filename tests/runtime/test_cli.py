@@ -46,6 +46,7 @@ def test_bench_decode_runs_on_cpu_with_the_tiny_shape(capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert "fraction of roofline" in out and "| 2 | 64 |" in out and "prefill 128 tokens" in out
     assert "sync ms/step" in out  # async scheduling on (the default), timed against it off
+    assert "(device-timed; host-timed" in out and "after the grid" in out  # the roofline's denominator, and its spread
     # The choices the numbers depend on head the report (torch kernels on CPU, no opt-in switch).
     assert "kernels torch, async_scheduling True, triton_gemv False, fused_decode True, pdl False" in out
 
