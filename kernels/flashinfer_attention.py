@@ -40,12 +40,15 @@ import numpy as np
 import torch
 
 __all__ = [
-    "MAX_GRAPH_PAGES", "TRITON_DECODE_ENV_VAR", "FlashInferAttention", "FlashInferPlan", "TritonDecodePlan", "fill_page_lists",
+    "MAX_GRAPH_PAGES", "PROLOGUE_ENV_VAR", "TRITON_DECODE_ENV_VAR", "FlashInferAttention", "FlashInferPlan", "TritonDecodePlan", "fill_page_lists",
     "flashinfer_available", "page_indices",
 ]
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
 TRITON_DECODE_ENV_VAR = "PHLOEM_TRITON_DECODE_ATTENTION"
+# 1: the Triton decode runs the attention prologue inside its split launch (TritonDecodePlan.prologue).
+# Off by default until measured on a GPU (docs/benchmarks.md, tenth session).
+PROLOGUE_ENV_VAR = "PHLOEM_ATTN_PROLOGUE"
 # Page ids a captured decode step can hold (all sequences of the bucket together): FlashInfer's
 # fixed-buffer wrapper and the graph runner's staging buffer (engine.cuda_graph).
 MAX_GRAPH_PAGES = 1 << 20
@@ -81,12 +84,29 @@ class TritonDecodePlan:
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
     scale: float
+    # The attention layers hand the step's projections to ``run_prologue`` (QK norm, RoPE, gate and
+    # the KV write inside the split launch) instead of running them first (PHLOEM_ATTN_PROLOGUE=1).
+    prologue: bool = False
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """``q`` ``[B, Hq, D]``, ``kv_cache`` ``[pages, 2, page_size, Hkv, D]`` -> ``[B, Hq, D]``."""
         from phloem.kernels.triton.decode_attention import paged_decode_attention
 
         return paged_decode_attention(q, kv_cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.scale)
+
+    def run_prologue(
+        self, q_gate: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_norm_w: torch.Tensor,
+        k_norm_w: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float,
+        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``kernels.qk_norm_rope.qk_norm_rope_gate_store`` then ``run``, in one split launch:
+        ``(out [B, Hq, D], gate [B, Hq * D])`` (``kernels.triton.decode_attention.paged_decode_attention_prologue``)."""
+        from phloem.kernels.triton.decode_attention import paged_decode_attention_prologue
+
+        return paged_decode_attention_prologue(
+            q_gate, key, value, q_norm_w, k_norm_w, positions, inv_freq, eps, kv_cache, slot_mapping,
+            self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.scale,
+        )  # fmt: skip
 
 
 def page_indices(
@@ -147,6 +167,7 @@ class FlashInferAttention:
         self._graph_wrappers: dict[int, Any] = {}
         self._staged: torch.cuda.Event | None = None  # recorded after the last plan's copies
         self.triton_decode = os.environ.get(TRITON_DECODE_ENV_VAR, "").strip() != "0"
+        self.prologue = self.triton_decode and os.environ.get(PROLOGUE_ENV_VAR, "").strip() == "1"
 
     def plan(
         self,
@@ -214,7 +235,7 @@ class FlashInferAttention:
     def staged_decode_plan(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> TritonDecodePlan:
         """The split-KV Triton decode over page lists its caller keeps on the device (a captured
         graph's static staging buffer, ``engine.cuda_graph``): no ``plan`` call per step."""
-        return TritonDecodePlan(indptr, indices, last, self.head_dim**-0.5)
+        return TritonDecodePlan(indptr, indices, last, self.head_dim**-0.5, self.prologue)
 
     def _graph_wrapper(self, batch_size: int) -> Any:
         wrapper = self._graph_wrappers.get(batch_size)

@@ -46,6 +46,7 @@ def engine_switches(engine: Engine) -> dict[str, object]:
         "triton_gemv": ops.linear.__module__.endswith(".gemv"),
         "fused_decode": ops.fused_decode,
         "pdl": pdl,
+        "attention_prologue": bool(engine.runner.attn is not None and engine.runner.attn.prologue),
         "tensor_parallel_size": group.size if group is not None else 1,
         "one_shot_allreduce": group is not None and group.one_shot is not None,
     }

@@ -19,6 +19,7 @@ from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.models._norm import RMSNorm
 from phloem.engine.parallel import RowParallelLinear, Shard, TPGroup, kv_head_start
 from phloem.kernels.dispatch import KernelOps
+from phloem.kernels.flashinfer_attention import TritonDecodePlan
 
 __all__ = ["GatedAttention"]
 
@@ -91,13 +92,21 @@ class GatedAttention(nn.Module):
         q_gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        meta = batch.attn_metadata
+        if isinstance(meta, TritonDecodePlan) and meta.prologue:
+            # The prologue below inside the decode attention's split launch (one launch, not two).
+            out, gate = meta.run_prologue(
+                q_gate, key, value, self.q_norm.weight, self.k_norm.weight, batch.positions, inv_freq, self.eps,
+                kv_cache, batch.slot_mapping,
+            )  # fmt: skip
+            return out.reshape(num_tokens, self.num_heads * self.head_dim), gate
         # QK-RMSNorm + partial RoPE + output-gate split + the KV-cache write, one fused op on GPU.
         query, gate = self.ops.qk_norm_rope_gate_store(
             q_gate, key, value, self.q_norm.weight, self.k_norm.weight, batch.positions, inv_freq, self.eps,
             kv_cache, batch.slot_mapping,
         )
-        if batch.attn_metadata is not None:
-            out = batch.attn_metadata.run(query, kv_cache)  # [T, Hq, D]
+        if meta is not None:
+            out = meta.run(query, kv_cache)  # [T, Hq, D]
         else:
             out = self.ops.paged_attention(
                 query, kv_cache, batch.page_table, batch.query_start_loc, batch.seq_lens, self.scale

@@ -48,6 +48,18 @@ idle programs of the long-context grid ~2 µs there; they have since read the pa
 ``gdc_wait`` and end there (not timed alone; in the batch-1 decode step the kernel is worth
 0.09 ms against FlashInfer's decode, docs/benchmarks.md).
 
+With the prologue (``paged_decode_attention_prologue``, ``PROLOGUE``) the split launch also does
+what ``kernels.triton.qk_norm_rope.qk_norm_rope_gate_store`` does before it: ``q`` is the projection's
+``| query | gate |`` per head, every active program normalises and rotates its ``G`` query heads in
+registers (``qk_norm_rope.norm_rope_rows``: the reference's rounding, cos/sin once for all heads),
+split 0 copies their gates out for ``o_proj``, and the split holding the sequence's last key writes
+the step's K and V row into its page (``qk_norm_rope.norm_rope_store_kv``, the same row code as the
+separate kernel, so the cache is the same bit for bit) and then, after a CTA barrier, reads it like
+any other key. No other program reads that row, so none waits. One launch fewer in every attention
+layer of a decode step, and the queries never go through memory; the programs redo the queries'
+norm (``G x D`` values, from L2), which the separate kernel did once. Opt-in
+(``PHLOEM_ATTN_PROLOGUE=1``, ``kernels.flashinfer_attention``) until measured on a GPU.
+
 Pure-decode steps reach it through ``kernels.flashinfer_attention`` (``TritonDecodePlan``).
 """
 
@@ -63,8 +75,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from phloem.kernels.triton import _device
 from phloem.kernels.triton._env import env_config
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
+from phloem.kernels.triton.qk_norm_rope import norm_rope_rows, norm_rope_store_kv
 
-__all__ = ["DecodeAttentionConfig", "default_max_splits", "paged_decode_attention", "paged_decode_attention_tuned"]
+__all__ = [
+    "DecodeAttentionConfig", "default_max_splits", "paged_decode_attention", "paged_decode_attention_prologue",
+    "paged_decode_attention_tuned",
+]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 512
@@ -122,6 +138,21 @@ def decode_attention_split_kernel(
     s_oh,
     qk_scale,
     num_splits,
+    k_new,
+    v_new,
+    s_kb,
+    s_kh,
+    s_vb,
+    s_vh,
+    q_norm_w,
+    k_norm_w,
+    positions,
+    inv_freq,
+    slots,
+    gate,
+    s_gb,
+    half,
+    eps,
     GROUP: tl.constexpr,
     D: tl.constexpr,
     PAGE: tl.constexpr,
@@ -131,6 +162,7 @@ def decode_attention_split_kernel(
     DIRECT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PRECISION: tl.constexpr,
+    PROLOGUE: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()
@@ -148,8 +180,27 @@ def decode_attention_split_kernel(
     if i_s < num_active:
         if PDL:
             gdc_wait()  # q and this step's K/V row come from the kernel before (kernels/triton/_pdl.py)
-        p_q = q + i_b * s_qb + (i_hk * GROUP + o_g[:, None]) * s_qh + o_d[None, :]
-        b_q = tl.load(p_q, mask=m_g[:, None], other=0.0)  # [BLOCK_G, D]
+        if PROLOGUE:
+            # q is the projection's | query | gate | per head: this program normalises and rotates
+            # its query heads itself; split 0 copies their gates out, and the last split (the one
+            # holding the step's own key) writes this KV head's new K and V row into its page, then
+            # reads it back like any key (its own writes, visible to all its threads after the barrier).
+            b_pos = tl.load(positions + i_b).to(tl.float32)
+            p_qg = q + i_b * s_qb + (i_hk * GROUP) * s_qh
+            b_q = norm_rope_rows(p_qg, s_qh, m_g, q_norm_w, inv_freq, b_pos, half, eps, BLOCK_G, D)  # [BLOCK_G, D]
+            if i_s == 0:
+                p_g = p_qg + o_g[:, None] * s_qh + D + o_d[None, :]
+                p_gate = gate + i_b * s_gb + (i_hk * GROUP + o_g[:, None]) * D + o_d[None, :]
+                tl.store(p_gate, tl.load(p_g, mask=m_g[:, None]), mask=m_g[:, None])
+            if i_s == num_active - 1:
+                i_slot = tl.load(slots + i_b).to(tl.int64)
+                norm_rope_store_kv(k_new + i_b * s_kb + i_hk * s_kh, v_new + i_b * s_vb + i_hk * s_vh, k_norm_w,
+                                   inv_freq, b_pos, i_slot, kv_cache, s_cp, s_ckv, s_ct, s_ch, i_hk, PAGE, D, half,
+                                   eps, D)  # fmt: skip
+                tl.debug_barrier()
+        else:
+            p_q = q + i_b * s_qb + (i_hk * GROUP + o_g[:, None]) * s_qh + o_d[None, :]
+            b_q = tl.load(p_q, mask=m_g[:, None], other=0.0)  # [BLOCK_G, D]
         t_start = i_s * split_len
         t_end = tl.minimum(t_start + split_len, seq_len)
         o_t = tl.arange(0, BLOCK_T)
@@ -326,15 +377,99 @@ def paged_decode_attention_tuned(
 ) -> torch.Tensor:
     """``paged_decode_attention`` with an explicit launch configuration (sweeps)."""
     _check_inputs(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, out)
+    return _launch(q, kv_cache, (kv_indptr, kv_indices, kv_last_page_len), scale, max_splits, out, config, None)
+
+
+class _Prologue(NamedTuple):
+    """The fused prologue's operands (``paged_decode_attention_prologue``)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    q_norm_w: torch.Tensor
+    k_norm_w: torch.Tensor
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    slot_mapping: torch.Tensor
+    gate: torch.Tensor
+    eps: float
+
+
+def paged_decode_attention_prologue(
+    q_gate: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_norm_w: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    scale: float,
+    max_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.qk_norm_rope.qk_norm_rope_gate_store`` then ``paged_decode_attention``, the first
+    inside the split launch: ``(out [B, Hq, D], gate [B, Hq * D])``, and the step's ``key`` (normalised,
+    rotated) and ``value`` ``[B, Hkv, D]`` written into ``kv_cache`` at ``slot_mapping`` ``[B]``.
+
+    ``q_gate`` ``[B, Hq, 2D]`` is the ``q_proj`` output per head (``| query | gate |``; any strides
+    with a unit last one, e.g. a view of the fused qkv projection). Every split program normalises
+    and rotates its KV head's query heads itself (the same rounding as ``kernels.triton.qk_norm_rope``,
+    so the same values whichever kernel made them), split 0 copies their gates, and the split holding
+    a sequence's last key writes that key and its value before attending, so one launch replaces two
+    and the queries never go through memory. Each sequence's ``slot_mapping`` entry must be its last
+    key's slot in the page lists (as a step plans them); a sequence of length 0 is not covered.
+    """
+    num_seqs, num_q_heads, width = q_gate.shape if q_gate.dim() == 3 else (0, 0, -1)
+    head_dim = kv_cache.shape[-1] if kv_cache.dim() == 5 else -1
+    num_kv_heads = kv_cache.shape[3] if kv_cache.dim() == 5 else -1
+    rows = (num_seqs, num_kv_heads, head_dim)
+    if width != 2 * head_dim or key.shape != rows or value.shape != rows or key.dtype != q_gate.dtype:
+        raise ValueError(
+            f"q_gate must be [B, Hq, 2D] and key, value [B, Hkv, D] of q_gate's dtype for kv_cache "
+            f"[pages, 2, page_size, Hkv, D], got q_gate {tuple(q_gate.shape)}, key {tuple(key.shape)} {key.dtype}, "
+            f"value {tuple(value.shape)}, kv_cache {tuple(kv_cache.shape)}"
+        )
+    if q_norm_w.shape != (head_dim,) or k_norm_w.shape != (head_dim,) or 2 * inv_freq.shape[0] > head_dim:
+        raise ValueError(
+            f"norm weights must be [{head_dim}] and 2 * rotary half <= {head_dim}, got {tuple(q_norm_w.shape)}, "
+            f"{tuple(k_norm_w.shape)} and inv_freq {tuple(inv_freq.shape)}"
+        )
+    if positions.shape != (num_seqs,) or slot_mapping.shape != (num_seqs,):
+        raise ValueError(f"positions and slot_mapping must be [{num_seqs}], got {tuple(positions.shape)}, {tuple(slot_mapping.shape)}")
+    q_gate, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_gate, key, value))
+    _check_inputs(q_gate[..., :head_dim], kv_cache, kv_indptr, kv_indices, kv_last_page_len, None)
+    gate = torch.empty((num_seqs, num_q_heads * head_dim), dtype=q_gate.dtype, device=q_gate.device)
+    pro = _Prologue(key, value, q_norm_w.contiguous(), k_norm_w.contiguous(), positions.contiguous(),
+                    inv_freq.float().contiguous(), slot_mapping.contiguous(), gate, eps)  # fmt: skip
+    indices = (kv_indptr, kv_indices, kv_last_page_len)
+    out = _launch(q_gate, kv_cache, indices, scale, max_splits, None, _DEFAULT_CONFIG, pro)
+    return out, gate
+
+
+def _launch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    max_splits: int | None,
+    out: torch.Tensor | None,
+    config: DecodeAttentionConfig,
+    pro: _Prologue | None,
+) -> torch.Tensor:
+    """The split launch (and the merge): ``q`` ``[B, Hq, D]``, or with ``pro`` ``q_gate`` ``[B, Hq, 2D]``."""
     if max_splits is not None and max_splits < 1:
         raise ValueError(f"max_splits must be >= 1, got {max_splits}")
     if config.block_t < 16 or config.block_t & (config.block_t - 1) or config.min_split < 1:
         raise ValueError(f"block_t must be a power of two >= 16 and min_split >= 1, got {config}")
-    num_seqs, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = kv_cache.shape[2:4]
+    num_seqs, num_q_heads = q.shape[:2]
+    page_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     group = num_q_heads // num_kv_heads
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -346,20 +481,26 @@ def paged_decode_attention_tuned(
         lse_part = torch.empty(rows, dtype=torch.float32, device=q.device)
     else:
         o_part = lse_part = out  # unused: the split program writes the output
+    if pro is not None:
+        prologue = (pro.key, pro.value, *pro.key.stride()[:2], *pro.value.stride()[:2], pro.q_norm_w, pro.k_norm_w,
+                    pro.positions, pro.inv_freq, pro.slot_mapping, pro.gate, pro.gate.stride(0), pro.inv_freq.shape[0],
+                    pro.eps)  # fmt: skip
+    else:  # unused without PROLOGUE
+        prologue = (q, q, 0, 0, 0, 0, q, q, q, q, q, q, 0, 0, 0.0)
     common = dict(GROUP=group, D=head_dim, PAGE=page_size, MIN_SPLIT=config.min_split)
     decode_attention_split_kernel[(num_kv_heads, num_seqs, num_splits)](
-        q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, o_part, lse_part, out,
+        q, kv_cache, *indices, o_part, lse_part, out,
         q.stride(0), q.stride(1), *kv_cache.stride()[:4], out.stride(0), out.stride(1),
         scale * 1.4426950408889634,  # log2(e): the softmax runs in base 2
-        num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_T=config.block_t, DIRECT=num_splits == 1,
-        NUM_STAGES=config.num_stages, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, launch_pdl=LAUNCH_PDL, **common,
+        num_splits, *prologue, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_T=config.block_t,
+        DIRECT=num_splits == 1, NUM_STAGES=config.num_stages, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PROLOGUE=pro is not None, num_warps=config.num_warps, launch_pdl=LAUNCH_PDL, **common,
     )  # fmt: skip
     if num_splits > 1:
         block_d = _merge_block_d(num_seqs * num_q_heads, head_dim, _device.num_sms(q.device))
         block_s = min(triton.next_power_of_2(num_splits), max(1, _MERGE_TILE // block_d))
         decode_attention_merge_kernel[(num_seqs, num_q_heads, head_dim // block_d)](
-            o_part, lse_part, kv_indptr, kv_last_page_len, out, out.stride(0), out.stride(1), num_splits,
+            o_part, lse_part, indices[0], indices[2], out, out.stride(0), out.stride(1), num_splits,
             BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, launch_pdl=LAUNCH_PDL, **common,
         )  # fmt: skip
     return out

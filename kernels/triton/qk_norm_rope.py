@@ -34,12 +34,24 @@ __all__ = ["qk_norm_rope_gate", "qk_norm_rope_gate_store"]
 
 
 @triton.jit
+def _rope_cos_sin(p_inv_freq, b_pos, HALF, dtype: tl.constexpr, BD: tl.constexpr):
+    """``(cos, sin)`` ``[BD]`` fp32 of the dims ``< 2 * HALF`` at position ``b_pos``, each rounded to
+    ``dtype`` (the reference's cos/sin tensors), and the mask of those dims."""
+    o_d = tl.arange(0, BD)
+    m_rot = o_d < 2 * HALF
+    b_freq = b_pos * tl.load(p_inv_freq + tl.where(o_d < HALF, o_d, o_d - HALF), mask=m_rot, other=0.0)
+    # No fast approximate cos/sin here: measured on an H200, tl.cos / tl.sin equal torch.cos / torch.sin
+    # bit for bit for angles up to 2.6e5 rad (position 256K at inv_freq 1).
+    return tl.cos(b_freq).to(dtype).to(tl.float32), tl.sin(b_freq).to(dtype).to(tl.float32), m_rot
+
+
+@triton.jit
 def _norm_rope_row(p_x, p_w, p_o, p_inv_freq, b_pos, D, HALF, eps, BD: tl.constexpr):
     """Normalise the row at ``p_x`` and rotate its first ``2 * HALF`` dims; writes ``p_o``."""
     dtype = p_o.dtype.element_ty
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    m_rot = o_d < 2 * HALF
+    b_cos, b_sin, m_rot = _rope_cos_sin(p_inv_freq, b_pos, HALF, dtype, BD)
     o_pair = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)
     b_x = tl.load(p_x + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
@@ -50,13 +62,46 @@ def _norm_rope_row(p_x, p_w, p_o, p_inv_freq, b_pos, D, HALF, eps, BD: tl.conste
     b_wp = tl.load(p_w + o_pair, mask=m_rot, other=0.0).to(tl.float32)
     b_yp = (b_xp * b_rstd * (1.0 + b_wp)).to(dtype).to(tl.float32)
     b_rot = tl.where(o_d < HALF, -b_yp, b_yp)
-    b_freq = b_pos * tl.load(p_inv_freq + tl.where(o_d < HALF, o_d, o_d - HALF), mask=m_rot, other=0.0)
-    # No fast approximate cos/sin here: measured on an H200, tl.cos / tl.sin equal torch.cos / torch.sin
-    # bit for bit for angles up to 2.6e5 rad (position 256K at inv_freq 1).
-    b_cos = tl.cos(b_freq).to(dtype).to(tl.float32)
-    b_sin = tl.sin(b_freq).to(dtype).to(tl.float32)
     b_roped = (b_y * b_cos).to(dtype).to(tl.float32) + (b_rot * b_sin).to(dtype).to(tl.float32)
     tl.store(p_o + o_d, tl.where(m_rot, b_roped, b_y).to(dtype), mask=m_d)
+
+
+@triton.jit
+def norm_rope_rows(p_x, s_row, m_rows, p_w, p_inv_freq, b_pos, HALF, eps, BR: tl.constexpr, D: tl.constexpr):
+    """``_norm_rope_row`` of ``BR`` rows ``s_row`` apart (``D`` a power of two), held in registers:
+    ``[BR, D]`` in ``p_x``'s dtype, zeros on the rows outside ``m_rows``. The same rounding as
+    ``_norm_rope_row``, with cos/sin computed once for all rows (they depend on the position alone).
+    The decode attention's fused prologue (``kernels.triton.decode_attention``) normalises and
+    rotates its query heads with it."""
+    dtype = p_x.dtype.element_ty
+    o_d = tl.arange(0, D)
+    o_pair = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)
+    p_rows = p_x + tl.arange(0, BR)[:, None] * s_row
+    m_2 = m_rows[:, None] & (o_d < D)[None, :]
+    b_cos, b_sin, m_rot = _rope_cos_sin(p_inv_freq, b_pos, HALF, dtype, D)
+    b_x = tl.load(p_rows + o_d[None, :], mask=m_2, other=0.0).to(tl.float32)
+    b_xp = tl.load(p_rows + o_pair[None, :], mask=m_2 & m_rot[None, :], other=0.0).to(tl.float32)
+    b_w = tl.load(p_w + o_d).to(tl.float32)
+    b_wp = tl.load(p_w + o_pair, mask=m_rot, other=0.0).to(tl.float32)
+    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)[:, None]
+    b_y = (b_x * b_rstd * (1.0 + b_w[None, :])).to(dtype).to(tl.float32)
+    b_yp = (b_xp * b_rstd * (1.0 + b_wp[None, :])).to(dtype).to(tl.float32)
+    b_rot = tl.where((o_d < HALF)[None, :], -b_yp, b_yp)
+    b_roped = (b_y * b_cos[None, :]).to(dtype).to(tl.float32) + (b_rot * b_sin[None, :]).to(dtype).to(tl.float32)
+    return tl.where(m_rot[None, :], b_roped, b_y).to(dtype)
+
+
+@triton.jit
+def norm_rope_store_kv(p_k, p_v, p_w, p_inv_freq, b_pos, i_slot, kv, s_cp, s_c2, s_co, s_ch, i_hk, PAGE, D, HALF, eps,
+                       BD: tl.constexpr):  # fmt: skip
+    """Key head ``i_hk`` of one token normalised and rotated (``p_k``), and its value row (``p_v``),
+    into their page of ``kv`` at ``i_slot`` (int64): K plane 0, V plane 1 (NHD layout)."""
+    p_dst = kv + (i_slot // PAGE) * s_cp + (i_slot % PAGE) * s_co + i_hk * s_ch
+    _norm_rope_row(p_k, p_w, p_dst, p_inv_freq, b_pos, D, HALF, eps, BD)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_v = tl.load(p_v + o_d, mask=m_d)
+    tl.store(p_dst + s_c2 + o_d, b_v.to(kv.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
@@ -108,14 +153,9 @@ def qk_norm_rope_gate_kernel(
         i_hk = i_h - HQ
         p_row = k + i_t * s_kt + i_hk * s_kh
         if STORE:
-            # K and V of this token and head go to their page: K plane 0, V plane 1 (NHD layout).
             i_slot = tl.load(slots + i_t).to(tl.int64)
-            p_dst = kv + (i_slot // PAGE) * s_cp + (i_slot % PAGE) * s_co + i_hk * s_ch
-            _norm_rope_row(p_row, k_norm_w, p_dst, inv_freq, b_pos, D, HALF, eps, BD)
-            o_d = tl.arange(0, BD)
-            m_d = o_d < D
-            b_v = tl.load(v + i_t * s_vt + i_hk * s_vh + o_d, mask=m_d)
-            tl.store(p_dst + s_c2 + o_d, b_v.to(kv.dtype.element_ty), mask=m_d)
+            norm_rope_store_kv(p_row, v + i_t * s_vt + i_hk * s_vh, k_norm_w, inv_freq, b_pos, i_slot, kv,
+                               s_cp, s_c2, s_co, s_ch, i_hk, PAGE, D, HALF, eps, BD)  # fmt: skip
         else:
             _norm_rope_row(p_row, k_norm_w, o_k + (i_t * HK + i_hk) * D, inv_freq, b_pos, D, HALF, eps, BD)
 

@@ -155,9 +155,12 @@ def decode_attention() -> None:
 
     common = {"GROUP": 8, "D": 256, "PAGE": 16, "MIN_SPLIT": 16}
     pointers = _all("q kv_cache out", "*bf16") | _all("kv_indptr kv_indices kv_last_page_len", "*i32") | _all("o_part lse_part", "*fp32")
-    for direct in (False, True):
+    # The prologue's operands (unused without PROLOGUE, typed as a launch passes them with it).
+    pointers |= _all("k_new v_new q_norm_w k_norm_w gate", "*bf16") | _all("positions slots", "*i64") | {"inv_freq": "*fp32"}
+    for direct, prologue in ((False, False), (True, False), (False, True), (True, True)):
         compile_for_h200(decode_attention_split_kernel, pointers, common | {
-            "BLOCK_G": 16, "BLOCK_T": 32, "DIRECT": direct, "NUM_STAGES": 2, "PRECISION": "tf32"}, floats=frozenset({"qk_scale"}))  # fmt: skip
+            "BLOCK_G": 16, "BLOCK_T": 32, "DIRECT": direct, "NUM_STAGES": 2, "PRECISION": "tf32", "PROLOGUE": prologue},
+            floats=frozenset({"qk_scale", "eps"}))  # fmt: skip
     compile_for_h200(decode_attention_merge_kernel, pointers, common | {"BLOCK_S": 16, "BLOCK_D": 256})
 
 
@@ -186,7 +189,7 @@ CASES: dict[str, Callable[[], None]] = {
     "fused_moe (decode: gate_up, routed gate_up, down_sum)": fused_moe_decode,
     "fused_moe_grouped (prefill: gate_up, down)": moe_grouped_prefill,
     "moe_token (one token's gate_up, ids given / routed)": moe_token,
-    "paged_decode_attention (split, direct, merge)": decode_attention,
+    "paged_decode_attention (split, direct, with the prologue, merge)": decode_attention,
     "argmax (partial, final)": argmax,
     "moe_route[shared]": lambda: moe_route(True),
     "moe_route[plain]": lambda: moe_route(False),
