@@ -46,8 +46,9 @@ __all__ = [
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
 TRITON_DECODE_ENV_VAR = "PHLOEM_TRITON_DECODE_ATTENTION"
-# 1: the Triton decode runs the attention prologue inside its split launch (TritonDecodePlan.prologue).
-# Off by default until measured on a GPU (docs/benchmarks.md, tenth session).
+# 0: the attention layers of a Triton decode step run their prologue (QK norm, RoPE, gate, KV write)
+# as a launch of its own before the split launch, not inside it (TritonDecodePlan.prologue; inside:
+# 2.13 against 2.14 ms a batch-1 step on an H200, docs/benchmarks.md, tenth session).
 PROLOGUE_ENV_VAR = "PHLOEM_ATTN_PROLOGUE"
 # Page ids a captured decode step can hold (all sequences of the bucket together): FlashInfer's
 # fixed-buffer wrapper and the graph runner's staging buffer (engine.cuda_graph).
@@ -85,7 +86,7 @@ class TritonDecodePlan:
     kv_last_page_len: torch.Tensor
     scale: float
     # The attention layers hand the step's projections to ``run_prologue`` (QK norm, RoPE, gate and
-    # the KV write inside the split launch) instead of running them first (PHLOEM_ATTN_PROLOGUE=1).
+    # the KV write inside the split launch) instead of running them first (PHLOEM_ATTN_PROLOGUE=0: first).
     prologue: bool = False
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -167,7 +168,7 @@ class FlashInferAttention:
         self._graph_wrappers: dict[int, Any] = {}
         self._staged: torch.cuda.Event | None = None  # recorded after the last plan's copies
         self.triton_decode = os.environ.get(TRITON_DECODE_ENV_VAR, "").strip() != "0"
-        self.prologue = self.triton_decode and os.environ.get(PROLOGUE_ENV_VAR, "").strip() == "1"
+        self.prologue = self.triton_decode and os.environ.get(PROLOGUE_ENV_VAR, "").strip() != "0"
 
     def plan(
         self,

@@ -1,7 +1,8 @@
-"""The gated attention layer of a decode step with the Triton decode plan, its prologue (QK norm,
-RoPE, gate, KV write) run by the attention's split launch (``TritonDecodePlan.prologue``, opt-in
-with ``PHLOEM_ATTN_PROLOGUE=1``) against the same layer with the prologue run first, and against
-the torch reference attention. On CPU the Triton kernels run under the interpreter, in fp32."""
+"""The gated attention layer of a decode step with the Triton decode plan: its prologue (QK norm,
+RoPE, gate, KV write) run by the attention's split launch (``TritonDecodePlan.prologue``, the
+default; ``PHLOEM_ATTN_PROLOGUE=0`` turns it off) against the same layer with the prologue run
+first, and against the torch reference attention. On CPU the Triton kernels run under the
+interpreter, in fp32."""
 
 from __future__ import annotations
 

@@ -118,12 +118,13 @@ def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: 
 
 
 def test_attention_prologue_in_the_split_launch_follows_eager(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PHLOEM_ATTN_PROLOGUE=1`` (read when the attention backend is built): the decode steps'
-    QK norm, RoPE, gate and KV write run inside the split-KV attention launch, in CUDA graphs and
-    eagerly; the tokens follow the eager engine without it (the queries' norm sums in another
-    order, so bf16 may part at a near tie), and a second turn over the cached prefix too."""
+    """The default (``PHLOEM_ATTN_PROLOGUE`` unset, read when the attention backend is built): the
+    decode steps' QK norm, RoPE, gate and KV write run inside the split-KV attention launch, in
+    CUDA graphs and eagerly; the tokens follow the eager engine with ``PHLOEM_ATTN_PROLOGUE=0``
+    (the prologue as a launch of its own; the queries' norm sums in another order, so bf16 may
+    part at a near tie), and a second turn over the cached prefix too."""
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    monkeypatch.setenv("PHLOEM_ATTN_PROLOGUE", "1")
+    monkeypatch.delenv("PHLOEM_ATTN_PROLOGUE", raising=False)
     engine = gpu_engine(model_dir)
     assert engine.runner.attn is not None and engine.runner.attn.prologue
     first = [o.token_ids for o in engine.generate(PROMPTS, params)]
@@ -131,7 +132,7 @@ def test_attention_prologue_in_the_split_launch_follows_eager(model_dir: Path, m
     second = [o.token_ids for o in engine.generate(follow, SamplingParams(max_tokens=12, ignore_eos=True))]
     eager_fused = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
     eager_first = [o.token_ids for o in eager_fused.generate(PROMPTS, params)]
-    monkeypatch.delenv("PHLOEM_ATTN_PROLOGUE")
+    monkeypatch.setenv("PHLOEM_ATTN_PROLOGUE", "0")
     reference = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
     assert not reference.runner.attn.prologue  # type: ignore[union-attr]
     assert_follows(reference, PROMPTS, first)
