@@ -67,6 +67,7 @@ Pure-decode steps reach it through ``kernels.flashinfer_attention`` (``TritonDec
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -90,6 +91,10 @@ _MAX_HEAD_DIM = 512
 _MAX_SPLITS = 256
 # Programs to aim for per SM in the split launch (see ``default_max_splits``).
 _PROGRAMS_PER_SM = 4
+# The split programs load their first tile of keys before ``gdc_wait`` (all but the step's own key,
+# which a kernel of the step writes): PHLOEM_ATTN_PRELOAD=1 (module-level for A/B sweeps; off until
+# measured on a GPU).
+PRELOAD_FIRST_TILE = os.environ.get("PHLOEM_ATTN_PRELOAD", "").strip() == "1"
 # Elements of a merge tile ([BLOCK_S, BLOCK_D] fp32): 32 registers a thread over 4 warps.
 _MERGE_TILE = 4096
 
@@ -118,6 +123,32 @@ def _seq_split(kv_indptr, kv_last_page_len, i_b, num_splits, PAGE: tl.constexpr,
     seq_len = tl.maximum((num_pages - 1) * PAGE + tl.load(kv_last_page_len + i_b), 0)
     split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), MIN_SPLIT) * MIN_SPLIT, MIN_SPLIT)
     return i_first.to(tl.int64), seq_len, split_len, tl.cdiv(seq_len, split_len)
+
+
+@triton.jit
+def _kv_tile(p_kv, kv_indices, i_first, t, t_end, o_t, s_cp, s_ct, s_ckv, PAGE: tl.constexpr):
+    """K and V ``[BLOCK_T, D]`` of positions ``t + o_t`` below ``t_end`` (each through its page id),
+    and that mask; masked rows read as 0 (unwritten slots of the last page may hold anything, NaN)."""
+    o_pos = t + o_t
+    m_t = o_pos < t_end
+    i_page = tl.load(kv_indices + i_first + o_pos // PAGE, mask=m_t, other=0).to(tl.int64)
+    o_kv = i_page[:, None] * s_cp + (o_pos % PAGE)[:, None] * s_ct  # [BLOCK_T, 1] int64
+    b_k = tl.load(p_kv + o_kv, mask=m_t[:, None], other=0.0)
+    b_v = tl.load(p_kv + s_ckv + o_kv, mask=m_t[:, None], other=0.0)
+    return b_k, b_v, m_t
+
+
+@triton.jit
+def _attend_tile(b_q, b_k, b_v, m_t, b_m, b_l, b_acc, qk_scale, PRECISION: tl.constexpr):
+    """One tile of keys into the online softmax (base 2): the new ``(max, sum, accumulator)``."""
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_T]
+    b_s = tl.where(m_t[None, :], b_s, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    b_alpha = tl.exp2(b_m - b_m_new)
+    b_p = tl.exp2(b_s - b_m_new[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+    return b_m_new, b_l, b_acc * b_alpha[:, None] + b_pv
 
 
 @triton.jit
@@ -165,6 +196,7 @@ def decode_attention_split_kernel(
     NUM_STAGES: tl.constexpr,
     PRECISION: tl.constexpr,
     PROLOGUE: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()
@@ -180,6 +212,15 @@ def decode_attention_split_kernel(
     # wait, so the programs past a short sequence's splits end without waiting for anything.
     i_first, seq_len, split_len, num_active = _seq_split(kv_indptr, kv_last_page_len, i_b, num_splits, PAGE, MIN_SPLIT)
     if i_s < num_active:
+        t_start = i_s * split_len
+        t_end = tl.minimum(t_start + split_len, seq_len)
+        o_t = tl.arange(0, BLOCK_T)
+        p_kv = kv_cache + i_hk * s_ch + o_d[None, :]
+        if PRELOAD:
+            # The first tile before the wait, all but the step's own key (position seq_len - 1): no
+            # kernel of this step writes the others, so their loads overlap the kernels before.
+            b_k0, b_v0, m_t0 = _kv_tile(p_kv, kv_indices, i_first, t_start, tl.minimum(t_end, seq_len - 1), o_t,
+                                        s_cp, s_ct, s_ckv, PAGE)  # fmt: skip
         if PDL:
             gdc_wait()  # q and this step's K/V row come from the kernel before (kernels/triton/_pdl.py)
         if PROLOGUE:
@@ -203,30 +244,18 @@ def decode_attention_split_kernel(
         else:
             p_q = q + i_b * s_qb + (i_hk * GROUP + o_g[:, None]) * s_qh + o_d[None, :]
             b_q = tl.load(p_q, mask=m_g[:, None], other=0.0)  # [BLOCK_G, D]
-        t_start = i_s * split_len
-        t_end = tl.minimum(t_start + split_len, seq_len)
-        o_t = tl.arange(0, BLOCK_T)
         b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         b_l = tl.zeros([BLOCK_G], tl.float32)
         b_acc = tl.zeros([BLOCK_G, D], tl.float32)
-        p_kv = kv_cache + i_hk * s_ch + o_d[None, :]
-        for t in tl.range(t_start, t_end, BLOCK_T, num_stages=NUM_STAGES):
-            o_pos = t + o_t
-            m_t = o_pos < t_end
-            i_page = tl.load(kv_indices + i_first + o_pos // PAGE, mask=m_t, other=0).to(tl.int64)
-            o_kv = i_page[:, None] * s_cp + (o_pos % PAGE)[:, None] * s_ct  # [BLOCK_T, 1] int64
-            # Masked rows read as 0: unwritten slots of the last page may hold anything (NaN).
-            b_k = tl.load(p_kv + o_kv, mask=m_t[:, None], other=0.0)  # [BLOCK_T, D]
-            b_v = tl.load(p_kv + s_ckv + o_kv, mask=m_t[:, None], other=0.0)  # [BLOCK_T, D]
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_T]
-            b_s = tl.where(m_t[None, :], b_s, float("-inf"))
-            b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-            b_alpha = tl.exp2(b_m - b_m_new)
-            b_p = tl.exp2(b_s - b_m_new[:, None])
-            b_l = b_l * b_alpha + tl.sum(b_p, 1)
-            b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
-            b_acc = b_acc * b_alpha[:, None] + b_pv
-            b_m = b_m_new
+        t_loop = t_start
+        if PRELOAD:
+            if seq_len - 1 < tl.minimum(t_start + BLOCK_T, t_end):  # the step's key is in the first tile
+                b_k0, b_v0, m_t0 = _kv_tile(p_kv, kv_indices, i_first, t_start, t_end, o_t, s_cp, s_ct, s_ckv, PAGE)
+            b_m, b_l, b_acc = _attend_tile(b_q, b_k0, b_v0, m_t0, b_m, b_l, b_acc, qk_scale, PRECISION)
+            t_loop = t_start + BLOCK_T
+        for t in tl.range(t_loop, t_end, BLOCK_T, num_stages=NUM_STAGES):
+            b_k, b_v, m_t = _kv_tile(p_kv, kv_indices, i_first, t, t_end, o_t, s_cp, s_ct, s_ckv, PAGE)
+            b_m, b_l, b_acc = _attend_tile(b_q, b_k, b_v, m_t, b_m, b_l, b_acc, qk_scale, PRECISION)
         # Every active split has a key, and the zero padding rows score 0: b_l >= 1 on every row.
         b_o = b_acc / b_l[:, None]
         if DIRECT:
@@ -496,7 +525,7 @@ def _launch(
         scale * 1.4426950408889634,  # log2(e): the softmax runs in base 2
         num_splits, *prologue, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_T=config.block_t,
         DIRECT=num_splits == 1, NUM_STAGES=config.num_stages, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PROLOGUE=pro is not None, num_warps=config.num_warps, launch_pdl=LAUNCH_PDL, **common,
+        PROLOGUE=pro is not None, PRELOAD=PRELOAD_FIRST_TILE, num_warps=config.num_warps, launch_pdl=LAUNCH_PDL, **common,
     )  # fmt: skip
     if num_splits > 1:
         block_d = _merge_block_d(num_seqs * num_q_heads, head_dim, _device.num_sms(q.device))

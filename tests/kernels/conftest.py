@@ -84,3 +84,13 @@ def hf_qwen3_next() -> ModuleType:
     from transformers.models.qwen3_next import modeling_qwen3_next
 
     return modeling_qwen3_next
+
+
+@pytest.fixture(params=[False, True], ids=["tile0-after-wait", "tile0-preloaded"])
+def decode_preload(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The split-KV decode attention with its first tile of keys loaded after ``gdc_wait`` and
+    before it (``decode_attention.PRELOAD_FIRST_TILE``, read at each launch)."""
+    from phloem.kernels.triton import decode_attention
+
+    monkeypatch.setattr(decode_attention, "PRELOAD_FIRST_TILE", request.param)
+    return bool(request.param)

@@ -74,17 +74,17 @@ CASES = {
 
 
 @pytest.mark.parametrize(("seq_lens", "heads", "head_dim", "page_size", "max_splits"), CASES.values(), ids=CASES)
-def test_matches_reference_fp32(assert_close, seq_lens, heads, head_dim, page_size, max_splits) -> None:
+def test_matches_reference_fp32(assert_close, decode_preload, seq_lens, heads, head_dim, page_size, max_splits) -> None:
     batch = Batch(seq_lens, *heads, head_dim, page_size, torch.float32, seed=len(seq_lens) + head_dim)
     assert_close(batch.run(max_splits), batch.reference(), atol=1e-5, rtol=1e-5)
 
 
-def test_matches_reference_fp16(assert_close) -> None:
+def test_matches_reference_fp16(assert_close, decode_preload) -> None:
     batch = Batch([3, 21], 4, 2, 32, 4, torch.float16, seed=3)
     assert_close(batch.run(2).float(), batch.reference(upcast=True), atol=2e-3, rtol=2e-3)
 
 
-def test_grid_ignores_lengths_and_writes_out_in_place(assert_close) -> None:
+def test_grid_ignores_lengths_and_writes_out_in_place(assert_close, decode_preload) -> None:
     """One launch shape, index tensors rewritten in place (as a captured graph replays): short and
     long sequences in one batch, then swapped, are both right."""
     short_long = Batch([1, 50], 4, 2, 16, 4, torch.float32, seed=5)
@@ -152,7 +152,7 @@ REAL = dict(num_q_heads=16, num_kv_heads=2, head_dim=256, page_size=16, dtype=to
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("context", [1, 1000, 1024, 33000])
 @pytest.mark.parametrize("num_seqs", [1, 4, 16])
-def test_matches_reference_real_shape_bf16(assert_close, num_seqs: int, context: int) -> None:
+def test_matches_reference_real_shape_bf16(assert_close, decode_preload, num_seqs: int, context: int) -> None:
     # Ragged batches: sequence i is 37 * i tokens shorter (at least one).
     seq_lens = [max(1, context - 37 * i) for i in range(num_seqs)]
     batch = Batch(seq_lens, **REAL, seed=num_seqs)
@@ -161,7 +161,7 @@ def test_matches_reference_real_shape_bf16(assert_close, num_seqs: int, context:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_captured_short_replays_long(assert_close) -> None:
+def test_cuda_graph_captured_short_replays_long(assert_close, decode_preload) -> None:
     """Captured over sequences of 1-20 tokens, replayed after the index tensors were rewritten in
     place for 1 to 40000 tokens (kv_indices sized for the longest)."""
     long = Batch([40000, 1, 17, 9000], **REAL, seed=1)

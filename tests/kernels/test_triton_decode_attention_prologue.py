@@ -107,7 +107,7 @@ CASES = {
 
 
 @pytest.mark.parametrize(("seq_lens", "heads", "head_dim", "rotary", "page_size", "max_splits"), CASES.values(), ids=CASES)
-def test_matches_the_references_fp32(assert_close, seq_lens, heads, head_dim, rotary, page_size, max_splits) -> None:
+def test_matches_the_references_fp32(assert_close, decode_preload, seq_lens, heads, head_dim, rotary, page_size, max_splits) -> None:
     step = Step(seq_lens, *heads, head_dim, rotary, page_size, torch.float32, seed=len(seq_lens) + head_dim)
     out, gate, cache = step.fused(max_splits)
     ref_out, ref_gate, ref_cache = step.reference()
@@ -169,7 +169,7 @@ def test_rejects_inputs_it_does_not_cover(case: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("context", [1, 1024, 33000])
 @pytest.mark.parametrize("num_seqs", [1, 16])
-def test_real_shape_bf16_matches_the_two_launches(assert_close, num_seqs: int, context: int) -> None:
+def test_real_shape_bf16_matches_the_two_launches(assert_close, decode_preload, num_seqs: int, context: int) -> None:
     """The 35B-A3B attention (16 query / 2 KV heads of 256, rotary 64, pages of 16): the cache and
     gate bit for bit, the output within bf16 rounding of the two launches' (the queries' norm
     reduces over a row in another order) and of the upcast reference."""

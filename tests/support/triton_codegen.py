@@ -157,9 +157,11 @@ def decode_attention() -> None:
     pointers = _all("q kv_cache out", "*bf16") | _all("kv_indptr kv_indices kv_last_page_len", "*i32") | _all("o_part lse_part", "*fp32")
     # The prologue's operands (unused without PROLOGUE, typed as a launch passes them with it).
     pointers |= _all("k_new v_new q_norm_w k_norm_w gate", "*bf16") | _all("positions slots", "*i64") | {"inv_freq": "*fp32"}
-    for direct, prologue in ((False, False), (True, False), (False, True), (True, True)):
+    modes = [(direct, prologue, False) for direct in (False, True) for prologue in (False, True)]
+    for direct, prologue, preload in modes + [(False, True, True), (False, False, True)]:
         compile_for_h200(decode_attention_split_kernel, pointers, common | {
-            "BLOCK_G": 16, "BLOCK_T": 32, "DIRECT": direct, "NUM_STAGES": 2, "PRECISION": "tf32", "PROLOGUE": prologue},
+            "BLOCK_G": 16, "BLOCK_T": 32, "DIRECT": direct, "NUM_STAGES": 2, "PRECISION": "tf32", "PROLOGUE": prologue,
+            "PRELOAD": preload},
             floats=frozenset({"qk_scale", "eps"}))  # fmt: skip
     compile_for_h200(decode_attention_merge_kernel, pointers, common | {"BLOCK_S": 16, "BLOCK_D": 256})
 
