@@ -92,8 +92,10 @@ _MAX_SPLITS = 256
 # Programs to aim for per SM in the split launch (see ``default_max_splits``).
 _PROGRAMS_PER_SM = 4
 # The split programs load their first tile of keys before ``gdc_wait`` (all but the step's own key,
-# which a kernel of the step writes): PHLOEM_ATTN_PRELOAD=1 (module-level for A/B sweeps; off until
-# measured on a GPU).
+# which a kernel of the step writes): PHLOEM_ATTN_PRELOAD=1 (module-level for A/B sweeps). Off: in
+# the batch-1 decode step on an H200 it won 15-20 us at 1K but lost 40 us at 32K and 180 us at 128K
+# (the held tile raises the kernel's registers for the whole walk; docs/benchmarks.md, tenth session),
+# and a captured graph serves every length.
 PRELOAD_FIRST_TILE = os.environ.get("PHLOEM_ATTN_PRELOAD", "").strip() == "1"
 # Elements of a merge tile ([BLOCK_S, BLOCK_D] fp32): 32 registers a thread over 4 warps.
 _MERGE_TILE = 4096
