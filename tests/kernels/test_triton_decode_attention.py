@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from paged_lists import PageLists
 
 # @triton.jit binds to the interpreter at import time: on CPU switch it on before the kernels import.
 if not torch.cuda.is_available():
@@ -33,19 +34,12 @@ class Batch:
         # The last page is NaN, and so is every slot past a sequence's end: reads of them must not count.
         self.kv_cache[-1] = float("nan")
         order = torch.randperm(num_pages - 1, generator=gen).tolist()
-        self.page_table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
-        indices, indptr, last = [], [0], []
-        for i, (n, used) in enumerate(zip(seq_lens, pages)):
-            ids, order = order[:used], order[used:]
-            self.page_table[i, :used] = torch.tensor(ids, dtype=torch.int32)
-            indices += ids
-            indptr.append(len(indices))
-            last.append(n - (used - 1) * page_size)
-            self.kv_cache[ids[-1], :, last[-1] :] = float("nan")
         # Entries past nnz point at the NaN page.
-        indices += [num_pages - 1] * 3
-        as_i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=DEVICE)  # noqa: E731
-        self.kv_indptr, self.kv_indices, self.kv_last_page_len = as_i32(indptr), as_i32(indices), as_i32(last)
+        lists = PageLists(seq_lens, page_size, order, num_pages - 1, DEVICE)
+        for ids, last in zip(lists.ids, lists.last):
+            self.kv_cache[ids[-1], :, last:] = float("nan")
+        self.page_table = lists.page_table
+        self.kv_indptr, self.kv_indices, self.kv_last_page_len = lists.kv_indptr, lists.kv_indices, lists.kv_last_page_len
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
         self.q = torch.randn(len(seq_lens), num_q_heads, head_dim, generator=gen).to(DEVICE, dtype)
         self.scale = head_dim**-0.5

@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from paged_lists import PageLists
 
 # @triton.jit binds to the interpreter at import time: on CPU switch it on before the kernels import.
 if not torch.cuda.is_available():
@@ -43,19 +44,13 @@ class Step:
         self.kv_cache = torch.randn((num_pages, 2, page_size, num_kv_heads, head_dim), generator=gen).to(DEVICE, dtype)
         self.kv_cache[-1] = float("nan")  # never read: entries past nnz point at it
         order = torch.randperm(num_pages - 1, generator=gen).tolist()
-        self.page_table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
-        indices, indptr, last, slots = [], [0], [], []
-        for i, (n, used) in enumerate(zip(seq_lens, pages)):
-            ids, order = order[:used], order[used:]
-            self.page_table[i, :used] = torch.tensor(ids, dtype=torch.int32)
-            indices += ids
-            indptr.append(len(indices))
-            last.append(n - (used - 1) * page_size)
-            self.kv_cache[ids[-1], :, last[-1] - 1 :] = float("nan")  # the step's own slot and past the end
-            slots.append(ids[-1] * page_size + last[-1] - 1)
-        indices += [num_pages - 1] * 3
-        as_i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=DEVICE)  # noqa: E731
-        self.indices = (as_i32(indptr), as_i32(indices), as_i32(last))
+        lists = PageLists(seq_lens, page_size, order, num_pages - 1, DEVICE)
+        slots = []
+        for ids, last in zip(lists.ids, lists.last):
+            self.kv_cache[ids[-1], :, last - 1 :] = float("nan")  # the step's own slot and past the end
+            slots.append(ids[-1] * page_size + last - 1)
+        self.page_table = lists.page_table
+        self.indices = (lists.kv_indptr, lists.kv_indices, lists.kv_last_page_len)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
         self.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
         self.positions = (self.seq_lens - 1).to(DEVICE, torch.int64)
