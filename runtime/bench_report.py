@@ -34,11 +34,12 @@ def engine_switches(engine: Engine) -> dict[str, object]:
     from phloem.kernels.dispatch import get_ops
 
     ops = get_ops(engine.device)
-    pdl = False
+    pdl = preload = False
     if ops.backend == "triton":
         from phloem.kernels.triton._pdl import LAUNCH_PDL
+        from phloem.kernels.triton.decode_attention import PRELOAD_FIRST_TILE
 
-        pdl = LAUNCH_PDL
+        pdl, preload = LAUNCH_PDL, PRELOAD_FIRST_TILE
     group = engine.workers.group if engine.workers is not None else None
     return {
         "kernels": ops.backend,
@@ -47,6 +48,7 @@ def engine_switches(engine: Engine) -> dict[str, object]:
         "fused_decode": ops.fused_decode,
         "pdl": pdl,
         "attention_prologue": bool(engine.runner.attn is not None and engine.runner.attn.prologue),
+        "attention_preload": preload,
         "tensor_parallel_size": group.size if group is not None else 1,
         "one_shot_allreduce": group is not None and group.one_shot is not None,
     }
