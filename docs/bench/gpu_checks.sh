@@ -40,6 +40,7 @@
 #   17  batch-1 decode at 1K: FlashInfer's decode instead of the Triton one (PHLOEM_TRITON_DECODE_ATTENTION=0)
 #   20  batch-1 decode at 1K once per environment in $DECODE_ENVS ("name:VAR=v+VAR=v name2:..."; a value
 #       may hold commas); $DECODE_BATCHES (e.g. 1,16) for other batch sizes
+#   26  the GPU tests of the one-token GEMVs (the conv update's modes included) and the expert kernels
 #   21  what the device runs between two batch-1 decode graphs (docs/bench/step_trace.py)
 #   23  the GPU tests of the GDN decode, argmax and one-token MoE kernels and the engine (tokens: graphs,
 #       eager, CPU)
@@ -219,6 +220,11 @@ step_25() {
     tests/kernels/test_triton_qk_norm_rope.py tests/kernels/test_triton_argmax.py tests/runtime/test_measure_bandwidth.py \
     > "$OUT/25_kernel_tests.txt" 2>&1
 }
+step_26() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
+    tests/kernels/test_triton_fused_linear.py tests/kernels/test_triton_gemv.py tests/kernels/test_triton_moe_token.py \
+    tests/kernels/test_triton_fused_moe.py > "$OUT/26_gemv_moe_tests.txt" 2>&1
+}
 step_10() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/host_profile.py > "$OUT/10_host.txt" 2>&1
 }
@@ -237,6 +243,7 @@ step_9() {
   for f in 13_moe_token 14_conv 15_attn; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | tail -n 40; }; done
   [ -f "$OUT/23_tests.txt" ] && echo "23_tests: $(tail -n 1 "$OUT/23_tests.txt")"
   [ -f "$OUT/24_engine_tests.txt" ] && echo "24_engine_tests: $(tail -n 1 "$OUT/24_engine_tests.txt")"
+  [ -f "$OUT/26_gemv_moe_tests.txt" ] && { echo "26_gemv_moe_tests: $(tail -n 1 "$OUT/26_gemv_moe_tests.txt")"; grep -E "^(FAILED|ERROR)" "$OUT/26_gemv_moe_tests.txt" | head -n 20; }
   [ -f "$OUT/25_kernel_tests.txt" ] && { echo "25_kernel_tests: $(tail -n 1 "$OUT/25_kernel_tests.txt")"; grep -E "^(FAILED|ERROR)" "$OUT/25_kernel_tests.txt" | head -n 20; }
   for f in "$OUT"/20_*.json; do [ -f "$f" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].rsplit('/',1)[-1], 'bw', round(d['bandwidth']/1e12,3), 'host', round(d.get('bandwidth_host_timed',0)/1e12,3), 'after', round(d.get('bandwidth_after_grid',0)/1e12,3), [(r['batch'], round(r['ms_per_step'],3), r['gpu_ms_per_step'] and round(r['gpu_ms_per_step'],3), round(r['roofline_fraction'],3)) for r in d['decode']])" "$f"; done
   [ -f "$OUT/21_trace.txt" ] && { echo "21_trace:"; grep -v Warning "$OUT/21_trace.txt" | tail -n 30; }

@@ -160,7 +160,7 @@ def gemv_kernel(
     p_cw, p_cs, p_read, p_write, s_cw, s_cn, s_cd, CONV_N,
     PRO: tl.constexpr, CONV: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_A: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr, HEAD: tl.constexpr,
-    KC: tl.constexpr, BKC: tl.constexpr, CONV_BLOCKS: tl.constexpr, DEFER: tl.constexpr,
+    KC: tl.constexpr, BKC: tl.constexpr, CONV_BLOCKS: tl.constexpr, DEFER: tl.constexpr, KEEP: tl.constexpr,
 ):  # fmt: skip
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -192,6 +192,8 @@ def gemv_kernel(
         gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     b_x = _gemv_input(p_x, p_a, p_nw, p_res, p_normed, K, eps, i_p, PRO, HAS_A, WRITE_NORMED, ROUND_WEIGHTED, HEAD, KP)
+    if KEEP:
+        b_kept = tl.zeros([CONV_BLOCKS, BLOCK_N], dtype=p_y.dtype.element_ty)
     for i_blk in range(i_p, tl.cdiv(N, BLOCK_N), n_p):
         o_n = i_blk * BLOCK_N + o_b
         m_n = o_n < N
@@ -218,9 +220,20 @@ def gemv_kernel(
         if CONV and not DEFER:
             _conv_epilogue(b_y, o_n, m_n, b_s, b_next, b_cw, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC,
                            CONV_BLOCKS == 0)  # fmt: skip
+        elif KEEP:
+            # A conv row's projection is kept for the update after the walk, which stores its only
+            # value (a store here too would race that one: another thread, no barrier between).
+            tl.store(p_y + o_n, b_y, mask=m_n & (o_n >= CONV_N))
+            b_kept = tl.where(o_j[:, None] == (i_blk - i_p) // n_p, b_y[None, :], b_kept)
         else:
             tl.store(p_y + o_n, b_y, mask=m_n)
-    if DEFER:
+    if KEEP:
+        # The conv update after the walk from the projections kept in registers: no barrier and no
+        # read back of this program's stores.
+        m_rows = (o_rows < N) & (o_rows < CONV_N)
+        b_y = tl.reshape(b_kept, (CONV_BLOCKS * BLOCK_N,))
+        _conv_epilogue(b_y, o_rows, m_rows, b_s3, b_next3, b_cw3, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC, False)
+    elif DEFER:
         # The conv update of all this program's conv rows at once, after the walk: their projections
         # were stored like any row's and are read back (this program's own writes, visible to all its
         # threads after the barrier), so no step of the walk waits on the epilogue.
@@ -241,6 +254,10 @@ CONV_PRELOAD = True
 # With the operands preloaded, the conv update of a program's rows after its walk, not block by
 # block inside it (PHLOEM_GEMV_CONV_AFTER_WALK=0: inside; module-level for A/B sweeps).
 CONV_AFTER_WALK = os.environ.get("PHLOEM_GEMV_CONV_AFTER_WALK", "1").strip() != "0"
+# After the walk, the conv rows' projections taken from registers (kept block by block during the
+# walk), not read back from this program's stores after a CTA barrier (PHLOEM_GEMV_CONV_KEEP=0:
+# read back; module-level for A/B sweeps).
+CONV_KEEP = os.environ.get("PHLOEM_GEMV_CONV_KEEP", "1").strip() != "0"
 _WIDE = GemvConfig(block_n=4, num_warps=8, num_stages=1, programs_per_sm=4, prefetch=True)
 
 
@@ -297,7 +314,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
         ROUND_WEIGHTED=torch.promote_types(nw.dtype, x.dtype) == x.dtype, HEAD=call.head,
         KC=conv_w.shape[1] if call.conv is not None else 1,
         BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks, DEFER=defer,
-        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
+        KEEP=defer and CONV_KEEP, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
 
 

@@ -166,7 +166,7 @@ def decode_attention() -> None:
     compile_for_h200(decode_attention_merge_kernel, pointers, common | {"BLOCK_S": 16, "BLOCK_D": 256})
 
 
-def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True) -> None:
+def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = True) -> None:
     """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape (``defer``:
     with the conv operands preloaded, the conv update after the walk, not inside it)."""
     from phloem.kernels.triton.gemv import gemv_kernel
@@ -177,7 +177,7 @@ def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True) -> None:
         "PRO": pro, "CONV": conv, "KP": kp, "BLOCK_N": 8192 // kp, "PREFETCH": prefetch,
         "HAS_A": pro != 0, "WRITE_NORMED": pro == 1 and not conv, "ROUND_WEIGHTED": True,
         "HEAD": 128 if pro == 2 else 1, "KC": 4 if conv else 1, "BKC": 4 if conv else 1, "CONV_BLOCKS": 8 if conv and prefetch else 0,
-        "DEFER": conv and prefetch and defer,
+        "DEFER": conv and prefetch and defer, "KEEP": conv and prefetch and defer and keep,
     }  # fmt: skip
     compile_for_h200(gemv_kernel, pointers, constexprs)
 
@@ -202,6 +202,7 @@ CASES: dict[str, Callable[[], None]] = {
     "add_rms_norm_linear / _router": lambda: gemv(1, False, True),
     "add_rms_norm_conv_linear": lambda: gemv(1, True, True),
     "add_rms_norm_conv_linear (conv per block)": lambda: gemv(1, True, True, defer=False),
+    "add_rms_norm_conv_linear (conv after the walk, read back)": lambda: gemv(1, True, True, keep=False),
     "add_rms_norm_conv_linear (no prefetch)": lambda: gemv(1, True, False),
     "gated_rms_norm_linear": lambda: gemv(2, False, True),
     "sigmoid_gate_linear": lambda: gemv(3, False, True),
