@@ -28,7 +28,6 @@ At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8 + shared) one token re
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -117,26 +116,10 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_operands(p_act, p_w, i_pair, e, b_tw, s, o_n, m_n, o_kb, H: tl.constexpr, INTER: tl.constexpr,
-                   K_BLOCKS: tl.constexpr, BLOCK_K: tl.constexpr, ok):  # fmt: skip
-    """Step ``s`` of the walk (slot ``s // K_BLOCKS``, expert ``e``, weight ``b_tw``): the weighted
-    activations and the expert's down tile ``[BLOCK_N, BLOCK_K]`` (zeros if not ``ok``)."""
-    o_k = ((s % K_BLOCKS) * BLOCK_K + o_kb)[None, :]
-    m_k = (o_k < INTER) & ok
-    p_we = p_w + e * (H * INTER)
-    b_w = tl.load(p_we + o_n[:, None] * INTER + o_k, mask=m_n[:, None] & m_k, other=0.0)
-    # The activations loaded once a row of the tile (L1 hits after the first): in the tile's own
-    # layout, so no step converts them through shared memory.
-    o_k2 = o_k + tl.zeros_like(o_n)[:, None]
-    b_a = tl.load(p_act + i_pair * INTER + o_k2, mask=m_n[:, None] & m_k, other=0.0).to(tl.float32) * b_tw
-    return b_a, b_w
-
-
-@triton.jit
 def _down_sum_kernel(
     p_act, p_w, p_ids, p_tw, p_out,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_BLOCKS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
@@ -145,34 +128,18 @@ def _down_sum_kernel(
     i_n = tl.program_id(1).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
-    o_kb = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    STEPS: tl.constexpr = TOP_K * K_BLOCKS
-    if PREFETCH:
-        # The next step's tile and activations in flight while one is reduced (as the GEMVs), and
-        # the ids and weights two steps ahead, so a tile's load waits on no load of its own id.
-        p_ids_t, p_tw_t = p_ids + i_tok * TOP_K, p_tw + i_tok * TOP_K
-        e = tl.load(p_ids_t).to(tl.int64)
-        b_tw = tl.load(p_tw_t).to(tl.float32)
-        e_next = tl.load(p_ids_t + tl.minimum(1, STEPS - 1) // K_BLOCKS).to(tl.int64)
-        b_tw_next = tl.load(p_tw_t + tl.minimum(1, STEPS - 1) // K_BLOCKS).to(tl.float32)
-        b_a, b_w = _down_operands(p_act, p_w, i_tok * TOP_K, e, b_tw, 0, o_n, m_n, o_kb, H, INTER, K_BLOCKS, BLOCK_K, True)
-        for s in range(0, STEPS):
-            b_ac, b_wc = b_a, b_w
-            b_a, b_w = _down_operands(p_act, p_w, i_tok * TOP_K + (s + 1) // K_BLOCKS, e_next, b_tw_next, s + 1, o_n, m_n,
-                                      o_kb, H, INTER, K_BLOCKS, BLOCK_K, s + 1 < STEPS)  # fmt: skip
-            j2 = tl.minimum(s + 2, STEPS - 1) // K_BLOCKS
-            e_next = tl.load(p_ids_t + j2).to(tl.int64)
-            b_tw_next = tl.load(p_tw_t + j2).to(tl.float32)
-            acc += b_wc.to(tl.float32) * b_ac
-    else:
-        # One flat loop over (expert slot j, K block) so loads pipeline across experts.
-        for s in range(0, STEPS):
-            i_pair = i_tok * TOP_K + s // K_BLOCKS
-            e = tl.load(p_ids + i_pair).to(tl.int64)
-            b_tw = tl.load(p_tw + i_pair).to(tl.float32)
-            b_a, b_w = _down_operands(p_act, p_w, i_pair, e, b_tw, s, o_n, m_n, o_kb, H, INTER, K_BLOCKS, BLOCK_K, True)
-            acc += b_w.to(tl.float32) * b_a
+    # One flat loop over (expert slot j, K block) so loads pipeline across experts.
+    for s in range(0, TOP_K * K_BLOCKS):
+        i_pair = i_tok * TOP_K + s // K_BLOCKS
+        e = tl.load(p_ids + i_pair).to(tl.int64)
+        b_tw = tl.load(p_tw + i_pair).to(tl.float32)
+        o_k = (s % K_BLOCKS) * BLOCK_K + tl.arange(0, BLOCK_K)
+        m_k = o_k < INTER
+        b_a = tl.load(p_act + i_pair * INTER + o_k, mask=m_k, other=0.0).to(tl.float32) * b_tw
+        p_we = p_w + e * (H * INTER)
+        b_w = tl.load(p_we + o_n[:, None] * INTER + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+        acc += b_w.to(tl.float32) * b_a[None, :]
     tl.store(p_out + i_tok * H + o_n, tl.sum(acc, axis=1).to(p_out.dtype.element_ty), mask=m_n)
 
 
@@ -191,9 +158,6 @@ def _env_config() -> MoeDecodeConfig | None:
     return config
 
 
-# The down stage loads each token's ids and weights once, then walks with the next step's tile in
-# flight (PHLOEM_MOE_DOWN_PREFETCH=0: ids slot by slot and one tile at a time; module-level for A/B).
-DOWN_PREFETCH = os.environ.get("PHLOEM_MOE_DOWN_PREFETCH", "1").strip() != "0"
 _ENV_CONFIG = _env_config()
 DEFAULT_CONFIG = _ENV_CONFIG or _H200_CONFIG
 _BATCH_CONFIG = _ENV_CONFIG or _H200_BATCH_CONFIG
@@ -326,7 +290,6 @@ def launch_down_sum(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, 
     block_k = min(c.block_k2, triton.next_power_of_2(inter))
     _down_sum_kernel[(num_tokens, triton.cdiv(hidden, c.block_n2))](
         act, w_down, ids, tw, out, H=hidden, INTER=inter, TOP_K=top_k, K_BLOCKS=triton.cdiv(inter, block_k),
-        BLOCK_N=c.block_n2, BLOCK_K=block_k, PREFETCH=DOWN_PREFETCH,
-        num_warps=c.num_warps2, num_stages=c.num_stages2,
+        BLOCK_N=c.block_n2, BLOCK_K=block_k, num_warps=c.num_warps2, num_stages=c.num_stages2,
         launch_pdl=LAUNCH_PDL,
     )  # fmt: skip

@@ -29,24 +29,14 @@ def _inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtyp
     return x, w_gate_up, w_down, weights, ids
 
 
-@pytest.mark.parametrize("down_prefetch", [True, False], ids=["down-prefetch", "down-one-tile"])
-@pytest.mark.parametrize("block_k2", [16, 8], ids=["k-block", "k-blocks"])
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "hidden", "inter"),
-    [(1, 4, 2, 32, 16), (3, 8, 2, 48, 24), (5, 6, 3, 40, 20), (1, 5, 1, 32, 16)],
-    ids=["T1", "T3-pow2-experts", "T5-odd-dims", "T1-one-slot"],
+    [(1, 4, 2, 32, 16), (3, 8, 2, 48, 24), (5, 6, 3, 40, 20)],
+    ids=["T1", "T3-pow2-experts", "T5-odd-dims"],
 )
-def test_matches_reference_fp32(
-    assert_close, monkeypatch: pytest.MonkeyPatch, tokens: int, experts: int, top_k: int, hidden: int, inter: int,
-    block_k2: int, down_prefetch: bool,
-) -> None:  # fmt: skip
-    """Both down-stage walks (``fused_moe.DOWN_PREFETCH``: ids two steps ahead and the next tile in
-    flight, or one step at a time), over one or several K blocks a slot and one slot or more."""
-    from phloem.kernels.triton import fused_moe as module
-
-    monkeypatch.setattr(module, "DOWN_PREFETCH", down_prefetch)
+def test_matches_reference_fp32(assert_close, tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> None:
     args = _inputs(tokens, experts, top_k, hidden, inter, torch.float32)
-    got = fused_moe_tuned(*args, MoeDecodeConfig(16, 16, 4, 1, 16, block_k2, 4, 1))
+    got = fused_moe_tuned(*args, MoeDecodeConfig(16, 16, 4, 1, 16, 16, 4, 1))
     assert_close(got, reference(*args), atol=1e-5, rtol=1e-4)
 
 

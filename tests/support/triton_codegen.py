@@ -88,9 +88,8 @@ def fused_moe_decode() -> None:
     for route in (False, True):  # ids given / routed in the kernel from the router logits
         compile_for_h200(_gate_up_kernel, _all("p_x p_w p_act p_logits p_tw", "*bf16") | {"p_ids": "*i64"},
                          moe | {"BLOCK_N": 4, "BLOCK_K": 1024, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True})
-    for prefetch in (False, True):  # the ids slot by slot, one tile at a time / ids first, the next tile in flight
-        compile_for_h200(_down_sum_kernel, _all("p_act p_w p_tw p_out", "*bf16") | {"p_ids": "*i64"},
-                         moe | {"K_BLOCKS": 2, "BLOCK_N": 32, "BLOCK_K": 256, "PREFETCH": prefetch})
+    compile_for_h200(_down_sum_kernel, _all("p_act p_w p_tw p_out", "*bf16") | {"p_ids": "*i64"},
+                     moe | {"K_BLOCKS": 2, "BLOCK_N": 32, "BLOCK_K": 256})
 
 
 def moe_grouped_prefill() -> None:
