@@ -147,8 +147,7 @@ def argmax() -> None:
     from phloem.kernels.triton.argmax import argmax_final_kernel, argmax_partial_kernel
 
     compile_for_h200(argmax_partial_kernel, {"p_x": "*bf16", "p_key": "*i32", "p_idx": "*i32"}, {"BLOCK": 1024})
-    for copy in (False, True):  # with the ids also written into the graph's input-id row
-        compile_for_h200(argmax_final_kernel, _all("p_key p_idx", "*i32") | _all("p_out p_copy", "*i64"), {"BP": 128, "COPY": copy})
+    compile_for_h200(argmax_final_kernel, _all("p_key p_idx", "*i32") | {"p_out": "*i64"}, {"BP": 128})
 
 
 def decode_attention() -> None:
