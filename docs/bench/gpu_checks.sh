@@ -41,6 +41,7 @@
 #   20  batch-1 decode at 1K once per environment in $DECODE_ENVS ("name:VAR=v+VAR=v name2:..."; a value
 #       may hold commas); $DECODE_BATCHES (e.g. 1,16) for other batch sizes
 #   26  the GPU tests of the one-token GEMVs (the conv update's modes included) and the expert kernels
+#       (or the test files in $GPU_TESTS)
 #   21  what the device runs between two batch-1 decode graphs (docs/bench/step_trace.py)
 #   23  the GPU tests of the GDN decode, argmax and one-token MoE kernels and the engine (tokens: graphs,
 #       eager, CPU)
@@ -221,9 +222,9 @@ step_25() {
     > "$OUT/25_kernel_tests.txt" 2>&1
 }
 step_26() {
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
-    tests/kernels/test_triton_fused_linear.py tests/kernels/test_triton_gemv.py tests/kernels/test_triton_moe_token.py \
-    tests/kernels/test_triton_fused_moe.py > "$OUT/26_gemv_moe_tests.txt" 2>&1
+  local files=${GPU_TESTS:-"tests/kernels/test_triton_fused_linear.py tests/kernels/test_triton_gemv.py tests/kernels/test_triton_moe_token.py tests/kernels/test_triton_fused_moe.py"}
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu $files \
+    > "$OUT/26_gemv_moe_tests.txt" 2>&1
 }
 step_10() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/host_profile.py > "$OUT/10_host.txt" 2>&1

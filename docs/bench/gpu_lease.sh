@@ -12,11 +12,19 @@
 # then packs /tmp/o into $OUT/results.tgz and prints the phases and the newest lines of each log.
 set -u
 RUN=/tmp/o
+pack() {
+  [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz.part" -C "$RUN" --exclude flashinfer_so.tgz . 2>/dev/null \
+    && mv -f "$OUT/results.tgz.part" "$OUT/results.tgz"
+}
 watch() {
-  local until=$(( $(date +%s) + $1 ))
-  while [ "$(date +%s)" -lt "$until" ] && ! grep -qE " done$|stopping" "$RUN/phases.txt" 2>/dev/null; do sleep 5; done
-  [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" -C "$RUN" --exclude flashinfer_so.tgz . \
-    && { [ -f "$RUN/flashinfer_so.tgz" ] && cp "$RUN/flashinfer_so.tgz" "$OUT/"; true; }
+  # Packs what has come so far every 30 s: a call killed at its time limit (the device time left
+  # can be less than asked; the eleventh session lost a whole call's results so) still returns it.
+  local until=$(( $(date +%s) + $1 )) last=0
+  while [ "$(date +%s)" -lt "$until" ] && ! grep -qE " done$|stopping" "$RUN/phases.txt" 2>/dev/null; do
+    sleep 5
+    [ $(( $(date +%s) - last )) -ge 30 ] && { pack; last=$(date +%s); }
+  done
+  pack && { [ -f "$RUN/flashinfer_so.tgz" ] && [ -n "${OUT:-}" ] && cp "$RUN/flashinfer_so.tgz" "$OUT/"; true; }
   echo "== phases =="; cat "$RUN/phases.txt" 2>/dev/null
   for f in "$RUN"/*.txt; do
     [ "$(basename "$f")" = phases.txt ] && continue
