@@ -66,6 +66,7 @@ class CudaGraphRunner:
         self.kv_lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = lists  # indptr, last, indices
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+        self._last_replay = 0  # the bucket replayed last (0: none yet)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # None on tensor-parallel worker ranks (the captured LM head gathers logits to rank 0).
         self.logits: dict[int, torch.Tensor | None] = {}
@@ -123,12 +124,16 @@ class CudaGraphRunner:
     def _step(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The captured step: logits in the model's dtype (the sampler upcasts the rows it samples at
         random; an fp32 copy of ``[bs, V]`` in the graph cost ~4 us at batch 1) and every row's
-        greedy id, so a greedy step samples nothing outside the graph."""
+        greedy id, so a greedy step samples nothing outside the graph. The ids are also written into
+        the static input-id row: a following step of the same rows in the same order takes them from
+        there (``run``) instead of from a device-to-device copy between the graphs."""
         logits = self.model.compute_logits(self.model.forward(batch, self.caches), upcast=False)
-        return logits, (self.model.greedy_ids(logits) if logits is not None else None)
+        return logits, (self.model.greedy_ids(logits, copy_to=batch.input_ids) if logits is not None else None)
 
-    def _fill(self, inp: StepInputs, bs: int) -> None:
-        """Copy the step's rows into the static buffers; rows ``n..bs`` write the scratch page/slot."""
+    def _fill(self, inp: StepInputs, bs: int, device_ids: bool = False) -> None:
+        """Copy the step's rows into the static buffers; rows ``n..bs`` write the scratch page/slot.
+        ``device_ids``: the input ids come from the device (``run``), so the copy leaves their row
+        alone and starts at the positions."""
         pad = bs - len(inp.input_ids)
         turn, self._turn = self._turn, 1 - self._turn
         copied = self._copied[turn]
@@ -147,7 +152,8 @@ class CudaGraphRunner:
             indptr, last, indices = lists
             nnz = fill_page_lists(inp.page_ids + [[self.pad_page]] * pad, seq_lens, self.page_size, indptr, indices, last)
             nbytes = self._layout.indices_end(nnz)
-        self._dev[:nbytes].copy_(self._host[turn][:nbytes], non_blocking=True)
+        start = self._layout.positions_offset if device_ids else 0
+        self._dev[start:nbytes].copy_(self._host[turn][start:nbytes], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._copied[turn] = event
@@ -159,16 +165,25 @@ class CudaGraphRunner:
         model's dtype and each row's greedy id ``[n]`` (None on a tensor-parallel worker rank):
         views of the graph's static outputs, valid until the bucket's next replay (whatever reads
         them is queued before it). ``input_ids`` (on the device, ``[n]``) replace the host ids: a
-        device-to-device copy queued behind the step that sampled them."""
+        device-to-device copy queued behind the step that sampled them, or none where they are this
+        bucket's greedy ids of the graph replayed last (the same rows in the same order: that replay
+        wrote them into the input-id row itself, ``_step``; ~3 us a step between the graphs on an
+        H200, a copy and its hand-off between the copy engine and the compute stream)."""
         n = len(inp.input_ids)
         bs = next(b for b in self.buckets if b >= n)
-        self._fill(inp, bs)
-        if input_ids is not None:
+        greedy = self.greedy.get(bs)
+        in_place = (
+            input_ids is not None and greedy is not None and self._last_replay == bs
+            and input_ids.data_ptr() == greedy.data_ptr() and input_ids.is_contiguous()
+        )  # fmt: skip
+        self._fill(inp, bs, device_ids=input_ids is not None)
+        if input_ids is not None and not in_place:
             self.input_ids[:n].copy_(input_ids, non_blocking=True)
         if self.kv_lists is None:
             pad = bs - n
             self.attn.plan([1] * bs, inp.seq_lens + [1] * pad, inp.page_ids + [[self.pad_page]] * pad, graph_batch_size=bs)
         self.graphs[bs].replay()
+        self._last_replay = bs
         logits, greedy = self.logits[bs], self.greedy[bs]
         return (logits[:n], greedy[:n]) if logits is not None and greedy is not None else None
 
@@ -181,6 +196,7 @@ class _StagingLayout:
 
     def __init__(self, n: int, max_pages: int) -> None:
         self.n, self.max_pages = n, max_pages
+        self.positions_offset = n * 8  # the rows after the input ids
         self.lens_offset = 5 * n * 8
         self.lists_offset = _align16(self.lens_offset + 4 * n)
         self.last_offset = self.lists_offset + _align16(4 * (n + 1))

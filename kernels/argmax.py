@@ -13,5 +13,10 @@ import torch
 __all__ = ["argmax"]
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
+def argmax(logits: torch.Tensor, copy_to: torch.Tensor | None = None) -> torch.Tensor:
+    """``copy_to`` ``[S]`` int64: also written with the ids (the CUDA-graph step puts them straight
+    into the next step's input-id row, ``engine.cuda_graph``)."""
+    ids = logits.argmax(dim=-1)
+    if copy_to is not None:
+        copy_to.copy_(ids)
+    return ids

@@ -166,7 +166,8 @@ class Qwen3HybridForCausalLM(nn.Module):
             return logits
         return logits.float()
 
-    def greedy_ids(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[S, V]`` logits -> ``[S]`` int64, each row's first largest (``kernels.argmax``)."""
-        ids: torch.Tensor = self.ops.argmax(logits)
+    def greedy_ids(self, logits: torch.Tensor, copy_to: torch.Tensor | None = None) -> torch.Tensor:
+        """``[S, V]`` logits -> ``[S]`` int64, each row's first largest (``kernels.argmax``); also
+        written into ``copy_to`` where given."""
+        ids: torch.Tensor = self.ops.argmax(logits, copy_to)
         return ids

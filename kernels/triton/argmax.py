@@ -64,7 +64,7 @@ def argmax_partial_kernel(p_x, p_key, p_idx, V, s_xr, CHUNK, BLOCK: tl.constexpr
 
 
 @triton.jit
-def argmax_final_kernel(p_key, p_idx, p_out, NP, BP: tl.constexpr):
+def argmax_final_kernel(p_key, p_idx, p_out, p_copy, NP, BP: tl.constexpr, COPY: tl.constexpr):
     i_r = tl.program_id(0).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
@@ -74,15 +74,20 @@ def argmax_final_kernel(p_key, p_idx, p_out, NP, BP: tl.constexpr):
     idx = tl.load(p_idx + i_r * NP + o, mask=o < NP, other=0x7FFFFFFF)
     _top, first = _best(keys, idx)
     tl.store(p_out + i_r, first.to(tl.int64))
+    if COPY:
+        tl.store(p_copy + i_r, first.to(tl.int64))
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``[S, V]`` float logits (unit last stride) -> ``[S]`` int64: ``torch.argmax(logits, -1)``."""
+def argmax(logits: torch.Tensor, copy_to: torch.Tensor | None = None) -> torch.Tensor:
+    """``[S, V]`` float logits (unit last stride) -> ``[S]`` int64: ``torch.argmax(logits, -1)``;
+    ``copy_to`` (``[S]`` int64, contiguous) is written with the same ids by the same kernel."""
+    if copy_to is not None and (copy_to.shape != logits.shape[:1] or copy_to.dtype != torch.int64 or not copy_to.is_contiguous()):
+        raise ValueError(f"copy_to must be a contiguous int64 [{logits.shape[0]}], got {tuple(copy_to.shape)} {copy_to.dtype}")
     if logits.dim() != 2 or not logits.dtype.is_floating_point or logits.shape[1] > _MAX_INDEX:
-        return logits.argmax(dim=-1)
+        return _reference(logits, copy_to)
     rows, vocab = logits.shape
     if rows == 0 or vocab == 0:
-        return logits.argmax(dim=-1)
+        return _reference(logits, copy_to)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -94,6 +99,14 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     idx = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     argmax_partial_kernel[(rows, chunks)](logits, keys, idx, vocab, logits.stride(0), chunk, BLOCK=_BLOCK,
                                           num_warps=4, launch_pdl=LAUNCH_PDL)  # fmt: skip
-    argmax_final_kernel[(rows,)](keys, idx, out, chunks, BP=triton.next_power_of_2(chunks), num_warps=4,
+    argmax_final_kernel[(rows,)](keys, idx, out, copy_to if copy_to is not None else out, chunks,
+                                 BP=triton.next_power_of_2(chunks), COPY=copy_to is not None, num_warps=4,
                                  launch_pdl=LAUNCH_PDL)  # fmt: skip
     return out
+
+
+def _reference(logits: torch.Tensor, copy_to: torch.Tensor | None) -> torch.Tensor:
+    ids = logits.argmax(dim=-1)
+    if copy_to is not None:
+        copy_to.copy_(ids)
+    return ids

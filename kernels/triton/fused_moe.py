@@ -28,6 +28,7 @@ At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8 + shared) one token re
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -116,10 +117,27 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def _down_operands(p_act, p_w, i_pair, e, s, o_n, m_n, o_kb, H: tl.constexpr, INTER: tl.constexpr,
+                   K_BLOCKS: tl.constexpr, BLOCK_K: tl.constexpr, ok):  # fmt: skip
+    """Step ``s`` of the walk (slot ``s // K_BLOCKS``, expert ``e``): the slot's activations and the
+    expert's down tile, both ``[BLOCK_N, BLOCK_K]`` as loaded (zeros if not ``ok``). Nothing here
+    uses a loaded value, so a load issued ahead is waited for only where its step reduces it."""
+    o_k = ((s % K_BLOCKS) * BLOCK_K + o_kb)[None, :]
+    m_k = (o_k < INTER) & ok
+    p_we = p_w + e * (H * INTER)
+    b_w = tl.load(p_we + o_n[:, None] * INTER + o_k, mask=m_n[:, None] & m_k, other=0.0)
+    # The activations loaded once a row of the tile (L1 hits after the first): in the tile's own
+    # layout, so no step converts them through shared memory.
+    o_k2 = o_k + tl.zeros_like(o_n)[:, None]
+    b_a = tl.load(p_act + i_pair * INTER + o_k2, mask=m_n[:, None] & m_k, other=0.0)
+    return b_a, b_w
+
+
+@triton.jit
 def _down_sum_kernel(
     p_act, p_w, p_ids, p_tw, p_out,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_BLOCKS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
@@ -128,18 +146,38 @@ def _down_sum_kernel(
     i_n = tl.program_id(1).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
+    o_kb = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    # One flat loop over (expert slot j, K block) so loads pipeline across experts.
-    for s in range(0, TOP_K * K_BLOCKS):
-        i_pair = i_tok * TOP_K + s // K_BLOCKS
-        e = tl.load(p_ids + i_pair).to(tl.int64)
-        b_tw = tl.load(p_tw + i_pair).to(tl.float32)
-        o_k = (s % K_BLOCKS) * BLOCK_K + tl.arange(0, BLOCK_K)
-        m_k = o_k < INTER
-        b_a = tl.load(p_act + i_pair * INTER + o_k, mask=m_k, other=0.0).to(tl.float32) * b_tw
-        p_we = p_w + e * (H * INTER)
-        b_w = tl.load(p_we + o_n[:, None] * INTER + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        acc += b_w.to(tl.float32) * b_a[None, :]
+    STEPS: tl.constexpr = TOP_K * K_BLOCKS
+    i_pair0 = i_tok * TOP_K
+    if PREFETCH:
+        # The next step's tile and activations in flight while one is reduced (as the GEMVs), and
+        # the ids and weights one step further ahead, so a tile's load never waits on the load of
+        # its own id. The slot weight multiplies where the step reduces, as below.
+        p_ids_t, p_tw_t = p_ids + i_pair0, p_tw + i_pair0
+        e = tl.load(p_ids_t).to(tl.int64)
+        b_tw = tl.load(p_tw_t).to(tl.float32)
+        b_a, b_w = _down_operands(p_act, p_w, i_pair0, e, 0, o_n, m_n, o_kb, H, INTER, K_BLOCKS, BLOCK_K, True)
+        j_next = tl.minimum(1, STEPS - 1) // K_BLOCKS
+        e_next = tl.load(p_ids_t + j_next).to(tl.int64)
+        b_tw_next = tl.load(p_tw_t + j_next).to(tl.float32)
+        for s in range(0, STEPS):
+            b_ac, b_wc, b_twc = b_a, b_w, b_tw
+            b_a, b_w = _down_operands(p_act, p_w, i_pair0 + j_next, e_next, s + 1, o_n, m_n, o_kb, H, INTER, K_BLOCKS,
+                                      BLOCK_K, s + 1 < STEPS)  # fmt: skip
+            b_tw = b_tw_next
+            j_next = tl.minimum(s + 2, STEPS - 1) // K_BLOCKS
+            e_next = tl.load(p_ids_t + j_next).to(tl.int64)
+            b_tw_next = tl.load(p_tw_t + j_next).to(tl.float32)
+            acc += b_wc.to(tl.float32) * (b_ac.to(tl.float32) * b_twc)
+    else:
+        # One flat loop over (expert slot j, K block) so loads pipeline across experts.
+        for s in range(0, STEPS):
+            i_pair = i_pair0 + s // K_BLOCKS
+            e = tl.load(p_ids + i_pair).to(tl.int64)
+            b_tw = tl.load(p_tw + i_pair).to(tl.float32)
+            b_a, b_w = _down_operands(p_act, p_w, i_pair, e, s, o_n, m_n, o_kb, H, INTER, K_BLOCKS, BLOCK_K, True)
+            acc += b_w.to(tl.float32) * (b_a.to(tl.float32) * b_tw)
     tl.store(p_out + i_tok * H + o_n, tl.sum(acc, axis=1).to(p_out.dtype.element_ty), mask=m_n)
 
 
@@ -150,6 +188,11 @@ _ENV_VAR = "PHLOEM_MOE_DECODE_CONFIG"
 _H200_CONFIG = MoeDecodeConfig(4, 1024, 8, 3, 4, 512, 8, 2)
 _H200_BATCH_CONFIG = MoeDecodeConfig(4, 1024, 8, 2, 4, 256, 1, 2)
 _BATCH_TOKENS = 8
+# One token (``fused_moe_token*``: stage 1 is ``moe_token``'s, only the down fields count): with the
+# prefetching walk, 1024 programs of 2 rows and 4 warps over 512 of 4 rows and 8 warps, 2.092-2.112
+# against 2.100-2.109 ms a decode step on an H200; 1 row and 4 warps 2.094, 2 warps 2.18-2.19
+# (docs/benchmarks.md, twelfth session).
+_H200_TOKEN_CONFIG = MoeDecodeConfig(4, 1024, 8, 3, 2, 512, 4, 2)
 
 
 def _env_config() -> MoeDecodeConfig | None:
@@ -158,9 +201,14 @@ def _env_config() -> MoeDecodeConfig | None:
     return config
 
 
+# The down stage walks with the next step's tile in flight and the ids a step further ahead
+# (PHLOEM_MOE_DOWN_PREFETCH=0: the ids slot by slot and one tile at a time; module-level for A/B).
+# Two tiles ahead measured the same as one on an H200 (docs/benchmarks.md, twelfth session).
+DOWN_PREFETCH = os.environ.get("PHLOEM_MOE_DOWN_PREFETCH", "1").strip() != "0"
 _ENV_CONFIG = _env_config()
 DEFAULT_CONFIG = _ENV_CONFIG or _H200_CONFIG
 _BATCH_CONFIG = _ENV_CONFIG or _H200_BATCH_CONFIG
+_TOKEN_CONFIG = _ENV_CONFIG or _H200_TOKEN_CONFIG
 
 
 def fused_moe(
@@ -216,7 +264,7 @@ def fused_moe_token(
     ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
     act, out = _token_buffers(x, w_down, ids.shape[1])
     moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, config or moe_token.DEFAULT_CONFIG)
-    launch_down_sum(act, w_down, ids, tw, out, DEFAULT_CONFIG)
+    launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG)
     return out
 
 
@@ -236,7 +284,7 @@ def fused_moe_token_routed(
     act, out = _token_buffers(x, w_down, slots)
     route = (router_logits, tw, renormalize)
     moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, config or moe_token.DEFAULT_CONFIG, route)
-    launch_down_sum(act, w_down, ids, tw, out, DEFAULT_CONFIG)
+    launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG)
     return out
 
 
@@ -290,6 +338,7 @@ def launch_down_sum(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, 
     block_k = min(c.block_k2, triton.next_power_of_2(inter))
     _down_sum_kernel[(num_tokens, triton.cdiv(hidden, c.block_n2))](
         act, w_down, ids, tw, out, H=hidden, INTER=inter, TOP_K=top_k, K_BLOCKS=triton.cdiv(inter, block_k),
-        BLOCK_N=c.block_n2, BLOCK_K=block_k, num_warps=c.num_warps2, num_stages=c.num_stages2,
+        BLOCK_N=c.block_n2, BLOCK_K=block_k, PREFETCH=DOWN_PREFETCH,
+        num_warps=c.num_warps2, num_stages=c.num_stages2,
         launch_pdl=LAUNCH_PDL,
     )  # fmt: skip

@@ -60,3 +60,19 @@ def test_strided_rows() -> None:
 def test_qwen35_vocabulary_on_cuda(rows: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(rows)
     _check(torch.randn(rows, 248320, device="cuda", generator=gen).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("impl", [argmax, reference], ids=["triton", "reference"])
+def test_copy_to_gets_the_same_ids(impl) -> None:
+    """``copy_to`` (the CUDA-graph step's input-id row) is written with the returned ids."""
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    copy_to = torch.full((3,), -1, dtype=torch.int64, device=DEVICE)
+    ids = impl(logits, copy_to)
+    assert torch.equal(ids, torch.argmax(logits, dim=-1)) and torch.equal(copy_to, ids)
+
+
+def test_copy_to_of_another_shape_is_refused() -> None:
+    logits = torch.randn(2, 100).to(DEVICE)
+    for bad in (torch.empty(3, dtype=torch.int64), torch.empty(2, dtype=torch.int32), torch.empty(4, dtype=torch.int64)[::2]):
+        with pytest.raises(ValueError, match="copy_to"):
+            argmax(logits, bad.to(DEVICE))

@@ -29,14 +29,25 @@ def _inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtyp
     return x, w_gate_up, w_down, weights, ids
 
 
+@pytest.mark.parametrize("down_prefetch", [True, False], ids=["down-prefetch", "down-one-tile"])
+@pytest.mark.parametrize("block_k2", [16, 8], ids=["k-block", "k-blocks"])
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "hidden", "inter"),
-    [(1, 4, 2, 32, 16), (3, 8, 2, 48, 24), (5, 6, 3, 40, 20)],
-    ids=["T1", "T3-pow2-experts", "T5-odd-dims"],
+    [(1, 4, 2, 32, 16), (3, 8, 2, 48, 24), (5, 6, 3, 40, 20), (1, 5, 1, 32, 16)],
+    ids=["T1", "T3-pow2-experts", "T5-odd-dims", "T1-one-slot"],
 )
-def test_matches_reference_fp32(assert_close, tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> None:
+def test_matches_reference_fp32(
+    assert_close, monkeypatch: pytest.MonkeyPatch, tokens: int, experts: int, top_k: int, hidden: int, inter: int,
+    block_k2: int, down_prefetch: bool,
+) -> None:  # fmt: skip
+    """Both down-stage walks (``fused_moe.DOWN_PREFETCH``: the next step's tile in flight and the ids
+    a step further ahead, or one step at a time), over one or several K blocks a slot and one slot
+    or more (one step: nothing to prefetch)."""
+    from phloem.kernels.triton import fused_moe as module
+
+    monkeypatch.setattr(module, "DOWN_PREFETCH", down_prefetch)
     args = _inputs(tokens, experts, top_k, hidden, inter, torch.float32)
-    got = fused_moe_tuned(*args, MoeDecodeConfig(16, 16, 4, 1, 16, 16, 4, 1))
+    got = fused_moe_tuned(*args, MoeDecodeConfig(16, 16, 4, 1, 16, block_k2, 4, 1))
     assert_close(got, reference(*args), atol=1e-5, rtol=1e-4)
 
 
@@ -47,6 +58,22 @@ def test_matches_reference_real_shape_bf16(assert_close, tokens: int) -> None:
     args = _inputs(tokens, 256, 8, 2048, 512, torch.bfloat16)
     expected = reference(*(a.float() if a.is_floating_point() else a for a in args))
     assert_close(fused_moe(*args).float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_down_prefetch_walk_matches_the_one_tile_walk_bit_for_bit(monkeypatch: pytest.MonkeyPatch, tokens: int) -> None:
+    """The prefetching down walk adds the same products in the same order as the one-tile walk, so
+    at the real shape (bf16, compiled) the outputs are equal bit for bit."""
+    from phloem.kernels.triton import fused_moe as module
+
+    args = _inputs(tokens, 256, 8, 2048, 512, torch.bfloat16)
+    outs = []
+    for prefetch in (True, False):
+        monkeypatch.setattr(module, "DOWN_PREFETCH", prefetch)
+        outs.append(fused_moe(*args))
+    assert torch.equal(outs[0], outs[1])
 
 
 def _routed_inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0):

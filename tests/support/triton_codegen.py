@@ -88,8 +88,9 @@ def fused_moe_decode() -> None:
     for route in (False, True):  # ids given / routed in the kernel from the router logits
         compile_for_h200(_gate_up_kernel, _all("p_x p_w p_act p_logits p_tw", "*bf16") | {"p_ids": "*i64"},
                          moe | {"BLOCK_N": 4, "BLOCK_K": 1024, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True})
-    compile_for_h200(_down_sum_kernel, _all("p_act p_w p_tw p_out", "*bf16") | {"p_ids": "*i64"},
-                     moe | {"K_BLOCKS": 2, "BLOCK_N": 32, "BLOCK_K": 256})
+    for prefetch in (False, True):  # the ids slot by slot, one tile at a time / the next tile in flight
+        compile_for_h200(_down_sum_kernel, _all("p_act p_w p_tw p_out", "*bf16") | {"p_ids": "*i64"},
+                         moe | {"K_BLOCKS": 2, "BLOCK_N": 32, "BLOCK_K": 256, "PREFETCH": prefetch})
 
 
 def moe_grouped_prefill() -> None:
@@ -147,7 +148,8 @@ def argmax() -> None:
     from phloem.kernels.triton.argmax import argmax_final_kernel, argmax_partial_kernel
 
     compile_for_h200(argmax_partial_kernel, {"p_x": "*bf16", "p_key": "*i32", "p_idx": "*i32"}, {"BLOCK": 1024})
-    compile_for_h200(argmax_final_kernel, _all("p_key p_idx", "*i32") | {"p_out": "*i64"}, {"BP": 128})
+    for copy in (False, True):  # with the ids also written into the graph's input-id row
+        compile_for_h200(argmax_final_kernel, _all("p_key p_idx", "*i32") | _all("p_out p_copy", "*i64"), {"BP": 128, "COPY": copy})
 
 
 def decode_attention() -> None:
