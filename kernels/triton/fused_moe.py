@@ -20,7 +20,8 @@ path; with more tokens the routing in every program costs more than the launch i
 
 One token (batch-1 decode) takes stage 1 from ``kernels.triton.moe_token`` (a slot-major grid of
 programs walking their slot's blocks, each routing once: ``fused_moe_token`` /
-``fused_moe_token_routed``), then stage 2 here.
+``fused_moe_token_routed``), then stage 2 here with its own tiles and a walk that keeps the next
+step's tile in flight (``DOWN_PREFETCH``; 55-77 us a decode step on an H200, docs/benchmarks.md).
 
 At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8 + shared) one token reads
 9 × 3 × 2048 × 512 bf16 = 57 MB per layer, which is what bounds decode. Accumulation is fp32.
@@ -201,9 +202,10 @@ def _env_config() -> MoeDecodeConfig | None:
     return config
 
 
-# The down stage walks with the next step's tile in flight and the ids a step further ahead
-# (PHLOEM_MOE_DOWN_PREFETCH=0: the ids slot by slot and one tile at a time; module-level for A/B).
-# Two tiles ahead measured the same as one on an H200 (docs/benchmarks.md, twelfth session).
+# One token's down stage walks with the next step's tile in flight and the ids a step further
+# ahead (PHLOEM_MOE_DOWN_PREFETCH=0: the ids slot by slot and one tile at a time; module-level for
+# A/B). Two tiles ahead measured the same as one on an H200 (docs/benchmarks.md, twelfth session).
+# Measured at batch 1 only, so more tokens keep the one-tile walk (batch 16 was not A/B-timed).
 DOWN_PREFETCH = os.environ.get("PHLOEM_MOE_DOWN_PREFETCH", "1").strip() != "0"
 _ENV_CONFIG = _env_config()
 DEFAULT_CONFIG = _ENV_CONFIG or _H200_CONFIG
@@ -264,7 +266,7 @@ def fused_moe_token(
     ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
     act, out = _token_buffers(x, w_down, ids.shape[1])
     moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, config or moe_token.DEFAULT_CONFIG)
-    launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG)
+    launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG, prefetch=DOWN_PREFETCH)
     return out
 
 
@@ -284,7 +286,7 @@ def fused_moe_token_routed(
     act, out = _token_buffers(x, w_down, slots)
     route = (router_logits, tw, renormalize)
     moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, config or moe_token.DEFAULT_CONFIG, route)
-    launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG)
+    launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG, prefetch=DOWN_PREFETCH)
     return out
 
 
@@ -299,8 +301,10 @@ def fused_moe_tuned(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoeDecodeConfig,
+    down_prefetch: bool = False,
 ) -> torch.Tensor:
-    """``fused_moe`` with explicit tile sizes, warps and stages (for sweeps)."""
+    """``fused_moe`` with explicit tile sizes, warps and stages (for sweeps); ``down_prefetch`` as
+    ``launch_down_sum``'s ``prefetch``."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w_down.shape[2]
@@ -309,7 +313,7 @@ def fused_moe_tuned(
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     launch_gate_up(x, w_gate_up, ids, act, config)
-    launch_down_sum(act, w_down, ids, tw, out, config)
+    launch_down_sum(act, w_down, ids, tw, out, config, prefetch=down_prefetch)
     return out
 
 
@@ -331,14 +335,15 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
 
 
 def launch_down_sum(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor,
-                    out: torch.Tensor, c: MoeDecodeConfig) -> None:  # fmt: skip
-    """Stage 2 alone into ``out`` ``[T, H]``."""
+                    out: torch.Tensor, c: MoeDecodeConfig, prefetch: bool = False) -> None:  # fmt: skip
+    """Stage 2 alone into ``out`` ``[T, H]``; ``prefetch``: the walk with the next step's tile in
+    flight (the one-token path's, ``DOWN_PREFETCH``), else one tile at a time. Same sums bit for bit."""
     num_tokens, hidden = out.shape
     top_k, inter = ids.shape[1], act.shape[1]
     block_k = min(c.block_k2, triton.next_power_of_2(inter))
     _down_sum_kernel[(num_tokens, triton.cdiv(hidden, c.block_n2))](
         act, w_down, ids, tw, out, H=hidden, INTER=inter, TOP_K=top_k, K_BLOCKS=triton.cdiv(inter, block_k),
-        BLOCK_N=c.block_n2, BLOCK_K=block_k, PREFETCH=DOWN_PREFETCH,
+        BLOCK_N=c.block_n2, BLOCK_K=block_k, PREFETCH=prefetch,
         num_warps=c.num_warps2, num_stages=c.num_stages2,
         launch_pdl=LAUNCH_PDL,
     )  # fmt: skip

@@ -37,17 +37,14 @@ def _inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtyp
     ids=["T1", "T3-pow2-experts", "T5-odd-dims", "T1-one-slot"],
 )
 def test_matches_reference_fp32(
-    assert_close, monkeypatch: pytest.MonkeyPatch, tokens: int, experts: int, top_k: int, hidden: int, inter: int,
+    assert_close, tokens: int, experts: int, top_k: int, hidden: int, inter: int,
     block_k2: int, down_prefetch: bool,
 ) -> None:  # fmt: skip
-    """Both down-stage walks (``fused_moe.DOWN_PREFETCH``: the next step's tile in flight and the ids
-    a step further ahead, or one step at a time), over one or several K blocks a slot and one slot
-    or more (one step: nothing to prefetch)."""
-    from phloem.kernels.triton import fused_moe as module
-
-    monkeypatch.setattr(module, "DOWN_PREFETCH", down_prefetch)
+    """Both down-stage walks (``launch_down_sum``'s ``prefetch``: the next step's tile in flight and
+    the ids a step further ahead, or one step at a time), over one or several K blocks a slot and
+    one slot or more (one step: nothing to prefetch)."""
     args = _inputs(tokens, experts, top_k, hidden, inter, torch.float32)
-    got = fused_moe_tuned(*args, MoeDecodeConfig(16, 16, 4, 1, 16, block_k2, 4, 1))
+    got = fused_moe_tuned(*args, MoeDecodeConfig(16, 16, 4, 1, 16, block_k2, 4, 1), down_prefetch=down_prefetch)
     assert_close(got, reference(*args), atol=1e-5, rtol=1e-4)
 
 
@@ -63,17 +60,19 @@ def test_matches_reference_real_shape_bf16(assert_close, tokens: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tokens", [1, 4, 16])
-def test_down_prefetch_walk_matches_the_one_tile_walk_bit_for_bit(monkeypatch: pytest.MonkeyPatch, tokens: int) -> None:
+def test_down_prefetch_walk_matches_the_one_tile_walk_bit_for_bit(tokens: int) -> None:
     """The prefetching down walk adds the same products in the same order as the one-tile walk, so
-    at the real shape (bf16, compiled) the outputs are equal bit for bit."""
-    from phloem.kernels.triton import fused_moe as module
+    at the real shape (bf16, compiled; one token's tiles and the batch tiles) the outputs are equal
+    bit for bit."""
+    from phloem.kernels.triton.fused_moe import _BATCH_CONFIG, _TOKEN_CONFIG, launch_down_sum
 
-    args = _inputs(tokens, 256, 8, 2048, 512, torch.bfloat16)
-    outs = []
-    for prefetch in (True, False):
-        monkeypatch.setattr(module, "DOWN_PREFETCH", prefetch)
-        outs.append(fused_moe(*args))
-    assert torch.equal(outs[0], outs[1])
+    _, _, w_down, weights, ids = _inputs(tokens, 256, 8, 2048, 512, torch.bfloat16)
+    act = torch.randn(tokens * 8, 512, device=DEVICE).to(torch.bfloat16)
+    for config in (_TOKEN_CONFIG, _BATCH_CONFIG):
+        outs = [torch.empty(tokens, 2048, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+        for out, prefetch in zip(outs, (True, False)):
+            launch_down_sum(act, w_down, ids, weights, out, config, prefetch=prefetch)
+        assert torch.equal(outs[0], outs[1]), config
 
 
 def _routed_inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0):
