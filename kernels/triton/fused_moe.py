@@ -172,13 +172,18 @@ def _down_sum_kernel(
             b_tw_next = tl.load(p_tw_t + j_next).to(tl.float32)
             acc += b_wc.to(tl.float32) * (b_ac.to(tl.float32) * b_twc)
     else:
-        # One flat loop over (expert slot j, K block) so loads pipeline across experts.
+        # One flat loop over (expert slot j, K block) so loads pipeline across experts (the eleventh
+        # session's walk, kept as it was for more than one token: the activations as one row).
         for s in range(0, STEPS):
             i_pair = i_pair0 + s // K_BLOCKS
             e = tl.load(p_ids + i_pair).to(tl.int64)
             b_tw = tl.load(p_tw + i_pair).to(tl.float32)
-            b_a, b_w = _down_operands(p_act, p_w, i_pair, e, s, o_n, m_n, o_kb, H, INTER, K_BLOCKS, BLOCK_K, True)
-            acc += b_w.to(tl.float32) * (b_a.to(tl.float32) * b_tw)
+            o_k = (s % K_BLOCKS) * BLOCK_K + o_kb
+            m_k = o_k < INTER
+            b_a = tl.load(p_act + i_pair * INTER + o_k, mask=m_k, other=0.0).to(tl.float32) * b_tw
+            p_we = p_w + e * (H * INTER)
+            b_w = tl.load(p_we + o_n[:, None] * INTER + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+            acc += b_w.to(tl.float32) * b_a[None, :]
     tl.store(p_out + i_tok * H + o_n, tl.sum(acc, axis=1).to(p_out.dtype.element_ty), mask=m_n)
 
 
