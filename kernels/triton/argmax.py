@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from phloem.kernels.argmax import argmax as _reference
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["argmax"]
@@ -104,9 +105,3 @@ def argmax(logits: torch.Tensor, copy_to: torch.Tensor | None = None) -> torch.T
                                  launch_pdl=LAUNCH_PDL)  # fmt: skip
     return out
 
-
-def _reference(logits: torch.Tensor, copy_to: torch.Tensor | None) -> torch.Tensor:
-    ids = logits.argmax(dim=-1)
-    if copy_to is not None:
-        copy_to.copy_(ids)
-    return ids

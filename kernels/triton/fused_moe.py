@@ -190,7 +190,8 @@ def _down_sum_kernel(
 _ENV_VAR = "PHLOEM_MOE_DECODE_CONFIG"
 
 # Chosen by a CUDA-graph sweep on an H200 at the 35B-A3B shape (docs/benchmarks.md, "MoE kernel
-# sweep"; docs/bench/moe_sweep.py): one token, and 16 tokens (used from _BATCH_TOKENS up).
+# sweep"; docs/bench/moe_sweep.py) at one token, now used for 2 to _BATCH_TOKENS - 1 tokens (one
+# token has _H200_TOKEN_CONFIG below), and at 16 tokens (used from _BATCH_TOKENS up).
 _H200_CONFIG = MoeDecodeConfig(4, 1024, 8, 3, 4, 512, 8, 2)
 _H200_BATCH_CONFIG = MoeDecodeConfig(4, 1024, 8, 2, 4, 256, 1, 2)
 _BATCH_TOKENS = 8
