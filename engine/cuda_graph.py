@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (and turn, ``CudaGraphRunner``).
 
 A decode step launches hundreds of small kernels (40 layers × norms, projections, GDN, MoE);
 at batch 1 the launches, not the bytes, would bound it. Each bucket (1, 2, 4, 8, 16, 24, 32,
@@ -18,6 +18,7 @@ step; a step replays the same bucket on every rank because they all get the same
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,32 @@ def graph_buckets(max_batch_size: int) -> list[int]:
     return [b for b in sizes if b < max_batch_size] + [max_batch_size]
 
 
+# Graph turns: 2 where the page lists are staged with the inputs (the Triton decode attention), so
+# step k + 1's inputs are copied while step k's graph runs (PHLOEM_GRAPH_TURNS=1: one set of
+# buffers, every copy between two graphs). Read when the module imports.
+_TURNS = 1 if os.environ.get("PHLOEM_GRAPH_TURNS", "2").strip() == "1" else 2
+
+
 class CudaGraphRunner:
+    """The decode graphs of every bucket, captured once per *turn*, each turn over its own static
+    input buffer; replays alternate turns.
+
+    With two turns nothing is copied between two graphs on the compute stream. A step's inputs go
+    to its turn's buffer on a copy stream, once the last graph that read that buffer (two replays
+    back) is done, so the copy overlaps the graph before; the compute stream only waits for the
+    copy's event, long done. A graph of turn ``t`` also writes its greedy ids into the input-id row
+    of the next turn's buffer (the next step of the same rows reads them there, ``run``), and a
+    second stream copies them to the host after the graph ends, while the next graph runs; the next
+    replay of turn ``t`` (which rewrites those ids) waits for that copy. Every cross-stream wait is
+    for an event of a step before, so none holds the compute stream in the steady state. One turn
+    (``PHLOEM_GRAPH_TURNS=1``, or FlashInfer's decode, whose wrappers keep their own per-bucket
+    buffers) orders the same copies behind the graph before instead.
+
+    The host side of both staging buffers: a step writes pinned host buffer ``k % 2`` (guarded by
+    the event of its previous copy) and reads its ids from pinned buffer ``k % 2``, which only
+    replay ``k + 2`` rewrites: the engine collects step ``k`` before it launches step ``k + 2``.
+    """
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -52,94 +78,111 @@ class CudaGraphRunner:
         self.buckets = graph_buckets(max_batch_size)
         n, dev = max_batch_size, attn.device
         # The static inputs and (with the Triton decode attention) the page lists live in one device
-        # buffer, mirrored by two pinned host buffers used in turn, so a step's inputs reach the
-        # device in one copy (ten small copies cost ~27 us of device time a step on an H200,
-        # docs/benchmarks.md). A step writes one host buffer while the other's copy (the previous
-        # step's) may still be in flight; an event per buffer says when its copy is done, so no
-        # step waits on the whole stream (the only host sync of a step stays the read of its ids).
+        # buffer per turn, mirrored by two pinned host buffers used in turn, so a step's inputs
+        # reach the device in one copy (ten small copies cost ~27 us of device time a step on an
+        # H200, docs/benchmarks.md).
         self._layout = _StagingLayout(n, MAX_GRAPH_PAGES if attn.triton_decode else 0)
-        self._dev = torch.zeros(self._layout.nbytes, dtype=torch.uint8, device=dev)
+        self.turns = _TURNS if attn.triton_decode else 1
+        self._dev = [torch.zeros(self._layout.nbytes, dtype=torch.uint8, device=dev) for _ in range(self.turns)]
+        self._views = [self._layout.views(d) for d in self._dev]
+        self.staged_lists = self._views[0][2] is not None
         self._host = [torch.zeros(self._layout.nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self._host_views = [self._layout.views(h.numpy()) for h in self._host]
-        rows, self.seq_lens, lists = self._layout.views(self._dev)
-        self.input_ids, self.positions, self.slot_mapping, self.read_slots, self.write_slots = rows
-        self.kv_lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = lists  # indptr, last, indices
-        self._copied: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
-        self._last_replay = 0  # the bucket replayed last (0: none yet)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._host_ids = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._copy_stream = torch.cuda.Stream(dev)
+        self._ids_stream = torch.cuda.Stream(dev)
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # per host buffer: its last copy done
+        self._replayed: list[torch.cuda.Event | None] = [None] * self.turns  # per turn: its last replay done
+        self._ids_read: list[torch.cuda.Event | None] = [None] * self.turns  # per turn: its last ids copied out
+        self._host_turn = 0
+        self._turn = 0  # the turn of the next replay
+        self._last: tuple[int, int] | None = None  # (bucket, turn) replayed last
+        # The greedy ids of the last replay as ``run`` returned them, their pinned host copy and its event.
+        self._last_ids: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event] | None = None
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         # None on tensor-parallel worker ranks (the captured LM head gathers logits to rank 0).
-        self.logits: dict[int, torch.Tensor | None] = {}
-        self.greedy: dict[int, torch.Tensor | None] = {}
+        self.logits: dict[int, list[torch.Tensor | None]] = {}
+        self.greedy: dict[int, list[torch.Tensor | None]] = {}
 
     def max_batch_size(self) -> int:
         return self.buckets[-1]
 
-    def _batch(self, bs: int) -> ForwardBatch:
-        dev = self.input_ids.device
+    def _batch(self, bs: int, turn: int) -> ForwardBatch:
+        rows, seq_lens, lists = self._views[turn]
+        input_ids, positions, slot_mapping, read_slots, write_slots = rows
+        dev = input_ids.device
         return ForwardBatch(
-            input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs],
+            input_ids=input_ids[:bs],
+            positions=positions[:bs],
             query_start_loc=torch.arange(bs + 1, dtype=torch.int32, device=dev),
-            seq_lens=self.seq_lens[:bs],
+            seq_lens=seq_lens[:bs],
             # Only the torch reference reads the page table; FlashInfer has its own buffers.
             page_table=torch.zeros((bs, 1), dtype=torch.int32, device=dev),
-            slot_mapping=self.slot_mapping[:bs],
-            read_slots=self.read_slots[:bs],
-            write_slots=self.write_slots[:bs],
+            slot_mapping=slot_mapping[:bs],
+            read_slots=read_slots[:bs],
+            write_slots=write_slots[:bs],
             has_initial_state=torch.ones(bs, dtype=torch.bool, device=dev),
             logits_indices=torch.arange(bs, dtype=torch.int64, device=dev),
             query_lens_cpu=(1,) * bs,
             is_decode=True,
-            attn_metadata=self._attn_plan(bs),
+            attn_metadata=self._attn_plan(bs, lists),
         )
 
-    def _attn_plan(self, bs: int) -> Any:
-        if self.kv_lists is not None:
-            indptr, last, indices = self.kv_lists
+    def _attn_plan(self, bs: int, lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> Any:
+        if lists is not None:
+            indptr, last, indices = lists
             return self.attn.staged_decode_plan(indptr[: bs + 1], indices, last[:bs])
         return self.attn.plan([1] * bs, [1] * bs, [[self.pad_page]] * bs, graph_batch_size=bs)
 
+    def _ids_row(self, turn: int) -> torch.Tensor:
+        return self._views[turn][0][0]
+
     @torch.inference_mode()
     def capture(self, show_progress: bool | None = None) -> None:
-        """Capture one graph per bucket, largest first (smaller ones reuse its memory pool)."""
-        self._fill(StepInputs.scratch(self.pad_page, self.page_size, self.pad_slot), self.buckets[-1])
+        """Capture one graph per bucket and turn, largest first (smaller ones reuse its memory pool)."""
+        scratch = StepInputs.scratch(self.pad_page, self.page_size, self.pad_slot)
+        for turn in range(self.turns):
+            self._fill(scratch, self.buckets[-1], turn)
+        torch.cuda.synchronize()
         pool = None
-        buckets = list(reversed(self.buckets))
-        for bs in progress(buckets, len(buckets), "capturing CUDA graphs", "graph", show_progress):
-            batch = self._batch(bs)
+        steps = [(turn, bs) for turn in range(self.turns) for bs in reversed(self.buckets)]
+        for turn, bs in progress(steps, len(steps), "capturing CUDA graphs", "graph", show_progress):
+            batch = self._batch(bs, turn)
+            copy_to = self._ids_row((turn + 1) % self.turns)[:bs]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._step(batch)
+                    self._step(batch, copy_to)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs], self.greedy[bs] = self._step(batch)
+                logits, greedy = self._step(batch, copy_to)
             pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs.setdefault(bs, []).append(graph)
+            self.logits.setdefault(bs, []).append(logits)
+            self.greedy.setdefault(bs, []).append(greedy)
         torch.cuda.synchronize()
 
-    def _step(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _step(self, batch: ForwardBatch, copy_to: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The captured step: logits in the model's dtype (the sampler upcasts the rows it samples at
         random; an fp32 copy of ``[bs, V]`` in the graph cost ~4 us at batch 1) and every row's
         greedy id, so a greedy step samples nothing outside the graph. The ids are also written into
-        the static input-id row: a following step of the same rows in the same order takes them from
-        there (``run``) instead of from a device-to-device copy between the graphs."""
+        ``copy_to``, the next turn's input-id row: a following step of the same rows in the same
+        order takes them from there (``run``) instead of from a device-to-device copy."""
         logits = self.model.compute_logits(self.model.forward(batch, self.caches), upcast=False)
-        return logits, (self.model.greedy_ids(logits, copy_to=batch.input_ids) if logits is not None else None)
+        return logits, (self.model.greedy_ids(logits, copy_to=copy_to) if logits is not None else None)
 
-    def _fill(self, inp: StepInputs, bs: int, device_ids: bool = False) -> None:
-        """Copy the step's rows into the static buffers; rows ``n..bs`` write the scratch page/slot.
-        ``device_ids``: the input ids come from the device (``run``), so the copy leaves their row
-        alone and starts at the positions."""
+    def _fill(self, inp: StepInputs, bs: int, turn: int, device_ids: bool = False) -> torch.cuda.Event:
+        """Queue the copy of the step's rows into ``turn``'s static buffer on the copy stream (rows
+        ``n..bs`` write the scratch page/slot); returns its event. ``device_ids``: the input ids come
+        from the device (``run``), so the copy leaves their row alone and starts at the positions."""
         pad = bs - len(inp.input_ids)
-        turn, self._turn = self._turn, 1 - self._turn
-        copied = self._copied[turn]
+        host_turn, self._host_turn = self._host_turn, 1 - self._host_turn
+        copied = self._copied[host_turn]
         if copied is not None:
-            copied.synchronize()  # this buffer's copy of two steps ago (long done in practice)
-        rows, lens, lists = self._host_views[turn]
+            copied.synchronize()  # this host buffer's copy of two steps ago (long done in practice)
+        rows, lens, lists = self._host_views[host_turn]
         rows[0, :bs] = inp.input_ids + [0] * pad
         rows[1, :bs] = inp.positions + [0] * pad
         rows[2, :bs] = inp.slot_mapping + [self.pad_page * self.page_size] * pad
@@ -153,39 +196,83 @@ class CudaGraphRunner:
             nnz = fill_page_lists(inp.page_ids + [[self.pad_page]] * pad, seq_lens, self.page_size, indptr, indices, last)
             nbytes = self._layout.indices_end(nnz)
         start = self._layout.positions_offset if device_ids else 0
-        self._dev[start:nbytes].copy_(self._host[turn][start:nbytes], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._copied[turn] = event
+        # One turn: the copy on the compute stream, behind the graph before (as before turns).
+        stream = self._copy_stream if self.turns > 1 else torch.cuda.current_stream()
+        if self.turns > 1:
+            # The buffer's last reader is its turn's last replay; its input-id row is also written by
+            # the graph of the turn before (``_step``'s ``copy_to``), so a copy of that row waits for
+            # it too.
+            readers = [self._replayed[turn]]
+            if start == 0:
+                readers.append(self._replayed[(turn - 1) % self.turns])
+            for event in readers:
+                if event is not None:
+                    stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            self._dev[turn][start:nbytes].copy_(self._host[host_turn][start:nbytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._copied[host_turn] = event
+        return event
 
     def run(
         self, inp: StepInputs, input_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Replay the smallest bucket that holds the decode step; returns logits ``[n, V]`` in the
-        model's dtype and each row's greedy id ``[n]`` (None on a tensor-parallel worker rank):
-        views of the graph's static outputs, valid until the bucket's next replay (whatever reads
-        them is queued before it). ``input_ids`` (on the device, ``[n]``) replace the host ids: a
-        device-to-device copy queued behind the step that sampled them, or none where they are this
-        bucket's greedy ids of the graph replayed last (the same rows in the same order: that replay
-        wrote them into the input-id row itself, ``_step``; ~3 us a step between the graphs on an
-        H200, a copy and its hand-off between the copy engine and the compute stream)."""
+        """Replay the smallest bucket that holds the decode step, in the next turn; returns logits
+        ``[n, V]`` in the model's dtype and each row's greedy id ``[n]`` (None on a tensor-parallel
+        worker rank): views of the graph's static outputs, valid until the turn's next replay of the
+        bucket (whatever reads them is queued before it). ``input_ids`` (on the device, ``[n]``)
+        replace the host ids: a device-to-device copy queued behind the step that sampled them, or
+        none where they are the greedy ids of the graph replayed last in the same bucket (the same
+        rows in the same order: that replay wrote them into this turn's input-id row, ``_step``)."""
         n = len(inp.input_ids)
         bs = next(b for b in self.buckets if b >= n)
-        greedy = self.greedy.get(bs)
-        in_place = (
-            input_ids is not None and greedy is not None and self._last_replay == bs
-            and input_ids.data_ptr() == greedy.data_ptr() and input_ids.is_contiguous()
-        )  # fmt: skip
-        self._fill(inp, bs, device_ids=input_ids is not None)
+        turn = self._turn
+        in_place = False
+        if input_ids is not None and self._last is not None and self._last[0] == bs:
+            last_greedy = self.greedy[bs][self._last[1]]
+            in_place = last_greedy is not None and input_ids.data_ptr() == last_greedy.data_ptr() and input_ids.is_contiguous()
+        staged = self._fill(inp, bs, turn, device_ids=input_ids is not None)
+        main = torch.cuda.current_stream()
         if input_ids is not None and not in_place:
-            self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        if self.kv_lists is None:
+            self._ids_row(turn)[:n].copy_(input_ids, non_blocking=True)
+        if not self.staged_lists:
             pad = bs - n
             self.attn.plan([1] * bs, inp.seq_lens + [1] * pad, inp.page_ids + [[self.pad_page]] * pad, graph_batch_size=bs)
-        self.graphs[bs].replay()
-        self._last_replay = bs
-        logits, greedy = self.logits[bs], self.greedy[bs]
-        return (logits[:n], greedy[:n]) if logits is not None and greedy is not None else None
+        if self.turns > 1:
+            main.wait_event(staged)
+        ids_read = self._ids_read[turn]
+        if ids_read is not None:
+            main.wait_event(ids_read)  # the turn's last greedy ids are on the host before they are rewritten
+        self.graphs[bs][turn].replay()
+        replayed = torch.cuda.Event()
+        if self.turns > 1:
+            replayed.record(main)
+            self._replayed[turn] = replayed
+        self._last, self._turn = (bs, turn), (turn + 1) % self.turns
+        logits, greedy = self.logits[bs][turn], self.greedy[bs][turn]
+        self._last_ids = None
+        if logits is None or greedy is None:
+            return None
+        ids = greedy[:n]
+        if self.turns == 1:
+            return logits[:n], ids  # the caller copies the ids to the host behind the graph
+        host = self._host_ids[self._host_turn][:n]  # the host buffer this step's inputs did not use
+        stream = self._ids_stream
+        stream.wait_event(replayed)
+        with torch.cuda.stream(stream):
+            host.copy_(ids, non_blocking=True)
+            read = torch.cuda.Event()
+            read.record(stream)
+        self._ids_read[turn] = read
+        self._last_ids = (ids, host, read)
+        return logits[:n], ids
+
+    def host_ids(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event] | None:
+        """The pinned host copy of ``tokens`` and its event where ``tokens`` are the greedy ids the
+        last ``run`` returned (the sampler passes them through for an all-greedy step), else None."""
+        last = self._last_ids
+        return (last[1], last[2]) if last is not None and tokens is last[0] else None
 
 
 class _StagingLayout:

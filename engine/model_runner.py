@@ -74,7 +74,8 @@ class LaunchedStep:
     ``sampled`` are the requests of the sampled rows, in row order; ``tokens`` their ids
     ``[len(sampled)]`` int64 on the device and ``host_tokens`` the same ids on the host (both None
     when the step samples nothing). On CUDA ``host_tokens`` is a pinned copy queued right after
-    the sampling, and ``copied`` is recorded behind that copy: reading them waits for this step
+    the sampling (for an all-greedy graph step, by the graph runner on its own stream:
+    ``CudaGraphRunner.host_ids``), and ``copied`` is recorded behind that copy: reading them waits for this step
     only. (A plain ``tokens.tolist()`` would queue its copy behind everything launched since, i.e.
     behind the next step that async scheduling has queued, and wait for that step too.) On CPU
     ``host_tokens`` is ``tokens``.
@@ -268,6 +269,10 @@ class ModelRunner:
         tokens = sample(logits, [r.params for r in reqs], generators, greedy)
         if not tokens.is_cuda:
             return LaunchedStep(out, reqs, tokens, tokens)
+        # An all-greedy graph step's ids are already on their way to the host, off the compute stream.
+        from_graph = self.graphs.host_ids(tokens) if self.graphs is not None else None
+        if from_graph is not None:
+            return LaunchedStep(out, reqs, tokens, *from_graph)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()

@@ -39,7 +39,7 @@
 #   16  the GPU tests of the seventh session's kernels alone (a quick subset of step 1)
 #   17  batch-1 decode at 1K: FlashInfer's decode instead of the Triton one (PHLOEM_TRITON_DECODE_ATTENTION=0)
 #   20  batch-1 decode at 1K once per environment in $DECODE_ENVS ("name:VAR=v+VAR=v name2:..."; a value
-#       may hold commas); $DECODE_BATCHES (e.g. 1,16) for other batch sizes
+#       may hold commas); $DECODE_BATCHES (e.g. 1,16) for other batch sizes, $DECODE_ARGS more arguments (--steps 100)
 #   26  the GPU tests of the one-token GEMVs (the conv update's modes included) and the expert kernels
 #       (or the test files in $GPU_TESTS)
 #   21  what the device runs between two batch-1 decode graphs (docs/bench/step_trace.py)
@@ -196,7 +196,7 @@ step_17() {
     > "$OUT/17_flashinfer.txt" 2>&1
 }
 step_20() {
-  local b1="bench decode --device cuda --batches ${DECODE_BATCHES:-1} --contexts 1024 --prefill-tokens 0" spec name vars
+  local b1="bench decode --device cuda --batches ${DECODE_BATCHES:-1} --contexts 1024 --prefill-tokens 0 ${DECODE_ARGS:-}" spec name vars
   for spec in ${DECODE_ENVS:-"default:PHLOEM_PDL=1"}; do
     name=${spec%%:*} vars=${spec#*:}
     CUDA_VISIBLE_DEVICES=${GPU:-0} env ${vars//+/ } timeout 300 $PY $b1 --out "$OUT/20_$name.json" > "$OUT/20_$name.txt" 2>&1

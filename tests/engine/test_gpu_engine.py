@@ -117,6 +117,40 @@ def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: 
                    [*PROMPTS, PROMPTS[0]], runs[2])  # fmt: skip
 
 
+def test_graph_turns_give_the_one_buffer_tokens_bitwise(model_dir: Path) -> None:
+    """Two graph turns (``PHLOEM_GRAPH_TURNS``, read when ``engine.cuda_graph`` imports, so in a
+    fresh process) move the input and ids copies onto their own streams; they must change no
+    token: the same as one turn bit for bit, with async scheduling, a batch that shrinks (a bucket
+    change and row gathers: the ids then copied, not taken in place), seeded random rows beside
+    greedy ones (the ids then sampled outside the graph), and a second turn over the checkpoints."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json\n"
+        "from phloem.engine import Engine, SamplingParams\n"
+        f"e = Engine.from_pretrained({str(model_dir)!r}, device='cuda', dtype='bfloat16', num_pages=512, "
+        "num_state_slots=64, max_num_batched_tokens=128, max_num_seqs=16)\n"
+        "assert e.runner.graphs is not None\n"
+        f"prompts = {PROMPTS!r}\n"
+        "greedy = [SamplingParams(max_tokens=8 + 6 * i, ignore_eos=True) for i in range(len(prompts))]\n"
+        "first = e.generate(prompts, greedy)\n"
+        "mixed = [SamplingParams(max_tokens=10 + 3 * i, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=7 + i)"
+        " for i in range(len(prompts))]\n"
+        "second = e.generate([p + o.token_ids + [4, 5] for p, o in zip(prompts, first)], mixed)\n"
+        "print(json.dumps([e.runner.graphs.turns, [o.token_ids for o in first + second]]))\n"
+    )
+    runs = []
+    for turns in ("1", "2"):
+        env = {k: v for k, v in os.environ.items() if k != "PHLOEM_GRAPH_TURNS"} | {"PHLOEM_GRAPH_TURNS": turns}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert [r[0] for r in runs] == [1, 2]
+    assert runs[1][1] == runs[0][1], "two graph turns changed the tokens"
+
+
 def test_attention_prologue_in_the_split_launch_follows_eager(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default (``PHLOEM_ATTN_PROLOGUE`` unset, read when the attention backend is built): the
     decode steps' QK norm, RoPE, gate and KV write run inside the split-KV attention launch, in
