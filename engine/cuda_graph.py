@@ -2,12 +2,13 @@
 
 A decode step launches hundreds of small kernels (40 layers × norms, projections, GDN, MoE);
 at batch 1 the launches, not the bytes, would bound it. Each bucket (1, 2, 4, 8, 16, 24, 32,
-48, 64, ...) is captured once with static input buffers (token ids, positions, slot mapping,
-sequence lengths, read/write slots, and the split-KV Triton decode attention's page lists); a
-step writes its inputs into the first ``n`` rows of a pinned mirror of those buffers, pads the rest
-of the bucket with a scratch page and a scratch state slot that no request owns, queues one copy
-of it to the device (with FlashInfer's decode instead, it re-plans that fixed-buffer wrapper for
-the bucket) and replays.
+48, 64, ...) is captured with static input buffers (token ids, positions, slot mapping,
+sequence lengths, read/write slots, and the split-KV Triton decode attention's page lists), once
+per turn: two buffers used in turn, so one step's inputs are copied while the step before runs
+(``CudaGraphRunner``); a step writes its inputs into the first ``n`` rows of a pinned mirror of
+those buffers, pads the rest of the bucket with a scratch page and a scratch state slot that no
+request owns, queues one copy of it to the device (with FlashInfer's decode instead, one turn, and
+it re-plans that fixed-buffer wrapper for the bucket) and replays.
 
 Everything inside the graph must be capturable: the Triton ops and FlashInfer, never the torch
 references (their per-sequence loops read values back to the host). Under tensor parallelism

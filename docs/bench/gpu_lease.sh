@@ -38,6 +38,9 @@ case ${1:?start or watch} in
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     mkdir -p /tmp/work /tmp/pkg "$RUN" /tmp/fi
+    # A machine still warm from an earlier start holds that run's results (packed already) and its
+    # "done" line, which would end this start's watch at once: clear them (not a FlashInfer build).
+    find "$RUN" -mindepth 1 ! -name flashinfer_so.tgz -delete 2>/dev/null
     tar cf - --exclude=./.whl --exclude=./.git . | tar xf - -C /tmp/work
     ln -sfn /tmp/work /tmp/pkg/phloem
     [ -f .device/flashinfer_so.tgz ] && tar xzf .device/flashinfer_so.tgz -C /tmp/fi
