@@ -200,7 +200,8 @@ step_20() {
   for spec in ${DECODE_ENVS:-"default:PHLOEM_PDL=1"}; do
     name=${spec%%:*} vars=${spec#*:}
     CUDA_VISIBLE_DEVICES=${GPU:-0} env ${vars//+/ } timeout 300 $PY $b1 --out "$OUT/20_$name.json" > "$OUT/20_$name.txt" 2>&1
-    grep '^| [0-9]' "$OUT/20_$name.txt" | sed "s/^/20_$name ($vars): /" >> "$OUT/20_summary.txt"
+    # (a prefix written by awk, not sed: a value may hold the characters sed would take as its syntax)
+    grep '^| [0-9]' "$OUT/20_$name.txt" | awk -v p="20_$name ($vars): " '{ print p $0 }' >> "$OUT/20_summary.txt"
   done
 }
 step_21() {

@@ -265,8 +265,31 @@ CONV_KEEP = os.environ.get("PHLOEM_GEMV_CONV_KEEP", "1").strip() != "0"
 _WIDE = GemvConfig(block_n=4, num_warps=8, num_stages=1, programs_per_sm=4, prefetch=True)
 
 
+def _shape_configs(text: str) -> dict[tuple[int, int], GemvConfig]:
+    """``PHLOEM_GEMV_SHAPE_CONFIG``: ``NxK=block_n,num_warps,num_stages,programs_per_sm,prefetch``
+    entries separated by ``/`` (in-step sweeps: a configuration timed alone is not one timed between
+    its neighbours under programmatic dependent launch)."""
+    out: dict[tuple[int, int], GemvConfig] = {}
+    for entry in filter(None, (e.strip() for e in text.split("/"))):
+        shape, _, values = entry.partition("=")
+        try:
+            num_n, num_k = (int(v) for v in shape.lower().split("x"))
+            fields = [int(v) for v in values.split(",")]
+            out[(num_n, num_k)] = GemvConfig(*fields[:4], bool(fields[4]))
+        except (ValueError, TypeError, IndexError):
+            raise ValueError(f"PHLOEM_GEMV_SHAPE_CONFIG: expected NxK=block_n,warps,stages,programs_per_sm,prefetch "
+                             f"entries separated by '/', got {entry!r}") from None  # fmt: skip
+    return out
+
+
+_SHAPE_CONFIGS = _shape_configs(os.environ.get("PHLOEM_GEMV_SHAPE_CONFIG", ""))
+
+
 def gemv_config(num_n: int, num_k: int, conv: bool = False) -> GemvConfig:
-    """The launch configuration for an ``[num_n, num_k]`` weight (``conv``: with the conv epilogue)."""
+    """The launch configuration for an ``[num_n, num_k]`` weight (``conv``: with the conv epilogue);
+    ``PHLOEM_GEMV_SHAPE_CONFIG`` overrides it per shape."""
+    if (num_n, num_k) in _SHAPE_CONFIGS:
+        return _SHAPE_CONFIGS[(num_n, num_k)]
     block_n = max(1, min(8, 8192 // triton.next_power_of_2(num_k)))
     if num_n < 1024:
         return _WIDE._replace(block_n=min(block_n, 2), num_warps=4, programs_per_sm=1)
