@@ -246,8 +246,8 @@ class CudaGraphRunner:
         if ids_read is not None:
             main.wait_event(ids_read)  # the turn's last greedy ids are on the host before they are rewritten
         self.graphs[bs][turn].replay()
-        replayed = torch.cuda.Event()
         if self.turns > 1:
+            replayed = torch.cuda.Event()
             replayed.record(main)
             self._replayed[turn] = replayed
         self._last, self._turn = (bs, turn), (turn + 1) % self.turns

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["env_config"]
+__all__ = ["env_config", "parse_config"]
 
 
 def env_config(var: str, cls: Any) -> Any:
@@ -20,8 +20,15 @@ def env_config(var: str, cls: Any) -> Any:
         ValueError: not one integer per field (the trailing defaulted ones optional).
     """
     text = os.environ.get(var, "").strip()
-    if not text:
-        return None
+    return parse_config(text, cls, var) if text else None
+
+
+def parse_config(text: str, cls: Any, var: str) -> Any:
+    """``cls`` from the comma-separated integers ``text`` (a part of ``var``'s value, named in the error).
+
+    Raises:
+        ValueError: not one integer per field (the trailing defaulted ones optional).
+    """
     fields = cls._fields
     required = len(fields) - len(getattr(cls, "_field_defaults", {}))
     try:

@@ -51,6 +51,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton import conv1d_update, norm
 from phloem.kernels.triton._device import balanced_grid
+from phloem.kernels.triton._env import parse_config
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = [
@@ -274,11 +275,10 @@ def _shape_configs(text: str) -> dict[tuple[int, int], GemvConfig]:
         shape, _, values = entry.partition("=")
         try:
             num_n, num_k = (int(v) for v in shape.lower().split("x"))
-            fields = [int(v) for v in values.split(",")]
-            out[(num_n, num_k)] = GemvConfig(*fields[:4], bool(fields[4]))
-        except (ValueError, TypeError, IndexError):
+        except ValueError:
             raise ValueError(f"PHLOEM_GEMV_SHAPE_CONFIG: expected NxK=block_n,warps,stages,programs_per_sm,prefetch "
                              f"entries separated by '/', got {entry!r}") from None  # fmt: skip
+        out[(num_n, num_k)] = parse_config(values, GemvConfig, f"PHLOEM_GEMV_SHAPE_CONFIG ({shape})")
     return out
 
 

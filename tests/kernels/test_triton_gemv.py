@@ -50,8 +50,11 @@ def test_shape_configs_override_the_chosen_tiles_per_shape(monkeypatch: pytest.M
     monkeypatch.setattr(gemv, "_SHAPE_CONFIGS", parsed)
     assert gemv.gemv_config(2048, 4096) == gemv.GemvConfig(1, 8, 1, 4, True) != default
     assert gemv.gemv_config(9216, 2048) == gemv.GemvConfig(4, 8, 1, 4, True)
-    for bad in ("2048x4096=1,8", "2048=1,8,1,4,1", "axb=1,2,3,4,5"):
+    for bad in ("2048=1,8,1,4,1", "axb=1,2,3,4,5"):
         with pytest.raises(ValueError, match="NxK=block_n"):
+            gemv._shape_configs(bad)
+    for bad in ("2048x4096=1,8", "2048x4096=1,8,1,4,1,9", "2048x4096=one"):
+        with pytest.raises(ValueError, match=r"PHLOEM_GEMV_SHAPE_CONFIG \(2048x4096\): expected 5"):
             gemv._shape_configs(bad)
 
 
