@@ -260,6 +260,8 @@ class CudaGraphRunner:
             return logits[:n], ids  # the caller copies the ids to the host behind the graph
         host = self._host_ids[self._host_turn][:n]  # the host buffer this step's inputs did not use
         stream = self._ids_stream
+        replayed = self._replayed[turn]
+        assert replayed is not None  # recorded above (two turns)
         stream.wait_event(replayed)
         with torch.cuda.stream(stream):
             host.copy_(ids, non_blocking=True)
