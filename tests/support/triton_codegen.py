@@ -19,8 +19,9 @@ H200 = ("cuda", 90, 32)
 
 
 def compile_for_h200(
-    kernel: Any, pointers: dict[str, str], constexprs: dict[str, object], floats: frozenset[str] = frozenset({"eps"})
-) -> None:
+    kernel: Any, pointers: dict[str, str], constexprs: dict[str, object], floats: frozenset[str] = frozenset({"eps"}),
+    num_warps: int = 4, divisible: frozenset[str] = frozenset(),
+) -> Any:
     """Compile ``kernel`` for sm_90: ``pointers`` give the pointer parameters' types, ``constexprs``
     the value of every ``tl.constexpr`` parameter (all must be given); ``floats`` are fp32 scalars
     and every other parameter an int64 scalar (strides, sizes). Pointers are taken as 16-byte
@@ -37,9 +38,9 @@ def compile_for_h200(
             signature[name] = "constexpr"
         else:
             signature[name] = pointers.get(name) or ("fp32" if name in floats else "i64")
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in pointers}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in pointers or name in divisible}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(source, target=GPUTarget(*H200))
+    compiled = triton.compile(source, target=GPUTarget(*H200), options={"num_warps": num_warps})
     assert compiled.asm["cubin"], "no cubin"
     if "PDL" in kernel.fn.__globals__:  # a decode kernel that opts into programmatic dependent launch
         from phloem.kernels.triton._pdl import LAUNCH_PDL
@@ -48,6 +49,7 @@ def compile_for_h200(
         for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
             found = instruction in compiled.asm["ptx"]
             assert found == pdl, f"{kernel.fn.__name__}: {instruction} {found}"
+    return compiled
 
 
 def _all(names: str, dtype: str) -> dict[str, str]:
@@ -184,6 +186,20 @@ def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = 
     compile_for_h200(gemv_kernel, pointers, constexprs)
 
 
+def gemv_dot() -> None:
+    """The shared-memory GEMV prototype: its weight tiles must reach the tensor cores through
+    ``cp.async`` stages (the point of it), at the tiles its sweep starts from."""
+    from phloem.kernels.triton.gemv_dot import XCOLS, gemv_dot_kernel
+
+    for block_n, block_k, stages in ((32, 128, 4), (64, 64, 3)):
+        # The sizes and the row stride as a launch at the real shapes specialises them (multiples of 16).
+        compiled = compile_for_h200(gemv_dot_kernel, _all("p_x p_w p_y", "*bf16"), {
+            "BLOCK_N": block_n, "BLOCK_K": block_k, "NUM_STAGES": stages, "XC": XCOLS, "PRECISION": "tf32"},
+            divisible=frozenset({"N", "K", "s_wn"}))  # fmt: skip
+        ptx = compiled.asm["ptx"]
+        assert "cp.async" in ptx and ("mma.sync" in ptx or "wgmma" in ptx), (block_n, block_k, stages)
+
+
 CASES: dict[str, Callable[[], None]] = {
     "qk_norm_rope_gate[store_kv]": lambda: qk_norm_rope(True),
     "qk_norm_rope_gate[k_out]": lambda: qk_norm_rope(False),
@@ -208,6 +224,7 @@ CASES: dict[str, Callable[[], None]] = {
     "add_rms_norm_conv_linear (no prefetch)": lambda: gemv(1, True, False),
     "gated_rms_norm_linear": lambda: gemv(2, False, True),
     "sigmoid_gate_linear": lambda: gemv(3, False, True),
+    "linear_dot (shared-memory GEMV prototype, cp.async stages)": gemv_dot,
     "one_shot_add_rms_norm[world=2]": lambda: one_shot_norm(2),
     "one_shot_add_rms_norm[world=8]": lambda: one_shot_norm(8),
 }
