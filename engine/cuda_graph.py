@@ -108,6 +108,10 @@ class CudaGraphRunner:
     def max_batch_size(self) -> int:
         return self.buckets[-1]
 
+    def bucket(self, n: int) -> int:
+        """The smallest bucket that holds ``n`` rows (``n <= max_batch_size()``)."""
+        return next(b for b in self.buckets if b >= n)
+
     def _batch(self, bs: int, turn: int) -> ForwardBatch:
         rows, seq_lens, lists = self._views[turn]
         input_ids, positions, slot_mapping, read_slots, write_slots = rows
@@ -227,7 +231,7 @@ class CudaGraphRunner:
         none where they are the greedy ids of the graph replayed last in the same bucket (the same
         rows in the same order: that replay wrote them into this turn's input-id row, ``_step``)."""
         n = len(inp.input_ids)
-        bs = next(b for b in self.buckets if b >= n)
+        bs = self.bucket(n)
         turn = self._turn
         in_place = False
         if input_ids is not None and self._last is not None and self._last[0] == bs:

@@ -255,7 +255,7 @@ def _graph_replay_ms(engine: Engine, batch: int, repeats: int = 20) -> float | N
     graphs = engine.runner.graphs
     if graphs is None or batch > graphs.max_batch_size() or engine.workers is not None:
         return None
-    return replay_ms(graphs.graphs[next(b for b in graphs.buckets if b >= batch)][0], repeats)
+    return replay_ms(graphs.graphs[graphs.bucket(batch)][0], repeats)
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
@@ -328,7 +328,7 @@ def kernel_breakdown(engine: Engine, batch: int = 1, context: int = 1024, top: i
     run_decode(engine, batch, context, 1.0, steps=1, warmup=2, compare_sync=False)
     graphs = engine.runner.graphs
     if graphs is not None and batch <= graphs.max_batch_size():
-        graph = graphs.graphs[next(b for b in graphs.buckets if b >= batch)][0]
+        graph = graphs.graphs[graphs.bucket(batch)][0]
         graph.replay()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -104,4 +104,3 @@ def argmax(logits: torch.Tensor, copy_to: torch.Tensor | None = None) -> torch.T
                                  BP=triton.next_power_of_2(chunks), COPY=copy_to is not None, num_warps=4,
                                  launch_pdl=LAUNCH_PDL)  # fmt: skip
     return out
-

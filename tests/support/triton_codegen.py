@@ -20,13 +20,15 @@ H200 = ("cuda", 90, 32)
 
 def compile_for_h200(
     kernel: Any, pointers: dict[str, str], constexprs: dict[str, object], floats: frozenset[str] = frozenset({"eps"}),
-    num_warps: int = 4, divisible: frozenset[str] = frozenset(),
+    divisible: frozenset[str] = frozenset(),
 ) -> Any:
     """Compile ``kernel`` for sm_90: ``pointers`` give the pointer parameters' types, ``constexprs``
     the value of every ``tl.constexpr`` parameter (all must be given); ``floats`` are fp32 scalars
     and every other parameter an int64 scalar (strides, sizes). Pointers are taken as 16-byte
     aligned, as a launch with torch tensors specialises them (without it every load compiles to
-    2-byte scalars, and ``ptxas -v`` register counts on the PTX mean nothing)."""
+    2-byte scalars, and ``ptxas -v`` register counts on the PTX mean nothing); so are the integer
+    parameters named in ``divisible`` (multiples of 16, as a launch at the real shapes specialises them).
+    Returns the compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -40,7 +42,7 @@ def compile_for_h200(
             signature[name] = pointers.get(name) or ("fp32" if name in floats else "i64")
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in pointers or name in divisible}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(source, target=GPUTarget(*H200), options={"num_warps": num_warps})
+    compiled = triton.compile(source, target=GPUTarget(*H200))
     assert compiled.asm["cubin"], "no cubin"
     if "PDL" in kernel.fn.__globals__:  # a decode kernel that opts into programmatic dependent launch
         from phloem.kernels.triton._pdl import LAUNCH_PDL
