@@ -54,6 +54,7 @@
 #       against the register walk, alone; the best staged tiles per shape into OUT/28_best.env
 #   29  batch-1 decode at 1K: the register walk against step 28's best staged tiles, alternated
 #       (step 20 with those environments, and $DECODE_ENVS_EXTRA after them)
+#   30  batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (step 20's summary)
 #   10  where the host's time goes in batch-1 async decode steps (docs/bench/host_profile.py, cProfile)
 #   9   the summary table
 # A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0).
@@ -254,6 +255,10 @@ step_29() {
   local best="PHLOEM_PDL=1"
   [ -f "$OUT/28_best.env" ] && best=$(head -n 1 "$OUT/28_best.env")
   DECODE_ENVS="default:PHLOEM_PDL=1 staged:$best default2:PHLOEM_PDL=1 staged2:$best ${DECODE_ENVS_EXTRA:-}" step_20
+}
+step_30() {
+  # Batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (as step 20's $DECODE_ENVS).
+  DECODE_ENVS=${LONG_ENVS:-"default_long:PHLOEM_PDL=1"} DECODE_ARGS="--contexts 32768,131072 --steps 30" step_20
 }
 step_10() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/host_profile.py > "$OUT/10_host.txt" 2>&1

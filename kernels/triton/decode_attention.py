@@ -91,11 +91,12 @@ _MAX_HEAD_DIM = 512
 _MAX_SPLITS = 256
 # Programs to aim for per SM in the split launch (see ``default_max_splits``).
 _PROGRAMS_PER_SM = 4
-# The split programs load their first tile of keys before ``gdc_wait`` (all but the step's own key,
-# which a kernel of the step writes): PHLOEM_ATTN_PRELOAD=1 (module-level for A/B sweeps). Off: in
-# the batch-1 decode step on an H200 it won 15-20 us at 1K but lost 40 us at 32K and 180 us at 128K
-# (the held tile raises the kernel's registers for the whole walk; docs/benchmarks.md, tenth session),
-# and a captured graph serves every length.
+# Splits of one MIN_SPLIT tile of keys (every split of a sequence up to MIN_SPLIT x the splits:
+# 4K keys at batch 1 on an H200) load it before ``gdc_wait``, all but the step's own key (which a
+# kernel of the step writes); longer splits walk as without it. PHLOEM_ATTN_PRELOAD=1 (module-level
+# for A/B sweeps). The tenth session's version preloaded the first tile of every split: 15-20 us a
+# batch-1 decode step faster at 1K on an H200, but 40 us slower at 32K and 180 us at 128K (the held
+# tile's registers through the whole walk; docs/benchmarks.md), and a captured graph serves every length.
 PRELOAD_FIRST_TILE = os.environ.get("PHLOEM_ATTN_PRELOAD", "").strip() == "1"
 # Elements of a merge tile ([BLOCK_S, BLOCK_D] fp32): 32 registers a thread over 4 warps.
 _MERGE_TILE = 4096
@@ -219,10 +220,18 @@ def decode_attention_split_kernel(
         o_t = tl.arange(0, BLOCK_T)
         p_kv = kv_cache + i_hk * s_ch + o_d[None, :]
         if PRELOAD:
-            # The first tile before the wait, all but the step's own key (position seq_len - 1): no
-            # kernel of this step writes the others, so their loads overlap the kernels before.
-            b_k0, b_v0, m_t0 = _kv_tile(p_kv, kv_indices, i_first, t_start, tl.minimum(t_end, seq_len - 1), o_t,
-                                        s_cp, s_ct, s_ckv, PAGE)  # fmt: skip
+            # A split of one MIN_SPLIT tile (every split of a short sequence) loads it before the
+            # wait, all but the step's own key (position seq_len - 1): no kernel of this step writes
+            # the others, so their loads overlap the kernels before. Longer splits walk as below.
+            o_ts = tl.arange(0, MIN_SPLIT)
+            one_tile = split_len <= MIN_SPLIT
+            if one_tile:
+                b_k0, b_v0, m_t0 = _kv_tile(p_kv, kv_indices, i_first, t_start, tl.minimum(t_end, seq_len - 1), o_ts,
+                                            s_cp, s_ct, s_ckv, PAGE)  # fmt: skip
+            else:
+                b_k0 = tl.zeros([MIN_SPLIT, D], dtype=kv_cache.dtype.element_ty)
+                b_v0 = tl.zeros([MIN_SPLIT, D], dtype=kv_cache.dtype.element_ty)
+                m_t0 = o_ts < 0
         if PDL:
             gdc_wait()  # q and this step's K/V row come from the kernel before (kernels/triton/_pdl.py)
         if PROLOGUE:
@@ -251,10 +260,11 @@ def decode_attention_split_kernel(
         b_acc = tl.zeros([BLOCK_G, D], tl.float32)
         t_loop = t_start
         if PRELOAD:
-            if seq_len - 1 < tl.minimum(t_start + BLOCK_T, t_end):  # the step's key is in the first tile
-                b_k0, b_v0, m_t0 = _kv_tile(p_kv, kv_indices, i_first, t_start, t_end, o_t, s_cp, s_ct, s_ckv, PAGE)
-            b_m, b_l, b_acc = _attend_tile(b_q, b_k0, b_v0, m_t0, b_m, b_l, b_acc, qk_scale, PRECISION)
-            t_loop = t_start + BLOCK_T
+            if one_tile:
+                if seq_len - 1 < t_end:  # the step's key is in this split: the tile again, after its write
+                    b_k0, b_v0, m_t0 = _kv_tile(p_kv, kv_indices, i_first, t_start, t_end, o_ts, s_cp, s_ct, s_ckv, PAGE)
+                b_m, b_l, b_acc = _attend_tile(b_q, b_k0, b_v0, m_t0, b_m, b_l, b_acc, qk_scale, PRECISION)
+                t_loop = t_end
         for t in tl.range(t_loop, t_end, BLOCK_T, num_stages=NUM_STAGES):
             b_k, b_v, m_t = _kv_tile(p_kv, kv_indices, i_first, t, t_end, o_t, s_cp, s_ct, s_ckv, PAGE)
             b_m, b_l, b_acc = _attend_tile(b_q, b_k, b_v, m_t, b_m, b_l, b_acc, qk_scale, PRECISION)
@@ -527,7 +537,7 @@ def _launch(
         scale * 1.4426950408889634,  # log2(e): the softmax runs in base 2
         num_splits, *prologue, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_T=config.block_t,
         DIRECT=num_splits == 1, NUM_STAGES=config.num_stages, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PROLOGUE=pro is not None, PRELOAD=PRELOAD_FIRST_TILE, num_warps=config.num_warps, launch_pdl=LAUNCH_PDL, **common,
+        PROLOGUE=pro is not None, PRELOAD=PRELOAD_FIRST_TILE and _one_tile_split(config.min_split), num_warps=config.num_warps, launch_pdl=LAUNCH_PDL, **common,
     )  # fmt: skip
     if num_splits > 1:
         block_d = _merge_block_d(num_seqs * num_q_heads, head_dim, _device.num_sms(q.device))
@@ -537,6 +547,11 @@ def _launch(
             BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, launch_pdl=LAUNCH_PDL, **common,
         )  # fmt: skip
     return out
+
+
+def _one_tile_split(min_split: int) -> bool:
+    """A split of ``min_split`` keys can be one ``tl.dot`` tile (a power of two, at least 16)."""
+    return min_split >= 16 and min_split & (min_split - 1) == 0
 
 
 def _merge_block_d(num_rows: int, head_dim: int, num_sms: int) -> int:
