@@ -97,7 +97,7 @@ _PROGRAMS_PER_SM = 4
 # for A/B sweeps). The tenth session's version preloaded the first tile of every split: 15-20 us a
 # batch-1 decode step faster at 1K on an H200, but 40 us slower at 32K and 180 us at 128K (the held
 # tile's registers through the whole walk; docs/benchmarks.md), and a captured graph serves every length.
-PRELOAD_FIRST_TILE = os.environ.get("PHLOEM_ATTN_PRELOAD", "").strip() == "1"
+PRELOAD_FIRST_TILE = {"1": 1, "2": 2}.get(os.environ.get("PHLOEM_ATTN_PRELOAD", "").strip(), 0)
 # Elements of a merge tile ([BLOCK_S, BLOCK_D] fp32): 32 registers a thread over 4 warps.
 _MERGE_TILE = 4096
 
@@ -111,9 +111,10 @@ class DecodeAttentionConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 2
     min_split: int = 16
+    max_registers: int = 0  # ptxas's cap a thread (0: none)
 
 
-# PHLOEM_DECODE_ATTENTION_CONFIG: block_t[,num_warps[,num_stages[,min_split]]] (sweeps, other GPUs).
+# PHLOEM_DECODE_ATTENTION_CONFIG: block_t[,num_warps[,num_stages[,min_split[,max_registers]]]] (sweeps, other GPUs).
 _DEFAULT_CONFIG = env_config("PHLOEM_DECODE_ATTENTION_CONFIG", DecodeAttentionConfig) or DecodeAttentionConfig()
 
 
@@ -139,6 +140,20 @@ def _kv_tile(p_kv, kv_indices, i_first, t, t_end, o_t, s_cp, s_ct, s_ckv, PAGE: 
     b_k = tl.load(p_kv + o_kv, mask=m_t[:, None], other=0.0)
     b_v = tl.load(p_kv + s_ckv + o_kv, mask=m_t[:, None], other=0.0)
     return b_k, b_v, m_t
+
+
+@triton.jit
+def _prefetch_kv_l2(p_head, kv_indices, i_first, t, t_end, o_t, s_cp, s_ct, s_ckv, PAGE: tl.constexpr, D: tl.constexpr):
+    """Pull the K and V rows of positions ``t + o_t`` below ``t_end`` into L2 (``prefetch.global.L2``,
+    one per 128-byte line of a bf16 row): nothing is held in registers."""
+    o_pos = t + o_t
+    m_t = o_pos < t_end
+    i_page = tl.load(kv_indices + i_first + o_pos // PAGE, mask=m_t, other=0).to(tl.int64)
+    o_line = tl.arange(0, D // 64) * 64
+    p_k = p_head + i_page[:, None] * s_cp + (o_pos % PAGE)[:, None] * s_ct + o_line[None, :]
+    p_k = tl.where(m_t[:, None], p_k, p_head)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tprefetch.global.L2 [$2];\n\tmov.u32 $0, 0;", "=r,l,l",
+                              [p_k, p_k + s_ckv], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @triton.jit
@@ -223,9 +238,16 @@ def decode_attention_split_kernel(
             # A split of one MIN_SPLIT tile (every split of a short sequence) loads it before the
             # wait, all but the step's own key (position seq_len - 1): no kernel of this step writes
             # the others, so their loads overlap the kernels before. Longer splits walk as below.
+            # PRELOAD 2 only pulls the tile into L2 there (no registers held through the wait).
             o_ts = tl.arange(0, MIN_SPLIT)
             one_tile = split_len <= MIN_SPLIT
-            if one_tile:
+            if PRELOAD == 2:
+                if one_tile:
+                    _prefetch_kv_l2(kv_cache + i_hk * s_ch, kv_indices, i_first, t_start, t_end, o_ts, s_cp, s_ct, s_ckv, PAGE, D)
+                b_k0 = tl.zeros([MIN_SPLIT, D], dtype=kv_cache.dtype.element_ty)
+                b_v0 = tl.zeros([MIN_SPLIT, D], dtype=kv_cache.dtype.element_ty)
+                m_t0 = o_ts < 0
+            elif one_tile:
                 b_k0, b_v0, m_t0 = _kv_tile(p_kv, kv_indices, i_first, t_start, tl.minimum(t_end, seq_len - 1), o_ts,
                                             s_cp, s_ct, s_ckv, PAGE)  # fmt: skip
             else:
@@ -261,7 +283,8 @@ def decode_attention_split_kernel(
         t_loop = t_start
         if PRELOAD:
             if one_tile:
-                if seq_len - 1 < t_end:  # the step's key is in this split: the tile again, after its write
+                # The step's key is in this split (the tile again, after its write), or the tile is in L2.
+                if (PRELOAD == 2) | (seq_len - 1 < t_end):
                     b_k0, b_v0, m_t0 = _kv_tile(p_kv, kv_indices, i_first, t_start, t_end, o_ts, s_cp, s_ct, s_ckv, PAGE)
                 b_m, b_l, b_acc = _attend_tile(b_q, b_k0, b_v0, m_t0, b_m, b_l, b_acc, qk_scale, PRECISION)
                 t_loop = t_end
@@ -537,7 +560,8 @@ def _launch(
         scale * 1.4426950408889634,  # log2(e): the softmax runs in base 2
         num_splits, *prologue, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_T=config.block_t,
         DIRECT=num_splits == 1, NUM_STAGES=config.num_stages, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PROLOGUE=pro is not None, PRELOAD=PRELOAD_FIRST_TILE and _one_tile_split(config.min_split), num_warps=config.num_warps, launch_pdl=LAUNCH_PDL, **common,
+        PROLOGUE=pro is not None, PRELOAD=_preload(config.min_split), num_warps=config.num_warps, launch_pdl=LAUNCH_PDL,
+        **({"maxnreg": config.max_registers} if config.max_registers else {}), **common,
     )  # fmt: skip
     if num_splits > 1:
         block_d = _merge_block_d(num_seqs * num_q_heads, head_dim, _device.num_sms(q.device))
@@ -549,9 +573,13 @@ def _launch(
     return out
 
 
-def _one_tile_split(min_split: int) -> bool:
-    """A split of ``min_split`` keys can be one ``tl.dot`` tile (a power of two, at least 16)."""
-    return min_split >= 16 and min_split & (min_split - 1) == 0
+def _preload(min_split: int) -> int:
+    """``PRELOAD_FIRST_TILE`` where a split of ``min_split`` keys can be one ``tl.dot`` tile (a power
+    of two, at least 16), else 0; the L2 prefetch (2) is inline PTX, which the interpreter cannot run."""
+    mode = int(PRELOAD_FIRST_TILE)
+    if mode == 2 and os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        mode = 1
+    return mode if min_split >= 16 and min_split & (min_split - 1) == 0 else 0
 
 
 def _merge_block_d(num_rows: int, head_dim: int, num_sms: int) -> int:

@@ -164,7 +164,8 @@ def decode_attention() -> None:
     # The prologue's operands (unused without PROLOGUE, typed as a launch passes them with it).
     pointers |= _all("k_new v_new q_norm_w k_norm_w gate", "*bf16") | _all("positions slots", "*i64") | {"inv_freq": "*fp32"}
     modes = [(direct, prologue, False) for direct in (False, True) for prologue in (False, True)]
-    for direct, prologue, preload in modes + [(False, True, True), (False, False, True)]:
+    # preload: 0 off, 1 the one-tile splits' tile in registers, 2 pulled into L2 (inline PTX).
+    for direct, prologue, preload in modes + [(False, True, 1), (False, False, 1), (False, True, 2)]:
         compile_for_h200(decode_attention_split_kernel, pointers, common | {
             "BLOCK_G": 16, "BLOCK_T": 32, "DIRECT": direct, "NUM_STAGES": 2, "PRECISION": "tf32", "PROLOGUE": prologue,
             "PRELOAD": preload},
