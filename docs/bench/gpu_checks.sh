@@ -50,10 +50,6 @@
 #       the QK-norm kernel (its row code now shared), argmax, the copy-bandwidth timers
 #   27  the shared-memory GEMV prototype (docs/bench/gemv_dot_sweep.py) against the register GEMV, alone,
 #       without PDL and with it, and its GPU tests
-#   28  the GEMVs with their weight tiles staged through shared memory (docs/bench/gemv_staged_sweep.py)
-#       against the register walk, alone; the best staged tiles per shape into OUT/28_best.env
-#   29  batch-1 decode at 1K: the register walk against step 28's best staged tiles, alternated
-#       (step 20 with those environments, and $DECODE_ENVS_EXTRA after them)
 #   30  batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (step 20's summary)
 #   10  where the host's time goes in batch-1 async decode steps (docs/bench/host_profile.py, cProfile)
 #   9   the summary table
@@ -243,19 +239,6 @@ step_27() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/kernels/test_triton_gemv_dot.py \
     > "$OUT/27_dot_tests.txt" 2>&1
 }
-step_28() {
-  # The GEMVs with their tiles staged through shared memory against the register walk, alone; writes
-  # the best staged tiles per shape as PHLOEM_GEMV_SHAPE_CONFIG for step 29.
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 420 python3 docs/bench/gemv_staged_sweep.py --out "$OUT/28_staged.json" \
-    --env-out "$OUT/28_best.env" > "$OUT/28_staged.txt" 2>&1
-}
-step_29() {
-  # Batch-1 decode at 1K, the register walk against step 28's best staged tiles, alternated
-  # (plus $DECODE_ENVS_EXTRA); step 20's summary.
-  local best="PHLOEM_PDL=1"
-  [ -f "$OUT/28_best.env" ] && best=$(head -n 1 "$OUT/28_best.env")
-  DECODE_ENVS="default:PHLOEM_PDL=1 staged:$best default2:PHLOEM_PDL=1 staged2:$best ${DECODE_ENVS_EXTRA:-}" step_20
-}
 step_30() {
   # Batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (as step 20's $DECODE_ENVS).
   DECODE_ENVS=${LONG_ENVS:-"default_long:PHLOEM_PDL=1"} DECODE_ARGS="--contexts 32768,131072 --steps 30" step_20
@@ -284,7 +267,6 @@ step_9() {
   [ -f "$OUT/21_trace.txt" ] && { echo "21_trace:"; grep -v Warning "$OUT/21_trace.txt" | tail -n 30; }
   for f in 27_dot_nopdl 27_dot; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | grep '^|\|us,\|bandwidth'; }; done
   [ -f "$OUT/27_dot_tests.txt" ] && echo "27_dot_tests: $(tail -n 1 "$OUT/27_dot_tests.txt")"
-  [ -f "$OUT/28_staged.txt" ] && { echo "28_staged:"; grep -v Warning "$OUT/28_staged.txt" | grep '^|\|us,\|bandwidth'; cat "$OUT/28_best.env" 2>/dev/null; }
   [ -f "$OUT/10_host.txt" ] && grep -v Warning "$OUT/10_host.txt" | head -n 40
   for f in 3_tp1 3_tp1_cublas 3_tp1_cublas_nopdl 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
   [ -f "$OUT/4_pd_check.txt" ] && echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt")"

@@ -159,57 +159,6 @@ def _conv_epilogue(
 
 
 @triton.jit
-def _gemv_staged(
-    p_x, p_w, p_y, N, K, s_wn, p_a, p_nw, p_res, p_normed, eps,
-    p_cw, p_cs, p_read, p_write, s_cw, s_cn, s_cd, CONV_N, i_p, n_p, o_k, m_k, o_b,
-    PRO: tl.constexpr, CONV: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_A: tl.constexpr,
-    WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr, HEAD: tl.constexpr, KC: tl.constexpr, BKC: tl.constexpr,
-    CONV_BLOCKS: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
-    """The walk with its weight tiles staged through shared memory (``STAGES > 1``).
-
-    The walk over the program's blocks ``i_p + j * n_p`` is one software-pipelined loop: Triton
-    streams each ``[BLOCK_N, KP]`` tile into shared memory with ``cp.async``, ``STAGES - 1`` tiles
-    ahead of the one reduced, so the tiles in flight cost no registers. ``gdc_wait`` and the
-    prologue run inside the loop's first step: the pipeline's first tiles are issued before the
-    loop, hence before the wait, and stream in while the kernel before finishes and while the
-    prologue reads its row (the register walk holds one tile there). With ``CONV`` the conv rows
-    are kept (``KEEP``) and updated after the walk, as in the register walk."""
-    if PDL:
-        gdc_launch_dependents()
-    if CONV:
-        i_read = tl.load(p_read).to(tl.int64)
-        i_write = tl.load(p_write).to(tl.int64)
-        o_j = tl.arange(0, CONV_BLOCKS)
-        o_rows = tl.reshape((i_p + o_j * n_p)[:, None] * BLOCK_N + o_b[None, :], (CONV_BLOCKS * BLOCK_N,))
-        b_s3, b_next3, b_cw3 = _conv_operands(o_rows, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC, BKC)
-        # Every thread has loaded its part of the state before any shifts it in place.
-        tl.debug_barrier()
-        b_kept = tl.zeros([CONV_BLOCKS, BLOCK_N], dtype=p_y.dtype.element_ty)
-    b_x = tl.zeros([KP], dtype=tl.float32)
-    num_blocks = tl.cdiv(N, BLOCK_N)
-    for j in tl.range(0, tl.cdiv(num_blocks - i_p, n_p), num_stages=STAGES):
-        o_n = (i_p + j * n_p) * BLOCK_N + o_b
-        m_n = o_n < N
-        b_cur = tl.load(p_w + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        if j == 0:
-            if PDL:
-                gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
-            b_x = _gemv_input(p_x, p_a, p_nw, p_res, p_normed, K, eps, i_p, PRO, HAS_A, WRITE_NORMED, ROUND_WEIGHTED,
-                              HEAD, KP)  # fmt: skip
-        b_y = tl.sum(b_cur.to(tl.float32) * b_x[None, :], axis=1).to(p_y.dtype.element_ty)
-        if CONV:
-            tl.store(p_y + o_n, b_y, mask=m_n & (o_n >= CONV_N))
-            b_kept = tl.where(o_j[:, None] == j, b_y[None, :], b_kept)
-        else:
-            tl.store(p_y + o_n, b_y, mask=m_n)
-    if CONV:
-        m_rows = (o_rows < N) & (o_rows < CONV_N)
-        b_y = tl.reshape(b_kept, (CONV_BLOCKS * BLOCK_N,))
-        _conv_epilogue(b_y, o_rows, m_rows, b_s3, b_next3, b_cw3, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC, False)
-
-
-@triton.jit
 def gemv_kernel(
     p_x, p_w, p_y, N, K, s_wn,
     p_a, p_nw, p_res, p_normed, eps,
@@ -217,20 +166,12 @@ def gemv_kernel(
     PRO: tl.constexpr, CONV: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_A: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr, HEAD: tl.constexpr,
     KC: tl.constexpr, BKC: tl.constexpr, CONV_BLOCKS: tl.constexpr, DEFER: tl.constexpr, KEEP: tl.constexpr,
-    STAGES: tl.constexpr,
 ):  # fmt: skip
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     o_k = tl.arange(0, KP)
     m_k = o_k < K
     o_b = tl.arange(0, BLOCK_N)
-    if STAGES > 1:
-        _gemv_staged(
-            p_x, p_w, p_y, N, K, s_wn, p_a, p_nw, p_res, p_normed, eps,
-            p_cw, p_cs, p_read, p_write, s_cw, s_cn, s_cd, CONV_N, i_p, n_p, o_k, m_k, o_b,
-            PRO, CONV, KP, BLOCK_N, HAS_A, WRITE_NORMED, ROUND_WEIGHTED, HEAD, KC, BKC, CONV_BLOCKS, STAGES,
-        )  # fmt: skip
-        return
     if PREFETCH:
         o_first = i_p * BLOCK_N + o_b
         b_w = tl.load(p_w + o_first[:, None].to(tl.int64) * s_wn + o_k[None, :],
@@ -387,8 +328,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
     walk = triton.cdiv(blocks, grid)  # blocks per program
     conv_blocks = triton.next_power_of_2(walk) if call.conv is not None and CONV_PRELOAD and walk <= 16 else 0
     defer = conv_blocks > 0 and CONV_AFTER_WALK
-    # The staged walk keeps the conv rows in registers: it takes the conv only where they fit.
-    stages = c.num_stages if call.conv is None or (defer and CONV_KEEP) else 1
     conv_w, conv_s, r_slot, w_slot = call.conv if call.conv is not None else (x, x, x, x)
     nw = call.nw if call.nw is not None else x
     gemv_kernel[(grid,)](
@@ -402,7 +341,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
         ROUND_WEIGHTED=torch.promote_types(nw.dtype, x.dtype) == x.dtype, HEAD=call.head,
         KC=conv_w.shape[1] if call.conv is not None else 1,
         BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks, DEFER=defer,
-        KEEP=defer and CONV_KEEP, STAGES=stages, num_warps=c.num_warps, num_stages=stages, launch_pdl=LAUNCH_PDL,
+        KEEP=defer and CONV_KEEP, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
 
 

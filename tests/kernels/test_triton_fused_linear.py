@@ -1,8 +1,7 @@
 """The one-token Triton GEMVs (``kernels.triton.gemv``) against the references of ``kernels.fused_linear``.
 
 On CPU under the interpreter at small shapes, in every launch layout (one program per row block;
-programs walking several blocks, with and without the one-block-ahead prefetch, or with their tiles
-staged through shared memory); on the GPU at the
+programs walking several blocks, with and without the one-block-ahead prefetch); on the GPU at the
 35B-A3B shapes (marker ``gpu``).
 """
 
@@ -28,9 +27,6 @@ LAYOUTS: dict[str, gemv.GemvConfig | None] = {
     "walk": gemv.GemvConfig(2, 4, 1, 1, False),
     "walk_prefetch": gemv.GemvConfig(2, 4, 1, 1, True),
     "one_row_prefetch": gemv.GemvConfig(1, 2, 1, 2, True),
-    # The walk with its tiles staged through shared memory (num_stages > 1).
-    "staged": gemv.GemvConfig(2, 4, 3, 1, False),
-    "staged_one_row": gemv.GemvConfig(1, 2, 2, 2, False),
 }
 
 

@@ -173,11 +173,9 @@ def decode_attention() -> None:
     compile_for_h200(decode_attention_merge_kernel, pointers, common | {"BLOCK_S": 16, "BLOCK_D": 256})
 
 
-def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = True, stages: int = 1) -> None:
+def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = True) -> None:
     """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape (``defer``:
-    with the conv operands preloaded, the conv update after the walk, not inside it). With
-    ``stages > 1`` the walk stages its tiles through shared memory: they must stream in through
-    ``cp.async``, and under programmatic dependent launch the first ones before ``gdc_wait``."""
+    with the conv operands preloaded, the conv update after the walk, not inside it)."""
     from phloem.kernels.triton.gemv import gemv_kernel
 
     pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs", "*bf16") | _all("p_read p_write", "*i64")
@@ -186,16 +184,9 @@ def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = 
         "PRO": pro, "CONV": conv, "KP": kp, "BLOCK_N": 8192 // kp, "PREFETCH": prefetch,
         "HAS_A": pro != 0, "WRITE_NORMED": pro == 1 and not conv, "ROUND_WEIGHTED": True,
         "HEAD": 128 if pro == 2 else 1, "KC": 4 if conv else 1, "BKC": 4 if conv else 1, "CONV_BLOCKS": 8 if conv and prefetch else 0,
-        "DEFER": conv and prefetch and defer, "KEEP": conv and prefetch and defer and keep, "STAGES": stages,
+        "DEFER": conv and prefetch and defer, "KEEP": conv and prefetch and defer and keep,
     }  # fmt: skip
-    # The sizes and strides as a launch at the real shapes specialises them (multiples of 16).
-    divisible = frozenset({"N", "K", "s_wn", "s_cw", "s_cn"}) if stages > 1 else frozenset()
-    compiled = compile_for_h200(gemv_kernel, pointers, constexprs, divisible=divisible)
-    if stages > 1:
-        ptx = compiled.asm["ptx"]
-        assert "cp.async.cg.shared.global" in ptx, "no cp.async stages"
-        if "griddepcontrol.wait" in ptx:
-            assert ptx.index("cp.async") < ptx.index("griddepcontrol.wait"), "no tile in flight before gdc_wait"
+    compile_for_h200(gemv_kernel, pointers, constexprs)
 
 
 def gemv_dot() -> None:
@@ -236,10 +227,6 @@ CASES: dict[str, Callable[[], None]] = {
     "add_rms_norm_conv_linear (no prefetch)": lambda: gemv(1, True, False),
     "gated_rms_norm_linear": lambda: gemv(2, False, True),
     "sigmoid_gate_linear": lambda: gemv(3, False, True),
-    "linear (staged through shared memory)": lambda: gemv(0, False, False, stages=3),
-    "add_rms_norm_conv_linear (staged)": lambda: gemv(1, True, True, stages=4),
-    "gated_rms_norm_linear (staged)": lambda: gemv(2, False, False, stages=3),
-    "sigmoid_gate_linear (staged)": lambda: gemv(3, False, False, stages=3),
     "linear_dot (shared-memory GEMV prototype, cp.async stages)": gemv_dot,
     "one_shot_add_rms_norm[world=2]": lambda: one_shot_norm(2),
     "one_shot_add_rms_norm[world=8]": lambda: one_shot_norm(8),
