@@ -1,17 +1,22 @@
-"""Registers, spills and shared memory of the split-KV decode attention as the GPU loads it, per
-preload mode and launch configuration (what an offline ``ptxas -v`` can only estimate).
+"""Registers, spills and shared memory of the decode kernels as the GPU loads them (what an
+offline ``ptxas -v`` can only estimate: it compiled the attention to 210 registers where the GPU
+loads 118), and how many programs of each fit an SM.
 
     python3 docs/bench/kernel_regs.py [MODE:CONFIG ...]   # e.g. 0:32,4,2,16 1:32,4,2,16,128
+    python3 docs/bench/kernel_regs.py --decode             # every one-token kernel, env configs
 
 MODE is ``decode_attention.PRELOAD_FIRST_TILE`` (0 off, 1 the one-tile splits' tile in registers,
 2 pulled into L2); CONFIG is ``DecodeAttentionConfig``'s fields, comma-separated. Each pair runs one
 launch of ``paged_decode_attention_prologue`` at the 35B-A3B shape (16 query / 2 KV heads of 256,
-pages of 16, 1K keys) and prints the kernel's resource use and how many programs fit an SM.
+pages of 16, 1K keys). ``--decode`` runs the GEMV projections (``gemv_sweep.fused_cases``), the
+one-token MoE stages and the GDN decode step once each at that shape, with the tiles the
+environment chooses (``PHLOEM_GEMV_SHAPE_CONFIG`` and the like).
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -45,23 +50,62 @@ def launch(config: da.DecodeAttentionConfig) -> None:
     torch.cuda.synchronize()
 
 
-def main() -> None:
-    specs = sys.argv[1:] or ["0:32,4,2,16", "1:32,4,2,16", "2:32,4,2,16"]
+def report(kernels: dict, run) -> None:
+    """Run ``run()`` and print every variant of the Triton kernels (``{label: kernel}``) it compiled."""
     props = torch.cuda.get_device_properties(0)
+    before = {what: set(kernel.device_caches[0][0]) for what, kernel in kernels.items()}
+    run()
+    torch.cuda.synchronize()
+    for what, kernel in kernels.items():
+        cache = kernel.device_caches[0][0]
+        for key in set(cache) - before[what]:
+            k = cache[key]
+            threads = 32 * k.metadata.num_warps
+            fit = min(props.max_threads_per_multi_processor // threads, 65536 // max(1, k.n_regs * threads),
+                      props.shared_memory_per_multiprocessor // max(1, k.metadata.shared))  # fmt: skip
+            print(f"{what}: {k.n_regs} registers, {k.n_spills} spills, {k.metadata.shared} B shared, "
+                  f"{k.metadata.num_warps} warps, {fit} programs an SM", flush=True)  # fmt: skip
+
+
+def decode_kernels() -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gemv_sweep import SHAPES, fused_cases, weights
+
+    from phloem.kernels.triton import fused_moe, gdn_decode, gemv
+
+    for name in ("in_proj", "qkv_proj", "out_proj", "router", "lm_head"):
+        ws = weights(name)[:1]
+        if name == "lm_head":
+            x = torch.randn(1, SHAPES[name][1], device="cuda", dtype=torch.bfloat16)
+            report({name: gemv.gemv_kernel}, lambda: gemv.linear(x, ws[0]))
+        for variant, fused, _, _ in fused_cases(name, ws):
+            report({f"{name} {variant}": gemv.gemv_kernel}, lambda fused=fused: fused(ws[0]))
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    w_gu = torch.randn(257, 1024, 2048, device=dev, dtype=bf) * 0.02
+    w_d = torch.randn(257, 2048, 512, device=dev, dtype=bf) * 0.02
+    x, logits = torch.randn(1, 2048, device=dev, dtype=bf), torch.randn(1, 257, device=dev, dtype=bf)
+    run = lambda: fused_moe.fused_moe_token_routed(x, logits, w_gu, w_d, 8, True)  # noqa: E731
+    report({"moe gate/up (routed)": fused_moe.moe_token._gate_up_token_kernel, "moe down + sum": fused_moe._down_sum_kernel}, run)
+    qkv = torch.randn(1, 2 * 2048 + 4096, device=dev, dtype=bf)
+    q, k, v = qkv[:, :2048].view(1, 16, 128), qkv[:, 2048:4096].view(1, 16, 128), qkv[:, 4096:].view(1, 32, 128)
+    ab = torch.randn(1, 64, device=dev, dtype=bf)
+    states = torch.randn(4, 32, 128, 128, device=dev)
+    slots = torch.tensor([1], device=dev)
+    a_log, dt_bias = torch.randn(32, device=dev), torch.randn(32, device=dev)
+    step = lambda: gdn_decode.recurrent_gated_delta_rule_with_gates(q, k, v, ab[:, :32], ab[:, 32:], a_log, dt_bias, states, slots, slots)  # noqa: E731
+    report({"gdn decode step": gdn_decode.recurrent_gated_delta_rule_kernel}, step)
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--decode"]:
+        decode_kernels()
+        return
+    specs = sys.argv[1:] or ["0:32,4,2,16", "1:32,4,2,16", "2:32,4,2,16"]
     for spec in specs:
         mode, _, fields = spec.partition(":")
         config = da.DecodeAttentionConfig(*(int(v) for v in fields.split(",")))
         da.PRELOAD_FIRST_TILE = int(mode)
-        cache = da.decode_attention_split_kernel.device_caches[0][0]
-        before = set(cache)
-        launch(config)
-        for key in set(cache) - before:
-            k = cache[key]
-            threads = 32 * config.num_warps
-            fit = min(props.max_threads_per_multi_processor // threads, 65536 // max(1, k.n_regs * threads),
-                      props.shared_memory_per_multiprocessor // max(1, k.metadata.shared))  # fmt: skip
-            print(f"preload {mode} config {tuple(config)}: {k.n_regs} registers, {k.n_spills} spills, "
-                  f"{k.metadata.shared} B shared, {fit} programs an SM", flush=True)  # fmt: skip
+        report({f"attention split, preload {mode}, config {tuple(config)}": da.decode_attention_split_kernel}, lambda c=config: launch(c))
 
 
 if __name__ == "__main__":

@@ -93,11 +93,14 @@ _MAX_SPLITS = 256
 _PROGRAMS_PER_SM = 4
 # Splits of one MIN_SPLIT tile of keys (every split of a sequence up to MIN_SPLIT x the splits:
 # 4K keys at batch 1 on an H200) load it before ``gdc_wait``, all but the step's own key (which a
-# kernel of the step writes); longer splits walk as without it. PHLOEM_ATTN_PRELOAD=1 (module-level
-# for A/B sweeps). The tenth session's version preloaded the first tile of every split: 15-20 us a
-# batch-1 decode step faster at 1K on an H200, but 40 us slower at 32K and 180 us at 128K (the held
-# tile's registers through the whole walk; docs/benchmarks.md), and a captured graph serves every length.
-PRELOAD_FIRST_TILE = {"1": 1, "2": 2}.get(os.environ.get("PHLOEM_ATTN_PRELOAD", "").strip(), 0)
+# kernel of the step writes); longer splits walk as without it. PHLOEM_ATTN_PRELOAD: 1 (default) in
+# registers, 2 only pulled into L2 (``prefetch.global.L2``), 0 off; module-level for A/B sweeps.
+# Measured in the batch-1 decode step on an H200 (docs/benchmarks.md, fourteenth session): the
+# attention launches 12-13 us a step faster at 1K with 1, 7 with 2; with 1 the kernel needs 146
+# registers a thread, 3 programs an SM, and lost 50 us at 32K and 180 us at 128K until the default
+# config capped it at 128 (4 an SM again: 32K and 128K as without the preload). The tenth session's
+# version preloaded the first tile of every split and lost the same way.
+PRELOAD_FIRST_TILE = {"0": 0, "2": 2}.get(os.environ.get("PHLOEM_ATTN_PRELOAD", "").strip(), 1)
 # Elements of a merge tile ([BLOCK_S, BLOCK_D] fp32): 32 registers a thread over 4 warps.
 _MERGE_TILE = 4096
 
@@ -111,7 +114,10 @@ class DecodeAttentionConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 2
     min_split: int = 16
-    max_registers: int = 0  # ptxas's cap a thread (0: none)
+    # ptxas's cap a thread (0: none). 128 keeps 4 programs an H200 SM (4 warps each) with the
+    # one-tile preload (146 registers uncapped: 3 an SM, and a 512-program long-context grid then
+    # runs in two waves; docs/benchmarks.md, fourteenth session).
+    max_registers: int = 128
 
 
 # PHLOEM_DECODE_ATTENTION_CONFIG: block_t[,num_warps[,num_stages[,min_split[,max_registers]]]] (sweeps, other GPUs).

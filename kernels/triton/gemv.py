@@ -71,14 +71,15 @@ MAX_K = 8192
 
 
 class GemvConfig(NamedTuple):
-    """Rows per tile, warps, pipeline stages, programs per SM (0: one program per row block) and
-    the one-block-ahead prefetch."""
+    """Rows per tile, warps, pipeline stages, programs per SM (0: one program per row block), the
+    one-block-ahead prefetch and ptxas's register cap a thread (0: none)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     programs_per_sm: int
     prefetch: bool
+    max_registers: int = 0
 
 
 @triton.jit
@@ -267,7 +268,7 @@ _WIDE = GemvConfig(block_n=4, num_warps=8, num_stages=1, programs_per_sm=4, pref
 
 
 def _shape_configs(text: str) -> dict[tuple[int, int], GemvConfig]:
-    """``PHLOEM_GEMV_SHAPE_CONFIG``: ``NxK=block_n,num_warps,num_stages,programs_per_sm,prefetch``
+    """``PHLOEM_GEMV_SHAPE_CONFIG``: ``NxK=block_n,num_warps,num_stages,programs_per_sm,prefetch[,max_registers]``
     entries separated by ``/`` (in-step sweeps: a configuration timed alone is not one timed between
     its neighbours under programmatic dependent launch)."""
     out: dict[tuple[int, int], GemvConfig] = {}
@@ -276,7 +277,7 @@ def _shape_configs(text: str) -> dict[tuple[int, int], GemvConfig]:
         try:
             num_n, num_k = (int(v) for v in shape.lower().split("x"))
         except ValueError:
-            raise ValueError(f"PHLOEM_GEMV_SHAPE_CONFIG: expected NxK=block_n,warps,stages,programs_per_sm,prefetch "
+            raise ValueError(f"PHLOEM_GEMV_SHAPE_CONFIG: expected NxK=block_n,warps,stages,programs_per_sm,prefetch[,max_registers] "
                              f"entries separated by '/', got {entry!r}") from None  # fmt: skip
         out[(num_n, num_k)] = parse_config(values, GemvConfig, f"PHLOEM_GEMV_SHAPE_CONFIG ({shape})")
     return out
@@ -342,6 +343,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
         KC=conv_w.shape[1] if call.conv is not None else 1,
         BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks, DEFER=defer,
         KEEP=defer and CONV_KEEP, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
+        **({"maxnreg": c.max_registers} if c.max_registers else {}),
     )  # fmt: skip
 
 
