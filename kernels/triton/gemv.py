@@ -296,7 +296,13 @@ def gemv_config(num_n: int, num_k: int, conv: bool = False) -> GemvConfig:
         return _WIDE._replace(block_n=min(block_n, 2), num_warps=4, programs_per_sm=1)
     # The conv epilogue inside the walk holds more registers: 4 warps there; after the walk, 8
     # (in_proj + conv 14.9 us against 15.4 for the best per-block configuration; docs/benchmarks.md).
-    return _WIDE._replace(block_n=block_n, num_warps=4 if conv and not (CONV_PRELOAD and CONV_AFTER_WALK) else 8)
+    if conv and not (CONV_PRELOAD and CONV_AFTER_WALK):
+        return _WIDE._replace(block_n=block_n, num_warps=4)
+    # After the walk, capped at 64 registers a thread (62 against 64 as loaded on an H200, no spills,
+    # 4 programs an SM either way): in the batch-1 decode step the in_proj launches took 397-400 us
+    # against 416-419 uncapped, 2.097-2.098 ms a step on the device against 2.104-2.110
+    # (docs/benchmarks.md, fourteenth session). The other shapes load at 56-64 registers uncapped.
+    return _WIDE._replace(block_n=block_n, max_registers=64 if conv else 0)
 
 
 def _covered(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
