@@ -62,6 +62,16 @@ batch-1 decode step at 1K (docs/benchmarks.md, tenth session): 2.127-2.135 ms on
 against 2.137-2.141 with the two launches, and 9.64 against 9.67 ms at batch 16. The decode steps
 use it unless ``PHLOEM_ATTN_PROLOGUE=0`` (``kernels.flashinfer_attention``).
 
+A split of one ``MIN_SPLIT`` tile of keys (every split of a short sequence: 1K at batch 1 is 65
+splits of 16) loads that tile before ``gdc_wait`` (``PRELOAD``, ``PRELOAD_FIRST_TILE``), all but the
+step's own key, which its split loads again after writing it; the key loads then overlap the
+kernels before instead of following the wait. Longer splits walk as without it, and the kernel is
+capped at 128 registers (``DecodeAttentionConfig.max_registers``): the tile held through the
+prologue took it from 118 to 146 registers a thread, 3 programs an H200 SM instead of 4, and the
+long-context grid (sized for 4) lost 50 µs a step at 32K and 180 at 128K. Measured in the batch-1
+decode step on an H200 (docs/benchmarks.md, fourteenth session): the attention launches 75-76 µs a
+step against 87 at 1K; 32K and 128K as before.
+
 Pure-decode steps reach it through ``kernels.flashinfer_attention`` (``TritonDecodePlan``).
 """
 
@@ -359,8 +369,8 @@ def default_max_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Splits per (sequence, KV head): one wave of ``_PROGRAMS_PER_SM`` programs per SM, less 2%.
 
     The grid must not depend on the lengths, so it is sized for a long context. With the default
-    tiles (116 registers, 41 KiB of shared memory) 4 programs fit an H200 SM: 512 programs in all
-    keep enough loads in flight to reach ~4.1-4.4 TB/s (fewer, with longer splits, fall off:
+    tiles (128 registers: the one-tile preload under its cap, 118 without it; 41 KiB of shared
+    memory) 4 programs fit an H200 SM: 512 programs in all keep enough loads in flight to reach ~4.1-4.4 TB/s (fewer, with longer splits, fall off:
     batch 1 at 128K with 128 splits took 97 µs against 74 with 256). A grid just over one wave
     leaves its last programs to a second one (batch 16 at 32K: 17 splits, 544 programs, 355 µs
     against 258 for 16), hence the floor and the 2% of the SMs' slots left to the kernels beside

@@ -299,9 +299,10 @@ def gemv_config(num_n: int, num_k: int, conv: bool = False) -> GemvConfig:
     if conv and not (CONV_PRELOAD and CONV_AFTER_WALK):
         return _WIDE._replace(block_n=block_n, num_warps=4)
     # After the walk, capped at 64 registers a thread (62 against 64 as loaded on an H200, no spills,
-    # 4 programs an SM either way): in the batch-1 decode step the in_proj launches took 397-400 us
-    # against 416-419 uncapped, 2.097-2.098 ms a step on the device against 2.104-2.110
-    # (docs/benchmarks.md, fourteenth session). The other shapes load at 56-64 registers uncapped.
+    # 4 programs an SM either way): in the batch-1 decode step the 30 in_proj launches took 394-400 us
+    # in five capped runs against 406-430 in twenty uncapped ones, though the whole step (2.093-2.098
+    # ms on the device against 2.104-2.110) moved within the method's noise (docs/benchmarks.md,
+    # fourteenth session). The other shapes load at 56-64 registers uncapped.
     return _WIDE._replace(block_n=block_n, max_registers=64 if conv else 0)
 
 
