@@ -37,3 +37,24 @@ def test_radix_evict_bench_builds_and_clears_its_tree() -> None:
 def test_step_trace_imports() -> None:
     module = runpy.run_path(str(BENCH / "step_trace.py"), run_name="step_trace")
     assert callable(module["main"])
+
+
+def test_step_roles_charges_each_launch_from_the_previous_end() -> None:
+    """A synthetic step: embedding, one GDN layer, one attention layer, the tail. Under PDL the
+    intervals overlap; each launch is charged from the previous launch's end to its own."""
+    module = runpy.run_path(str(BENCH / "step_roles.py"), run_name="step_roles")
+    gdn = ["gemv_kernel", "recurrent_gated_delta_rule_kernel", "gemv_kernel", "gemv_kernel",
+           "_gate_up_token_kernel", "_down_sum_kernel"]  # fmt: skip
+    attn = ["gemv_kernel", "decode_attention_split_kernel", "decode_attention_merge_kernel", "gemv_kernel",
+            "gemv_kernel", "_gate_up_token_kernel", "_down_sum_kernel"]  # fmt: skip
+    names = ["indexSelect", *gdn, *attn, "add_rms_norm_kernel", "gemv_kernel", "argmax_partial_kernel", "argmax_final_kernel"]
+    # Launch i starts at i (inside the one before) and ends at (i + 1) ** 2 / 2: ends grow, intervals overlap.
+    timeline = [[name, float(i), (i + 1) ** 2 / 2 - i] for i, name in enumerate(names)]
+    roles = module["roles"]({"kernels": {"timeline": timeline}})
+    ends = [(i + 1) ** 2 / 2 for i in range(len(names))]
+    cost = [ends[0]] + [b - a for a, b in zip(ends, ends[1:])]
+    assert roles["embedding"] == [cost[0]]
+    assert roles["gdn_step"] == [cost[2]] and roles["attn_merge"] == [cost[9]]
+    assert roles["router"] == [cost[4], cost[11]] and roles["down"] == [cost[6], cost[13]]
+    assert roles["tail"] == cost[14:]
+    assert sum(sum(v) for v in roles.values()) == ends[-1]  # the step's span, nothing counted twice
