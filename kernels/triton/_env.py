@@ -1,4 +1,5 @@
-"""Launch configurations overridden from the environment (tile sweeps, GPUs other than the H200).
+"""Launch configurations overridden from the environment (tile sweeps, GPUs other than the H200),
+and whether the kernels run under the Triton interpreter (``interpreting``).
 
 ``env_config("PHLOEM_X_CONFIG", XConfig)`` reads ``"a,b,c"`` into the ``NamedTuple`` ``XConfig`` (one
 integer per field, trailing fields with defaults may be left out; booleans as ``0``/``1``), or
@@ -10,7 +11,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["env_config", "parse_config"]
+__all__ = ["env_config", "interpreting", "parse_config"]
+
+
+def interpreting() -> bool:
+    """The kernels run under the Triton interpreter (``TRITON_INTERPRET`` set, not ``0``): inline PTX
+    and ``griddepcontrol`` are not available there."""
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
 def env_config(var: str, cls: Any) -> Any:

@@ -32,6 +32,8 @@ import os
 import torch
 import triton.language as tl
 
+from phloem.kernels.triton._env import interpreting
+
 __all__ = ["ENV_VAR", "LAUNCH_PDL", "PDL", "pdl_wanted"]
 
 ENV_VAR = "PHLOEM_PDL"
@@ -40,7 +42,7 @@ ENV_VAR = "PHLOEM_PDL"
 def pdl_wanted() -> bool:
     """``PHLOEM_PDL`` ``1``: on, ``0``: off; unset: on when the current CUDA GPU is sm_90 or newer.
     Never under the Triton interpreter."""
-    if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+    if interpreting():
         return False
     choice = os.environ.get(ENV_VAR, "").strip()
     if choice in ("0", "1"):

@@ -86,7 +86,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton import _device
-from phloem.kernels.triton._env import env_config
+from phloem.kernels.triton._env import env_config, interpreting
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 from phloem.kernels.triton.qk_norm_rope import norm_rope_rows, norm_rope_store_kv
 
@@ -257,19 +257,15 @@ def decode_attention_split_kernel(
             # PRELOAD 2 only pulls the tile into L2 there (no registers held through the wait).
             o_ts = tl.arange(0, MIN_SPLIT)
             one_tile = split_len <= MIN_SPLIT
+            b_k0 = tl.zeros([MIN_SPLIT, D], dtype=kv_cache.dtype.element_ty)
+            b_v0 = tl.zeros([MIN_SPLIT, D], dtype=kv_cache.dtype.element_ty)
+            m_t0 = o_ts < 0
             if PRELOAD == 2:
                 if one_tile:
                     _prefetch_kv_l2(kv_cache + i_hk * s_ch, kv_indices, i_first, t_start, t_end, o_ts, s_cp, s_ct, s_ckv, PAGE, D)
-                b_k0 = tl.zeros([MIN_SPLIT, D], dtype=kv_cache.dtype.element_ty)
-                b_v0 = tl.zeros([MIN_SPLIT, D], dtype=kv_cache.dtype.element_ty)
-                m_t0 = o_ts < 0
             elif one_tile:
                 b_k0, b_v0, m_t0 = _kv_tile(p_kv, kv_indices, i_first, t_start, tl.minimum(t_end, seq_len - 1), o_ts,
                                             s_cp, s_ct, s_ckv, PAGE)  # fmt: skip
-            else:
-                b_k0 = tl.zeros([MIN_SPLIT, D], dtype=kv_cache.dtype.element_ty)
-                b_v0 = tl.zeros([MIN_SPLIT, D], dtype=kv_cache.dtype.element_ty)
-                m_t0 = o_ts < 0
         if PDL:
             gdc_wait()  # q and this step's K/V row come from the kernel before (kernels/triton/_pdl.py)
         if PROLOGUE:
@@ -370,8 +366,8 @@ def default_max_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
 
     The grid must not depend on the lengths, so it is sized for a long context. With the default
     tiles (128 registers: the one-tile preload under its cap, 118 without it; 41 KiB of shared
-    memory) 4 programs fit an H200 SM: 512 programs in all keep enough loads in flight to reach ~4.1-4.4 TB/s (fewer, with longer splits, fall off:
-    batch 1 at 128K with 128 splits took 97 µs against 74 with 256). A grid just over one wave
+    memory) 4 programs fit an H200 SM: 512 programs in all keep enough loads in flight to reach
+    ~4.1-4.4 TB/s (fewer, with longer splits, fall off: batch 1 at 128K with 128 splits took 97 µs against 74 with 256). A grid just over one wave
     leaves its last programs to a second one (batch 16 at 32K: 17 splits, 544 programs, 355 µs
     against 258 for 16), hence the floor and the 2% of the SMs' slots left to the kernels beside
     it under PDL. H200, Hkv 2: batch 1 -> 256 (the cap), 4 -> 64, 16 -> 16, 64 -> 4, 259+ -> 1.
@@ -593,7 +589,7 @@ def _preload(min_split: int) -> int:
     """``PRELOAD_FIRST_TILE`` where a split of ``min_split`` keys can be one ``tl.dot`` tile (a power
     of two, at least 16), else 0; the L2 prefetch (2) is inline PTX, which the interpreter cannot run."""
     mode = int(PRELOAD_FIRST_TILE)
-    if mode == 2 and os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+    if mode == 2 and interpreting():
         mode = 1
     return mode if min_split >= 16 and min_split & (min_split - 1) == 0 else 0
 
