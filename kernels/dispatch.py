@@ -21,9 +21,17 @@ from typing import Any, Literal
 
 import torch
 
-from phloem.kernels import argmax, attention, conv1d, fused_linear, gdn, linear, moe, norm, qk_norm_rope
+from phloem.kernels import argmax, attention, conv1d, fused_linear, gdn, linear, moe, norm, qk_norm_rope, route_partial
 
-__all__ = ["ENV_VAR", "FUSED_DECODE_ENV_VAR", "GEMV_ENV_VAR", "KernelOps", "get_ops", "kernel_backend"]
+__all__ = [
+    "ENV_VAR",
+    "FUSED_DECODE_ENV_VAR",
+    "GEMV_ENV_VAR",
+    "ROUTE_PARTIAL_ENV_VAR",
+    "KernelOps",
+    "get_ops",
+    "kernel_backend",
+]
 
 ENV_VAR = "PHLOEM_KERNELS"
 # "0": cuBLAS serves one-token ``linear`` calls too; by default the Triton GEMV does
@@ -31,6 +39,9 @@ ENV_VAR = "PHLOEM_KERNELS"
 GEMV_ENV_VAR = "PHLOEM_TRITON_GEMV"
 # "0": the model's one-token decode path calls the unfused ops (``KernelOps.fused_decode``).
 FUSED_DECODE_ENV_VAR = "PHLOEM_FUSED_DECODE"
+# "0": the fused one-token path keeps the MoE router's own launch (``add_rms_norm_router``) instead
+# of its partial logits in the output projection before it (``KernelOps.route_partial``).
+ROUTE_PARTIAL_ENV_VAR = "PHLOEM_ROUTE_PARTIAL"
 
 Backend = Literal["torch", "triton"]
 Op = Callable[..., Any]
@@ -42,12 +53,19 @@ class KernelOps:
 
     ``fused_decode``: a one-token decode step calls the fused projections (``add_rms_norm_linear``
     and the rest of ``kernels.fused_linear``) instead of the ops they compose. On the torch backend
-    they are exactly those compositions, so the choice changes launches, not values; it is on in
-    both backends unless ``PHLOEM_FUSED_DECODE=0``.
+    they are exactly those compositions, so the choice changes launches, not values (but for
+    ``route_partial``'s logits); it is on in both backends unless ``PHLOEM_FUSED_DECODE=0``.
+
+    ``route_partial``: on that path a MoE layer has no router launch: the output projection before
+    it adds the router's partial logits (``gated_rms_norm_linear_route``, ``sigmoid_gate_linear_route``)
+    and the experts' op scales them (``fused_moe_route_partial``; ``kernels/route_partial.py``, whose
+    logits differ from the router's by one rounding). On with ``fused_decode`` unless
+    ``PHLOEM_ROUTE_PARTIAL=0``.
     """
 
     backend: Backend
     fused_decode: bool
+    route_partial: bool
     rms_norm: Op
     add_rms_norm: Op
     gated_rms_norm: Op
@@ -71,6 +89,9 @@ class KernelOps:
     gated_rms_norm_linear: Op
     sigmoid_gate_linear: Op
     add_rms_norm_router: Op
+    gated_rms_norm_linear_route: Op
+    sigmoid_gate_linear_route: Op
+    fused_moe_route_partial: Op
     argmax: Op
 
 
@@ -104,9 +125,11 @@ def kernel_backend(device: torch.device) -> Backend:
 
 def get_ops(device: torch.device) -> KernelOps:
     """The op table for ``device`` (see ``kernel_backend`` for the choice and what it raises)."""
+    fused_decode = os.environ.get(FUSED_DECODE_ENV_VAR, "").strip() != "0"
     reference = KernelOps(
         backend="torch",
-        fused_decode=os.environ.get(FUSED_DECODE_ENV_VAR, "").strip() != "0",
+        fused_decode=fused_decode,
+        route_partial=fused_decode and os.environ.get(ROUTE_PARTIAL_ENV_VAR, "").strip() != "0",
         rms_norm=norm.rms_norm,
         add_rms_norm=norm.add_rms_norm,
         gated_rms_norm=norm.gated_rms_norm,
@@ -130,6 +153,9 @@ def get_ops(device: torch.device) -> KernelOps:
         gated_rms_norm_linear=fused_linear.gated_rms_norm_linear,
         sigmoid_gate_linear=fused_linear.sigmoid_gate_linear,
         add_rms_norm_router=fused_linear.add_rms_norm_router,
+        gated_rms_norm_linear_route=fused_linear.gated_rms_norm_linear_route,
+        sigmoid_gate_linear_route=fused_linear.sigmoid_gate_linear_route,
+        fused_moe_route_partial=route_partial.fused_moe_route_partial,
         argmax=argmax.argmax,
     )
     return reference if kernel_backend(device) == "torch" else _with_triton(reference)
@@ -142,7 +168,7 @@ _SMALL_MOE_TOKENS = 256
 
 def _with_triton(reference: KernelOps) -> KernelOps:
     from phloem.kernels.triton import argmax as triton_argmax
-    from phloem.kernels.triton import conv1d_update, gdn_decode, gdn_gates, gemv, moe_grouped, moe_route
+    from phloem.kernels.triton import conv1d_update, gdn_decode, gdn_gates, gemv, moe_grouped, moe_route, moe_token
     from phloem.kernels.triton import fused_moe as triton_fused_moe
     from phloem.kernels.triton import norm as triton_norm
     from phloem.kernels.triton import qk_norm_rope as triton_qk_norm_rope
@@ -173,11 +199,31 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         weights, ids = moe_route.moe_route_shared(router_logits, top_k, renormalize)
         return fused_moe(x, w_gate_up, w_down, weights, ids)
 
+    def fused_moe_route_partial(
+        s: torch.Tensor,
+        acc: torch.Tensor,
+        norm_w: torch.Tensor,
+        eps: float,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+    ) -> torch.Tensor:
+        one = (s.shape[0] == 1 and moe_token.covered(s, w_gate_up, w_down, top_k + 1) and acc.is_contiguous()
+               and acc.shape == (route_partial.ROUTE_COPIES, w_gate_up.shape[0]) and norm_w.shape == (s.shape[1],))  # fmt: skip
+        if not one:
+            return reference.fused_moe_route_partial(s, acc, norm_w, eps, w_gate_up, w_down, top_k, renormalize)
+        out: torch.Tensor = triton_fused_moe.fused_moe_token_route_partial(
+            s, acc, norm_w, eps, w_gate_up, w_down, top_k, renormalize
+        )
+        return out
+
     return replace(
         reference,
         backend="triton",
         fused_moe=fused_moe,
         fused_moe_routed=fused_moe_routed,
+        fused_moe_route_partial=fused_moe_route_partial,
         chunk_gated_delta_rule=_fla_chunk_or(reference.chunk_gated_delta_rule),
         rms_norm=triton_norm.rms_norm,
         add_rms_norm=triton_norm.add_rms_norm,
@@ -196,6 +242,8 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         gated_rms_norm_linear=gemv.gated_rms_norm_linear,
         sigmoid_gate_linear=gemv.sigmoid_gate_linear,
         add_rms_norm_router=gemv.add_rms_norm_router,
+        gated_rms_norm_linear_route=gemv.gated_rms_norm_linear_route,
+        sigmoid_gate_linear_route=gemv.sigmoid_gate_linear_route,
         argmax=triton_argmax.argmax,
     )
 

@@ -11,6 +11,10 @@ consumes or produces it (``kernels.triton.gemv`` runs each as one launch)::
     add_rms_norm_router       add_rms_norm -> router linear                MoE router (the routing
                                                                            runs in the experts'
                                                                            kernel: moe.fused_moe_routed)
+    gated_rms_norm_linear_route   gated_rms_norm_linear -> + residual,     GDN out_proj, MoE router
+                                  router partial (route_partial)           in it (no router launch)
+    sigmoid_gate_linear_route     sigmoid_gate_linear -> + residual,       attention o_proj, the same
+                                  router partial
 
 Each function here is exactly the composition of the references of ``kernels.norm``,
 ``kernels.linear`` and ``kernels.conv1d`` it names, so a model calling them on the
@@ -25,13 +29,16 @@ import torch
 from phloem.kernels.conv1d import causal_conv1d_update
 from phloem.kernels.linear import linear
 from phloem.kernels.norm import add_rms_norm, gated_rms_norm
+from phloem.kernels.route_partial import add_route_partial
 
 __all__ = [
     "add_rms_norm_conv_linear",
     "add_rms_norm_linear",
     "add_rms_norm_router",
     "gated_rms_norm_linear",
+    "gated_rms_norm_linear_route",
     "sigmoid_gate_linear",
+    "sigmoid_gate_linear_route",
 ]
 
 
@@ -84,3 +91,21 @@ def add_rms_norm_router(
     (the shared-expert gate as the last row); the experts read ``normed``."""
     normed, residual = add_rms_norm(x, residual, norm_w, eps)
     return linear(normed, router_w), normed, residual
+
+
+def gated_rms_norm_linear_route(
+    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
+    residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``gated_rms_norm_linear``, then ``route_partial.add_route_partial`` (the residual sum ``s``,
+    returned, and the MoE router's partial logits added into ``acc``)."""
+    y = gated_rms_norm_linear(x, gate, norm_w, eps, weight)
+    return add_route_partial(y, residual, router_t, post_norm_w, acc)
+
+
+def sigmoid_gate_linear_route(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+    residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``sigmoid_gate_linear``, then ``route_partial.add_route_partial``."""
+    return add_route_partial(sigmoid_gate_linear(x, gate, weight), residual, router_t, post_norm_w, acc)

@@ -9,7 +9,8 @@ MODE is ``decode_attention.PRELOAD_FIRST_TILE`` (0 off, 1 the one-tile splits' t
 2 pulled into L2); CONFIG is ``DecodeAttentionConfig``'s fields, comma-separated. Each pair runs one
 launch of ``paged_decode_attention_prologue`` at the 35B-A3B shape (16 query / 2 KV heads of 256,
 pages of 16, 1K keys). ``--decode`` runs the GEMV projections (``gemv_sweep.fused_cases``), the
-one-token MoE stages and the GDN decode step once each at that shape, with the tiles the
+one-token MoE stages (also as the router-in-projection path reads them) and the GDN decode step
+once each at that shape, with the tiles the
 environment chooses (``PHLOEM_GEMV_SHAPE_CONFIG`` and the like).
 """
 
@@ -86,6 +87,18 @@ def decode_kernels() -> None:
     x, logits = torch.randn(1, 2048, device=dev, dtype=bf), torch.randn(1, 257, device=dev, dtype=bf)
     run = lambda: fused_moe.fused_moe_token_routed(x, logits, w_gu, w_d, 8, True)  # noqa: E731
     report({"moe gate/up (routed)": fused_moe.moe_token._gate_up_token_kernel, "moe down + sum": fused_moe._down_sum_kernel}, run)
+    # The router folded into the output projection (kernels/route_partial.py): out_proj's route
+    # epilogue, and the experts reading the accumulator.
+    from phloem.kernels.route_partial import new_route_acc
+
+    acc, router_t, post_w = new_route_acc(257, dev), torch.randn(2048, 257, device=dev, dtype=bf) * 0.02, x[0]
+    o, z = torch.randn(1, 32, 128, device=dev, dtype=bf), torch.randn(1, 32, 128, device=dev, dtype=bf)
+    w_out, norm_w = weights("out_proj")[0], torch.ones(128, device=dev, dtype=bf)
+    route = lambda: gemv.gated_rms_norm_linear_route(o, z, norm_w, 1e-6, w_out, x, router_t, post_w, acc)  # noqa: E731
+    report({"out_proj (route epilogue)": gemv.gemv_kernel}, route)
+    run = lambda: fused_moe.fused_moe_token_route_partial(x, acc, post_w, 1e-6, w_gu, w_d, 8, True)  # noqa: E731
+    report({"moe gate/up (route partial)": fused_moe.moe_token._gate_up_token_kernel,
+            "moe down + sum (zeroing)": fused_moe._down_sum_kernel}, run)  # fmt: skip
     qkv = torch.randn(1, 2 * 2048 + 4096, device=dev, dtype=bf)
     q, k, v = qkv[:, :2048].view(1, 16, 128), qkv[:, 2048:4096].view(1, 16, 128), qkv[:, 4096:].view(1, 32, 128)
     ab = torch.randn(1, 64, device=dev, dtype=bf)

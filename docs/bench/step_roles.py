@@ -9,7 +9,9 @@ Under PDL a kernel's interval starts while the kernel before still runs (its pro
 the one before to end, so the ends are in launch order: a launch's cost in the step is its end minus
 the previous launch's end. Launches are named by their role in the 35B-A3B layer pattern (a GDN
 layer: in_proj + conv, the GDN step, out_proj, the MoE router, gate/up, down; an attention layer:
-qkv, the split-KV attention, its merge, o_proj, then the same MoE); ``tail`` is the final norm,
+qkv, the split-KV attention, its merge, o_proj, then the same MoE; with the router folded into the
+projection before it, ``kernels/route_partial.py``, no router launch and the roles ``out_proj_route``
+and ``o_proj_route``, which read the router's bytes too); ``tail`` is the final norm,
 the LM head and the argmax. Prints µs per step for each role, and with one run the bytes each role
 must read and the rate that gives against the run's copy bandwidth.
 """
@@ -22,6 +24,8 @@ from collections import defaultdict
 
 GDN_LAYER = ("in_proj", "gdn_step", "out_proj", "router", "gate_up", "down")
 ATTN_LAYER = ("qkv_proj", "attn_split", "attn_merge", "o_proj", "router", "gate_up", "down")
+GDN_LAYER_ROUTED = ("in_proj", "gdn_step", "out_proj_route", "gate_up", "down")
+ATTN_LAYER_ROUTED = ("qkv_proj", "attn_split", "attn_merge", "o_proj_route", "gate_up", "down")
 # Bytes a step reads per launch of each role at the 35B-A3B shape, 1K context, bf16 (fp32 GDN state).
 H, MB = 2048, 1e6
 BYTES = {
@@ -29,6 +33,8 @@ BYTES = {
     "gate_up": 9 * 1024 * H * 2, "down": 9 * H * 512 * 2, "qkv_proj": 9216 * H * 2, "attn_split": 1024 * 2 * 2 * 256 * 2,
     "attn_merge": 0, "o_proj": H * 4096 * 2, "tail": 248320 * H * 2,
 }  # fmt: skip
+BYTES["out_proj_route"] = BYTES["out_proj"] + BYTES["router"]
+BYTES["o_proj_route"] = BYTES["o_proj"] + BYTES["router"]
 
 
 def roles(run: dict) -> dict[str, list[float]]:
@@ -42,9 +48,12 @@ def roles(run: dict) -> dict[str, list[float]]:
     out["embedding"].append(costs[0])
     i = 1
     while i + 1 < len(names) and names[i].startswith("gemv_kernel"):
-        layer = GDN_LAYER if names[i + 1].startswith("recurrent_gated_delta_rule") else ATTN_LAYER
-        if not names[i + 1].startswith(("recurrent_gated_delta_rule", "decode_attention_split")):
+        gdn = names[i + 1].startswith("recurrent_gated_delta_rule")
+        if not gdn and not names[i + 1].startswith("decode_attention_split"):
             break  # the LM head: the tail starts
+        # A router launch is a GEMV after the output projection; without it the experts follow.
+        routed = not names[i + (3 if gdn else 4)].startswith("gemv_kernel")
+        layer = (GDN_LAYER_ROUTED if routed else GDN_LAYER) if gdn else (ATTN_LAYER_ROUTED if routed else ATTN_LAYER)
         for k, role in enumerate(layer):
             out[role].append(costs[i + k])
         i += len(layer)
@@ -55,7 +64,7 @@ def roles(run: dict) -> dict[str, list[float]]:
 def main() -> None:
     runs = [json.load(open(path)) for path in sys.argv[1:]]
     tables = [roles(r) for r in runs]
-    order = ["embedding", *dict.fromkeys(GDN_LAYER + ATTN_LAYER), "tail"]
+    order = ["embedding", *dict.fromkeys(GDN_LAYER + ATTN_LAYER + GDN_LAYER_ROUTED + ATTN_LAYER_ROUTED), "tail"]
     if len(runs) == 1:
         bw = runs[0]["bandwidth"]
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s\n")
@@ -63,6 +72,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
         for role in order:
             v = tables[0].get(role, [])
+            if not v:
+                continue
             b = BYTES.get(role, 0) * len(v) if role != "tail" else BYTES["tail"]
             tb = f"{b / sum(v) / 1e6:.2f}" if b and v else "—"
             floor = b / bw * 1e6

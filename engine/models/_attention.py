@@ -76,11 +76,17 @@ class GatedAttention(nn.Module):
     def forward_decode(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
         kv_cache: torch.Tensor, inv_freq: torch.Tensor,
+        route: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """One token, TP=1: ``norm`` (the layer's input norm) runs inside ``qkv_proj``'s GEMV and the
-        output gate inside ``o_proj``'s (``kernels.fused_linear``). Returns ``(out, residual)``."""
+        output gate inside ``o_proj``'s (``kernels.fused_linear``). Returns ``(out, residual)``; with
+        ``route`` (``SparseMoe.decode_route``) ``o_proj`` also adds the residual and the router's
+        partial logits, and both are the residual sum."""
         qkv, residual = self.ops.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight)
         out, gate = self._attend(qkv, batch, kv_cache, inv_freq)
+        if route is not None:
+            s = self.ops.sigmoid_gate_linear_route(out, gate, self.o_proj.weight, residual, *route)
+            return s, s
         return self.ops.sigmoid_gate_linear(out, gate, self.o_proj.weight), residual
 
     def _attend(

@@ -103,16 +103,24 @@ class GatedDeltaNet(nn.Module):
     def forward_decode(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
         conv_states: torch.Tensor, ssm_states: torch.Tensor,
+        route: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """One decode token, TP=1: ``norm`` (the layer's input norm) and the conv update run inside
         ``in_proj``'s GEMV, the gated output norm inside ``out_proj``'s (``kernels.fused_linear``).
-        Returns ``(out, residual)``."""
+        Returns ``(out, residual)``; with ``route`` (the MoE router's operands,
+        ``SparseMoe.decode_route``) ``out_proj`` also adds the residual and the router's partial
+        logits, and both are the residual sum."""
         proj, residual = self.ops.add_rms_norm_conv_linear(
             hidden, residual, norm.weight, norm.eps, self.in_proj.weight, self.conv_weight, conv_states,
             batch.read_slots, batch.write_slots,
         )
         mixed_qkv, z, b, a = torch.split(proj, self.proj_sizes, dim=-1)
         out = self._mix(mixed_qkv, a, b, batch, ssm_states)
+        if route is not None:
+            s = self.ops.gated_rms_norm_linear_route(
+                out, self._heads(z), self.norm.weight, self.norm.eps, self.out_proj.weight, residual, *route
+            )
+            return s, s
         return self.ops.gated_rms_norm_linear(out, self._heads(z), self.norm.weight, self.norm.eps, self.out_proj.weight), residual
 
     def _heads(self, z: torch.Tensor) -> torch.Tensor:

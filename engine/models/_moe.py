@@ -35,6 +35,7 @@ from phloem.engine.config import ModelConfig
 from phloem.engine.models._norm import RMSNorm
 from phloem.engine.parallel import RowParallelLinear, Shard, TPGroup
 from phloem.kernels.dispatch import KernelOps
+from phloem.kernels.route_partial import new_route_acc
 
 __all__ = ["Experts", "SparseMoe", "SwiGluMlp"]
 
@@ -48,6 +49,14 @@ def _ffn_shards(prefix: str, intermediate_size: int, tp: TPGroup) -> dict[str, S
         f"{prefix}up_proj.weight": rows,
         f"{prefix}down_proj.weight": Shard.cols(start, start + intermediate_size),
     }
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter (-1 for an inference tensor, which keeps none)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
 
 
 class SwiGluMlp(nn.Module):
@@ -114,6 +123,9 @@ class SparseMoe(nn.Module):
             self.intermediate_size = config.moe_intermediate_size // tp.size
         rows = self.num_local + (2 if self.expert_parallel else 1)
         self.experts = Experts(rows, config.hidden_size, self.intermediate_size)
+        # The one-token path's transposed router, the router weight's version it was copied at, and
+        # the partial-logits accumulator (decode_route); not state: built at the first decode.
+        self._route: tuple[torch.Tensor, int, torch.Tensor] | None = None
 
     def local_expert(self, expert: int) -> int | None:
         """The row of global routed expert ``expert`` in this rank's tensors; None: another rank's."""
@@ -189,6 +201,36 @@ class SparseMoe(nn.Module):
             normed, logits, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.renormalize
         )
         return out, residual
+
+    def decode_route(self, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(router transposed [H, E + 1], norm weight, accumulator)`` for the one-token path without
+        a router launch (``kernels/route_partial.py``; ``KernelOps.route_partial``), else None.
+
+        The transposed copy (1 MB a layer at the 35B-A3B shape) is made at the first call and again
+        whenever the router weight has changed in place since (its version counter); a CUDA graph
+        captured before such a change keeps reading the old copy, as it keeps any weight's storage.
+        The accumulator is zero between calls: ``forward_decode_partial`` zeroes it after reading."""
+        if not self.ops.route_partial:
+            return None
+        w = self.router.weight
+        version = _version(w)
+        cached = self._route
+        if cached is None or cached[0].device != w.device or cached[0].dtype != w.dtype or cached[1] != version:
+            acc = cached[2] if cached is not None and cached[2].device == w.device else new_route_acc(w.shape[0], w.device)
+            cached = self._route = (w.detach().t().contiguous(), version, acc)
+        return cached[0], norm.weight, cached[2]
+
+    def forward_decode_partial(
+        self, s: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor, torch.Tensor], norm: RMSNorm
+    ) -> torch.Tensor:
+        """One token from the residual sum ``s`` whose router partial logits the projection before
+        added into ``route``'s accumulator (``decode_route``): the norm, the logits, the routing and
+        the experts in the experts' kernels (``fused_moe_route_partial``)."""
+        _, norm_w, acc = route
+        out: torch.Tensor = self.ops.fused_moe_route_partial(
+            s, acc, norm_w, norm.eps, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.renormalize
+        )
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.ops.moe_route_shared(self.router(x), self.top_k, self.renormalize)  # [T, k + 1]

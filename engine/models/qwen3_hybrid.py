@@ -88,13 +88,19 @@ class DecoderLayer(nn.Module):
         caches: ModelCaches,
         inv_freq: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` for one decode token at TP=1: each norm runs inside the projection after it."""
+        """``forward`` for one decode token at TP=1: each norm runs inside the projection after it;
+        a MoE layer's router, where ``KernelOps.route_partial``, inside the mixer's output projection
+        (``SparseMoe.decode_route``; the mixer then returns the residual sum twice)."""
         norm = self.input_layernorm
+        route = self.mlp.decode_route(self.post_attention_layernorm) if isinstance(self.mlp, SparseMoe) else None
         if self.is_full_attention:
-            hidden, residual = self.self_attn.forward_decode(hidden, residual, norm, batch, caches.kv[self.cache_idx], inv_freq)
+            kv = caches.kv[self.cache_idx]
+            hidden, residual = self.self_attn.forward_decode(hidden, residual, norm, batch, kv, inv_freq, route)
         else:
             conv, ssm = caches.conv[self.cache_idx], caches.ssm[self.cache_idx]
-            hidden, residual = self.linear_attn.forward_decode(hidden, residual, norm, batch, conv, ssm)
+            hidden, residual = self.linear_attn.forward_decode(hidden, residual, norm, batch, conv, ssm, route)
+        if route is not None:
+            return self.mlp.forward_decode_partial(hidden, route, self.post_attention_layernorm), residual
         if isinstance(self.mlp, SparseMoe):
             return self.mlp.forward_decode(hidden, residual, self.post_attention_layernorm)
         normed, residual = self.post_attention_layernorm.forward_residual(hidden, residual)

@@ -48,6 +48,7 @@ __all__ = [
     "fused_moe",
     "fused_moe_routed",
     "fused_moe_token",
+    "fused_moe_token_route_partial",
     "fused_moe_token_routed",
     "fused_moe_tuned",
     "launch_down_sum",
@@ -136,15 +137,20 @@ def _down_operands(p_act, p_w, i_pair, e, s, o_n, m_n, o_kb, H: tl.constexpr, IN
 
 @triton.jit
 def _down_sum_kernel(
-    p_act, p_w, p_ids, p_tw, p_out,
+    p_act, p_w, p_ids, p_tw, p_out, p_zero, N_ZERO,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_BLOCKS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, ZERO_BLOCK: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
     i_tok = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1).to(tl.int64)
+    if ZERO_BLOCK > 0:
+        # The router's accumulator back to zero (kernels/route_partial.py): the gate/up stage, which
+        # read it, has ended (the wait above).
+        o_z = i_n * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        tl.store(p_zero + o_z, tl.zeros([ZERO_BLOCK], dtype=p_zero.dtype.element_ty), mask=(o_z < N_ZERO) & (i_tok == 0))
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
     o_kb = tl.arange(0, BLOCK_K)
@@ -286,13 +292,41 @@ def fused_moe_token_routed(
     config: moe_token.MoeTokenConfig | None = None,
 ) -> torch.Tensor:
     """``fused_moe_routed`` of one token: the routing inside ``moe_token``'s gate/up programs."""
+    return _routed_token(x, router_logits, w_gate_up, w_down, top_k, renormalize, config, None)
+
+
+def fused_moe_token_route_partial(
+    s: torch.Tensor,
+    acc: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    config: moe_token.MoeTokenConfig | None = None,
+) -> torch.Tensor:
+    """``kernels.route_partial.fused_moe_route_partial`` of one token: the norm and the logits in
+    ``moe_token``'s gate/up programs (which write the logits into a buffer of their own), the
+    accumulator zeroed by the down stage."""
+    logits = torch.empty((1, acc.shape[1]), dtype=s.dtype, device=s.device)
+    return _routed_token(s, logits, w_gate_up, w_down, top_k, renormalize, config, (norm_w, eps, acc))
+
+
+def _routed_token(
+    x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+    renormalize: bool, config: moe_token.MoeTokenConfig | None, partial: tuple[torch.Tensor, float, torch.Tensor] | None,
+) -> torch.Tensor:  # fmt: skip
+    """One token's gate/up (routing in its programs; ``partial``: ``moe_token.launch_gate_up``'s),
+    then the down stage (zeroing ``partial``'s accumulator)."""
     slots = top_k + 1
     ids = torch.empty((1, slots), dtype=torch.int64, device=x.device)
-    tw = torch.empty((1, slots), dtype=router_logits.dtype, device=x.device)
+    tw = torch.empty((1, slots), dtype=logits.dtype, device=x.device)
     act, out = _token_buffers(x, w_down, slots)
-    route = (router_logits, tw, renormalize)
-    moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, config or moe_token.DEFAULT_CONFIG, route)
-    launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG, prefetch=DOWN_PREFETCH)
+    c = config or moe_token.DEFAULT_CONFIG
+    moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, c, (logits, tw, renormalize), partial)
+    zero = partial[2] if partial is not None else None
+    launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG, prefetch=DOWN_PREFETCH, zero=zero)
     return out
 
 
@@ -341,15 +375,23 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
 
 
 def launch_down_sum(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor,
-                    out: torch.Tensor, c: MoeDecodeConfig, prefetch: bool = False) -> None:  # fmt: skip
+                    out: torch.Tensor, c: MoeDecodeConfig, prefetch: bool = False,
+                    zero: torch.Tensor | None = None) -> None:  # fmt: skip
     """Stage 2 alone into ``out`` ``[T, H]``; ``prefetch``: the walk with the next step's tile in
-    flight (the one-token path's, ``DOWN_PREFETCH``), else one tile at a time. Same sums bit for bit."""
+    flight (the one-token path's, ``DOWN_PREFETCH``), else one tile at a time. Same sums bit for bit.
+    ``zero`` (contiguous): set to zero after the wait (the router's accumulator,
+    ``kernels/route_partial.py``)."""
     num_tokens, hidden = out.shape
     top_k, inter = ids.shape[1], act.shape[1]
     block_k = min(c.block_k2, triton.next_power_of_2(inter))
-    _down_sum_kernel[(num_tokens, triton.cdiv(hidden, c.block_n2))](
-        act, w_down, ids, tw, out, H=hidden, INTER=inter, TOP_K=top_k, K_BLOCKS=triton.cdiv(inter, block_k),
-        BLOCK_N=c.block_n2, BLOCK_K=block_k, PREFETCH=prefetch,
+    grid_n = triton.cdiv(hidden, c.block_n2)
+    zero_block = 0 if zero is None else triton.next_power_of_2(triton.cdiv(zero.numel(), grid_n))
+    if zero is not None and not zero.is_contiguous():
+        raise ValueError("zero: expected a contiguous tensor")
+    _down_sum_kernel[(num_tokens, grid_n)](
+        act, w_down, ids, tw, out, zero if zero is not None else ids, zero.numel() if zero is not None else 0,
+        H=hidden, INTER=inter, TOP_K=top_k, K_BLOCKS=triton.cdiv(inter, block_k),
+        BLOCK_N=c.block_n2, BLOCK_K=block_k, PREFETCH=prefetch, ZERO_BLOCK=zero_block,
         num_warps=c.num_warps2, num_stages=c.num_stages2,
         launch_pdl=LAUNCH_PDL,
     )  # fmt: skip

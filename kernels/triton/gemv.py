@@ -12,6 +12,10 @@ conv update::
     PRO_SIGMOID_GATE    x̂ = x * sigmoid(gate)                   sigmoid_gate_linear
     CONV                rows < D: the causal conv1d + SiLU update of y with the state at the read /
                         write slot (stored in place of y); rows >= D: y   add_rms_norm_conv_linear
+    ROUTE               s = y + residual stored in place of y; each program adds its rows' terms
+                        of the MoE router's partial logits into an accumulator (kernels/
+                        route_partial.py)                          gated_rms_norm_linear_route,
+                                                                   sigmoid_gate_linear_route
 
 Every program computes the prologue of the whole row (``K`` <= ``MAX_K``, held in registers: a few
 KiB read through L2 by each program, instead of a launch of its own), then walks row blocks of
@@ -34,6 +38,11 @@ once (13-17 us a decode step faster on an H200 than storing them, a CTA barrier 
 back, with the same values bit for bit; two stores of a row from two threads with no barrier
 between would race).
 
+With ``ROUTE`` a block's rows of the transposed router ``[N, E + 1]`` are loaded with its weight
+tile (the first before ``gdc_wait``, the next with the prefetch), its residual rows with the
+prologue's loads; the program's fp32 sum goes into the accumulator once, after its walk, as
+fixed-point integers (one atomic add a logit).
+
 Tiles: ``gemv_config`` (measured, see there). Anything the kernel does not cover (more than one
 row, ``K > MAX_K``, mixed dtypes, a weight without unit last stride) goes to the unfused ops.
 """
@@ -49,6 +58,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, add_route_partial
 from phloem.kernels.triton import conv1d_update, norm
 from phloem.kernels.triton._device import balanced_grid
 from phloem.kernels.triton._env import parse_config
@@ -60,10 +70,12 @@ __all__ = [
     "add_rms_norm_linear",
     "add_rms_norm_router",
     "gated_rms_norm_linear",
+    "gated_rms_norm_linear_route",
     "gemv_config",
     "linear",
     "linear_tuned",
     "sigmoid_gate_linear",
+    "sigmoid_gate_linear_route",
 ]
 
 PRO_NONE, PRO_ADD_RMS_NORM, PRO_GATED_RMS_NORM, PRO_SIGMOID_GATE = 0, 1, 2, 3
@@ -160,21 +172,36 @@ def _conv_epilogue(
 
 
 @triton.jit
+def _route_tile(p_rt, o_n, N, o_e, m_e, E1):
+    """The transposed router's rows ``o_n`` ``[BLOCK_N, BE]`` (zeros past ``N`` and ``E1``)."""
+    return tl.load(p_rt + o_n[:, None].to(tl.int64) * E1 + o_e[None, :], mask=(o_n < N)[:, None] & m_e[None, :], other=0.0)
+
+
+@triton.jit
 def gemv_kernel(
     p_x, p_w, p_y, N, K, s_wn,
     p_a, p_nw, p_res, p_normed, eps,
     p_cw, p_cs, p_read, p_write, s_cw, s_cn, s_cd, CONV_N,
+    p_h, p_rt, p_pw, p_acc, E1, scale,
     PRO: tl.constexpr, CONV: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_A: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr, HEAD: tl.constexpr,
     KC: tl.constexpr, BKC: tl.constexpr, CONV_BLOCKS: tl.constexpr, DEFER: tl.constexpr, KEEP: tl.constexpr,
+    ROUTE: tl.constexpr, BE: tl.constexpr, COPIES: tl.constexpr,
 ):  # fmt: skip
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     o_k = tl.arange(0, KP)
     m_k = o_k < K
     o_b = tl.arange(0, BLOCK_N)
+    o_first = i_p * BLOCK_N + o_b
+    if ROUTE:
+        o_e = tl.arange(0, BE)
+        m_e = o_e < E1
+        b_route = tl.zeros([BE], dtype=tl.float32)
+        if PREFETCH:  # the router's rows and norm weights of the first block, before the wait
+            b_rt = _route_tile(p_rt, o_first, N, o_e, m_e, E1)
+            b_pw = tl.load(p_pw + o_first, mask=o_first < N, other=0.0)
     if PREFETCH:
-        o_first = i_p * BLOCK_N + o_b
         b_w = tl.load(p_w + o_first[:, None].to(tl.int64) * s_wn + o_k[None, :],
                       mask=(o_first < N)[:, None] & m_k[None, :], other=0.0)  # fmt: skip
     if CONV:
@@ -197,6 +224,8 @@ def gemv_kernel(
     if PDL:
         gdc_launch_dependents()
         gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
+    if ROUTE:  # the residual of the first block's rows, issued with the prologue's loads
+        b_h = tl.load(p_h + o_first, mask=o_first < N, other=0.0)
     b_x = _gemv_input(p_x, p_a, p_nw, p_res, p_normed, K, eps, i_p, PRO, HAS_A, WRITE_NORMED, ROUND_WEIGHTED, HEAD, KP)
     if KEEP:
         b_kept = tl.zeros([CONV_BLOCKS, BLOCK_N], dtype=p_y.dtype.element_ty)
@@ -212,6 +241,16 @@ def gemv_kernel(
         else:
             b_cur = tl.load(p_w + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
                             other=0.0)  # fmt: skip
+        if ROUTE:
+            b_hc = b_h
+            b_h = tl.load(p_h + o_n + n_p * BLOCK_N, mask=o_n + n_p * BLOCK_N < N, other=0.0)
+            if PREFETCH:
+                b_rtc, b_pwc = b_rt, b_pw
+                b_rt = _route_tile(p_rt, o_n + n_p * BLOCK_N, N, o_e, m_e, E1)
+                b_pw = tl.load(p_pw + o_n + n_p * BLOCK_N, mask=o_n + n_p * BLOCK_N < N, other=0.0)
+            else:
+                b_rtc = _route_tile(p_rt, o_n, N, o_e, m_e, E1)
+                b_pwc = tl.load(p_pw + o_n, mask=m_n, other=0.0)
         if CONV and not DEFER:
             if CONV_BLOCKS > 0:
                 j = (i_blk - i_p) // n_p
@@ -226,6 +265,11 @@ def gemv_kernel(
         if CONV and not DEFER:
             _conv_epilogue(b_y, o_n, m_n, b_s, b_next, b_cw, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC,
                            CONV_BLOCKS == 0)  # fmt: skip
+        elif ROUTE:
+            # The residual sum s of these rows (stored in place of y) and their router terms.
+            b_s = (b_y.to(tl.float32) + b_hc.to(tl.float32)).to(p_y.dtype.element_ty)
+            tl.store(p_y + o_n, b_s, mask=m_n)
+            b_route += tl.sum(b_rtc.to(tl.float32) * (b_s.to(tl.float32) * (1.0 + b_pwc.to(tl.float32)))[:, None], axis=0)
         elif KEEP:
             # A conv row's projection is kept for the update after the walk, which stores its only
             # value (a store here too would race that one: another thread, no barrier between).
@@ -233,6 +277,10 @@ def gemv_kernel(
             b_kept = tl.where(o_j[:, None] == (i_blk - i_p) // n_p, b_y[None, :], b_kept)
         else:
             tl.store(p_y + o_n, b_y, mask=m_n)
+    if ROUTE:
+        # This program's terms in fixed point (kernels/route_partial.py): integer sums, the same
+        # bits whatever order the programs add in.
+        tl.atomic_add(p_acc + (i_p % COPIES) * E1 + o_e, (b_route * scale).to(tl.int64), mask=m_e, sem="relaxed")
     if KEEP:
         # The conv update after the walk from the projections kept in registers: no barrier and no
         # read back of this program's stores.
@@ -286,14 +334,19 @@ def _shape_configs(text: str) -> dict[tuple[int, int], GemvConfig]:
 _SHAPE_CONFIGS = _shape_configs(os.environ.get("PHLOEM_GEMV_SHAPE_CONFIG", ""))
 
 
-def gemv_config(num_n: int, num_k: int, conv: bool = False) -> GemvConfig:
-    """The launch configuration for an ``[num_n, num_k]`` weight (``conv``: with the conv epilogue);
-    ``PHLOEM_GEMV_SHAPE_CONFIG`` overrides it per shape."""
+def gemv_config(num_n: int, num_k: int, conv: bool = False, route: bool = False) -> GemvConfig:
+    """The launch configuration for an ``[num_n, num_k]`` weight (``conv``: with the conv epilogue;
+    ``route``: with the router's partial logits); ``PHLOEM_GEMV_SHAPE_CONFIG`` overrides it per shape."""
     if (num_n, num_k) in _SHAPE_CONFIGS:
         return _SHAPE_CONFIGS[(num_n, num_k)]
     block_n = max(1, min(8, 8192 // triton.next_power_of_2(num_k)))
     if num_n < 1024:
         return _WIDE._replace(block_n=min(block_n, 2), num_warps=4, programs_per_sm=1)
+    if route:
+        # Uncapped, the route epilogue's out_proj loads at 101 registers a thread: 2 programs an SM
+        # for a grid sized for 4, 2.118-2.124 ms a decode step on an H200 against 2.074-2.078 capped
+        # at 64 (docs/benchmarks.md, fifteenth session).
+        return _WIDE._replace(block_n=block_n, max_registers=64)
     # The conv epilogue inside the walk holds more registers: 4 warps there; after the walk, 8
     # (in_proj + conv 14.9 us against 15.4 for the best per-block configuration; docs/benchmarks.md).
     if conv and not (CONV_PRELOAD and CONV_AFTER_WALK):
@@ -325,18 +378,20 @@ class _Call(NamedTuple):
     eps: float = 0.0
     head: int = 1
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # weight, states, read, write
+    route: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # residual, router_t, norm w, acc
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, call: _Call,
             config: GemvConfig | None = None) -> None:  # fmt: skip
     num_n, num_k = weight.shape
-    c = config or gemv_config(num_n, num_k, call.conv is not None)
+    c = config or gemv_config(num_n, num_k, call.conv is not None, call.route is not None)
     blocks = triton.cdiv(num_n, c.block_n)
     grid = balanced_grid(blocks, c.programs_per_sm, x.device)
     walk = triton.cdiv(blocks, grid)  # blocks per program
     conv_blocks = triton.next_power_of_2(walk) if call.conv is not None and CONV_PRELOAD and walk <= 16 else 0
     defer = conv_blocks > 0 and CONV_AFTER_WALK
     conv_w, conv_s, r_slot, w_slot = call.conv if call.conv is not None else (x, x, x, x)
+    h, router_t, post_w, acc = call.route if call.route is not None else (x, x, x, x)
     nw = call.nw if call.nw is not None else x
     gemv_kernel[(grid,)](
         x, weight, y, num_n, num_k, weight.stride(0),
@@ -344,12 +399,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
         call.normed if call.normed is not None else x, call.eps,
         conv_w, conv_s, r_slot, w_slot, conv_w.stride(0), conv_s.stride(0), conv_s.stride(1) if conv_s.dim() > 1 else 0,
         conv_w.shape[0] if call.conv is not None else 0,
+        h, router_t, post_w, acc, router_t.shape[1] if call.route is not None else 1, ROUTE_SCALE,
         PRO=pro, CONV=call.conv is not None, KP=triton.next_power_of_2(num_k), BLOCK_N=c.block_n, PREFETCH=c.prefetch,
         HAS_A=call.a is not None, WRITE_NORMED=call.normed is not None,
         ROUND_WEIGHTED=torch.promote_types(nw.dtype, x.dtype) == x.dtype, HEAD=call.head,
         KC=conv_w.shape[1] if call.conv is not None else 1,
         BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks, DEFER=defer,
-        KEEP=defer and CONV_KEEP, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
+        KEEP=defer and CONV_KEEP, ROUTE=call.route is not None,
+        BE=triton.next_power_of_2(router_t.shape[1]) if call.route is not None else 1, COPIES=ROUTE_COPIES,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
         **({"maxnreg": c.max_registers} if c.max_registers else {}),
     )  # fmt: skip
 
@@ -423,6 +481,51 @@ def gated_rms_norm_linear(
     y = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch(_row(flat), weight, y, PRO_GATED_RMS_NORM, _Call(a=_heads(gate), nw=norm_w, eps=eps, head=head))
     return y
+
+
+def gated_rms_norm_linear_route(
+    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
+    residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``kernels.fused_linear.gated_rms_norm_linear_route``: the residual sum and the router's
+    partial logits in the projection's programs (``kernels/route_partial.py``)."""
+    head = x.shape[-1]
+    flat = x.reshape(x.shape[0], -1)
+    route = _route_operands(residual, router_t, post_norm_w, acc, weight.shape[0])
+    if (route is None or not _covered(flat, weight) or gate.shape != x.shape or head & (head - 1)
+            or norm_w.shape != (head,)):  # fmt: skip
+        y = gated_rms_norm_linear(x, gate, norm_w, eps, weight)
+        return add_route_partial(y, residual, router_t, post_norm_w, acc)
+    s = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(_row(flat), weight, s, PRO_GATED_RMS_NORM, _Call(a=_heads(gate), nw=norm_w, eps=eps, head=head, route=route))
+    return s
+
+
+def sigmoid_gate_linear_route(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+    residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``kernels.fused_linear.sigmoid_gate_linear_route`` (see ``gated_rms_norm_linear_route``)."""
+    route = _route_operands(residual, router_t, post_norm_w, acc, weight.shape[0])
+    if route is None or not _covered(x, weight) or gate.shape != x.shape:
+        return add_route_partial(sigmoid_gate_linear(x, gate, weight), residual, router_t, post_norm_w, acc)
+    s = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(_row(x), weight, s, PRO_SIGMOID_GATE, _Call(a=_row(gate), route=route))
+    return s
+
+
+def _route_operands(
+    residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor, num_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The route epilogue's operands, or None where the kernel cannot take them (one row of
+    ``num_n``, a contiguous ``[num_n, E + 1]`` router, an accumulator of its width)."""
+    cols = router_t.shape[-1]
+    fits = (
+        residual.numel() == num_n and router_t.shape == (num_n, cols) and router_t.is_contiguous()
+        and post_norm_w.shape == (num_n,) and acc.shape == (ROUTE_COPIES, cols) and acc.is_contiguous()
+        and acc.dtype == torch.int64 and router_t.dtype == residual.dtype
+    )  # fmt: skip
+    return (_row(residual), router_t, post_norm_w, acc) if fits else None
 
 
 def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

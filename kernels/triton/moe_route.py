@@ -31,7 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
-__all__ = ["moe_route", "moe_route_shared", "route_row", "select_expert"]
+__all__ = ["moe_route", "moe_route_shared", "route_row", "select_expert", "select_in"]
 
 MAX_EXPERTS = 1024
 # One warp: the top-k rounds are serial reductions and cross-warp ones cost more than they save
@@ -84,6 +84,12 @@ def select_expert(p_logits, j, E, BE: tl.constexpr):
     experts' programs with it)."""
     o_e = tl.arange(0, BE)
     b_l = tl.load(p_logits + o_e, mask=o_e < E, other=-float("inf")).to(tl.float32)
+    return select_in(b_l, o_e, j)
+
+
+@triton.jit
+def select_in(b_l, o_e, j):
+    """``select_expert`` over logits already in registers (``-inf`` past the experts)."""
     i_sel = tl.zeros([], dtype=tl.int32)
     for _ in range(0, j + 1):
         _, i_sel = tl.max(b_l, 0, return_indices=True, return_indices_tie_break_left=True)

@@ -45,7 +45,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from phloem.kernels.triton._env import env_config
 from phloem.kernels.triton._device import balanced_grid
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
-from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert
+from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE
+from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert, select_in
 
 __all__ = ["DEFAULT_CONFIG", "MAX_SLOTS", "MoeTokenConfig", "covered", "launch_gate_up"]
 
@@ -84,11 +85,23 @@ def _gate_up_tile(p_w, e, i_blk, o_b, o_k, m_k, H: tl.constexpr, INTER: tl.const
     return b_g, b_u
 
 
+@triton.jit
+def _partial_logits(p_acc, o_e, E_LAST, b_rstd, scale, COPIES: tl.constexpr, dtype: tl.constexpr):
+    """The routed logits ``rstd(s) · u`` (``kernels/route_partial.py``) in ``dtype`` as fp32, ``-inf``
+    past the ``E_LAST`` routed experts."""
+    m_e = o_e < E_LAST
+    o_c = tl.arange(0, COPIES)
+    b_u = tl.sum(tl.load(p_acc + o_c[:, None] * (E_LAST + 1) + o_e[None, :], mask=m_e[None, :], other=0), axis=0)
+    b_l = (b_u.to(tl.float32) * (1.0 / scale) * b_rstd).to(dtype).to(tl.float32)
+    return tl.where(m_e, b_l, -float("inf"))
+
+
 @triton.jit(do_not_specialize=["E_LAST"])
 def _gate_up_token_kernel(
-    p_x, p_w, p_ids, p_act, p_logits, p_tw, E_LAST, NUM_P,
+    p_x, p_w, p_ids, p_act, p_logits, p_tw, E_LAST, NUM_P, p_nw, eps, p_acc, scale,
     S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
     ROUTE: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr,
+    PARTIAL: tl.constexpr, COPIES: tl.constexpr,
 ):  # fmt: skip
     # Slot-major: NUM_P programs per slot, each walking the slot's blocks p, p + NUM_P, ...
     i_p = tl.program_id(0)
@@ -103,13 +116,29 @@ def _gate_up_token_kernel(
     if PDL:
         gdc_launch_dependents()
         gdc_wait()  # the router's logits or ids, and the normed row (kernels/triton/_pdl.py)
-    b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
+    if PARTIAL:
+        # x is the residual sum s: its norm here (kernels.norm.rms_norm's formula), and the logits
+        # from the partial sums the projection before added (kernels/route_partial.py).
+        # (The norm weight is loaded here, not before the wait: held across it, its 2048 values
+        # cost 16 registers a thread for the whole walk.)
+        dtype = p_x.dtype.element_ty
+        b_s = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_nw = tl.load(p_nw + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_rstd = tl.rsqrt(tl.sum(b_s * b_s) / H + eps)
+        b_x = (b_s * b_rstd * (1.0 + b_nw)).to(dtype).to(tl.float32)
+        o_e = tl.arange(0, BE)
+        b_l = _partial_logits(p_acc, o_e, E_LAST, b_rstd, scale, COPIES, dtype)
+    else:
+        b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
     if ROUTE:
         # Slots: the routed top-(S - 1) of the E_LAST experts' logits, then the shared expert E_LAST
         # (moe_route_shared's layout); one program writes the weights and ids the down stage reads.
         e = E_LAST.to(tl.int64)
         if s != S - 1:
-            e = select_expert(p_logits, s, E_LAST, BE).to(tl.int64)
+            if PARTIAL:
+                e = select_in(b_l, o_e, s).to(tl.int64)
+            else:
+                e = select_expert(p_logits, s, E_LAST, BE).to(tl.int64)
     else:
         e = tl.load(p_ids + s)
     if (s != S - 1) | (e != E_LAST):  # not the tile loaded before the wait
@@ -128,6 +157,14 @@ def _gate_up_token_kernel(
         # streaming before the wait (in program 0, before its walk, the full routing delayed slot
         # 0's first load; 2.14 against 2.15 ms a decode step on an H200, docs/benchmarks.md).
         if i_p == S * NUM_P - 1:
+            if PARTIAL:
+                # The logits into p_logits first (the shared gate's from its column of the sums),
+                # read back by route_row after a barrier (this program's own writes).
+                tl.store(p_logits + o_e, b_l.to(dtype), mask=o_e < E_LAST)
+                o_c = tl.arange(0, COPIES)
+                b_ug = tl.sum(tl.load(p_acc + o_c * (E_LAST + 1) + E_LAST), axis=0)
+                tl.store(p_logits + E_LAST, (b_ug.to(tl.float32) * (1.0 / scale) * b_rstd).to(dtype))
+                tl.debug_barrier()
             route_row(p_logits, p_tw, p_ids, E_LAST, S - 1, BE, BR, RENORMALIZE, True)
 
 
@@ -140,24 +177,31 @@ def covered(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, slot
 
 
 def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, act: torch.Tensor, c: MoeTokenConfig,
-                   route: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> None:  # fmt: skip
+                   route: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
+                   partial: tuple[torch.Tensor, float, torch.Tensor] | None = None) -> None:  # fmt: skip
     """The gate/up stage into ``act`` ``[S, I]``. With ``route`` (router
     logits ``[1, E + 1]``, weights out ``[1, S]``, renormalise) the kernel routes and writes ``ids``
-    and the weights itself."""
+    and the weights itself. With ``partial`` (the MoE norm's weight and eps, the accumulator of
+    ``kernels/route_partial.py``) as well, ``x`` is the residual sum ``s``: the kernel normalises it
+    and computes the logits from the accumulator, writing them into ``route``'s logits (an output
+    then)."""
     num_slots, inter = act.shape
     hidden = x.shape[1]
     blocks = triton.cdiv(inter, c.block_n)
     per_slot = balanced_grid(blocks, c.programs_per_sm, x.device, share=num_slots)
     logits, tw, renormalize = route if route is not None else (x, x, False)
+    if partial is not None and route is None:
+        raise ValueError("partial: the router's accumulator needs route's logits and weights buffers too")
+    norm_w, eps, acc = partial if partial is not None else (x, 0.0, ids)
     experts = w_gate_up.shape[0] - 1
     if route is not None and (logits.shape[1] != experts + 1 or logits.stride(-1) != 1
                               or not 2 <= num_slots <= experts + 1 or experts > MAX_EXPERTS):  # fmt: skip
         raise ValueError(f"need unit-stride logits [1, E + 1] for E + 1 = {experts + 1} experts, 1 <= top_k <= E <= {MAX_EXPERTS}, "
                          f"got logits {tuple(logits.shape)} strides {logits.stride()}, {num_slots - 1} routed slots")  # fmt: skip
     _gate_up_token_kernel[(num_slots * per_slot,)](
-        x, w_gate_up, ids, act, logits, tw, w_gate_up.shape[0] - 1, per_slot,
+        x, w_gate_up, ids, act, logits, tw, w_gate_up.shape[0] - 1, per_slot, norm_w, eps, acc, ROUTE_SCALE,
         S=num_slots, H=hidden, INTER=inter, KP=triton.next_power_of_2(hidden), BLOCK_N=c.block_n,
         ROUTE=route is not None, BE=triton.next_power_of_2(w_gate_up.shape[0] - 1) if route is not None else 1,
         BR=triton.next_power_of_2(max(num_slots - 1, 1)), RENORMALIZE=renormalize,
-        num_warps=c.num_warps, launch_pdl=LAUNCH_PDL,
+        PARTIAL=partial is not None, COPIES=ROUTE_COPIES, num_warps=c.num_warps, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip

@@ -58,3 +58,20 @@ def test_step_roles_charges_each_launch_from_the_previous_end() -> None:
     assert roles["router"] == [cost[4], cost[11]] and roles["down"] == [cost[6], cost[13]]
     assert roles["tail"] == cost[14:]
     assert sum(sum(v) for v in roles.values()) == ends[-1]  # the step's span, nothing counted twice
+
+
+def test_step_roles_reads_layers_without_a_router_launch() -> None:
+    """With the router in the projection before the experts (kernels/route_partial.py) a GDN layer is
+    five launches and an attention layer six; both patterns may follow each other."""
+    module = runpy.run_path(str(BENCH / "step_roles.py"), run_name="step_roles")
+    gdn = ["gemv_kernel", "recurrent_gated_delta_rule_kernel", "gemv_kernel", "_gate_up_token_kernel", "_down_sum_kernel"]
+    attn = ["gemv_kernel", "decode_attention_split_kernel", "decode_attention_merge_kernel", "gemv_kernel",
+            "_gate_up_token_kernel", "_down_sum_kernel"]  # fmt: skip
+    with_router = ["gemv_kernel", "recurrent_gated_delta_rule_kernel", "gemv_kernel", "gemv_kernel",
+                   "_gate_up_token_kernel", "_down_sum_kernel"]  # fmt: skip
+    names = ["indexSelect", *gdn, *attn, *with_router, "add_rms_norm_kernel", "gemv_kernel", "argmax_partial_kernel"]
+    timeline = [[name, float(i), 1.0] for i, name in enumerate(names)]  # launch i ends at i + 1
+    roles = module["roles"]({"kernels": {"timeline": timeline}})
+    assert len(roles["out_proj_route"]) == 1 and len(roles["o_proj_route"]) == 1
+    assert len(roles["router"]) == len(roles["out_proj"]) == 1
+    assert len(roles["gate_up"]) == len(roles["down"]) == 3 and len(roles["tail"]) == 3

@@ -1,6 +1,7 @@
 """The whole model on the Triton op table, run by Triton's interpreter on CPU, against the torch
 references: the same greedy tokens (fp32), for batched decode and for the one-token steps that
-take the Triton GEMV (``PHLOEM_TRITON_GEMV=1``). Every Triton kernel the model calls on a GPU runs
+take the Triton GEMV (``PHLOEM_TRITON_GEMV=1``), with the MoE router in the projection before it
+(``kernels/route_partial.py``, the default) and in its own launch. Every Triton kernel the model calls on a GPU runs
 here except FlashInfer's attention and fla's chunked prefill (their torch fallbacks run instead).
 """
 
@@ -20,10 +21,20 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7] * 2, list(range(30, 50))]
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
+# The fused one-token ops each decode path calls, with and without the router's own launch
+# (kernels/route_partial.py); every layer of the tiny MoE checkpoint is a MoE layer.
+ROUTED_OPS = ("add_rms_norm_linear", "add_rms_norm_conv_linear", "gated_rms_norm_linear_route",
+              "sigmoid_gate_linear_route", "fused_moe_token_route_partial")  # fmt: skip
+ROUTER_OPS = ("add_rms_norm_linear", "add_rms_norm_conv_linear", "gated_rms_norm_linear", "sigmoid_gate_linear",
+              "add_rms_norm_router", "fused_moe_token_routed")  # fmt: skip
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton interpreter (CPU machines)")
+@pytest.mark.parametrize("route_partial", ["1", "0"], ids=["router-in-projection", "router-launch"])
 def test_the_triton_op_table_gives_the_reference_tokens(
-    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+    route_partial: str, tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("PHLOEM_ROUTE_PARTIAL", route_partial)
     path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
     options = dict(dtype="float32", enable_prefix_caching=False, num_pages=64, num_state_slots=8)
     reference = Engine.from_pretrained(path, **options)
@@ -38,21 +49,24 @@ def test_the_triton_op_table_gives_the_reference_tokens(
     engine = Engine.from_pretrained(path, **options)
     ops = engine.runner.model.model.layers[0].mlp.ops
     assert ops.backend == "triton" and ops.linear.__module__ == "phloem.kernels.triton.gemv"
+    assert ops.route_partial == (route_partial == "1")
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == batched
     assert not any(calls.values()), f"batched decode steps are not one-token steps: {calls}"
     assert engine.generate(PROMPTS[:1], PARAMS)[0].token_ids == alone
-    # The one-token steps took every fused projection (3 decode steps of the 4-layer model).
-    assert all(calls.values()), calls
+    # The one-token steps took every fused projection of their path (3 decode steps of the 4-layer
+    # model) and none of the other path's.
+    used = ROUTED_OPS if route_partial == "1" else ROUTER_OPS
+    assert all(calls[name] for name in used) and not any(calls[name] for name in calls if name not in used), calls
 
 
 def _count_fused_ops(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Wrap the fused one-token ops (kernels.fused_linear's Triton versions) to count their calls."""
-    from phloem.kernels.triton import gemv  # imported under the interpreter (set above)
+    """Wrap the fused one-token ops (kernels.fused_linear's Triton versions, the one-token experts)
+    to count their calls."""
+    from phloem.kernels.triton import fused_moe, gemv  # imported under the interpreter (set above)
 
     calls: dict[str, int] = {}
-    names = ("add_rms_norm_linear", "add_rms_norm_conv_linear", "gated_rms_norm_linear", "sigmoid_gate_linear",
-             "add_rms_norm_router")  # fmt: skip
-    for module, name in [(gemv, n) for n in names]:
+    for name in dict.fromkeys(ROUTED_OPS + ROUTER_OPS):
+        module = fused_moe if name.startswith("fused_moe") else gemv
         calls[name] = 0
         op = getattr(module, name)
 

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 from phloem.kernels import norm  # noqa: E402
 from phloem.kernels.dispatch import ENV_VAR, KernelOps, get_ops  # noqa: E402
 
-OP_NAMES = [f.name for f in dataclasses.fields(KernelOps) if f.name not in ("backend", "fused_decode")]
+OP_NAMES = [f.name for f in dataclasses.fields(KernelOps) if f.name not in ("backend", "fused_decode", "route_partial")]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
@@ -96,3 +96,18 @@ def test_fused_decode_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -
     assert get_ops(CPU).fused_decode and get_ops(CUDA).fused_decode
     monkeypatch.setenv(FUSED_DECODE_ENV_VAR, "0")
     assert not get_ops(CPU).fused_decode and not get_ops(CUDA).fused_decode
+
+
+def test_the_router_goes_into_the_projection_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KernelOps.route_partial`` (kernels/route_partial.py) rides on the fused one-token path:
+    off with ``PHLOEM_ROUTE_PARTIAL=0`` and with ``PHLOEM_FUSED_DECODE=0``."""
+    from phloem.kernels.dispatch import FUSED_DECODE_ENV_VAR, ROUTE_PARTIAL_ENV_VAR
+
+    monkeypatch.delenv(FUSED_DECODE_ENV_VAR, raising=False)
+    monkeypatch.delenv(ROUTE_PARTIAL_ENV_VAR, raising=False)
+    assert get_ops(CPU).route_partial and get_ops(CUDA).route_partial
+    monkeypatch.setenv(ROUTE_PARTIAL_ENV_VAR, "0")
+    assert not get_ops(CPU).route_partial and not get_ops(CUDA).route_partial
+    monkeypatch.delenv(ROUTE_PARTIAL_ENV_VAR)
+    monkeypatch.setenv(FUSED_DECODE_ENV_VAR, "0")
+    assert not get_ops(CPU).route_partial
