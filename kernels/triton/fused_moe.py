@@ -309,7 +309,7 @@ def fused_moe_token_route_partial(
     """``kernels.route_partial.fused_moe_route_partial`` of one token: the norm and the logits in
     ``moe_token``'s gate/up programs (which write the logits into a buffer of their own), the
     accumulator zeroed by the down stage."""
-    logits = torch.empty((1, acc.shape[1]), dtype=s.dtype, device=s.device)
+    logits = torch.empty((1, w_gate_up.shape[0]), dtype=s.dtype, device=s.device)
     return _routed_token(s, logits, w_gate_up, w_down, top_k, renormalize, config, (norm_w, eps, acc))
 
 

@@ -45,7 +45,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from phloem.kernels.triton._env import env_config
 from phloem.kernels.triton._device import balanced_grid
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
-from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE
+from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, SUMSQ_SCALE
 from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert, select_in
 
 __all__ = ["DEFAULT_CONFIG", "MAX_SLOTS", "MoeTokenConfig", "covered", "launch_gate_up"]
@@ -86,22 +86,22 @@ def _gate_up_tile(p_w, e, i_blk, o_b, o_k, m_k, H: tl.constexpr, INTER: tl.const
 
 
 @triton.jit
-def _partial_logits(p_acc, o_e, E_LAST, b_rstd, scale, COPIES: tl.constexpr, dtype: tl.constexpr):
-    """The routed logits ``rstd(s) · u`` (``kernels/route_partial.py``) in ``dtype`` as fp32, ``-inf``
-    past the ``E_LAST`` routed experts."""
+def _partial_logits(p_acc, o_e, E_LAST, AW, b_rstd, scale, COPIES: tl.constexpr, dtype: tl.constexpr):
+    """The routed logits ``rstd(s) · u`` (``kernels/route_partial.py``; accumulator rows ``AW`` apart)
+    in ``dtype`` as fp32, ``-inf`` past the ``E_LAST`` routed experts."""
     m_e = o_e < E_LAST
     o_c = tl.arange(0, COPIES)
-    b_u = tl.sum(tl.load(p_acc + o_c[:, None] * (E_LAST + 1) + o_e[None, :], mask=m_e[None, :], other=0), axis=0)
+    b_u = tl.sum(tl.load(p_acc + o_c[:, None] * AW + o_e[None, :], mask=m_e[None, :], other=0), axis=0)
     b_l = (b_u.to(tl.float32) * (1.0 / scale) * b_rstd).to(dtype).to(tl.float32)
     return tl.where(m_e, b_l, -float("inf"))
 
 
 @triton.jit(do_not_specialize=["E_LAST"])
 def _gate_up_token_kernel(
-    p_x, p_w, p_ids, p_act, p_logits, p_tw, E_LAST, NUM_P, p_nw, eps, p_acc, scale,
+    p_x, p_w, p_ids, p_act, p_logits, p_tw, E_LAST, NUM_P, p_nw, eps, p_acc, AW, scale, sq_scale,
     S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
     ROUTE: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PARTIAL: tl.constexpr, COPIES: tl.constexpr,
+    PARTIAL: tl.constexpr, COPIES: tl.constexpr, SUMSQ: tl.constexpr,
 ):  # fmt: skip
     # Slot-major: NUM_P programs per slot, each walking the slot's blocks p, p + NUM_P, ...
     i_p = tl.program_id(0)
@@ -124,10 +124,14 @@ def _gate_up_token_kernel(
         dtype = p_x.dtype.element_ty
         b_s = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_nw = tl.load(p_nw + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_rstd = tl.rsqrt(tl.sum(b_s * b_s) / H + eps)
+        if SUMSQ:  # the projection before added Σ s² too: no reduction of s before the routing
+            b_sq = tl.sum(tl.load(p_acc + tl.arange(0, COPIES) * AW + E_LAST + 1), axis=0)
+            b_rstd = tl.rsqrt(b_sq.to(tl.float32) * (1.0 / sq_scale) / H + eps)
+        else:
+            b_rstd = tl.rsqrt(tl.sum(b_s * b_s) / H + eps)
         b_x = (b_s * b_rstd * (1.0 + b_nw)).to(dtype).to(tl.float32)
         o_e = tl.arange(0, BE)
-        b_l = _partial_logits(p_acc, o_e, E_LAST, b_rstd, scale, COPIES, dtype)
+        b_l = _partial_logits(p_acc, o_e, E_LAST, AW, b_rstd, scale, COPIES, dtype)
     else:
         b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
     if ROUTE:
@@ -162,7 +166,7 @@ def _gate_up_token_kernel(
                 # read back by route_row after a barrier (this program's own writes).
                 tl.store(p_logits + o_e, b_l.to(dtype), mask=o_e < E_LAST)
                 o_c = tl.arange(0, COPIES)
-                b_ug = tl.sum(tl.load(p_acc + o_c * (E_LAST + 1) + E_LAST), axis=0)
+                b_ug = tl.sum(tl.load(p_acc + o_c * AW + E_LAST), axis=0)
                 tl.store(p_logits + E_LAST, (b_ug.to(tl.float32) * (1.0 / scale) * b_rstd).to(dtype))
                 tl.debug_barrier()
             route_row(p_logits, p_tw, p_ids, E_LAST, S - 1, BE, BR, RENORMALIZE, True)
@@ -199,9 +203,11 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
         raise ValueError(f"need unit-stride logits [1, E + 1] for E + 1 = {experts + 1} experts, 1 <= top_k <= E <= {MAX_EXPERTS}, "
                          f"got logits {tuple(logits.shape)} strides {logits.stride()}, {num_slots - 1} routed slots")  # fmt: skip
     _gate_up_token_kernel[(num_slots * per_slot,)](
-        x, w_gate_up, ids, act, logits, tw, w_gate_up.shape[0] - 1, per_slot, norm_w, eps, acc, ROUTE_SCALE,
+        x, w_gate_up, ids, act, logits, tw, w_gate_up.shape[0] - 1, per_slot, norm_w, eps, acc, acc.shape[-1],
+        ROUTE_SCALE, SUMSQ_SCALE,
         S=num_slots, H=hidden, INTER=inter, KP=triton.next_power_of_2(hidden), BLOCK_N=c.block_n,
         ROUTE=route is not None, BE=triton.next_power_of_2(w_gate_up.shape[0] - 1) if route is not None else 1,
         BR=triton.next_power_of_2(max(num_slots - 1, 1)), RENORMALIZE=renormalize,
-        PARTIAL=partial is not None, COPIES=ROUTE_COPIES, num_warps=c.num_warps, launch_pdl=LAUNCH_PDL,
+        PARTIAL=partial is not None, COPIES=ROUTE_COPIES, SUMSQ=partial is not None and acc.shape[-1] > experts + 1,
+        num_warps=c.num_warps, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip

@@ -35,7 +35,7 @@ def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> g
     """Every test runs in every launch layout (the fused ops take their config from ``gemv_config``)."""
     config = LAYOUTS[request.param]
     if config is not None:
-        monkeypatch.setattr(gemv, "gemv_config", lambda n, k, conv=False: config)
+        monkeypatch.setattr(gemv, "gemv_config", lambda n, k, conv=False, route=False: config)
     return config
 
 
@@ -101,6 +101,33 @@ def test_gated_rms_norm_linear_reads_a_strided_gate(assert_close) -> None:
 def test_sigmoid_gate_linear(assert_close) -> None:
     x, gate, w = _randn(1, 64, seed=15), _randn(1, 64, seed=16), _randn(18, 64, seed=17, scale=0.2)
     assert_close(gemv.sigmoid_gate_linear(x, gate, w), ref.sigmoid_gate_linear(x, gate, w), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sumsq", [False, True], ids=["", "sumsq"])
+@pytest.mark.parametrize("prologue", ["gated", "sigmoid"])
+def test_route_epilogue_adds_the_residual_and_the_routers_terms(prologue: str, sumsq: bool, assert_close) -> None:
+    """``*_linear_route`` (kernels/route_partial.py) in every layout: ``s`` as the plain projection
+    plus the residual, the accumulator as the reference's (fp32; the kernel truncates each
+    program's part, the reference the whole row's)."""
+    from phloem.kernels import route_partial
+
+    n, heads, d, cols = 36, 4, 16, 7
+    x, z, gate = _randn(1, heads, d, seed=20), _randn(1, heads, d, seed=21), _randn(1, heads * d, seed=22)
+    norm_w, w = _randn(d, seed=23, scale=0.1) + 1.0, _randn(n, heads * d, seed=24, scale=0.2)
+    res, router_t, post_w = _randn(1, n, seed=25), _randn(n, cols, seed=26, scale=0.3), _randn(n, seed=27, scale=0.1)
+    accs = [route_partial.new_route_acc(cols, DEVICE, sumsq) for _ in range(2)]
+    outs = []
+    for impl, acc in zip((gemv, ref), accs):
+        if prologue == "gated":
+            outs.append(impl.gated_rms_norm_linear_route(x, z, norm_w, 1e-6, w, res, router_t, post_w, acc))
+        else:
+            outs.append(impl.sigmoid_gate_linear_route(x.reshape(1, -1), gate, w, res, router_t, post_w, acc))
+    assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+    got, want = (a.sum(0).double() / route_partial.ROUTE_SCALE for a in accs)
+    assert_close(got[:cols], want[:cols], atol=1e-5, rtol=1e-5)
+    if sumsq:
+        assert_close(got[cols] * route_partial.ROUTE_SCALE / route_partial.SUMSQ_SCALE,
+                     want[cols] * route_partial.ROUTE_SCALE / route_partial.SUMSQ_SCALE, atol=1e-3, rtol=1e-6)  # fmt: skip
 
 
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first_layer"])

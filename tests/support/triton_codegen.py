@@ -92,9 +92,10 @@ def fused_moe_decode() -> None:
     for route in (False, True):  # ids given / routed in the kernel from the router logits
         compile_for_h200(_gate_up_kernel, _all("p_x p_w p_act p_logits p_tw", "*bf16") | {"p_ids": "*i64"},
                          moe | {"BLOCK_N": 4, "BLOCK_K": 1024, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True})
-    for prefetch in (False, True):  # the ids slot by slot, one tile at a time / the next tile in flight
-        compile_for_h200(_down_sum_kernel, _all("p_act p_w p_tw p_out", "*bf16") | {"p_ids": "*i64"},
-                         moe | {"K_BLOCKS": 2, "BLOCK_N": 32, "BLOCK_K": 256, "PREFETCH": prefetch})
+    # the ids slot by slot, one tile at a time / the next tile in flight / and the router's accumulator zeroed
+    for prefetch, zero in ((False, 0), (True, 0), (True, 4)):
+        compile_for_h200(_down_sum_kernel, _all("p_act p_w p_tw p_out", "*bf16") | _all("p_ids p_zero", "*i64"),
+                         moe | {"K_BLOCKS": 2, "BLOCK_N": 32, "BLOCK_K": 256, "PREFETCH": prefetch, "ZERO_BLOCK": zero})
 
 
 def moe_grouped_prefill() -> None:
@@ -142,10 +143,13 @@ def one_shot_norm(world: int) -> None:
 def moe_token() -> None:
     from phloem.kernels.triton.moe_token import _gate_up_token_kernel
 
-    moe = {"S": 9, "H": 2048, "INTER": 512}
-    for route in (False, True):  # ids given / routed in the kernel from the router logits
-        compile_for_h200(_gate_up_token_kernel, _all("p_x p_w p_act p_logits p_tw", "*bf16") | {"p_ids": "*i64"},
-                         moe | {"KP": 2048, "BLOCK_N": 4, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True})
+    moe = {"S": 9, "H": 2048, "INTER": 512, "COPIES": 4}
+    # ids given / routed from the router logits / from the router partial's accumulator (and its Σ s²)
+    for route, partial, sumsq in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
+        compile_for_h200(_gate_up_token_kernel, _all("p_x p_w p_act p_logits p_tw p_nw", "*bf16") | _all("p_ids p_acc", "*i64"),
+                         moe | {"KP": 2048, "BLOCK_N": 4, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True,
+                                "PARTIAL": partial, "SUMSQ": sumsq},
+                         floats=frozenset({"eps", "scale", "sq_scale"}))  # fmt: skip
 
 
 def argmax() -> None:
@@ -173,20 +177,22 @@ def decode_attention() -> None:
     compile_for_h200(decode_attention_merge_kernel, pointers, common | {"BLOCK_S": 16, "BLOCK_D": 256})
 
 
-def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = True) -> None:
+def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = True, route: int = 0) -> None:
     """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape (``defer``:
-    with the conv operands preloaded, the conv update after the walk, not inside it)."""
+    with the conv operands preloaded, the conv update after the walk, not inside it; ``route``: 1 with
+    the router partial's epilogue, 2 with its sum of squares too)."""
     from phloem.kernels.triton.gemv import gemv_kernel
 
-    pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs", "*bf16") | _all("p_read p_write", "*i64")
+    pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs p_h p_rt p_pw", "*bf16") | _all("p_read p_write p_acc", "*i64")
     kp = 4096 if pro in (2, 3) else 2048
     constexprs = {
         "PRO": pro, "CONV": conv, "KP": kp, "BLOCK_N": 8192 // kp, "PREFETCH": prefetch,
         "HAS_A": pro != 0, "WRITE_NORMED": pro == 1 and not conv, "ROUND_WEIGHTED": True,
         "HEAD": 128 if pro == 2 else 1, "KC": 4 if conv else 1, "BKC": 4 if conv else 1, "CONV_BLOCKS": 8 if conv and prefetch else 0,
         "DEFER": conv and prefetch and defer, "KEEP": conv and prefetch and defer and keep,
+        "ROUTE": route > 0, "BE": 512 if route else 1, "COPIES": 4, "SUMSQ": route == 2,
     }  # fmt: skip
-    compile_for_h200(gemv_kernel, pointers, constexprs)
+    compile_for_h200(gemv_kernel, pointers, constexprs, floats=frozenset({"eps", "scale", "sq_scale"}))
 
 
 def gemv_dot() -> None:
@@ -211,7 +217,7 @@ CASES: dict[str, Callable[[], None]] = {
     "causal_conv1d_update": conv1d_update,
     "fused_moe (decode: gate_up, routed gate_up, down_sum)": fused_moe_decode,
     "fused_moe_grouped (prefill: gate_up, down)": moe_grouped_prefill,
-    "moe_token (one token's gate_up, ids given / routed)": moe_token,
+    "moe_token (one token's gate_up, ids given / routed / from the router partial)": moe_token,
     "paged_decode_attention (split, direct, with the prologue, merge)": decode_attention,
     "argmax (partial, final)": argmax,
     "moe_route[shared]": lambda: moe_route(True),
@@ -227,6 +233,9 @@ CASES: dict[str, Callable[[], None]] = {
     "add_rms_norm_conv_linear (no prefetch)": lambda: gemv(1, True, False),
     "gated_rms_norm_linear": lambda: gemv(2, False, True),
     "sigmoid_gate_linear": lambda: gemv(3, False, True),
+    "gated_rms_norm_linear_route (the router partial)": lambda: gemv(2, False, True, route=1),
+    "sigmoid_gate_linear_route (the router partial, no prefetch)": lambda: gemv(3, False, False, route=1),
+    "gated_rms_norm_linear_route (with the sum of squares)": lambda: gemv(2, False, True, route=2),
     "linear_dot (shared-memory GEMV prototype, cp.async stages)": gemv_dot,
     "one_shot_add_rms_norm[world=2]": lambda: one_shot_norm(2),
     "one_shot_add_rms_norm[world=8]": lambda: one_shot_norm(8),
