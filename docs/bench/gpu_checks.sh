@@ -40,16 +40,14 @@
 #   17  batch-1 decode at 1K: FlashInfer's decode instead of the Triton one (PHLOEM_TRITON_DECODE_ATTENTION=0)
 #   20  batch-1 decode at 1K once per environment in $DECODE_ENVS ("name:VAR=v+VAR=v name2:..."; a value
 #       may hold commas); $DECODE_BATCHES (e.g. 1,16) for other batch sizes, $DECODE_ARGS more arguments (--steps 100)
-#   26  the GPU tests of the one-token GEMVs (the conv update's modes included) and the expert kernels
-#       (or the test files in $GPU_TESTS)
+#   26  the GPU tests of the one-token GEMVs (the conv update's modes and the router partial's epilogue
+#       included) and the expert kernels (or the test files in $GPU_TESTS)
 #   21  what the device runs between two batch-1 decode graphs (docs/bench/step_trace.py)
 #   23  the GPU tests of the GDN decode, argmax and one-token MoE kernels and the engine (tokens: graphs,
 #       eager, CPU)
 #   24  the engine's GPU tests alone (tests/engine/test_gpu_engine.py; $TEST_TIMEOUT seconds, default 400)
 #   25  the GPU tests of the tenth session's kernels: the decode attention with and without its prologue,
 #       the QK-norm kernel (its row code now shared), argmax, the copy-bandwidth timers
-#   27  the shared-memory GEMV prototype (docs/bench/gemv_dot_sweep.py) against the register GEMV, alone,
-#       without PDL and with it, and its GPU tests
 #   30  batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (step 20's summary)
 #   10  where the host's time goes in batch-1 async decode steps (docs/bench/host_profile.py, cProfile)
 #   9   the summary table
@@ -226,18 +224,9 @@ step_25() {
     > "$OUT/25_kernel_tests.txt" 2>&1
 }
 step_26() {
-  local files=${GPU_TESTS:-"tests/kernels/test_triton_fused_linear.py tests/kernels/test_triton_gemv.py tests/kernels/test_triton_moe_token.py tests/kernels/test_triton_fused_moe.py"}
+  local files=${GPU_TESTS:-"tests/kernels/test_triton_fused_linear.py tests/kernels/test_triton_gemv.py tests/kernels/test_triton_moe_token.py tests/kernels/test_triton_fused_moe.py tests/kernels/test_triton_route_partial.py"}
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu $files \
     > "$OUT/26_gemv_moe_tests.txt" 2>&1
-}
-step_27() {
-  # The shared-memory GEMV prototype against the register GEMV, alone (without PDL: like with like;
-  # then with it), and its GPU tests.
-  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_PDL=0 timeout 400 python3 docs/bench/gemv_dot_sweep.py --out "$OUT/27_dot_nopdl.json" \
-    > "$OUT/27_dot_nopdl.txt" 2>&1
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/gemv_dot_sweep.py --quick --out "$OUT/27_dot.json" > "$OUT/27_dot.txt" 2>&1
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/kernels/test_triton_gemv_dot.py \
-    > "$OUT/27_dot_tests.txt" 2>&1
 }
 step_30() {
   # Batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (as step 20's $DECODE_ENVS).
@@ -265,8 +254,6 @@ step_9() {
   [ -f "$OUT/25_kernel_tests.txt" ] && { echo "25_kernel_tests: $(tail -n 1 "$OUT/25_kernel_tests.txt")"; grep -E "^(FAILED|ERROR)" "$OUT/25_kernel_tests.txt" | head -n 20; }
   for f in "$OUT"/20_*.json; do [ -f "$f" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].rsplit('/',1)[-1], 'bw', round(d['bandwidth']/1e12,3), 'host', round(d.get('bandwidth_host_timed',0)/1e12,3), 'after', round(d.get('bandwidth_after_grid',0)/1e12,3), [(r['batch'], round(r['ms_per_step'],3), r['gpu_ms_per_step'] and round(r['gpu_ms_per_step'],3), round(r['roofline_fraction'],3)) for r in d['decode']])" "$f"; done
   [ -f "$OUT/21_trace.txt" ] && { echo "21_trace:"; grep -v Warning "$OUT/21_trace.txt" | tail -n 30; }
-  for f in 27_dot_nopdl 27_dot; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | grep '^|\|us,\|bandwidth'; }; done
-  [ -f "$OUT/27_dot_tests.txt" ] && echo "27_dot_tests: $(tail -n 1 "$OUT/27_dot_tests.txt")"
   [ -f "$OUT/10_host.txt" ] && grep -v Warning "$OUT/10_host.txt" | head -n 40
   for f in 3_tp1 3_tp1_cublas 3_tp1_cublas_nopdl 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
   [ -f "$OUT/4_pd_check.txt" ] && echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt")"

@@ -195,20 +195,6 @@ def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = 
     compile_for_h200(gemv_kernel, pointers, constexprs, floats=frozenset({"eps", "scale", "sq_scale"}))
 
 
-def gemv_dot() -> None:
-    """The shared-memory GEMV prototype: its weight tiles must reach the tensor cores through
-    ``cp.async`` stages (the point of it), at the tiles its sweep starts from."""
-    from phloem.kernels.triton.gemv_dot import XCOLS, gemv_dot_kernel
-
-    for block_n, block_k, stages in ((32, 128, 4), (64, 64, 3)):
-        # The sizes and the row stride as a launch at the real shapes specialises them (multiples of 16).
-        compiled = compile_for_h200(gemv_dot_kernel, _all("p_x p_w p_y", "*bf16"), {
-            "BLOCK_N": block_n, "BLOCK_K": block_k, "NUM_STAGES": stages, "XC": XCOLS, "PRECISION": "tf32"},
-            divisible=frozenset({"N", "K", "s_wn"}))  # fmt: skip
-        ptx = compiled.asm["ptx"]
-        assert "cp.async" in ptx and ("mma.sync" in ptx or "wgmma" in ptx), (block_n, block_k, stages)
-
-
 CASES: dict[str, Callable[[], None]] = {
     "qk_norm_rope_gate[store_kv]": lambda: qk_norm_rope(True),
     "qk_norm_rope_gate[k_out]": lambda: qk_norm_rope(False),
@@ -236,7 +222,6 @@ CASES: dict[str, Callable[[], None]] = {
     "gated_rms_norm_linear_route (the router partial)": lambda: gemv(2, False, True, route=1),
     "sigmoid_gate_linear_route (the router partial, no prefetch)": lambda: gemv(3, False, False, route=1),
     "gated_rms_norm_linear_route (with the sum of squares)": lambda: gemv(2, False, True, route=2),
-    "linear_dot (shared-memory GEMV prototype, cp.async stages)": gemv_dot,
     "one_shot_add_rms_norm[world=2]": lambda: one_shot_norm(2),
     "one_shot_add_rms_norm[world=8]": lambda: one_shot_norm(8),
 }
