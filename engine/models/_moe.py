@@ -93,7 +93,9 @@ class SparseMoe(nn.Module):
     as row ``E`` of the router, so a step runs one router GEMV, one routing op that appends
     ``(sigmoid(gate), E)`` to the top-k, and one ``fused_moe`` over ``k + 1`` experts (the
     gate-sigmoid-mul-add of the shared expert costs nothing extra); a one-token decode step runs
-    the routing inside the experts' kernel instead (``forward_decode``). This needs the shared
+    the routing inside the experts' kernel instead (``forward_decode``), and by default the router
+    too, its partial logits added by the projection before the block (``decode_route``,
+    ``forward_decode_partial``; ``kernels/route_partial.py``). This needs the shared
     expert's FFN size to equal the experts' (true of every released Qwen3.5 / Qwen3-Next).
     """
 

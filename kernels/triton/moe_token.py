@@ -14,6 +14,11 @@ the logits) and one program (the last, after its walk) writes the weights and id
 reads; the sixth session's kernel (``fused_moe._gate_up_kernel``) ran 1152 programs in several
 waves, each routing again.
 
+With the router folded into the projection before it (``kernels/route_partial.py``, ``partial``)
+``x`` is the residual sum ``s``: every program computes ``rstd(s)`` (or reads it from the
+accumulator's sum of squares) and ``normed`` itself, the logits from the accumulator's rows, and
+routes on them (``moe_route.select_in``); the last program writes the logits out for ``route_row``.
+
 Under programmatic dependent launch (``kernels/triton/_pdl.py``) a kernel may load, before its
 ``gdc_wait``, only what no kernel before it in the step writes: the weights, not the ids. The last
 slot's programs load their first tile of the **last expert** there — in the model's layout
