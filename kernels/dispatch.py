@@ -209,9 +209,8 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         top_k: int,
         renormalize: bool,
     ) -> torch.Tensor:
-        one = (s.shape[0] == 1 and moe_token.covered(s, w_gate_up, w_down, top_k + 1) and acc.is_contiguous()
-               and acc.shape[0] == route_partial.ROUTE_COPIES and acc.shape[1] in (w_gate_up.shape[0], w_gate_up.shape[0] + 1)
-               and norm_w.shape == (s.shape[1],))  # fmt: skip
+        one = (s.shape[0] == 1 and moe_token.covered(s, w_gate_up, w_down, top_k + 1)
+               and route_partial.acc_fits(acc, w_gate_up.shape[0]) and norm_w.shape == (s.shape[1],))  # fmt: skip
         if not one:
             return reference.fused_moe_route_partial(s, acc, norm_w, eps, w_gate_up, w_down, top_k, renormalize)
         out: torch.Tensor = triton_fused_moe.fused_moe_token_route_partial(

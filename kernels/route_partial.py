@@ -49,8 +49,10 @@ __all__ = [
     "ROUTE_SCALE",
     "ROUTE_SUMSQ",
     "SUMSQ_SCALE",
+    "acc_fits",
     "add_route_partial",
     "fused_moe_route_partial",
+    "has_sumsq",
     "new_route_acc",
     "route_logits",
     "route_rstd",
@@ -86,6 +88,20 @@ def new_route_acc(num_cols: int, device: torch.device, sumsq: bool | None = None
     return torch.zeros((ROUTE_COPIES, num_cols + extra), dtype=torch.int64, device=device)
 
 
+def has_sumsq(acc: torch.Tensor, num_cols: int) -> bool:
+    """``acc`` for ``num_cols`` logits carries the norm's sum of squares (one column more)."""
+    return acc.shape[-1] > num_cols
+
+
+def acc_fits(acc: torch.Tensor, num_cols: int) -> bool:
+    """``acc`` is an accumulator of this format for ``num_cols`` logits, as the kernels read it:
+    ``ROUTE_COPIES`` contiguous int64 rows of ``num_cols`` columns, or one more (``has_sumsq``)."""
+    return (
+        acc.dim() == 2 and acc.shape[0] == ROUTE_COPIES and acc.shape[1] in (num_cols, num_cols + 1)
+        and acc.dtype == torch.int64 and acc.is_contiguous()
+    )  # fmt: skip
+
+
 def add_route_partial(
     y: torch.Tensor, residual: torch.Tensor, router_t: torch.Tensor, norm_w: torch.Tensor, acc: torch.Tensor
 ) -> torch.Tensor:
@@ -97,7 +113,7 @@ def add_route_partial(
     cols = router_t.shape[1]
     u = (s.float() * (1.0 + norm_w.float())) @ router_t.float()
     acc[0, :cols] += (u[0] * ROUTE_SCALE).to(torch.int64)
-    if acc.shape[1] > cols:
+    if has_sumsq(acc, cols):
         acc[0, cols] += (s.float().pow(2).sum() * SUMSQ_SCALE).to(torch.int64)
     return s
 
@@ -111,7 +127,7 @@ def route_logits(acc: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype, num_
 def route_rstd(acc: torch.Tensor, s: torch.Tensor, eps: float, num_cols: int) -> torch.Tensor:
     """``rsqrt(mean(s²) + eps)`` ``[1, 1]`` in fp32: from the accumulator's sum of squares where it
     has that column, else from ``s`` (``kernels.norm``'s formula)."""
-    if acc.shape[1] > num_cols:
+    if has_sumsq(acc, num_cols):
         total = acc[:, num_cols].sum().to(torch.float32) * (1.0 / SUMSQ_SCALE)
         return torch.rsqrt(total / s.shape[-1] + eps).reshape(1, 1)
     return torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + eps)

@@ -21,8 +21,8 @@ path; with more tokens the routing in every program costs more than the launch i
 One token (batch-1 decode) takes stage 1 from ``kernels.triton.moe_token`` (a slot-major grid of
 programs walking their slot's blocks, each routing once: ``fused_moe_token`` /
 ``fused_moe_token_routed``, and ``fused_moe_token_route_partial`` from the router partial's
-accumulator, ``kernels/route_partial.py``, which stage 2 zeroes after its wait), then stage 2 here with its own tiles and a walk that keeps the next
-step's tile in flight (``DOWN_PREFETCH``; 55-77 us a decode step on an H200, docs/benchmarks.md).
+accumulator, ``kernels/route_partial.py``, which stage 2 zeroes after its wait), then stage 2
+here with its own tiles and a walk that keeps the next step's tile in flight (``DOWN_PREFETCH``; 55-77 us a decode step on an H200, docs/benchmarks.md).
 
 At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8 + shared) one token reads
 9 × 3 × 2048 × 512 bf16 = 57 MB per layer, which is what bounds decode. Accumulation is fp32.

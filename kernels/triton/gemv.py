@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, SUMSQ_SCALE, add_route_partial
+from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, SUMSQ_SCALE, acc_fits, add_route_partial, has_sumsq
 from phloem.kernels.triton import conv1d_update, norm
 from phloem.kernels.triton._device import balanced_grid
 from phloem.kernels.triton._env import parse_config
@@ -414,7 +414,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
         BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks, DEFER=defer,
         KEEP=defer and CONV_KEEP, ROUTE=call.route is not None,
         BE=triton.next_power_of_2(router_t.shape[1]) if call.route is not None else 1, COPIES=ROUTE_COPIES,
-        SUMSQ=call.route is not None and acc.shape[1] > router_t.shape[1],
+        SUMSQ=call.route is not None and has_sumsq(acc, router_t.shape[1]),
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
         **({"maxnreg": c.max_registers} if c.max_registers else {}),
     )  # fmt: skip
@@ -530,9 +530,7 @@ def _route_operands(
     cols = router_t.shape[-1]
     fits = (
         residual.numel() == num_n and router_t.shape == (num_n, cols) and router_t.is_contiguous()
-        and post_norm_w.shape == (num_n,) and acc.shape[0] == ROUTE_COPIES and acc.shape[1] in (cols, cols + 1)
-        and acc.is_contiguous()
-        and acc.dtype == torch.int64 and router_t.dtype == residual.dtype
+        and post_norm_w.shape == (num_n,) and acc_fits(acc, cols) and router_t.dtype == residual.dtype
     )  # fmt: skip
     return (_row(residual), router_t, post_norm_w, acc) if fits else None
 

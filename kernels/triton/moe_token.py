@@ -50,7 +50,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from phloem.kernels.triton._env import env_config
 from phloem.kernels.triton._device import balanced_grid
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
-from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, SUMSQ_SCALE
+from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, SUMSQ_SCALE, has_sumsq
 from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert, select_in
 
 __all__ = ["DEFAULT_CONFIG", "MAX_SLOTS", "MoeTokenConfig", "covered", "launch_gate_up"]
@@ -213,6 +213,6 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
         S=num_slots, H=hidden, INTER=inter, KP=triton.next_power_of_2(hidden), BLOCK_N=c.block_n,
         ROUTE=route is not None, BE=triton.next_power_of_2(w_gate_up.shape[0] - 1) if route is not None else 1,
         BR=triton.next_power_of_2(max(num_slots - 1, 1)), RENORMALIZE=renormalize,
-        PARTIAL=partial is not None, COPIES=ROUTE_COPIES, SUMSQ=partial is not None and acc.shape[-1] > experts + 1,
+        PARTIAL=partial is not None, COPIES=ROUTE_COPIES, SUMSQ=partial is not None and has_sumsq(acc, experts + 1),
         num_warps=c.num_warps, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip

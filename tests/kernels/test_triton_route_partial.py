@@ -153,3 +153,16 @@ def test_accumulator_rows_are_a_power_of_two() -> None:
     for bad in ("0", "3", "-2", "four"):
         with pytest.raises(ValueError, match="PHLOEM_ROUTE_COPIES: expected a power of two"):
             route_partial._copies(bad)
+
+
+def test_the_kernels_take_only_accumulators_of_the_format() -> None:
+    """``acc_fits``: ROUTE_COPIES contiguous int64 rows of E + 1 columns, or E + 2 with the sum of
+    squares; anything else goes to the references."""
+    acc = route_partial.new_route_acc(9, DEVICE, False)
+    assert route_partial.acc_fits(acc, 9) and not route_partial.has_sumsq(acc, 9)
+    with_sq = route_partial.new_route_acc(9, DEVICE, True)
+    assert route_partial.acc_fits(with_sq, 9) and route_partial.has_sumsq(with_sq, 9)
+    assert not route_partial.acc_fits(acc, 7)  # another width
+    assert not route_partial.acc_fits(acc.to(torch.int32), 9)
+    assert not route_partial.acc_fits(acc[:1], 9)  # too few rows
+    assert not route_partial.acc_fits(torch.zeros(9, route_partial.ROUTE_COPIES, dtype=torch.int64).t(), 9)  # strided
