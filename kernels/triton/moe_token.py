@@ -40,6 +40,7 @@ SMs, none of its programs is resident to prefetch).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -51,7 +52,7 @@ from phloem.kernels.triton._env import env_config
 from phloem.kernels.triton._device import balanced_grid
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, SUMSQ_SCALE, has_sumsq
-from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert, select_in
+from phloem.kernels.triton.moe_route import MAX_EXPERTS, PACKED_SELECT, route_row, select_expert, select_in, select_packed
 
 __all__ = ["DEFAULT_CONFIG", "MAX_SLOTS", "MoeTokenConfig", "covered", "launch_gate_up"]
 
@@ -77,6 +78,9 @@ def _env_config() -> MoeTokenConfig | None:
 
 
 DEFAULT_CONFIG = _env_config() or _H200_CONFIG
+# With the router partial, the accumulator's loads issued right after ``gdc_wait`` with s's, not
+# after the norm's reduction (PHLOEM_ROUTE_EARLY_ACC=0: after; module-level for A/B sweeps).
+EARLY_ACC = os.environ.get("PHLOEM_ROUTE_EARLY_ACC", "1").strip() != "0"
 
 
 @triton.jit
@@ -91,14 +95,19 @@ def _gate_up_tile(p_w, e, i_blk, o_b, o_k, m_k, H: tl.constexpr, INTER: tl.const
 
 
 @triton.jit
-def _partial_logits(p_acc, o_e, E_LAST, AW, b_rstd, scale, COPIES: tl.constexpr, dtype: tl.constexpr):
-    """The routed logits ``rstd(s) · u`` (``kernels/route_partial.py``; accumulator rows ``AW`` apart)
-    in ``dtype`` as fp32, ``-inf`` past the ``E_LAST`` routed experts."""
-    m_e = o_e < E_LAST
+def _acc_sums(p_acc, o_e, E_LAST, AW, COPIES: tl.constexpr):
+    """The accumulator's rows (``AW`` apart) summed: ``u`` of the ``E_LAST`` routed experts in fixed
+    point (int64; 0 past them)."""
     o_c = tl.arange(0, COPIES)
-    b_u = tl.sum(tl.load(p_acc + o_c[:, None] * AW + o_e[None, :], mask=m_e[None, :], other=0), axis=0)
+    return tl.sum(tl.load(p_acc + o_c[:, None] * AW + o_e[None, :], mask=(o_e < E_LAST)[None, :], other=0), axis=0)
+
+
+@triton.jit
+def _partial_logits(b_u, o_e, E_LAST, b_rstd, scale, dtype: tl.constexpr):
+    """The routed logits ``rstd(s) · u`` (``kernels/route_partial.py``) in ``dtype`` as fp32, ``-inf``
+    past the ``E_LAST`` routed experts."""
     b_l = (b_u.to(tl.float32) * (1.0 / scale) * b_rstd).to(dtype).to(tl.float32)
-    return tl.where(m_e, b_l, -float("inf"))
+    return tl.where(o_e < E_LAST, b_l, -float("inf"))
 
 
 @triton.jit(do_not_specialize=["E_LAST"])
@@ -106,7 +115,7 @@ def _gate_up_token_kernel(
     p_x, p_w, p_ids, p_act, p_logits, p_tw, E_LAST, NUM_P, p_nw, eps, p_acc, AW, scale, sq_scale,
     S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
     ROUTE: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PARTIAL: tl.constexpr, COPIES: tl.constexpr, SUMSQ: tl.constexpr,
+    PARTIAL: tl.constexpr, COPIES: tl.constexpr, SUMSQ: tl.constexpr, PACKED: tl.constexpr, EARLY_ACC: tl.constexpr,
 ):  # fmt: skip
     # Slot-major: NUM_P programs per slot, each walking the slot's blocks p, p + NUM_P, ...
     i_p = tl.program_id(0)
@@ -127,16 +136,23 @@ def _gate_up_token_kernel(
         # (The norm weight is loaded here, not before the wait: held across it, its 2048 values
         # cost 16 registers a thread for the whole walk.)
         dtype = p_x.dtype.element_ty
+        o_e = tl.arange(0, BE)
+        if EARLY_ACC:  # the sums' loads issued with s's: one memory latency before the routing, not two
+            b_us = _acc_sums(p_acc, o_e, E_LAST, AW, COPIES)
+            if SUMSQ:
+                b_sq = tl.sum(tl.load(p_acc + tl.arange(0, COPIES) * AW + E_LAST + 1), axis=0)
         b_s = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_nw = tl.load(p_nw + o_k, mask=m_k, other=0.0).to(tl.float32)
         if SUMSQ:  # the projection before added Σ s² too: no reduction of s before the routing
-            b_sq = tl.sum(tl.load(p_acc + tl.arange(0, COPIES) * AW + E_LAST + 1), axis=0)
+            if not EARLY_ACC:
+                b_sq = tl.sum(tl.load(p_acc + tl.arange(0, COPIES) * AW + E_LAST + 1), axis=0)
             b_rstd = tl.rsqrt(b_sq.to(tl.float32) * (1.0 / sq_scale) / H + eps)
         else:
             b_rstd = tl.rsqrt(tl.sum(b_s * b_s) / H + eps)
         b_x = (b_s * b_rstd * (1.0 + b_nw)).to(dtype).to(tl.float32)
-        o_e = tl.arange(0, BE)
-        b_l = _partial_logits(p_acc, o_e, E_LAST, AW, b_rstd, scale, COPIES, dtype)
+        if not EARLY_ACC:
+            b_us = _acc_sums(p_acc, o_e, E_LAST, AW, COPIES)
+        b_l = _partial_logits(b_us, o_e, E_LAST, b_rstd, scale, dtype)
     else:
         b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
     if ROUTE:
@@ -145,9 +161,12 @@ def _gate_up_token_kernel(
         e = E_LAST.to(tl.int64)
         if s != S - 1:
             if PARTIAL:
-                e = select_in(b_l, o_e, s).to(tl.int64)
+                if PACKED:
+                    e = select_packed(b_l, o_e, s).to(tl.int64)
+                else:
+                    e = select_in(b_l, o_e, s).to(tl.int64)
             else:
-                e = select_expert(p_logits, s, E_LAST, BE).to(tl.int64)
+                e = select_expert(p_logits, s, E_LAST, BE, PACKED).to(tl.int64)
     else:
         e = tl.load(p_ids + s)
     if (s != S - 1) | (e != E_LAST):  # not the tile loaded before the wait
@@ -214,5 +233,6 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
         ROUTE=route is not None, BE=triton.next_power_of_2(w_gate_up.shape[0] - 1) if route is not None else 1,
         BR=triton.next_power_of_2(max(num_slots - 1, 1)), RENORMALIZE=renormalize,
         PARTIAL=partial is not None, COPIES=ROUTE_COPIES, SUMSQ=partial is not None and has_sumsq(acc, experts + 1),
+        PACKED=PACKED_SELECT and (x if partial is not None else logits).dtype == torch.bfloat16, EARLY_ACC=EARLY_ACC,
         num_warps=c.num_warps, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip
