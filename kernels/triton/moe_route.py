@@ -24,8 +24,6 @@ the reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -33,13 +31,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
-__all__ = ["PACKED_SELECT", "moe_route", "moe_route_shared", "route_row", "select_expert", "select_in", "select_packed"]
+__all__ = ["moe_route", "moe_route_shared", "route_row", "select_expert", "select_in"]
 
 MAX_EXPERTS = 1024
-# The experts' programs select on packed int32 keys where the logits are bf16 (``select_packed``:
-# one integer max a round instead of an arg-max over value and index pairs); PHLOEM_ROUTE_SELECT
-# =argmax keeps ``select_in`` (module-level for A/B sweeps; the same ids either way).
-PACKED_SELECT = os.environ.get("PHLOEM_ROUTE_SELECT", "packed").strip() != "argmax"
 # One warp: the top-k rounds are serial reductions and cross-warp ones cost more than they save
 # (H200, 256 experts: 2.4 us with 1 warp, 3.4 us with 4).
 
@@ -84,14 +78,12 @@ def route_row(
 
 
 @triton.jit
-def select_expert(p_logits, j, E, BE: tl.constexpr, PACKED: tl.constexpr = False):
+def select_expert(p_logits, j, E, BE: tl.constexpr):
     """The id ``route_row`` puts in slot ``j`` (the ``j``-th largest of the ``E`` logits, ties to the
     lowest id), found alone: ``j + 1`` arg-max rounds (``kernels.triton.fused_moe`` routes in the
-    experts' programs with it). ``PACKED``: the logits are bf16 (``select_packed``)."""
+    experts' programs with it)."""
     o_e = tl.arange(0, BE)
     b_l = tl.load(p_logits + o_e, mask=o_e < E, other=-float("inf")).to(tl.float32)
-    if PACKED:
-        return select_packed(b_l, o_e, j)
     return select_in(b_l, o_e, j)
 
 
@@ -103,25 +95,6 @@ def select_in(b_l, o_e, j):
         _, i_sel = tl.max(b_l, 0, return_indices=True, return_indices_tie_break_left=True)
         b_l = tl.where(o_e == i_sel, -float("inf"), b_l)
     return i_sel
-
-
-@triton.jit
-def select_packed(b_l, o_e, j):
-    """``select_in`` for logits that are bf16 values (held as fp32; ``-inf`` past the experts) and at
-    most 65536 experts: the same id, with one int32 max a round.
-
-    Each logit becomes one key: the high 16 bits order as the value (the fp32 bits as a signed
-    integer, the magnitude bits flipped for negatives; a bf16 value's low 16 bits are zero), the low
-    16 bits ``65535 - e``, so among equal values the lowest id holds the largest key, as the
-    arg-max's tie-break takes it. Keys are distinct: a round's maximum is one expert, knocked out
-    by key. ``-0.0`` is keyed as ``+0.0`` (equal logits, one order)."""
-    b_b = tl.where(b_l == 0.0, 0.0, b_l).to(tl.int32, bitcast=True)
-    b_k = (tl.where(b_b < 0, b_b ^ 0x7FFFFFFF, b_b) & -65536) | (65535 - o_e)
-    b_top = tl.zeros([], dtype=tl.int32)
-    for _ in range(0, j + 1):
-        b_top = tl.max(b_k, 0)
-        b_k = tl.where(b_k == b_top, -2147483648, b_k)
-    return 65535 - (b_top & 65535)
 
 
 @triton.jit

@@ -52,7 +52,7 @@ from phloem.kernels.triton._env import env_config
 from phloem.kernels.triton._device import balanced_grid
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, SUMSQ_SCALE, has_sumsq
-from phloem.kernels.triton.moe_route import MAX_EXPERTS, PACKED_SELECT, route_row, select_expert, select_in, select_packed
+from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert, select_in
 
 __all__ = ["DEFAULT_CONFIG", "MAX_SLOTS", "MoeTokenConfig", "covered", "launch_gate_up"]
 
@@ -115,7 +115,7 @@ def _gate_up_token_kernel(
     p_x, p_w, p_ids, p_act, p_logits, p_tw, E_LAST, NUM_P, p_nw, eps, p_acc, AW, scale, sq_scale,
     S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
     ROUTE: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PARTIAL: tl.constexpr, COPIES: tl.constexpr, SUMSQ: tl.constexpr, PACKED: tl.constexpr, EARLY_ACC: tl.constexpr,
+    PARTIAL: tl.constexpr, COPIES: tl.constexpr, SUMSQ: tl.constexpr, EARLY_ACC: tl.constexpr,
 ):  # fmt: skip
     # Slot-major: NUM_P programs per slot, each walking the slot's blocks p, p + NUM_P, ...
     i_p = tl.program_id(0)
@@ -161,12 +161,9 @@ def _gate_up_token_kernel(
         e = E_LAST.to(tl.int64)
         if s != S - 1:
             if PARTIAL:
-                if PACKED:
-                    e = select_packed(b_l, o_e, s).to(tl.int64)
-                else:
-                    e = select_in(b_l, o_e, s).to(tl.int64)
+                e = select_in(b_l, o_e, s).to(tl.int64)
             else:
-                e = select_expert(p_logits, s, E_LAST, BE, PACKED).to(tl.int64)
+                e = select_expert(p_logits, s, E_LAST, BE).to(tl.int64)
     else:
         e = tl.load(p_ids + s)
     if (s != S - 1) | (e != E_LAST):  # not the tile loaded before the wait
@@ -232,7 +229,6 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
         S=num_slots, H=hidden, INTER=inter, KP=triton.next_power_of_2(hidden), BLOCK_N=c.block_n,
         ROUTE=route is not None, BE=triton.next_power_of_2(w_gate_up.shape[0] - 1) if route is not None else 1,
         BR=triton.next_power_of_2(max(num_slots - 1, 1)), RENORMALIZE=renormalize,
-        PARTIAL=partial is not None, COPIES=ROUTE_COPIES, SUMSQ=partial is not None and has_sumsq(acc, experts + 1),
-        PACKED=PACKED_SELECT and (x if partial is not None else logits).dtype == torch.bfloat16, EARLY_ACC=EARLY_ACC,
+        PARTIAL=partial is not None, COPIES=ROUTE_COPIES, SUMSQ=partial is not None and has_sumsq(acc, experts + 1), EARLY_ACC=EARLY_ACC,
         num_warps=c.num_warps, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip

@@ -9,11 +9,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
 from phloem.kernels.moe import moe_route as reference  # noqa: E402
-from phloem.kernels.triton.moe_route import moe_route, select_expert  # noqa: E402
+from phloem.kernels.triton.moe_route import moe_route  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -88,34 +85,3 @@ def test_rejects_bad_sizes(num_experts, top_k) -> None:
 @pytest.mark.parametrize("num_tokens", [1, 8, 4096])
 def test_real_routers_on_cuda(assert_close, num_tokens, num_experts, top_k, dtype) -> None:
     _check(assert_close, _logits(num_tokens, num_experts, dtype=dtype, seed=2), top_k, renormalize=True)
-
-
-@triton.jit
-def _select_kernel(p_logits, p_out, E, BE: tl.constexpr, PACKED: tl.constexpr):
-    """Slot ``program_id``'s expert by ``select_expert`` (arg-max rounds, or packed keys)."""
-    j = tl.program_id(0)
-    tl.store(p_out + j, select_expert(p_logits, j, E, BE, PACKED))
-
-
-@pytest.mark.parametrize("num_experts", [7, 64, 256])
-def test_packed_select_matches_argmax_rounds(num_experts: int) -> None:
-    """``select_packed`` (bf16 logits as int32 keys) picks every slot's expert as the arg-max rounds
-    do, on logits full of ties: few distinct values, both zeros, negatives, a padded tail. (No -inf
-    logit: the rounds knock an expert out to -inf, so past the finite logits they would take a
-    knocked-out one again; the packed keys rank those below every logit.)"""
-    gen = torch.Generator().manual_seed(num_experts)
-    values = torch.tensor([-3.0e38, -0.5, -0.0, 0.0, -0.0, 0.0, 1e-30, 2.0])  # zeros near the top
-    rows = [values[torch.randint(len(values), (num_experts,), generator=gen)],
-            (torch.randn(num_experts, generator=gen) * 4).bfloat16().float()]  # fmt: skip
-    for row in rows:
-        logits = row.to(DEVICE, torch.bfloat16)
-        slots = min(num_experts, 24)  # (each slot's rounds are serial: the interpreter's time)
-        got = {}
-        for packed in (False, True):
-            out = torch.full((slots,), -1, dtype=torch.int32, device=DEVICE)
-            _select_kernel[(slots,)](logits, out, num_experts, BE=triton.next_power_of_2(num_experts), PACKED=packed)
-            got[packed] = out.tolist()
-        # The arg-max rounds: descending value, ties to the lowest id (-0.0 equal to 0.0).
-        expected = sorted(range(num_experts), key=lambda e: (-logits[e].float().item(), e))[:slots]
-        assert got[False] == expected
-        assert got[True] == expected

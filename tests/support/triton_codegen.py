@@ -145,13 +145,12 @@ def moe_token() -> None:
 
     moe = {"S": 9, "H": 2048, "INTER": 512, "COPIES": 4}
     # ids given / routed from the router logits / from the router partial's accumulator (and its Σ s²);
-    # routing on packed keys or by arg-max rounds, the accumulator loaded early or late
-    for route, partial, sumsq, packed, early in ((False, False, False, False, True), (True, False, False, True, True),
-                                                 (True, False, False, False, True), (True, True, False, True, True),
-                                                 (True, True, True, True, True), (True, True, True, False, False)):  # fmt: skip
+    # the accumulator loaded early or late
+    for route, partial, sumsq, early in ((False, False, False, True), (True, False, False, True), (True, True, False, True),
+                                         (True, True, True, True), (True, True, False, False)):  # fmt: skip
         compile_for_h200(_gate_up_token_kernel, _all("p_x p_w p_act p_logits p_tw p_nw", "*bf16") | _all("p_ids p_acc", "*i64"),
                          moe | {"KP": 2048, "BLOCK_N": 4, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True,
-                                "PARTIAL": partial, "SUMSQ": sumsq, "PACKED": packed, "EARLY_ACC": early},
+                                "PARTIAL": partial, "SUMSQ": sumsq, "EARLY_ACC": early},
                          floats=frozenset({"eps", "scale", "sq_scale"}))  # fmt: skip
 
 
