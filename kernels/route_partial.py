@@ -23,12 +23,6 @@ Triton down stage, after its wait), so the next call of the layer starts from ze
 its accumulator (``engine.models._moe.SparseMoe``). Range: ``|u| < 2^31`` (a residual stream of
 norm ~1e6 at the 35B-A3B shape), resolution ``2^-32``.
 
-**The norm's sum of squares** (``PHLOEM_ROUTE_SUMSQ=1``, off by default, for sweeps): the
-accumulator gets one more column, ``Σ s²`` in fixed point ``2^16`` (range ``< 2^47``), which the
-projection's programs add with their rows' terms; the experts' programs then take ``rstd(s)`` from
-it instead of reducing ``s`` themselves before they can route. The format is the accumulator's
-width (``E + 2`` columns): every op here and in the kernels reads it from the shape.
-
 **Numerics against the unfused router.** The experts read the same ``normed`` bits (the same
 formula, ``kernels.norm.rms_norm``). The logits are not the router's bits: the router multiplies
 ``normed`` rounded to the model dtype, this path the unrounded ``s · rstd · (1 + w)``, one
@@ -47,15 +41,11 @@ from phloem.kernels.moe import fused_moe_routed
 __all__ = [
     "ROUTE_COPIES",
     "ROUTE_SCALE",
-    "ROUTE_SUMSQ",
-    "SUMSQ_SCALE",
     "acc_fits",
     "add_route_partial",
     "fused_moe_route_partial",
-    "has_sumsq",
     "new_route_acc",
     "route_logits",
-    "route_rstd",
 ]
 
 
@@ -77,27 +67,18 @@ def _copies(text: str) -> int:
 # fifteenth session).
 ROUTE_COPIES = _copies(os.environ.get("PHLOEM_ROUTE_COPIES", "4"))
 ROUTE_SCALE = 2.0**32
-SUMSQ_SCALE = 2.0**16
-ROUTE_SUMSQ = os.environ.get("PHLOEM_ROUTE_SUMSQ", "").strip() == "1"
 
 
-def new_route_acc(num_cols: int, device: torch.device, sumsq: bool | None = None) -> torch.Tensor:
-    """A zeroed accumulator for ``num_cols`` (= E + 1) logits, and the norm's sum of squares where
-    ``sumsq`` (None: ``PHLOEM_ROUTE_SUMSQ``)."""
-    extra = int(ROUTE_SUMSQ if sumsq is None else sumsq)
-    return torch.zeros((ROUTE_COPIES, num_cols + extra), dtype=torch.int64, device=device)
-
-
-def has_sumsq(acc: torch.Tensor, num_cols: int) -> bool:
-    """``acc`` for ``num_cols`` logits carries the norm's sum of squares (one column more)."""
-    return acc.shape[-1] > num_cols
+def new_route_acc(num_cols: int, device: torch.device) -> torch.Tensor:
+    """A zeroed accumulator for ``num_cols`` (= E + 1) logits."""
+    return torch.zeros((ROUTE_COPIES, num_cols), dtype=torch.int64, device=device)
 
 
 def acc_fits(acc: torch.Tensor, num_cols: int) -> bool:
     """``acc`` is an accumulator of this format for ``num_cols`` logits, as the kernels read it:
-    ``ROUTE_COPIES`` contiguous int64 rows of ``num_cols`` columns, or one more (``has_sumsq``)."""
+    ``ROUTE_COPIES`` contiguous int64 rows of ``num_cols`` columns."""
     return (
-        acc.dim() == 2 and acc.shape[0] == ROUTE_COPIES and acc.shape[1] in (num_cols, num_cols + 1)
+        acc.dim() == 2 and acc.shape[0] == ROUTE_COPIES and acc.shape[1] == num_cols
         and acc.dtype == torch.int64 and acc.is_contiguous()
     )  # fmt: skip
 
@@ -107,30 +88,18 @@ def add_route_partial(
 ) -> torch.Tensor:
     """``s = y + residual`` (rounded to ``y.dtype``, as ``kernels.norm.add_rms_norm``) for one row
     ``[1, H]``; adds ``u = (s · (1 + norm_w)) @ router_t`` (fp32, ``router_t`` ``[H, E + 1]``: the
-    router transposed) into ``acc`` in fixed point, and ``Σ s²`` where ``acc`` has its column.
-    Returns ``s``."""
+    router transposed) into ``acc`` in fixed point. Returns ``s``."""
     s = y + residual
     cols = router_t.shape[1]
     u = (s.float() * (1.0 + norm_w.float())) @ router_t.float()
-    acc[0, :cols] += (u[0] * ROUTE_SCALE).to(torch.int64)
-    if has_sumsq(acc, cols):
-        acc[0, cols] += (s.float().pow(2).sum() * SUMSQ_SCALE).to(torch.int64)
+    acc[0] += (u[0] * ROUTE_SCALE).to(torch.int64)
     return s
 
 
-def route_logits(acc: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype, num_cols: int) -> torch.Tensor:
-    """``[1, num_cols]`` (= E + 1) logits in ``dtype`` from the accumulator and ``rstd(s)`` ``[1, 1]``."""
-    u = acc[:, :num_cols].sum(0, keepdim=True).to(torch.float32) * (1.0 / ROUTE_SCALE)
+def route_logits(acc: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, E + 1]`` logits in ``dtype`` from the accumulator and ``rstd(s)`` ``[1, 1]``."""
+    u = acc.sum(0, keepdim=True).to(torch.float32) * (1.0 / ROUTE_SCALE)
     return (u * rstd).to(dtype)
-
-
-def route_rstd(acc: torch.Tensor, s: torch.Tensor, eps: float, num_cols: int) -> torch.Tensor:
-    """``rsqrt(mean(s²) + eps)`` ``[1, 1]`` in fp32: from the accumulator's sum of squares where it
-    has that column, else from ``s`` (``kernels.norm``'s formula)."""
-    if has_sumsq(acc, num_cols):
-        total = acc[:, num_cols].sum().to(torch.float32) * (1.0 / SUMSQ_SCALE)
-        return torch.rsqrt(total / s.shape[-1] + eps).reshape(1, 1)
-    return torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
 def fused_moe_route_partial(
@@ -146,9 +115,8 @@ def fused_moe_route_partial(
     """The MoE block of one row from the residual sum ``s`` ``[1, H]`` and the accumulator: the
     layer's norm (``norm_w``, ``eps``), the logits ``rstd(s) · u``, routing and experts as
     ``kernels.moe.fused_moe_routed``. Zeroes ``acc``."""
-    num_cols = w_gate_up.shape[0]  # the routed experts and the shared one: the router's rows
-    rstd = route_rstd(acc, s, eps, num_cols)
+    rstd = torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + eps)  # kernels.norm's formula
     normed = (s.float() * rstd * (1.0 + norm_w.float())).to(s.dtype)
-    logits = route_logits(acc, rstd, s.dtype, num_cols)
+    logits = route_logits(acc, rstd, s.dtype)
     acc.zero_()
     return fused_moe_routed(normed, logits, w_gate_up, w_down, top_k, renormalize)

@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, SUMSQ_SCALE, acc_fits, add_route_partial, has_sumsq
+from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, acc_fits, add_route_partial
 from phloem.kernels.triton import conv1d_update, norm
 from phloem.kernels.triton._device import balanced_grid
 from phloem.kernels.triton._env import parse_config
@@ -182,11 +182,11 @@ def gemv_kernel(
     p_x, p_w, p_y, N, K, s_wn,
     p_a, p_nw, p_res, p_normed, eps,
     p_cw, p_cs, p_read, p_write, s_cw, s_cn, s_cd, CONV_N,
-    p_h, p_rt, p_pw, p_acc, E1, AW, scale, sq_scale,
+    p_h, p_rt, p_pw, p_acc, E1, scale,
     PRO: tl.constexpr, CONV: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_A: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr, HEAD: tl.constexpr,
     KC: tl.constexpr, BKC: tl.constexpr, CONV_BLOCKS: tl.constexpr, DEFER: tl.constexpr, KEEP: tl.constexpr,
-    ROUTE: tl.constexpr, BE: tl.constexpr, COPIES: tl.constexpr, SUMSQ: tl.constexpr,
+    ROUTE: tl.constexpr, BE: tl.constexpr, COPIES: tl.constexpr,
 ):  # fmt: skip
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -198,7 +198,6 @@ def gemv_kernel(
         o_e = tl.arange(0, BE)
         m_e = o_e < E1
         b_route = tl.zeros([BE], dtype=tl.float32)
-        b_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
         if PREFETCH:  # the router's rows and norm weights of the first block, before the wait
             b_rt = _route_tile(p_rt, o_first, N, o_e, m_e, E1)
             b_pw = tl.load(p_pw + o_first, mask=o_first < N, other=0.0)
@@ -271,8 +270,6 @@ def gemv_kernel(
             b_s = (b_y.to(tl.float32) + b_hc.to(tl.float32)).to(p_y.dtype.element_ty)
             tl.store(p_y + o_n, b_s, mask=m_n)
             b_route += tl.sum(b_rtc.to(tl.float32) * (b_s.to(tl.float32) * (1.0 + b_pwc.to(tl.float32)))[:, None], axis=0)
-            if SUMSQ:
-                b_sq += b_s.to(tl.float32) * b_s.to(tl.float32)
         elif KEEP:
             # A conv row's projection is kept for the update after the walk, which stores its only
             # value (a store here too would race that one: another thread, no barrier between).
@@ -283,10 +280,8 @@ def gemv_kernel(
     if ROUTE:
         # This program's terms in fixed point (kernels/route_partial.py): integer sums, the same
         # bits whatever order the programs add in.
-        p_row = p_acc + (i_p % COPIES) * AW
+        p_row = p_acc + (i_p % COPIES) * E1
         tl.atomic_add(p_row + o_e, (b_route * scale).to(tl.int64), mask=m_e, sem="relaxed")
-        if SUMSQ:  # the norm's sum of squares in the column past the logits
-            tl.atomic_add(p_row + E1, (tl.sum(b_sq) * sq_scale).to(tl.int64), sem="relaxed")
     if KEEP:
         # The conv update after the walk from the projections kept in registers: no barrier and no
         # read back of this program's stores.
@@ -405,8 +400,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
         call.normed if call.normed is not None else x, call.eps,
         conv_w, conv_s, r_slot, w_slot, conv_w.stride(0), conv_s.stride(0), conv_s.stride(1) if conv_s.dim() > 1 else 0,
         conv_w.shape[0] if call.conv is not None else 0,
-        h, router_t, post_w, acc, router_t.shape[1] if call.route is not None else 1,
-        acc.shape[1] if call.route is not None else 1, ROUTE_SCALE, SUMSQ_SCALE,
+        h, router_t, post_w, acc, router_t.shape[1] if call.route is not None else 1, ROUTE_SCALE,
         PRO=pro, CONV=call.conv is not None, KP=triton.next_power_of_2(num_k), BLOCK_N=c.block_n, PREFETCH=c.prefetch,
         HAS_A=call.a is not None, WRITE_NORMED=call.normed is not None,
         ROUND_WEIGHTED=torch.promote_types(nw.dtype, x.dtype) == x.dtype, HEAD=call.head,
@@ -414,7 +408,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
         BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks, DEFER=defer,
         KEEP=defer and CONV_KEEP, ROUTE=call.route is not None,
         BE=triton.next_power_of_2(router_t.shape[1]) if call.route is not None else 1, COPIES=ROUTE_COPIES,
-        SUMSQ=call.route is not None and has_sumsq(acc, router_t.shape[1]),
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
         **({"maxnreg": c.max_registers} if c.max_registers else {}),
     )  # fmt: skip

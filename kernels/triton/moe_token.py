@@ -15,9 +15,9 @@ reads; the sixth session's kernel (``fused_moe._gate_up_kernel``) ran 1152 progr
 waves, each routing again.
 
 With the router folded into the projection before it (``kernels/route_partial.py``, ``partial``)
-``x`` is the residual sum ``s``: every program computes ``rstd(s)`` (or reads it from the
-accumulator's sum of squares) and ``normed`` itself, the logits from the accumulator's rows, and
-routes on them (``moe_route.select_in``); the last program writes the logits out for ``route_row``.
+``x`` is the residual sum ``s``: every program computes ``rstd(s)`` and ``normed`` itself, the
+logits from the accumulator's rows (loaded first), and routes on them (``moe_route.select_in``); the
+last program writes the logits out for ``route_row``.
 
 Under programmatic dependent launch (``kernels/triton/_pdl.py``) a kernel may load, before its
 ``gdc_wait``, only what no kernel before it in the step writes: the weights, not the ids. The last
@@ -40,7 +40,6 @@ SMs, none of its programs is resident to prefetch).
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -51,7 +50,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from phloem.kernels.triton._env import env_config
 from phloem.kernels.triton._device import balanced_grid
 from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
-from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, SUMSQ_SCALE, has_sumsq
+from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE
 from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert, select_in
 
 __all__ = ["DEFAULT_CONFIG", "MAX_SLOTS", "MoeTokenConfig", "covered", "launch_gate_up"]
@@ -78,9 +77,6 @@ def _env_config() -> MoeTokenConfig | None:
 
 
 DEFAULT_CONFIG = _env_config() or _H200_CONFIG
-# With the router partial, the accumulator's loads issued right after ``gdc_wait`` with s's, not
-# after the norm's reduction (PHLOEM_ROUTE_EARLY_ACC=0: after; module-level for A/B sweeps).
-EARLY_ACC = os.environ.get("PHLOEM_ROUTE_EARLY_ACC", "1").strip() != "0"
 
 
 @triton.jit
@@ -95,11 +91,11 @@ def _gate_up_tile(p_w, e, i_blk, o_b, o_k, m_k, H: tl.constexpr, INTER: tl.const
 
 
 @triton.jit
-def _acc_sums(p_acc, o_e, E_LAST, AW, COPIES: tl.constexpr):
-    """The accumulator's rows (``AW`` apart) summed: ``u`` of the ``E_LAST`` routed experts in fixed
+def _acc_sums(p_acc, o_e, E_LAST, COPIES: tl.constexpr):
+    """The accumulator's rows (``E_LAST + 1`` wide) summed: ``u`` of the ``E_LAST`` routed experts in fixed
     point (int64; 0 past them)."""
     o_c = tl.arange(0, COPIES)
-    return tl.sum(tl.load(p_acc + o_c[:, None] * AW + o_e[None, :], mask=(o_e < E_LAST)[None, :], other=0), axis=0)
+    return tl.sum(tl.load(p_acc + o_c[:, None] * (E_LAST + 1) + o_e[None, :], mask=(o_e < E_LAST)[None, :], other=0), axis=0)
 
 
 @triton.jit
@@ -112,10 +108,10 @@ def _partial_logits(b_u, o_e, E_LAST, b_rstd, scale, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["E_LAST"])
 def _gate_up_token_kernel(
-    p_x, p_w, p_ids, p_act, p_logits, p_tw, E_LAST, NUM_P, p_nw, eps, p_acc, AW, scale, sq_scale,
+    p_x, p_w, p_ids, p_act, p_logits, p_tw, E_LAST, NUM_P, p_nw, eps, p_acc, scale,
     S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
     ROUTE: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PARTIAL: tl.constexpr, COPIES: tl.constexpr, SUMSQ: tl.constexpr, EARLY_ACC: tl.constexpr,
+    PARTIAL: tl.constexpr, COPIES: tl.constexpr,
 ):  # fmt: skip
     # Slot-major: NUM_P programs per slot, each walking the slot's blocks p, p + NUM_P, ...
     i_p = tl.program_id(0)
@@ -132,26 +128,18 @@ def _gate_up_token_kernel(
         gdc_wait()  # the router's logits or ids, and the normed row (kernels/triton/_pdl.py)
     if PARTIAL:
         # x is the residual sum s: its norm here (kernels.norm.rms_norm's formula), and the logits
-        # from the partial sums the projection before added (kernels/route_partial.py).
-        # (The norm weight is loaded here, not before the wait: held across it, its 2048 values
-        # cost 16 registers a thread for the whole walk.)
+        # from the partial sums the projection before added (kernels/route_partial.py). The sums'
+        # loads are issued first, with s's: one memory latency before the routing, not two (after
+        # the norm's reduction, 13.4 against 12.6 µs a launch on an H200; docs/benchmarks.md,
+        # sixteenth session). (The norm weight is loaded here, not before the wait: held across
+        # it, its 2048 values cost 16 registers a thread for the whole walk.)
         dtype = p_x.dtype.element_ty
         o_e = tl.arange(0, BE)
-        if EARLY_ACC:  # the sums' loads issued with s's: one memory latency before the routing, not two
-            b_us = _acc_sums(p_acc, o_e, E_LAST, AW, COPIES)
-            if SUMSQ:
-                b_sq = tl.sum(tl.load(p_acc + tl.arange(0, COPIES) * AW + E_LAST + 1), axis=0)
+        b_us = _acc_sums(p_acc, o_e, E_LAST, COPIES)
         b_s = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_nw = tl.load(p_nw + o_k, mask=m_k, other=0.0).to(tl.float32)
-        if SUMSQ:  # the projection before added Σ s² too: no reduction of s before the routing
-            if not EARLY_ACC:
-                b_sq = tl.sum(tl.load(p_acc + tl.arange(0, COPIES) * AW + E_LAST + 1), axis=0)
-            b_rstd = tl.rsqrt(b_sq.to(tl.float32) * (1.0 / sq_scale) / H + eps)
-        else:
-            b_rstd = tl.rsqrt(tl.sum(b_s * b_s) / H + eps)
+        b_rstd = tl.rsqrt(tl.sum(b_s * b_s) / H + eps)
         b_x = (b_s * b_rstd * (1.0 + b_nw)).to(dtype).to(tl.float32)
-        if not EARLY_ACC:
-            b_us = _acc_sums(p_acc, o_e, E_LAST, AW, COPIES)
         b_l = _partial_logits(b_us, o_e, E_LAST, b_rstd, scale, dtype)
     else:
         b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -187,7 +175,7 @@ def _gate_up_token_kernel(
                 # read back by route_row after a barrier (this program's own writes).
                 tl.store(p_logits + o_e, b_l.to(dtype), mask=o_e < E_LAST)
                 o_c = tl.arange(0, COPIES)
-                b_ug = tl.sum(tl.load(p_acc + o_c * AW + E_LAST), axis=0)
+                b_ug = tl.sum(tl.load(p_acc + o_c * (E_LAST + 1) + E_LAST), axis=0)
                 tl.store(p_logits + E_LAST, (b_ug.to(tl.float32) * (1.0 / scale) * b_rstd).to(dtype))
                 tl.debug_barrier()
             route_row(p_logits, p_tw, p_ids, E_LAST, S - 1, BE, BR, RENORMALIZE, True)
@@ -224,11 +212,10 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
         raise ValueError(f"need unit-stride logits [1, E + 1] for E + 1 = {experts + 1} experts, 1 <= top_k <= E <= {MAX_EXPERTS}, "
                          f"got logits {tuple(logits.shape)} strides {logits.stride()}, {num_slots - 1} routed slots")  # fmt: skip
     _gate_up_token_kernel[(num_slots * per_slot,)](
-        x, w_gate_up, ids, act, logits, tw, w_gate_up.shape[0] - 1, per_slot, norm_w, eps, acc, acc.shape[-1],
-        ROUTE_SCALE, SUMSQ_SCALE,
+        x, w_gate_up, ids, act, logits, tw, w_gate_up.shape[0] - 1, per_slot, norm_w, eps, acc, ROUTE_SCALE,
         S=num_slots, H=hidden, INTER=inter, KP=triton.next_power_of_2(hidden), BLOCK_N=c.block_n,
         ROUTE=route is not None, BE=triton.next_power_of_2(w_gate_up.shape[0] - 1) if route is not None else 1,
         BR=triton.next_power_of_2(max(num_slots - 1, 1)), RENORMALIZE=renormalize,
-        PARTIAL=partial is not None, COPIES=ROUTE_COPIES, SUMSQ=partial is not None and has_sumsq(acc, experts + 1), EARLY_ACC=EARLY_ACC,
+        PARTIAL=partial is not None, COPIES=ROUTE_COPIES,
         num_warps=c.num_warps, launch_pdl=LAUNCH_PDL,
     )  # fmt: skip

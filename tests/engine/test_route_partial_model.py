@@ -47,21 +47,3 @@ def test_accumulators_are_zero_between_steps_and_the_router_copy_follows_edits(
     plain = Engine.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM"), **OPTIONS)
     assert plain.generate([PROMPT], PARAMS)[0].token_ids == tokens
     assert all(m._route is None for m in _moe_layers(plain))
-
-
-def test_the_norms_sum_of_squares_in_the_accumulator_gives_the_same_tokens(
-    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``PHLOEM_ROUTE_SUMSQ`` (the module flag): the accumulators get the sum-of-squares column and
-    the tokens are the ones the experts' own reduction gives (fp32)."""
-    from phloem.kernels import route_partial
-
-    monkeypatch.delenv("PHLOEM_ROUTE_PARTIAL", raising=False)
-    path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
-    tokens = Engine.from_pretrained(path, **OPTIONS).generate([PROMPT], PARAMS)[0].token_ids
-    monkeypatch.setattr(route_partial, "ROUTE_SUMSQ", True)
-    engine = Engine.from_pretrained(path, **OPTIONS)
-    assert engine.generate([PROMPT], PARAMS)[0].token_ids == tokens
-    moes = _moe_layers(engine)
-    assert all(m._route is not None and m._route[2].shape[1] == m.router.weight.shape[0] + 1 for m in moes)
-    assert all(not m._route[2].any() for m in moes if m._route is not None)

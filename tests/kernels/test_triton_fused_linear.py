@@ -103,9 +103,8 @@ def test_sigmoid_gate_linear(assert_close) -> None:
     assert_close(gemv.sigmoid_gate_linear(x, gate, w), ref.sigmoid_gate_linear(x, gate, w), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("sumsq", [False, True], ids=["", "sumsq"])
 @pytest.mark.parametrize("prologue", ["gated", "sigmoid"])
-def test_route_epilogue_adds_the_residual_and_the_routers_terms(prologue: str, sumsq: bool, assert_close) -> None:
+def test_route_epilogue_adds_the_residual_and_the_routers_terms(prologue: str, assert_close) -> None:
     """``*_linear_route`` (kernels/route_partial.py) in every layout: ``s`` as the plain projection
     plus the residual, the accumulator as the reference's (fp32; the kernel truncates each
     program's part, the reference the whole row's)."""
@@ -115,7 +114,7 @@ def test_route_epilogue_adds_the_residual_and_the_routers_terms(prologue: str, s
     x, z, gate = _randn(1, heads, d, seed=20), _randn(1, heads, d, seed=21), _randn(1, heads * d, seed=22)
     norm_w, w = _randn(d, seed=23, scale=0.1) + 1.0, _randn(n, heads * d, seed=24, scale=0.2)
     res, router_t, post_w = _randn(1, n, seed=25), _randn(n, cols, seed=26, scale=0.3), _randn(n, seed=27, scale=0.1)
-    accs = [route_partial.new_route_acc(cols, DEVICE, sumsq) for _ in range(2)]
+    accs = [route_partial.new_route_acc(cols, DEVICE) for _ in range(2)]
     outs = []
     for impl, acc in zip((gemv, ref), accs):
         if prologue == "gated":
@@ -124,10 +123,7 @@ def test_route_epilogue_adds_the_residual_and_the_routers_terms(prologue: str, s
             outs.append(impl.sigmoid_gate_linear_route(x.reshape(1, -1), gate, w, res, router_t, post_w, acc))
     assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
     got, want = (a.sum(0).double() / route_partial.ROUTE_SCALE for a in accs)
-    assert_close(got[:cols], want[:cols], atol=1e-5, rtol=1e-5)
-    if sumsq:
-        assert_close(got[cols] * route_partial.ROUTE_SCALE / route_partial.SUMSQ_SCALE,
-                     want[cols] * route_partial.ROUTE_SCALE / route_partial.SUMSQ_SCALE, atol=1e-3, rtol=1e-6)  # fmt: skip
+    assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first_layer"])

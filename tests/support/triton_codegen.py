@@ -144,14 +144,12 @@ def moe_token() -> None:
     from phloem.kernels.triton.moe_token import _gate_up_token_kernel
 
     moe = {"S": 9, "H": 2048, "INTER": 512, "COPIES": 4}
-    # ids given / routed from the router logits / from the router partial's accumulator (and its Σ s²);
-    # the accumulator loaded early or late
-    for route, partial, sumsq, early in ((False, False, False, True), (True, False, False, True), (True, True, False, True),
-                                         (True, True, True, True), (True, True, False, False)):  # fmt: skip
+    # ids given / routed from the router logits / from the router partial's accumulator
+    for route, partial in ((False, False), (True, False), (True, True)):
         compile_for_h200(_gate_up_token_kernel, _all("p_x p_w p_act p_logits p_tw p_nw", "*bf16") | _all("p_ids p_acc", "*i64"),
                          moe | {"KP": 2048, "BLOCK_N": 4, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True,
-                                "PARTIAL": partial, "SUMSQ": sumsq, "EARLY_ACC": early},
-                         floats=frozenset({"eps", "scale", "sq_scale"}))  # fmt: skip
+                                "PARTIAL": partial},
+                         floats=frozenset({"eps", "scale"}))  # fmt: skip
 
 
 def argmax() -> None:
@@ -179,10 +177,10 @@ def decode_attention() -> None:
     compile_for_h200(decode_attention_merge_kernel, pointers, common | {"BLOCK_S": 16, "BLOCK_D": 256})
 
 
-def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = True, route: int = 0) -> None:
+def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = True, route: bool = False) -> None:
     """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape (``defer``:
-    with the conv operands preloaded, the conv update after the walk, not inside it; ``route``: 1 with
-    the router partial's epilogue, 2 with its sum of squares too)."""
+    with the conv operands preloaded, the conv update after the walk, not inside it; ``route``: with
+    the router partial's epilogue)."""
     from phloem.kernels.triton.gemv import gemv_kernel
 
     pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs p_h p_rt p_pw", "*bf16") | _all("p_read p_write p_acc", "*i64")
@@ -192,9 +190,9 @@ def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = 
         "HAS_A": pro != 0, "WRITE_NORMED": pro == 1 and not conv, "ROUND_WEIGHTED": True,
         "HEAD": 128 if pro == 2 else 1, "KC": 4 if conv else 1, "BKC": 4 if conv else 1, "CONV_BLOCKS": 8 if conv and prefetch else 0,
         "DEFER": conv and prefetch and defer, "KEEP": conv and prefetch and defer and keep,
-        "ROUTE": route > 0, "BE": 512 if route else 1, "COPIES": 4, "SUMSQ": route == 2,
+        "ROUTE": route, "BE": 512 if route else 1, "COPIES": 4,
     }  # fmt: skip
-    compile_for_h200(gemv_kernel, pointers, constexprs, floats=frozenset({"eps", "scale", "sq_scale"}))
+    compile_for_h200(gemv_kernel, pointers, constexprs, floats=frozenset({"eps", "scale"}))
 
 
 CASES: dict[str, Callable[[], None]] = {
@@ -221,9 +219,8 @@ CASES: dict[str, Callable[[], None]] = {
     "add_rms_norm_conv_linear (no prefetch)": lambda: gemv(1, True, False),
     "gated_rms_norm_linear": lambda: gemv(2, False, True),
     "sigmoid_gate_linear": lambda: gemv(3, False, True),
-    "gated_rms_norm_linear_route (the router partial)": lambda: gemv(2, False, True, route=1),
-    "sigmoid_gate_linear_route (the router partial, no prefetch)": lambda: gemv(3, False, False, route=1),
-    "gated_rms_norm_linear_route (with the sum of squares)": lambda: gemv(2, False, True, route=2),
+    "gated_rms_norm_linear_route (the router partial)": lambda: gemv(2, False, True, route=True),
+    "sigmoid_gate_linear_route (the router partial, no prefetch)": lambda: gemv(3, False, False, route=True),
     "one_shot_add_rms_norm[world=2]": lambda: one_shot_norm(2),
     "one_shot_add_rms_norm[world=8]": lambda: one_shot_norm(8),
 }
