@@ -324,7 +324,7 @@ def _routed_token(
     ids = torch.empty((1, slots), dtype=torch.int64, device=x.device)
     tw = torch.empty((1, slots), dtype=logits.dtype, device=x.device)
     act, out = _token_buffers(x, w_down, slots)
-    c = config or moe_token.DEFAULT_CONFIG
+    c = config or (moe_token.PARTIAL_CONFIG if partial is not None else moe_token.DEFAULT_CONFIG)
     moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, c, (logits, tw, renormalize), partial)
     zero = partial[2] if partial is not None else None
     launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG, prefetch=DOWN_PREFETCH, zero=zero)

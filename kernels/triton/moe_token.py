@@ -53,7 +53,7 @@ from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE
 from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert, select_in
 
-__all__ = ["DEFAULT_CONFIG", "MAX_SLOTS", "MoeTokenConfig", "covered", "launch_gate_up"]
+__all__ = ["DEFAULT_CONFIG", "MAX_SLOTS", "PARTIAL_CONFIG", "MoeTokenConfig", "covered", "launch_gate_up"]
 
 
 class MoeTokenConfig(NamedTuple):
@@ -77,6 +77,11 @@ def _env_config() -> MoeTokenConfig | None:
 
 
 DEFAULT_CONFIG = _env_config() or _H200_CONFIG
+# With the router partial (``partial``): the norm and the accumulator's sums take the kernel to 136
+# registers a thread as loaded on an H200, so 3 programs an SM fit: a grid sized for 4 left a second
+# wave (2.19 ms a batch-1 step against 2.02 with this one; docs/benchmarks.md, sixteenth session).
+_H200_PARTIAL_CONFIG = MoeTokenConfig(block_n=2, num_warps=4, programs_per_sm=3)
+PARTIAL_CONFIG = _env_config() or _H200_PARTIAL_CONFIG
 
 
 @triton.jit
