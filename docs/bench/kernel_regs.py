@@ -23,6 +23,7 @@ import torch
 
 from phloem.kernels.rope import rope_inv_freq
 from phloem.kernels.triton import decode_attention as da
+from phloem.kernels.triton._device import resident_programs
 
 PAGE, HQ, HKV, D, CONTEXT = 16, 16, 2, 256, 1024
 
@@ -61,11 +62,8 @@ def report(kernels: dict, run) -> None:
         cache = kernel.device_caches[0][0]
         for key in set(cache) - before[what]:
             k = cache[key]
-            threads = 32 * k.metadata.num_warps
-            fit = min(props.max_threads_per_multi_processor // threads, 65536 // max(1, k.n_regs * threads),
-                      props.shared_memory_per_multiprocessor // max(1, k.metadata.shared))  # fmt: skip
             print(f"{what}: {k.n_regs} registers, {k.n_spills} spills, {k.metadata.shared} B shared, "
-                  f"{k.metadata.num_warps} warps, {fit} programs an SM", flush=True)  # fmt: skip
+                  f"{k.metadata.num_warps} warps, {resident_programs(k, props)} programs an SM", flush=True)  # fmt: skip
 
 
 def decode_kernels() -> None:

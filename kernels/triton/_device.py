@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
 
-__all__ = ["balanced_grid", "num_sms"]
+__all__ = ["balanced_grid", "num_sms", "resident_programs"]
 
 
 @functools.cache
@@ -28,3 +29,16 @@ def balanced_grid(tiles: int, programs_per_sm: int, device: torch.device, share:
         return tiles
     cap = max(1, programs_per_sm * num_sms(device) // share)
     return triton.cdiv(tiles, triton.cdiv(tiles, cap))
+
+
+def resident_programs(kernel: Any, props: Any) -> int:
+    """Programs of a compiled kernel (``n_regs``, ``metadata.num_warps``, ``metadata.shared``, as the
+    GPU loaded it) that fit one SM of a device with ``props`` (``torch.cuda.get_device_properties``):
+    the fewest its threads, its registers (64K an SM) and its shared memory allow. A grid sized for
+    more programs an SM leaves a second wave (docs/benchmarks.md, sixteenth session)."""
+    threads = 32 * kernel.metadata.num_warps
+    return min(
+        props.max_threads_per_multi_processor // threads,
+        65536 // max(1, kernel.n_regs * threads),
+        props.shared_memory_per_multiprocessor // max(1, kernel.metadata.shared),
+    )

@@ -76,12 +76,13 @@ def _env_config() -> MoeTokenConfig | None:
     return config
 
 
-DEFAULT_CONFIG = _env_config() or _H200_CONFIG
+_ENV_CONFIG = _env_config()
+DEFAULT_CONFIG = _ENV_CONFIG or _H200_CONFIG
 # With the router partial (``partial``): the norm and the accumulator's sums take the kernel to 136
 # registers a thread as loaded on an H200, so 3 programs an SM fit: a grid sized for 4 left a second
 # wave (2.19 ms a batch-1 step against 2.02 with this one; docs/benchmarks.md, sixteenth session).
 _H200_PARTIAL_CONFIG = MoeTokenConfig(block_n=2, num_warps=4, programs_per_sm=3)
-PARTIAL_CONFIG = _env_config() or _H200_PARTIAL_CONFIG
+PARTIAL_CONFIG = _ENV_CONFIG or _H200_PARTIAL_CONFIG
 
 
 @triton.jit

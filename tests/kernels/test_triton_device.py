@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from phloem.kernels.triton._device import balanced_grid, num_sms
+from phloem.kernels.triton._device import balanced_grid, num_sms, resident_programs
 
 CPU = torch.device("cpu")
 
@@ -27,3 +29,17 @@ def test_zero_programs_per_sm_is_one_program_per_tile() -> None:
 
 def test_off_cuda_the_grid_is_small() -> None:
     assert num_sms(CPU) == 2
+
+
+# An H200 SM: 2048 threads, 64K registers, 228 KB of shared memory.
+H200_SM = SimpleNamespace(max_threads_per_multi_processor=2048, shared_memory_per_multiprocessor=233472)
+
+
+@pytest.mark.parametrize(
+    ("regs", "warps", "shared", "fits"),
+    [(136, 4, 512, 3), (128, 4, 512, 4), (64, 8, 64, 4), (44, 4, 16, 11), (16, 4, 0, 16), (32, 4, 100_000, 2)],
+    ids=["gate_up-136", "gate_up-128", "gemv-64", "down-44", "threads", "shared"],
+)
+def test_resident_programs_is_the_tightest_of_threads_registers_and_shared(regs: int, warps: int, shared: int, fits: int) -> None:
+    kernel = SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(num_warps=warps, shared=shared))
+    assert resident_programs(kernel, H200_SM) == fits

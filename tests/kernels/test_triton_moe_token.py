@@ -119,22 +119,6 @@ def test_real_shape_bf16(assert_close, layout: str) -> None:
     assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-def _programs_an_sm(kernel, run) -> list[int]:
-    """How many programs of each variant of ``kernel`` that ``run()`` compiled fit one SM, as loaded
-    (registers, threads and shared memory; ``docs/bench/kernel_regs.py``'s rule)."""
-    props = torch.cuda.get_device_properties(0)
-    before = set(kernel.device_caches[0][0])
-    run()
-    torch.cuda.synchronize()
-    fits = []
-    for key in set(kernel.device_caches[0][0]) - before:
-        k = kernel.device_caches[0][0][key]
-        threads = 32 * k.metadata.num_warps
-        fits.append(min(props.max_threads_per_multi_processor // threads, 65536 // max(1, k.n_regs * threads),
-                        props.shared_memory_per_multiprocessor // max(1, k.metadata.shared)))  # fmt: skip
-    return fits
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_default_grids_fit_the_sm_as_loaded() -> None:
@@ -142,6 +126,7 @@ def test_the_default_grids_fit_the_sm_as_loaded() -> None:
     router partial: a grid sized for more leaves a second wave (the sixteenth session's gate/up went
     to 136 registers and its step from 2.03 to 2.19 ms with the grid still sized for 4)."""
     from phloem.kernels.route_partial import new_route_acc
+    from phloem.kernels.triton._device import resident_programs
 
     x, w_gate_up, w_down, gen = _experts(257, 2048, 512, torch.bfloat16, seed=7)
     logits = torch.randn(1, 257, generator=gen).to(DEVICE, torch.bfloat16)
@@ -151,7 +136,11 @@ def test_the_default_grids_fit_the_sm_as_loaded() -> None:
         "route partial": (moe_token.PARTIAL_CONFIG, lambda: fused_moe.fused_moe_token_route_partial(
             x, new_route_acc(257, DEVICE), torch.zeros(2048, device=DEVICE, dtype=torch.bfloat16), 1e-6, w_gate_up, w_down, 8, True)),
     }  # fmt: skip
+    props = torch.cuda.get_device_properties(0)
     for name, (config, run) in cases.items():
-        kernel.device_caches[0][0].clear()  # compile this mode's variant afresh
-        fits = _programs_an_sm(kernel, run)
+        cache = kernel.device_caches[0][0]
+        cache.clear()  # compile this mode's variant afresh
+        run()
+        torch.cuda.synchronize()
+        fits = [resident_programs(k, props) for k in cache.values()]
         assert fits and min(fits) >= config.programs_per_sm, f"{name}: {fits} programs an SM fit, the grid is sized for {config.programs_per_sm}"
