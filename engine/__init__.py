@@ -12,8 +12,8 @@ May import: ``phloem.kernels`` (and torch).
 """
 
 from phloem.engine.engine import Engine
-from phloem.engine.errors import CapacityExceeded, EngineError, InvalidRequest
+from phloem.engine.errors import CapacityExceeded, CorruptStep, EngineError, InvalidRequest
 from phloem.engine.request import RequestOutput
 from phloem.engine.sampling_params import SamplingParams
 
-__all__ = ["CapacityExceeded", "Engine", "EngineError", "InvalidRequest", "RequestOutput", "SamplingParams"]
+__all__ = ["CapacityExceeded", "CorruptStep", "Engine", "EngineError", "InvalidRequest", "RequestOutput", "SamplingParams"]

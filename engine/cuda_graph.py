@@ -90,6 +90,11 @@ class CudaGraphRunner:
         self._host = [torch.zeros(self._layout.nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self._host_views = [self._layout.views(h.numpy()) for h in self._host]
         self._host_ids = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        # Each turn's greedy ids, outside the graphs' shared memory pool: a graph captured earlier
+        # reuses as scratch the pool memory that later captures allocated their outputs from, so
+        # an id tensor of the pool would be overwritten by the next replay while the ids stream
+        # still copies it to the host (async scheduling queues that replay at once).
+        self._ids_out = [torch.zeros(n, dtype=torch.int64, device=dev) for _ in range(self.turns)]
         self._copy_stream = torch.cuda.Stream(dev)
         self._ids_stream = torch.cuda.Stream(dev)
         self._copied: list[torch.cuda.Event | None] = [None, None]  # per host buffer: its last copy done
@@ -154,29 +159,37 @@ class CudaGraphRunner:
         for turn, bs in progress(steps, len(steps), "capturing CUDA graphs", "graph", show_progress):
             batch = self._batch(bs, turn)
             copy_to = self._ids_row((turn + 1) % self.turns)[:bs]
+            ids_out = self._ids_out[turn][:bs]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._step(batch, copy_to)
+                    self._step(batch, copy_to, ids_out)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits, greedy = self._step(batch, copy_to)
+                logits, greedy = self._step(batch, copy_to, ids_out)
             pool = graph.pool()
             self.graphs.setdefault(bs, []).append(graph)
             self.logits.setdefault(bs, []).append(logits)
             self.greedy.setdefault(bs, []).append(greedy)
         torch.cuda.synchronize()
 
-    def _step(self, batch: ForwardBatch, copy_to: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _step(
+        self, batch: ForwardBatch, copy_to: torch.Tensor, ids_out: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The captured step: logits in the model's dtype (the sampler upcasts the rows it samples at
-        random; an fp32 copy of ``[bs, V]`` in the graph cost ~4 us at batch 1) and every row's
-        greedy id, so a greedy step samples nothing outside the graph. The ids are also written into
-        ``copy_to``, the next turn's input-id row: a following step of the same rows in the same
-        order takes them from there (``run``) instead of from a device-to-device copy."""
+        random) and every row's greedy id in ``ids_out``, so a greedy step samples nothing outside
+        the graph. The ids are also written into ``copy_to``, the next turn's input-id row: a
+        following step of the same rows in the same order takes them from there (``run``) instead
+        of from a device-to-device copy.
+
+        NOTE: the logits live in the graphs' shared pool: they are valid only until the next
+        replay of any graph, so whatever reads them is queued before it (the sampler is)."""
         logits = self.model.compute_logits(self.model.forward(batch, self.caches), upcast=False)
-        return logits, (self.model.greedy_ids(logits, copy_to=copy_to) if logits is not None else None)
+        if logits is None:
+            return None, None
+        return logits, self.model.greedy_ids(logits, copy_to=copy_to, out=ids_out)
 
     def _fill(self, inp: StepInputs, bs: int, turn: int, device_ids: bool = False) -> torch.cuda.Event:
         """Queue the copy of the step's rows into ``turn``'s static buffer on the copy stream (rows
@@ -225,8 +238,8 @@ class CudaGraphRunner:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Replay the smallest bucket that holds the decode step, in the next turn; returns logits
         ``[n, V]`` in the model's dtype and each row's greedy id ``[n]`` (None on a tensor-parallel
-        worker rank): views of the graph's static outputs, valid until the turn's next replay of the
-        bucket (whatever reads them is queued before it). ``input_ids`` (on the device, ``[n]``)
+        worker rank): the logits are valid until the next replay of any graph, the ids (the turn's
+        ids buffer) until the turn's next replay (whatever reads them is queued before it). ``input_ids`` (on the device, ``[n]``)
         replace the host ids: a device-to-device copy queued behind the step that sampled them, or
         none where they are the greedy ids of the graph replayed last in the same bucket (the same
         rows in the same order: that replay wrote them into this turn's input-id row, ``_step``)."""

@@ -37,7 +37,7 @@ from phloem.engine.config import (
     RunnerConfig,
     SchedulerConfig,
 )
-from phloem.engine.errors import InvalidRequest
+from phloem.engine.errors import CorruptStep, InvalidRequest
 from phloem.engine.kv_pages import PagePool
 from phloem.engine.loader import load_model
 from phloem.engine.model_runner import CausalLM, LaunchedStep, build_runner
@@ -298,7 +298,11 @@ class Engine:
                 sched, inputs, input_ids = following
                 self._queued = self.runner.launch(sched, inputs, input_ids)
                 self.num_pipelined_steps += 1
-        outputs += self._apply(launched)
+        try:
+            outputs += self._apply(launched)
+        except CorruptStep:
+            self._drop_corrupt(launched)
+            raise
         return outputs
 
     def _pipelined(self) -> bool:
@@ -310,12 +314,32 @@ class Engine:
         engine calls it before anything that reads or changes request memory from outside."""
         launched, self._queued = self._queued, None
         if launched is not None:
-            self._pending += self._apply(launched)
+            try:
+                self._pending += self._apply(launched)
+            except CorruptStep:
+                self._drop_corrupt(launched)
+                raise
+
+    def _drop_corrupt(self, launched: LaunchedStep) -> None:
+        """Abort the requests of a corrupt step and of the step queued behind it (which ran on its
+        ids), publishing nothing: their GDN state on the device is past their counters."""
+        queued, self._queued = self._queued, None
+        for step in (launched, queued):
+            for req in step.sched.requests if step is not None else ():
+                if req.status is RequestStatus.FINISHED and not req.finalizing:
+                    continue
+                req.has_state = False  # ``release`` then frees the write slot instead of publishing it
+                self.scheduler.abort(req.request_id)
+                self._requests.pop(req.request_id, None)
 
     def _apply(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Collect a launched step and advance its requests by what it computed and sampled;
         their outputs."""
         sched, result = launched.sched, self.runner.collect(launched)
+        vocab = self.model_config.vocab_size
+        impossible = {rid: t for rid, t in result.sampled.items() if not 0 <= t < vocab}
+        if impossible:
+            raise CorruptStep(f"the step sampled token ids outside the vocabulary [0, {vocab}): {impossible}")
         outputs: list[RequestOutput] = []
         for req, n in zip(sched.requests, sched.num_new_tokens):
             if req.is_finished and not req.finalizing:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CapacityExceeded", "EngineError", "InvalidRequest"]
+__all__ = ["CapacityExceeded", "CorruptStep", "EngineError", "InvalidRequest"]
 
 
 class EngineError(Exception):
@@ -18,3 +18,11 @@ class InvalidRequest(EngineError, ValueError):
 
 class CapacityExceeded(EngineError):
     """The request is valid but cannot fit the engine's pools even when they are empty."""
+
+
+class CorruptStep(EngineError):
+    """A step produced what no correct forward can (a sampled id outside the vocabulary).
+
+    Its requests are dropped without publishing anything to the prefix cache: their state on
+    the device no longer matches their counters.
+    """

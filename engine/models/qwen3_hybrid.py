@@ -172,8 +172,10 @@ class Qwen3HybridForCausalLM(nn.Module):
             return logits
         return logits.float()
 
-    def greedy_ids(self, logits: torch.Tensor, copy_to: torch.Tensor | None = None) -> torch.Tensor:
+    def greedy_ids(
+        self, logits: torch.Tensor, copy_to: torch.Tensor | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``[S, V]`` logits -> ``[S]`` int64, each row's first largest (``kernels.argmax``); also
-        written into ``copy_to`` where given."""
-        ids: torch.Tensor = self.ops.argmax(logits, copy_to)
+        written into ``copy_to`` where given; into ``out`` (and returned) where given."""
+        ids: torch.Tensor = self.ops.argmax(logits, copy_to, out)
         return ids

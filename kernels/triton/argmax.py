@@ -79,17 +79,22 @@ def argmax_final_kernel(p_key, p_idx, p_out, p_copy, NP, BP: tl.constexpr, COPY:
         tl.store(p_copy + i_r, first.to(tl.int64))
 
 
-def argmax(logits: torch.Tensor, copy_to: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(
+    logits: torch.Tensor, copy_to: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[S, V]`` float logits (unit last stride) -> ``[S]`` int64: ``torch.argmax(logits, -1)``;
-    ``copy_to`` (``[S]`` int64, contiguous) is written with the same ids by the same kernel."""
-    if copy_to is not None and (copy_to.shape != logits.shape[:1] or copy_to.dtype != torch.int64 or not copy_to.is_contiguous()):
-        raise ValueError(f"copy_to must be a contiguous int64 [{logits.shape[0]}], got {tuple(copy_to.shape)} {copy_to.dtype}")
+    ``copy_to`` (``[S]`` int64, contiguous) is written with the same ids by the same kernel;
+    ``out`` (same form) receives the ids and is returned instead of a new tensor."""
+    for name, buf in (("copy_to", copy_to), ("out", out)):
+        if buf is not None and (buf.shape != logits.shape[:1] or buf.dtype != torch.int64 or not buf.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous int64 [{logits.shape[0]}], got {tuple(buf.shape)} {buf.dtype}")
     if logits.dim() != 2 or not logits.dtype.is_floating_point or logits.shape[1] > _MAX_INDEX:
-        return _reference(logits, copy_to)
+        return _reference(logits, copy_to, out)
     rows, vocab = logits.shape
     if rows == 0 or vocab == 0:
-        return _reference(logits, copy_to)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        return _reference(logits, copy_to, out)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     # ~2 blocks a program, at most 256 partials a row (one program reduces them).

@@ -76,3 +76,19 @@ def test_copy_to_of_another_shape_is_refused() -> None:
     for bad in (torch.empty(3, dtype=torch.int64), torch.empty(2, dtype=torch.int32), torch.empty(4, dtype=torch.int64)[::2]):
         with pytest.raises(ValueError, match="copy_to"):
             argmax(logits, bad.to(DEVICE))
+
+
+@pytest.mark.parametrize("impl", [argmax, reference], ids=["triton", "reference"])
+def test_out_receives_the_ids_and_is_returned(impl) -> None:
+    """``out`` (a CUDA graph's ids buffer outside its memory pool) is written and returned."""
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    out = torch.full((4,), -1, dtype=torch.int64, device=DEVICE)
+    copy_to = torch.full((4,), -1, dtype=torch.int64, device=DEVICE)
+    ids = impl(logits, copy_to, out)
+    assert ids is out and torch.equal(out, torch.argmax(logits, dim=-1)) and torch.equal(copy_to, out)
+
+
+def test_out_of_another_shape_is_refused() -> None:
+    logits = torch.randn(2, 100).to(DEVICE)
+    with pytest.raises(ValueError, match="out"):
+        argmax(logits, None, torch.empty(3, dtype=torch.int64).to(DEVICE))

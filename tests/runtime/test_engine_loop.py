@@ -6,9 +6,9 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from toy_model import assert_pools_empty, expected, make_engine
+from toy_model import VOCAB, assert_pools_empty, expected, make_engine, padded_engine
 
-from phloem.engine import EngineError, InvalidRequest, RequestOutput, SamplingParams
+from phloem.engine import CorruptStep, EngineError, InvalidRequest, RequestOutput, SamplingParams
 from phloem.runtime.engine_commands import (
     AbortRequest,
     AddRequest,
@@ -204,3 +204,30 @@ def test_requests_kept_out_by_pins_do_not_spin_the_loop() -> None:
         assert isinstance(final, RequestOutput) and final.token_ids == expected([9, 9], 2)
     finally:
         engine_loop.shutdown(TIMEOUT)
+
+
+def test_the_engine_loop_counts_the_failed_step_and_no_id_reaches_a_sink() -> None:
+    """A sampled id outside the vocabulary fails the step: counted, and the request's sink gets an
+    ``EngineError`` (caused by ``CorruptStep``) after only in-vocabulary tokens."""
+    loop = EngineLoop(padded_engine())
+    loop.start()
+    items: list[RequestOutput | EngineError] = []
+    done = threading.Event()
+
+    def sink(item: RequestOutput | EngineError) -> None:
+        items.append(item)
+        if isinstance(item, EngineError) or item.finished:
+            done.set()
+
+    try:
+        command = AddRequest((90,) * 11, SamplingParams(max_tokens=20, ignore_eos=True), None, sink)
+        loop.submit(command)
+        command.reply.result(10)
+        assert done.wait(10)
+        assert isinstance(items[-1], EngineError) and isinstance(items[-1].__cause__, CorruptStep)
+        assert all(0 <= t < VOCAB for out in items[:-1] for t in out.new_token_ids)  # type: ignore[union-attr]
+        stats = GetStats()
+        loop.submit(stats)
+        assert stats.reply.result(10).num_failed_steps == 1
+    finally:
+        loop.shutdown(10)

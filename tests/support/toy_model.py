@@ -114,3 +114,24 @@ def assert_pools_empty(engine: Engine) -> None:
         assert engine.cache.tree.num_pages == 0 and engine.cache.tree.num_checkpoints == 0
     assert engine.page_pool.num_free_pages == engine.page_pool.num_pages
     assert engine.slot_pool.num_free_slots == engine.slot_pool.num_slots
+
+
+POISON = 1000  # a running sum that makes the padded model pick an id past the vocabulary
+
+
+class PaddedModel(ToyModel):
+    """The toy model with two logit columns past ``VOCAB``; the first wins once a sequence's
+    running sum reaches ``POISON``."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        pad = torch.full((logits.shape[0], 2), -1e9)
+        pad[hidden[:, 0] >= POISON, 0] = 1.0
+        return torch.cat([logits, pad], dim=1)
+
+
+def padded_engine(async_scheduling: bool = True) -> Engine:
+    """A toy engine on ``PaddedModel``."""
+    engine = make_engine(async_scheduling=async_scheduling)
+    engine.runner.model = PaddedModel()
+    return engine
