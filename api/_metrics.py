@@ -179,6 +179,10 @@ def _engine_families(e: EngineStats | None) -> list[Metric]:
         _gauge("phloem_state_slots_total", "GDN state slots in the pool", e.num_slots),
         _gauge("phloem_prefix_checkpoints", "GDN checkpoints held by the prefix cache",
                e.cache.checkpoints),
+        _counter("phloem_prefix_checkpoints_evicted", "GDN checkpoints the prefix cache evicted "
+                 "for room (periodic ones first)", e.cache.checkpoints_evicted),
+        _gauge("phloem_engine_memory_blocked", "1 while waiting requests wait for memory (pools "
+               "full after eviction), not for their turn", float(e.memory_blocked)),
         _counter("phloem_engine_steps", "Engine steps run", e.num_steps),
         _counter("phloem_engine_failed_steps", "Engine steps that raised", e.num_failed_steps),
         _histogram("phloem_engine_step_seconds", "Wall time of one engine step", e.step_seconds),

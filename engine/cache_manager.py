@@ -105,6 +105,13 @@ class CacheManager:
             slot = self.slot_pool.allocate()
         return slot
 
+    def cached_len(self, tokens: list[int]) -> int:
+        """Tokens of ``tokens`` a request would take from the cache now (no eviction order touched)."""
+        if self.tree is None or not tokens:
+            return 0
+        match = self.tree.match(tokens, len(tokens) - 1, touch=False)
+        return match.num_tokens if match else 0
+
     def admit(self, req: Request) -> bool:
         """Give a waiting request its write slot and its cached prefix, or take nothing and return False."""
         assert req.write_slot is None and not req.page_ids, f"request {req.request_id} already holds memory"
@@ -176,7 +183,8 @@ class CacheManager:
                 return
             tail = copy[0]
             self.copy_page(req.page_ids[n // self.page_size], tail)
-        node = self._publish(req, final=False, tail_copy=tail)
+        periodic = not self._at_prompt_end(req, n)
+        node = self._publish(req, final=False, tail_copy=tail, periodic=periodic)
         assert node.checkpoint is not None
         req.read_slot = node.checkpoint.slot
         req.write_slot = new_slot
@@ -189,8 +197,10 @@ class CacheManager:
         if self.tree is None or n == 0:
             return False
         periodic = every > 0 and n % every == 0 and n < num_tokens
-        prompt_end = self.checkpoint_prompt_end and n == req.num_prompt_tokens and not req.prefill_only
-        return periodic or prompt_end
+        return periodic or self._at_prompt_end(req, n)
+
+    def _at_prompt_end(self, req: Request, n: int) -> bool:
+        return self.checkpoint_prompt_end and n == req.num_prompt_tokens and not req.prefill_only
 
     def release(self, req: Request, publish: bool) -> None:
         """Return what ``req`` holds; with ``publish``, first hand its computed prefix to the tree."""
@@ -209,13 +219,13 @@ class CacheManager:
         req.read_slot = None
         req.has_state = False
 
-    def _publish(self, req: Request, final: bool, tail_copy: int | None = None) -> RadixNode:
+    def _publish(self, req: Request, final: bool, tail_copy: int | None = None, periodic: bool = False) -> RadixNode:
         assert self.tree is not None and req.write_slot is not None
         ps = self.page_size
         done = req.num_computed_tokens
         full = done // ps
         tail = req.page_ids[full] if final and done % ps else tail_copy
-        ckpt = Checkpoint(slot=req.write_slot, tail_page=tail)
+        ckpt = Checkpoint(slot=req.write_slot, tail_page=tail, periodic=periodic)
         node, tree_pages = self.tree.insert(req.all_token_ids[:done], req.page_ids[:full], ckpt)
         if final:
             # Pages past the published part and its tail were allocated ahead and never written.

@@ -277,6 +277,12 @@ class Engine:
         e.g. by pinned prefixes); stepping again changes nothing until something is freed."""
         return bool(self.scheduler.waiting) and not self.scheduler.running and self._queued is None and not self._pending
 
+    def waits_for_memory(self, request_id: str) -> bool:
+        """Whether ``request_id`` is waiting because the pools have no room for it (the last
+        admission was refused after eviction), rather than for its turn in the batch."""
+        req = self._requests.get(request_id)
+        return req is not None and req.status is RequestStatus.WAITING and self.scheduler.memory_blocked
+
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that changed.
 

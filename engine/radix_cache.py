@@ -23,10 +23,15 @@ counts locks passing through a node (a node with ``lock_ref > 0`` keeps its page
 checkpoints of a locked path stay evictable: for a slot, and for a page when they have a tail
 page (a checkpoint with children and no tail page frees no page).
 
-Eviction is ordered by recompute cost per byte freed, not recency: dropping a checkpoint costs
-the tokens between it and the nearest checkpoint above it; pages of a leaf below every
-checkpoint are worth nothing and go first. Ties go to the least recently used, then the oldest
-node id (deterministic, so every tensor-parallel rank evicts the same nodes).
+Eviction is ordered by kind, then by recompute cost per byte freed, not recency. Pages of a leaf
+below every checkpoint are worth nothing and go first; then *periodic* checkpoints (taken every
+``checkpoint_interval`` tokens inside a long prefill: a resume point only for a request that
+diverges right there); then *boundary* checkpoints (where a request's prompt or output ended: a
+session's turns, where its next turn appends and its forks branch). Within a kind, dropping a
+checkpoint costs the tokens between it and the nearest checkpoint above it. Ties go to the least
+recently used, then the oldest node id (deterministic, so every tensor-parallel rank evicts the
+same nodes). A locked node's own checkpoint (a pinned session head, a running request's resume
+point) is never evicted.
 
 One ``evict`` call walks the tree once and keeps its candidates in a heap, so freeing ``V``
 victims from ``N`` nodes costs ``O((N + V) log N)``, not a full scan per victim (measured with
@@ -51,6 +56,7 @@ __all__ = ["Checkpoint", "PrefixMatch", "RadixCache", "RadixNode"]
 class Checkpoint:
     slot: int
     tail_page: int | None  # KV of positions [floor(depth/ps)*ps, depth) when depth % ps != 0
+    periodic: bool = False  # taken inside a long prefill, not at a prompt's or output's end
 
 
 @dataclass(eq=False, slots=True)
@@ -71,8 +77,10 @@ class RadixNode:
         return self.depth - len(self.key)
 
 
-# An eviction candidate: (cost per byte, last access, node id, is a checkpoint, push order, node).
-_Entry = tuple[float, int, int, bool, int, "RadixNode"]
+# An eviction candidate: (kind rank, cost per byte, last access, node id, is a checkpoint, push order, node).
+_Entry = tuple[int, float, int, int, bool, int, "RadixNode"]
+# Eviction ranks: plain leaves and periodic checkpoints first, boundary checkpoints after.
+_CHEAP, _BOUNDARY = 0, 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +116,9 @@ class RadixCache:
         self.checkpoints_created = 0
         self.checkpoints_evicted = 0
 
-    def match(self, tokens: list[int], max_tokens: int) -> PrefixMatch | None:
-        """Deepest checkpointed prefix of ``tokens`` no longer than ``max_tokens``."""
+    def match(self, tokens: list[int], max_tokens: int, touch: bool = True) -> PrefixMatch | None:
+        """Deepest checkpointed prefix of ``tokens`` no longer than ``max_tokens``; ``touch``
+        marks its path as used (the eviction order's recency)."""
         node, pos, path = self.root, 0, []
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -120,10 +129,11 @@ class RadixCache:
         best = next((n for n in reversed(path) if n.checkpoint is not None and n.depth <= max_tokens), None)
         if best is None:
             return None
-        now = next(self._clock)
+        now = next(self._clock) if touch else 0
         pages: list[int] = []
         for n in path:
-            n.last_access = now
+            if touch:
+                n.last_access = now
             pages.extend(n.pages)
             if n is best:
                 break
@@ -247,15 +257,16 @@ class RadixCache:
         else:
             self._remove_leaf(node)
 
-    def _candidate_key(self, node: RadixNode) -> tuple[float, int, int, bool] | None:
+    def _candidate_key(self, node: RadixNode) -> tuple[int, float, int, int, bool] | None:
         """The eviction key of ``node`` (checkpoints evictable whatever their children; the caller
         checks that condition against the current need), or None when nothing of it can go."""
-        if node.checkpoint is not None and node.direct_ref == 0:
-            freed = self.slot_bytes + (self.page_bytes if node.checkpoint.tail_page is not None else 0)
+        ckpt = node.checkpoint
+        if ckpt is not None and node.direct_ref == 0:
+            freed = self.slot_bytes + (self.page_bytes if ckpt.tail_page is not None else 0)
             cost = (node.depth - self._checkpoint_above(node)) / freed
-            return cost, node.last_access, node.node_id, True
-        if node.checkpoint is None and not node.children and node.lock_ref == 0:
-            return 0.0, node.last_access, node.node_id, False
+            return _CHEAP if ckpt.periodic else _BOUNDARY, cost, node.last_access, node.node_id, True
+        if ckpt is None and not node.children and node.lock_ref == 0:
+            return _CHEAP, 0.0, node.last_access, node.node_id, False
         return None
 
     def _push_candidate(self, heap: list[_Entry], node: RadixNode) -> None:
@@ -266,14 +277,14 @@ class RadixCache:
     def _pop_victim(self, heap: list[_Entry], need_slots: bool) -> tuple[RadixNode, bool] | None:
         """The cheapest evictable candidate; stale entries are re-keyed or dropped on the way."""
         while heap:
-            cost, last, node_id, is_checkpoint, _, node = heapq.heappop(heap)
+            rank, cost, last, node_id, is_checkpoint, _, node = heapq.heappop(heap)
             parent = node.parent
             if parent is None or parent.children.get(node.key[0]) is not node:
                 continue  # already removed (a duplicate entry)
             key = self._candidate_key(node)
             if key is None:
                 continue
-            if key != (cost, last, node_id, is_checkpoint):
+            if key != (rank, cost, last, node_id, is_checkpoint):
                 heapq.heappush(heap, (*key, next(self._pushes), node))  # costs only grow: re-queue
                 continue
             if is_checkpoint and node.children and not need_slots and node.checkpoint.tail_page is None:  # type: ignore[union-attr]

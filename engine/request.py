@@ -69,6 +69,9 @@ class Request:
     write_slot: int | None = None
     has_state: bool = False
     generator: torch.Generator | None = None
+    # While waiting: its tokens past the cached prefix when the scheduler first looked (its size
+    # class; ``engine.scheduler``). Reset when it is preempted.
+    num_uncached_hint: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

@@ -2,11 +2,18 @@
 
 Policy, in order, under one token budget (``max_num_batched_tokens``):
 
-1. running requests that decode (one token each), then running requests still prefilling, in
-   arrival order; a prefill continues in chunks when the budget is short (chunked prefill);
-2. waiting requests, first come first served, while the budget, ``max_num_seqs``, state slots
-   and KV pages allow. Admission is check-then-commit: a request that cannot get both its
-   slot and its pages takes nothing and stays first in line.
+1. running requests that decode (one token each), in arrival order;
+2. *short* prefills: work that fits in one step's budget (an agent's next turn, whose history
+   the prefix cache holds), running ones first, then waiting ones, in arrival order;
+3. *long* prefills (a fresh 50K-token first turn), running ones in arrival order, continuing in
+   chunks when the budget is short (chunked prefill), then waiting ones, first come first served.
+
+So an agent's turn never queues behind other agents' long first turns: with chunked prefill a
+long prompt yields each step's budget to the short work waiting beside it and takes the rest.
+A waiting request's size is its tokens past its cached prefix, looked up once when it is first
+considered (a hint: the tree may change before it is admitted). Admission is check-then-commit:
+a request that cannot get both its slot and its pages takes nothing, and no request is admitted
+after it in that step (it stays first in line).
 
 When a running request needs a page and none is free (even after the radix cache evicted what
 it could), the newest running request is preempted: its computed prefix is published to the
@@ -21,13 +28,16 @@ is the final state of a step (no kernel has to emit intermediate states).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from phloem.engine.cache_manager import CacheManager
 from phloem.engine.config import SchedulerConfig
 from phloem.engine.request import FinishReason, Request, RequestStatus
 
 __all__ = ["Scheduler", "SchedulerOutput"]
+
+# Size classes, scheduled in this order.
+_DECODE, _SHORT, _LONG = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +52,22 @@ class SchedulerOutput:
         return not self.requests
 
 
+@dataclass(slots=True)
+class _Step:
+    """The step being built: its requests, their token counts and the budget left."""
+
+    budget: int
+    requests: list[Request] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+    blocked: bool = False  # an admission was refused: nothing more is admitted this step
+
+    def add(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_new.append(n)
+        self.budget -= n
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager, finalize: bool = False) -> None:
         self.config = config
@@ -51,6 +77,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # The last admission attempt was refused for lack of memory (pages or state slots, after
+        # the radix cache evicted what it could): the waiting requests wait for memory, not for
+        # their turn (``Engine.waits_for_memory``).
+        self.memory_blocked = False
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -59,50 +89,72 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[Request] = []
-        num_new: list[int] = []
-        failed: list[Request] = []
-        # Decode (exactly one token left to compute) before prefill continuations.
-        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.arrival_idx))
-        for req in order:
-            if budget == 0:
-                break
-            if req not in self.running:
-                continue  # preempted earlier in this loop
-            n = self._chunk(req, budget)
-            if not self._reserve_pages(req, n, scheduled, failed):
-                continue
-            scheduled.append(req)
-            num_new.append(n)
-            budget -= n
-        deferred: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if self._extends_finalizing(req):
+        step = _Step(self.config.max_num_batched_tokens)
+        order = sorted(self.running, key=lambda r: (self._size_class(r), r.arrival_idx))
+        for size_class in (_DECODE, _SHORT, _LONG):
+            for req in order:
+                if self._size_class(req) == size_class:
+                    self._continue(req, step)
+            if size_class != _DECODE:
+                self._admit_waiting(step, short_only=size_class == _SHORT)
+        return SchedulerOutput(tuple(step.requests), tuple(step.num_new), tuple(step.failed))
+
+    def _size_class(self, req: Request) -> int:
+        """``_DECODE``, ``_SHORT`` (the rest of its prefill fits one step) or ``_LONG``."""
+        if req.status is RequestStatus.RUNNING:
+            left = req.num_tokens - req.num_computed_tokens
+        else:
+            if req.num_uncached_hint is None:
+                req.num_uncached_hint = req.num_tokens - self.cache.cached_len(req.all_token_ids)
+            left = req.num_uncached_hint
+        if left <= 1 and req.status is RequestStatus.RUNNING:
+            return _DECODE
+        return _SHORT if left <= self.config.max_num_batched_tokens else _LONG
+
+    def _continue(self, req: Request, step: _Step) -> None:
+        """Schedule the next tokens of a running request, if the budget and its pages allow."""
+        if step.budget == 0 or req not in self.running:
+            return  # out of budget, or preempted earlier in this step
+        n = self._chunk(req, step.budget)
+        if self._reserve_pages(req, n, step.requests, step.failed):
+            step.add(req, n)
+
+    def _admit_waiting(self, step: _Step, short_only: bool) -> None:
+        """Admit waiting requests in arrival order (only short ones with ``short_only``) while the
+        budget, ``max_num_seqs`` and memory allow; a refusal ends admission for the step."""
+        put_back: list[Request] = []  # passed over, in queue order
+        while self.waiting and not step.blocked and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if short_only and self._size_class(req) != _SHORT:
+                put_back.append(req)
+            elif self._extends_finalizing(req):
                 # Its prefix checkpoint lands at the end of this step: admit it next step, as a hit.
-                deferred.append(self.waiting.popleft())
-                continue
-            if not self.cache.admit(req):
-                break
-            n = self._chunk(req, budget)
-            if not self.cache.allocate_pages(req, n):
-                self.cache.release(req, publish=False)
-                if not self.running:
-                    # Alone and still short: it can never run.
-                    self.waiting.popleft()
-                    self._finish(req, FinishReason.LENGTH)
-                    failed.append(req)
-                    continue
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled.append(req)
-            num_new.append(n)
-            budget -= n
-        self.waiting.extendleft(reversed(deferred))
-        return SchedulerOutput(tuple(scheduled), tuple(num_new), tuple(failed))
+                put_back.append(req)
+            elif not self._admit(req, step):
+                put_back.append(req)
+                step.blocked = True
+            else:
+                self.memory_blocked = False
+        self.memory_blocked = (self.memory_blocked or step.blocked) and bool(self.waiting or put_back)
+        self.waiting.extendleft(reversed(put_back))
+
+    def _admit(self, req: Request, step: _Step) -> bool:
+        """Give ``req`` its memory and its first chunk; False (taking nothing) when memory is short."""
+        if not self.cache.admit(req):
+            return False
+        n = self._chunk(req, step.budget)
+        if not self.cache.allocate_pages(req, n):
+            self.cache.release(req, publish=False)
+            if self.running:
+                return False
+            # Alone and still short: it can never run.
+            self._finish(req, FinishReason.LENGTH)
+            step.failed.append(req)
+            return True
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        step.add(req, n)
+        return True
 
     def _extends_finalizing(self, req: Request) -> bool:
         tokens = req.all_token_ids
@@ -142,6 +194,7 @@ class Scheduler:
             return
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.num_uncached_hint = None
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 

@@ -42,6 +42,7 @@ from phloem.runtime.engine_commands import (
     PrefixHandle,
     PrefixState,
     QueryCachedPrefix,
+    QueryWaitsForMemory,
     ResetPrefixCache,
     UnpinPrefix,
 )
@@ -239,6 +240,15 @@ class EngineClient:
             EngineError: The engine loop is not running.
         """
         return await self._call(QueryCachedPrefix(tuple(token_ids)))
+
+    async def waits_for_memory(self, request_id: str) -> bool:
+        """Whether the request waits because the engine has no memory for it now (its pools are
+        full after eviction), rather than for its turn behind other work.
+
+        Raises:
+            EngineError: The engine loop is not running.
+        """
+        return await self._call(QueryWaitsForMemory(request_id))
 
     async def export_prefix(self, token_ids: Sequence[int]) -> PrefixState | None:
         """Host copies of the KV pages and GDN checkpoint of the deepest cached prefix of

@@ -34,6 +34,7 @@ __all__ = [
     "PrefixHandle",
     "PrefixState",
     "QueryCachedPrefix",
+    "QueryWaitsForMemory",
     "ReleaseTransfer",
     "ReserveTransfer",
     "ResetPrefixCache",
@@ -93,6 +94,14 @@ class UnpinPrefix:
 class QueryCachedPrefix:
     token_ids: tuple[int, ...]
     reply: Future[int] = field(default_factory=Future)
+
+
+@dataclass(frozen=True, slots=True)
+class QueryWaitsForMemory:
+    """Whether a request waits because the engine has no memory for it (``Engine.waits_for_memory``)."""
+
+    request_id: str
+    reply: Future[bool] = field(default_factory=Future)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +175,7 @@ class ReleaseTransfer:
 Command: TypeAlias = (
     AddRequest | AbortRequest | PinPrefix | UnpinPrefix | QueryCachedPrefix | ExportPrefix | ImportPrefix
     | ResetPrefixCache | GetStats | Shutdown | ReserveTransfer | InstallTransfer | ReleaseTransfer
+    | QueryWaitsForMemory
 )
 
 
@@ -184,3 +194,4 @@ class EngineStats:
     num_waiting: int  # queued in the scheduler, not yet admitted (queue depth)
     num_running: int  # admitted: holding pages and a state slot
     step_seconds: HistogramSnapshot  # wall time of each engine step, failed ones included
+    memory_blocked: bool = False  # the waiting requests wait for memory, not for their turn

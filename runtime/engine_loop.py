@@ -49,6 +49,7 @@ from phloem.runtime.engine_commands import (
     OutputSink,
     PinPrefix,
     QueryCachedPrefix,
+    QueryWaitsForMemory,
     ReleaseTransfer,
     ReserveTransfer,
     ResetPrefixCache,
@@ -209,6 +210,8 @@ class EngineLoop:
                     result = None
                 case QueryCachedPrefix(token_ids=token_ids):
                     result = self.engine.cached_prefix_len(token_ids)
+                case QueryWaitsForMemory(request_id=request_id):
+                    result = self.engine.waits_for_memory(request_id)
                 case ExportPrefix(token_ids=token_ids):
                     result = self.engine.export_prefix(token_ids)
                 case ImportPrefix(state=state):
@@ -329,6 +332,7 @@ class EngineLoop:
             num_waiting=len(self.engine.scheduler.waiting),
             num_running=len(self.engine.scheduler.running),
             step_seconds=self._step_seconds.snapshot(),
+            memory_blocked=self.engine.scheduler.memory_blocked,
         )
 
     def _close(self, stops: list[Future[None]]) -> None:

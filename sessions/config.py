@@ -43,8 +43,9 @@ class SessionConfig:
             sweeper spills it to host memory.
         sweep_interval_s: Seconds between two runs of the spill sweeper (which also probes a
             degraded index).
-        admission_stall_s: Seconds a generation may wait for its first token before pinned
-            sessions that are not generating are demoted to make room (pins never deadlock).
+        admission_stall_s: Seconds a generation may wait for memory in the engine (its pools
+            full after eviction) before pinned sessions that are not generating are demoted
+            to make room (pins never deadlock). Waiting behind other work never demotes.
 
     Raises:
         ValueError: A field is out of range (the message names it).
@@ -61,7 +62,7 @@ class SessionConfig:
     host_budget_bytes: int = 4 << 30
     idle_to_host_s: float = 30.0
     sweep_interval_s: float = 1.0
-    admission_stall_s: float = 5.0
+    admission_stall_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.default_ttl_s <= self.max_ttl_s:

@@ -20,10 +20,13 @@ token generated so far, which become the last deltas and the committed output, w
 instead, and ``settle`` is not called. Engine failures end it with ``GenerationFailed``.
 
 Room in the engine (``GenerationHooks``): ``prepare`` runs before the request (a spilled session
-loads its state back). While the request waits for its first token longer than ``stall_s``,
-``relieve`` is called (demote pinned sessions) every ``stall_s``, as long as it finds something
-to demote. A request the engine turns away for lack of room (finished at once, ``length``, no
-token) is retried once after ``relieve``; a second refusal is ``Overloaded``, never an empty turn.
+loads its state back). While the request waits for its first token, the engine is asked every
+``_POLL_S`` whether it waits *for memory* (its pools are full after eviction), not merely for its
+turn behind other work; once it has waited for memory ``stall_s``, ``relieve`` is called (demote
+pinned sessions), again every ``stall_s`` while it still waits and ``relieve`` finds something.
+A request queued behind other prefills never demotes anyone. A request the engine turns away for
+lack of room (finished at once, ``length``, no token) is retried once after ``relieve``; a second
+refusal is ``Overloaded``, never an empty turn.
 """
 
 from __future__ import annotations
@@ -159,7 +162,7 @@ class GenerationHooks:
             its state here, and falls back to recomputing it).
         relieve: Awaited when the engine has no room for the request; frees some (demotes
             pinned sessions) and returns whether it found anything to free.
-        stall_s: Seconds without a first token before ``relieve`` is called.
+        stall_s: Seconds the request may wait for memory in the engine before ``relieve``.
     """
 
     settle: Settle
@@ -174,6 +177,8 @@ class _NoRoom(Exception):
 
 
 _END = object()
+# How often a generation waiting for its first token asks the engine whether it waits for memory.
+_POLL_S = 0.25
 # The engine's reasons; "abort" only ever comes from our own cancel.
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "cancelled"}
 
@@ -354,16 +359,32 @@ class Generation:
         return reason, cached
 
     async def _watch_admission(self, started: asyncio.Event) -> None:
-        """Call ``relieve`` every ``stall_s`` until the first token, while it finds something."""
+        """Until the first token: call ``relieve`` once the request has waited ``stall_s`` for
+        memory in the engine, and again every ``stall_s`` while it waits and ``relieve`` finds
+        something to free."""
         relieve = self._hooks.relieve
         if relieve is None:
             return
+        blocked_since: float | None = None
+        loop = asyncio.get_running_loop()
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(started.wait(), self._hooks.stall_s)
+                await asyncio.wait_for(started.wait(), _POLL_S)
                 return
-            logger.info("generation %s has waited %.1f s for room in the engine", self.request_id,
-                        self._hooks.stall_s)
+            try:
+                short = await self._engine.waits_for_memory(self.request_id)
+            except EngineError:
+                return
+            now = loop.time()
+            if not short:
+                blocked_since = None
+                continue
+            blocked_since = now if blocked_since is None else blocked_since
+            if now - blocked_since < self._hooks.stall_s:
+                continue
+            logger.info("generation %s has waited %.1f s for memory in the engine; demoting pinned sessions",
+                        self.request_id, now - blocked_since)
+            blocked_since = None
             # Shielded: a demotion in progress completes even when the first token arrives.
             if not await asyncio.shield(relieve()):
                 return

@@ -27,15 +27,14 @@ Policy (DESIGN.md §4, "Pin/TTL")::
   child to append imports it once (``SpilledSegment.lock``), the others then hit the cache.
   A segment is deleted when its last holder lets go (a newer spill, or delete). Demoting a
   shared host segment moves every holder to ``disk``.
-- **Pins never deadlock** (`Spiller.relieve`): the session layer cannot see the engine's
-  queue, so it watches its own requests. When a generation waits ``admission_stall_s`` for
-  its first token, or the engine turns it away for lack of room (it finishes at once with
-  ``length`` and no token), the least recently used pinned sessions that are not generating
-  (``active`` within their TTL) are spilled to host and unpinned (half of them, at least one),
-  and the request goes on (or is retried once; a second refusal is ``Overloaded``). Pinned
-  sessions are what the engine cannot evict; idle ones it evicts by itself. NOTE: a first
-  token that is merely slow (a very long prefill) also trips the timer; the cost is only that
-  some pinned sessions resume from host later.
+- **Pins never deadlock** (`Spiller.relieve`): when a generation has waited
+  ``admission_stall_s`` *for memory* (the engine reports its pools full after eviction:
+  ``EngineClient.waits_for_memory``), or the engine turns it away for lack of room (it finishes
+  at once with ``length`` and no token), the least recently used pinned sessions that are not
+  generating (``active`` within their TTL) are spilled to host and unpinned (half of them, at
+  least one), and the request goes on (or is retried once; a second refusal is
+  ``Overloaded``). Pinned sessions are what the engine cannot evict; idle ones it evicts by
+  itself. A request that only waits for its turn behind other prefills demotes nobody.
 - **Restart** (`Spiller.recover`): host and GPU state is gone; a journaled session resumes
   from the disk segment its index record names, else from the newest segment in its own
   directory whose token ids are a prefix of its history, else by recompute. Segments of this

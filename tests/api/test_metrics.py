@@ -100,6 +100,8 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     assert value(samples, "phloem_generations_in_flight") == 0
     assert 0 < value(samples, "phloem_kv_pages_used") <= value(samples, "phloem_kv_pages_total")
     assert 0 < value(samples, "phloem_state_slots_used") <= value(samples, "phloem_state_slots_total")
+    assert value(samples, "phloem_prefix_checkpoints_evicted_total") == 0
+    assert value(samples, "phloem_engine_memory_blocked") == 0
     assert value(samples, "phloem_engine_step_seconds_count") == value(samples, "phloem_engine_steps_total") > 0
     assert value(samples, "phloem_engine_step_seconds_bucket", le="+Inf") == value(samples, "phloem_engine_steps_total")
 

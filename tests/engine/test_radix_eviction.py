@@ -31,11 +31,12 @@ class ScanCache(RadixCache):
             frees_a_page = not node.children or (node.checkpoint is not None and node.checkpoint.tail_page is not None)
             if node.checkpoint is not None and node.direct_ref == 0 and (need_slots or frees_a_page):
                 freed = self.slot_bytes + (self.page_bytes if node.checkpoint.tail_page is not None else 0)
-                key = ((node.depth - self._checkpoint_above(node)) / freed, node.last_access, node.node_id)
+                rank = 0 if node.checkpoint.periodic else 1
+                key = (rank, (node.depth - self._checkpoint_above(node)) / freed, node.last_access, node.node_id)
                 if best is None or key < best:
                     best, choice = key, (node, True)
             elif node.checkpoint is None and not node.children and node.lock_ref == 0:
-                key = (0.0, node.last_access, node.node_id)
+                key = (0, 0.0, node.last_access, node.node_id)
                 if best is None or key < best:
                     best, choice = key, (node, False)
         return choice
@@ -54,7 +55,8 @@ def build(cls: type[RadixCache], seed: int) -> tuple[RadixCache, list[tuple[str,
             history += [rng.randrange(6) for _ in range(rng.randrange(1, 11))]
             n = len(history)
             tail = next(pages) if n % 4 else None
-            node, _ = cache.insert(history, [next(pages) for _ in range(n // 4)], Checkpoint(next(slots), tail))
+            periodic = rng.random() < 0.3
+            node, _ = cache.insert(history, [next(pages) for _ in range(n // 4)], Checkpoint(next(slots), tail, periodic))
             if rng.random() < 0.15:
                 cache.lock(node)  # a running request or a pinned session head
             if rng.random() < 0.5:
@@ -97,3 +99,21 @@ def test_a_mid_path_checkpoint_gives_up_its_tail_page_under_page_pressure() -> N
     cache.evict(1, 0, lambda: len(freed), lambda: 0)
     assert freed == [("slot", 1), ("page", 11)]
     assert cache.match(history, 6) is None and cache.match(history, 23) is not None
+
+
+def test_periodic_checkpoints_go_before_boundary_ones_and_a_pinned_head_stays() -> None:
+    """Slot pressure on one pinned conversation: a 40-token first turn with periodic checkpoints
+    at 8 and 16 (cost 8 tokens each) and boundary ones at its prompt end (40) and turn ends (44, 48:
+    cost 4 each, cheaper). The periodic ones go first, then the boundary ones cheapest first; the
+    pinned head (52) never goes."""
+    slots: list[int] = []
+    cache = RadixCache(4, lambda pages: None, slots.append, 10, 70)
+    history = list(range(1, 53))
+    for depth, slot, periodic in ((8, 8, True), (16, 16, True), (40, 40, False), (44, 44, False), (48, 48, False)):
+        cache.insert(history[:depth], list(range(depth // 4)), Checkpoint(slot, None, periodic))
+    head, _ = cache.insert(history, list(range(13)), Checkpoint(52, None))
+    cache.lock(head)
+    cache.evict(0, 3, lambda: 0, lambda: len(slots))
+    assert slots == [8, 16, 44]  # periodic (cost 8, then 24 once 8 is gone), then the cheapest boundary
+    cache.evict(0, 10, lambda: 0, lambda: len(slots))
+    assert slots == [8, 16, 44, 48, 40] and cache.match(history, 52) is not None

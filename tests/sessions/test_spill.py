@@ -409,6 +409,37 @@ def test_pinned_sessions_never_block_admission(model_dir: Path, tokenizer: Token
         asyncio.run(engine.shutdown())
 
 
+def test_waiting_behind_long_prefills_demotes_nobody(model_dir: Path, tokenizer: Tokenizer,
+                                                     tmp_path: Path) -> None:
+    """Two long first turns in small chunks: the second waits far longer than
+    ``admission_stall_s`` for its turn, with memory to spare, and no pinned session moves."""
+    engine = EngineClient.from_pretrained(model_dir, EngineOptions(max_num_batched_tokens=16))
+    engine.start()
+    config = SessionConfig(data_dir=tmp_path, model_fingerprint=model_fingerprint(model_dir),
+                           admission_stall_s=0.1)
+
+    async def main() -> None:
+        m = SessionManager(engine, tokenizer, config)
+        await m.start()
+        try:
+            pinned = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(20)), ttl=600)
+            await turn(m, pinned.session_id, unique_ids(2))
+            a = await m.create(OWNER)
+            b = await m.create(OWNER)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            await asyncio.gather(turn(m, a.session_id, unique_ids(600)), turn(m, b.session_id, unique_ids(600)))
+            assert loop.time() - start > 4 * config.admission_stall_s, "the second did not wait"
+            assert m.get(OWNER, pinned.session_id).status == "active"
+        finally:
+            await m.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        asyncio.run(engine.shutdown())
+
+
 def test_sqlite_index_matches_the_journal_after_spills(make_manager: ManagerFactory,
                                                        tmp_path: Path) -> None:
     async def body(m: SessionManager) -> None:

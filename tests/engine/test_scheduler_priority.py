@@ -1,0 +1,91 @@
+"""Short prefills (an agent's next turn) never wait behind long ones (other agents' first turns).
+
+The toy model's answers are known in closed form, so each test also checks that the reordering
+changes no token.
+"""
+
+from __future__ import annotations
+
+from toy_model import assert_pools_empty, expected, make_engine
+
+from phloem.engine import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def run_all(engine, first: dict[str, int]) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
+    """Step to the end; ``first`` gets each request's step index of its first token."""
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            if out.new_token_ids:
+                first.setdefault(out.request_id, step)
+            tokens[out.request_id] = out.token_ids
+    return tokens
+
+
+def test_a_waiting_short_prompt_is_admitted_before_long_ones_queued_ahead_of_it() -> None:
+    engine = make_engine(budget=8, num_pages=64, max_seqs=8)
+    long_a, long_b, short = list(range(1, 41)), list(range(2, 42)), [5, 6, 7]
+    ids = [engine.add_request(p, PARAMS) for p in (long_a, long_b, short)]
+    first: dict[str, int] = {}
+    tokens = run_all(engine, first)
+    assert first[ids[2]] == 1  # in the first step, beside the first chunk of long_a
+    assert first[ids[0]] < first[ids[1]]  # the long ones keep their arrival order
+    for rid, prompt in zip(ids, (long_a, long_b, short)):
+        assert tokens[rid] == expected(prompt, 4)
+    assert_pools_empty(engine)
+
+
+def test_a_running_long_prefill_yields_the_budget_to_a_short_one_that_arrives() -> None:
+    engine = make_engine(budget=8, num_pages=64, max_seqs=8, async_scheduling=False)
+    long_prompt = list(range(1, 61))
+    long_id = engine.add_request(long_prompt, PARAMS)
+    engine.step()
+    engine.step()
+    (long_req,) = engine.scheduler.running
+    assert long_req.num_computed_tokens == 16
+    short = [3, 1, 4, 1, 5]
+    short_id = engine.add_request(short, PARAMS)
+    outs = engine.step()
+    assert [o.request_id for o in outs] == [short_id]  # its whole prompt, and its first token
+    assert long_req.num_computed_tokens == 16 + 3  # the rest of the budget
+    first: dict[str, int] = {}
+    tokens = run_all(engine, first)
+    assert tokens[long_id] == expected(long_prompt, 4) and tokens[short_id] == expected(short, 4)
+    assert_pools_empty(engine)
+
+
+def test_a_continuation_that_hits_the_cache_counts_as_short() -> None:
+    """A next turn whose history is cached is short, however long its whole prompt."""
+    engine = make_engine(budget=8, num_pages=128, max_seqs=8)
+    history = list(range(1, 41))
+    out = engine.generate([history], PARAMS)[0]
+    turn2 = history + out.token_ids + [7, 8]
+    fresh = list(range(3, 43))
+    fresh_id = engine.add_request(fresh, PARAMS)
+    turn2_id = engine.add_request(turn2, PARAMS)
+    first: dict[str, int] = {}
+    tokens = run_all(engine, first)
+    assert first[turn2_id] == 1 and first[fresh_id] > 1
+    assert tokens[turn2_id] == expected(turn2, 4) and tokens[fresh_id] == expected(fresh, 4)
+    assert_pools_empty(engine)
+
+
+def test_waits_for_memory_tells_a_full_pool_from_a_queue() -> None:
+    prompts = [list(range(k, k + 29)) for k in (1, 2, 3)]
+    engine = make_engine(num_slots=2, budget=100, async_scheduling=False)
+    a, b, c = (engine.add_request(p, PARAMS) for p in prompts)
+    engine.step()
+    # a and b hold the two state slots; c has budget left but no slot.
+    assert not engine.waits_for_memory(a) and not engine.waits_for_memory(b) and engine.waits_for_memory(c)
+    roomy = make_engine(num_slots=8, budget=4, async_scheduling=False)
+    d, e = (roomy.add_request(p, PARAMS) for p in prompts[:2])
+    roomy.step()
+    assert not roomy.waits_for_memory(d) and not roomy.waits_for_memory(e)  # e only waits for its turn
+    first: dict[str, int] = {}
+    tokens = run_all(engine, first)
+    assert [tokens[r] for r in (a, b, c)] == [expected(p, 4) for p in prompts]
+    assert_pools_empty(engine)
