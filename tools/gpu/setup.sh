@@ -1,0 +1,21 @@
+#!/bin/bash
+# Source at the start of every device call, from the repository root:
+#   source tools/gpu/setup.sh
+# Installs the carried wheels (.whl/, from ../shared/gpu/fetch-wheels.sh) into /tmp/site, makes
+# this checkout importable as `phloem` (/tmp/pkg/phloem -> here), and restores the kernel caches
+# an earlier machine packed (.gpu-cache/*.tgz: FlashInfer's JIT builds, Triton's cache), so a fresh
+# machine does not compile them again. `pack_caches DIR` writes them back out.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  >/tmp/pip.log 2>&1 || { tail -5 /tmp/pip.log; return 1; }
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/phloem
+export PYTHONPATH=/tmp/pkg:/tmp/site:$PWD
+export PATH=/tmp/site/bin:$PATH
+for f in .gpu-cache/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C / 2>/dev/null; done
+pack_caches() {
+  tar czf "$1/flashinfer_cache.tgz" -C / root/.cache/flashinfer 2>/dev/null
+  tar czf "$1/triton_cache.tgz" -C / root/.triton/cache 2>/dev/null
+  ls -la "$1"/*.tgz
+}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
