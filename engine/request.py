@@ -21,9 +21,11 @@ import torch
 from phloem.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from phloem.engine.grammar import GrammarMatcher
+    from phloem.engine.logits_processors import PenaltyState
     from phloem.engine.radix_cache import RadixNode
 
-__all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus"]
+__all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus", "TokenLogprob"]
 
 
 class RequestStatus(enum.Enum):
@@ -69,6 +71,9 @@ class Request:
     write_slot: int | None = None
     has_state: bool = False
     generator: torch.Generator | None = None
+    # Constrained decoding and penalties (``engine.logits_processors``); None for most requests.
+    grammar: GrammarMatcher | None = None
+    penalty_state: PenaltyState | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -104,11 +109,22 @@ class Request:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the ``top`` most likely ``(token_id, logprob)``
+    alternatives, most likely first (``SamplingParams.logprobs`` of them)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What the engine reports about a request after a step (and at the end of ``generate``).
 
     ``new_token_ids`` holds the tokens produced by this step only (for streaming);
-    ``token_ids`` every token generated so far.
+    ``token_ids`` every token generated so far; ``new_logprobs`` one entry per new token when
+    the request asked for log-probabilities (else None).
     """
 
     request_id: str
@@ -118,3 +134,4 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int
+    new_logprobs: tuple[TokenLogprob, ...] | None = None

@@ -1,0 +1,68 @@
+"""Constrained decoding through the engine on the built-in model (random weights): every output
+parses and validates because the grammar allowed nothing else."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from phloem.engine import Engine, GrammarSpec, InvalidRequest, SamplingParams
+from phloem.runtime import ensure_default_model
+from phloem.sessions import Tokenizer
+
+SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "unit": {"enum": ["kg", "lb"]}}, "required": ["ok", "n", "unit"], "additionalProperties": False}
+GRAMMAR = GrammarSpec("json_schema", json.dumps(SCHEMA))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_default_model(tmp_path_factory.mktemp("constrained"))
+
+
+def make(model_dir: Path, **options: object) -> Engine:
+    return Engine.from_pretrained(model_dir, num_pages=128, num_state_slots=12, **options)  # type: ignore[arg-type]
+
+
+def test_outputs_follow_the_schema_and_stop_at_its_end(model_dir: Path) -> None:
+    engine = make(model_dir)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    prompt = tokenizer.encode("Reply in JSON:")
+    params = [SamplingParams(max_tokens=300, grammar=GRAMMAR),
+              SamplingParams(max_tokens=300, temperature=1.0, seed=7, grammar=GRAMMAR),
+              SamplingParams(max_tokens=300, temperature=0.8, top_k=20, seed=8, grammar=GRAMMAR,
+                             presence_penalty=1.0, logprobs=2)]
+    for out in engine.generate([prompt] * 3, params):
+        assert out.finish_reason == "stop" and out.token_ids[-1] in engine.model_config.eos_token_ids
+        jsonschema.validate(json.loads(tokenizer.decode(out.token_ids)), SCHEMA)
+    assert engine.cache.tree is not None
+    engine.cache.tree.clear()
+    assert engine.page_pool.num_free_pages == engine.page_pool.num_pages
+
+
+def test_grammar_steps_run_synchronously_and_plain_requests_are_unchanged(model_dir: Path) -> None:
+    engine = make(model_dir)
+    plain = SamplingParams(max_tokens=12, ignore_eos=True)
+    alone = engine.generate([[5, 6, 7]], plain)[0]
+    assert engine.num_pipelined_steps == 11  # every decode step after the first
+    before = engine.num_pipelined_steps
+    mixed = engine.generate([[5, 6, 7], [9, 10]], [plain, SamplingParams(max_tokens=300, grammar=GRAMMAR)])
+    assert mixed[0].token_ids == alone.token_ids
+    # Only the steps after the grammar request finished could be queued ahead.
+    assert engine.num_pipelined_steps - before < 11
+
+
+def test_a_bad_grammar_is_refused_and_the_engine_keeps_serving(model_dir: Path) -> None:
+    engine = make(model_dir)
+    with pytest.raises(InvalidRequest, match="cannot be compiled"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=4, grammar=GrammarSpec("json_schema", '{"type": 5}')))
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=4, logit_bias=((10**6, 1.0),)))
+    assert engine.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))[0].finish_reason == "length"
+    engine.grammar = None
+    with pytest.raises(InvalidRequest, match="without a tokenizer"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=4, grammar=GRAMMAR))
