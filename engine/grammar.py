@@ -23,6 +23,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from phloem.engine.sampling_params import GrammarSpec
 if TYPE_CHECKING:
     import xgrammar
 
-__all__ = ["GrammarBackend", "GrammarMatcher", "bitmask_width"]
+__all__ = ["GrammarBackend", "GrammarMatcher", "bitmask_width", "fill_bitmask"]
 
 _CACHE_SIZE = 256
 # Consecutive whitespace a JSON schema grammar allows: pretty-printed JSON nested seven levels at
@@ -47,24 +48,37 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-class GrammarMatcher:
-    """One request's position in its grammar (xgrammar's ``GrammarMatcher``)."""
+def fill_bitmask(matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
+    """Row ``j`` of ``bitmask`` (CPU int32) <- the tokens ``matchers[j]`` allows next; several
+    matchers of one backend fill in parallel on its thread pool (xgrammar's batch matcher)."""
+    batch = matchers[0].batch if len(matchers) > 1 else None
+    if batch is None or any(m.batch is not batch for m in matchers):
+        for j, matcher in enumerate(matchers):
+            matcher.fill(bitmask, j)
+        return
+    batch.batch_fill_next_token_bitmask([m.handle for m in matchers], bitmask)
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
-        self._matcher = matcher
+
+class GrammarMatcher:
+    """One request's position in its grammar (xgrammar's ``GrammarMatcher``); ``batch`` is its
+    backend's parallel filler."""
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher, batch: xgrammar.BatchGrammarMatcher | None = None) -> None:
+        self.handle = matcher
+        self.batch = batch
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-next-token bits into ``bitmask[row]`` (a CPU int32 tensor)."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        self.handle.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False (unchanged) when the grammar does not allow it."""
-        return bool(self._matcher.accept_token(token_id))
+        return bool(self.handle.accept_token(token_id))
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: nothing may follow."""
-        return bool(self._matcher.is_terminated())
+        return bool(self.handle.is_terminated())
 
 
 class GrammarBackend:
@@ -83,6 +97,7 @@ class GrammarBackend:
         self.stop_token_ids = stop_token_ids
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._batch: xgrammar.BatchGrammarMatcher | None = None
         self._compiled: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
         self.num_compiles = 0
 
@@ -114,7 +129,8 @@ class GrammarBackend:
         """
         import xgrammar
 
-        return GrammarMatcher(xgrammar.GrammarMatcher(self.compile(spec)))
+        compiled = self.compile(spec)
+        return GrammarMatcher(xgrammar.GrammarMatcher(compiled), self._batch)
 
     def _load(self) -> xgrammar.GrammarCompiler:
         """Build the compiler (under the lock): load the tokenizer, describe its vocabulary."""
@@ -126,6 +142,7 @@ class GrammarBackend:
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids) or None
         )
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+        self._batch = xgrammar.BatchGrammarMatcher("auto")  # half the host's hardware threads
         return self._compiler
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from phloem.engine.grammar import bitmask_width
+from phloem.engine.grammar import GrammarMatcher, bitmask_width, fill_bitmask
 from phloem.engine.host_copy import to_device
 from phloem.engine.request import Request, TokenLogprob
 
@@ -111,10 +111,8 @@ class StepProcessing:
     def _fill_bitmask(self) -> torch.Tensor:
         pin = self.device.type == "cuda"
         mask = torch.empty((len(self.grammar_rows), bitmask_width(self.vocab_size)), dtype=torch.int32, pin_memory=pin)
-        for j, i in enumerate(self.grammar_rows):
-            grammar = self.reqs[i].grammar
-            assert grammar is not None
-            grammar.fill(mask, j)
+        matchers: list[GrammarMatcher] = [self.reqs[i].grammar for i in self.grammar_rows]  # type: ignore[misc]
+        fill_bitmask(matchers, mask)
         return to_device(mask, self.device)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from phloem.engine import Engine, GrammarSpec, InvalidRequest, SamplingParams
 from phloem.runtime import ensure_default_model
@@ -66,3 +67,28 @@ def test_a_bad_grammar_is_refused_and_the_engine_keeps_serving(model_dir: Path) 
     engine.grammar = None
     with pytest.raises(InvalidRequest, match="without a tokenizer"):
         engine.add_request([1, 2], SamplingParams(max_tokens=4, grammar=GRAMMAR))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grammar_penalties_and_logprobs_under_cuda_graphs(model_dir: Path) -> None:
+    """The mask is applied to the graph's logits, outside the graph; greedy rows of a processed
+    step take the argmax of the processed logits, not the graph's."""
+    engine = make(model_dir, device="cuda", dtype="bfloat16", max_num_seqs=16)
+    assert engine.runner.graphs is not None
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer.encode(f"Reply in JSON {i}:") for i in range(12)]
+    params = [SamplingParams(max_tokens=300, grammar=GRAMMAR, temperature=0.0 if i % 2 else 0.9, seed=i)
+              for i in range(8)]
+    params += [SamplingParams(max_tokens=16, ignore_eos=True, logprobs=4),
+               SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0),
+               SamplingParams(max_tokens=16, ignore_eos=True, logit_bias=((17, 100.0),)),
+               SamplingParams(max_tokens=16, ignore_eos=True)]
+    outs = engine.generate(prompts, params)
+    for out in outs[:8]:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(tokenizer.decode(out.token_ids)), SCHEMA)
+    assert outs[10].token_ids == [17] * 16
+    assert max(outs[9].token_ids.count(t) for t in outs[9].token_ids) < 16
+    [logprobs] = engine.generate([prompts[8]], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=4))
+    assert logprobs.token_ids == engine.generate([prompts[8]], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids

@@ -141,6 +141,8 @@ def test_logprobs_are_log_softmax_of_the_raw_logits() -> None:
 class _Only:
     """A grammar stand-in that allows a fixed set of tokens (the bitmask's layout is xgrammar's)."""
 
+    batch = None
+
     def __init__(self, allowed: set[int]) -> None:
         self.allowed = allowed
 
