@@ -89,8 +89,7 @@ class Engine:
         grammar: GrammarBackend | None = None,
     ) -> None:
         runner_config = runner_config or RunnerConfig()
-        # Compiles constrained-decoding grammars (``engine.grammar``); None: requests with a
-        # grammar are refused (an engine built without a tokenizer, as in tests).
+        # None (an engine without a tokenizer, as in tests): requests with a grammar are refused.
         self.grammar = grammar
         self.model_config = model_config
         self.device = device
@@ -237,8 +236,7 @@ class Engine:
         disaggregated prefill's first token): the request continues after them, and a seeded
         request's generator skips the draws they took, so its tokens equal a colocated run's.
 
-        A request with ``params.grammar`` gets a matcher of it (compiled on first use, then
-        cached: ``EngineClient`` compiles it in a worker thread first, so this is a lookup).
+        A grammar is compiled on first use, then cached (``EngineClient`` compiles it first).
 
         Raises:
             InvalidRequest: empty prompt, token id outside the vocabulary, prompt at or over the
@@ -346,7 +344,7 @@ class Engine:
                 # (at num_computed_tokens: a first token sampled here is not part of it).
                 first = result.sampled.get(req.request_id)
                 if first is not None:
-                    self._append(req, first)
+                    req.append_output(first)
                 self.scheduler.finish_now(req, FinishReason.PREFILL)
                 outputs.append(self._output(req, [] if first is None else [first], result.logprobs.get(req.request_id)))
                 continue
@@ -354,19 +352,12 @@ class Engine:
             token = result.sampled.get(req.request_id)
             if token is None:
                 continue
-            self._append(req, token)
+            req.append_output(token)
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.scheduler.finish(req, reason)
             outputs.append(self._output(req, [token], result.logprobs.get(req.request_id)))
         return outputs
-
-    @staticmethod
-    def _append(req: Request, token: int) -> None:
-        req.append_output(token)
-        if req.grammar is not None:
-            # The sampler masked every token the grammar does not allow.
-            assert req.grammar.accept(token), f"request {req.request_id}: sampled {token} outside its grammar"
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.params

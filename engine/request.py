@@ -102,6 +102,9 @@ class Request:
 
     def append_output(self, token: int) -> None:
         self.all_token_ids.append(token)
+        if self.grammar is not None:
+            # The sampler masked every token the grammar does not allow.
+            assert self.grammar.accept(token), f"request {self.request_id}: sampled {token} outside its grammar"
 
     @property
     def is_finished(self) -> bool:

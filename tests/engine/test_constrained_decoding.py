@@ -57,6 +57,19 @@ def test_grammar_steps_run_synchronously_and_plain_requests_are_unchanged(model_
     assert engine.num_pipelined_steps - before < 11
 
 
+def test_penalties_and_min_tokens_give_the_synchronous_tokens_under_async_scheduling(model_dir: Path) -> None:
+    # A biased token wins until its penalty (which counts the token just sampled) outweighs the bias.
+    params = [SamplingParams(max_tokens=20, logit_bias=((7, 15.0),), frequency_penalty=2.0, repetition_penalty=1.1),
+              SamplingParams(max_tokens=20, min_tokens=15, temperature=0.9, seed=4, logit_bias=((9, 2.0),)),
+              SamplingParams(max_tokens=20, ignore_eos=True)]
+    prompts = [[5, 6, 7, 5, 6], [9, 10], [11, 12, 13]]
+    outs = {pipelined: make(model_dir, async_scheduling=pipelined).generate(prompts, params)
+            for pipelined in (False, True)}
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    assert len(outs[True][1].token_ids) >= 15
+    assert 1 < outs[True][0].token_ids.count(7) < 20
+
+
 def test_a_bad_grammar_is_refused_and_the_engine_keeps_serving(model_dir: Path) -> None:
     engine = make(model_dir)
     with pytest.raises(InvalidRequest, match="cannot be compiled"):
