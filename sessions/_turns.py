@@ -145,7 +145,10 @@ class TurnRunner:
         check_token_ids(prompt_ids, self._engine.model_config.vocab_size, "prompt")
         room = check_context(len(prompt_ids), self._engine.max_model_len, generate=True)
         share = SharedPrefill(self._engine, prompt_ids) if n > 1 and len(prompt_ids) > 1 else None
-        return [self._completion(prompt_ids, options, room, share, output) for _ in range(n)]
+        # Choice i of a seeded request draws from seed + i: reproducible, and the choices differ.
+        seeds = [None if options.seed is None else (options.seed + i) % 2**63 for i in range(n)]
+        return [self._completion(prompt_ids, dataclasses.replace(options, seed=seed), room, share, output)
+                for seed in seeds]
 
     def _completion(self, prompt_ids: Sequence[int], options: GenerateOptions, room: int,
                     share: SharedPrefill | None, output: GenerationOutput | None) -> Generation:

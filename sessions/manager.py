@@ -275,7 +275,8 @@ class SessionManager(TierMoves):
 
         Args:
             prompt_ids: The whole prompt.
-            options: Generation options (all ``n`` share them; a seed gives ``n`` equal choices).
+            options: Generation options, shared by the ``n`` choices (with a ``seed``, choice
+                ``i`` draws from ``seed + i``).
             n: The number of choices.
             tools: The tools the prompt shows the model (their calls are parsed).
 

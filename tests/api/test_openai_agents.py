@@ -141,6 +141,16 @@ def test_n_choices_share_the_prompt_pages(oai: openai.OpenAI, server: Any) -> No
     assert details.model_extra == {"shared_tokens": usage.prompt_tokens - 1}
     assert scrape(server.base_url, "phloem_cached_tokens_total") - cached_before == 3 * (usage.prompt_tokens - 1)
 
+    messages = ask()
+
+    def seeded() -> list[str | None]:
+        out = oai.chat.completions.create(model=MODEL, messages=messages, n=2, temperature=1.0, seed=11,
+                                          max_tokens=6, extra_body={"ignore_eos": True})
+        return [c.message.content for c in out.choices]
+
+    choices = seeded()
+    assert choices == seeded() and choices[0] != choices[1]  # choice i draws from seed + i
+
     streamed = list(oai.chat.completions.create(model=MODEL, messages=ask(), n=2, temperature=0, max_tokens=4,
                                                 stream=True, extra_body={"ignore_eos": True}))
     text = {0: "", 1: ""}
