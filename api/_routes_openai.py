@@ -139,6 +139,16 @@ async def _release_when_settled(ctx: ApiContext, owner: str, generation: Generat
         ctx.limits.release_generation(owner)
 
 
+async def _results(generations: list[Generation]) -> list[GenerationResult]:
+    """Every choice's settled result; when one fails, the others are cancelled."""
+    try:
+        return [await g.result() for g in generations]
+    except BaseException:
+        for generation in generations:
+            generation.cancel()
+        raise
+
+
 def _head(ctx: ApiContext, prefix: str, kind: str) -> dict[str, Any]:
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
             "model": ctx.model_id}
@@ -162,7 +172,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
         head = _head(ctx, "chatcmpl", "chat.completion.chunk")
         return _stream(stream_lines(ctx, generations, head, include_usage, _chat_shape(texts),
                                     lambda i: _chat_choice(i, {"role": "assistant", "content": ""})))
-    results = [await g.result() for g in generations]
+    results = await _results(generations)
     choices = [{"index": i, "message": chat_message(r),
                 "logprobs": chat_logprobs(r.logprobs, texts) if data.logprobs else None,
                 "finish_reason": finish_reason(r)} for i, r in enumerate(results)]
@@ -197,7 +207,7 @@ async def completions(request: Request[Any, Any, Any], data: CompletionRequest,
         head = _head(ctx, "cmpl", "text_completion")
         return _stream(stream_lines(ctx, generations, head, include_usage,
                                     _completion_shape(texts, data.return_token_ids), lambda i: None))
-    results = [await g.result() for g in generations]
+    results = await _results(generations)
     choices = []
     for i, r in enumerate(results):
         choice = {"index": i, "text": r.text, "finish_reason": finish_reason(r),

@@ -78,7 +78,8 @@ def test_required_tool_call_parses_validates_and_streams_the_same(oai: openai.Op
                 entry["arguments"] += (d.function.arguments or "") if d.function else ""
     assert [r for r in reasons if r] == ["tool_calls"]
     assert list(calls) == [0] and calls[0]["id"].startswith("call_")
-    assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == (call.function.name, json.loads(call.function.arguments))
+    streamed = (calls[0]["name"], json.loads(calls[0]["arguments"]))
+    assert streamed == (call.function.name, json.loads(call.function.arguments))
 
 
 def test_a_named_function_is_the_one_called(oai: openai.OpenAI) -> None:

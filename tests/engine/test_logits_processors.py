@@ -23,9 +23,8 @@ CPU = torch.device("cpu")
 
 
 def request(prompt: list[int], output: list[int], **params: object) -> Request:
-    req = Request("r", prompt + output, SamplingParams(max_tokens=50, **params), arrival_idx=0,  # type: ignore[arg-type]
-                  num_prompt_tokens=len(prompt))
-    return req
+    sampling = SamplingParams(max_tokens=50, **params)  # type: ignore[arg-type]
+    return Request("r", prompt + output, sampling, arrival_idx=0, num_prompt_tokens=len(prompt))
 
 
 def known_logits(rows: int) -> torch.Tensor:

@@ -62,7 +62,8 @@ def test_response_format_constrains_an_append_and_bad_schemas_fail_before_it_sta
     async def body(m: SessionManager) -> None:
         s = await m.create(OWNER, content=SessionInput(text=f"run {uuid.uuid4().hex}"))
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-        options = GenerateOptions(max_tokens=200, temperature=0.0, response_format=ResponseFormat("json_schema", schema))
+        json_format = ResponseFormat("json_schema", schema)
+        options = GenerateOptions(max_tokens=200, temperature=0.0, response_format=json_format)
         out = await (await m.append(OWNER, s.session_id, SessionInput(text=" JSON:"), options)).result()
         jsonschema.validate(json.loads(out.text), schema)
         bad = GenerateOptions(response_format=ResponseFormat("json_schema", {"type": "nonsense"}))
