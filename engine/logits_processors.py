@@ -104,7 +104,7 @@ class StepProcessing:
         cls, reqs: Sequence[Request], vocab_size: int, eos_ids: Sequence[int], device: torch.device
     ) -> StepProcessing | None:
         """The step's processing, or None when no request needs any (the common case)."""
-        if not any(r.grammar is not None or r.params.processes_logits or r.params.logprobs is not None for r in reqs):
+        if not any(r.processes_logits or r.grammar is not None for r in reqs):
             return None
         return cls(reqs, vocab_size, eos_ids, device)
 

@@ -74,10 +74,13 @@ class Request:
     # Constrained decoding and penalties (``engine.logits_processors``); None for most requests.
     grammar: GrammarMatcher | None = None
     penalty_state: PenaltyState | None = None
+    # Read by the sampler every step: computed once (``engine.logits_processors``).
+    processes_logits: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.all_token_ids)
+        self.processes_logits = self.params.processes_logits or self.params.logprobs is not None
 
     @property
     def prompt_token_ids(self) -> list[int]:
