@@ -159,18 +159,22 @@ class AsyncSession:
     async def append(self, *, input_ids: Sequence[int] | None = None,
                      messages: MessagesArg | None = None, text: str | None = None,
                      generate: GenerateArg | None = None,
-                     idempotency_key: str | None = None) -> AppendResult:
+                     idempotency_key: str | None = None,
+                     chat_template_kwargs: Mapping[str, Any] | None = None) -> AppendResult:
         """Append and optionally generate one turn (see ``Session.append``)."""
-        fields = {"input_ids": input_ids, "messages": messages, "text": text, "generate": generate}
+        fields = {"input_ids": input_ids, "messages": messages, "text": text, "generate": generate,
+                  "chat_template_kwargs": chat_template_kwargs}
         request = _transport.append_request(fields, None)
         return await self._client._send(_transport.append(self.id, request, idempotency_key))
 
     def stream(self, *, input_ids: Sequence[int] | None = None, messages: MessagesArg | None = None,
                text: str | None = None, generate: GenerateArg | None = None,
-               transport: Transport = "sse", idempotency_key: str | None = None) -> AsyncStream:
+               transport: Transport = "sse", idempotency_key: str | None = None,
+               chat_template_kwargs: Mapping[str, Any] | None = None) -> AsyncStream:
         """Append and stream a generation (see ``Session.stream``); use ``async with``."""
         fields = {"input_ids": input_ids, "messages": messages, "text": text,
-                  "generate": GenerateParams() if generate is None else generate}
+                  "generate": GenerateParams() if generate is None else generate,
+                  "chat_template_kwargs": chat_template_kwargs}
         request = _transport.append_request(fields, transport)
         return AsyncStream(self._client, self.id, request, transport, idempotency_key)
 

@@ -17,6 +17,7 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from phloem.api._auth import KeyRing, principal_of
+from phloem.api._convert import done_event
 from phloem.api._errors_http import ApiError, classify
 from phloem.api._idempotency import (
     IdempotencyStore, Running, StoredResponse, StoredStream, fingerprint,
@@ -24,7 +25,7 @@ from phloem.api._idempotency import (
 from phloem.api._limits import OwnerLimits
 from phloem.api._pacing import paced_deltas
 from phloem.api.schemas import (
-    AppendResult, DeltaEvent, DoneEvent, ErrorCode, ErrorEvent, StreamEvent,
+    AppendResult, DeltaEvent, ErrorCode, ErrorEvent, StreamEvent,
 )
 from phloem.sessions import Generation, OutputDelta, SessionError, SessionManager
 
@@ -204,9 +205,7 @@ async def _replayed_events(result: AppendResult) -> AsyncIterator[ServerSentEven
         yield sse_message(DeltaEvent(sequence_number=0, text=result.text,
                                      token_ids=result.output_ids))
         seq = 1
-    yield sse_message(DoneEvent(sequence_number=seq, turn=result.turn, output_ids=result.output_ids,
-                                text=result.text, finish_reason=result.finish_reason,
-                                usage=result.usage, num_tokens=result.num_tokens))
+    yield sse_message(done_event(result, seq))
 
 
 def error_event(exc: BaseException, sequence_number: int,

@@ -6,22 +6,25 @@ None left out (templates test ``message.tool_calls is defined``, not ``is none``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from phloem.api.schemas import (
-    AppendResult, ChatMessage, DeltaEvent, DoneEvent, GenerateParams, SessionInfo, Tool, Turn,
-    Usage,
+    AppendResult, ChatMessage, DeltaEvent, DoneEvent, FunctionCall, GenerateParams,
+    ResponseFormatParam, SessionInfo, TokenLogprobs, Tool, ToolCall, ToolChoiceParam, TopLogprob,
+    Turn, Usage,
 )
 from phloem.sessions import (
-    GenerateOptions, GenerationResult, Message, OutputDelta, SessionInput, SessionSnapshot,
-    ToolSpec, TurnInfo,
+    GenerateOptions, GenerationResult, Message, OutputDelta, ParsedToolCall, ResponseFormat,
+    SessionInput, SessionSnapshot, ToolChoice, ToolSpec, TurnInfo,
 )
 
 __all__ = [
-    "append_result", "delta_event", "done_event", "generate_options", "messages", "session_info",
-    "session_input", "tool_specs", "turn",
+    "append_result", "delta_event", "done_event", "generate_options", "logit_bias", "messages",
+    "response_format", "session_info", "session_input", "tool_calls", "tool_choice", "tool_specs",
+    "turn",
 ]
 
 
@@ -43,13 +46,14 @@ def tool_specs(tools: list[Tool] | None) -> tuple[ToolSpec, ...] | None:
     return None if tools is None else tuple(_drop_none(msgspec.to_builtins(t)) for t in tools)
 
 
-def session_input(input_ids: list[int] | None, text: str | None,
-                  chat: list[ChatMessage] | None) -> SessionInput | None:
+def session_input(input_ids: list[int] | None, text: str | None, chat: list[ChatMessage] | None,
+                  template_kwargs: dict[str, Any] | None = None) -> SessionInput | None:
     """The one input form given (the schemas already checked there is at most one), or None."""
     if input_ids is None and text is None and chat is None:
         return None
     return SessionInput(input_ids=tuple(input_ids) if input_ids is not None else None, text=text,
-                        messages=messages(chat) if chat is not None else None)
+                        messages=messages(chat) if chat is not None else None,
+                        template_kwargs=template_kwargs)
 
 
 def generate_options(params: GenerateParams | None) -> GenerateOptions | None:
@@ -59,7 +63,47 @@ def generate_options(params: GenerateParams | None) -> GenerateOptions | None:
     return GenerateOptions(max_tokens=params.max_tokens, temperature=params.temperature,
                            top_p=params.top_p, top_k=params.top_k, seed=params.seed,
                            stop=tuple(params.stop), stop_token_ids=tuple(params.stop_token_ids),
-                           ignore_eos=params.ignore_eos)
+                           ignore_eos=params.ignore_eos, presence_penalty=params.presence_penalty,
+                           frequency_penalty=params.frequency_penalty,
+                           repetition_penalty=params.repetition_penalty,
+                           logit_bias=logit_bias(params.logit_bias), min_tokens=params.min_tokens,
+                           logprobs=params.logprobs,
+                           response_format=response_format(params.response_format),
+                           tool_choice=tool_choice(params.tool_choice),
+                           parallel_tool_calls=params.parallel_tool_calls)
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"<token id>": bias}`` as ``(token_id, bias)`` pairs (the keys are digits:
+    the wire schema checked them)."""
+    return tuple(sorted((int(k), float(v)) for k, v in (bias or {}).items()))
+
+
+def response_format(value: ResponseFormatParam | None) -> ResponseFormat | None:
+    """The sessions layer's response format for the wire one (``InvalidInput`` without a schema)."""
+    if value is None:
+        return None
+    return ResponseFormat(value.type, value.json_schema.schema if value.json_schema is not None else None)
+
+
+def tool_choice(value: ToolChoiceParam) -> ToolChoice:
+    """The sessions layer's tool choice for the wire one."""
+    if isinstance(value, str):
+        return ToolChoice(value)
+    return ToolChoice("function", value.function.name)
+
+
+def tool_calls(calls: Sequence[ParsedToolCall]) -> list[ToolCall] | None:
+    """Parsed calls as wire ``ToolCall``s (None when there are none)."""
+    return [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls] or None
+
+
+def _logprobs(r: GenerationResult) -> list[TokenLogprobs] | None:
+    if not r.logprobs:
+        return None
+    return [TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
+                          top_logprobs=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            for lp in r.logprobs]
 
 
 def session_info(s: SessionSnapshot) -> SessionInfo:
@@ -71,7 +115,8 @@ def session_info(s: SessionSnapshot) -> SessionInfo:
 def turn(t: TurnInfo) -> Turn:
     return Turn(index=t.index, start=t.start, end=t.end, num_output_tokens=t.num_output_tokens,
                 finish_reason=t.finish_reason, created_at=t.created_at,
-                token_ids=list(t.token_ids) if t.token_ids is not None else None)
+                token_ids=list(t.token_ids) if t.token_ids is not None else None,
+                tool_calls=tool_calls(t.tool_calls))
 
 
 def _usage(r: GenerationResult) -> Usage:
@@ -81,14 +126,21 @@ def _usage(r: GenerationResult) -> Usage:
 
 def append_result(r: GenerationResult) -> AppendResult:
     assert r.turn is not None and r.num_tokens is not None, "a session generation has a turn"
+    parsed = r.parsed
     return AppendResult(turn=r.turn, output_ids=list(r.output_ids), text=r.text,
-                        finish_reason=r.finish_reason, usage=_usage(r), num_tokens=r.num_tokens)
+                        finish_reason=r.finish_reason, usage=_usage(r), num_tokens=r.num_tokens,
+                        content=parsed.content if parsed is not None else None,
+                        reasoning_content=parsed.reasoning if parsed is not None else None,
+                        tool_calls=tool_calls(parsed.tool_calls) if parsed is not None else None,
+                        logprobs=_logprobs(r))
 
 
 def done_event(r: AppendResult, sequence_number: int, request_id: str | None = None) -> DoneEvent:
     return DoneEvent(sequence_number=sequence_number, turn=r.turn, output_ids=r.output_ids,
                      text=r.text, finish_reason=r.finish_reason, usage=r.usage,
-                     num_tokens=r.num_tokens, request_id=request_id)
+                     num_tokens=r.num_tokens, request_id=request_id, content=r.content,
+                     reasoning_content=r.reasoning_content, tool_calls=r.tool_calls,
+                     logprobs=r.logprobs)
 
 
 def delta_event(d: OutputDelta, sequence_number: int, request_id: str | None = None) -> DeltaEvent:

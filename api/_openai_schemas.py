@@ -2,9 +2,11 @@
 except the error envelope, described here for the OpenAPI schema).
 
 They follow OpenAI's field names and defaults (``max_tokens`` 16 for completions, ``temperature``
-1), plus the common extensions ``top_k``, ``ignore_eos`` and ``stop_token_ids``. As on the native
-routes, an unknown field is a 400: a parameter we do not implement (``logprobs``, ``n > 1``,
-``presence_penalty``...) is refused rather than silently ignored.
+1), plus the common extensions ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
+``repetition_penalty`` and ``chat_template_kwargs`` (vLLM's names). ``metadata``, ``store``,
+``user`` and ``service_tier`` are accepted and ignored: they have no meaning for a local server.
+As on the native routes, an unknown field is a 400: a parameter we do not implement is refused
+rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
+from phloem.api._wire_agents import LogitBias, ResponseFormatParam, ToolChoiceParam
 from phloem.api.schemas import Tool, ToolCall
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "OpenAIError", "OpenAIErrorDetail",
@@ -66,8 +69,17 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    # Choices of one prompt: forks that share its prefill (``SessionManager.complete``).
+    n: Annotated[int, Meta(ge=1, le=64)] = 1
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    logit_bias: LogitBias | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    # Accepted and ignored.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -77,6 +89,17 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True,
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     tools: list[Tool] | None = None
+    tool_choice: ToolChoiceParam | None = None  # None: auto
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormatParam | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    store: bool | None = None  # accepted and ignored
+
+    def __post_init__(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs `logprobs: true`")
 
 
 class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -84,6 +107,8 @@ class CompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True, fro
 
     prompt: str | list[Any]
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    # The sampled token's log-probability and this many alternatives (OpenAI allows up to 5).
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     # vLLM's extension: each choice (and each stream chunk) also carries its token ids, so a
     # client that sends token-id prompts can extend its history exactly.
     return_token_ids: bool = False

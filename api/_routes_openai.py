@@ -1,21 +1,26 @@
 """OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
 Stateless: each request renders (chat) or tokenizes (text prompt) its whole context and runs one
-generation; repeated prefixes are found by the engine's radix cache, which
-``usage.prompt_tokens_details.cached_tokens`` reports. Streams are ``data: <chunk>`` lines and a
-final ``data: [DONE]``; with ``stream_options.include_usage`` a last chunk with empty ``choices``
+generation per choice (``n`` choices share one prefill of the prompt); repeated prefixes are
+found by the engine's radix cache, which ``usage.prompt_tokens_details.cached_tokens`` reports.
+Chat output is split into ``content``, ``reasoning_content`` and ``tool_calls``; ``tool_choice``
+``required`` / a named function and ``response_format`` are enforced by a grammar
+(docs/agents.md). Streams are ``data: <chunk>`` lines and a final ``data: [DONE]``
+(``_openai_stream``); with ``stream_options.include_usage`` a last chunk with empty ``choices``
 carries the usage (the others have ``"usage": null``). ``max_completion_tokens`` wins over
 ``max_tokens``. Errors use OpenAI's ``{"error": {...}}`` envelope (``_errors_http``); a failure
 after the stream started is sent as one ``data: {"error": ...}`` line before ``[DONE]``.
-Generations count against the API key's quota like session appends; a stream sends
+Generations count against the API key's quota like session appends (``n`` each); a stream sends
 ``: keep-alive`` comments while idle and is cancelled (finish ``stop``) after the idle timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -25,14 +30,18 @@ from litestar.response import Stream
 
 from phloem.api import _convert
 from phloem.api._context import ApiContext, owner_of, strict_body
-from phloem.api._errors_http import ApiError, StreamingOperation, classify, openai_errors
+from phloem.api._errors_http import ApiError, StreamingOperation, openai_errors
+from phloem.api._openai_output import (
+    TokenTexts, chat_delta, chat_logprobs, chat_message, completion_logprobs, finish_reason, usage,
+)
 from phloem.api._openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIMessage
+from phloem.api._openai_stream import ChoiceShape, stream_lines
 from phloem.api.schemas import ErrorCode
-from phloem.sessions import GenerateOptions, Generation, GenerationResult, Message, SessionError
+from phloem.sessions import (
+    GenerateOptions, Generation, GenerationResult, Message, OutputDelta, SessionError, ToolSpec,
+)
 
 __all__ = ["OPENAI_ROUTES"]
-
-_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
 
 def _options(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> GenerateOptions:
@@ -41,7 +50,23 @@ def _options(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | 
         max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k if body.top_k is not None and body.top_k > 0 else None, seed=body.seed,
-        stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+        stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0, logit_bias=_convert.logit_bias(body.logit_bias),
+        min_tokens=body.min_tokens, logprobs=_num_logprobs(body))
+
+
+def _num_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def _chat_options(body: ChatCompletionRequest) -> GenerateOptions:
+    options = _options(body, body.max_completion_tokens or body.max_tokens)
+    return replace(options, response_format=_convert.response_format(body.response_format),
+                   tool_choice=_convert.tool_choice(body.tool_choice or "auto"),
+                   parallel_tool_calls=body.parallel_tool_calls is not False)
 
 
 def _check_model(ctx: ApiContext, model: str) -> None:
@@ -74,13 +99,6 @@ def _prompt_ids(ctx: ApiContext, prompt: str | list[Any]) -> list[int]:
                    f"than one prompt are not supported), got {str(prompt)[:80]}")
 
 
-def _usage(r: GenerationResult) -> dict[str, Any]:
-    u = r.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-
-
 # Bodies follow OpenAI's format (not restated here): documented as JSON objects.
 _OK = {200: ResponseSpec(dict[str, Any], description="OpenAI's response object, or with "
                          "`stream` a `data:` event stream")}
@@ -88,10 +106,52 @@ _ERRORS = {**_OK, **openai_errors(400, 401, 404, 413, 429, 503)}
 
 
 async def _start(ctx: ApiContext, request: Request[Any, Any, Any], prompt_ids: list[int],
-                 options: GenerateOptions) -> Generation:
+                 options: GenerateOptions, n: int,
+                 tools: tuple[ToolSpec, ...] | None = None) -> list[Generation]:
+    """Start the ``n`` choices, each under the key's generation quota (all or none)."""
+    owner = owner_of(request)
+    started: list[Generation] = []
+
     async def start() -> Generation:
-        return ctx.manager.complete(prompt_ids, options)
-    return await ctx.start_generation(owner_of(request), start)
+        started.extend(await ctx.manager.complete(prompt_ids, options, n=n, tools=tools))
+        return started[0]
+
+    extra = 0  # the other choices' quota; the first is start_generation's
+    try:
+        for _ in range(n - 1):
+            ctx.limits.acquire_generation(owner)
+            extra += 1
+        await ctx.start_generation(owner, start)
+    except BaseException:
+        for _ in range(extra):
+            ctx.limits.release_generation(owner)
+        raise
+    for generation in started[1:]:
+        ctx.spawn(_release_when_settled(ctx, owner, generation))
+    return started
+
+
+async def _release_when_settled(ctx: ApiContext, owner: str, generation: Generation) -> None:
+    try:
+        with contextlib.suppress(SessionError):
+            await generation.result()
+    finally:
+        ctx.limits.release_generation(owner)
+
+
+async def _results(generations: list[Generation]) -> list[GenerationResult]:
+    """Every choice's settled result; when one fails, the others are cancelled."""
+    try:
+        return [await g.result() for g in generations]
+    except BaseException:
+        for generation in generations:
+            generation.cancel()
+        raise
+
+
+def _head(ctx: ApiContext, prefix: str, kind: str) -> dict[str, Any]:
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+            "model": ctx.model_id}
 
 
 @post("/v1/chat/completions", status_code=200, operation_class=StreamingOperation,
@@ -101,22 +161,37 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     """OpenAI chat completions (the chat template renders the whole conversation)."""
     data = await strict_body(request, ChatCompletionRequest)
     _check_model(ctx, data.model)
-    tokenizer = ctx.manager.tokenizer
-    prompt = tokenizer.render_messages([_message(m) for m in data.messages],
-                                       tools=_convert.tool_specs(data.tools),
-                                       add_generation_prompt=True)
-    max_tokens = data.max_completion_tokens or data.max_tokens
-    generation = await _start(ctx, request, prompt, _options(data, max_tokens))
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_id}
+    tools = _convert.tool_specs(data.tools)
+    prompt = ctx.manager.tokenizer.render_messages(
+        [_message(m) for m in data.messages], tools=tools, add_generation_prompt=True,
+        template_kwargs=data.chat_template_kwargs)
+    generations = await _start(ctx, request, prompt, _chat_options(data), data.n, tools)
+    texts = TokenTexts(ctx.manager.tokenizer)
     if data.stream:
         include_usage = data.stream_options is not None and data.stream_options.include_usage
-        return _stream(_chat_chunks(ctx, generation, head, include_usage))
-    result = await generation.result()
-    body = {**head, "object": "chat.completion", "choices": [{
-        "index": 0, "message": {"role": "assistant", "content": result.text},
-        "logprobs": None, "finish_reason": _FINISH[result.finish_reason or "stop"]}],
-        "usage": _usage(result)}
+        head = _head(ctx, "chatcmpl", "chat.completion.chunk")
+        return _stream(stream_lines(ctx, generations, head, include_usage, _chat_shape(texts),
+                                    lambda i: _chat_choice(i, {"role": "assistant", "content": ""})))
+    results = await _results(generations)
+    choices = [{"index": i, "message": chat_message(r),
+                "logprobs": chat_logprobs(r.logprobs, texts) if data.logprobs else None,
+                "finish_reason": finish_reason(r)} for i, r in enumerate(results)]
+    body = {**_head(ctx, "chatcmpl", "chat.completion"), "choices": choices, "usage": usage(results)}
     return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+def _chat_choice(index: int, delta: dict[str, Any], logprobs: Any = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+
+
+def _chat_shape(texts: TokenTexts) -> ChoiceShape:
+    def shape(index: int, delta: OutputDelta | None, result: GenerationResult | None) -> dict[str, Any] | None:
+        if delta is None:
+            return _chat_choice(index, {})
+        content = chat_delta(delta)
+        logprobs = chat_logprobs(delta.logprobs, texts) if delta.logprobs else None
+        return _chat_choice(index, content, logprobs) if content or logprobs else None
+    return shape
 
 
 @post("/v1/completions", status_code=200, operation_class=StreamingOperation, responses=_ERRORS)
@@ -125,29 +200,65 @@ async def completions(request: Request[Any, Any, Any], data: CompletionRequest,
     """OpenAI text completions; ``prompt`` is text or token ids."""
     data = await strict_body(request, CompletionRequest)
     _check_model(ctx, data.model)
-    generation = await _start(ctx, request, _prompt_ids(ctx, data.prompt),
-                              _options(data, data.max_tokens))
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_id}
+    generations = await _start(ctx, request, _prompt_ids(ctx, data.prompt), _options(data, data.max_tokens), data.n)
+    texts = TokenTexts(ctx.manager.tokenizer)
     if data.stream:
         include_usage = data.stream_options is not None and data.stream_options.include_usage
-        return _stream(_completion_chunks(ctx, generation, head, include_usage,
-                                          data.return_token_ids))
-    result = await generation.result()
-    choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": _FINISH[result.finish_reason or "stop"]}
-    if data.return_token_ids:
-        choice["token_ids"] = list(result.output_ids)
-    body = {**head, "object": "text_completion", "choices": [choice], "usage": _usage(result)}
+        head = _head(ctx, "cmpl", "text_completion")
+        return _stream(stream_lines(ctx, generations, head, include_usage,
+                                    _completion_shape(texts, data.return_token_ids), lambda i: None))
+    results = await _results(generations)
+    choices = []
+    for i, r in enumerate(results):
+        choice = {"index": i, "text": r.text, "finish_reason": finish_reason(r),
+                  "logprobs": completion_logprobs(r.logprobs, texts) if data.logprobs is not None else None}
+        if data.return_token_ids:
+            choice["token_ids"] = list(r.output_ids)
+        choices.append(choice)
+    body = {**_head(ctx, "cmpl", "text_completion"), "choices": choices, "usage": usage(results)}
     return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+def _completion_shape(texts: TokenTexts, token_ids: bool) -> ChoiceShape:
+    """With ``token_ids``, every delta is sent (text may be held back by the detokenizer) and
+    its choice carries the delta's ``token_ids``."""
+    offsets: dict[int, int] = {}
+
+    def shape(index: int, delta: OutputDelta | None, result: GenerationResult | None) -> dict[str, Any] | None:
+        if delta is None:
+            return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+        if not delta.text and not (token_ids and delta.token_ids) and not delta.logprobs:
+            return None
+        logprobs = None
+        if delta.logprobs:
+            logprobs = completion_logprobs(delta.logprobs, texts, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+        choice = {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": None}
+        if token_ids:
+            choice["token_ids"] = list(delta.token_ids)
+        return choice
+    return shape
 
 
 @get("/v1/models", responses={200: ResponseSpec(dict[str, Any], description="The served model"),
                                **openai_errors(401)})
 async def list_models(ctx: ApiContext) -> Response[bytes]:
     """The one served model."""
-    entry = {"id": ctx.model_id, "object": "model", "created": 0, "owned_by": ctx.model_owned_by,
-             "max_model_len": ctx.manager.max_model_len}
-    return Response(msgspec.json.encode({"object": "list", "data": [entry]}),
+    return Response(msgspec.json.encode({"object": "list", "data": [_model(ctx)]}),
                     media_type="application/json")
+
+
+@get("/v1/models/{model_id:path}", responses={200: ResponseSpec(dict[str, Any], description="The model"),
+                                               **openai_errors(401, 404)})
+async def retrieve_model(model_id: str, ctx: ApiContext) -> Response[bytes]:
+    """The served model, by its id (any other id is 404)."""
+    _check_model(ctx, model_id.lstrip("/"))
+    return Response(msgspec.json.encode(_model(ctx)), media_type="application/json")
+
+
+def _model(ctx: ApiContext) -> dict[str, Any]:
+    return {"id": ctx.model_id, "object": "model", "created": 0, "owned_by": ctx.model_owned_by,
+            "max_model_len": ctx.manager.max_model_len}
 
 
 def _stream(chunks: AsyncIterator[bytes]) -> Stream:
@@ -155,63 +266,4 @@ def _stream(chunks: AsyncIterator[bytes]) -> Stream:
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _line(value: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(value) + b"\n\n"
-
-
-async def _chunks(ctx: ApiContext, generation: Generation, head: dict[str, Any],
-                  include_usage: bool, kind: str, choice: Any,
-                  token_ids: bool = False) -> AsyncIterator[bytes]:
-    """The stream's ``data:`` lines; ``choice(text, finish_reason, first)`` shapes a choice.
-
-    With ``token_ids``, every delta is sent (text may be held back by the detokenizer) and its
-    choice carries the delta's ``token_ids``.
-    """
-    extra = {"usage": None} if include_usage else {}
-    chunk = {**head, "object": kind, **extra}
-    try:
-        first = choice(None, None, True)
-        if first is not None:
-            yield _line({**chunk, "choices": [first]})
-        async for delta in ctx.paced(generation):
-            if delta is None:
-                yield b": keep-alive\n\n"
-            elif token_ids:
-                yield _line({**chunk, "choices": [{**choice(delta.text, None, False), "token_ids": list(delta.token_ids)}]})
-            elif delta.text:
-                yield _line({**chunk, "choices": [choice(delta.text, None, False)]})
-        try:
-            result = await generation.result()
-        except SessionError as exc:
-            code, detail, _ = classify(exc)
-            yield _line({"error": {"message": detail, "type": "server_error", "code": code.value}})
-        else:
-            reason = _FINISH[result.finish_reason or "stop"]
-            yield _line({**chunk, "choices": [choice(None, reason, False)]})
-            if include_usage:
-                yield _line({**chunk, "choices": [], "usage": _usage(result)})
-        yield b"data: [DONE]\n\n"
-    finally:
-        generation.cancel()
-
-
-def _chat_chunks(ctx: ApiContext, generation: Generation, head: dict[str, Any],
-                 include_usage: bool) -> AsyncIterator[bytes]:
-    def choice(text: str | None, reason: str | None, first: bool) -> dict[str, Any]:
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-        if text is not None:
-            delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-    return _chunks(ctx, generation, head, include_usage, "chat.completion.chunk", choice)
-
-
-def _completion_chunks(ctx: ApiContext, generation: Generation, head: dict[str, Any],
-                       include_usage: bool, token_ids: bool = False) -> AsyncIterator[bytes]:
-    def choice(text: str | None, reason: str | None, first: bool) -> dict[str, Any] | None:
-        if first:
-            return None
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-    return _chunks(ctx, generation, head, include_usage, "text_completion", choice, token_ids)
-
-
-OPENAI_ROUTES = [chat_completions, completions, list_models]
+OPENAI_ROUTES = [chat_completions, completions, list_models, retrieve_model]

@@ -216,7 +216,8 @@ async def _start_append(ctx: ApiContext, owner: str, session_id: str,
                         data: AppendRequest) -> Generation:
     async def start() -> Generation:
         return await ctx.manager.append(
-            owner, session_id, _convert.session_input(data.input_ids, data.text, data.messages),
+            owner, session_id,
+            _convert.session_input(data.input_ids, data.text, data.messages, data.chat_template_kwargs),
             _convert.generate_options(data.generate))
     if data.generate is None:
         return await start()
@@ -244,6 +245,8 @@ async def _sse_events(ctx: ApiContext,
             if delta is None:
                 yield ServerSentEventMessage(comment="keep-alive")
                 continue
+            if not delta.text and not delta.token_ids:
+                continue  # it only closes the parsed parts, which the done event carries
             yield sse_message(_convert.delta_event(delta, seq))
             seq += 1
         try:

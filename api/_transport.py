@@ -220,7 +220,8 @@ class RetryPolicy:
 def append_message(request: AppendRequest) -> str:
     """The WebSocket ``append`` message (a text frame) of an already validated request."""
     message = AppendMessage(input_ids=request.input_ids, messages=request.messages,
-                            text=request.text, generate=request.generate)
+                            text=request.text, generate=request.generate,
+                            chat_template_kwargs=request.chat_template_kwargs)
     return _encoder.encode(message).decode()
 
 
@@ -254,7 +255,9 @@ def settle(event: ServerEvent) -> DeltaEvent | AppendResult | None:
     if isinstance(event, DoneEvent):
         return AppendResult(turn=event.turn, output_ids=event.output_ids, text=event.text,
                             finish_reason=event.finish_reason, usage=event.usage,
-                            num_tokens=event.num_tokens)
+                            num_tokens=event.num_tokens, content=event.content,
+                            reasoning_content=event.reasoning_content, tool_calls=event.tool_calls,
+                            logprobs=event.logprobs)
     if isinstance(event, ErrorEvent):
         raise error_from_event(event)
     return None

@@ -123,7 +123,8 @@ class _Connection:
         async def start() -> Generation:
             return await self._ctx.manager.append(
                 self._owner, self._session_id,
-                _convert.session_input(message.input_ids, message.text, message.messages),
+                _convert.session_input(message.input_ids, message.text, message.messages,
+                                       message.chat_template_kwargs),
                 _convert.generate_options(message.generate))
         if message.generate is None:
             generation = await start()
@@ -135,7 +136,8 @@ class _Connection:
     async def _forward(self, generation: Generation, request_id: str | None) -> None:
         try:
             async for delta in self._ctx.paced(generation):
-                if delta is not None:
+                # A delta that only closes the parsed parts carries no text for this protocol.
+                if delta is not None and (delta.text or delta.token_ids):
                     await self._send(_convert.delta_event(delta, 0, request_id))
             try:
                 result = _convert.append_result(await generation.result())

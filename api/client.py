@@ -35,14 +35,16 @@ from phloem.api._errors import (
 )
 from phloem.api._stream import AsyncStream, Stream, Transport
 from phloem.api._transport import GenerateArg, MessagesArg, ToolsArg
-from phloem.api.schemas import AppendResult, ChatMessage, GenerateParams, SessionInfo, Turn
+from phloem.api.schemas import (
+    AppendResult, ChatMessage, FunctionCall, GenerateParams, SessionInfo, TokenLogprobs, ToolCall, Turn,
+)
 
 __all__ = [
     "APIConnectionError", "AsyncClient", "AsyncSession", "AsyncSessions", "AsyncStream",
-    "ChatMessage", "Client", "ContextLengthExceeded", "Forbidden", "GenerateParams",
+    "ChatMessage", "Client", "ContextLengthExceeded", "Forbidden", "FunctionCall", "GenerateParams",
     "IdempotencyConflict", "InternalError", "InvalidRequest", "NotFound", "Overloaded",
     "PayloadTooLarge", "PhloemError", "RateLimited", "Session", "SessionBusy", "SessionNotFound",
-    "Sessions", "Stream", "Unauthorized",
+    "Sessions", "Stream", "TokenLogprobs", "ToolCall", "Unauthorized",
 ]
 
 T = TypeVar("T")
@@ -214,7 +216,8 @@ class Session:
 
     def append(self, *, input_ids: Sequence[int] | None = None, messages: MessagesArg | None = None,
                text: str | None = None, generate: GenerateArg | None = None,
-               idempotency_key: str | None = None) -> AppendResult:
+               idempotency_key: str | None = None,
+               chat_template_kwargs: Mapping[str, Any] | None = None) -> AppendResult:
         """Append input and, if ``generate`` is given, generate; the result is one new turn.
 
         Args:
@@ -222,24 +225,30 @@ class Session:
             messages: New chat messages; with ``generate`` the assistant prompt is added.
             text: New raw text.
             generate: Sampling parameters; None: only append. With no input, generation
-                continues from the session's last token.
+                continues from the session's last token. ``tool_choice``,
+                ``response_format`` and the penalties go here too.
             idempotency_key: Reuse a key to make a repeated append return the first result.
+            chat_template_kwargs: Extra chat-template variables for ``messages``
+                (``{"enable_thinking": False}``).
 
         Returns:
-            The committed turn: its index, output ids and text, finish reason and usage.
+            The committed turn: its index, output ids and text, finish reason and usage; its
+            ``content``, ``reasoning_content`` and ``tool_calls`` (typed ``ToolCall`` objects).
 
         Raises:
             InvalidRequest: Bad arguments. ContextLengthExceeded: the input does not fit.
             SessionBusy: A generation already runs on this session.
             SessionNotFound: The session was deleted.
         """
-        fields = {"input_ids": input_ids, "messages": messages, "text": text, "generate": generate}
+        fields = {"input_ids": input_ids, "messages": messages, "text": text, "generate": generate,
+                  "chat_template_kwargs": chat_template_kwargs}
         request = _transport.append_request(fields, None)
         return self._client._send(_transport.append(self.id, request, idempotency_key))
 
     def stream(self, *, input_ids: Sequence[int] | None = None, messages: MessagesArg | None = None,
                text: str | None = None, generate: GenerateArg | None = None,
-               transport: Transport = "sse", idempotency_key: str | None = None) -> Stream:
+               transport: Transport = "sse", idempotency_key: str | None = None,
+               chat_template_kwargs: Mapping[str, Any] | None = None) -> Stream:
         """Append and generate, streaming the output (the request is sent on first use).
 
         Args:
@@ -249,6 +258,7 @@ class Session:
             generate: Sampling parameters; None: the server defaults.
             transport: ``"sse"`` (HTTP) or ``"websocket"`` (exact cancel, see ``Stream.cancel``).
             idempotency_key: For ``"sse"``: reuse a key to replay a finished stream.
+            chat_template_kwargs: Extra chat-template variables for ``messages``.
 
         Returns:
             A ``Stream`` of ``DeltaEvent``; ``stream.result`` holds the turn once it is done.
@@ -257,7 +267,8 @@ class Session:
             InvalidRequest: Bad arguments (raised here; server errors are raised on first use).
         """
         fields = {"input_ids": input_ids, "messages": messages, "text": text,
-                  "generate": GenerateParams() if generate is None else generate}
+                  "generate": GenerateParams() if generate is None else generate,
+                  "chat_template_kwargs": chat_template_kwargs}
         request = _transport.append_request(fields, transport)
         return Stream(self._client, self.id, request, transport, idempotency_key)
 

@@ -18,14 +18,20 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from phloem.api._wire_agents import (
+    FunctionName, JsonSchemaFormat, LogitBias, NamedToolChoice, ResponseFormatParam, TokenLogprobs,
+    ToolChoiceParam, TopLogprob,
+)
+
 __all__ = [
     "ERROR_STATUS", "PROBLEM_CONTENT_TYPE", "AppendMessage", "AppendRequest", "AppendResult",
     "CancelMessage", "CancelledEvent", "ChatMessage", "ClientMessage", "CreateSessionRequest",
     "DeltaEvent", "DoneEvent", "ErrorCode", "ErrorEvent", "FinishReason", "ForkMessage",
-    "ForkRequest", "ForkResult", "ForkedEvent", "FunctionCall", "FunctionDef", "GenerateParams",
-    "OffloadRequest", "Problem", "Role", "ServerEvent", "SessionInfo", "SessionList",
-    "SessionStatus", "StreamEvent", "Tool", "ToolCall", "Turn", "TurnList", "UpdateSessionRequest",
-    "Usage", "make_problem",
+    "ForkRequest", "ForkResult", "ForkedEvent", "FunctionCall", "FunctionDef", "FunctionName",
+    "GenerateParams", "JsonSchemaFormat", "NamedToolChoice", "OffloadRequest", "Problem",
+    "ResponseFormatParam", "Role", "ServerEvent", "SessionInfo", "SessionList", "SessionStatus",
+    "StreamEvent", "TokenLogprobs", "Tool", "ToolCall", "ToolChoiceParam", "TopLogprob", "Turn",
+    "TurnList", "UpdateSessionRequest", "Usage", "make_problem",
 ]
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
@@ -132,7 +138,10 @@ class GenerateParams(Struct, **_STRICT):
     """Sampling parameters of one generation; ``temperature == 0`` is greedy and ignores ``seed``.
 
     ``max_tokens=None`` generates until a stop condition or the end of the context window;
-    a ``max_tokens`` beyond the window is clamped (``finish_reason == "length"``).
+    a ``max_tokens`` beyond the window is clamped (``finish_reason == "length"``). Penalties,
+    ``logit_bias``, ``min_tokens`` and ``logprobs`` mean what they mean in OpenAI's API
+    (``repetition_penalty`` as in vLLM); ``response_format`` and a ``required`` or named
+    ``tool_choice`` (over the session's tools) are enforced by a grammar (docs/agents.md).
     """
 
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
@@ -143,6 +152,19 @@ class GenerateParams(Struct, **_STRICT):
     stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)] = []
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=64)] = []
     ignore_eos: bool = False
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    logit_bias: LogitBias | None = None
+    min_tokens: Count = 0
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # alternatives per token
+    response_format: ResponseFormatParam | None = None
+    tool_choice: ToolChoiceParam = "auto"
+    parallel_tool_calls: bool = True
+
+
+# Extra chat-template variables for `messages`, e.g. {"enable_thinking": false}.
+TemplateKwargs = Annotated[dict[Annotated[str, Meta(min_length=1, max_length=64)], Any], Meta(max_length=16)]
 
 
 def _num_inputs(body: CreateSessionRequest | AppendRequest | AppendMessage) -> int:
@@ -186,12 +208,19 @@ class AppendRequest(Struct, **_STRICT):
     text: Text | None = None
     generate: GenerateParams | None = None
     stream: bool = False
+    chat_template_kwargs: TemplateKwargs | None = None
 
     def __post_init__(self) -> None:
         if _num_inputs(self) == 0 and self.generate is None:
             raise ValueError("expected one of `input_ids`, `messages`, `text`, or `generate`")
         if self.stream and self.generate is None:
             raise ValueError("`stream: true` needs `generate`")
+        _check_template_kwargs(self)
+
+
+def _check_template_kwargs(body: AppendRequest | AppendMessage) -> None:
+    if body.chat_template_kwargs and body.messages is None:
+        raise ValueError("`chat_template_kwargs` apply to `messages` only")
 
 
 class ForkRequest(Struct, **_STRICT):
@@ -246,6 +275,7 @@ class Turn(Struct, **_STRICT):
     finish_reason: FinishReason | None
     created_at: int
     token_ids: list[TokenId] | None = None  # only with ?include_tokens=true
+    tool_calls: list[ToolCall] | None = None  # parsed from the output, when it made calls
 
 
 class TurnList(Struct, **_STRICT):
@@ -253,7 +283,12 @@ class TurnList(Struct, **_STRICT):
 
 
 class AppendResult(Struct, **_STRICT):
-    """The committed turn: ``output_ids`` are exactly the generated tokens now in the session."""
+    """The committed turn: ``output_ids`` are exactly the generated tokens now in the session.
+
+    ``text`` is the whole output; ``content``, ``reasoning_content`` and ``tool_calls`` are its
+    parts (reasoning in ``<think>`` blocks, calls in the template's tool-call format: what is
+    left is content), ``logprobs`` one entry per output token when asked for.
+    """
 
     turn: Count
     output_ids: list[TokenId]
@@ -261,6 +296,10 @@ class AppendResult(Struct, **_STRICT):
     finish_reason: FinishReason | None  # None when nothing was generated
     usage: Usage
     num_tokens: Count  # session length after the turn
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class ForkResult(Struct, **_STRICT):
@@ -304,10 +343,12 @@ class AppendMessage(Struct, **_TAGGED, tag="append"):
     text: Text | None = None
     generate: GenerateParams | None = None
     request_id: str | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
 
     def __post_init__(self) -> None:
         if _num_inputs(self) == 0 and self.generate is None:
             raise ValueError("expected one of `input_ids`, `messages`, `text`, or `generate`")
+        _check_template_kwargs(self)
 
 
 class CancelMessage(Struct, **_TAGGED, tag="cancel"):
@@ -347,6 +388,10 @@ class DoneEvent(Struct, **_TAGGED, tag="done"):
     usage: Usage
     num_tokens: Count
     request_id: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class ErrorEvent(Struct, **_TAGGED, tag="error"):

@@ -13,7 +13,10 @@ May import: ``phloem.kernels`` (and torch).
 
 from phloem.engine.engine import Engine
 from phloem.engine.errors import CapacityExceeded, CorruptStep, EngineError, InvalidRequest
-from phloem.engine.request import RequestOutput
-from phloem.engine.sampling_params import SamplingParams
+from phloem.engine.request import RequestOutput, TokenLogprob
+from phloem.engine.sampling_params import GrammarSpec, SamplingParams
 
-__all__ = ["CapacityExceeded", "CorruptStep", "Engine", "EngineError", "InvalidRequest", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "CapacityExceeded", "CorruptStep", "Engine", "EngineError", "GrammarSpec", "InvalidRequest", "RequestOutput", "SamplingParams",
+    "TokenLogprob",
+]

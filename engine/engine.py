@@ -38,14 +38,15 @@ from phloem.engine.config import (
     SchedulerConfig,
 )
 from phloem.engine.errors import CorruptStep, InvalidRequest
+from phloem.engine.grammar import GrammarBackend
 from phloem.engine.kv_pages import PagePool
 from phloem.engine.loader import load_model
 from phloem.engine.model_runner import CausalLM, LaunchedStep, build_runner
 from phloem.engine.parallel import TPGroup, check_tp_size
 from phloem.engine.prefix_state import PrefixState, export_prefix, import_prefix
 from phloem.engine.radix_cache import RadixCache, RadixNode
-from phloem.engine.request import FinishReason, Request, RequestOutput, RequestStatus
-from phloem.engine.request_checks import check_outputs, check_prompt
+from phloem.engine.request import FinishReason, Request, RequestOutput, RequestStatus, TokenLogprob
+from phloem.engine.request_checks import check_logit_bias, check_outputs, check_prompt, grammar_matcher
 from phloem.engine.sampler import skip_draws
 from phloem.engine.sampling_params import SamplingParams
 from phloem.engine.scheduler import Scheduler
@@ -85,8 +86,11 @@ class Engine:
         dtype: torch.dtype,
         runner_config: RunnerConfig | None = None,
         workers: TPWorkers | None = None,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         runner_config = runner_config or RunnerConfig()
+        # None (an engine without a tokenizer, as in tests): requests with a grammar are refused.
+        self.grammar = grammar
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -176,7 +180,10 @@ class Engine:
                 workers.wait_ready()
             dtype = next(model.parameters()).dtype
             device = torch.device(load_config.device)
-            return cls(model_config, model, cache_config, scheduler_config, device, dtype, runner_config, workers)
+            grammar = GrammarBackend(path, model_config.vocab_size, model_config.eos_token_ids)
+            return cls(
+                model_config, model, cache_config, scheduler_config, device, dtype, runner_config, workers, grammar
+            )
         except BaseException:
             if workers is not None:
                 workers.close()
@@ -229,12 +236,16 @@ class Engine:
         disaggregated prefill's first token): the request continues after them, and a seeded
         request's generator skips the draws they took, so its tokens equal a colocated run's.
 
+        A grammar is compiled on first use, then cached (``EngineClient`` compiles it first).
+
         Raises:
             InvalidRequest: empty prompt, token id outside the vocabulary, prompt at or over the
-                context limit, or a duplicate request id.
+                context limit, a duplicate request id, a logit bias outside the vocabulary, or a
+                grammar this engine cannot compile (or has no tokenizer for).
             CapacityExceeded: the prompt cannot fit the KV pool even when it is empty.
         """
         prompt = self._validate(prompt_token_ids, params)
+        check_logit_bias(params, self.model_config.vocab_size)
         outputs = check_outputs(
             prompt, output_token_ids, params, prefill_only, sample_first, self.model_config.vocab_size,
             self.max_model_len,
@@ -251,6 +262,8 @@ class Engine:
             req.generator.manual_seed(params.seed)
             if not params.is_greedy:
                 skip_draws(req.generator, self.model_config.vocab_size, len(outputs), self.device)
+        if params.grammar is not None:
+            req.grammar = grammar_matcher(self.grammar, params, outputs)
         self._requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -363,7 +376,7 @@ class Engine:
                 if first is not None:
                     req.append_output(first)
                 self.scheduler.finish_now(req, FinishReason.PREFILL)
-                outputs.append(self._output(req, [] if first is None else [first]))
+                outputs.append(self._output(req, [] if first is None else [first], result.logprobs.get(req.request_id)))
                 continue
             self.cache.maybe_checkpoint(req)
             token = result.sampled.get(req.request_id)
@@ -373,18 +386,20 @@ class Engine:
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.scheduler.finish(req, reason)
-            outputs.append(self._output(req, [token]))
+            outputs.append(self._output(req, [token], result.logprobs.get(req.request_id)))
         return outputs
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
             return FinishReason.STOP
+        if req.grammar is not None and req.grammar.is_terminated:
+            return FinishReason.STOP
         if req.reaches_length(self.max_model_len):
             return FinishReason.LENGTH
         return None
 
-    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+    def _output(self, req: Request, new_tokens: list[int], logprob: TokenLogprob | None = None) -> RequestOutput:
         finished = req.status is RequestStatus.FINISHED
         if finished:
             self._requests.pop(req.request_id, None)
@@ -396,6 +411,7 @@ class Engine:
             finished=finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             num_cached_tokens=req.num_cached_tokens,
+            new_logprobs=(logprob,) if logprob is not None else None,
         )
 
     def generate(

@@ -22,7 +22,7 @@ session spill and resume) is a plan too: every rank joins the gather or scatter
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -31,9 +31,10 @@ from phloem.engine.config import CacheConfig, ModelConfig, RunnerConfig
 from phloem.engine.cuda_graph import CudaGraphRunner
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
 from phloem.engine.host_copy import to_device
+from phloem.engine.logits_processors import StepLogprobs, StepProcessing
 from phloem.engine.memory import PoolPlan, allocate_caches, plan_pools
 from phloem.engine.parallel import TPGroup
-from phloem.engine.request import Request
+from phloem.engine.request import Request, TokenLogprob
 from phloem.engine.sampler import sample
 from phloem.engine.scheduler import SchedulerOutput
 from phloem.engine.step_plan import StateMove, StepInputs, StepPlan
@@ -62,9 +63,11 @@ class CausalLM(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """Sampled tokens of one step, keyed by the requests that reached the end of their tokens."""
+    """Sampled tokens of one step, keyed by the requests that reached the end of their tokens,
+    and the log-probabilities of those that asked for them."""
 
     sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +81,8 @@ class LaunchedStep:
     ``CudaGraphRunner.host_ids``), and ``copied`` is recorded behind that copy: reading them waits for this step
     only. (A plain ``tokens.tolist()`` would queue its copy behind everything launched since, i.e.
     behind the next step that async scheduling has queued, and wait for that step too.) On CPU
-    ``host_tokens`` is ``tokens``.
+    ``host_tokens`` is ``tokens``. ``logprobs``: the sampled rows' log-probabilities, on their
+    way to the host like the ids (None when no request asked).
     """
 
     sched: SchedulerOutput
@@ -86,6 +90,7 @@ class LaunchedStep:
     tokens: torch.Tensor | None
     host_tokens: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
+    logprobs: StepLogprobs | None = None
 
 
 class ModelRunner:
@@ -266,9 +271,13 @@ class ModelRunner:
             return LaunchedStep(out, (), None)
         reqs = tuple(out.requests[i] for i in inp.sample_rows)
         generators = [r.generator or self.default_generator for r in reqs]
-        tokens = sample(logits, [r.params for r in reqs], generators, greedy)
+        # Built after the forward is queued: grammar masks are filled on the host meanwhile.
+        mc = self.model_config
+        processing = StepProcessing.build(reqs, mc.vocab_size, mc.eos_token_ids, self.device)
+        tokens = sample(logits, [r.params for r in reqs], generators, greedy, processing)
+        logprobs = processing.logprobs(logits, tokens) if processing is not None else None
         if not tokens.is_cuda:
-            return LaunchedStep(out, reqs, tokens, tokens)
+            return LaunchedStep(out, reqs, tokens, tokens, logprobs=logprobs)
         # An all-greedy graph step's ids are already on their way to the host, off the compute stream.
         from_graph = self.graphs.host_ids(tokens) if self.graphs is not None else None
         if from_graph is not None:
@@ -277,7 +286,7 @@ class ModelRunner:
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return LaunchedStep(out, reqs, tokens, host, copied)
+        return LaunchedStep(out, reqs, tokens, host, copied, logprobs.to_host() if logprobs is not None else None)
 
     @staticmethod
     def collect(step: LaunchedStep) -> StepResult:
@@ -286,7 +295,12 @@ class ModelRunner:
             return StepResult({})
         if step.copied is not None:
             step.copied.synchronize()
-        return StepResult({r.request_id: t for r, t in zip(step.sampled, step.host_tokens.tolist())})
+        ids = step.host_tokens.tolist()
+        logprobs = step.logprobs.read(ids) if step.logprobs is not None else {}
+        return StepResult(
+            {r.request_id: t for r, t in zip(step.sampled, ids)},
+            {step.sampled[row].request_id: lp for row, lp in logprobs.items()},
+        )
 
     def run_plan(self, plan: StepPlan) -> None:
         """A worker rank's step: replay rank 0's page copies, then join the forward."""

@@ -21,9 +21,11 @@ import torch
 from phloem.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from phloem.engine.grammar import GrammarMatcher
+    from phloem.engine.logits_processors import PenaltyState
     from phloem.engine.radix_cache import RadixNode
 
-__all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus"]
+__all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus", "TokenLogprob"]
 
 
 class RequestStatus(enum.Enum):
@@ -72,10 +74,16 @@ class Request:
     # While waiting: its tokens past the cached prefix when the scheduler first looked (its size
     # class; ``engine.scheduler``). Reset when it is preempted.
     num_uncached_hint: int | None = None
+    # Constrained decoding and penalties (``engine.logits_processors``); None for most requests.
+    grammar: GrammarMatcher | None = None
+    penalty_state: PenaltyState | None = None
+    # Read by the sampler every step: computed once (``engine.logits_processors``).
+    processes_logits: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.all_token_ids)
+        self.processes_logits = self.params.processes_logits or self.params.logprobs is not None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -100,6 +108,9 @@ class Request:
 
     def append_output(self, token: int) -> None:
         self.all_token_ids.append(token)
+        if self.grammar is not None:
+            # The sampler masked every token the grammar does not allow.
+            assert self.grammar.accept(token), f"request {self.request_id}: sampled {token} outside its grammar"
 
     @property
     def is_finished(self) -> bool:
@@ -107,11 +118,22 @@ class Request:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the ``top`` most likely ``(token_id, logprob)``
+    alternatives, most likely first (``SamplingParams.logprobs`` of them)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What the engine reports about a request after a step (and at the end of ``generate``).
 
     ``new_token_ids`` holds the tokens produced by this step only (for streaming);
-    ``token_ids`` every token generated so far.
+    ``token_ids`` every token generated so far; ``new_logprobs`` one entry per new token when
+    the request asked for log-probabilities (else None).
     """
 
     request_id: str
@@ -121,3 +143,4 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int
+    new_logprobs: tuple[TokenLogprob, ...] | None = None

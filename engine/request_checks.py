@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from phloem.engine.errors import CapacityExceeded, InvalidRequest
+from phloem.engine.grammar import GrammarBackend, GrammarMatcher
 from phloem.engine.kv_pages import PagePool
 from phloem.engine.sampling_params import SamplingParams
 
-__all__ = ["check_outputs", "check_prompt"]
+__all__ = ["check_logit_bias", "check_outputs", "check_prompt", "grammar_matcher"]
 
 
 def _bad_ids(ids: list[int], vocab: int) -> list[int]:
@@ -74,3 +75,26 @@ def check_outputs(
             f"context limit {max_model_len}: nothing is left to generate"
         )
     return outputs
+
+
+def check_logit_bias(params: SamplingParams, vocab: int) -> None:
+    """Raises ``InvalidRequest`` when a logit bias names a token outside ``[0, vocab)``."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab]
+    if bad:
+        raise InvalidRequest(f"logit_bias: expected token ids in [0, {vocab}), got {bad[:5]!r}")
+
+
+def grammar_matcher(backend: GrammarBackend | None, params: SamplingParams, outputs: list[int]) -> GrammarMatcher:
+    """A matcher of ``params.grammar`` that has accepted ``outputs`` (tokens generated elsewhere).
+
+    Raises:
+        InvalidRequest: no backend (an engine without a tokenizer), a grammar that does not
+            compile, or outputs the grammar does not allow.
+    """
+    assert params.grammar is not None, "grammar_matcher needs a request with a grammar"
+    if backend is None:
+        raise InvalidRequest("grammar: this engine was built without a tokenizer to compile grammars with")
+    matcher = backend.matcher(params.grammar)
+    if not all(matcher.accept(t) for t in outputs):
+        raise InvalidRequest(f"output_token_ids: {outputs[:5]!r} do not follow the request's grammar")
+    return matcher

@@ -4,15 +4,22 @@ Random draws use the exponential-race form of categorical sampling
 (``argmax(p / q)`` with ``q ~ Exp(1)``), drawn from the request's own ``torch.Generator`` when it
 has a seed: the draw then depends only on that request's logits and seed, not on what else is in
 the batch, so the same seed gives the same output whether a request runs alone or batched.
-Greedy rows never touch a generator (temperature 0 ignores the seed).
+Greedy rows never touch a generator (temperature 0 ignores the seed). A step whose requests
+change their logits (grammar, penalties, bias, ``min_tokens``: ``engine.logits_processors``)
+samples from the processed fp32 copy; every other step samples the logits as they come.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from phloem.engine.host_copy import to_device
 from phloem.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from phloem.engine.logits_processors import StepProcessing
 
 __all__ = ["sample", "skip_draws"]
 
@@ -22,6 +29,7 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     greedy: torch.Tensor | None = None,
+    processing: StepProcessing | None = None,
 ) -> torch.Tensor:
     """Pick one token per row; returns ``[S]`` int64 on the logits' device.
 
@@ -29,8 +37,11 @@ def sample(
     first index on ties in both, so no fp32 copy of a ``[S, V]`` tensor is made for them), or
     ``greedy`` where the caller has it (a CUDA graph computes every row's argmax inside the graph;
     then a greedy step launches nothing here, and ``greedy`` itself is returned); random rows are
-    sampled in fp32.
+    sampled in fp32. With ``processing`` every row samples from ``processing.apply(logits)``
+    (``greedy`` is then ignored: it is the argmax of the unprocessed logits).
     """
+    if processing is not None:
+        logits, greedy = processing.apply(logits), None
     assert logits.shape[0] == len(params) == len(generators), "one SamplingParams and generator per row"
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if greedy is not None:

@@ -63,6 +63,11 @@ def add_bench_commands(
     decode.add_argument("--batches", type=_ints, default=(1, 4, 16, 64), help="comma-separated (default: 1,4,16,64)")
     decode.add_argument("--contexts", type=_ints, default=(1024, 32768, 131072), help="comma-separated tokens of history")
     decode.add_argument("--prefill-tokens", type=int, default=50000, help="one prompt timed against the FLOP roofline (0: skip)")
+    decode.add_argument("--grammar", action="store_true",
+                        help="time each point again with every request under a JSON-schema grammar")
+    decode.add_argument("--tokenizer", type=Path,
+                        help="with --grammar: the model folder whose tokenizer the grammar is compiled against "
+                             "(default: the model's, or the built-in model's for a dummy shape)")
     decode.set_defaults(configure=lambda a: a, run=_decode)
 
     long = kinds.add_parser("long-context", help="batch-1 decode at long contexts with roofline fractions", epilog=_EXAMPLES,
@@ -140,7 +145,8 @@ def _decode(args: argparse.Namespace) -> int:
     from phloem.runtime.bench_report import bench_decode
 
     sys.stdout.write(bench_decode(args.shape, args.model, args.device, args.batches, args.contexts,
-                                  args.prefill_tokens, args.steps, args.out, tensor_parallel_size=args.tp, expert_parallel=args.ep,
+                                  args.prefill_tokens, args.steps, args.out, grammar=args.grammar, tokenizer=args.tokenizer,
+                                  tensor_parallel_size=args.tp, expert_parallel=args.ep,
                                   show_progress=show_progress(args)) + "\n")  # fmt: skip
     return 0
 

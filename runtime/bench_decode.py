@@ -9,6 +9,11 @@ written — over the device-to-device copy bandwidth measured in the same run.
 
 Prefill of one long prompt is reported against the FLOP roofline: ``2 × active params × tokens``
 plus causal attention ``2 × Hq × D × T²`` per attention layer, over a measured bf16 GEMM rate.
+
+With a grammar (``--grammar``) every request of a point decodes again under ``BENCH_SCHEMA``, a
+JSON Schema whose ``minItems`` keeps the document open for the whole run: the cost of
+constrained decoding (the bitmask filled on the host each step, the masked sampling, and the
+step no longer queued ahead) against the same point without it.
 """
 
 from __future__ import annotations
@@ -16,15 +21,16 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import Engine, GrammarSpec, SamplingParams
 from phloem.engine.request import Request, RequestStatus
 
 __all__ = [
+    "BENCH_SCHEMA",
     "DecodeResult",
     "PrefillResult",
     "StepBytes",
@@ -39,6 +45,14 @@ __all__ = [
     "run_prefill",
     "step_bytes",
 ]
+
+
+# An array of records that cannot close within a benchmark: objects, strings, integers, enums.
+BENCH_SCHEMA = GrammarSpec("json_schema", (
+    '{"type": "array", "minItems": 100000, "items": {"type": "object", "required": ["id", "name", "ok", "tags"], '
+    '"properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12}, '
+    '"ok": {"type": "boolean"}, "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}}}}'
+))
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +75,7 @@ class DecodeResult:
     bandwidth: float  # bytes/s
     gpu_ms_per_step: float | None = None  # CUDA-graph replay alone, timed with device events
     sync_ms_per_step: float | None = None  # the same steps with async scheduling off
+    grammar_ms_per_step: float | None = None  # the same steps, every request under BENCH_SCHEMA
 
     @property
     def tok_per_s_per_user(self) -> float:
@@ -186,7 +201,7 @@ def decode_tokens(steps: int, warmup: int) -> int:
 
 def run_decode(
     engine: Engine, batch: int, context: int, bandwidth: float, steps: int = 20, warmup: int = 3, seed: int = 0,
-    compare_sync: bool = True,
+    compare_sync: bool = True, grammar: GrammarSpec | None = None,
 ) -> DecodeResult:
     """Decode ``steps`` tokens for ``batch`` synthetic requests of ``context`` tokens of history.
 
@@ -195,8 +210,20 @@ def run_decode(
     async scheduling, timed over ``steps`` consecutive calls after ``warmup`` (no sync between
     them: with a step queued, each call's host work overlaps the device's step). With
     ``compare_sync`` and async scheduling on, the same requests are then timed with it off
-    (``DecodeResult.sync_ms_per_step``).
+    (``DecodeResult.sync_ms_per_step``). With ``grammar``, fresh requests of the same point are
+    then timed with every one constrained by it (``DecodeResult.grammar_ms_per_step``).
     """
+    result = _run_decode(engine, batch, context, bandwidth, steps, warmup, seed, compare_sync, None)
+    if grammar is None:
+        return result
+    constrained = _run_decode(engine, batch, context, bandwidth, steps, warmup, seed, False, grammar)
+    return replace(result, grammar_ms_per_step=constrained.ms_per_step)
+
+
+def _run_decode(
+    engine: Engine, batch: int, context: int, bandwidth: float, steps: int, warmup: int, seed: int,
+    compare_sync: bool, grammar: GrammarSpec | None,
+) -> DecodeResult:
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     extra = decode_tokens(steps, warmup)
@@ -204,7 +231,7 @@ def run_decode(
         raise ValueError(f"context {context} + {extra} decoded tokens reaches the limit {engine.max_model_len}")
     reqs = []
     for i in range(batch):
-        params = SamplingParams(max_tokens=context + extra, ignore_eos=True)
+        params = SamplingParams(max_tokens=context + extra, ignore_eos=True, grammar=grammar)
         # The whole history counts as output past a one-token prompt: no prompt-end checkpoint
         # lands in the cache when the history's last token is computed.
         req = Request(f"bench-{i}", [rng.randrange(vocab) for _ in range(context)], params, arrival_idx=i,
@@ -214,6 +241,9 @@ def run_decode(
         )
         req.num_computed_tokens = context - 1
         req.has_state, req.read_slot = True, req.write_slot
+        if grammar is not None:
+            assert engine.grammar is not None, "a grammar needs the engine's GrammarBackend"
+            req.grammar = engine.grammar.matcher(grammar)
         req.status = RequestStatus.RUNNING
         reqs.append(req)
     running = engine.scheduler.running

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 
 from phloem.engine import Engine
+from phloem.engine.grammar import GrammarBackend
 from phloem.runtime.bench_decode import (
+    BENCH_SCHEMA,
     DecodeResult,
     PrefillResult,
     StepProfile,
@@ -69,12 +71,16 @@ def bench_decode(
     steps: int = 20,
     out_json: Path | None = None,
     progress: Callable[[str], None] | None = None,
+    grammar: bool = False,
+    tokenizer: Path | None = None,
     **engine_options: object,
 ) -> str:
     """Run the decode grid (and one long prefill); returns the report as Markdown.
 
     ``progress`` gets one line per grid point; ``engine_options["show_progress"]`` (False: never)
-    also governs the progress bars of loading and of the grid (``runtime.progress``).
+    also governs the progress bars of loading and of the grid (``runtime.progress``). With
+    ``grammar`` each point is timed again under ``BENCH_SCHEMA``; its grammar is compiled
+    against ``tokenizer`` (a model folder), else the model's own, else the built-in model's.
     """
     dev = torch.device(device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,6 +93,8 @@ def bench_decode(
         engine = Engine.from_pretrained(path, **defaults)
     if dev.type == "cuda":
         engine.runner.caches.kv.normal_()  # never time on zeros
+    if grammar and (tokenizer is not None or model is None):
+        engine.grammar = _grammar_backend(engine, tokenizer)
     copy_bytes = (2 << 30) if dev.type == "cuda" else (64 << 20)
     # The roofline's denominator: the copy timed by device events (measure_bandwidth says why),
     # with the host-timed figure and a second measurement after the grid reported beside it.
@@ -101,7 +109,8 @@ def bench_decode(
         if context + decode_tokens(steps, 3) >= engine.max_model_len or not _fits(engine, batch, context, steps):
             skipped.append((batch, context))
             continue
-        results.append(run_decode(engine, batch, context, bandwidth, steps=steps))
+        results.append(run_decode(engine, batch, context, bandwidth, steps=steps,
+                                  grammar=BENCH_SCHEMA if grammar else None))
         if progress is not None:
             r = results[-1]
             progress(f"batch {batch} context {context}: {r.ms_per_step:.2f} ms/step, {r.roofline_fraction:.0%} of roofline, graph {r.gpu_ms_per_step}")
@@ -136,6 +145,16 @@ def bench_decode(
     return report
 
 
+def _grammar_backend(engine: Engine, tokenizer: Path | None) -> GrammarBackend:
+    """A grammar backend over ``tokenizer``'s folder, or the built-in model's (dummy shapes have
+    none: its small vocabulary makes the host's mask work cheaper than a real tokenizer's)."""
+    from phloem.runtime.default_model import ensure_default_model
+
+    folder = tokenizer or ensure_default_model(Path(tempfile.mkdtemp(prefix="phloem-bench-")), False)
+    mc = engine.model_config
+    return GrammarBackend(folder, mc.vocab_size, mc.eos_token_ids)
+
+
 def _markdown(
     name: str,
     device: str,
@@ -151,15 +170,16 @@ def _markdown(
         f"model {name} on {device}: copy bandwidth {bandwidth:.2f} TB/s (device-timed; host-timed {host:.2f}, "
         f"after the grid {after:.2f}), bf16 GEMM {matmul / 1e12:.0f} TFLOP/s",
         "",
-        "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline | sync ms/step | GPU ms (graph replay) | GPU fraction |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline | sync ms/step | GPU ms (graph replay) | GPU fraction | JSON-schema ms/step | grammar cost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.batch} | {r.context} | {r.ms_per_step:.2f} | {r.tok_per_s_per_user:.0f} | {r.batch * r.tok_per_s_per_user:.0f} "
             f"| {r.bytes.total / 1e9:.2f} | {1000 * r.bytes.total / r.bandwidth:.2f} | {r.roofline_fraction:.0%} "
             + (f"| {r.sync_ms_per_step:.2f} " if r.sync_ms_per_step else "| - ")
-            + (f"| {r.gpu_ms_per_step:.2f} | {1000 * r.bytes.total / r.bandwidth / r.gpu_ms_per_step:.0%} |" if r.gpu_ms_per_step else "| - | - |")
+            + (f"| {r.gpu_ms_per_step:.2f} | {1000 * r.bytes.total / r.bandwidth / r.gpu_ms_per_step:.0%} " if r.gpu_ms_per_step else "| - | - ")
+            + (f"| {r.grammar_ms_per_step:.2f} | {r.grammar_ms_per_step / r.ms_per_step - 1:+.1%} |" if r.grammar_ms_per_step else "| - | - |")
         )
     if skipped:
         lines.append("")

@@ -27,8 +27,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol, TypeVar
 
-from phloem.engine import Engine, EngineError, RequestOutput, SamplingParams
+from phloem.engine import Engine, EngineError, InvalidRequest, RequestOutput, SamplingParams
 from phloem.engine.config import ModelConfig
+from phloem.engine.sampling_params import GrammarSpec
 from phloem.runtime.config import EngineOptions
 from phloem.runtime.engine_commands import (
     AbortRequest,
@@ -71,6 +72,8 @@ class EngineClient:
 
     def __init__(self, engine: Engine) -> None:
         self._loop = EngineLoop(engine)
+        # Thread-safe: grammars compile in worker threads, off the event loop and the engine thread.
+        self._grammar = engine.grammar
         self._model_config = engine.model_config
         self._max_model_len = engine.max_model_len
 
@@ -145,6 +148,7 @@ class EngineClient:
         request_id: str | None = None,
         *,
         output_token_ids: Sequence[int] = (),
+        prefill_only: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Generate from ``prompt_token_ids``, yielding an output per engine step that produced tokens.
 
@@ -160,13 +164,17 @@ class EngineClient:
             output_token_ids: Tokens already generated for this prompt elsewhere (a
                 disaggregated prefill's first token): the request continues after them, and
                 the outputs' ``token_ids`` include them.
+            prefill_only: Compute the prompt and publish it in the prefix cache, generating
+                nothing: the one output has ``finish_reason == "prefill"`` (requests that
+                share the prompt then find all of it cached: ``n`` choices of one prompt).
 
         Yields:
             RequestOutput items, the last one finished.
 
         Raises:
-            InvalidRequest: Bad prompt or params, or a request id already in flight (raised by
-                the first ``__anext__``, before anything is yielded).
+            InvalidRequest: Bad prompt or params (a grammar that does not compile included), or
+                a request id already in flight (raised by the first ``__anext__``, before
+                anything is yielded).
             CapacityExceeded: The prompt cannot fit the engine's pools even when empty.
             EngineError: The engine loop is not running, or a step failed or the loop shut down
                 while this request was in flight.
@@ -179,7 +187,9 @@ class EngineClient:
             # Engine thread: hand over and return at once (raises if the event loop closed).
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        add = AddRequest(tuple(prompt_token_ids), params, request_id, sink, tuple(output_token_ids))
+        if params.grammar is not None:
+            await self.compile_grammar(params.grammar)
+        add = AddRequest(tuple(prompt_token_ids), params, request_id, sink, tuple(output_token_ids), prefill_only)
         self._loop.submit(add)
         done = False
         try:
@@ -196,6 +206,17 @@ class EngineClient:
                 # Fire and forget: a cancelled task cannot await, and the queue is FIFO, so this
                 # lands after the AddRequest. A no-op if the add failed or was skipped.
                 self._submit_quietly(AbortRequest(request_id, sink))
+
+    async def compile_grammar(self, grammar: GrammarSpec) -> None:
+        """Compile ``grammar`` in a worker thread (cached: the engine's matcher then starts at
+        once), to check it before a request uses it.
+
+        Raises:
+            InvalidRequest: xgrammar rejects it, or the engine has no tokenizer to compile with.
+        """
+        if self._grammar is None:
+            raise InvalidRequest("grammar: this engine was built without a tokenizer to compile grammars with")
+        await asyncio.to_thread(self._grammar.compile, grammar)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request in flight; its generator then yields a final ``"abort"`` output.

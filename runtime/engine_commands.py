@@ -54,7 +54,8 @@ class AddRequest:
     """Enqueue a request; ``reply`` gets its id, or the ``InvalidRequest``/``CapacityExceeded``.
 
     ``output_token_ids``: tokens already generated elsewhere (a disaggregated prefill's first
-    token); the request continues after them.
+    token); the request continues after them. ``prefill_only``: compute and publish the prompt,
+    sample nothing (``Engine.add_request``).
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -62,6 +63,7 @@ class AddRequest:
     request_id: str | None
     sink: OutputSink
     output_token_ids: tuple[int, ...] = ()
+    prefill_only: bool = False
     reply: Future[str] = field(default_factory=Future)
 
 

@@ -246,7 +246,7 @@ class EngineLoop:
     def _add(self, command: AddRequest) -> str:
         prompt = list(command.prompt_token_ids)
         request_id = self.engine.add_request(
-            prompt, command.params, command.request_id, output_token_ids=command.output_token_ids
+            prompt, command.params, command.request_id, command.prefill_only, output_token_ids=command.output_token_ids
         )
         self._inflight[request_id] = _InFlight(command.sink, prompt)
         return request_id

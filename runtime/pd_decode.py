@@ -168,12 +168,17 @@ class PDEngineClient(EngineClient):
         request_id: str | None = None,
         *,
         output_token_ids: Sequence[int] = (),
+        prefill_only: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """As ``EngineClient.generate``, with the prompt prefilled by the prefill instance."""
         prompt = list(prompt_token_ids)
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        if output_token_ids:
-            async for out in super().generate(prompt, params, rid, output_token_ids=output_token_ids):
+        # The prefill instance samples the first token with plain parameters only: a request whose
+        # logits are processed (grammar, penalties, bias) or reported (logprobs) prefills here.
+        if output_token_ids or prefill_only or params.processes_logits or params.logprobs is not None:
+            async for out in super().generate(
+                prompt, params, rid, output_token_ids=output_token_ids, prefill_only=prefill_only
+            ):
                 yield out
             return
         if rid in self._pending:

@@ -8,8 +8,9 @@ the session may fill the window exactly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from phloem.sessions.chat import ChatContext, render_append
 from phloem.sessions.errors import ContextLengthExceeded, InvalidInput
@@ -27,14 +28,17 @@ class SessionInput:
         text: Text, tokenized without added tokens (special-token strings recognised).
         messages: Chat messages, rendered with the chat template as a continuation
             (``phloem.sessions.chat``).
+        template_kwargs: Extra chat-template variables for ``messages`` (``enable_thinking``).
 
     Raises:
-        InvalidInput: Not exactly one form is given, or it is empty.
+        InvalidInput: Not exactly one form is given, or it is empty, or ``template_kwargs``
+            come without ``messages``.
     """
 
     input_ids: tuple[int, ...] | None = None
     text: str | None = None
     messages: tuple[Message, ...] | None = None
+    template_kwargs: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         given = [n for n in ("input_ids", "text", "messages") if getattr(self, n) is not None]
@@ -42,6 +46,8 @@ class SessionInput:
             raise InvalidInput(f"expected exactly one of `input_ids`, `text`, `messages`, got {given}")
         if not getattr(self, given[0]):
             raise InvalidInput(f"{given[0]}: expected a non-empty value")
+        if self.template_kwargs and self.messages is None:
+            raise InvalidInput("chat_template_kwargs: they apply to `messages` only")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +93,7 @@ def resolve_input(tokenizer: Tokenizer, vocab_size: int, chat: ChatContext, last
         return ResolvedInput(tokenizer.encode(new.text), chat.detached(), False)
     assert new.messages is not None
     text = render_append(tokenizer, chat, new.messages, add_generation_prompt=generate,
-                         last_token_id=last_token_id)
+                         last_token_id=last_token_id, template_kwargs=new.template_kwargs)
     ids = tokenizer.encode(text)
     check_token_ids(ids, vocab_size, "messages")
     return ResolvedInput(ids, chat.with_messages(new.messages), generate)

@@ -13,7 +13,9 @@ and settles it:
   output (``finish_reason == "cancelled"``);
 - room in the engine: a session's request first resumes its spilled state
   (``Spiller.resume``); every request may demote pinned sessions when it stalls for room
-  (``Spiller.relieve``, see ``sessions.spill``).
+  (``Spiller.relieve``, see ``sessions.spill``);
+- ``n`` choices of one completion are ``n`` generations that share one prefill of their prompt
+  (``sessions._prefill``) and count ``n`` against the admission limit.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from phloem.sessions._inputs import ResolvedInput, check_context, check_token_id
 from phloem.sessions._pins import PinKeeper
 from phloem.sessions.config import SessionConfig
 from phloem.sessions.errors import Overloaded, SessionBusy, SessionNotFound
+from phloem.sessions._prefill import SharedPrefill
 from phloem.sessions.generation import (
-    Completion, GenerateOptions, Generation, GenerationHooks, GenerationResult, Usage,
+    Completion, GenerateOptions, Generation, GenerationHooks, GenerationOutput, GenerationResult,
+    Usage,
 )
 from phloem.sessions.session import Session, Turn
 from phloem.sessions.store import SessionStore
@@ -79,16 +83,17 @@ class TurnRunner:
         if self.closing:
             raise Overloaded("the server is shutting down", self._config.retry_after_s)
 
-    def admit(self) -> None:
-        """Raise ``Overloaded`` unless one more generation may start."""
+    def admit(self, n: int = 1) -> None:
+        """Raise ``Overloaded`` unless ``n`` more generations may start."""
         self.check_open()
-        if len(self._generations) >= self._config.max_num_generations:
+        if len(self._generations) + n > self._config.max_num_generations:
             raise Overloaded(f"{len(self._generations)} generations are in flight, the most this "
                              "server runs at once", self._config.retry_after_s)
 
-    def append(self, session: Session, new: ResolvedInput,
-               generate: GenerateOptions | None) -> Generation:
-        """Start an append on ``session`` (input already resolved against its context).
+    def append(self, session: Session, new: ResolvedInput, generate: GenerateOptions | None,
+               output: GenerationOutput | None = None) -> Generation:
+        """Start an append on ``session`` (input already resolved against its context); its
+        output is read (and constrained) as ``output`` says.
 
         Raises:
             SessionBusy: Another append runs on the session.
@@ -126,30 +131,42 @@ class TurnRunner:
 
         hooks = GenerationHooks(settle, on_exit, prepare, relieve, self._config.admission_stall_s)
         generation = Generation(self._engine, self._tokenizer, prompt, generate,
-                                room if generate is not None else 0, hooks)
+                                room if generate is not None else 0, hooks, output)
         session.generation = generation
         if generate is not None:
             self._generations.add(generation)
         generation.start()
         return generation
 
-    def complete(self, prompt_ids: Sequence[int], options: GenerateOptions) -> Generation:
-        """Start a stateless generation (see ``SessionManager.complete``)."""
-        self.admit()
+    def complete(self, prompt_ids: Sequence[int], options: GenerateOptions, n: int = 1,
+                 output: GenerationOutput | None = None) -> list[Generation]:
+        """Start ``n`` stateless generations of one prompt (see ``SessionManager.complete``)."""
+        self.admit(n)
         check_token_ids(prompt_ids, self._engine.model_config.vocab_size, "prompt")
         room = check_context(len(prompt_ids), self._engine.max_model_len, generate=True)
+        share = SharedPrefill(self._engine, prompt_ids) if n > 1 and len(prompt_ids) > 1 else None
+        # Choice i of a seeded request draws from seed + i: reproducible, and the choices differ.
+        seeds = [None if options.seed is None else (options.seed + i) % 2**63 for i in range(n)]
+        return [self._completion(prompt_ids, dataclasses.replace(options, seed=seed), room, share, output)
+                for seed in seeds]
+
+    def _completion(self, prompt_ids: Sequence[int], options: GenerateOptions, room: int,
+                    share: SharedPrefill | None, output: GenerationOutput | None) -> Generation:
         started = time.monotonic()
 
         async def settle(c: Completion) -> GenerationResult:
-            usage = Usage(c.num_prompt_tokens, c.num_cached_tokens, len(c.output_ids))
-            result = GenerationResult(c.output_ids, c.text, c.finish_reason, usage)
+            shared = max(0, c.num_cached_tokens - share.num_cached_tokens) if share is not None else 0
+            usage = Usage(c.num_prompt_tokens, c.num_cached_tokens, len(c.output_ids), shared)
+            result = GenerationResult(c.output_ids, c.text, c.finish_reason, usage,
+                                      logprobs=c.logprobs, parsed=c.parsed)
             self._finished(None, result, started)
             return result
 
         hooks = GenerationHooks(settle, lambda: self._generations.discard(generation),
+                                prepare=share.wait if share is not None else None,
                                 relieve=self._spill.relieve,
                                 stall_s=self._config.admission_stall_s)
-        generation = Generation(self._engine, self._tokenizer, prompt_ids, options, room, hooks)
+        generation = Generation(self._engine, self._tokenizer, prompt_ids, options, room, hooks, output)
         self._generations.add(generation)
         generation.start()
         return generation
@@ -178,9 +195,10 @@ class TurnRunner:
             if session.deleted:
                 raise SessionNotFound(f"session {session.session_id} was deleted")
             tokens = session.token_ids + new.token_ids + output
+            calls = completion.parsed.tool_calls if completion.parsed is not None else ()
             turn = Turn(len(session.turns), len(session.token_ids), len(tokens), len(output),
                         completion.finish_reason, int(time.time()), len(chat.messages),
-                        chat.open_output)
+                        chat.open_output, calls)
             committed = dataclasses.replace(session, token_ids=tokens, turns=[*session.turns, turn],
                                             chat_messages=list(chat.messages))
             await self._store.write(committed)
@@ -189,4 +207,5 @@ class TurnRunner:
             await self._pins.activate(session)
         usage = Usage(completion.num_prompt_tokens, completion.num_cached_tokens, len(output))
         return GenerationResult(completion.output_ids, completion.text, completion.finish_reason,
-                                usage, turn=turn.index, num_tokens=len(tokens))
+                                usage, turn=turn.index, num_tokens=len(tokens),
+                                logprobs=completion.logprobs, parsed=completion.parsed)

@@ -44,8 +44,9 @@ treat earlier replies specially (e.g. dropping their reasoning) cannot shift the
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from phloem.sessions.errors import InvalidInput
 from phloem.sessions.tokenizer import Message, Tokenizer, ToolSpec
@@ -101,7 +102,8 @@ def _placeholder() -> Message:
 
 
 def render_append(tokenizer: Tokenizer, context: ChatContext, new: Sequence[Message], *,
-                  add_generation_prompt: bool, last_token_id: int | None) -> str:
+                  add_generation_prompt: bool, last_token_id: int | None,
+                  template_kwargs: Mapping[str, Any] | None = None) -> str:
     """The text that appends ``new`` messages to a session (rule in the module docstring).
 
     Args:
@@ -110,6 +112,7 @@ def render_append(tokenizer: Tokenizer, context: ChatContext, new: Sequence[Mess
         new: The messages to append (at least one).
         add_generation_prompt: End with the opening of an assistant reply.
         last_token_id: The session's last token (used when ``context.open_output``).
+        template_kwargs: Extra template variables (``enable_thinking``), for every render.
 
     Returns:
         The text to tokenize and append.
@@ -120,9 +123,10 @@ def render_append(tokenizer: Tokenizer, context: ChatContext, new: Sequence[Mess
     assert new, "render_append needs at least one new message"
     tools = context.tools
     if not context.open_output:
-        before = tokenizer.render_text(context.messages, tools=tools)
+        before = tokenizer.render_text(context.messages, tools=tools, template_kwargs=template_kwargs)
         after = tokenizer.render_text(context.messages + tuple(new), tools=tools,
-                                      add_generation_prompt=add_generation_prompt)
+                                      add_generation_prompt=add_generation_prompt,
+                                      template_kwargs=template_kwargs)
         if not after.startswith(before):
             raise InvalidInput(
                 "messages: the chat template renders the session's earlier messages differently "
@@ -133,7 +137,8 @@ def render_append(tokenizer: Tokenizer, context: ChatContext, new: Sequence[Mess
     *head, last = context.messages
     assert last.get("role") == "assistant", "an open reply's context ends with an assistant message"
     messages = (*head, {**last, "content": sentinel}, *new)
-    after = tokenizer.render_text(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    after = tokenizer.render_text(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                  template_kwargs=template_kwargs)
     cut = after.rfind(sentinel)
     if cut < 0:
         raise InvalidInput("messages: the chat template does not render assistant content, so "

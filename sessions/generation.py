@@ -39,11 +39,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from phloem.engine import CapacityExceeded, EngineError, InvalidRequest, SamplingParams
+from phloem.engine import CapacityExceeded, EngineError, GrammarSpec, InvalidRequest, SamplingParams, TokenLogprob
 from phloem.sessions.errors import (
     ContextLengthExceeded, GenerationFailed, InvalidInput, Overloaded, SessionError,
     SessionNotFound,
 )
+from phloem.sessions.options import GenerateOptions
+from phloem.sessions.output_parser import OutputFormat, OutputParser, ParsedDelta, ParsedOutput
 from phloem.sessions.session import FinishReason
 from phloem.sessions.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -51,78 +53,39 @@ if TYPE_CHECKING:
     from phloem.runtime import EngineClient
 
 __all__ = [
-    "Completion", "GenerateOptions", "Generation", "GenerationHooks", "GenerationResult",
-    "OutputDelta", "Usage",
+    "Completion", "GenerateOptions", "Generation", "GenerationHooks", "GenerationOutput",
+    "GenerationResult", "OutputDelta", "Usage",
 ]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class GenerateOptions:
-    """Sampling options of one generation (``docs/api.md``, ``GenerateParams``).
-
-    Args:
-        max_tokens: New tokens at most; None: until a stop condition or the context's end.
-            Clamped to the room left in the context window.
-        temperature: 0 is greedy (the seed is then irrelevant); at most 2.
-        top_p: Nucleus mass kept, in (0, 1].
-        top_k: Keep the k most likely tokens; None: no top-k.
-        seed: Per-request seed.
-        stop: Stop strings; the text is cut before the earliest match.
-        stop_token_ids: Token ids that end the generation (kept in the output).
-        ignore_eos: Keep generating past the model's EOS tokens.
-
-    Raises:
-        InvalidInput: A value is out of bounds.
-    """
-
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, ">= 1 or None"),
-            ("temperature", 0.0 <= self.temperature <= 2.0, "in [0, 2]"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
-            ("top_k", self.top_k is None or self.top_k >= 1, ">= 1 or None"),
-            ("seed", self.seed is None or 0 <= self.seed < 2**63, "in [0, 2**63) or None"),
-            ("stop", all(self.stop), "non-empty strings"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "ids >= 0"),
-        ]
-        for name, ok, expected in checks:
-            if not ok:
-                raise InvalidInput(f"{name}: expected {expected}, got {getattr(self, name)!r}")
-
-    def sampling_params(self, room: int) -> SamplingParams:
-        """The engine's parameters, with ``max_tokens`` clamped to ``room`` (>= 1) tokens."""
-        max_tokens = room if self.max_tokens is None else min(self.max_tokens, room)
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k or 0, seed=self.seed,
-                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
-
-
-@dataclass(frozen=True, slots=True)
 class Usage:
-    """Tokens of one generation: the whole context it saw, the cached part, and the output."""
+    """Tokens of one generation: the whole context it saw, the cached part, and the output.
+
+    ``shared_tokens``: of the cached part, the prompt tokens computed once for this request's
+    ``n`` choices together (``SessionManager.complete``); 0 for a single generation.
+    """
 
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    shared_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class OutputDelta:
-    """New output: tokens and their newly printable text (either may be empty, not both)."""
+    """New output: tokens and their newly printable text (either may be empty, not both).
+
+    ``logprobs``: one per token when asked for; ``parsed``: the text split into reasoning,
+    content and tool calls when the generation has an ``OutputFormat``.
+    """
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    parsed: ParsedDelta | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,11 +97,14 @@ class Completion:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
+    parsed: ParsedOutput | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationResult:
-    """A settled generation; ``turn``/``num_tokens`` are set for session appends."""
+    """A settled generation; ``turn``/``num_tokens`` are set for session appends, ``parsed``
+    for generations with an ``OutputFormat``, ``logprobs`` when asked for."""
 
     output_ids: tuple[int, ...]
     text: str
@@ -146,6 +112,8 @@ class GenerationResult:
     usage: Usage
     turn: int | None = None
     num_tokens: int | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    parsed: ParsedOutput | None = None
 
 
 Settle = Callable[[Completion], Awaitable[GenerationResult]]
@@ -172,6 +140,14 @@ class GenerationHooks:
     stall_s: float = 5.0
 
 
+@dataclass(frozen=True, slots=True)
+class GenerationOutput:
+    """How a generation's text is read (``format``) and constrained (``grammar``)."""
+
+    format: OutputFormat
+    grammar: GrammarSpec | None = None
+
+
 class _NoRoom(Exception):
     """The engine finished the request at once without a token: its pools had no room."""
 
@@ -194,11 +170,13 @@ class Generation:
             input alone). ``max_new_tokens`` must then be 0.
         max_new_tokens: Room left in the context window (>= 1 with ``options``).
         hooks: Settle, exit, prepare and relieve callbacks (``GenerationHooks``).
+        output: How to split the text into reasoning, content and tool calls, and the grammar
+            it must follow (``sessions.structured``); None: plain text.
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, prompt_ids: Sequence[int],
                  options: GenerateOptions | None, max_new_tokens: int,
-                 hooks: GenerationHooks) -> None:
+                 hooks: GenerationHooks, output: GenerationOutput | None = None) -> None:
         assert options is None or max_new_tokens >= 1, "a generation needs room for one token"
         self.request_id = f"gen-{uuid.uuid4().hex}"
         self._engine = engine
@@ -207,6 +185,9 @@ class Generation:
         self._options = options
         self._max_new_tokens = max_new_tokens
         self._hooks = hooks
+        self._output = output
+        self._parser: OutputParser | None = None
+        self._logprobs: list[TokenLogprob] = []
         self._events: asyncio.Queue[OutputDelta | object] = asyncio.Queue()
         self._result: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
         self._cancelled = False
@@ -304,11 +285,14 @@ class Generation:
         if self._hooks.prepare is not None and not self._cancelled:
             await self._hooks.prepare()
         detok = self._tokenizer.detokenizer(self._options.stop)
+        fmt = self._output.format if self._output is not None else None
+        self._parser = OutputParser(fmt) if fmt is not None else None
         output: list[int] = []
         reason: str | None = "abort" if self._cancelled else None
         cached = 0
         if reason is None:
-            params = self._options.sampling_params(self._max_new_tokens)
+            grammar = self._output.grammar if self._output is not None else None
+            params = self._options.sampling_params(self._max_new_tokens, grammar)
             try:
                 reason, cached = await self._request(params, detok, output)
             except _NoRoom:
@@ -319,10 +303,17 @@ class Generation:
                 except _NoRoom:
                     raise Overloaded("the engine has no room for this request now") from None
         tail = detok.finish()
-        if tail:
-            self._events.put_nowait(OutputDelta(tail, ()))
+        parsed = self._parse(tail, final=True)
+        if tail or parsed:
+            self._events.put_nowait(OutputDelta(tail, (), (), parsed))
         return Completion(tuple(output), detok.text, _FINISH_REASONS[reason or "abort"],
-                          len(self._prompt_ids), cached)
+                          len(self._prompt_ids), cached, tuple(self._logprobs),
+                          self._parser.result() if self._parser is not None else None)
+
+    def _parse(self, text: str, final: bool = False) -> ParsedDelta | None:
+        if self._parser is None:
+            return None
+        return self._parser.finish() if final else self._parser.push(text)
 
     async def _request(self, params: SamplingParams, detok: IncrementalDetokenizer,
                        output: list[int]) -> tuple[str | None, int]:
@@ -342,7 +333,8 @@ class Generation:
                     raise _NoRoom
                 started.set()
                 cached = out.num_cached_tokens
-                reason = self._consume(out.new_token_ids, out.finish_reason, detok, output)
+                reason = self._consume(out.new_token_ids, out.finish_reason, detok, output,
+                                       out.new_logprobs or ())
                 if reason is not None:
                     break
         except InvalidRequest as exc:
@@ -390,7 +382,8 @@ class Generation:
                 return
 
     def _consume(self, new_ids: Sequence[int], engine_reason: str | None,
-                 detok: IncrementalDetokenizer, output: list[int]) -> str | None:
+                 detok: IncrementalDetokenizer, output: list[int],
+                 logprobs: Sequence[TokenLogprob]) -> str | None:
         """Feed one engine output to the detokenizer; return the finish reason if it ended."""
         text, ids = [], []
         for token in new_ids:
@@ -399,6 +392,9 @@ class Generation:
             text.append(detok.push(token))
             if detok.stopped:
                 break
-        if ids or any(text):
-            self._events.put_nowait(OutputDelta("".join(text), tuple(ids)))
+        kept = tuple(logprobs[:len(ids)])
+        self._logprobs.extend(kept)
+        joined = "".join(text)
+        if ids or joined:
+            self._events.put_nowait(OutputDelta(joined, tuple(ids), kept, self._parse(joined)))
         return "stop" if detok.stopped else engine_reason

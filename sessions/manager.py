@@ -17,8 +17,14 @@ Every operation is scoped by ``owner`` (the API key): a session of another owner
   (``sessions._forks``).
 - **delete** cancels a generation in flight without committing it, unpins, and forgets the
   session in memory and on disk. **cancel** (``Generation.cancel``) commits the partial output.
-- **complete** runs a stateless generation (the OpenAI-compatible routes), under the same
-  admission limit (``max_num_generations``; beyond it, or while closing: ``Overloaded``).
+- **complete** runs a stateless generation (the OpenAI-compatible routes), or ``n`` that share
+  one prefill of their prompt, under the same admission limit (``max_num_generations``; beyond
+  it, or while closing: ``Overloaded``).
+- **structured output**: a generation's text is split into reasoning, content and tool calls
+  (``sessions.output_parser``: the session's tools, or a completion's), and ``response_format``
+  or a forced ``tool_choice`` becomes a grammar the engine enforces (``sessions.structured``);
+  the grammar is compiled before the generation starts, so a schema the grammar engine rejects
+  is ``InvalidInput`` and never a failed stream.
 - **tiers** (``sessions.spill``): idle sessions are spilled to host memory, then disk, by a
   sweeper, or now by **offload**; an append or **prefetch** resumes them (both methods come
   from ``sessions._tier_moves``); a fork of a spilled session shares its segment. **start**
@@ -42,11 +48,13 @@ from phloem.sessions._pins import PinKeeper
 from phloem.sessions._tier_moves import TierMoves
 from phloem.sessions._turns import TurnRunner
 from phloem.sessions.config import KEEP, Keep, SessionConfig
+from phloem.engine import InvalidRequest
 from phloem.sessions.errors import GenerationFailed, InvalidInput, SessionNotFound
-from phloem.sessions.generation import GenerateOptions, Generation
+from phloem.sessions.generation import GenerateOptions, Generation, GenerationOutput
 from phloem.sessions.session import Session, SessionIdGenerator, SessionSnapshot, Turn, TurnInfo
 from phloem.sessions.spill import Spiller
 from phloem.sessions.store import SessionStore
+from phloem.sessions.structured import build_grammar, output_format
 from phloem.sessions.tokenizer import Tokenizer, ToolSpec
 
 if TYPE_CHECKING:
@@ -248,22 +256,56 @@ class SessionManager(TierMoves):
             SessionNotFound: No such session of this owner.
             SessionBusy: Another append runs on the session.
             ContextLengthExceeded: The session plus the input do not fit the context window.
-            InvalidInput: Bad token ids, an empty session without input, or template misuse.
+            InvalidInput: Bad token ids, an empty session without input, template misuse, or
+                a ``response_format`` / ``tool_choice`` that cannot be enforced.
             Overloaded: Too many generations in flight, or closing.
         """
         session = self._get(owner, session_id)
-        return self._turns.append(session, self._resolve(session, new, generate is not None),
-                                  generate)
+        resolved = self._resolve(session, new, generate is not None)
+        output = None
+        if generate is not None:
+            output = await self._output(session.tools, session.token_ids + resolved.token_ids, generate)
+            self._get(owner, session_id)  # still there after the grammar compiled
+        return self._turns.append(session, resolved, generate, output)
 
-    def complete(self, prompt_ids: Sequence[int], options: GenerateOptions) -> Generation:
-        """Start a stateless generation (no session; the prefix cache still applies).
+    async def complete(self, prompt_ids: Sequence[int], options: GenerateOptions, *, n: int = 1,
+                       tools: Sequence[ToolSpec] | None = None) -> list[Generation]:
+        """Start ``n`` stateless generations of one prompt (no session; the prefix cache still
+        applies, and ``n > 1`` choices share one prefill of the prompt: ``sessions._prefill``).
+
+        Args:
+            prompt_ids: The whole prompt.
+            options: Generation options, shared by the ``n`` choices (with a ``seed``, choice
+                ``i`` draws from ``seed + i``).
+            n: The number of choices.
+            tools: The tools the prompt shows the model (their calls are parsed).
+
+        Returns:
+            The started generations, one per choice.
 
         Raises:
             ContextLengthExceeded: The prompt leaves no room for a token.
-            InvalidInput: A token id is out of range, or the prompt is empty.
+            InvalidInput: A token id is out of range, the prompt is empty, or the output
+                constraints cannot be enforced.
             Overloaded: Too many generations in flight, or closing.
         """
-        return self._turns.complete(prompt_ids, options)
+        if n < 1:
+            raise InvalidInput(f"n: expected >= 1, got {n}")
+        output = await self._output(tools, prompt_ids, options)
+        return self._turns.complete(prompt_ids, options, n, output)
+
+    async def _output(self, tools: Sequence[ToolSpec] | None, prompt_ids: Sequence[int],
+                      options: GenerateOptions) -> GenerationOutput:
+        """The output format and grammar of a generation from ``prompt_ids``; the grammar is
+        compiled here (cached), so one the engine rejects fails before anything starts."""
+        fmt = output_format(self._tokenizer, tools, prompt_ids, options.tool_choice)
+        grammar = build_grammar(fmt, options.response_format, options.tool_choice, options.parallel_tool_calls)
+        if grammar is not None:
+            try:
+                await self._engine.compile_grammar(grammar)
+            except InvalidRequest as exc:
+                raise InvalidInput(str(exc)) from exc
+        return GenerationOutput(fmt, grammar)
 
     async def fork(self, owner: str, session_id: str, n: int = 1,
                    at_turn: int | None = None) -> list[SessionSnapshot]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Literal
 
 from phloem.sessions.chat import ChatContext
 from phloem.sessions.tokenizer import Message, ToolSpec
+from phloem.sessions.tool_parsers import ParsedToolCall
 
 if TYPE_CHECKING:
     from phloem.sessions.generation import Generation
@@ -68,7 +69,8 @@ class Turn:
     """One committed turn: tokens ``[start, end)``; the last ``num_output_tokens`` were generated.
 
     ``num_chat_messages`` and ``chat_open`` record the chat context at the turn's end, so a fork
-    at this turn renders later messages exactly as the parent would have.
+    at this turn renders later messages exactly as the parent would have. ``tool_calls`` are
+    the calls parsed from the output (the tokens stay the source of truth).
     """
 
     index: int
@@ -79,6 +81,7 @@ class Turn:
     created_at: int
     num_chat_messages: int = 0
     chat_open: bool = False
+    tool_calls: tuple[ParsedToolCall, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,7 @@ class TurnInfo:
     finish_reason: FinishReason | None
     created_at: int
     token_ids: tuple[int, ...] | None = None
+    tool_calls: tuple[ParsedToolCall, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,4 +171,4 @@ class Session:
         """The frozen view of one of this session's turns."""
         tokens = tuple(self.token_ids[turn.start:turn.end]) if include_tokens else None
         return TurnInfo(turn.index, turn.start, turn.end, turn.num_output_tokens,
-                        turn.finish_reason, turn.created_at, tokens)
+                        turn.finish_reason, turn.created_at, tokens, turn.tool_calls)

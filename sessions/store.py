@@ -41,6 +41,7 @@ from typing import Any
 
 from phloem.sessions.errors import GenerationFailed
 from phloem.sessions.session import Session, Turn
+from phloem.sessions.tool_parsers import ParsedToolCall
 from phloem.storage import (
     DiskStore, RedisIndex, SessionIndex, SessionJournal, SessionRecord, SQLiteIndex, StorageError,
     Tier,
@@ -258,7 +259,8 @@ def _encode(session: Session) -> dict[str, Any]:
         "fork_turn": session.fork_turn,
         "token_ids": session.token_ids,
         "turns": [[t.start, t.end, t.num_output_tokens, t.finish_reason, t.created_at,
-                   t.num_chat_messages, t.chat_open] for t in session.turns],
+                   t.num_chat_messages, t.chat_open, [[c.id, c.name, c.arguments] for c in t.tool_calls]]
+                  for t in session.turns],
         "chat_messages": session.chat_messages,
         "tools": session.tools,
     }
@@ -268,8 +270,10 @@ def _decode(record: SessionRecord) -> Session:
     data = json.loads(record.data)
     if data["format"] != _FORMAT:
         raise ValueError(f"format {data['format']!r}, expected {_FORMAT}")
-    turns = [Turn(i, start, end, num_output, reason, created_at, num_chat, bool(chat_open))
-             for i, (start, end, num_output, reason, created_at, num_chat, chat_open)
+    # Records written before tool calls were parsed have seven fields a turn.
+    turns = [Turn(i, start, end, num_output, reason, created_at, num_chat, bool(chat_open),
+                  tuple(ParsedToolCall(*c) for c in (calls[0] if calls else ())))
+             for i, (start, end, num_output, reason, created_at, num_chat, chat_open, *calls)
              in enumerate(data["turns"])]
     tools = data["tools"]
     return Session(

@@ -38,6 +38,12 @@ ToolSpec = Mapping[str, Any]
 """A tool definition in OpenAI form: ``{"type": "function", "function": {...}}``."""
 
 _REPLACEMENT = "\ufffd"
+# apply_chat_template's own arguments, which a request's template variables must not override.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 
 class Tokenizer:
@@ -76,6 +82,12 @@ class Tokenizer:
         return self._eos_ids
 
     @property
+    def chat_template(self) -> str | None:
+        """The chat template's source (its tool-call format and reasoning tags are read from it)."""
+        template = getattr(self._hf, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    @property
     def special_token_ids(self) -> frozenset[int]:
         """Ids of special tokens (skipped when decoding with ``skip_special_tokens``)."""
         return self._special_ids
@@ -105,13 +117,16 @@ class Tokenizer:
         return str(self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def render_text(self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] | None = None,
-                    add_generation_prompt: bool = False) -> str:
+                    add_generation_prompt: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str:
         """Render messages with the chat template, as text.
 
         Args:
             messages: The conversation (an empty one renders as ``""``).
             tools: Tool definitions the template shows the model, if any.
             add_generation_prompt: Append the opening of an assistant message.
+            template_kwargs: Extra template variables (``enable_thinking``); they cannot
+                replace the ones above.
 
         Returns:
             The rendered text.
@@ -121,23 +136,29 @@ class Tokenizer:
         """
         if not messages:
             return ""
+        extra = dict(template_kwargs or {})
+        clash = sorted(set(extra) & _RESERVED_TEMPLATE_KWARGS)
+        if clash:
+            raise InvalidInput(f"chat_template_kwargs: expected template variables, got reserved {clash}")
         try:
             text = self._hf.apply_chat_template(
                 [dict(m) for m in messages], tools=[dict(t) for t in tools] if tools else None,
-                add_generation_prompt=add_generation_prompt, tokenize=False)
+                add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
         except (TemplateError, ValueError) as exc:
             raise InvalidInput(f"messages: the chat template rejected them: {exc}") from exc
         assert isinstance(text, str), f"apply_chat_template returned {type(text).__name__}"
         return text
 
     def render_messages(self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] | None = None,
-                        add_generation_prompt: bool = False) -> list[int]:
+                        add_generation_prompt: bool = False,
+                        template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Render a whole conversation with the chat template into token ids.
 
         Args:
             messages: The conversation.
             tools: Tool definitions, if any.
             add_generation_prompt: Append the opening of an assistant message.
+            template_kwargs: Extra template variables, as in ``render_text``.
 
         Returns:
             The token ids of the rendered text.
@@ -145,8 +166,8 @@ class Tokenizer:
         Raises:
             InvalidInput: The template rejects the conversation.
         """
-        return self.encode(self.render_text(messages, tools=tools,
-                                            add_generation_prompt=add_generation_prompt))
+        return self.encode(self.render_text(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                            template_kwargs=template_kwargs))
 
     def detokenizer(self, stop: Sequence[str] = ()) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer (special tokens skipped) with these stop strings."""

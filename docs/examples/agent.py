@@ -10,10 +10,13 @@ per candidate fix and explores them in parallel (``AsyncClient``): each branch p
 and calls ``run_tests``, which really runs the test against the patched code; each branch
 streams its verdict over the WebSocket, and the first branch whose tests pass wins.
 
-NOTE: the built-in model of ``phloem serve`` has RANDOM weights: its text is gibberish and it
-never writes a ``<tool_call>``. When a reply holds no parseable call, the agent takes the next
-call from its script (marked ``scripted`` in the report). The loop is the one a real agent runs:
-with a real model (``phloem serve --model DIR``) the calls come from the model's replies.
+The server parses the model's tool calls out of each reply (``result.tool_calls``: typed
+``ToolCall`` objects with an id, a name and JSON arguments), so the agent never reads the
+model's tool-call markup itself. NOTE: the built-in model of ``phloem serve`` has RANDOM
+weights: left to choose (``tool_choice: auto``) it practically never calls a tool. When a reply
+holds no call, the agent takes the next call from its script (marked ``scripted`` in the
+report). The loop is the one a real agent runs: with a real model (``phloem serve --model
+DIR``) the calls come from the model's replies (``tool_choice: "required"`` would force one).
 
 Nothing is started: ``--url`` names a running server. Only the SDK (``phloem.api.client``) is
 used; ``--json FILE`` also writes the report as JSON, and ``--keep`` keeps the sessions.
@@ -25,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -53,7 +55,6 @@ TOOLS = [
 # What the agent does when the model proposes no call (always, with random weights).
 SCRIPT = [{"name": "list_files", "arguments": {}},
           {"name": "read_file", "arguments": {"path": "stats.py"}}]
-_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
 @dataclass
@@ -70,17 +71,17 @@ class Step:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
-def parse_tool_calls(text: str) -> list[dict[str, Any]]:
-    """The ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of a reply
-    (the chat template's format); malformed blocks are skipped."""
+def parse_tool_calls(result: AppendResult) -> list[dict[str, Any]]:
+    """The calls the server parsed out of the reply; arguments that are not a JSON object (a
+    model's mistake) become an empty object."""
     calls = []
-    for block in _CALL.findall(text):
+    for call in result.tool_calls or []:
         try:
-            call = json.loads(block)
+            arguments = json.loads(call.function.arguments)
         except json.JSONDecodeError:
-            continue
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
-            calls.append({"name": call["name"], "arguments": call.get("arguments") or {}})
+            arguments = {}
+        calls.append({"id": call.id, "name": call.function.name,
+                      "arguments": arguments if isinstance(arguments, dict) else {}})
     return calls
 
 
@@ -109,12 +110,12 @@ def run_tool(call: dict[str, Any]) -> str:
 
 def next_calls(result: AppendResult, fallback: dict[str, Any]) -> list[dict[str, Any]]:
     """The model's tool calls, or the scripted one (marked) when it proposed none."""
-    calls = parse_tool_calls(result.text)
+    calls = parse_tool_calls(result)
     return [{**c, "scripted": False} for c in calls] or [{**fallback, "scripted": True}]
 
 
 def tool_messages(calls: list[dict[str, Any]], turn: int) -> list[dict[str, Any]]:
-    return [{"role": "tool", "tool_call_id": f"call_{turn}_{i}", "content": run_tool(c)}
+    return [{"role": "tool", "tool_call_id": c.get("id") or f"call_{turn}_{i}", "content": run_tool(c)}
             for i, c in enumerate(calls)]
 
 

@@ -76,7 +76,13 @@ def test_schema_accepts_minimal_and_full_requests() -> None:
                 {"id": "c1", "function": {"name": "ls", "arguments": "{}"}}]},
                          {"role": "tool", "tool_call_id": "c1", "content": "a.txt"}],
             "generate": {"max_tokens": 8, "temperature": 0, "top_p": 0.9, "top_k": 20,
-                         "seed": 7, "stop": ["\n"], "stop_token_ids": [2], "ignore_eos": True},
+                         "seed": 7, "stop": ["\n"], "stop_token_ids": [2], "ignore_eos": True,
+                         "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+                         "logit_bias": {"42": -100.0}, "min_tokens": 2, "logprobs": 3,
+                         "response_format": {"type": "json_schema", "json_schema": {
+                             "name": "r", "schema": {"type": "object"}, "strict": True, "description": None}},
+                         "tool_choice": {"type": "function", "function": {"name": "ls"}},
+                         "parallel_tool_calls": False},
             "stream": True}
     request = decode(AppendRequest, full)
     assert msgspec.to_builtins(request)["generate"] == full["generate"]

@@ -74,8 +74,7 @@ def test_token_prompts_hit_the_prefix_cache(oai: openai.OpenAI, client: Client) 
 def test_errors_use_openai_exceptions(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                    logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        oai.completions.create(model=MODEL, prompt="x", extra_body={"best_of": 2})
     with pytest.raises(openai.BadRequestError, match="context"):
         oai.completions.create(model=MODEL, prompt=[5] * 9000, max_tokens=1)

@@ -51,6 +51,15 @@ def test_bench_decode_runs_on_cpu_with_the_tiny_shape(capsys: pytest.CaptureFixt
     assert "kernels torch, async_scheduling True, triton_gemv False, fused_decode True, pdl False" in out
 
 
+def test_bench_decode_times_a_json_schema_grammar(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "decode", "--shape", "tiny", "--device", "cpu", "--batches", "1,3", "--contexts", "64",
+            "--prefill-tokens", "0", "--steps", "3", "--grammar", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 | 64 |", "| 3 | 64 |"))]
+    # Each point also has its constrained ms/step and the grammar's cost against the plain one.
+    assert len(rows) == 2 and all(row.split("|")[-3].strip() != "-" and row.endswith("% |") for row in rows)
+
+
 def test_bench_without_a_kind_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as info:
         main(["bench"])

@@ -141,6 +141,19 @@ def test_fresh_requests_equal_one_process(model: Path, prefill_port: int) -> Non
     asyncio.run(main())
 
 
+def test_requests_with_processed_logits_prefill_on_the_decode_side(model: Path, prefill_port: int) -> None:
+    """The prefill instance samples plain tokens only: penalties, a bias and logprobs stay local."""
+    async def main() -> None:
+        async with pair(model, prefill_port) as (ref, client):
+            for params in (SamplingParams(max_tokens=6, presence_penalty=1.5, frequency_penalty=1.0),
+                           SamplingParams(max_tokens=6, logit_bias=((3, 5.0),)),
+                           SamplingParams(max_tokens=6, logprobs=2)):
+                await both(ref, client, tokens(30, 11), params)
+            assert (client.num_remote, client.num_local) == (0, 0)  # never asked the prefill side
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("local", [0, 16], ids=["all-remote", "later-turns-local"])
 def test_multi_turn_and_forks_equal_one_process(model: Path, prefill_port: int, local: int) -> None:
     async def main() -> None:

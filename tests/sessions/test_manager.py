@@ -216,7 +216,8 @@ def test_sessions_survive_a_restart(make_manager: ManagerFactory, tmp_path: Path
         assert "<tool_response>\nok\n</tool_response>" in m.tokenizer.decode(tokens[-40:])
         # The same answer as a stateless run over the same tokens (the engine here outlived the
         # manager, so its cache may still hold the prefix: only the manager restarted).
-        expect = await m.complete(tokens[:-4], greedy(4)).result()
+        [completion] = await m.complete(tokens[:-4], greedy(4))
+        expect = await completion.result()
         assert out.output_ids == expect.output_ids and m.get(OWNER, session_id).status == "active"
 
     session_id, turns = run(make_manager, first_life)
@@ -231,7 +232,7 @@ def test_admission_limit(make_manager: ManagerFactory) -> None:
             await m.append(OWNER, t.session_id, None, greedy(2))
         assert info.value.retry_after > 0
         with pytest.raises(Overloaded):
-            m.complete([1, 2, 3], greedy(2))
+            await m.complete([1, 2, 3], greedy(2))
         plain = SessionInput(text="plain appends are not limited")
         await (await m.append(OWNER, t.session_id, plain, None)).result()
         gen.cancel()

@@ -1,0 +1,75 @@
+"""Wire types for structured output, tool choice and log-probabilities, shared by the native
+schemas (``api.schemas`` re-exports them) and the OpenAI-compatible request bodies.
+
+They follow OpenAI's shapes: ``response_format`` is ``{"type": "text" | "json_object"}`` or
+``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``; ``tool_choice`` is
+``"auto" | "none" | "required"`` or ``{"type": "function", "function": {"name"}}``.
+
+NOTE: like ``api.schemas``, this module may import only msgspec and the standard library.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+__all__ = [
+    "FunctionName", "JsonSchemaFormat", "LogitBias", "NamedToolChoice", "ResponseFormatParam",
+    "TokenLogprobs", "ToolChoiceParam", "TopLogprob",
+]
+
+_STRICT: dict[str, Any] = {"forbid_unknown_fields": True, "kw_only": True, "frozen": True}
+
+# Token ids (as JSON object keys, OpenAI's form) to a bias added to their logits.
+LogitBias = Annotated[
+    dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")], Annotated[float, Meta(ge=-100.0, le=100.0)]],
+    Meta(max_length=300),
+]
+
+
+class JsonSchemaFormat(Struct, **_STRICT):
+    """A named JSON Schema the output must validate against (``strict`` or not: enforced)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormatParam(Struct, **_STRICT):
+    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def __post_init__(self) -> None:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: `json_schema` goes with type 'json_schema' (and only there)")
+
+
+class FunctionName(Struct, **_STRICT):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+class NamedToolChoice(Struct, **_STRICT):
+    """Force exactly one call of this function."""
+
+    function: FunctionName
+    type: Literal["function"] = "function"
+
+
+ToolChoiceParam = Literal["auto", "none", "required"] | NamedToolChoice
+
+
+class TopLogprob(Struct, **_STRICT):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprobs(Struct, **_STRICT):
+    """A generated token's log-probability under the model, and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[TopLogprob] = []
