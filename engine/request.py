@@ -69,6 +69,8 @@ class Request:
     write_slot: int | None = None
     has_state: bool = False
     generator: torch.Generator | None = None
+    # The prefix-cache namespace (tenant) it reads from and publishes to; None: shared.
+    namespace: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

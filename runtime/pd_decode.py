@@ -168,20 +168,22 @@ class PDEngineClient(EngineClient):
         request_id: str | None = None,
         *,
         output_token_ids: Sequence[int] = (),
+        namespace: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """As ``EngineClient.generate``, with the prompt prefilled by the prefill instance."""
+        """As ``EngineClient.generate``, with the prompt prefilled by the prefill instance (which
+        matches and publishes in the same prefix-cache ``namespace``)."""
         prompt = list(prompt_token_ids)
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         if output_token_ids:
-            async for out in super().generate(prompt, params, rid, output_token_ids=output_token_ids):
+            async for out in super().generate(prompt, params, rid, output_token_ids=output_token_ids, namespace=namespace):
                 yield out
             return
         if rid in self._pending:
             raise InvalidRequest(f"request_id: {rid!r} is already in flight")
-        res = await self._call(ReserveTransfer(tuple(prompt), params, self._config.local_prefill_tokens))
+        res = await self._call(ReserveTransfer(tuple(prompt), params, self._config.local_prefill_tokens, namespace))
         if res is None:
             self.num_local += 1
-            async for out in super().generate(prompt, params, rid):
+            async for out in super().generate(prompt, params, rid, namespace=namespace):
                 yield out
             return
         pending = self._pending[rid] = _Pending()
@@ -192,10 +194,10 @@ class PDEngineClient(EngineClient):
                 if pending.aborted:
                     yield RequestOutput(rid, prompt, [], [], True, "abort", 0)
                     return
-                async for out in super().generate(prompt, params, rid):
+                async for out in super().generate(prompt, params, rid, namespace=namespace):
                     yield out
                 return
-            async for out in self._continue(rid, prompt, params, result, pending):
+            async for out in self._continue(rid, prompt, params, result, pending, namespace):
                 yield out
         finally:
             if self._pending.get(rid) is pending:
@@ -232,7 +234,8 @@ class PDEngineClient(EngineClient):
                 self._submit_quietly(ReleaseTransfer(res))
 
     async def _continue(
-        self, rid: str, prompt: list[int], params: SamplingParams, result: TransferResult, pending: _Pending
+        self, rid: str, prompt: list[int], params: SamplingParams, result: TransferResult, pending: _Pending,
+        namespace: str | None,
     ) -> AsyncGenerator[RequestOutput, None]:
         first, cached = result.first_token, result.num_cached
         reason = self._first_token_stop(prompt, params, first)
@@ -246,7 +249,7 @@ class PDEngineClient(EngineClient):
             return
         # From here ``abort`` must reach the engine: the AddRequest below is queued before any await.
         del self._pending[rid]
-        inner = super().generate(prompt, params, rid, output_token_ids=(first,))
+        inner = super().generate(prompt, params, rid, output_token_ids=(first,), namespace=namespace)
         try:
             async for out in inner:
                 yield replace(out, token_ids=out.token_ids or [first], num_cached_tokens=cached)
