@@ -79,6 +79,17 @@ class TurnRunner:
         if self.closing:
             raise Overloaded("the server is shutting down", self._config.retry_after_s)
 
+    @staticmethod
+    def check_idle(session: Session) -> None:
+        """Raise ``SessionBusy`` while an append runs on ``session``."""
+        if session.busy:
+            raise SessionBusy(f"session {session.session_id} is generating (turn "
+                              f"{len(session.turns)}); retry after its done")
+
+    def _check_options(self, options: GenerateOptions) -> None:
+        """Raise ``InvalidInput`` for a stop token id outside the vocabulary."""
+        check_token_ids(options.stop_token_ids, self._engine.model_config.vocab_size, "stop_token_ids")
+
     def admit(self) -> None:
         """Raise ``Overloaded`` unless one more generation may start."""
         self.check_open()
@@ -96,10 +107,9 @@ class TurnRunner:
                 continue.
             Overloaded: Too many generations in flight, or closing.
         """
-        if session.busy:
-            raise SessionBusy(f"session {session.session_id} is generating (turn "
-                              f"{len(session.turns)}); retry after its done")
+        self.check_idle(session)
         if generate is not None:
+            self._check_options(generate)
             self.admit()
         self.check_open()
         prompt = session.token_ids + new.token_ids
@@ -126,15 +136,17 @@ class TurnRunner:
 
         hooks = GenerationHooks(settle, on_exit, prepare, relieve, self._config.admission_stall_s)
         generation = Generation(self._engine, self._tokenizer, prompt, generate,
-                                room if generate is not None else 0, hooks)
+                                room if generate is not None else 0, hooks, namespace=session.owner)
         session.generation = generation
         if generate is not None:
             self._generations.add(generation)
         generation.start()
         return generation
 
-    def complete(self, prompt_ids: Sequence[int], options: GenerateOptions) -> Generation:
-        """Start a stateless generation (see ``SessionManager.complete``)."""
+    def complete(self, prompt_ids: Sequence[int], options: GenerateOptions,
+                 owner: str | None = None) -> Generation:
+        """Start a stateless generation for ``owner`` (see ``SessionManager.complete``)."""
+        self._check_options(options)
         self.admit()
         check_token_ids(prompt_ids, self._engine.model_config.vocab_size, "prompt")
         room = check_context(len(prompt_ids), self._engine.max_model_len, generate=True)
@@ -149,7 +161,8 @@ class TurnRunner:
         hooks = GenerationHooks(settle, lambda: self._generations.discard(generation),
                                 relieve=self._spill.relieve,
                                 stall_s=self._config.admission_stall_s)
-        generation = Generation(self._engine, self._tokenizer, prompt_ids, options, room, hooks)
+        generation = Generation(self._engine, self._tokenizer, prompt_ids, options, room, hooks,
+                                namespace=owner)
         self._generations.add(generation)
         generation.start()
         return generation
