@@ -40,7 +40,7 @@ def _options(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | 
     return GenerateOptions(
         max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k if body.top_k is not None and body.top_k > 0 else None, seed=body.seed,
+        top_k=body.top_k, seed=body.seed,
         stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
 
 
@@ -62,11 +62,11 @@ def _message(m: OpenAIMessage) -> Message:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _prompt_ids(ctx: ApiContext, prompt: str | list[Any]) -> list[int]:
+async def _prompt_ids(ctx: ApiContext, owner: str, prompt: str | list[Any]) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return ctx.manager.tokenizer.encode(prompt)
+        return await ctx.manager.prompt_ids(owner, text=prompt)
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     raise ApiError(ErrorCode.INVALID_REQUEST,
@@ -89,9 +89,11 @@ _ERRORS = {**_OK, **openai_errors(400, 401, 404, 413, 429, 503)}
 
 async def _start(ctx: ApiContext, request: Request[Any, Any, Any], prompt_ids: list[int],
                  options: GenerateOptions) -> Generation:
+    owner = owner_of(request)
+
     async def start() -> Generation:
-        return ctx.manager.complete(prompt_ids, options)
-    return await ctx.start_generation(owner_of(request), start)
+        return ctx.manager.complete(prompt_ids, options, owner)
+    return await ctx.start_generation(owner, start)
 
 
 @post("/v1/chat/completions", status_code=200, operation_class=StreamingOperation,
@@ -101,10 +103,8 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     """OpenAI chat completions (the chat template renders the whole conversation)."""
     data = await strict_body(request, ChatCompletionRequest)
     _check_model(ctx, data.model)
-    tokenizer = ctx.manager.tokenizer
-    prompt = tokenizer.render_messages([_message(m) for m in data.messages],
-                                       tools=_convert.tool_specs(data.tools),
-                                       add_generation_prompt=True)
+    prompt = await ctx.manager.prompt_ids(owner_of(request), messages=[_message(m) for m in data.messages],
+                                          tools=_convert.tool_specs(data.tools))
     max_tokens = data.max_completion_tokens or data.max_tokens
     generation = await _start(ctx, request, prompt, _options(data, max_tokens))
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_id}
@@ -125,7 +125,7 @@ async def completions(request: Request[Any, Any, Any], data: CompletionRequest,
     """OpenAI text completions; ``prompt`` is text or token ids."""
     data = await strict_body(request, CompletionRequest)
     _check_model(ctx, data.model)
-    generation = await _start(ctx, request, _prompt_ids(ctx, data.prompt),
+    generation = await _start(ctx, request, await _prompt_ids(ctx, owner_of(request), data.prompt),
                               _options(data, data.max_tokens))
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_id}
     if data.stream:
