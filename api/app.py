@@ -52,16 +52,16 @@ from litestar.openapi.spec import Components, SecurityScheme
 from phloem import __version__
 from phloem.api._auth import AuthMiddleware, KeyRing, principal_of
 from phloem.api._context import ApiContext
-from phloem.api._guard import RequestGuard
-from phloem.api._idempotency import IdempotencyStore
 from phloem.api._errors_http import ApiError, error_response, exception_handler, problems
+from phloem.api._guard import RequestGuard
 from phloem.api._health import health_body
+from phloem.api._idempotency import IdempotencyStore
 from phloem.api._limits import OwnerLimits
 from phloem.api._metrics import METRICS_CONTENT_TYPE, ApiMetrics
 from phloem.api._observe import RequestObserver
-from phloem.api._server_protocol import guarded_http_protocol
 from phloem.api._routes_openai import OPENAI_ROUTES
 from phloem.api._routes_sessions import SESSION_ROUTES
+from phloem.api._server_protocol import guarded_http_protocol
 from phloem.api._ws import session_socket
 from phloem.api.schemas import ErrorCode
 from phloem.runtime import EngineClient, ServerConfig

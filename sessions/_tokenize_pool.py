@@ -5,8 +5,8 @@ stream and ``/health`` for as long. ``TokenizePool`` runs that work on a few wor
 Rust tokenizer releases the GIL while it works; jinja rendering yields it every few ms), and
 lets each owner (API key) run at most ``per_owner`` jobs at once: an owner's further jobs wait
 for its own earlier ones, so one key sending huge bodies in parallel cannot occupy every worker
-while other keys' requests queue behind it. The threads are daemons that live as long as the
-pool; ``close`` stops taking work.
+while other keys' requests queue behind it. ``close`` stops taking work; a job already running
+finishes on its thread.
 
 Inputs that cannot fit the context window are refused before they reach the pool
 (``sessions._inputs.check_input_size``), from their character count alone.

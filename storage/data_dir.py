@@ -85,6 +85,7 @@ def server_secret(path: Path) -> bytes:
     """
     file = path / _SECRET
     try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         text = file.read_text().strip()
     except FileNotFoundError:
         text = ""

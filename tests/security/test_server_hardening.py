@@ -23,8 +23,8 @@ import httpx
 from live_servers import ServerProcess
 from tenants import ALICE, auth, key_args
 
-from phloem.api._auth import legacy_owner_id, owner_id
-from phloem.storage import server_secret
+# The modules of keyed owner ids are imported inside the tests that use them, so that every other
+# test of this file also runs (and fails) against a server without them.
 
 
 def test_an_unwritable_data_dir_degrades_health_and_hides_paths(tmp_path: Path, model_dir: Path) -> None:
@@ -73,6 +73,9 @@ def test_a_second_server_on_one_data_dir_exits(tmp_path: Path, model_dir: Path) 
 
 
 def test_files_are_private_and_owner_ids_are_keyed(tmp_path: Path, model_dir: Path) -> None:
+    from phloem.api._auth import legacy_owner_id, owner_id
+    from phloem.storage import server_secret
+
     server = ServerProcess(tmp_path, key_args("--model", str(model_dir))).start()
     try:
         with httpx.Client(base_url=server.base_url, headers=auth(ALICE), timeout=60) as alice:
@@ -97,6 +100,9 @@ def test_files_are_private_and_owner_ids_are_keyed(tmp_path: Path, model_dir: Pa
 
 
 def test_sessions_of_former_owner_ids_move_to_their_key(tmp_path: Path, model_dir: Path) -> None:
+    from phloem.api._auth import legacy_owner_id, owner_id
+    from phloem.storage import server_secret
+
     server = ServerProcess(tmp_path, key_args("--model", str(model_dir))).start()
     try:
         sid = httpx.post(f"{server.base_url}/v1/sessions", json={"text": "old"}, headers=auth(ALICE),
