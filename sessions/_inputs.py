@@ -11,7 +11,7 @@ multi-megabyte text is refused at once. Special-token strings inside messages ar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from phloem.sessions.chat import ChatContext, render_append
@@ -99,14 +99,21 @@ def resolve_input(tokenizer: Tokenizer, vocab_size: int, chat: ChatContext, last
 
 
 def _num_chars(value: object) -> int:
-    """Characters of every string inside ``value`` (messages: nested dicts and lists)."""
+    """Characters of a text, or of the messages' content that every template renders whole:
+    text content of non-assistant messages (templates may drop parts of earlier replies)."""
     if isinstance(value, str):
         return len(value)
-    if isinstance(value, dict):
-        return sum(_num_chars(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_num_chars(v) for v in value)
-    return 0
+    total = 0
+    for message in value if isinstance(value, (list, tuple)) else ():
+        if not isinstance(message, Mapping) or message.get("role") == "assistant":
+            continue
+        content = message.get("content")
+        if content is None:
+            continue
+        parts = content if isinstance(content, (list, tuple)) else [content]
+        total += sum(len(p) if isinstance(p, str) else len(str(p.get("text", ""))) for p in parts
+                     if isinstance(p, (str, Mapping)))
+    return total
 
 
 def check_input_size(tokenizer: Tokenizer, num_tokens: int, new: SessionInput | str | object,

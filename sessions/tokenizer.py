@@ -64,8 +64,7 @@ class Tokenizer:
         # A copy of the fast tokenizer that reads special-token strings as plain text.
         self._plain = tokenizers.Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
         self._plain.encode_special_tokens = True
-        # Longest vocabulary entry in UTF-8 bytes: no token covers more bytes of a text.
-        self._max_token_bytes = max(len(t.encode()) for t in hf_tokenizer.get_vocab())
+        self._chars_per_token = _max_chars_per_token(hf_tokenizer)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -105,9 +104,9 @@ class Tokenizer:
         return _ids(self._hf.backend_tokenizer, text)
 
     def min_tokens(self, num_chars: int) -> int:
-        """The fewest tokens a text of ``num_chars`` characters can become (each token covers
-        at most the longest vocabulary entry's bytes, and a character is at least one byte)."""
-        return -(-num_chars // self._max_token_bytes)
+        """The fewest tokens a text of ``num_chars`` characters can become (0 when the
+        tokenizer's normalizer gives no bound)."""
+        return -(-num_chars // self._chars_per_token) if self._chars_per_token else 0
 
     def special_text(self) -> SpecialText:
         """Fresh markers for one chat render (``sessions._special_text``)."""
@@ -197,6 +196,21 @@ class Tokenizer:
     def detokenizer(self, stop: Sequence[str] = ()) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer (special tokens skipped) with these stop strings."""
         return IncrementalDetokenizer(self, stop)
+
+
+def _max_chars_per_token(hf_tokenizer: PreTrainedTokenizerBase) -> int:
+    """Most characters of an input text one token can stand for; 0: no bound.
+
+    A token covers at most its vocabulary entry's bytes (in UTF-8, which for byte-level BPE is
+    at least the bytes it stands for), and a character is at least one byte. Normalization may
+    shrink the text first: NFC / NFKC compose at most 4 characters into one (a Greek vowel with
+    three marks); other normalizers (stripping accents) have no bound.
+    """
+    normalizer = hf_tokenizer.backend_tokenizer.normalizer
+    shrink = {"NoneType": 1, "NFC": 4, "NFKC": 4}.get(type(normalizer).__name__)
+    if shrink is None:
+        return 0
+    return shrink * max(len(t.encode()) for t in hf_tokenizer.get_vocab())
 
 
 def _ids(backend: tokenizers.Tokenizer, text: str) -> list[int]:

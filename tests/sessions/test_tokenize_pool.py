@@ -1,4 +1,5 @@
-"""Tokenization off the event loop: the per-owner bound and the loop's responsiveness."""
+"""Tokenization off the event loop (the per-owner bound, the loop's responsiveness) and the
+early refusal of inputs whose length alone cannot fit."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import asyncio
 import threading
 import time
 
-from phloem.sessions import Tokenizer
+import pytest
+
+from phloem.sessions import ContextLengthExceeded, SessionInput, Tokenizer
+from phloem.sessions._inputs import check_input_size
 from phloem.sessions._tokenize_pool import TokenizePool
 
 
@@ -56,3 +60,22 @@ def test_a_long_tokenization_leaves_the_event_loop_free(tokenizer: Tokenizer) ->
 
     took, worst = asyncio.run(main())
     assert worst < 0.25 and worst < took / 2, f"the loop stalled {worst:.3f} s of a {took:.3f} s tokenization"
+
+
+@pytest.mark.parametrize("text", [
+    "plain English words, numbers 12345 and punctuation!?",
+    "e\u0301\u0323 a\u0313\u0342\u0345 " * 50,  # combining marks NFC composes
+    "\u1100\u1161\u11a8" * 100,  # Hangul jamo NFC composes 3 to 1
+    "\U0001f600" * 80 + "<|im_start|>" * 20,
+    "".join(chr(c) for c in range(32, 3000)),
+], ids=["ascii", "combining", "jamo", "emoji-special", "ranges"])
+def test_the_early_size_bound_never_exceeds_the_real_count(tokenizer: Tokenizer, text: str) -> None:
+    assert 0 < tokenizer.min_tokens(len(text)) <= len(tokenizer.encode(text))
+
+
+def test_an_input_too_long_by_its_length_is_refused_before_tokenizing(tokenizer: Tokenizer) -> None:
+    text = "x" * 10_000_000
+    with pytest.raises(ContextLengthExceeded, match="at least"):
+        check_input_size(tokenizer, 0, SessionInput(text=text), 8192, generate=True)
+    fits = "word " * 100
+    check_input_size(tokenizer, 0, SessionInput(messages=({"role": "user", "content": fits},)), 8192, True)
