@@ -1,23 +1,29 @@
 """API keys (docs/api.md, "Auth"): who sent a request, checked once per request or handshake.
 
-``AuthMiddleware`` runs before every route under ``/v1/`` (``/health`` and the OpenAPI schema
-are public). It reads ``Authorization: Bearer <key>`` and stores the caller's ``Principal`` in
-the ASGI scope (``scope["auth"]``), where ``principal_of`` finds it. A missing or unknown key is
-refused before the route runs: an HTTP request gets a 401 ``unauthorized`` (through the app's
-exception handler, so OpenAI paths get OpenAI's envelope); a WebSocket is accepted, sent one
-``error`` event and closed with 4401, as docs/api.md says for fatal socket errors.
+``AuthMiddleware`` runs before every route under ``/v1/`` and ``/metrics`` (``/health`` and the
+OpenAPI schema are public). It reads ``Authorization: Bearer <key>`` and stores the caller's
+``Principal`` in the ASGI scope (``scope["auth"]``), where ``principal_of`` finds it. A missing
+or unknown key is refused before the route runs: an HTTP request gets a 401 ``unauthorized``
+(through the app's exception handler, so OpenAI paths get OpenAI's envelope); a WebSocket is
+accepted, sent one ``error`` event and closed with 4401, as docs/api.md says for fatal socket
+errors. A request with two ``Authorization`` headers is refused (400): which one a proxy or the
+server would honour is ambiguous.
 
-Decision: a session's owner is ``key_`` + the first 32 hex digits of the key's SHA-256, never
-the key: owners are persisted (journal, index) and must not disclose the secret. The lookup is a
-dict keyed by that digest, so a wrong key's timing tells nothing about the right one's characters.
-Without configured keys every request is the one ``ANONYMOUS`` principal (an admin: listing all
-sessions then lists its own).
+Decision: a session's owner is ``key_`` + the first 32 hex digits of the HMAC-SHA256 of the key
+under the server's secret (``storage.server_secret``, kept in the data directory), never the key:
+owners are persisted (journal, index) and must not disclose the secret, and a copy of the data
+directory's records alone (without the secret) does not let anyone test key guesses offline.
+Owners derived by the former unkeyed rule (``legacy_owner_id``) are renamed once at start
+(``KeyRing.renames``). The lookup is a dict keyed by the key's SHA-256 digest, so a wrong key's
+timing tells nothing about the right one's characters. Without configured keys every request is
+the one ``ANONYMOUS`` principal (an admin: listing all sessions then lists its own).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+import hmac
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +38,10 @@ from phloem.api._errors_http import ApiError
 from phloem.api.schemas import ERROR_STATUS, ErrorCode, ErrorEvent
 from phloem.runtime.config import ApiKey
 
-__all__ = ["ANONYMOUS", "AuthMiddleware", "KeyRing", "Principal", "owner_id", "principal_of"]
+__all__ = ["ANONYMOUS", "AuthMiddleware", "KeyRing", "Principal", "legacy_owner_id", "owner_id",
+           "principal_of"]
 
-_PROTECTED_PREFIX = "/v1/"
+_PROTECTED_PREFIXES = ("/v1/", "/metrics")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +61,14 @@ ANONYMOUS = Principal("anonymous", admin=True)
 """The caller of every request on a server without API keys."""
 
 
-def owner_id(secret: str) -> str:
-    """The owner id of an API key: ``key_`` + 32 hex digits of its SHA-256."""
+def owner_id(secret: str, server_secret: bytes) -> str:
+    """The owner id of an API key: ``key_`` + 32 hex digits of its HMAC-SHA256 under the
+    server's secret."""
+    return "key_" + hmac.new(server_secret, secret.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def legacy_owner_id(secret: str) -> str:
+    """The owner id an API key had before owners were keyed: 32 hex digits of its SHA-256."""
     return "key_" + hashlib.sha256(secret.encode()).hexdigest()[:32]
 
 
@@ -64,11 +77,14 @@ class KeyRing:
 
     Args:
         keys: The server's API keys; empty disables authentication.
+        server_secret: The key of the owner-id HMAC (``storage.server_secret``).
     """
 
-    def __init__(self, keys: Sequence[ApiKey]) -> None:
-        self._by_digest = {hashlib.sha256(k.secret.encode()).digest(): Principal(owner_id(k.secret), k.admin)
+    def __init__(self, keys: Sequence[ApiKey], server_secret: bytes) -> None:
+        self._by_digest = {hashlib.sha256(k.secret.encode()).digest(): Principal(owner_id(k.secret, server_secret),
+                                                                                 k.admin)
                            for k in keys}
+        self._renames = {legacy_owner_id(k.secret): owner_id(k.secret, server_secret) for k in keys}
 
     @property
     def enabled(self) -> bool:
@@ -81,6 +97,11 @@ class KeyRing:
 
     def __len__(self) -> int:
         return len(self._by_digest)
+
+    def renames(self) -> Mapping[str, str]:
+        """Each key's former (unkeyed) owner id -> its owner id: sessions stored under the
+        former are moved to the latter at start."""
+        return dict(self._renames)
 
     def owners(self) -> Iterable[str]:
         """Every owner a session can belong to: each key's, and the anonymous one (sessions
@@ -130,10 +151,17 @@ class AuthMiddleware(ASGIMiddleware):
         self._keys = keys
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
-        if not scope["path"].startswith(_PROTECTED_PREFIX):
+        if not scope["path"].startswith(_PROTECTED_PREFIXES):
             await next_app(scope, receive, send)
             return
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        headers = [v for k, v in scope["headers"] if k == b"authorization"]
+        if len(headers) > 1:
+            detail = f"Authorization: expected one header, got {len(headers)}"
+            if scope["type"] == ScopeType.WEBSOCKET:
+                await _refuse_socket(receive, send, detail)
+                return
+            raise ApiError(ErrorCode.INVALID_REQUEST, detail)
+        header = headers[0] if headers else None
         principal = self._keys.authenticate(header.decode("latin-1") if header is not None else None)
         if principal is not None:
             scope["auth"] = principal

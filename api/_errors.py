@@ -48,7 +48,7 @@ class PhloemError(Exception):
 
 
 class InvalidRequest(PhloemError):
-    """The request was malformed or failed validation (400)."""
+    """The request was malformed or failed validation (400), or its body was not JSON (415)."""
 
 
 class Unauthorized(PhloemError):
@@ -111,6 +111,7 @@ _BY_CODE: dict[str, type[PhloemError]] = {
     ErrorCode.SESSION_BUSY: SessionBusy,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: ContextLengthExceeded,
     ErrorCode.PAYLOAD_TOO_LARGE: PayloadTooLarge,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: InvalidRequest,
     ErrorCode.IDEMPOTENCY_CONFLICT: IdempotencyConflict,
     ErrorCode.RATE_LIMITED: RateLimited,
     ErrorCode.INTERNAL_ERROR: InternalError,

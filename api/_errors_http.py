@@ -21,7 +21,8 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import (
-    HTTPException, MethodNotAllowedException, NotFoundException, ValidationException,
+    HTTPException, MethodNotAllowedException, NotFoundException, SerializationException,
+    ValidationException,
 )
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
@@ -71,8 +72,11 @@ _SESSION_CODES: tuple[tuple[type[SessionError], ErrorCode], ...] = (
 _CODE_BY_STATUS = {
     400: ErrorCode.INVALID_REQUEST, 401: ErrorCode.UNAUTHORIZED, 403: ErrorCode.FORBIDDEN,
     404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED,
-    413: ErrorCode.PAYLOAD_TOO_LARGE, 429: ErrorCode.RATE_LIMITED, 503: ErrorCode.OVERLOADED,
+    413: ErrorCode.PAYLOAD_TOO_LARGE, 415: ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+    429: ErrorCode.RATE_LIMITED, 503: ErrorCode.OVERLOADED,
 }
+# msgspec's message for JSON that ends early, which it also gives for an unpaired surrogate escape.
+_TRUNCATED = "Input data was truncated"
 
 
 def classify(exc: BaseException) -> tuple[ErrorCode, str, float | None]:
@@ -92,6 +96,12 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str, float | None]:
         return code, str(exc), retry_after
     if isinstance(exc, ValidationException):
         return ErrorCode.INVALID_REQUEST, _validation_detail(exc), None
+    if isinstance(exc, RecursionError):
+        # msgspec refuses JSON nested beyond its limit (and a template would overflow on it).
+        logger.warning("refused a request nested too deeply: %s", exc)
+        return ErrorCode.INVALID_REQUEST, "the request is nested too deeply (JSON objects or arrays inside each other)", None
+    if isinstance(exc, HTTPException) and isinstance(exc.__cause__, SerializationException):
+        return ErrorCode.INVALID_REQUEST, _json_detail(str(exc.detail)), None
     if isinstance(exc, NotFoundException):
         return ErrorCode.NOT_FOUND, "no such route", None
     if isinstance(exc, MethodNotAllowedException):
@@ -107,10 +117,19 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str, float | None]:
     return ErrorCode.INTERNAL_ERROR, f"internal error: {type(exc).__name__}", None
 
 
+def _json_detail(message: str) -> str:
+    if message == _TRUNCATED:
+        return ("the body is not valid JSON: it ends early, or holds an invalid escape such as an "
+                "unpaired UTF-16 surrogate (\\ud800)")
+    return f"the body is not valid JSON: {message}"
+
+
 def _validation_detail(exc: ValidationException) -> str:
     extra: Any = exc.extra
     if not isinstance(extra, list) or not extra:
         return str(exc.detail)
+    if any(item.get("key") == "data" for item in extra) and "missing required field `data`" in str(exc.__cause__):
+        return "expected a JSON object body, got an empty body"
     parts = []
     for item in extra:
         message, key, source = item.get("message"), item.get("key"), str(item.get("source", ""))

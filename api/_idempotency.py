@@ -11,6 +11,12 @@ the SHA-256 of its raw body. ``claim`` answers one of three ways:
 
 Only successes are stored (a 2xx response, or a stream's ``AppendResult``), for ``ttl_s`` (24 h).
 The store lives in this process's memory: a restart forgets it (a durable store is later work).
+
+Quotas are per API key: each key keeps at most ``max_entries`` outcomes and ``max_bytes`` of them
+(bodies, texts, token ids, plus a fixed overhead per entry); beyond either, that key's own oldest
+finished outcomes are dropped. One key can therefore never flush another's outcomes (which
+would make a retried append run twice), and a key that stays within its quota keeps every
+outcome for the whole ``ttl_s``. A running entry is never dropped for space.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from phloem.api.schemas import AppendResult, ErrorCode
 __all__ = ["IdempotencyStore", "Running", "StoredResponse", "StoredStream", "fingerprint"]
 
 _KEY = re.compile(r"[\x21-\x7e]{1,255}")
+# Python objects around one stored outcome (entry, event, dict slot, strings' headers).
+_ENTRY_OVERHEAD = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +66,7 @@ class Running:
     created_at: float
     done: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: Outcome | None = None
+    nbytes: int = 0  # counted against its owner's byte quota once finished
 
 
 def fingerprint(method: str, path: str, body: bytes) -> str:
@@ -66,18 +75,21 @@ def fingerprint(method: str, path: str, body: bytes) -> str:
 
 
 class IdempotencyStore:
-    """Outcomes by ``(owner, key)``, kept ``ttl_s`` seconds (at most ``max_entries``, oldest
-    dropped first).
+    """Outcomes by ``(owner, key)``, kept ``ttl_s`` seconds, within per-owner quotas.
 
     Args:
         ttl_s: How long a finished outcome is replayed.
-        max_entries: Bound on the entries kept in memory.
+        max_entries: Entries one owner may keep.
+        max_bytes: Bytes of outcomes one owner may keep.
     """
 
-    def __init__(self, ttl_s: float = 86_400.0, max_entries: int = 100_000) -> None:
+    def __init__(self, ttl_s: float = 86_400.0, max_entries: int = 10_000, max_bytes: int = 64 << 20) -> None:
         self._ttl_s = ttl_s
         self._max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, str], Running] = OrderedDict()
+        self._max_bytes = max_bytes
+        self._owners: dict[str, OrderedDict[str, Running]] = {}
+        self._bytes: dict[str, int] = {}
+        self._next_sweep = 0.0
 
     @staticmethod
     def check_key(key: str) -> None:
@@ -96,13 +108,13 @@ class IdempotencyStore:
         Raises:
             ApiError: ``idempotency_conflict`` when the key was used with another request.
         """
-        scope = (owner, key)
         while True:
-            self._prune()
-            entry = self._entries.get(scope)
+            self._prune(owner)
+            entries = self._owners.setdefault(owner, OrderedDict())
+            entry = entries.get(key)
             if entry is None:
                 entry = Running(fingerprint, time.monotonic())
-                self._entries[scope] = entry
+                entries[key] = entry
                 return entry
             if entry.fingerprint != fingerprint:
                 raise ApiError(ErrorCode.IDEMPOTENCY_CONFLICT,
@@ -115,20 +127,55 @@ class IdempotencyStore:
     def succeed(self, owner: str, key: str, entry: Running, outcome: Outcome) -> None:
         """Store the outcome of a claimed entry and wake its waiters."""
         entry.outcome = outcome
+        entry.nbytes = _size(key, entry.fingerprint, outcome)
+        if self._owners.get(owner, {}).get(key) is entry:
+            self._bytes[owner] = self._bytes.get(owner, 0) + entry.nbytes
         entry.done.set()
+        self._prune(owner)
 
     def fail(self, owner: str, key: str, entry: Running) -> None:
         """Forget a claimed entry whose request failed (errors are not stored)."""
-        if self._entries.get((owner, key)) is entry:
-            del self._entries[(owner, key)]
+        entries = self._owners.get(owner)
+        if entries is not None and entries.get(key) is entry:
+            del entries[key]
         entry.done.set()
 
-    def _prune(self) -> None:
-        deadline = time.monotonic() - self._ttl_s
-        while self._entries:
-            scope, oldest = next(iter(self._entries.items()))
-            if oldest.created_at >= deadline and len(self._entries) < self._max_entries:
-                return
-            if oldest.outcome is None and oldest.created_at >= deadline:
-                return  # never drop a running entry for space
-            del self._entries[scope]
+    def num_entries(self, owner: str) -> int:
+        """Entries ``owner`` keeps (finished and running)."""
+        return len(self._owners.get(owner, ()))
+
+    def _prune(self, owner: str) -> None:
+        """Drop ``owner``'s expired outcomes, then its oldest finished ones beyond its quota;
+        every minute also every other owner's expired ones."""
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + 60.0
+            for other in list(self._owners):
+                self._drop(other, now - self._ttl_s, over_quota=False)
+        self._drop(owner, now - self._ttl_s, over_quota=True)
+
+    def _drop(self, owner: str, deadline: float, over_quota: bool) -> None:
+        entries = self._owners.get(owner)
+        if entries is None:
+            return
+        for key, entry in list(entries.items()):
+            expired = entry.created_at < deadline
+            full = over_quota and (len(entries) > self._max_entries or self._bytes.get(owner, 0) > self._max_bytes)
+            if not expired and not full:
+                break  # oldest first: the rest are younger and the quota holds
+            if entry.outcome is None:
+                continue  # never drop a running entry
+            del entries[key]
+            self._bytes[owner] -= entry.nbytes
+        if not entries:
+            del self._owners[owner]
+            self._bytes.pop(owner, None)
+
+
+def _size(key: str, fingerprint: str, outcome: Outcome) -> int:
+    """Bytes an outcome holds: its body (or result's text and ids), key, fingerprint, overhead."""
+    if isinstance(outcome, StoredResponse):
+        body = len(outcome.body) + sum(len(k) + len(v) for k, v in outcome.headers)
+    else:
+        body = len(outcome.result.text.encode()) + 8 * len(outcome.result.output_ids)
+    return body + len(key) + len(fingerprint) + _ENTRY_OVERHEAD

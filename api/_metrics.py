@@ -17,8 +17,11 @@ one process (tests) keep separate numbers. Two kinds of metrics live in it:
 Decision: the prefix-cache hit rate is exported as ``phloem_prefix_cache_hit_ratio``, the
 lifetime ratio ``cached_tokens / prompt_tokens``; for a windowed rate, divide the counters'
 rates (``rate(phloem_cached_tokens_total[5m]) / rate(phloem_prompt_tokens_total[5m])``).
-Decision: ``/metrics`` is public like ``/health`` (outside ``/v1``): it holds aggregate counts
-only — no session id, owner, key or text — and scrapers rarely carry bearer tokens.
+Decision: without API keys ``/metrics`` is public like ``/health`` (one tenant; aggregate counts
+only, no session id, owner, key or text). With keys it needs an admin key (``app.create_app``):
+its counters sum every tenant's traffic (cached tokens, requests by route), and a tenant polling
+them around another's request would learn that request's cache hits (DESIGN.md §8: what a
+tenant sees comes from its namespace alone). Prometheus sends the key as a bearer credential.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     model: str
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: int | None = None  # <= 0 or None: no top-k (vLLM's convention)
+    top_k: Annotated[int, Meta(ge=1)] | None = None  # None: no top-k (as the native API)
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     stop: Stop = None
     stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=64)] | None = None

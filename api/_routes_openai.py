@@ -49,7 +49,7 @@ def _options(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | 
     return GenerateOptions(
         max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k if body.top_k is not None and body.top_k > 0 else None, seed=body.seed,
+        top_k=body.top_k, seed=body.seed,
         stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, logit_bias=_convert.logit_bias(body.logit_bias),
@@ -87,11 +87,11 @@ def _message(m: OpenAIMessage) -> Message:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _prompt_ids(ctx: ApiContext, prompt: str | list[Any]) -> list[int]:
+async def _prompt_ids(ctx: ApiContext, owner: str, prompt: str | list[Any]) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return ctx.manager.tokenizer.encode(prompt)
+        return await ctx.manager.prompt_ids(owner, text=prompt)
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     raise ApiError(ErrorCode.INVALID_REQUEST,
@@ -113,7 +113,7 @@ async def _start(ctx: ApiContext, request: Request[Any, Any, Any], prompt_ids: l
     started: list[Generation] = []
 
     async def start() -> Generation:
-        started.extend(await ctx.manager.complete(prompt_ids, options, n=n, tools=tools))
+        started.extend(await ctx.manager.complete(prompt_ids, options, n=n, tools=tools, owner=owner))
         return started[0]
 
     extra = 0  # the other choices' quota; the first is start_generation's
@@ -162,9 +162,8 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     data = await strict_body(request, ChatCompletionRequest)
     _check_model(ctx, data.model)
     tools = _convert.tool_specs(data.tools)
-    prompt = ctx.manager.tokenizer.render_messages(
-        [_message(m) for m in data.messages], tools=tools, add_generation_prompt=True,
-        template_kwargs=data.chat_template_kwargs)
+    prompt = await ctx.manager.prompt_ids(owner_of(request), messages=[_message(m) for m in data.messages],
+                                          tools=tools, template_kwargs=data.chat_template_kwargs)
     generations = await _start(ctx, request, prompt, _chat_options(data), data.n, tools)
     texts = TokenTexts(ctx.manager.tokenizer)
     if data.stream:
@@ -200,7 +199,8 @@ async def completions(request: Request[Any, Any, Any], data: CompletionRequest,
     """OpenAI text completions; ``prompt`` is text or token ids."""
     data = await strict_body(request, CompletionRequest)
     _check_model(ctx, data.model)
-    generations = await _start(ctx, request, _prompt_ids(ctx, data.prompt), _options(data, data.max_tokens), data.n)
+    prompt = await _prompt_ids(ctx, owner_of(request), data.prompt)
+    generations = await _start(ctx, request, prompt, _options(data, data.max_tokens), data.n)
     texts = TokenTexts(ctx.manager.tokenizer)
     if data.stream:
         include_usage = data.stream_options is not None and data.stream_options.include_usage

@@ -42,6 +42,7 @@ from phloem.sessions import KEEP, Generation, SessionError, SessionSnapshot
 __all__ = ["SESSION_ROUTES"]
 
 _ID = "/v1/sessions/{session_id:str}"
+_ALL = {"true": True, "1": True, "false": False, "0": False}
 
 
 def _doc(status: int, kind: type, description: str, *errors: int) -> dict[int, ResponseSpec]:
@@ -71,13 +72,17 @@ async def create_session(request: Request[Any, Any, Any], data: CreateSessionReq
 async def list_sessions(request: Request[Any, Any, Any], ctx: ApiContext,
                         limit: Annotated[int, Parameter(ge=1, le=100)] = 20,
                         after: str | None = None, parent_id: str | None = None,
-                        all_keys: Annotated[bool, Parameter(query="all")] = False) -> Response[bytes]:
+                        all_keys: Annotated[str | None, Parameter(
+                            query="all", description="`true`: every key's sessions (admin keys only)")] = None) -> Response[bytes]:
     """List sessions, newest first; ``after`` is the last id of the previous page; ``all=true``
     (admin keys only) lists every key's sessions."""
-    if all_keys and not principal_of(request).admin:
+    every = _ALL.get((all_keys or "false").lower())
+    if every is None:
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"all: expected true or false, got {(all_keys or '')[:40]!r}")
+    if every and not principal_of(request).admin:
         raise ApiError(ErrorCode.FORBIDDEN, "all=true: listing every key's sessions needs an "
                                             "admin API key")
-    owners = ctx.keys.owners() if all_keys else [owner_of(request)]
+    owners = ctx.keys.owners() if every else [owner_of(request)]
     page: list[SessionSnapshot] = []
     has_more = False
     for owner in owners:

@@ -8,7 +8,11 @@ included, goes through ``_errors_http.exception_handler``. Every request and soc
 handler so that even unrouted requests are seen.
 
 Every route under ``/v1/`` is authenticated by ``_auth.AuthMiddleware`` when API keys are
-configured (``/health``, ``/metrics`` and the schema stay public). Limits (docs/api.md,
+configured (``/health`` and the schema stay public); ``/metrics`` then needs an admin key, since
+its counters (cached tokens, requests by route) sum up every key's traffic. ``_guard`` refuses
+foreign ``Host`` / ``Origin`` names and non-JSON bodies before that (docs/api.md, "Security
+model"); the interactive ``/schema`` pages are served only with ``ServerConfig.docs_ui``
+(they load scripts from a CDN). Limits (docs/api.md,
 "Limits"): bodies larger than ``ServerConfig.max_body_bytes`` are 413 ``payload_too_large`` (Litestar's
 ``request_max_body_size``, whether or not the request announces its length), and WebSocket
 frames are limited to the same size by uvicorn (``ws_max_size``: the socket closes with 1009);
@@ -38,22 +42,26 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from litestar import Litestar, Response, get
+from litestar import Litestar, Request, Response, get
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 
 from phloem import __version__
-from phloem.api._auth import AuthMiddleware, KeyRing
+from phloem.api._auth import AuthMiddleware, KeyRing, principal_of
 from phloem.api._context import ApiContext
 from phloem.api._errors_http import ApiError, error_response, exception_handler, problems
+from phloem.api._guard import RequestGuard
 from phloem.api._health import health_body
+from phloem.api._idempotency import IdempotencyStore
 from phloem.api._limits import OwnerLimits
 from phloem.api._metrics import METRICS_CONTENT_TYPE, ApiMetrics
 from phloem.api._observe import RequestObserver
 from phloem.api._routes_openai import OPENAI_ROUTES
 from phloem.api._routes_sessions import SESSION_ROUTES
+from phloem.api._server_protocol import guarded_http_protocol
 from phloem.api._ws import session_socket
 from phloem.api.schemas import ErrorCode
 from phloem.runtime import EngineClient, ServerConfig
@@ -61,6 +69,7 @@ from phloem.runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_mode
 from phloem.runtime.logs import stderr_logging
 from phloem.runtime.pd_decode import engine_client_for
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
+from phloem.storage import server_secret
 
 __all__ = ["create_app", "serve"]
 
@@ -88,10 +97,13 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
         owned_by = "phloem (DUMMY random weights of this shape, for benchmarks: its output is gibberish)"
     else:
         owned_by = "phloem"
-    keys = KeyRing(config.api_keys)
+    keys = KeyRing(config.api_keys, server_secret(config.data_dir))
     limits = OwnerLimits(manager, config.max_sessions_per_key, config.max_generations_per_key,
                          config.retry_after_s)
-    ctx = ApiContext(manager, model_id, owned_by, keys, limits, config.stream_idle_timeout_s)
+    idempotency = IdempotencyStore(max_entries=config.idempotency_entries_per_key,
+                                   max_bytes=config.idempotency_bytes_per_key)
+    ctx = ApiContext(manager, model_id, owned_by, keys, limits, config.stream_idle_timeout_s,
+                     idempotency)
 
     @get("/health", include_in_schema=True, responses={
         200: ResponseSpec(dict[str, str], description="The engine runs"), **problems(503)})
@@ -107,16 +119,20 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
 
     @get("/metrics", include_in_schema=True, media_type="text/plain", responses={
         200: ResponseSpec(str, media_type="text/plain", generate_examples=False,
-                          description="Prometheus text format")})
-    async def metrics_text() -> Response[bytes]:
+                          description="Prometheus text format"), **problems(401, 403)})
+    async def metrics_text(request: Request[Any, Any, Any]) -> Response[bytes]:
         """The server's counters in the Prometheus text format (docs/api.md, "Observability"):
         HTTP requests, tokens, sessions by status, spills and resumes, pages and state slots,
-        queue depth, engine step times."""
+        queue depth, engine step times. With API keys: an admin key only."""
+        if not principal_of(request).admin:
+            raise ApiError(ErrorCode.FORBIDDEN, "/metrics: every key's traffic is counted there: "
+                                                "it needs an admin API key")
         return Response(await metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     # NOTE: Litestar passes the app to a lifespan hook that takes an argument: wrap them.
     async def start_sessions() -> None:
         await manager.start()
+        await manager.rename_owners(keys.renames())
 
     async def close_sessions() -> None:
         await manager.close()
@@ -125,7 +141,8 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
         route_handlers=[*SESSION_ROUTES, session_socket, *OPENAI_ROUTES, health, metrics_text],
         dependencies={"ctx": Provide(lambda: ctx, sync_to_thread=False, use_cache=True)},
         exception_handlers={Exception: exception_handler},
-        middleware=[AuthMiddleware(keys)],
+        middleware=[RequestGuard(not keys.enabled or bool(config.allowed_hosts), config.allowed_hosts),
+                    AuthMiddleware(keys)],
         request_max_body_size=config.max_body_bytes,
         # Process logging belongs to ``serve`` (runtime.logs), never to the app: Litestar's
         # default would replace the root logger's handlers on startup.
@@ -134,6 +151,7 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
         on_shutdown=[close_sessions],
         openapi_config=OpenAPIConfig(
             title="Phloem", version=__version__,
+            render_plugins=[] if config.docs_ui else [JsonRenderPlugin()],
             description="Sessions, streaming and OpenAI-compatible routes of a Phloem server "
                         "(docs/api.md). Routes under /v1 need `Authorization: Bearer <key>` when "
                         "the server has API keys.",
@@ -149,6 +167,9 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
 
 def serve(config: ServerConfig) -> None:
     """Run ``phloem serve``: load the model, start the engine, serve until SIGINT/SIGTERM.
+
+    The caller holds the data directory's lock (``storage.lock_data_dir``; ``phloem serve``
+    takes it first), so that no second server loads the same sessions.
 
     Args:
         config: The server config; ``model`` None serves the built-in demo model (random
@@ -173,7 +194,10 @@ def _serve(config: ServerConfig) -> None:
     sessions = SessionConfig(data_dir=config.data_dir, model_fingerprint=model_fingerprint(config.model),
                              redis_url=config.redis_url, default_ttl_s=config.default_ttl_s,
                              max_num_generations=config.max_num_generations,
-                             retry_after_s=config.retry_after_s)
+                             retry_after_s=config.retry_after_s,
+                             tokenize_workers=config.tokenize_workers,
+                             max_tokenizations_per_owner=config.max_tokenizations_per_key,
+                             shared_prefixes=config.shared_prefixes)
     manager = SessionManager(engine, Tokenizer.from_pretrained(config.model), sessions)
     app = create_app(config, engine, manager)
     _log_auth(config)
@@ -185,7 +209,8 @@ def _serve(config: ServerConfig) -> None:
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, ws_max_size=config.max_body_bytes,
         lifespan="on", timeout_graceful_shutdown=_GRACE_S, log_level=config.log_level,
-        log_config=None, access_log=False))
+        log_config=None, access_log=False, timeout_keep_alive=config.keepalive_timeout_s,
+        http=guarded_http_protocol(config.header_timeout_s, config.max_connections)))
     engine.start()
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the
     # handler it found: make SIGTERM end in KeyboardInterrupt too, so serve() returns normally.

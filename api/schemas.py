@@ -49,6 +49,7 @@ class ErrorCode(enum.StrEnum):
     SESSION_BUSY = "session_busy"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     PAYLOAD_TOO_LARGE = "payload_too_large"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     RATE_LIMITED = "rate_limited"
     INTERNAL_ERROR = "internal_error"
@@ -65,6 +66,7 @@ ERROR_STATUS = MappingProxyType({
     ErrorCode.SESSION_BUSY: 409,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
     ErrorCode.IDEMPOTENCY_CONFLICT: 422,
     ErrorCode.RATE_LIMITED: 429,
     ErrorCode.INTERNAL_ERROR: 500,

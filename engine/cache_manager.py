@@ -105,11 +105,12 @@ class CacheManager:
             slot = self.slot_pool.allocate()
         return slot
 
-    def cached_len(self, tokens: list[int]) -> int:
-        """Tokens of ``tokens`` a request would take from the cache now (no eviction order touched)."""
+    def cached_len(self, tokens: list[int], namespace: str | None = None) -> int:
+        """Tokens of ``tokens`` a request of ``namespace`` would take from the cache now (no
+        eviction order touched)."""
         if self.tree is None or not tokens:
             return 0
-        match = self.tree.match(tokens, len(tokens) - 1, touch=False)
+        match = self.tree.match(tokens, len(tokens) - 1, namespace, touch=False)
         return match.num_tokens if match else 0
 
     def admit(self, req: Request) -> bool:
@@ -117,7 +118,7 @@ class CacheManager:
         assert req.write_slot is None and not req.page_ids, f"request {req.request_id} already holds memory"
         tokens = req.all_token_ids
         # At least one token must be computed: its logits give the next token.
-        match = self.tree.match(tokens, len(tokens) - 1) if self.tree is not None else None
+        match = self.tree.match(tokens, len(tokens) - 1, req.namespace) if self.tree is not None else None
         if match is not None:
             # Lock first: the evictions below must not take the prefix we are about to use.
             self.tree.lock(match.node)  # type: ignore[union-attr]
@@ -226,7 +227,7 @@ class CacheManager:
         full = done // ps
         tail = req.page_ids[full] if final and done % ps else tail_copy
         ckpt = Checkpoint(slot=req.write_slot, tail_page=tail, periodic=periodic)
-        node, tree_pages = self.tree.insert(req.all_token_ids[:done], req.page_ids[:full], ckpt)
+        node, tree_pages = self.tree.insert(req.all_token_ids[:done], req.page_ids[:full], ckpt, req.namespace)
         if final:
             # Pages past the published part and its tail were allocated ahead and never written.
             self.page_pool.free(req.page_ids[full + (1 if tail is not None else 0) :])

@@ -224,6 +224,7 @@ class Engine:
         *,
         sample_first: bool = False,
         output_token_ids: Sequence[int] = (),
+        namespace: str | None = None,
     ) -> str:
         """Validate and enqueue a request; returns its id.
 
@@ -235,6 +236,8 @@ class Engine:
         ``output_token_ids`` are tokens already generated for this prompt elsewhere (a
         disaggregated prefill's first token): the request continues after them, and a seeded
         request's generator skips the draws they took, so its tokens equal a colocated run's.
+        ``namespace``: the prefix-cache namespace (tenant) it matches and publishes in
+        (``engine.radix_cache``); None: the shared one.
 
         A grammar is compiled on first use, then cached (``EngineClient`` compiles it first).
 
@@ -255,7 +258,7 @@ class Engine:
             raise InvalidRequest(f"request_id: {rid!r} is already in flight")
         req = Request(
             rid, prompt + outputs, params, arrival_idx=next(self._ids), num_prompt_tokens=len(prompt),
-            prefill_only=prefill_only, sample_first=sample_first,
+            prefill_only=prefill_only, sample_first=sample_first, namespace=namespace,
         )
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
@@ -418,17 +421,18 @@ class Engine:
         self,
         prompt_token_ids: list[list[int]],
         params: SamplingParams | list[SamplingParams],
+        namespace: str | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in prompt order.
-
-        Every prompt is validated before any is enqueued, so a bad one raises and runs nothing.
+        """Run prompts to completion (in the prefix cache's ``namespace``); outputs come back in
+        prompt order. Every prompt is validated before any is enqueued, so a bad one raises and
+        runs nothing.
         """
         plist = params if isinstance(params, list) else [params] * len(prompt_token_ids)
         if len(plist) != len(prompt_token_ids):
             raise InvalidRequest(f"params: expected {len(prompt_token_ids)} SamplingParams, got {len(plist)}")
         for prompt, p in zip(prompt_token_ids, plist):
             self._validate(prompt, p)
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompt_token_ids, plist)]
+        ids = [self.add_request(prompt, p, namespace=namespace) for prompt, p in zip(prompt_token_ids, plist)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():
@@ -439,15 +443,16 @@ class Engine:
             self.step()
         return [final[i] for i in ids]
 
-    def pin_prefix(self, token_ids: Sequence[int]) -> RadixNode | None:
-        """Pin the deepest cached checkpoint within ``token_ids`` (a session's head) against eviction.
+    def pin_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> RadixNode | None:
+        """Pin the deepest checkpoint within ``token_ids`` cached in ``namespace`` (a session's
+        head) against eviction.
 
         Returns an opaque handle for ``unpin_prefix``, or None when nothing of it is cached.
         """
         tree = self.cache.tree
         if tree is None:
             return None
-        match = tree.match(list(token_ids), len(token_ids))
+        match = tree.match(list(token_ids), len(token_ids), namespace)
         if match is None:
             return None
         tree.lock(match.node)
@@ -457,34 +462,34 @@ class Engine:
         assert self.cache.tree is not None, "unpin without a prefix cache"
         self.cache.tree.unlock(handle)
 
-    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
-        """How many leading tokens of ``token_ids`` a new request would take from the cache."""
+    def cached_prefix_len(self, token_ids: Sequence[int], namespace: str | None = None) -> int:
+        """How many leading tokens of ``token_ids`` a new request in ``namespace`` would take from the cache."""
         tree = self.cache.tree
-        match = tree.match(list(token_ids), len(token_ids) - 1) if tree is not None and token_ids else None
+        match = tree.match(list(token_ids), len(token_ids) - 1, namespace) if tree is not None and token_ids else None
         return match.num_tokens if match else 0
 
-    def export_prefix(self, token_ids: Sequence[int]) -> PrefixState | None:
-        """Host copies of the KV pages and head checkpoint of the deepest cached prefix of
-        ``token_ids`` (for spilling a session), in the TP=1 layout whatever the tensor-parallel
-        size (``engine.tp_state``); None when nothing of it is cached."""
+    def export_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> PrefixState | None:
+        """Host copies of the KV pages and head checkpoint of the deepest prefix of ``token_ids``
+        cached in ``namespace`` (for spilling a session), in the TP=1 layout whatever the
+        tensor-parallel size (``engine.tp_state``); None when nothing of it is cached."""
         self.drain()
-        return export_prefix(self.cache, self.runner.read_state, list(token_ids))
+        return export_prefix(self.cache, self.runner.read_state, list(token_ids), namespace)
 
-    def import_prefix(self, state: PrefixState) -> bool:
+    def import_prefix(self, state: PrefixState, namespace: str | None = None) -> bool:
         """Load a spilled prefix into fresh pages and a fresh slot and publish it in the radix
-        cache; False (taking nothing) when no room can be made.
+        cache, in ``namespace``; False (taking nothing) when no room can be made.
 
         Raises:
             ValueError: the tensors do not have this model's (TP=1 layout) shapes.
         """
         self.drain()
-        return import_prefix(self.cache, state, self.runner.state_shapes, self.runner.write_state)
+        return import_prefix(self.cache, state, self.runner.state_shapes, self.runner.write_state, namespace)
 
     def reserve_transfer(
-        self, token_ids: Sequence[int], params: SamplingParams, local_up_to: int = 0
+        self, token_ids: Sequence[int], params: SamplingParams, local_up_to: int = 0, namespace: str | None = None
     ) -> TransferReservation | None:
         """Decode side of a disaggregated prefill: lock the cached prefix of ``token_ids`` and
-        reserve pages and a state slot for the rest (``engine.transfer_state``).
+        reserve pages and a state slot for the rest (``engine.transfer_state``), in ``namespace``.
 
         Returns None (taking nothing) when a prefix is cached and at most ``local_up_to`` tokens
         lie past it (compute them here), or when no room can be made. Every reservation ends in
@@ -495,7 +500,7 @@ class Engine:
         """
         prompt = self._validate(token_ids, params)
         self.drain()
-        return transfer_state.reserve(self.cache, prompt, local_up_to)
+        return transfer_state.reserve(self.cache, prompt, local_up_to, namespace)
 
     def install_transfer(
         self, reservation: TransferReservation, kv: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor
@@ -515,12 +520,14 @@ class Engine:
         self.drain()
         transfer_state.release(self.cache, reservation)
 
-    def transfer_source(self, token_ids: Sequence[int], first_page: int) -> TransferSource | None:
+    def transfer_source(
+        self, token_ids: Sequence[int], first_page: int, namespace: str | None = None
+    ) -> TransferSource | None:
         """Prefill side: the pages (from ``first_page``) and state slot of the checkpoint at the end
-        of ``token_ids``, as a prefill-only request published it (read in the TP=1 layout); None
-        when it is not cached."""
+        of ``token_ids``, as a prefill-only request in ``namespace`` published it (read in the
+        TP=1 layout); None when it is not cached."""
         self.drain()
-        return transfer_state.transfer_source(self.cache, self.runner.read_state, list(token_ids), first_page)
+        return transfer_state.transfer_source(self.cache, self.runner.read_state, list(token_ids), first_page, namespace)
 
     def cache_stats(self) -> CacheStats:
         """Prefix-cache and pool counters (prompt vs cached tokens, checkpoints, pages in use)."""

@@ -91,7 +91,8 @@ class PrefillRequest:
     The decode side already holds the first ``held_len`` tokens (a checkpoint there) and has
     pre-allocated pages for page indices ``held_len // page_size`` .. ``ceil(N / page_size) - 1``
     and one state slot; only those pages come back. ``may_decline`` (1 or 0): the prefill side may
-    answer ``PrefillDeclined`` instead of computing.
+    answer ``PrefillDeclined`` instead of computing. ``namespace``: the prefix-cache namespace
+    (tenant) of the request; the prefill side matches and publishes in it.
     """
 
     xfer_id: int
@@ -102,6 +103,7 @@ class PrefillRequest:
     top_k: int
     seed: int | None
     may_decline: int
+    namespace: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

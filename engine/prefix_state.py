@@ -53,10 +53,13 @@ class PrefixState:
         return sum(t.numel() * t.element_size() for t in (self.kv, self.conv, self.ssm))
 
 
-def export_prefix(cache: CacheManager, read: StateReader, token_ids: list[int]) -> PrefixState | None:
-    """Host copies of the deepest cached checkpoint within ``token_ids`` (None when nothing is cached)."""
+def export_prefix(
+    cache: CacheManager, read: StateReader, token_ids: list[int], namespace: str | None = None
+) -> PrefixState | None:
+    """Host copies of the deepest checkpoint within ``token_ids`` cached in ``namespace`` (None
+    when nothing is cached)."""
     tree = cache.tree
-    match = tree.match(token_ids, len(token_ids)) if tree is not None and token_ids else None
+    match = tree.match(token_ids, len(token_ids), namespace) if tree is not None and token_ids else None
     if match is None:
         return None
     pages = list(match.pages)
@@ -76,8 +79,10 @@ def export_prefix(cache: CacheManager, read: StateReader, token_ids: list[int]) 
     return state
 
 
-def import_prefix(cache: CacheManager, state: PrefixState, shapes: StateShapes, write: StateWriter) -> bool:
-    """Load ``state`` into fresh pages and a fresh slot and publish it in the radix tree.
+def import_prefix(
+    cache: CacheManager, state: PrefixState, shapes: StateShapes, write: StateWriter, namespace: str | None = None
+) -> bool:
+    """Load ``state`` into fresh pages and a fresh slot and publish it in the radix tree, in ``namespace``.
 
     Returns False (taking nothing) when the pools cannot make room even after eviction.
 
@@ -104,5 +109,5 @@ def import_prefix(cache: CacheManager, state: PrefixState, shapes: StateShapes, 
         return False
     write(pages, slot, (state.kv, state.conv, state.ssm))
     ckpt = Checkpoint(slot=slot, tail_page=pages[full] if has_tail else None)
-    tree.insert(list(state.token_ids), pages[:full], ckpt)
+    tree.insert(list(state.token_ids), pages[:full], ckpt, namespace)
     return True

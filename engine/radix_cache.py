@@ -23,6 +23,23 @@ counts locks passing through a node (a node with ``lock_ref > 0`` keeps its page
 checkpoints of a locked path stay evictable: for a slot, and for a page when they have a tail
 page (a checkpoint with children and no tail page frees no page).
 
+Namespaces (tenants, DESIGN.md §8). Every node belongs to the namespace that inserted it, and
+every checkpoint to the namespace that computed it; ``None`` is the shared namespace (operator
+prefixes, and every caller that names none). A lookup in namespace ``T`` follows nodes and
+uses checkpoints of ``T`` and ``None`` only, so one tenant can never observe another's prefixes
+(a hit count, or its timing); two tenants inserting the same tokens get separate nodes and
+pages. Children are keyed by ``(namespace, first token)``; a tenant's insert follows its own
+child, else a shared one (splitting shared nodes is invisible: hits come from checkpoints), and
+shared inserts never descend into tenant nodes, so a tenant node only ever has children of its
+own namespace: the shared nodes form a trunk with tenant subtrees hanging off it::
+
+    root ── S(system prompt, ckpt ns=None) ─┬─ A(tenant a's turn, ckpt ns=a)
+                                            └─ B(tenant b's turn, ckpt ns=b)
+         ── C(tenant c's conversation, ckpt ns=c)
+
+A checkpoint that a tenant lands on a shared node (its turn ends inside shared text) is that
+tenant's: other namespaces do not see it.
+
 Eviction is ordered by kind, then by recompute cost per byte freed, not recency. Pages of a leaf
 below every checkpoint are worth nothing and go first; then *periodic* checkpoints (taken every
 ``checkpoint_interval`` tokens inside a long prefill: a resume point only for a request that
@@ -57,6 +74,7 @@ class Checkpoint:
     slot: int
     tail_page: int | None  # KV of positions [floor(depth/ps)*ps, depth) when depth % ps != 0
     periodic: bool = False  # taken inside a long prefill, not at a prompt's or output's end
+    namespace: str | None = None  # who computed it (set by ``insert``); None: shared
 
 
 @dataclass(eq=False, slots=True)
@@ -66,15 +84,25 @@ class RadixNode:
     key: list[int]  # the edge's tokens
     depth: int  # tokens from the root to the end of this edge
     pages: list[int] = field(default_factory=list)
-    children: dict[int, RadixNode] = field(default_factory=dict)
+    children: dict[tuple[str | None, int], RadixNode] = field(default_factory=dict)
     checkpoint: Checkpoint | None = None
     lock_ref: int = 0
     direct_ref: int = 0
     last_access: int = 0
+    namespace: str | None = None  # who inserted it; None: shared
 
     @property
     def start(self) -> int:
         return self.depth - len(self.key)
+
+    @property
+    def edge(self) -> tuple[str | None, int]:
+        """Its key in ``parent.children``: (namespace, first token)."""
+        return self.namespace, self.key[0]
+
+    def visible_to(self, namespace: str | None) -> bool:
+        """Whether ``namespace`` may use this node's checkpoint."""
+        return self.checkpoint is not None and self.checkpoint.namespace in (None, namespace)
 
 
 # An eviction candidate: (kind rank, cost per byte, last access, node id, is a checkpoint, push order, node).
@@ -116,29 +144,50 @@ class RadixCache:
         self.checkpoints_created = 0
         self.checkpoints_evicted = 0
 
-    def match(self, tokens: list[int], max_tokens: int, touch: bool = True) -> PrefixMatch | None:
-        """Deepest checkpointed prefix of ``tokens`` no longer than ``max_tokens``; ``touch``
-        marks its path as used (the eviction order's recency)."""
-        node, pos, path = self.root, 0, []
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None or tokens[pos : pos + len(child.key)] != child.key:
-                break
-            node, pos = child, pos + len(child.key)
-            path.append(node)
-        best = next((n for n in reversed(path) if n.checkpoint is not None and n.depth <= max_tokens), None)
-        if best is None:
+    def match(
+        self, tokens: list[int], max_tokens: int, namespace: str | None = None, touch: bool = True
+    ) -> PrefixMatch | None:
+        """Deepest checkpointed prefix of ``tokens`` no longer than ``max_tokens`` that
+        ``namespace`` may use (its own nodes and checkpoints, and shared ones); ``touch`` marks
+        its path as used (the eviction order's recency)."""
+        path = self._visible_path(tokens, max_tokens, namespace)
+        if not path:
             return None
+        best = path[-1]
         now = next(self._clock) if touch else 0
         pages: list[int] = []
         for n in path:
             if touch:
                 n.last_access = now
             pages.extend(n.pages)
-            if n is best:
-                break
         assert best.checkpoint is not None
         return PrefixMatch(best, best.depth, tuple(pages), best.checkpoint)
+
+    def _visible_path(self, tokens: list[int], max_tokens: int, namespace: str | None) -> list[RadixNode]:
+        """Root-to-node path of the deepest checkpoint ``namespace`` may use (empty: none): along
+        the shared trunk, or into the namespace's own subtree below any trunk node."""
+        trunk = self._descend(self.root, tokens, None)
+        best = _deepest_usable(trunk, max_tokens, namespace)
+        if namespace is None:
+            return best
+        for i, node in enumerate([self.root, *trunk]):
+            hit = _deepest_usable(self._descend(node, tokens, namespace), max_tokens, namespace)
+            if hit and (not best or hit[-1].depth > best[-1].depth):
+                best = trunk[:i] + hit
+        return best
+
+    @staticmethod
+    def _descend(node: RadixNode, tokens: list[int], namespace: str | None) -> list[RadixNode]:
+        """The nodes of ``namespace`` below ``node`` whose edges spell ``tokens[node.depth:]``."""
+        out: list[RadixNode] = []
+        pos = node.depth
+        while pos < len(tokens):
+            child = node.children.get((namespace, tokens[pos]))
+            if child is None or tokens[pos : pos + len(child.key)] != child.key:
+                break
+            out.append(child)
+            node, pos = child, child.depth
+        return out
 
     def lock(self, node: RadixNode) -> None:
         node.direct_ref += 1
@@ -160,21 +209,26 @@ class RadixCache:
             n = n.parent
         return out
 
-    def insert(self, tokens: list[int], pages: list[int], checkpoint: Checkpoint | None) -> tuple[RadixNode, list[int]]:
-        """Insert ``tokens`` with their full ``pages`` (``len(tokens) // page_size`` of them).
+    def insert(
+        self, tokens: list[int], pages: list[int], checkpoint: Checkpoint | None, namespace: str | None = None
+    ) -> tuple[RadixNode, list[int]]:
+        """Insert ``tokens`` with their full ``pages`` (``len(tokens) // page_size`` of them) for
+        ``namespace`` (the checkpoint becomes that namespace's).
 
-        Pages the tree already holds for the same positions are kept and the caller's duplicates
-        freed; likewise a checkpoint the tree already has at that depth. Returns the node ending
-        at ``len(tokens)`` and the page ids the tree now uses for those positions (the caller
-        switches its page table to them).
+        Pages the tree already holds for the same positions (on nodes ``namespace`` may use) are
+        kept and the caller's duplicates freed; likewise a checkpoint the tree already has at
+        that depth. Returns the node ending at ``len(tokens)`` and the page ids the tree now uses
+        for those positions (the caller switches its page table to them).
         """
         ps = self.page_size
         assert len(pages) == len(tokens) // ps, f"{len(pages)} pages for {len(tokens)} tokens"
         node, pos, tree_pages = self.root, 0, []
         while pos < len(tokens):
-            child = node.children.get(tokens[pos])
+            child = node.children.get((namespace, tokens[pos]))
+            if child is None and namespace is not None:
+                child = node.children.get((None, tokens[pos]))
             if child is None:
-                child = self._add_leaf(node, tokens[pos:], pages)
+                child = self._add_leaf(node, tokens[pos:], pages, namespace)
             common = _common_prefix(child.key, tokens[pos:])
             if common < len(child.key):
                 child = self._split(child, common)
@@ -189,6 +243,7 @@ class RadixCache:
             n.last_access = now
         if checkpoint is not None:
             if node.checkpoint is None and node is not self.root:
+                checkpoint.namespace = namespace
                 node.checkpoint = checkpoint
                 self.num_checkpoints += 1
                 self.checkpoints_created += 1
@@ -196,13 +251,13 @@ class RadixCache:
                 self._drop_checkpoint_resources(checkpoint)
         return node, tree_pages
 
-    def _add_leaf(self, parent: RadixNode, key: list[int], pages: list[int]) -> RadixNode:
+    def _add_leaf(self, parent: RadixNode, key: list[int], pages: list[int], namespace: str | None) -> RadixNode:
         ps = self.page_size
-        leaf = RadixNode(next(self._ids), parent, list(key), parent.depth + len(key))
+        leaf = RadixNode(next(self._ids), parent, list(key), parent.depth + len(key), namespace=namespace)
         # Pages whose last position lies in [leaf.start, leaf.depth): ids start//ps .. depth//ps - 1.
         leaf.pages = list(pages[parent.depth // ps : leaf.depth // ps])
         self.num_pages += len(leaf.pages)
-        parent.children[key[0]] = leaf
+        parent.children[leaf.edge] = leaf
         return leaf
 
     def _split(self, node: RadixNode, offset: int) -> RadixNode:
@@ -210,14 +265,14 @@ class RadixCache:
         ps = self.page_size
         parent = node.parent
         assert parent is not None and 0 < offset < len(node.key)
-        upper = RadixNode(next(self._ids), parent, node.key[:offset], node.start + offset)
+        upper = RadixNode(next(self._ids), parent, node.key[:offset], node.start + offset, namespace=node.namespace)
         upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
         num_upper = upper.depth // ps - node.start // ps
         upper.pages, node.pages = node.pages[:num_upper], node.pages[num_upper:]
         node.key = node.key[offset:]
         node.parent = upper
-        upper.children[node.key[0]] = node
-        parent.children[upper.key[0]] = upper
+        upper.children[node.edge] = node
+        parent.children[upper.edge] = upper
         return upper
 
     def _drop_checkpoint_resources(self, ckpt: Checkpoint) -> None:
@@ -279,7 +334,7 @@ class RadixCache:
         while heap:
             rank, cost, last, node_id, is_checkpoint, _, node = heapq.heappop(heap)
             parent = node.parent
-            if parent is None or parent.children.get(node.key[0]) is not node:
+            if parent is None or parent.children.get(node.edge) is not node:
                 continue  # already removed (a duplicate entry)
             key = self._candidate_key(node)
             if key is None:
@@ -304,7 +359,7 @@ class RadixCache:
         assert not node.children and node.lock_ref == 0 and node.parent is not None
         self._free_pages(node.pages)
         self.num_pages -= len(node.pages)
-        del node.parent.children[node.key[0]]
+        del node.parent.children[node.edge]
 
     def _nodes(self) -> list[RadixNode]:
         out, stack = [], list(self.root.children.values())
@@ -317,6 +372,14 @@ class RadixCache:
     def clear(self) -> None:
         """Drop every unlocked node (pages and checkpoints); used by tests and cache resets."""
         self.evict(1 << 62, 1 << 62, lambda: 0, lambda: 0)
+
+
+def _deepest_usable(path: list[RadixNode], max_tokens: int, namespace: str | None) -> list[RadixNode]:
+    """``path`` cut after its deepest node with a checkpoint ``namespace`` may use (empty: none)."""
+    for i in range(len(path) - 1, -1, -1):
+        if path[i].visible_to(namespace) and path[i].depth <= max_tokens:
+            return path[: i + 1]
+    return []
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

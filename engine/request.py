@@ -79,6 +79,8 @@ class Request:
     penalty_state: PenaltyState | None = None
     # Read by the sampler every step: computed once (``engine.logits_processors``).
     processes_logits: bool = field(init=False)
+    # The prefix-cache namespace (tenant) it reads from and publishes to; None: shared.
+    namespace: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

@@ -105,7 +105,7 @@ class Scheduler:
             left = req.num_tokens - req.num_computed_tokens
         else:
             if req.num_uncached_hint is None:
-                req.num_uncached_hint = req.num_tokens - self.cache.cached_len(req.all_token_ids)
+                req.num_uncached_hint = req.num_tokens - self.cache.cached_len(req.all_token_ids, req.namespace)
             left = req.num_uncached_hint
         if left <= 1 and req.status is RequestStatus.RUNNING:
             return _DECODE

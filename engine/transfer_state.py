@@ -74,6 +74,7 @@ class TransferReservation:
     pages: list[int]  # reserved: page indices first_page .. ceil(N / ps) - 1
     slot: int
     lock_node: RadixNode | None
+    namespace: str | None = None  # the prefix-cache namespace it is published in
     done: bool = False
 
     @property
@@ -86,8 +87,10 @@ def _tree(cache: CacheManager) -> RadixCache:
     return cache.tree
 
 
-def reserve(cache: CacheManager, token_ids: list[int], local_up_to: int = 0) -> TransferReservation | None:
-    """Lock the held prefix and reserve pages and a slot for the rest of ``token_ids``.
+def reserve(
+    cache: CacheManager, token_ids: list[int], local_up_to: int = 0, namespace: str | None = None
+) -> TransferReservation | None:
+    """Lock the prefix held in ``namespace`` and reserve pages and a slot for the rest of ``token_ids``.
 
     Returns None (taking nothing) when a prefix is held and at most ``local_up_to`` tokens lie
     past it (this side holds the conversation: it computes the few new tokens itself), or when
@@ -95,7 +98,7 @@ def reserve(cache: CacheManager, token_ids: list[int], local_up_to: int = 0) -> 
     """
     tree, n, ps = _tree(cache), len(token_ids), cache.page_size
     assert n >= 1, "a transfer needs at least one token"
-    match = tree.match(token_ids, n - 1)
+    match = tree.match(token_ids, n - 1, namespace)
     held = match.num_tokens if match else 0
     if held and n - held <= local_up_to:
         return None
@@ -112,7 +115,7 @@ def reserve(cache: CacheManager, token_ids: list[int], local_up_to: int = 0) -> 
         return None
     held_pages = match.pages[:first_page] if match else ()
     node = match.node if match else None
-    return TransferReservation(tuple(token_ids), held, first_page, held_pages, pages, slot, node)
+    return TransferReservation(tuple(token_ids), held, first_page, held_pages, pages, slot, node, namespace)
 
 
 def install(cache: CacheManager, shapes: StateShapes, write: WriteState, res: TransferReservation,
@@ -134,7 +137,8 @@ def install(cache: CacheManager, shapes: StateShapes, write: WriteState, res: Tr
     own_full = full - res.first_page
     tail = res.pages[own_full] if n % ps else None
     res.done = True
-    _tree(cache).insert(list(res.token_ids), list(res.held_pages) + res.pages[:own_full], Checkpoint(res.slot, tail))
+    pages = list(res.held_pages) + res.pages[:own_full]
+    _tree(cache).insert(list(res.token_ids), pages, Checkpoint(res.slot, tail), res.namespace)
     _unlock(cache, res)
 
 
@@ -176,11 +180,12 @@ class TransferSource:
 
 
 def transfer_source(
-    cache: CacheManager, read: ReadState, token_ids: list[int], first_page: int
+    cache: CacheManager, read: ReadState, token_ids: list[int], first_page: int, namespace: str | None = None
 ) -> TransferSource | None:
-    """The checkpoint at exactly ``len(token_ids)`` and its pages from ``first_page``; None if absent."""
+    """The checkpoint at exactly ``len(token_ids)`` in ``namespace`` and its pages from
+    ``first_page``; None if absent."""
     n = len(token_ids)
-    match = _tree(cache).match(token_ids, n)
+    match = _tree(cache).match(token_ids, n, namespace)
     if match is None or match.num_tokens != n or not 0 <= first_page <= n // cache.page_size:
         return None
     pages = list(match.pages)

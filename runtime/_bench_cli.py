@@ -83,6 +83,7 @@ def add_bench_commands(
     prefix.add_argument("--first-turn", type=int, default=2000)
     prefix.add_argument("--append", type=int, default=80)
     prefix.add_argument("--output", type=int, default=16)
+    prefix.add_argument("--namespace", metavar="NAME", help="run as one tenant of the partitioned cache (its cost)")
     prefix.set_defaults(configure=lambda a: a, run=_prefix_cache)
 
     agentic = kinds.add_parser("agentic", help="simulated agents over HTTP: sessions vs stateless vs no cache", epilog=_EXAMPLES,
@@ -166,7 +167,7 @@ def _prefix_cache(args: argparse.Namespace) -> int:
     show = show_progress(args)
     model = args.model or ensure_default_model(Path(tempfile.mkdtemp(prefix="phloem-bench-")), show)
     report = run_prefix_cache_bench(model, args.turns, args.first_turn, args.append, args.output,
-                                    num_pages=4096, num_state_slots=64, max_num_batched_tokens=512,
-                                    show_progress=show)  # fmt: skip
+                                    namespace=args.namespace, num_pages=4096, num_state_slots=64,
+                                    max_num_batched_tokens=512, show_progress=show)  # fmt: skip
     sys.stdout.write(report.table() + "\n")
     return 0

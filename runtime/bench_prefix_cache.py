@@ -4,7 +4,8 @@ One conversation: a long first turn, then ``turns - 1`` turns that append ``appe
 (a tool result) to the previous prompt + output. Reports, per turn and in total, the prompt tokens,
 the tokens served from the cache, the tokens actually computed, and wall time. Greedy, with
 ``ignore_eos`` so every turn generates exactly ``output_len`` tokens; outputs with and without the
-cache are checked to be identical.
+cache are checked to be identical. With ``namespace``, the conversation runs as one tenant of a
+partitioned cache (``engine.radix_cache``, "Namespaces"), for the cost of the partition.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class PrefixCacheReport:
 
 
 def _run(engine: Engine, first: list[int], turns: int, append_len: int, output_len: int, seed: int,
-         bar: tuple[str, bool | None]) -> tuple[list[TurnStats], list[list[int]]]:
+         bar: tuple[str, bool | None], namespace: str | None) -> tuple[list[TurnStats], list[list[int]]]:
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     history, stats, outputs = list(first), [], []
@@ -67,7 +68,7 @@ def _run(engine: Engine, first: list[int], turns: int, append_len: int, output_l
     label, show = bar
     for turn in progress(range(1, turns + 1), turns, label, "turn", show):
         t0 = time.perf_counter()
-        out = engine.generate([history], params)[0]
+        out = engine.generate([history], params, namespace)[0]
         stats.append(TurnStats(turn, len(history), out.num_cached_tokens, time.perf_counter() - t0))
         outputs.append(out.token_ids)
         history = history + out.token_ids + [rng.randrange(vocab) for _ in range(append_len)]
@@ -81,9 +82,11 @@ def run_prefix_cache_bench(
     append_len: int = 80,
     output_len: int = 16,
     seed: int = 0,
+    namespace: str | None = None,
     **engine_options: object,
 ) -> PrefixCacheReport:
-    """Run the workload twice (cache on, cache off) on fresh engines and compare.
+    """Run the workload twice (cache on, cache off) on fresh engines and compare; with
+    ``namespace``, every request of it runs in that prefix-cache namespace (a tenant).
 
     ``engine_options["show_progress"]`` (False: never) also governs the per-turn progress bars.
     """
@@ -96,7 +99,7 @@ def run_prefix_cache_bench(
         engine = Engine.from_pretrained(model_path, enable_prefix_caching=caching, **engine_options)
         label = f"prefix cache {'on' if caching else 'off'}"
         results.append(_run(engine, first, turns, append_len, output_len, seed,
-                            (label, show if isinstance(show, bool) else None)))
+                            (label, show if isinstance(show, bool) else None), namespace))
     (on, out_on), (off, out_off) = results
     if out_on != out_off:
         raise AssertionError("outputs with and without the prefix cache differ")

@@ -11,6 +11,7 @@ Flags default to the ``PHLOEM_*`` environment variables (``runtime.env``), then 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from phloem.runtime._bench_cli import add_bench_commands, show_progress
+from phloem.runtime._hardening_cli import add_hardening_flags, hardening_config
 from phloem.runtime._demo import DemoOptions
 from phloem.runtime.config import (
     DTYPES, LOG_FORMATS, LOG_LEVELS, ApiKey, EngineOptions, ServerConfig, default_data_dir, parse_api_key, read_api_keys_file,
@@ -110,6 +112,7 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
                        help="seconds a session stays pinned after a turn (default: %(default)s)")
     _add_auth_flags(serve, env)
     _add_limit_flags(serve, defaults)
+    add_hardening_flags(serve, defaults)
     _add_pd_flags(serve)
     _add_output_flags(serve, env, defaults)
     serve.set_defaults(configure=_server_config, run=_serve)
@@ -299,6 +302,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         pd=_pd_config(args),
         log_format=args.log_format,
         log_level=args.log_level,
+        **hardening_config(args),
         **options,
         **_engine_options(args),
     )
@@ -323,9 +327,17 @@ def _engine_options(args: argparse.Namespace) -> dict[str, EngineOptions]:
 
 def _serve(config: ServerConfig) -> int:
     from phloem.runtime.logs import stderr_logging
+    from phloem.storage import StorageError, lock_data_dir
 
     # The server's logging, from the first line on (``serve`` finds it installed and keeps it).
-    with stderr_logging(config.log_format, config.log_level):
+    with stderr_logging(config.log_format, config.log_level), contextlib.ExitStack() as held:
+        if config.pd.role != "prefill":
+            # One server per data directory; an unusable one is a usage error (exit 2).
+            try:
+                held.enter_context(lock_data_dir(config.data_dir))
+            except StorageError as exc:
+                logging.getLogger("phloem.runtime.cli").error("phloem serve: --data-dir: %s", exc)
+                return 2
         if config.model is None:
             from phloem.runtime.default_model import ensure_default_model
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from phloem.runtime.env import default_data_dir
 from phloem.runtime.pd_roles import PDConfig
+from phloem.runtime.shared_prefixes import SharedPrefix
 
 __all__ = ["DTYPES", "LOAD_FORMATS", "LOG_FORMATS", "LOG_LEVELS", "ApiKey", "EngineOptions",
            "ServerConfig", "is_loopback", "parse_api_key", "read_api_keys_file"]
@@ -249,6 +250,22 @@ class ServerConfig:
             must equal the fields above.
         pd: prefill/decode disaggregation (``--role``, ``--pd-peer``; ``runtime.pd_roles``); a
             prefill or decode instance needs the prefix cache (any ``tensor_parallel_size``).
+        shared_prefixes: prefixes every key's requests may hit in the prefix cache (which is
+            otherwise partitioned by key; ``runtime.shared_prefixes``).
+        allowed_hosts: ``Host`` names (and browser ``Origin`` hosts) accepted besides the
+            loopback ones; checked without API keys, and with keys when given.
+        docs_ui: serve the interactive API pages under ``/schema`` (the JSON schema at
+            ``/schema/openapi.json`` is always served).
+        header_timeout_s: a connection that has not sent a whole request head this long after
+            it opened (or after its previous response) is closed.
+        keepalive_timeout_s: an idle keep-alive connection is closed after this long.
+        max_connections: open connections at most; more are closed at once.
+        tokenize_workers: threads that tokenize and render chat templates, off the event loop;
+            0: sized to the machine's CPUs.
+        max_tokenizations_per_key: tokenizations one key runs at once (more wait their turn).
+        idempotency_entries_per_key: ``Idempotency-Key`` outcomes one key may keep; beyond it
+            (or ``idempotency_bytes_per_key``), its own oldest finished ones are dropped.
+        idempotency_bytes_per_key: bytes of outcomes one key may keep (bodies, texts, ids).
     """
 
     host: str = "127.0.0.1"
@@ -273,6 +290,16 @@ class ServerConfig:
     log_format: str = "text"
     log_level: str = "info"
     pd: PDConfig = field(default_factory=PDConfig)
+    shared_prefixes: tuple[SharedPrefix, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    docs_ui: bool = False
+    header_timeout_s: float = 10.0
+    keepalive_timeout_s: float = 5.0
+    max_connections: int = 1024
+    tokenize_workers: int = 0
+    max_tokenizations_per_key: int = 2
+    idempotency_entries_per_key: int = 10_000
+    idempotency_bytes_per_key: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -329,14 +356,20 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes: expected > 0, got {self.max_body_bytes}")
         if self.max_context_len is not None and self.max_context_len < 2:
             raise ValueError(f"max_context_len: expected >= 2 or None, got {self.max_context_len}")
-        for name in ("max_sessions_per_key", "max_generations_per_key", "max_num_generations"):
+        for name in ("max_sessions_per_key", "max_generations_per_key", "max_num_generations", "max_connections",
+                     "max_tokenizations_per_key", "idempotency_entries_per_key", "idempotency_bytes_per_key"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
         if not self.stream_idle_timeout_s > 0:
             raise ValueError(f"stream_idle_timeout_s: expected seconds > 0, got {self.stream_idle_timeout_s!r}")
-        if not self.retry_after_s > 0:
-            raise ValueError(f"retry_after_s: expected seconds > 0, got {self.retry_after_s!r}")
+        for name in ("retry_after_s", "header_timeout_s", "keepalive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected seconds > 0, got {getattr(self, name)!r}")
+        if isinstance(self.tokenize_workers, bool) or not isinstance(self.tokenize_workers, int) or self.tokenize_workers < 0:
+            raise ValueError(f"tokenize_workers: expected an integer >= 0, got {self.tokenize_workers!r}")
+        if any(not h or "/" in h for h in self.allowed_hosts):
+            raise ValueError(f"allowed_hosts: expected host names, got {self.allowed_hosts!r}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format: expected one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.log_level not in LOG_LEVELS:

@@ -20,8 +20,9 @@ command is skipped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
@@ -39,6 +40,7 @@ from phloem.runtime.engine_commands import (
     ExportPrefix,
     GetStats,
     ImportPrefix,
+    OutputSink,
     PinPrefix,
     PrefixHandle,
     PrefixState,
@@ -141,7 +143,7 @@ class EngineClient:
     ) -> None:
         await self.shutdown()
 
-    async def generate(
+    def generate(
         self,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
@@ -149,6 +151,7 @@ class EngineClient:
         *,
         output_token_ids: Sequence[int] = (),
         prefill_only: bool = False,
+        namespace: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Generate from ``prompt_token_ids``, yielding an output per engine step that produced tokens.
 
@@ -167,6 +170,8 @@ class EngineClient:
             prefill_only: Compute the prompt and publish it in the prefix cache, generating
                 nothing: the one output has ``finish_reason == "prefill"`` (requests that
                 share the prompt then find all of it cached: ``n`` choices of one prompt).
+            namespace: The prefix-cache namespace (tenant) it matches and publishes in; None:
+                the shared one (``engine.radix_cache``).
 
         Yields:
             RequestOutput items, the last one finished.
@@ -180,6 +185,41 @@ class EngineClient:
                 while this request was in flight.
         """
         request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        prompt, outputs = tuple(prompt_token_ids), tuple(output_token_ids)
+
+        def add(sink: OutputSink) -> AddRequest:
+            return AddRequest(prompt, params, request_id, sink, outputs, namespace, prefill_only)
+
+        return self._outputs(request_id, add, params.grammar)
+
+    async def prefill(self, token_ids: Sequence[int], namespace: str | None = None) -> int:
+        """Compute ``token_ids`` and publish a checkpoint at their end in the prefix cache's
+        ``namespace``, sampling nothing (an operator's shared prefix, before it is pinned).
+
+        Returns:
+            How many of the tokens were already cached.
+
+        Raises:
+            InvalidRequest, CapacityExceeded, EngineError: As ``generate``.
+        """
+        request_id = f"prefill-{uuid.uuid4().hex}"
+
+        def add(sink: OutputSink) -> AddRequest:
+            return AddRequest(tuple(token_ids), SamplingParams(max_tokens=1), request_id, sink,
+                              namespace=namespace, prefill_only=True)
+
+        cached = 0
+        stream = self._outputs(request_id, add)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                cached = out.num_cached_tokens
+        return cached
+
+    async def _outputs(
+        self, request_id: str, make: Callable[[OutputSink], AddRequest], grammar: GrammarSpec | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Submit the request ``make(sink)`` builds (its ``grammar`` compiled first, off the event
+        loop); yield its outputs; abort it if left early."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
 
@@ -187,9 +227,9 @@ class EngineClient:
             # Engine thread: hand over and return at once (raises if the event loop closed).
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        if params.grammar is not None:
-            await self.compile_grammar(params.grammar)
-        add = AddRequest(tuple(prompt_token_ids), params, request_id, sink, tuple(output_token_ids), prefill_only)
+        if grammar is not None:
+            await self.compile_grammar(grammar)
+        add = make(sink)
         self._loop.submit(add)
         done = False
         try:
@@ -232,11 +272,12 @@ class EngineClient:
         """
         return await self._call(AbortRequest(request_id))
 
-    async def pin_prefix(self, token_ids: Sequence[int]) -> PrefixHandle | None:
+    async def pin_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> PrefixHandle | None:
         """Pin the deepest cached checkpoint within ``token_ids`` against eviction.
 
         Args:
             token_ids: A token history (e.g. a session's tokens).
+            namespace: The prefix-cache namespace it was cached in (None: the shared one).
 
         Returns:
             An opaque handle for ``unpin_prefix``, or None when nothing of it is cached.
@@ -244,7 +285,7 @@ class EngineClient:
         Raises:
             EngineError: The engine loop is not running.
         """
-        return await self._call(PinPrefix(tuple(token_ids)))
+        return await self._call(PinPrefix(tuple(token_ids), namespace))
 
     async def unpin_prefix(self, handle: PrefixHandle) -> None:
         """Release a pin taken by ``pin_prefix`` (exactly once per handle).
@@ -254,13 +295,14 @@ class EngineClient:
         """
         await self._call(UnpinPrefix(handle))
 
-    async def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
-        """How many leading tokens of ``token_ids`` a new request would take from the cache.
+    async def cached_prefix_len(self, token_ids: Sequence[int], namespace: str | None = None) -> int:
+        """How many leading tokens of ``token_ids`` a new request in ``namespace`` would take
+        from the cache.
 
         Raises:
             EngineError: The engine loop is not running.
         """
-        return await self._call(QueryCachedPrefix(tuple(token_ids)))
+        return await self._call(QueryCachedPrefix(tuple(token_ids), namespace))
 
     async def waits_for_memory(self, request_id: str) -> bool:
         """Whether the request waits because the engine has no memory for it now (its pools are
@@ -271,7 +313,7 @@ class EngineClient:
         """
         return await self._call(QueryWaitsForMemory(request_id))
 
-    async def export_prefix(self, token_ids: Sequence[int]) -> PrefixState | None:
+    async def export_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> PrefixState | None:
         """Host copies of the KV pages and GDN checkpoint of the deepest cached prefix of
         ``token_ids`` (to spill a session); the device copy stays in the cache.
 
@@ -279,6 +321,7 @@ class EngineClient:
 
         Args:
             token_ids: A token history (e.g. a session's tokens).
+            namespace: The prefix-cache namespace it was cached in (None: the shared one).
 
         Returns:
             The state, covering ``state.token_ids`` (a prefix of ``token_ids``), or None when
@@ -287,14 +330,15 @@ class EngineClient:
         Raises:
             EngineError: The engine loop is not running.
         """
-        return await self._call(ExportPrefix(tuple(token_ids)))
+        return await self._call(ExportPrefix(tuple(token_ids), namespace))
 
-    async def import_prefix(self, state: PrefixState) -> bool:
+    async def import_prefix(self, state: PrefixState, namespace: str | None = None) -> bool:
         """Load a spilled prefix into fresh pages and a fresh slot and publish it in the prefix
         cache, so the next request on that history computes only what lies past it.
 
         Args:
             state: What ``export_prefix`` returned (possibly after a round trip through storage).
+            namespace: The prefix-cache namespace to publish it in (None: the shared one).
 
         Returns:
             False when the pools could not make room (nothing was taken).
@@ -303,7 +347,7 @@ class EngineClient:
             ValueError: The tensors do not match this engine's cache layout.
             EngineError: The engine loop is not running.
         """
-        return await self._call(ImportPrefix(state))
+        return await self._call(ImportPrefix(state, namespace))
 
     async def reset_prefix_cache(self) -> None:
         """Drop every unpinned prefix from the cache (pinned heads and running requests stay).

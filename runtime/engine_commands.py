@@ -54,8 +54,9 @@ class AddRequest:
     """Enqueue a request; ``reply`` gets its id, or the ``InvalidRequest``/``CapacityExceeded``.
 
     ``output_token_ids``: tokens already generated elsewhere (a disaggregated prefill's first
-    token); the request continues after them. ``prefill_only``: compute and publish the prompt,
-    sample nothing (``Engine.add_request``).
+    token); the request continues after them. ``namespace``: its prefix-cache namespace (tenant);
+    None: the shared one. ``prefill_only``: compute the prompt, publish its checkpoint, sample
+    nothing (``Engine.add_request``).
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -63,6 +64,7 @@ class AddRequest:
     request_id: str | None
     sink: OutputSink
     output_token_ids: tuple[int, ...] = ()
+    namespace: str | None = None
     prefill_only: bool = False
     reply: Future[str] = field(default_factory=Future)
 
@@ -83,6 +85,7 @@ class AbortRequest:
 @dataclass(frozen=True, slots=True)
 class PinPrefix:
     token_ids: tuple[int, ...]
+    namespace: str | None = None
     reply: Future[PrefixHandle | None] = field(default_factory=Future)
 
 
@@ -95,6 +98,7 @@ class UnpinPrefix:
 @dataclass(frozen=True, slots=True)
 class QueryCachedPrefix:
     token_ids: tuple[int, ...]
+    namespace: str | None = None
     reply: Future[int] = field(default_factory=Future)
 
 
@@ -111,6 +115,7 @@ class ExportPrefix:
     """Host copies of the deepest cached checkpoint within ``token_ids`` (``None``: nothing cached)."""
 
     token_ids: tuple[int, ...]
+    namespace: str | None = None
     reply: Future[PrefixState | None] = field(default_factory=Future)
 
 
@@ -119,6 +124,7 @@ class ImportPrefix:
     """Load a spilled prefix into the radix cache; ``reply`` is False when no room could be made."""
 
     state: PrefixState
+    namespace: str | None = None
     reply: Future[bool] = field(default_factory=Future)
 
 
@@ -152,6 +158,7 @@ class ReserveTransfer:
     token_ids: tuple[int, ...]
     params: SamplingParams
     local_up_to: int = 0
+    namespace: str | None = None
     reply: Future[TransferReservation | None] = field(default_factory=Future)
 
 

@@ -201,23 +201,23 @@ class EngineLoop:
                     result: object = self._add(command)
                 case AbortRequest(request_id=request_id, sink=sink):
                     result = self._abort(request_id, sink)
-                case PinPrefix(token_ids=token_ids):
-                    result = self.engine.pin_prefix(token_ids)
+                case PinPrefix(token_ids=token_ids, namespace=ns):
+                    result = self.engine.pin_prefix(token_ids, ns)
                 case UnpinPrefix(handle=handle):
                     if not isinstance(handle, RadixNode):
                         raise InvalidRequest(f"handle: expected a handle from pin_prefix, got {handle!r}")
                     self.engine.unpin_prefix(handle)
                     result = None
-                case QueryCachedPrefix(token_ids=token_ids):
-                    result = self.engine.cached_prefix_len(token_ids)
+                case QueryCachedPrefix(token_ids=token_ids, namespace=ns):
+                    result = self.engine.cached_prefix_len(token_ids, ns)
                 case QueryWaitsForMemory(request_id=request_id):
                     result = self.engine.waits_for_memory(request_id)
-                case ExportPrefix(token_ids=token_ids):
-                    result = self.engine.export_prefix(token_ids)
-                case ImportPrefix(state=state):
-                    result = self.engine.import_prefix(state)
-                case ReserveTransfer(token_ids=token_ids, params=params, local_up_to=local_up_to):
-                    result = self.engine.reserve_transfer(token_ids, params, local_up_to)
+                case ExportPrefix(token_ids=token_ids, namespace=ns):
+                    result = self.engine.export_prefix(token_ids, ns)
+                case ImportPrefix(state=state, namespace=ns):
+                    result = self.engine.import_prefix(state, ns)
+                case ReserveTransfer(token_ids=token_ids, params=params, local_up_to=local_up_to, namespace=ns):
+                    result = self.engine.reserve_transfer(token_ids, params, local_up_to, ns)
                 case InstallTransfer(reservation=res, kv=kv, conv=conv, ssm=ssm):
                     self.engine.install_transfer(res, kv, conv, ssm)
                     result = None
@@ -246,7 +246,8 @@ class EngineLoop:
     def _add(self, command: AddRequest) -> str:
         prompt = list(command.prompt_token_ids)
         request_id = self.engine.add_request(
-            prompt, command.params, command.request_id, command.prefill_only, output_token_ids=command.output_token_ids
+            prompt, command.params, command.request_id, output_token_ids=command.output_token_ids,
+            namespace=command.namespace, prefill_only=command.prefill_only,
         )
         self._inflight[request_id] = _InFlight(command.sink, prompt)
         return request_id

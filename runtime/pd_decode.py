@@ -169,24 +169,26 @@ class PDEngineClient(EngineClient):
         *,
         output_token_ids: Sequence[int] = (),
         prefill_only: bool = False,
+        namespace: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """As ``EngineClient.generate``, with the prompt prefilled by the prefill instance."""
+        """As ``EngineClient.generate``, with the prompt prefilled by the prefill instance (which
+        matches and publishes in the same prefix-cache ``namespace``)."""
         prompt = list(prompt_token_ids)
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         # The prefill instance samples the first token with plain parameters only: a request whose
         # logits are processed (grammar, penalties, bias) or reported (logprobs) prefills here.
         if output_token_ids or prefill_only or params.processes_logits or params.logprobs is not None:
             async for out in super().generate(
-                prompt, params, rid, output_token_ids=output_token_ids, prefill_only=prefill_only
+                prompt, params, rid, output_token_ids=output_token_ids, prefill_only=prefill_only, namespace=namespace
             ):
                 yield out
             return
         if rid in self._pending:
             raise InvalidRequest(f"request_id: {rid!r} is already in flight")
-        res = await self._call(ReserveTransfer(tuple(prompt), params, self._config.local_prefill_tokens))
+        res = await self._call(ReserveTransfer(tuple(prompt), params, self._config.local_prefill_tokens, namespace))
         if res is None:
             self.num_local += 1
-            async for out in super().generate(prompt, params, rid):
+            async for out in super().generate(prompt, params, rid, namespace=namespace):
                 yield out
             return
         pending = self._pending[rid] = _Pending()
@@ -197,10 +199,10 @@ class PDEngineClient(EngineClient):
                 if pending.aborted:
                     yield RequestOutput(rid, prompt, [], [], True, "abort", 0)
                     return
-                async for out in super().generate(prompt, params, rid):
+                async for out in super().generate(prompt, params, rid, namespace=namespace):
                     yield out
                 return
-            async for out in self._continue(rid, prompt, params, result, pending):
+            async for out in self._continue(rid, prompt, params, result, pending, namespace):
                 yield out
         finally:
             if self._pending.get(rid) is pending:
@@ -237,7 +239,8 @@ class PDEngineClient(EngineClient):
                 self._submit_quietly(ReleaseTransfer(res))
 
     async def _continue(
-        self, rid: str, prompt: list[int], params: SamplingParams, result: TransferResult, pending: _Pending
+        self, rid: str, prompt: list[int], params: SamplingParams, result: TransferResult, pending: _Pending,
+        namespace: str | None,
     ) -> AsyncGenerator[RequestOutput, None]:
         first, cached = result.first_token, result.num_cached
         reason = self._first_token_stop(prompt, params, first)
@@ -251,7 +254,7 @@ class PDEngineClient(EngineClient):
             return
         # From here ``abort`` must reach the engine: the AddRequest below is queued before any await.
         del self._pending[rid]
-        inner = super().generate(prompt, params, rid, output_token_ids=(first,))
+        inner = super().generate(prompt, params, rid, output_token_ids=(first,), namespace=namespace)
         try:
             async for out in inner:
                 yield replace(out, token_ids=out.token_ids or [first], num_cached_tokens=cached)

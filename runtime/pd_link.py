@@ -134,7 +134,7 @@ class DecodeLink:
         xfer_id = next(self._xfer_ids)
         request = PrefillRequest(
             xfer_id, torch.tensor(res.token_ids, dtype=torch.int64), res.held_len, params.temperature, params.top_p,
-            params.top_k, params.seed, int(self._config.local_prefill_tokens > 0),
+            params.top_k, params.seed, int(self._config.local_prefill_tokens > 0), res.namespace,
         )
         try:
             transport.send(request, self._config.timeout_s)

@@ -151,14 +151,14 @@ class PrefillWorker:
         try:
             prompt = self._check(req)
             if req.may_decline:
-                held_here = self.engine.cached_prefix_len(prompt)
+                held_here = self.engine.cached_prefix_len(prompt, req.namespace)
                 if declines(len(prompt), req.held_len, held_here):
                     self.num_declined += 1
                     transport.send(PrefillDeclined(req.xfer_id, held_here), timeout)
                     return
             first, cached = self._prefill(transport, req, prompt, sender)
             sender.finish()
-            source = self.engine.transfer_source(prompt, first_page)
+            source = self.engine.transfer_source(prompt, first_page, req.namespace)
             if source is None:
                 raise _Refused("the prompt's checkpoint is not in the prefill cache (evicted)")
             if self._streams and sender.num_sent != self._hello.kv_shape[0]:
@@ -194,7 +194,7 @@ class PrefillWorker:
         try:
             params = SamplingParams(max_tokens=1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                     seed=req.seed)
-            rid = self.engine.add_request(prompt, params, prefill_only=True, sample_first=True)
+            rid = self.engine.add_request(prompt, params, prefill_only=True, sample_first=True, namespace=req.namespace)
         except (InvalidRequest, CapacityExceeded, ValueError) as exc:
             raise _Refused(f"refused: {exc}") from exc
         first_page = req.held_len // self.engine.page_pool.page_size

@@ -3,7 +3,10 @@
 Token ids are checked against the model's vocabulary here, and the context window arithmetic
 (docs/api.md, "Append"): with a generation the prompt must leave room for at least one new token
 (``len(prompt) < max_model_len``; ``max_tokens`` is then clamped to the room left); without one
-the session may fill the window exactly.
+the session may fill the window exactly. ``check_input_size`` applies that arithmetic to the
+fewest tokens the input can become (its length alone) before anything is tokenized, so a
+multi-megabyte text is refused at once. Special-token strings inside messages are plain text
+(``sessions._special_text``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from phloem.sessions.chat import ChatContext, render_append
 from phloem.sessions.errors import ContextLengthExceeded, InvalidInput
 from phloem.sessions.tokenizer import Message, Tokenizer
 
-__all__ = ["ResolvedInput", "SessionInput", "check_context", "check_token_ids", "resolve_input"]
+__all__ = ["ResolvedInput", "SessionInput", "check_context", "check_input_size", "check_token_ids",
+           "resolve_input"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +96,54 @@ def resolve_input(tokenizer: Tokenizer, vocab_size: int, chat: ChatContext, last
     if new.text is not None:
         return ResolvedInput(tokenizer.encode(new.text), chat.detached(), False)
     assert new.messages is not None
+    escapes = tokenizer.special_text()
     text = render_append(tokenizer, chat, new.messages, add_generation_prompt=generate,
-                         last_token_id=last_token_id, template_kwargs=new.template_kwargs)
-    ids = tokenizer.encode(text)
+                         last_token_id=last_token_id, template_kwargs=new.template_kwargs, escapes=escapes)
+    ids = tokenizer.encode_rendered(text, escapes)
     check_token_ids(ids, vocab_size, "messages")
     return ResolvedInput(ids, chat.with_messages(new.messages), generate)
+
+
+def _num_chars(value: object) -> int:
+    """Characters of a text, or of the messages' content that every template renders whole:
+    text content of non-assistant messages (templates may drop parts of earlier replies)."""
+    if isinstance(value, str):
+        return len(value)
+    total = 0
+    for message in value if isinstance(value, (list, tuple)) else ():
+        if not isinstance(message, Mapping) or message.get("role") == "assistant":
+            continue
+        content = message.get("content")
+        if content is None:
+            continue
+        parts = content if isinstance(content, (list, tuple)) else [content]
+        total += sum(len(p) if isinstance(p, str) else len(str(p.get("text", ""))) for p in parts
+                     if isinstance(p, (str, Mapping)))
+    return total
+
+
+def check_input_size(tokenizer: Tokenizer, num_tokens: int, new: SessionInput | str | object,
+                     max_model_len: int, generate: bool) -> None:
+    """Refuse ``new`` (a session input, or a prompt's text or messages) if even its fewest
+    possible tokens cannot follow ``num_tokens`` tokens.
+
+    Raises:
+        ContextLengthExceeded: It cannot fit (the message gives the bound).
+    """
+    if new is None:
+        return
+    if isinstance(new, SessionInput) and new.input_ids is not None:
+        check_context(num_tokens + len(new.input_ids), max_model_len, generate)
+        return
+    if isinstance(new, SessionInput):
+        new = new.text if new.text is not None else new.messages
+    chars = _num_chars(new)
+    least = tokenizer.min_tokens(chars)
+    limit = max_model_len - 1 if generate else max_model_len
+    if num_tokens + least > limit:
+        raise ContextLengthExceeded(
+            f"the input is {chars} characters, at least {least} tokens, which with the session's "
+            f"{num_tokens} tokens do not fit the model's context window of {max_model_len} tokens")
 
 
 def check_context(num_tokens: int, max_model_len: int, generate: bool) -> int:

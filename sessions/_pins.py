@@ -54,7 +54,7 @@ class PinKeeper:
         old, session.pin = session.pin, None
         if session.token_ids:
             try:
-                session.pin = await self._engine.pin_prefix(session.token_ids)
+                session.pin = await self._engine.pin_prefix(session.token_ids, session.owner)
             except EngineError as exc:
                 logger.warning("pinning session %s failed: %s", session.session_id, exc)
         if old is not None:

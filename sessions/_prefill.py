@@ -31,12 +31,14 @@ class SharedPrefill:
     Args:
         engine: The engine client.
         prompt_ids: The prompt of the ``n`` choices (at least two tokens).
+        namespace: The prefix-cache namespace (owner) the choices read from.
     """
 
-    def __init__(self, engine: EngineClient, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, engine: EngineClient, prompt_ids: Sequence[int], namespace: str | None = None) -> None:
         assert len(prompt_ids) >= 2, "a shared prefill leaves the last prompt token to each choice"
         self._engine = engine
         self._prefix = list(prompt_ids[:-1])
+        self._namespace = namespace
         self._task: asyncio.Task[None] | None = None
         self.num_cached_tokens = 0  # what the cache held of the prompt before the prefill
 
@@ -50,7 +52,7 @@ class SharedPrefill:
     async def _run(self) -> None:
         params = SamplingParams(max_tokens=1)
         try:
-            async for out in self._engine.generate(self._prefix, params, prefill_only=True):
+            async for out in self._engine.generate(self._prefix, params, prefill_only=True, namespace=self._namespace):
                 self.num_cached_tokens = out.num_cached_tokens
         except EngineError as exc:
             logger.warning("shared prefill of %d tokens failed (%s); each choice computes it", len(self._prefix), exc)

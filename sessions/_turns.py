@@ -83,6 +83,17 @@ class TurnRunner:
         if self.closing:
             raise Overloaded("the server is shutting down", self._config.retry_after_s)
 
+    @staticmethod
+    def check_idle(session: Session) -> None:
+        """Raise ``SessionBusy`` while an append runs on ``session``."""
+        if session.busy:
+            raise SessionBusy(f"session {session.session_id} is generating (turn "
+                              f"{len(session.turns)}); retry after its done")
+
+    def _check_options(self, options: GenerateOptions) -> None:
+        """Raise ``InvalidInput`` for a stop token id outside the vocabulary."""
+        check_token_ids(options.stop_token_ids, self._engine.model_config.vocab_size, "stop_token_ids")
+
     def admit(self, n: int = 1) -> None:
         """Raise ``Overloaded`` unless ``n`` more generations may start."""
         self.check_open()
@@ -101,10 +112,9 @@ class TurnRunner:
                 continue.
             Overloaded: Too many generations in flight, or closing.
         """
-        if session.busy:
-            raise SessionBusy(f"session {session.session_id} is generating (turn "
-                              f"{len(session.turns)}); retry after its done")
+        self.check_idle(session)
         if generate is not None:
+            self._check_options(generate)
             self.admit()
         self.check_open()
         prompt = session.token_ids + new.token_ids
@@ -131,7 +141,7 @@ class TurnRunner:
 
         hooks = GenerationHooks(settle, on_exit, prepare, relieve, self._config.admission_stall_s)
         generation = Generation(self._engine, self._tokenizer, prompt, generate,
-                                room if generate is not None else 0, hooks, output)
+                                room if generate is not None else 0, hooks, output, namespace=session.owner)
         session.generation = generation
         if generate is not None:
             self._generations.add(generation)
@@ -139,19 +149,21 @@ class TurnRunner:
         return generation
 
     def complete(self, prompt_ids: Sequence[int], options: GenerateOptions, n: int = 1,
-                 output: GenerationOutput | None = None) -> list[Generation]:
-        """Start ``n`` stateless generations of one prompt (see ``SessionManager.complete``)."""
+                 output: GenerationOutput | None = None, owner: str | None = None) -> list[Generation]:
+        """Start ``n`` stateless generations of one prompt for ``owner`` (see
+        ``SessionManager.complete``)."""
+        self._check_options(options)
         self.admit(n)
         check_token_ids(prompt_ids, self._engine.model_config.vocab_size, "prompt")
         room = check_context(len(prompt_ids), self._engine.max_model_len, generate=True)
-        share = SharedPrefill(self._engine, prompt_ids) if n > 1 and len(prompt_ids) > 1 else None
+        share = SharedPrefill(self._engine, prompt_ids, owner) if n > 1 and len(prompt_ids) > 1 else None
         # Choice i of a seeded request draws from seed + i: reproducible, and the choices differ.
         seeds = [None if options.seed is None else (options.seed + i) % 2**63 for i in range(n)]
-        return [self._completion(prompt_ids, dataclasses.replace(options, seed=seed), room, share, output)
+        return [self._completion(prompt_ids, dataclasses.replace(options, seed=seed), room, share, output, owner)
                 for seed in seeds]
 
     def _completion(self, prompt_ids: Sequence[int], options: GenerateOptions, room: int,
-                    share: SharedPrefill | None, output: GenerationOutput | None) -> Generation:
+                    share: SharedPrefill | None, output: GenerationOutput | None, owner: str | None) -> Generation:
         started = time.monotonic()
 
         async def settle(c: Completion) -> GenerationResult:
@@ -166,7 +178,8 @@ class TurnRunner:
                                 prepare=share.wait if share is not None else None,
                                 relieve=self._spill.relieve,
                                 stall_s=self._config.admission_stall_s)
-        generation = Generation(self._engine, self._tokenizer, prompt_ids, options, room, hooks, output)
+        generation = Generation(self._engine, self._tokenizer, prompt_ids, options, room, hooks, output,
+                                namespace=owner)
         self._generations.add(generation)
         generation.start()
         return generation

@@ -25,8 +25,11 @@ template and tokenizes only that text. The exact rule:
    closed its reply itself), that part is dropped; a reply cut by ``length``, a stop string or a
    cancel is closed by the template's own closing text.
 
-3. ``new`` is tokenized on its own (``Tokenizer.encode``: special-token strings become their
-   tokens) and appended to the session. Nothing already in the session is re-tokenized.
+3. ``new`` is tokenized on its own and appended to the session. Nothing already in the session
+   is re-tokenized. With ``escapes`` (what sessions do), special-token strings inside the
+   messages are escaped before rendering and ``new`` is tokenized with
+   ``Tokenizer.encode_rendered``: they stay plain text, only the template's own become control
+   tokens (``sessions._special_text``).
 
 **Opaque content** is raw input (``input_ids``, ``text``), and a generation that did not follow
 a generation prompt (it continued from a closed message: the model may have opened a reply
@@ -48,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from phloem.sessions._special_text import SpecialText
 from phloem.sessions.errors import InvalidInput
 from phloem.sessions.tokenizer import Message, Tokenizer, ToolSpec
 
@@ -103,7 +107,8 @@ def _placeholder() -> Message:
 
 def render_append(tokenizer: Tokenizer, context: ChatContext, new: Sequence[Message], *,
                   add_generation_prompt: bool, last_token_id: int | None,
-                  template_kwargs: Mapping[str, Any] | None = None) -> str:
+                  template_kwargs: Mapping[str, Any] | None = None,
+                  escapes: SpecialText | None = None) -> str:
     """The text that appends ``new`` messages to a session (rule in the module docstring).
 
     Args:
@@ -113,6 +118,8 @@ def render_append(tokenizer: Tokenizer, context: ChatContext, new: Sequence[Mess
         add_generation_prompt: End with the opening of an assistant reply.
         last_token_id: The session's last token (used when ``context.open_output``).
         template_kwargs: Extra template variables (``enable_thinking``), for every render.
+        escapes: Escape special-token strings inside every message and tool with these
+            markers (then tokenize the text with ``Tokenizer.encode_rendered``).
 
     Returns:
         The text to tokenize and append.
@@ -121,10 +128,12 @@ def render_append(tokenizer: Tokenizer, context: ChatContext, new: Sequence[Mess
         InvalidInput: The template rejects the messages, or cannot render them as an append.
     """
     assert new, "render_append needs at least one new message"
-    tools = context.tools
+    tools, old = context.tools, context.messages
+    if escapes is not None:
+        tools, old, new = escapes.escape(tools), escapes.escape(old), escapes.escape(new)
     if not context.open_output:
-        before = tokenizer.render_text(context.messages, tools=tools, template_kwargs=template_kwargs)
-        after = tokenizer.render_text(context.messages + tuple(new), tools=tools,
+        before = tokenizer.render_text(old, tools=tools, template_kwargs=template_kwargs)
+        after = tokenizer.render_text(tuple(old) + tuple(new), tools=tools,
                                       add_generation_prompt=add_generation_prompt,
                                       template_kwargs=template_kwargs)
         if not after.startswith(before):
@@ -134,7 +143,7 @@ def render_append(tokenizer: Tokenizer, context: ChatContext, new: Sequence[Mess
                 "be appended; send them together in one append")
         return after[len(before):]
     sentinel = f"\u27e6phloem-{secrets.token_hex(8)}\u27e7"
-    *head, last = context.messages
+    *head, last = old
     assert last.get("role") == "assistant", "an open reply's context ends with an assistant message"
     messages = (*head, {**last, "content": sentinel}, *new)
     after = tokenizer.render_text(messages, tools=tools, add_generation_prompt=add_generation_prompt,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Final
 
 from phloem.runtime.env import default_redis_prefix
+from phloem.runtime.shared_prefixes import SharedPrefix
 
 __all__ = ["KEEP", "Keep", "SessionConfig"]
 
@@ -46,6 +47,11 @@ class SessionConfig:
         admission_stall_s: Seconds a generation may wait for memory in the engine (its pools
             full after eviction) before pinned sessions that are not generating are demoted
             to make room (pins never deadlock). Waiting behind other work never demotes.
+        tokenize_workers: Threads that tokenize and render inputs off the event loop (0: sized
+            to the machine's CPUs; ``sessions._tokenize_pool``).
+        max_tokenizations_per_owner: Tokenizations one owner runs at once (more wait).
+        shared_prefixes: Prefixes computed and pinned at start in the prefix cache's shared
+            namespace: every owner's requests may hit them (``runtime.shared_prefixes``).
 
     Raises:
         ValueError: A field is out of range (the message names it).
@@ -63,6 +69,9 @@ class SessionConfig:
     idle_to_host_s: float = 30.0
     sweep_interval_s: float = 1.0
     admission_stall_s: float = 1.0
+    tokenize_workers: int = 0
+    max_tokenizations_per_owner: int = 2
+    shared_prefixes: tuple[SharedPrefix, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.default_ttl_s <= self.max_ttl_s:
@@ -78,6 +87,9 @@ class SessionConfig:
             raise ValueError(f"host_budget_bytes: expected >= 0, got {self.host_budget_bytes}")
         if not self.idle_to_host_s >= 0:
             raise ValueError(f"idle_to_host_s: expected seconds >= 0, got {self.idle_to_host_s}")
+        if self.tokenize_workers < 0 or self.max_tokenizations_per_owner < 1:
+            raise ValueError(f"tokenize_workers / max_tokenizations_per_owner: expected >= 0 / >= 1, "
+                             f"got {self.tokenize_workers} / {self.max_tokenizations_per_owner}")
         for name in ("sweep_interval_s", "admission_stall_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected seconds > 0, got {getattr(self, name)}")

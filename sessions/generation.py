@@ -172,11 +172,14 @@ class Generation:
         hooks: Settle, exit, prepare and relieve callbacks (``GenerationHooks``).
         output: How to split the text into reasoning, content and tool calls, and the grammar
             it must follow (``sessions.structured``); None: plain text.
+        namespace: The prefix-cache namespace of the request: its owner (API key), so that it
+            hits only that owner's cached prefixes and shared ones.
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, prompt_ids: Sequence[int],
                  options: GenerateOptions | None, max_new_tokens: int,
-                 hooks: GenerationHooks, output: GenerationOutput | None = None) -> None:
+                 hooks: GenerationHooks, output: GenerationOutput | None = None, *,
+                 namespace: str | None = None) -> None:
         assert options is None or max_new_tokens >= 1, "a generation needs room for one token"
         self.request_id = f"gen-{uuid.uuid4().hex}"
         self._engine = engine
@@ -188,6 +191,7 @@ class Generation:
         self._output = output
         self._parser: OutputParser | None = None
         self._logprobs: list[TokenLogprob] = []
+        self._namespace = namespace
         self._events: asyncio.Queue[OutputDelta | object] = asyncio.Queue()
         self._result: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
         self._cancelled = False
@@ -280,7 +284,7 @@ class Generation:
 
     async def _run(self) -> Completion:
         if self._options is None:
-            cached = await self._engine.cached_prefix_len(self._prompt_ids)
+            cached = await self._engine.cached_prefix_len(self._prompt_ids, self._namespace)
             return Completion((), "", None, len(self._prompt_ids), cached)
         if self._hooks.prepare is not None and not self._cancelled:
             await self._hooks.prepare()
@@ -322,7 +326,7 @@ class Generation:
         Raises:
             _NoRoom: The engine finished it at once without a token.
         """
-        stream = self._engine.generate(self._prompt_ids, params, self.request_id)
+        stream = self._engine.generate(self._prompt_ids, params, self.request_id, namespace=self._namespace)
         started = asyncio.Event()
         watchdog = asyncio.get_running_loop().create_task(self._watch_admission(started))
         reason: str | None = None

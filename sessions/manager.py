@@ -43,19 +43,23 @@ from typing import TYPE_CHECKING, Any
 
 from phloem.sessions._events import SessionEvents, SessionStats
 from phloem.sessions._forks import commit_children, make_children
-from phloem.sessions._inputs import ResolvedInput, SessionInput, check_context, resolve_input
+from phloem.sessions._inputs import (
+    ResolvedInput, SessionInput, check_context, check_input_size, resolve_input,
+)
 from phloem.sessions._pins import PinKeeper
+from phloem.sessions._shared_prefixes import share_prefixes
+from phloem.sessions._tokenize_pool import TokenizePool
 from phloem.sessions._tier_moves import TierMoves
 from phloem.sessions._turns import TurnRunner
 from phloem.sessions.config import KEEP, Keep, SessionConfig
 from phloem.engine import InvalidRequest
-from phloem.sessions.errors import GenerationFailed, InvalidInput, SessionNotFound
+from phloem.sessions.errors import GenerationFailed, InvalidInput, SessionBusy, SessionNotFound
 from phloem.sessions.generation import GenerateOptions, Generation, GenerationOutput
 from phloem.sessions.session import Session, SessionIdGenerator, SessionSnapshot, Turn, TurnInfo
 from phloem.sessions.spill import Spiller
 from phloem.sessions.store import SessionStore
 from phloem.sessions.structured import build_grammar, output_format
-from phloem.sessions.tokenizer import Tokenizer, ToolSpec
+from phloem.sessions.tokenizer import Message, Tokenizer, ToolSpec
 
 if TYPE_CHECKING:
     from phloem.runtime import EngineClient
@@ -92,6 +96,8 @@ class SessionManager(TierMoves):
         self._spill = Spiller(engine, self._store, self._pins, config, self._sessions, self._events)
         self._turns = TurnRunner(engine, tokenizer, self._store, self._pins, config, self._spill,
                                  self._events)
+        self._shared_pins: list[object] = []
+        self._tokenize = TokenizePool(config.tokenize_workers, config.max_tokenizations_per_owner)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -102,8 +108,15 @@ class SessionManager(TierMoves):
         return self._engine.max_model_len
 
     async def start(self) -> None:
-        """Load the journaled sessions (status ``disk``: resumed from their disk segment, if
-        any, else by recompute, on their next append), refresh the index, start the sweeper."""
+        """Compute and pin the shared prefixes, load the journaled sessions (status ``disk``:
+        resumed from their disk segment, if any, else by recompute, on their next append),
+        refresh the index, start the sweeper.
+
+        Raises:
+            InvalidInput: A shared prefix does not render or fit the context window.
+        """
+        self._shared_pins = await share_prefixes(self._engine, self._tokenizer,
+                                                 self._config.shared_prefixes)
         sessions, records = await asyncio.to_thread(self._store.load)
         for session in sessions:
             self._sessions[session.session_id] = session
@@ -113,18 +126,40 @@ class SessionManager(TierMoves):
         logger.info("loaded %d session(s) from %s (%d with a disk segment)", len(sessions),
                     self._config.data_dir, sum(s.segment is not None for s in sessions))
 
+    async def rename_owners(self, renames: Mapping[str, str]) -> int:
+        """Move every session of owner ``old`` to ``renames[old]`` (durably; e.g. when the API
+        layer changes how owner ids are derived). Call before serving requests.
+
+        Returns:
+            How many sessions moved.
+
+        Raises:
+            GenerationFailed: A record could not be written (sessions already moved stay moved).
+        """
+        moved = [s for s in self._sessions.values() if s.owner in renames]
+        for session in moved:
+            renamed = dataclasses.replace(session, owner=renames[session.owner])
+            await self._store.write(renamed)
+            session.owner = renamed.owner
+        if moved:
+            logger.info("moved %d session(s) to their owners' new ids", len(moved))
+        return len(moved)
+
     async def close(self, timeout_s: float = 10.0) -> None:
         """Refuse new work, cancel generations in flight (their partial output is committed),
         stop the sweeper and the TTL timers and close the store."""
         await self._turns.close(timeout_s)
+        self._tokenize.close()
         self._spill.close()
+        await self._store.drain_index(timeout_s)
         self._pins.close()
         self._store.close()
 
     def health(self) -> str | None:
-        """None while the sessions layer is fully healthy, else why it is degraded (e.g. the
-        index is unreachable: sessions keep working on the journal)."""
-        return self._store.index_problem
+        """None while the sessions layer is fully healthy, else why it is degraded (the index is
+        unreachable: sessions keep working on the journal; the journal cannot be written:
+        sessions cannot change). The reason never names a server path."""
+        return self._store.problem
 
     def stats(self) -> SessionStats:
         """Counts of sessions by status, generations, tokens, spills and resumes (plain
@@ -163,7 +198,7 @@ class SessionManager(TierMoves):
         session = Session(self._new_id(), owner, now, dict(metadata or {}), self._ttl(ttl),
                           tools=tuple(tools) if tools else None)
         if content is not None:
-            new = self._resolve(session, content, generate=False)
+            new = await self._resolve(owner, session, content, generate=False)
             check_context(len(new.token_ids), self.max_model_len, generate=False)
             session.token_ids = new.token_ids
             session.chat_messages = list(new.chat.messages)
@@ -261,17 +296,24 @@ class SessionManager(TierMoves):
             Overloaded: Too many generations in flight, or closing.
         """
         session = self._get(owner, session_id)
-        resolved = self._resolve(session, new, generate is not None)
+        self._turns.check_idle(session)
+        num_turns = len(session.turns)
+        resolved = await self._resolve(owner, session, new, generate is not None)
         output = None
         if generate is not None:
             output = await self._output(session.tools, session.token_ids + resolved.token_ids, generate)
-            self._get(owner, session_id)  # still there after the grammar compiled
+        session = self._get(owner, session_id)  # still there after the input and grammar were prepared
+        if len(session.turns) != num_turns:
+            # The input was rendered against the turns before another append committed.
+            raise SessionBusy(f"session {session_id} committed another turn while this input was "
+                              "prepared; retry")
         return self._turns.append(session, resolved, generate, output)
 
     async def complete(self, prompt_ids: Sequence[int], options: GenerateOptions, *, n: int = 1,
-                       tools: Sequence[ToolSpec] | None = None) -> list[Generation]:
+                       tools: Sequence[ToolSpec] | None = None, owner: str | None = None) -> list[Generation]:
         """Start ``n`` stateless generations of one prompt (no session; the prefix cache still
-        applies, and ``n > 1`` choices share one prefill of the prompt: ``sessions._prefill``).
+        applies, in ``owner``'s namespace: it hits only the owner's prefixes and shared ones;
+        None: the shared namespace; ``n > 1`` choices share one prefill: ``sessions._prefill``).
 
         Args:
             prompt_ids: The whole prompt.
@@ -279,6 +321,7 @@ class SessionManager(TierMoves):
                 ``i`` draws from ``seed + i``).
             n: The number of choices.
             tools: The tools the prompt shows the model (their calls are parsed).
+            owner: The caller (API key), whose prefix-cache namespace the generations use.
 
         Returns:
             The started generations, one per choice.
@@ -292,7 +335,7 @@ class SessionManager(TierMoves):
         if n < 1:
             raise InvalidInput(f"n: expected >= 1, got {n}")
         output = await self._output(tools, prompt_ids, options)
-        return self._turns.complete(prompt_ids, options, n, output)
+        return self._turns.complete(prompt_ids, options, n, output, owner)
 
     async def _output(self, tools: Sequence[ToolSpec] | None, prompt_ids: Sequence[int],
                       options: GenerateOptions) -> GenerationOutput:
@@ -339,10 +382,38 @@ class SessionManager(TierMoves):
             raise SessionNotFound(f"no session {session_id!r}")
         return session
 
-    def _resolve(self, session: Session, new: SessionInput | None, generate: bool) -> ResolvedInput:
+    async def prompt_ids(self, owner: str, *, text: str | None = None,
+                         messages: Sequence[Message] | None = None,
+                         tools: Sequence[ToolSpec] | None = None,
+                         template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Token ids of a stateless prompt (the OpenAI routes), off the event loop: ``text`` as
+        is (special-token strings recognised), or ``messages`` rendered whole with a generation
+        prompt and ``template_kwargs`` (special-token strings inside them are text).
+
+        Raises:
+            ContextLengthExceeded: It cannot fit the context window (found from its length
+                before tokenizing when it is far too long).
+            InvalidInput: The template rejects the messages.
+        """
+        check_input_size(self._tokenizer, 0, text if text is not None else messages,
+                         self.max_model_len, generate=True)
+        tokenizer = self._tokenizer
+        if text is not None:
+            return await self._tokenize.run(owner, lambda: tokenizer.encode(text))
+        assert messages is not None
+        return await self._tokenize.run(owner, lambda: tokenizer.render_messages(
+            messages, tools=tools, add_generation_prompt=True, template_kwargs=template_kwargs))
+
+    async def _resolve(self, owner: str, session: Session, new: SessionInput | None,
+                       generate: bool) -> ResolvedInput:
+        """``new`` as token ids after ``session`` (tokenized off the event loop); an input
+        that cannot fit is refused from its length first."""
+        check_input_size(self._tokenizer, len(session.token_ids), new, self.max_model_len, generate)
         last = session.token_ids[-1] if session.token_ids else None
-        return resolve_input(self._tokenizer, self._engine.model_config.vocab_size, session.chat,
-                             last, new, generate)
+        chat, vocab, tokenizer = session.chat, self._engine.model_config.vocab_size, self._tokenizer
+        if new is None or new.input_ids is not None:
+            return resolve_input(tokenizer, vocab, chat, last, new, generate)
+        return await self._tokenize.run(owner, lambda: resolve_input(tokenizer, vocab, chat, last, new, generate))
 
     def _ttl(self, ttl: float | None) -> float:
         value = self._config.default_ttl_s if ttl is None else float(ttl)

@@ -159,7 +159,7 @@ class Spiller:
         """
         old = session.segment
         try:
-            state = await self._engine.export_prefix(session.token_ids) if session.token_ids else None
+            state = await self._engine.export_prefix(session.token_ids, session.owner) if session.token_ids else None
         except EngineError as exc:
             logger.warning("spilling session %s failed: %s", session.session_id, exc)
             return False
@@ -278,7 +278,7 @@ class Spiller:
             if tier == "disk" and not await self._tiers.demote(entry):
                 return False
             return await self._let_go(session, entry.tier)
-        if gpu_has_state or await self._gpu_holds(session.token_ids) > 0:
+        if gpu_has_state or await self._gpu_holds(session) > 0:
             session.spill_retry_at = time.monotonic() + self._retry_s
             return False
         return await self._let_go(session, "disk")
@@ -308,22 +308,24 @@ class Spiller:
     async def _import(self, session: Session, entry: SpilledSegment) -> bool:
         """Load the segment into the engine unless it holds the prefix; False: no room."""
         n = entry.num_tokens
-        # Token 0 stands for "one more token": the query matches at most ``n`` tokens.
-        if await self._gpu_holds([*session.token_ids[:n], 0]) >= n:
+        if await self._gpu_holds(session, n) >= n:
             return True
         segment = await self._tiers.load(entry, session.token_ids)
         tensors = segment.tensors
         state = PrefixState(tuple(session.token_ids[:n]), tensors["kv"], tensors["conv"],
                             tensors["ssm"])
         tier = entry.tier
-        if not await self._engine.import_prefix(state):
+        if not await self._engine.import_prefix(state, session.owner):
             return False
         self._events.resumed(session, tier, n, entry.nbytes)
         return True
 
-    async def _gpu_holds(self, token_ids: list[int]) -> int:
+    async def _gpu_holds(self, session: Session, up_to: int | None = None) -> int:
+        """Tokens of the session the engine holds in its owner's namespace (at most ``up_to``)."""
+        # Token 0 stands for "one more token": the query then matches at most ``up_to`` tokens.
+        token_ids = session.token_ids if up_to is None else [*session.token_ids[:up_to], 0]
         try:
-            return await self._engine.cached_prefix_len(token_ids) if token_ids else 0
+            return await self._engine.cached_prefix_len(token_ids, session.owner) if token_ids else 0
         except EngineError:
             return 0
 

@@ -13,11 +13,21 @@ journal and the self-describing segment files can rebuild it. When it fails (Red
 at start or mid-run), the store is *degraded*: ``index_problem`` says why (``/health`` reports
 it), sessions keep working on the journal, index writes are skipped (not retried one by one,
 which would stall every turn on a timeout), and ``probe_index`` (run by the spill sweeper)
-rewrites every live session's record once the index answers again. Index operations run one at
-a time under ``_index_lock``: the resync builds its records from the sessions as they are *when
-it holds the lock* and only then reports the index healthy, so a turn committed while the
-resync runs is written after it (never overwritten by an older record), and ``/health`` never
-says ``ok`` before the index holds every live session.
+rewrites every live session's record once the index answers again.
+
+Index operations run one at a time, in order, on a chain of tasks (``_queue``); a commit waits
+for its own index write at most ``_INDEX_WAIT_S`` (a healthy index answers well within it),
+so a hung index (a stopped Redis answers nothing until its socket timeout) never holds a turn
+back: the write finishes or fails behind the commit, and once the index is degraded the writes
+queued behind it are skipped at once. ``probe_index`` pings without waiting on that queue, then
+queues the resync, which builds its records from the sessions as they are *when its turn comes*
+and only then reports the index healthy: a turn committed meanwhile is written after it (never
+overwritten by an older record), and ``/health`` never says ``ok`` before the index holds every
+live session.
+
+A failed journal write degrades the store too (``problem``: ``/health`` says ``degraded``)
+until a write succeeds again. Messages that reach clients or ``/health`` name the data
+directory ``<data-dir>``, never its absolute path.
 
 The record's ``data`` is this module's JSON (``_FORMAT``): token ids, turns, chat context,
 metadata, TTL, parent and fork point. At startup ``load`` reads the journal back: sessions of
@@ -35,7 +45,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +61,8 @@ __all__ = ["SessionStore", "model_fingerprint", "placement"]
 
 logger = logging.getLogger(__name__)
 _FORMAT = 1
+# A commit waits this long at most for its index write (which goes on behind it).
+_INDEX_WAIT_S = 0.05
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
@@ -92,8 +104,10 @@ class SessionStore:
             else SQLiteIndex(data_dir / "index.sqlite"))
         self._fingerprint = fingerprint
         self._index_problem: str | None = None
+        self._journal_problem: str | None = None
         self._deleted_while_degraded: set[str] = set()
-        self._index_lock = asyncio.Lock()
+        self._index_tail: asyncio.Task[None] | None = None
+        self._paths = sorted({str(data_dir), str(data_dir.resolve())}, key=len, reverse=True)
 
     @property
     def fingerprint(self) -> str:
@@ -104,6 +118,11 @@ class SessionStore:
     def index_problem(self) -> str | None:
         """Why the index is degraded, or None while it answers."""
         return self._index_problem
+
+    @property
+    def problem(self) -> str | None:
+        """Why the store is degraded (journal writes failing, index unreachable), or None."""
+        return "; ".join(p for p in (self._journal_problem, self._index_problem) if p) or None
 
     def close(self) -> None:
         """Close the index connection."""
@@ -119,14 +138,15 @@ class SessionStore:
         try:
             await asyncio.to_thread(self._journal.write, record)
         except StorageError as exc:
-            raise GenerationFailed(f"could not persist session {session.session_id}: {exc}") from exc
-        await self._locked_index_call("write", self._index.put_session, record)
+            raise self._journal_failed(f"could not persist session {session.session_id}", exc) from exc
+        self._journal_problem = None
+        await self._index_write("write", self._index.put_session, record)
 
     async def set_tier(self, session: Session) -> None:
         """Record where the session's state lives now (index only, best effort)."""
         tier, segment_id = placement(session)
-        await self._locked_index_call("set_tier", self._index.set_tier, session.session_id, tier,
-                                      segment_id=segment_id)
+        await self._index_write("set_tier", self._index.set_tier, session.session_id, tier,
+                                segment_id=segment_id)
 
     async def delete(self, session_id: str) -> None:
         """Forget a session in the journal and the index.
@@ -137,9 +157,12 @@ class SessionStore:
         try:
             await asyncio.to_thread(self._journal.delete, session_id)
         except StorageError as exc:
-            raise GenerationFailed(f"could not delete session {session_id}: {exc}") from exc
-        if not await self._locked_index_call("delete", self._index.delete_session, session_id):
-            self._deleted_while_degraded.add(session_id)
+            raise self._journal_failed(f"could not delete session {session_id}", exc) from exc
+
+        async def delete() -> None:
+            if not await asyncio.to_thread(self._index_call, "delete", self._index.delete_session, session_id):
+                self._deleted_while_degraded.add(session_id)
+        await asyncio.wait({self._queue(delete)}, timeout=_INDEX_WAIT_S)
 
     def load(self) -> tuple[list[Session], dict[str, SessionRecord]]:
         """Read back every journaled session of this model (status ``disk``) and the index.
@@ -175,30 +198,32 @@ class SessionStore:
 
     async def sync_index(self, sessions: list[Session]) -> None:
         """Write every session's record to the index (after startup)."""
-        async with self._index_lock:
-            records = [self._record(s) for s in sessions]
-            await asyncio.to_thread(self._index_call, "sync", self._put_all, records)
+        records = [self._record(s) for s in sessions]
+        await self._queue(lambda: asyncio.to_thread(self._index_call, "sync", self._put_all, records))
 
     async def probe_index(self, live: Callable[[], list[Session]]) -> bool:
-        """If degraded, ping the index and, once it answers, rewrite every live session's
-        record (``live()``, read under the index lock); the store is healthy again only when
-        that rewrite has succeeded. Returns whether the index is ok."""
+        """If degraded, ping the index (without waiting on queued index writes) and, once it
+        answers, queue a rewrite of every live session's record (``live()``, read when the
+        rewrite's turn comes); the store is healthy again only when that rewrite has succeeded.
+        Returns whether the index is ok."""
         if self._index_problem is None:
             return True
-        async with self._index_lock:
+        if not await asyncio.to_thread(self._index.health):
+            return False
+
+        async def resync() -> None:
             if self._index_problem is None:
-                return True
-            if not await asyncio.to_thread(self._index.health):
-                return False
+                return
             records = [self._record(s) for s in live()]
             logger.info("the session index answers again: resyncing %d session(s)", len(records))
             try:
                 await asyncio.to_thread(self._put_all, records)
             except StorageError as exc:
                 self._degrade("sync", exc)
-                return False
+                return
             self._index_problem = None
-            return True
+        await self._queue(resync)
+        return self._index_problem is None
 
     def _put_all(self, records: list[SessionRecord]) -> None:
         """Apply the deletes missed while degraded, then write ``records`` (worker thread)."""
@@ -208,11 +233,41 @@ class SessionStore:
         for record in records:
             self._index.put_session(record)
 
-    async def _locked_index_call(self, what: str, fn: Callable[..., object], *args: object,
-                                 **kwargs: object) -> bool:
-        """``_index_call`` in a worker thread, one index operation at a time."""
-        async with self._index_lock:
-            return await asyncio.to_thread(self._index_call, what, fn, *args, **kwargs)
+    def _queue(self, job: Callable[[], Awaitable[object]]) -> asyncio.Task[None]:
+        """Run ``job`` after every index operation queued before it."""
+        previous = self._index_tail
+
+        async def run() -> None:
+            if previous is not None:
+                await asyncio.wait({previous})
+            await job()
+        task = asyncio.get_running_loop().create_task(run())
+        self._index_tail = task
+        return task
+
+    async def _index_write(self, what: str, fn: Callable[..., object], *args: object,
+                           **kwargs: object) -> None:
+        """Queue ``_index_call`` (in a worker thread) and wait for it ``_INDEX_WAIT_S`` at most."""
+        task = self._queue(lambda: asyncio.to_thread(self._index_call, what, fn, *args, **kwargs))
+        await asyncio.wait({task}, timeout=_INDEX_WAIT_S)
+
+    async def drain_index(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the queued index operations."""
+        if self._index_tail is not None:
+            await asyncio.wait({self._index_tail}, timeout=timeout_s)
+
+    def _journal_failed(self, what: str, exc: StorageError) -> GenerationFailed:
+        """Degrade, log ``exc`` in full, and return the client's error (no server path in it)."""
+        logger.error("%s: %s", what, exc)
+        detail = self._scrub(str(exc))
+        self._journal_problem = f"the session journal cannot be written (sessions cannot change): {detail}"
+        return GenerationFailed(f"{what}: {detail}")
+
+    def _scrub(self, text: str) -> str:
+        """``text`` with the data directory's absolute path replaced by ``<data-dir>``."""
+        for path in self._paths:
+            text = text.replace(path, "<data-dir>")
+        return text
 
     def _index_call(self, what: str, fn: Callable[..., object], *args: object,
                     **kwargs: object) -> bool:
@@ -229,7 +284,8 @@ class SessionStore:
     def _degrade(self, what: str, exc: StorageError) -> None:
         if self._index_problem is None:
             logger.warning("session index failed (%s); serving from the journal: %s", what, exc)
-        self._index_problem = f"session index unavailable (sessions are served from the journal): {exc}"
+        self._index_problem = ("session index unavailable (sessions are served from the journal): "
+                               f"{self._scrub(str(exc))}")
 
     def _record(self, session: Session) -> SessionRecord:
         tier, segment_id = placement(session)

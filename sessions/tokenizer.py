@@ -2,7 +2,10 @@
 
 ``Tokenizer`` wraps the Hugging Face tokenizer of a model folder (``tokenizer.json`` +
 ``tokenizer_config.json`` with its ``chat_template``). Text is encoded without BOS or any other
-added token, and special-token strings in it (``<|im_start|>``) become those tokens.
+added token, and special-token strings in it (``<|im_start|>``) become those tokens; inside chat
+messages they are plain text (``render_messages``, ``encode_rendered``; ``sessions._special_text``).
+``min_tokens`` bounds from below how many tokens a text can become, from its length alone, so an
+input that cannot fit the context window is refused before it is tokenized.
 
 ``IncrementalDetokenizer`` turns generated token ids into text deltas, one token at a time:
 
@@ -24,9 +27,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import tokenizers
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from phloem.sessions._special_text import SpecialText
 from phloem.sessions.errors import InvalidInput
 
 __all__ = ["IncrementalDetokenizer", "Message", "Tokenizer", "ToolSpec"]
@@ -56,10 +61,16 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: PreTrainedTokenizerBase) -> None:
         self._hf = hf_tokenizer
         added = getattr(hf_tokenizer, "added_tokens_decoder", {})
-        special = {int(i) for i, token in added.items() if getattr(token, "special", False)}
-        self._special_ids = frozenset(special | set(hf_tokenizer.all_special_ids))
+        special = {int(i): str(t.content) for i, t in added.items() if getattr(t, "special", False)}
+        self._special_ids = frozenset(set(special) | set(hf_tokenizer.all_special_ids))
+        self._special_by_text = {text: i for i, text in special.items()}
+        self._special_by_text.update(zip(hf_tokenizer.all_special_tokens, hf_tokenizer.all_special_ids))
         eos = hf_tokenizer.eos_token_id
         self._eos_ids = (eos,) if isinstance(eos, int) else ()
+        # A copy of the fast tokenizer that reads special-token strings as plain text.
+        self._plain = tokenizers.Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+        self._chars_per_token = _max_chars_per_token(hf_tokenizer)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -102,7 +113,38 @@ class Tokenizer:
         Returns:
             The token ids.
         """
-        return list(self._hf.encode(text, add_special_tokens=False))
+        return _ids(self._hf.backend_tokenizer, text)
+
+    def min_tokens(self, num_chars: int) -> int:
+        """The fewest tokens a text of ``num_chars`` characters can become (0 when the
+        tokenizer's normalizer gives no bound)."""
+        return -(-num_chars // self._chars_per_token) if self._chars_per_token else 0
+
+    def special_text(self) -> SpecialText:
+        """Fresh markers for one chat render (``sessions._special_text``)."""
+        return SpecialText(self._special_by_text)
+
+    def encode_rendered(self, text: str, escapes: SpecialText) -> list[int]:
+        """Tokenize a chat render whose messages were ``escapes.escape``-d: the template's own
+        special-token strings become their tokens, the messages' are plain text.
+
+        Args:
+            text: The rendered text (or a part of it cut at a message boundary).
+            escapes: The markers the messages were escaped with.
+
+        Returns:
+            The token ids.
+        """
+        ids: list[int] = []
+        start = 0
+        for match in escapes.specials.finditer(text) if escapes.specials else ():
+            ids += self._plain_ids(escapes.restore(text[start:match.start()]))
+            ids.append(self._special_by_text[match.group()])
+            start = match.end()
+        return ids + self._plain_ids(escapes.restore(text[start:]))
+
+    def _plain_ids(self, text: str) -> list[int]:
+        return _ids(self._plain, text) if text else []
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Detokenize ``token_ids`` (ids the tokenizer does not know decode to nothing).
@@ -152,7 +194,8 @@ class Tokenizer:
     def render_messages(self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] | None = None,
                         add_generation_prompt: bool = False,
                         template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        """Render a whole conversation with the chat template into token ids.
+        """Render a whole conversation with the chat template into token ids; special-token
+        strings inside the messages and tools are plain text (``encode_rendered``).
 
         Args:
             messages: The conversation.
@@ -166,12 +209,35 @@ class Tokenizer:
         Raises:
             InvalidInput: The template rejects the conversation.
         """
-        return self.encode(self.render_text(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                            template_kwargs=template_kwargs))
+        escapes = self.special_text()
+        text = self.render_text(escapes.escape(messages), tools=escapes.escape(tools),
+                                add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
+        return self.encode_rendered(text, escapes)
 
     def detokenizer(self, stop: Sequence[str] = ()) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer (special tokens skipped) with these stop strings."""
         return IncrementalDetokenizer(self, stop)
+
+
+def _max_chars_per_token(hf_tokenizer: PreTrainedTokenizerBase) -> int:
+    """Most characters of an input text one token can stand for; 0: no bound.
+
+    A token covers at most its vocabulary entry's bytes (in UTF-8, which for byte-level BPE is
+    at least the bytes it stands for), and a character is at least one byte. Normalization may
+    shrink the text first: NFC / NFKC compose at most 4 characters into one (a Greek vowel with
+    three marks); other normalizers (stripping accents) have no bound.
+    """
+    normalizer = hf_tokenizer.backend_tokenizer.normalizer
+    shrink = {"NoneType": 1, "NFC": 4, "NFKC": 4}.get(type(normalizer).__name__)
+    if shrink is None:
+        return 0
+    return shrink * max(len(t.encode()) for t in hf_tokenizer.get_vocab())
+
+
+def _ids(backend: tokenizers.Tokenizer, text: str) -> list[int]:
+    # NOTE: the Rust tokenizer's ``encode`` holds the GIL throughout (seconds for a long text,
+    # stalling the event loop even from a worker thread); ``encode_batch`` releases it.
+    return list(backend.encode_batch([text], add_special_tokens=False)[0].ids)
 
 
 class IncrementalDetokenizer:

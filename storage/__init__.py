@@ -6,6 +6,7 @@ head checkpoint). A leaf package: it imports nothing of ours.
 
 from __future__ import annotations
 
+from .data_dir import DataDirInUse, DataDirLock, lock_data_dir, server_secret
 from .disk import FORMAT_VERSION, DiskStore
 from .errors import (
     CorruptRecord,
@@ -28,6 +29,8 @@ __all__ = [
     "TIERS",
     "CorruptRecord",
     "CorruptSegment",
+    "DataDirInUse",
+    "DataDirLock",
     "DiskStore",
     "HostPool",
     "IndexUnavailable",
@@ -45,4 +48,6 @@ __all__ = [
     "StorageUnavailable",
     "Tier",
     "hash_token_ids",
+    "lock_data_dir",
+    "server_secret",
 ]

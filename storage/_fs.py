@@ -12,7 +12,8 @@ Atomic write protocol (POSIX)::
     3. os.replace(temp, final)                             (readers see old or new, never half)
     4. fsync <dir>                                         (the rename itself is durable)
 
-Any ``OSError`` before step 3 unlinks the temp file, so a failed write leaves no partial file and
+Directories are created 0700 and files 0600: they hold users' conversations. Any ``OSError``
+before step 3 unlinks the temp file, so a failed write leaves no partial file and
 an existing final file untouched. Temp names start with ``.``, which no valid id does, so scans
 can tell them apart from finished files and `remove_temp_files` can sweep leftovers of a crash
 (including the library's own ``.tmpXXXXXX`` files, should safetensors' writer be killed).
@@ -62,7 +63,7 @@ def ensure_dir(path: Path) -> bool:
     if path.is_dir():
         return False
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
         raise StorageUnavailable(f"cannot create directory {path}: {e}") from e
     try:
@@ -93,6 +94,8 @@ def atomic_write(path: Path, write_tmp: Callable[[Path], None]) -> None:
     try:
         try:
             write_tmp(tmp)
+            # Records and segments hold users' conversations: private to the server's user.
+            os.chmod(tmp, 0o600)
             _fsync_file(tmp)
             os.replace(tmp, path)
         except BaseException:

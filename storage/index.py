@@ -17,6 +17,7 @@ loss (the journal is the durable source, but a stale index after a crash would n
 from __future__ import annotations
 
 import abc
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -152,10 +153,13 @@ class SQLiteIndex(SessionIndex):
         self.path = str(path)
         self._lock = threading.Lock()
         try:
+            if self.path != ":memory:":
+                # Created private (0600); SQLite gives its -wal and -shm files the same mode.
+                os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
             self._conn = sqlite3.connect(
                 self.path, timeout=10.0, isolation_level=None, check_same_thread=False
             )
-        except sqlite3.Error as e:
+        except (OSError, sqlite3.Error) as e:
             raise IndexUnavailable(f"cannot open SQLite index {self.path}: {e}") from e
         with self._cursor() as cur:
             cur.execute("PRAGMA journal_mode=WAL")

@@ -103,7 +103,7 @@ def app_client(tmp_path_factory: pytest.TempPathFactory,
                              max_num_generations=1, retry_after_s=2.0)
     manager = SessionManager(engine, Tokenizer.from_pretrained(model), sessions)
     try:
-        with TestClient(create_app(config, engine, manager), timeout=60) as test_client:
+        with TestClient(create_app(config, engine, manager), base_url="http://127.0.0.1", timeout=60) as test_client:
             yield test_client
     finally:
         asyncio.run(engine.shutdown())

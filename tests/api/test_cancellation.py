@@ -115,7 +115,7 @@ def test_a_dropped_socket_mid_request_cancels_too(app: LiveApp, http: httpx.Clie
     body = json.dumps({"text": " go", "generate": LONG, "stream": True}).encode()
     host, port = app.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as raw:
-        raw.sendall(f"POST /v1/sessions/{session}/append HTTP/1.1\r\nHost: x\r\n"
+        raw.sendall(f"POST /v1/sessions/{session}/append HTTP/1.1\r\nHost: {host}\r\n"
                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         assert b"event: delta" in raw.recv(65536) or wait_for(lambda: running(app))
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")

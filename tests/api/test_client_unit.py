@@ -155,7 +155,7 @@ EXPECTED = {
     ErrorCode.METHOD_NOT_ALLOWED: PhloemError,
     ErrorCode.SESSION_NOT_FOUND: SessionNotFound, ErrorCode.SESSION_BUSY: SessionBusy,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: ContextLengthExceeded,
-    ErrorCode.PAYLOAD_TOO_LARGE: PayloadTooLarge,
+    ErrorCode.PAYLOAD_TOO_LARGE: PayloadTooLarge, ErrorCode.UNSUPPORTED_MEDIA_TYPE: InvalidRequest,
     ErrorCode.IDEMPOTENCY_CONFLICT: IdempotencyConflict, ErrorCode.RATE_LIMITED: RateLimited,
     ErrorCode.INTERNAL_ERROR: InternalError, ErrorCode.OVERLOADED: Overloaded,
 }

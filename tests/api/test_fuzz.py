@@ -48,7 +48,9 @@ def app(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Li
     model = ensure_default_model(data_dir)
     engine = EngineClient.from_pretrained(model)
     engine.start()
-    config = ServerConfig(model=str(model), data_dir=folder, max_body_bytes=256 * 1024)
+    # schemathesis's ASGI client sends `Host: testserver`.
+    config = ServerConfig(model=str(model), data_dir=folder, max_body_bytes=256 * 1024,
+                          allowed_hosts=("testserver",))
     sessions = SessionConfig(data_dir=folder, model_fingerprint=model_fingerprint(model))
     manager = SessionManager(engine, Tokenizer.from_pretrained(model), sessions)
     try:

@@ -20,6 +20,7 @@ import pytest
 from live_servers import ServerProcess
 
 from phloem.api._auth import owner_id
+from phloem.storage import server_secret
 from phloem.api.client import Client, SessionNotFound
 
 KEY = "logs-test-key-0123456789abcdef"
@@ -68,7 +69,7 @@ def test_json_logs_one_line_per_request_and_per_transition(tmp_path: Path) -> No
     (create_req,) = [r for r in lines_with(records, "client-abc.1") if r["msg"] == "http.request"]
     assert {k: create_req[k] for k in ("method", "path", "route", "status", "owner")} == {
         "method": "POST", "path": "/v1/sessions", "route": "/v1/sessions", "status": 201,
-        "owner": owner_id(KEY)}
+        "owner": owner_id(KEY, server_secret(tmp_path))}
     assert create_req["duration_ms"] > 0 and create_req["client"].startswith("127.0.0.1:")
     (created_event,) = [r for r in lines_with(records, "client-abc.1") if r["msg"] == "session.created"]
     assert (created_event["session_id"], created_event["num_tokens"]) == (sid, 20)

@@ -29,12 +29,13 @@ from phloem.runtime import ensure_default_model
 
 GREEDY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 KEY = "metrics-test-key-0123456789"
+ADMIN = "metrics-admin-key-0123456789"
 PAGE_SIZE = 16  # the engine's default page size (CacheConfig)
 
 
 def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of ``/metrics`` (fetched without a key: the route is public)."""
-    response = httpx.get(f"{base_url}/metrics", timeout=30)
+    """Every sample of ``/metrics`` (with API keys, the route needs an admin key)."""
+    response = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/plain; version=")
     assert response.headers["x-request-id"].startswith("req_")
@@ -67,7 +68,7 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     def tokens(n: int) -> list[int]:
         return [rng.randrange(3, 1900) for _ in range(n)]
 
-    server = ServerProcess(tmp_path, args=("--api-key", KEY)).start()
+    server = ServerProcess(tmp_path, args=("--api-key", KEY, "--api-key", f"{ADMIN}:admin")).start()
     try:
         with Client(server.base_url, api_key=KEY, timeout=60) as client:
             usages = run_workload(client, server.base_url, tokens)
@@ -106,7 +107,7 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     assert value(samples, "phloem_engine_step_seconds_bucket", le="+Inf") == value(samples, "phloem_engine_steps_total")
 
     # A new process on the same data directory: the session spilled to disk resumes from its file.
-    server = ServerProcess(tmp_path, args=("--api-key", KEY)).start()
+    server = ServerProcess(tmp_path, args=("--api-key", KEY, "--api-key", f"{ADMIN}:admin")).start()
     try:
         with Client(server.base_url, api_key=KEY, timeout=60) as client:
             (session,) = client.sessions.list()

@@ -34,6 +34,16 @@ def test_radix_evict_bench_builds_and_clears_its_tree() -> None:
     assert pages > 0 and tree.num_pages == 0 and len(freed) - before >= pages
 
 
+def test_radix_namespaces_bench_keeps_tenants_apart() -> None:
+    module = runpy.run_path(str(BENCH / "radix_namespaces.py"), run_name="radix_namespaces")
+    tree, histories, _ = module["build"](6, 2, 3)
+    assert module["lookups"](tree, histories, 1) > 0
+    # A tenant's next turn hits its own conversation, another tenant only the shared prompt.
+    (mine, a), (theirs, b) = histories[0], histories[1]
+    assert tree.match(mine + [1], len(mine), a).num_tokens == len(mine)
+    assert tree.match(mine + [1], len(mine), b).num_tokens == 64
+
+
 def test_step_trace_imports() -> None:
     module = runpy.run_path(str(BENCH / "step_trace.py"), run_name="step_trace")
     assert callable(module["main"])

@@ -147,9 +147,9 @@ def test_fork_of_a_spilled_session_shares_its_segment_and_imports_once(
     imports: list[int] = []
     real_import = engine.import_prefix
 
-    async def counting_import(state: Any) -> bool:
+    async def counting_import(state: Any, *namespace: Any) -> bool:
         imports.append(state.num_tokens)
-        return await real_import(state)
+        return await real_import(state, *namespace)
 
     monkeypatch.setattr(engine, "import_prefix", counting_import)
 
