@@ -13,6 +13,7 @@ last computed position then predicts the next token.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -87,8 +88,10 @@ class Request:
             self.num_prompt_tokens = len(self.all_token_ids)
         self.processes_logits = self.params.processes_logits or self.params.logprobs is not None
 
-    @property
+    @functools.cached_property
     def prompt_token_ids(self) -> list[int]:
+        """The prompt, copied once: every step's ``RequestOutput`` shares this list (a copy per
+        step of a 50K-token prompt costs ~0.2 ms, per request)."""
         return self.all_token_ids[: self.num_prompt_tokens]
 
     @property

@@ -63,6 +63,8 @@ def add_bench_commands(
     decode.add_argument("--batches", type=_ints, default=(1, 4, 16, 64), help="comma-separated (default: 1,4,16,64)")
     decode.add_argument("--contexts", type=_ints, default=(1024, 32768, 131072), help="comma-separated tokens of history")
     decode.add_argument("--prefill-tokens", type=int, default=50000, help="one prompt timed against the FLOP roofline (0: skip)")
+    decode.add_argument("--no-served", dest="served", action="store_false",
+                        help="skip the served-path timing of each point (requests through the engine loop)")
     decode.add_argument("--grammar", action="store_true",
                         help="time each point again with every request under a JSON-schema grammar")
     decode.add_argument("--tokenizer", type=Path,
@@ -147,6 +149,7 @@ def _decode(args: argparse.Namespace) -> int:
 
     sys.stdout.write(bench_decode(args.shape, args.model, args.device, args.batches, args.contexts,
                                   args.prefill_tokens, args.steps, args.out, grammar=args.grammar, tokenizer=args.tokenizer,
+                                  served=args.served,
                                   tensor_parallel_size=args.tp, expert_parallel=args.ep,
                                   show_progress=show_progress(args)) + "\n")  # fmt: skip
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from phloem.runtime.bench_decode import (
     run_decode,
     run_prefill,
 )
+from phloem.runtime.bench_served import OWN_TOKENS, run_served_decode
 from phloem.runtime.model_shapes import write_shape
 from phloem.runtime.progress import progress as bar
 
@@ -61,6 +62,15 @@ def _fits(engine: Engine, batch: int, context: int, steps: int) -> bool:
     return batch * pages <= engine.page_pool.num_free_pages and batch <= engine.slot_pool.num_free_slots
 
 
+def _served(engine: Engine, batch: int, context: int, steps: int) -> float | None:
+    """``run_served_decode``'s ms per step, or None when its requests do not fit the pools (they
+    share a prefix, but each holds pages of its own tokens and a checkpoint slot or two)."""
+    pages = engine.page_pool.pages_for(context) + batch * engine.page_pool.pages_for(OWN_TOKENS + steps + 8)
+    if pages > engine.page_pool.num_free_pages or 2 * batch + 2 > engine.slot_pool.num_free_slots:
+        return None
+    return run_served_decode(engine, batch, context, steps)
+
+
 def bench_decode(
     shape: str = "qwen3.5-35b-a3b",
     model: Path | None = None,
@@ -73,6 +83,7 @@ def bench_decode(
     progress: Callable[[str], None] | None = None,
     grammar: bool = False,
     tokenizer: Path | None = None,
+    served: bool = True,
     **engine_options: object,
 ) -> str:
     """Run the decode grid (and one long prefill); returns the report as Markdown.
@@ -81,6 +92,7 @@ def bench_decode(
     also governs the progress bars of loading and of the grid (``runtime.progress``). With
     ``grammar`` each point is timed again under ``BENCH_SCHEMA``; its grammar is compiled
     against ``tokenizer`` (a model folder), else the model's own, else the built-in model's.
+    With ``served`` each point is also timed on the served path (``runtime.bench_served``).
     """
     dev = torch.device(device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,11 +121,14 @@ def bench_decode(
         if context + decode_tokens(steps, 3) >= engine.max_model_len or not _fits(engine, batch, context, steps):
             skipped.append((batch, context))
             continue
-        results.append(run_decode(engine, batch, context, bandwidth, steps=steps,
-                                  grammar=BENCH_SCHEMA if grammar else None))
+        result = run_decode(engine, batch, context, bandwidth, steps=steps, grammar=BENCH_SCHEMA if grammar else None)
+        if served:
+            result = replace(result, served_ms_per_step=_served(engine, batch, context, steps))
+        results.append(result)
         if progress is not None:
             r = results[-1]
-            progress(f"batch {batch} context {context}: {r.ms_per_step:.2f} ms/step, {r.roofline_fraction:.0%} of roofline, graph {r.gpu_ms_per_step}")
+            progress(f"batch {batch} context {context}: {r.ms_per_step:.2f} ms/step, {r.roofline_fraction:.0%} of roofline, "
+                     f"graph {r.gpu_ms_per_step}, served {r.served_ms_per_step}")
     bandwidth_after = measure_bandwidth(dev, nbytes=copy_bytes)
     prefill: PrefillResult | None = None
     if prefill_tokens and prefill_tokens < engine.max_model_len:
@@ -170,13 +185,14 @@ def _markdown(
         f"model {name} on {device}: copy bandwidth {bandwidth:.2f} TB/s (device-timed; host-timed {host:.2f}, "
         f"after the grid {after:.2f}), bf16 GEMM {matmul / 1e12:.0f} TFLOP/s",
         "",
-        "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline | sync ms/step | GPU ms (graph replay) | GPU fraction | JSON-schema ms/step | grammar cost |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline | served ms/step | served / step | sync ms/step | GPU ms (graph replay) | GPU fraction | JSON-schema ms/step | grammar cost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.batch} | {r.context} | {r.ms_per_step:.2f} | {r.tok_per_s_per_user:.0f} | {r.batch * r.tok_per_s_per_user:.0f} "
             f"| {r.bytes.total / 1e9:.2f} | {1000 * r.bytes.total / r.bandwidth:.2f} | {r.roofline_fraction:.0%} "
+            + (f"| {r.served_ms_per_step:.2f} | {r.served_ms_per_step / r.ms_per_step - 1:+.1%} " if r.served_ms_per_step else "| - | - ")
             + (f"| {r.sync_ms_per_step:.2f} " if r.sync_ms_per_step else "| - ")
             + (f"| {r.gpu_ms_per_step:.2f} | {1000 * r.bytes.total / r.bandwidth / r.gpu_ms_per_step:.0%} " if r.gpu_ms_per_step else "| - | - ")
             + (f"| {r.grammar_ms_per_step:.2f} | {r.grammar_ms_per_step / r.ms_per_step - 1:+.1%} |" if r.grammar_ms_per_step else "| - | - |")
