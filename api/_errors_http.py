@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -21,7 +22,8 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import (
-    HTTPException, MethodNotAllowedException, NotFoundException, ValidationException,
+    ClientException, HTTPException, MethodNotAllowedException, NotFoundException,
+    SerializationException, ValidationException,
 )
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
@@ -37,7 +39,7 @@ from phloem.sessions import (
 )
 
 __all__ = ["OPENAI_PATHS", "ApiError", "StreamingOperation", "classify", "error_response",
-           "exception_handler", "openai_errors", "problem_response", "problems"]
+           "exception_handler", "malformed_json", "openai_errors", "problem_response", "problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,9 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str, float | None]:
         return code, str(exc), retry_after
     if isinstance(exc, ValidationException):
         return ErrorCode.INVALID_REQUEST, _validation_detail(exc), None
+    if isinstance(exc, ClientException) and isinstance(exc.__cause__, SerializationException):
+        # Litestar's own decoding of ``data`` found the body is not JSON.
+        return ErrorCode.INVALID_REQUEST, malformed_json(str(exc.detail)), None
     if isinstance(exc, NotFoundException):
         return ErrorCode.NOT_FOUND, "no such route", None
     if isinstance(exc, MethodNotAllowedException):
@@ -107,6 +112,28 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str, float | None]:
     return ErrorCode.INTERNAL_ERROR, f"internal error: {type(exc).__name__}", None
 
 
+_BYTE_AT = re.compile(r"^(.*) \(byte (\d+)\)$")
+
+
+def malformed_json(message: str, what: str = "body") -> str:
+    """The one detail of a body (or WebSocket message) that is not JSON, whichever decoder
+    (msgspec directly, or through Litestar) found it and however it put it.
+
+    Args:
+        message: msgspec's message: ``Input data was truncated`` or ``JSON is malformed: ... (byte N)``.
+        what: What was decoded.
+
+    Returns:
+        ``<what>: expected a JSON object, got malformed JSON: <reason>[ at byte N]``.
+    """
+    reason = message.removeprefix("JSON is malformed: ")
+    if reason == "Input data was truncated":
+        reason = "it ends early"
+    if (at := _BYTE_AT.match(reason)) is not None:
+        reason = f"{at[1]} at byte {at[2]}"
+    return f"{what}: expected a JSON object, got malformed JSON: {reason}"
+
+
 def _validation_detail(exc: ValidationException) -> str:
     extra: Any = exc.extra
     if not isinstance(extra, list) or not extra:
@@ -114,7 +141,10 @@ def _validation_detail(exc: ValidationException) -> str:
     parts = []
     for item in extra:
         message, key, source = item.get("message"), item.get("key"), str(item.get("source", ""))
-        if source.endswith("body") and key not in (None, "data"):
+        if source.endswith("body") and key == "data" and message == "'data'":
+            # Litestar's word for a required body that is empty.
+            parts.append("body: expected a JSON object, got an empty body")
+        elif source.endswith("body") and key not in (None, "data"):
             parts.append(f"{message} - at `$.{key}`")
         elif source.endswith("body"):
             parts.append(str(message))
