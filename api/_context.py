@@ -152,6 +152,8 @@ async def strict_body(request: Request[Any, Any, Any], kind: type[T]) -> T:
         raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
     except msgspec.DecodeError as exc:
         raise ApiError(ErrorCode.INVALID_REQUEST, malformed_json(str(exc))) from exc
+    except UnicodeDecodeError as exc:  # msgspec < 0.23's word for "not UTF-8"
+        raise ApiError(ErrorCode.INVALID_REQUEST, malformed_json("Invalid UTF-8 encoded string")) from exc
 
 
 def owner_of(connection: Any) -> str:

@@ -97,6 +97,9 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str, float | None]:
     if isinstance(exc, ClientException) and isinstance(exc.__cause__, SerializationException):
         # Litestar's own decoding of ``data`` found the body is not JSON.
         return ErrorCode.INVALID_REQUEST, malformed_json(str(exc.detail)), None
+    if isinstance(exc, UnicodeDecodeError):
+        # msgspec before 0.23 raises it (not a DecodeError) for a body that is not UTF-8.
+        return ErrorCode.INVALID_REQUEST, malformed_json("Invalid UTF-8 encoded string"), None
     if isinstance(exc, NotFoundException):
         return ErrorCode.NOT_FOUND, "no such route", None
     if isinstance(exc, MethodNotAllowedException):

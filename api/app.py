@@ -62,10 +62,15 @@ from phloem.runtime.logs import stderr_logging
 from phloem.runtime.pd_decode import engine_client_for
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
-__all__ = ["create_app", "serve"]
+__all__ = ["KEEP_ALIVE_S", "create_app", "serve"]
 
 logger = logging.getLogger(__name__)
 _GRACE_S = 10
+# Seconds an idle keep-alive connection stays open. Longer than any client keeps one idle
+# (httpx, so the SDK and openai: 5 s; a load balancer: 60 s): when both sides expire it after
+# the same time, a client reuses it just as the server closes it, and the request it sent is
+# lost (ECONNRESET, httpx.ReadError). uvicorn's default is 5 s.
+KEEP_ALIVE_S = 75
 
 
 def create_app(config: ServerConfig, engine_client: EngineClient,
@@ -184,7 +189,8 @@ def _serve(config: ServerConfig) -> None:
     app.on_shutdown.append(stop_engine)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, ws_max_size=config.max_body_bytes,
-        lifespan="on", timeout_graceful_shutdown=_GRACE_S, log_level=config.log_level,
+        lifespan="on", timeout_graceful_shutdown=_GRACE_S, timeout_keep_alive=KEEP_ALIVE_S,
+        log_level=config.log_level,
         log_config=None, access_log=False))
     engine.start()
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the
