@@ -53,6 +53,7 @@ from phloem.engine.state_slots import SlotPool
 from phloem.engine.step_pipeline import next_decode_step
 from phloem.engine.tp_workers import TPWorkers, WorkerSpec, rank_device
 from phloem.engine.transfer_state import TransferReservation, TransferSource
+from phloem.engine.warmup import WarmupReport, warm_up
 
 __all__ = ["Engine"]
 
@@ -392,6 +393,11 @@ class Engine:
         while self.scheduler.num_finalizing() or self._queued is not None:
             self.step()
         return [final[i] for i in ids]
+
+    def warm_up(self, show_progress: bool | None = None) -> WarmupReport:
+        """Run every kind of step serving will use once, so the kernels a first request would
+        compile compile now; the engine is left empty (``engine.warmup``)."""
+        return warm_up(self, show_progress)
 
     def pin_prefix(self, token_ids: Sequence[int]) -> RadixNode | None:
         """Pin the deepest cached checkpoint within ``token_ids`` (a session's head) against eviction.
