@@ -15,7 +15,7 @@ import pytest
 
 from phloem.runtime import ServerConfig
 from phloem.runtime._demo import BRANCHES, TURNS, DemoOptions, format_report, run_demo, run_story
-from phloem.runtime.cli import main
+from phloem.runtime.cli import build_parser, main
 
 
 HELP_ARGVS = [[], ["serve"], ["demo"], ["bench"], ["bench", "decode"], ["bench", "long-context"], ["bench", "prefix-cache"], ["bench", "agentic"]]
@@ -68,37 +68,42 @@ def test_serve_without_model_builds_the_demo_model(
     assert "RANDOM" in capsys.readouterr().err
 
 
-def test_serve_flags_and_environment(
-    served: list[ServerConfig], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def configured(argv: list[str]) -> Any:
+    """What ``phloem ARGV`` would run with: the parsed flags' config, before any check of this
+    machine (a CUDA device, a free port), so it works on any machine."""
+    args = build_parser().parse_args(argv)
+    return args.configure(args)
+
+
+def test_serve_flags_and_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model_dir: Path) -> None:
     monkeypatch.setenv("PHLOEM_PORT", "9123")
     monkeypatch.setenv("PHLOEM_DATA_DIR", str(tmp_path))
-    argv = ["serve", "--model", "/models/x", "--device", "cuda:1", "--dtype", "bfloat16"]
-    assert main([*argv, "--redis-url", "redis://r:6379/0", "--default-ttl", "60", "--tp", "2"]) == 0
-    (config,) = served
+    argv = ["serve", "--model", str(model_dir), "--device", "cuda:1", "--dtype", "bfloat16"]
+    config = configured([*argv, "--redis-url", "redis://r:6379/0", "--default-ttl", "60", "--tp", "2"])
     assert config == ServerConfig(
-        port=9123, model="/models/x", data_dir=tmp_path, redis_url="redis://r:6379/0",
+        port=9123, model=str(model_dir), data_dir=tmp_path, redis_url="redis://r:6379/0",
         device="cuda:1", dtype="bfloat16", default_ttl_s=60.0, tensor_parallel_size=2,
     )
 
 
-def test_serve_ep_flag_reaches_the_engine(served: list[ServerConfig]) -> None:
-    assert main(["serve", "--model", "/models/x", "--device", "cuda", "--tp", "2", "--ep"]) == 0
-    (config,) = served
+def test_serve_ep_flag_reaches_the_engine(model_dir: Path) -> None:
+    config = configured(["serve", "--model", str(model_dir), "--device", "cuda", "--tp", "2", "--ep"])
     assert config.engine is not None and config.engine.expert_parallel is True
     assert config.engine.as_kwargs()["tensor_parallel_size"] == 2
 
 
-def test_serve_ep_without_tp_is_a_usage_error(served: list[ServerConfig], capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_ep_without_tp_is_a_usage_error(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],
+                                              model_dir: Path) -> None:
     with pytest.raises(SystemExit) as info:
-        main(["serve", "--model", "/m", "--ep"])
+        main(["serve", "--model", str(model_dir), "--ep"])
     assert info.value.code == 2 and "expert_parallel: needs tensor_parallel_size > 1" in capsys.readouterr().err
     assert served == []
 
 
-def test_serve_rejects_a_bad_value_naming_it(served: list[ServerConfig], capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_rejects_a_bad_value_naming_it(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],
+                                             model_dir: Path) -> None:
     with pytest.raises(SystemExit) as info:
-        main(["serve", "--model", "/m", "--port", "70000"])
+        main(["serve", "--model", str(model_dir), "--port", "70000"])
     assert info.value.code == 2 and "port: expected" in capsys.readouterr().err
     assert served == []
 
@@ -243,7 +248,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
 
 
 def test_serve_shape_serves_dummy_weights_with_the_demo_tokenizer(served: list[ServerConfig], tmp_path: Path) -> None:
-    assert main(["serve", "--data-dir", str(tmp_path), "--shape", "tiny", "--no-prefix-cache"]) == 0
+    assert main(["serve", "--data-dir", str(tmp_path), "--shape", "tiny", "--no-prefix-cache", "--port", "0"]) == 0
     (config,) = served
     folder = Path(str(config.model))
     assert folder == tmp_path / "shapes" / "tiny"
@@ -259,16 +264,18 @@ def test_serve_shape_and_model_together_is_a_usage_error(served: list[ServerConf
     assert served == []
 
 
-def test_serve_step_budget_flags_reach_the_engine(served: list[ServerConfig]) -> None:
-    assert main(["serve", "--model", "/m", "--max-num-batched-tokens", "8192", "--max-num-seqs", "16"]) == 0
+def test_serve_step_budget_flags_reach_the_engine(served: list[ServerConfig], model_dir: Path) -> None:
+    argv = ["serve", "--model", str(model_dir), "--max-num-batched-tokens", "8192", "--max-num-seqs", "16"]
+    assert main([*argv, "--port", "0"]) == 0
     (config,) = served
     assert config.engine is not None
     assert (config.engine.max_num_batched_tokens, config.engine.max_num_seqs) == (8192, 16)
     assert config.engine_options.as_kwargs()["max_num_batched_tokens"] == 8192
 
 
-def test_serve_rejects_a_zero_step_budget(served: list[ServerConfig], capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_rejects_a_zero_step_budget(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],
+                                          model_dir: Path) -> None:
     with pytest.raises(SystemExit) as info:
-        main(["serve", "--model", "/m", "--max-num-batched-tokens", "0"])
+        main(["serve", "--model", str(model_dir), "--max-num-batched-tokens", "0"])
     assert info.value.code == 2 and "max_num_batched_tokens" in capsys.readouterr().err
     assert served == []
