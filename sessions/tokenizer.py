@@ -90,7 +90,9 @@ class Tokenizer:
         Returns:
             The token ids.
         """
-        return list(self._hf.encode(text, add_special_tokens=False))
+        # verbose=False: transformers would log that a text is longer than the model's window;
+        # the engine refuses such a request itself, with a clear error (context_length_exceeded).
+        return list(self._hf.encode(text, add_special_tokens=False, verbose=False))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Detokenize ``token_ids`` (ids the tokenizer does not know decode to nothing).
