@@ -46,7 +46,7 @@ examples:
   phloem serve --log-format json --log-level debug 2> phloem.jsonl   # one JSON object per line
   curl -s http://127.0.0.1:8000/metrics          # Prometheus metrics of a running server
   phloem serve --shape qwen3.5-35b-a3b --device cuda --dtype bfloat16   # dummy weights, benchmarks
-  phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --max-num-batched-tokens 8192   # faster prefill
+  phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --max-num-batched-tokens 2048   # smoother decodes
 """
 _DEMO_EXAMPLES = """\
 examples:
@@ -102,7 +102,7 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
                             "tokenizer, instead of --model (benchmarks only)")
     serve.add_argument("--max-num-batched-tokens", metavar="TOKENS", type=int,
                        help="token budget of one engine step: larger prefills faster, smaller keeps "
-                            "concurrent decodes smoother (default: the engine's, 2048)")
+                            "concurrent decodes smoother (default: 8192 on a GPU, 512 on CPU)")
     serve.add_argument("--max-num-seqs", metavar="N", type=int,
                        help="requests decoding at once (default: the engine's, 64)")
     serve.add_argument("--no-async-scheduling", action="store_true",
