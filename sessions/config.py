@@ -45,6 +45,9 @@ class SessionConfig:
             degraded index).
         admission_stall_s: Seconds a generation may wait for its first token before pinned
             sessions that are not generating are demoted to make room (pins never deadlock).
+        shutdown_flush_s: On a graceful shutdown, seconds spent writing to disk the state a
+            restart would lose: segments in host memory, then sessions only on the GPU (most
+            recently used first); what is left then resumes by recompute. 0: write nothing.
 
     Raises:
         ValueError: A field is out of range (the message names it).
@@ -62,6 +65,7 @@ class SessionConfig:
     idle_to_host_s: float = 30.0
     sweep_interval_s: float = 1.0
     admission_stall_s: float = 5.0
+    shutdown_flush_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.default_ttl_s <= self.max_ttl_s:
@@ -75,8 +79,9 @@ class SessionConfig:
             raise ValueError(f"redis_prefix: expected a non-empty string, got {self.redis_prefix!r}")
         if self.host_budget_bytes < 0:
             raise ValueError(f"host_budget_bytes: expected >= 0, got {self.host_budget_bytes}")
-        if not self.idle_to_host_s >= 0:
-            raise ValueError(f"idle_to_host_s: expected seconds >= 0, got {self.idle_to_host_s}")
+        for name in ("idle_to_host_s", "shutdown_flush_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: expected seconds >= 0, got {getattr(self, name)}")
         for name in ("sweep_interval_s", "admission_stall_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected seconds > 0, got {getattr(self, name)}")
