@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from phloem.runtime import ServerConfig
-from phloem.runtime._demo import BRANCHES, TURNS, DemoOptions, format_report, run_demo, run_story
+from phloem.runtime._demo import BRANCHES, TURNS, DemoOptions, DemoRow, format_report, run_demo, run_story
 from phloem.runtime.cli import build_parser, main
 
 
@@ -166,6 +166,15 @@ def test_demo_story_runs_turns_then_branches_and_cleans_up() -> None:
     assert "branch B" in report and f"of which {sum(r.cached_tokens for r in rows)} came" in report
 
 
+def test_demo_table_tells_sessions_apart() -> None:
+    """Real ids share their time prefix (``sess_01M...``): the table shows their random ends."""
+    ids = ["sess_01M8VQX69B3K5Q0D6YPZK9GF6FJ48ZP661FB", "sess_01M8VQX6CQ2KB349DA1F9V511T2J20PDEY9A",
+           "sess_01M8VQX6CQ2KB349DAH1T4QW7R8Y0N3KEJ2M"]
+    rows = [DemoRow(step, sid, 10, 5, 2, "length", "x") for step, sid in zip(("turn 1", "branch A", "branch B"), ids)]
+    shown = [line.split()[2] for line in format_report(rows).splitlines()[2:5]]
+    assert shown == ["…8ZP661FB", "…20PDEY9A", "…0N3KEJ2M"], shown
+
+
 def test_demo_against_a_running_server_prints_the_report() -> None:
     out = io.StringIO()
     clients: list[FakeClient] = []
@@ -199,7 +208,9 @@ class Health(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-def serve(config):
+def serve(config, sock=None, startup=None):
+    if sock is not None:
+        sock.close()  # the port `phloem serve` bound for the real server; this one binds it again
     HTTPServer((config.host, config.port), Health).serve_forever()
 
 app = types.ModuleType("phloem.api.app")
