@@ -217,6 +217,13 @@ def openai_errors(*statuses: int) -> dict[int, ResponseSpec]:
                                  description=HTTPStatus(status).phrase) for status in statuses}
 
 
+# One server-sent event: before OpenAPI 3.2 (``itemSchema``) the ``schema`` of a
+# ``text/event-stream`` describes each event, which clients and checkers read as these fields.
+_SSE_EVENT = Schema(type=OpenAPIType.OBJECT, properties={
+    "data": Schema(type=OpenAPIType.STRING), "event": Schema(type=OpenAPIType.STRING),
+    "id": Schema(type=OpenAPIType.STRING), "retry": Schema(type=OpenAPIType.INTEGER)})
+
+
 @dataclass
 class StreamingOperation(Operation):
     """OpenAPI operation whose 200 may also be a ``text/event-stream`` (``"stream": true``)."""
@@ -224,5 +231,4 @@ class StreamingOperation(Operation):
     def __post_init__(self) -> None:
         ok = (self.responses or {}).get("200")
         if isinstance(ok, OpenAPIResponse):
-            ok.content = {**(ok.content or {}),
-                          "text/event-stream": OpenAPIMediaType(schema=Schema(type=OpenAPIType.STRING))}
+            ok.content = {**(ok.content or {}), "text/event-stream": OpenAPIMediaType(schema=_SSE_EVENT)}
