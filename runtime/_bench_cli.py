@@ -100,13 +100,7 @@ def add_bench_commands(
 
     prefix = _kind(kinds, "prefix-cache", "multi-turn conversation with the prefix cache on vs off")
     prefix.add_argument("--model", metavar="DIR", type=Path, help="model folder (default: the built-in tiny model)")
-    prefix.add_argument("--turns", metavar="N", type=int, default=12, help="turns of the conversation (default: %(default)s)")
-    prefix.add_argument("--first-turn", metavar="TOKENS", type=int, default=2000,
-                        help="tokens of the first turn's prompt (default: %(default)s)")
-    prefix.add_argument("--append", metavar="TOKENS", type=int, default=80,
-                        help="new prompt tokens of each later turn (default: %(default)s)")
-    prefix.add_argument("--output", metavar="TOKENS", type=int, default=16,
-                        help="tokens generated per turn (default: %(default)s)")
+    _conversation_args(prefix, {"--turns": 12, "--first-turn": 2000, "--append": 80, "--output": 16}, record=False)
     prefix.set_defaults(configure=_checked, run=_prefix_cache)
 
     agentic = _kind(kinds, "agentic", "simulated agents over HTTP: sessions vs stateless vs no cache")
@@ -155,17 +149,26 @@ def show_progress(args: argparse.Namespace) -> bool | None:
     return False if getattr(args, "no_progress", False) or read_env().no_progress else None
 
 
+# A conversation's shape: flag, metavar, meaning, the value in TokenSpeed's agentic record.
+_CONVERSATION = (("--turns", "N", "turns of each conversation", "10-15"),
+                 ("--first-turn", "TOKENS", "tokens of the first turn's prompt", "50000"),
+                 ("--append", "TOKENS", "new prompt tokens of each later turn", "800"),
+                 ("--output", "TOKENS", "tokens generated per turn", "500"))
+
+
+def _conversation_args(parser: argparse.ArgumentParser, defaults: dict[str, int], record: bool) -> None:
+    """``--turns``, ``--first-turn``, ``--append``, ``--output`` with these defaults; ``record``
+    names the record's value beside each (the agentic workloads, scaled down for CPU)."""
+    for flag, metavar, meaning, value in _CONVERSATION:
+        extra = f"; the record's: {value}" if record else ""
+        parser.add_argument(flag, metavar=metavar, type=int, default=defaults[flag],
+                            help=f"{meaning} (default: %(default)s{extra})")
+
+
 def _workload_args(parser: argparse.ArgumentParser) -> None:
     """The agentic workload's shape, scaled down for CPU by default (the record's in the help)."""
     parser.add_argument("--agents", metavar="N", type=int, default=2, help="concurrent agents (default: %(default)s)")
-    parser.add_argument("--first-turn", metavar="TOKENS", type=int, default=512,
-                        help="first-turn tokens (default: %(default)s; the record's: 50000)")
-    parser.add_argument("--append", metavar="TOKENS", type=int, default=48,
-                        help="new tokens per later turn (default: %(default)s; the record's: 800)")
-    parser.add_argument("--turns", metavar="N", type=int, default=6,
-                        help="turns per agent (default: %(default)s; the record's: 10-15)")
-    parser.add_argument("--output", metavar="TOKENS", type=int, default=8,
-                        help="output tokens per turn (default: %(default)s; the record's: 500)")
+    _conversation_args(parser, {"--turns": 6, "--first-turn": 512, "--append": 48, "--output": 8}, record=True)
     parser.add_argument("--tool-pause", metavar="SECONDS", type=float, default=0.0,
                         help="seconds between turns (default: %(default)s)")
 
