@@ -244,7 +244,7 @@ class _Server(uvicorn.Server):
         if self.started:
             listening = self.servers[0].sockets[0].getsockname() if self.servers else None
             host, port = (listening[0], listening[1]) if listening else (self.config.host, self.config.port)
-            self._startup.ready(f"http://{host}:{port}")
+            self._startup.ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
 
 
 def _log_auth(config: ServerConfig) -> None:

@@ -240,6 +240,11 @@ class CacheConfig:
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 
 
+def default_max_num_batched_tokens(device: str) -> int:
+    """The step budget on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``) when none is given."""
+    return DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.split(":")[0], DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"])
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Continuous batching limits.

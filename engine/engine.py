@@ -30,13 +30,13 @@ import torch
 from phloem.engine import transfer_state
 from phloem.engine.cache_manager import CacheManager, CacheStats
 from phloem.engine.config import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     CacheConfig,
     LoadConfig,
     ModelConfig,
     ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
+    default_max_num_batched_tokens,
 )
 from phloem.engine.errors import InvalidRequest
 from phloem.engine.kv_pages import PagePool
@@ -157,7 +157,8 @@ class Engine:
         load_config = replace(load_config, device=str(_with_index(torch.device(load_config.device))))
         parallel = ParallelConfig(**pick(_PARALLEL_OPTIONS))  # type: ignore[arg-type]
         cache_config = CacheConfig(**pick(_CACHE_OPTIONS))  # type: ignore[arg-type]
-        sched = {"max_num_batched_tokens": _default_budget(load_config.device), **pick(_SCHED_OPTIONS)}
+        budget = default_max_num_batched_tokens(load_config.device)
+        sched = {"max_num_batched_tokens": budget, **pick(_SCHED_OPTIONS)}
         scheduler_config = SchedulerConfig(**sched)  # type: ignore[arg-type]
         runner_config = RunnerConfig(**pick(_RUNNER_OPTIONS))  # type: ignore[arg-type]
         model_config = ModelConfig.from_pretrained(path)
@@ -487,11 +488,6 @@ class Engine:
     def cache_stats(self) -> CacheStats:
         """Prefix-cache and pool counters (prompt vs cached tokens, checkpoints, pages in use)."""
         return self.cache.stats()
-
-
-def _default_budget(device: str) -> int:
-    """The step budget of ``device`` when the caller gives none (``DEFAULT_MAX_NUM_BATCHED_TOKENS``)."""
-    return DEFAULT_MAX_NUM_BATCHED_TOKENS.get(torch.device(device).type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"])
 
 
 def _with_index(device: torch.device) -> torch.device:
