@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from phloem.engine import Engine, SamplingParams
 from phloem.engine.scheduler import SchedulerOutput
@@ -75,3 +76,19 @@ def test_warm_up_fits_a_small_context_and_pool(tiny_checkpoint: Callable[..., Pa
     # No room for the prefix round (the long prompt fills the window): the other seven run.
     assert report.num_requests == 7
     assert engine.page_pool.num_free_pages == engine.page_pool.num_pages
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_warm_up_on_a_gpu_leaves_the_tokens_and_the_graphs_alone(tiny_checkpoint: Callable[..., Path]) -> None:
+    """The real thing the warm-up is for: on CUDA (Triton kernels, FlashInfer, CUDA graphs) a
+    warmed engine answers exactly as a fresh one, its pools as full."""
+    path = tiny_checkpoint("Qwen3_5MoeForCausalLM", dtype=torch.bfloat16)
+    options = dict(device="cuda", dtype="bfloat16", num_pages=512, num_state_slots=32, max_num_seqs=16)
+    fresh, warmed = Engine.from_pretrained(path, **options), Engine.from_pretrained(path, **options)
+    report = warmed.warm_up(show_progress=False)
+    assert report.num_requests == 8 and warmed.cache_stats() == fresh.cache_stats()
+    assert warmed.page_pool.num_free_pages == fresh.page_pool.num_free_pages
+    params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, seed=3)]
+    expected, got = fresh.generate(PROMPTS, params), warmed.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
