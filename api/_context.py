@@ -18,7 +18,7 @@ from litestar.response.sse import ServerSentEventMessage
 
 from phloem.api._auth import KeyRing, principal_of
 from phloem.api._convert import done_event
-from phloem.api._errors_http import ApiError, classify
+from phloem.api._errors_http import ApiError, classify, malformed_json
 from phloem.api._idempotency import (
     IdempotencyStore, Running, StoredResponse, StoredStream, fingerprint,
 )
@@ -136,19 +136,25 @@ class ApiContext:
 
 
 async def strict_body(request: Request[Any, Any, Any], kind: type[T]) -> T:
-    """Decode the raw body strictly into ``kind``.
+    """Decode the raw body strictly into ``kind``; an empty body (or ``null``) is ``{}``.
 
     NOTE: Litestar converts ``data`` with ``strict=False`` (``"3"`` would pass as an int), so
     routes declare ``data`` for validation of the shape and the OpenAPI schema, then decode the
     same (cached) bytes again here, as the wire contract says: a wrong type is a 400.
 
     Raises:
-        ApiError: ``invalid_request`` with msgspec's message (it names the field).
+        ApiError: ``invalid_request`` with msgspec's message (it names the field), or
+            ``malformed_json``'s for a body that is not JSON.
     """
+    body = await request.body()
     try:
-        return msgspec.json.decode(await request.body(), type=kind)
-    except msgspec.DecodeError as exc:
+        return msgspec.json.decode(body if body.strip() not in (b"", b"null") else b"{}", type=kind)
+    except msgspec.ValidationError as exc:
         raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise ApiError(ErrorCode.INVALID_REQUEST, malformed_json(str(exc))) from exc
+    except UnicodeDecodeError as exc:  # msgspec < 0.23's word for "not UTF-8"
+        raise ApiError(ErrorCode.INVALID_REQUEST, malformed_json("Invalid UTF-8 encoded string")) from exc
 
 
 def owner_of(connection: Any) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -21,8 +22,8 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import (
-    HTTPException, MethodNotAllowedException, NotFoundException, SerializationException,
-    ValidationException,
+    ClientException, HTTPException, MethodNotAllowedException, NotFoundException,
+    SerializationException, ValidationException,
 )
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
@@ -38,7 +39,7 @@ from phloem.sessions import (
 )
 
 __all__ = ["OPENAI_PATHS", "ApiError", "StreamingOperation", "classify", "error_response",
-           "exception_handler", "openai_errors", "problem_response", "problems"]
+           "exception_handler", "malformed_json", "openai_errors", "problem_response", "problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,6 @@ _CODE_BY_STATUS = {
     413: ErrorCode.PAYLOAD_TOO_LARGE, 415: ErrorCode.UNSUPPORTED_MEDIA_TYPE,
     429: ErrorCode.RATE_LIMITED, 503: ErrorCode.OVERLOADED,
 }
-# msgspec's message for JSON that ends early, which it also gives for an unpaired surrogate escape.
-_TRUNCATED = "Input data was truncated"
 
 
 def classify(exc: BaseException) -> tuple[ErrorCode, str, float | None]:
@@ -100,8 +99,12 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str, float | None]:
         # msgspec refuses JSON nested beyond its limit (and a template would overflow on it).
         logger.warning("refused a request nested too deeply: %s", exc)
         return ErrorCode.INVALID_REQUEST, "the request is nested too deeply (JSON objects or arrays inside each other)", None
-    if isinstance(exc, HTTPException) and isinstance(exc.__cause__, SerializationException):
-        return ErrorCode.INVALID_REQUEST, _json_detail(str(exc.detail)), None
+    if isinstance(exc, ClientException) and isinstance(exc.__cause__, SerializationException):
+        # Litestar's own decoding of ``data`` found the body is not JSON.
+        return ErrorCode.INVALID_REQUEST, malformed_json(str(exc.detail)), None
+    if isinstance(exc, UnicodeDecodeError):
+        # msgspec before 0.23 raises it (not a DecodeError) for a body that is not UTF-8.
+        return ErrorCode.INVALID_REQUEST, malformed_json("Invalid UTF-8 encoded string"), None
     if isinstance(exc, NotFoundException):
         return ErrorCode.NOT_FOUND, "no such route", None
     if isinstance(exc, MethodNotAllowedException):
@@ -117,11 +120,27 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str, float | None]:
     return ErrorCode.INTERNAL_ERROR, f"internal error: {type(exc).__name__}", None
 
 
-def _json_detail(message: str) -> str:
-    if message == _TRUNCATED:
-        return ("the body is not valid JSON: it ends early, or holds an invalid escape such as an "
-                "unpaired UTF-16 surrogate (\\ud800)")
-    return f"the body is not valid JSON: {message}"
+_BYTE_AT = re.compile(r"^(.*) \(byte (\d+)\)$")
+
+
+def malformed_json(message: str, what: str = "body") -> str:
+    """The one detail of a body (or WebSocket message) that is not JSON, whichever decoder
+    (msgspec directly, or through Litestar) found it and however it put it.
+
+    Args:
+        message: msgspec's message: ``Input data was truncated`` or ``JSON is malformed: ... (byte N)``.
+        what: What was decoded.
+
+    Returns:
+        ``<what>: expected a JSON object, got malformed JSON: <reason>[ at byte N]``.
+    """
+    reason = message.removeprefix("JSON is malformed: ")
+    if reason == "Input data was truncated":
+        # msgspec says so also of an unpaired UTF-16 surrogate escape, which a client rarely suspects.
+        reason = "it ends early, or holds an invalid escape such as an unpaired UTF-16 surrogate (\\ud800)"
+    if (at := _BYTE_AT.match(reason)) is not None:
+        reason = f"{at[1]} at byte {at[2]}"
+    return f"{what}: expected a JSON object, got malformed JSON: {reason}"
 
 
 def _validation_detail(exc: ValidationException) -> str:
@@ -133,7 +152,10 @@ def _validation_detail(exc: ValidationException) -> str:
     parts = []
     for item in extra:
         message, key, source = item.get("message"), item.get("key"), str(item.get("source", ""))
-        if source.endswith("body") and key not in (None, "data"):
+        if source.endswith("body") and key == "data" and message == "'data'":
+            # Litestar's word for a required body that is empty.
+            parts.append("body: expected a JSON object, got an empty body")
+        elif source.endswith("body") and key not in (None, "data"):
             parts.append(f"{message} - at `$.{key}`")
         elif source.endswith("body"):
             parts.append(str(message))
@@ -203,6 +225,13 @@ def openai_errors(*statuses: int) -> dict[int, ResponseSpec]:
                                  description=HTTPStatus(status).phrase) for status in statuses}
 
 
+# One server-sent event: before OpenAPI 3.2 (``itemSchema``) the ``schema`` of a
+# ``text/event-stream`` describes each event, which clients and checkers read as these fields.
+_SSE_EVENT = Schema(type=OpenAPIType.OBJECT, properties={
+    "data": Schema(type=OpenAPIType.STRING), "event": Schema(type=OpenAPIType.STRING),
+    "id": Schema(type=OpenAPIType.STRING), "retry": Schema(type=OpenAPIType.INTEGER)})
+
+
 @dataclass
 class StreamingOperation(Operation):
     """OpenAPI operation whose 200 may also be a ``text/event-stream`` (``"stream": true``)."""
@@ -210,5 +239,4 @@ class StreamingOperation(Operation):
     def __post_init__(self) -> None:
         ok = (self.responses or {}).get("200")
         if isinstance(ok, OpenAPIResponse):
-            ok.content = {**(ok.content or {}),
-                          "text/event-stream": OpenAPIMediaType(schema=Schema(type=OpenAPIType.STRING))}
+            ok.content = {**(ok.content or {}), "text/event-stream": OpenAPIMediaType(schema=_SSE_EVENT)}

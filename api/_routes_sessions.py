@@ -1,7 +1,10 @@
 """The native sessions routes (docs/api.md, "Routes"), REST and SSE.
 
 Bodies are decoded strictly with the msgspec Structs of ``api.schemas`` (``strict_body``: a bad
-field or a wrong type is a 400 naming it); every POST, PATCH and DELETE honours
+field or a wrong type is a 400 naming it). Every field of these bodies is optional, so an empty
+body (or ``null``) is the empty object: ``POST /v1/sessions`` with no body creates an empty
+session (the routes declare ``data`` optional, which the OpenAPI schema shows). Every POST,
+PATCH and DELETE honours
 ``Idempotency-Key``. Every route is scoped to the caller's API key (``owner_of``): another key's
 session, like a malformed id (``checked_session_id``), is 404 ``session_not_found``. Creates and
 forks count against the key's session quota, generations against its generation quota (429).
@@ -51,8 +54,8 @@ def _doc(status: int, kind: type, description: str, *errors: int) -> dict[int, R
 
 @post("/v1/sessions", status_code=201,
       responses=_doc(201, SessionInfo, "The new session", 400, 401, 413, 422, 429, 503))
-async def create_session(request: Request[Any, Any, Any], data: CreateSessionRequest,
-                         ctx: ApiContext) -> Response[bytes]:
+async def create_session(request: Request[Any, Any, Any], ctx: ApiContext,
+                         data: CreateSessionRequest | None = None) -> Response[bytes]:
     """Create a session; initial content (``input_ids``, ``messages`` or ``text``) is turn 0."""
     data = await strict_body(request, CreateSessionRequest)
     owner = owner_of(request)
@@ -106,7 +109,7 @@ async def get_session(request: Request[Any, Any, Any], session_id: str,
 
 @patch(_ID, responses=_doc(200, SessionInfo, "The updated session", 400, 401, 404, 413, 422))
 async def update_session(request: Request[Any, Any, Any], session_id: str,
-                         data: UpdateSessionRequest, ctx: ApiContext) -> Response[bytes]:
+                         ctx: ApiContext, data: UpdateSessionRequest | None = None) -> Response[bytes]:
     """Replace the metadata and/or the TTL (``"ttl": null``: the server default)."""
     session_id = checked_session_id(session_id)
     data = await strict_body(request, UpdateSessionRequest)
@@ -134,8 +137,8 @@ async def delete_session(request: Request[Any, Any, Any], session_id: str,
 
 @post(f"{_ID}/fork", status_code=201,
       responses=_doc(201, ForkResult, "The children", 400, 401, 404, 413, 422, 429, 503))
-async def fork_session(request: Request[Any, Any, Any], session_id: str, data: ForkRequest,
-                       ctx: ApiContext) -> Response[bytes]:
+async def fork_session(request: Request[Any, Any, Any], session_id: str, ctx: ApiContext,
+                       data: ForkRequest | None = None) -> Response[bytes]:
     """Fork ``n`` children sharing the committed turns ``0..at_turn`` (default: all)."""
     session_id = checked_session_id(session_id)
     data = await strict_body(request, ForkRequest)
@@ -193,8 +196,8 @@ async def prefetch_session(request: Request[Any, Any, Any], session_id: str,
 @post(f"{_ID}/append", status_code=200, operation_class=StreamingOperation,
       responses=_doc(200, AppendResult, "The committed turn (or, with `stream`, an SSE stream)",
                      400, 401, 404, 409, 413, 422, 429, 503))
-async def append(request: Request[Any, Any, Any], session_id: str, data: AppendRequest,
-                 ctx: ApiContext) -> Response[Any]:
+async def append(request: Request[Any, Any, Any], session_id: str, ctx: ApiContext,
+                 data: AppendRequest | None = None) -> Response[Any]:
     """Append input and optionally generate; the result is one new committed turn."""
     session_id = checked_session_id(session_id)
     data = await strict_body(request, AppendRequest)

@@ -27,7 +27,7 @@ from litestar import WebSocket, websocket
 
 from phloem.api import _convert
 from phloem.api._context import ApiContext, checked_session_id, error_event, owner_of
-from phloem.api._errors_http import ApiError, classify
+from phloem.api._errors_http import ApiError, classify, malformed_json
 from phloem.api.schemas import (
     ERROR_STATUS, AppendMessage, CancelledEvent, CancelMessage, ClientMessage, ErrorCode,
     ErrorEvent, ForkedEvent, ForkMessage, ServerEvent,
@@ -104,8 +104,11 @@ class _Connection:
             return
         try:
             request = _decoder.decode(text)
-        except msgspec.DecodeError as exc:
+        except msgspec.ValidationError as exc:
             await self._error(ErrorCode.INVALID_REQUEST, str(exc), None)
+            return
+        except msgspec.DecodeError as exc:
+            await self._error(ErrorCode.INVALID_REQUEST, malformed_json(str(exc), "message"), None)
             return
         try:
             if isinstance(request, AppendMessage):

@@ -38,6 +38,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -64,17 +65,20 @@ from phloem.api._routes_sessions import SESSION_ROUTES
 from phloem.api._server_protocol import guarded_http_protocol
 from phloem.api._ws import session_socket
 from phloem.api.schemas import ErrorCode
-from phloem.runtime import EngineClient, ServerConfig
+from phloem.runtime import EngineClient, EngineOptions, ServerConfig
+from phloem.runtime.config import DEFAULT_KEEPALIVE_S
 from phloem.runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from phloem.runtime.logs import stderr_logging
+from phloem.runtime.logs import adopt_library_loggers, stderr_logging
 from phloem.runtime.pd_decode import engine_client_for
+from phloem.runtime.startup import StartupLog
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 from phloem.storage import server_secret
 
-__all__ = ["create_app", "serve"]
+__all__ = ["KEEP_ALIVE_S", "create_app", "serve"]
 
 logger = logging.getLogger(__name__)
 _GRACE_S = 10
+KEEP_ALIVE_S = DEFAULT_KEEPALIVE_S
 
 
 def create_app(config: ServerConfig, engine_client: EngineClient,
@@ -165,8 +169,8 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
     return app
 
 
-def serve(config: ServerConfig) -> None:
-    """Run ``phloem serve``: load the model, start the engine, serve until SIGINT/SIGTERM.
+def serve(config: ServerConfig, sock: socket.socket | None = None, startup: StartupLog | None = None) -> None:
+    """Run ``phloem serve``: load the model, warm it up, serve until SIGINT/SIGTERM.
 
     The caller holds the data directory's lock (``storage.lock_data_dir``; ``phloem serve``
     takes it first), so that no second server loads the same sessions.
@@ -174,23 +178,31 @@ def serve(config: ServerConfig) -> None:
     Args:
         config: The server config; ``model`` None serves the built-in demo model (random
             weights), created under ``data_dir`` if needed.
+        sock: The bound socket to serve (``runtime.preflight.bind_port``, so a taken port is
+            found before the model loads); None: uvicorn binds ``host:port`` itself.
+        startup: The start-up's phase log, begun by the caller; None: begun here.
 
     Raises:
         ValueError: The model folder or an engine option is invalid.
         OSError: The model folder or the data directory cannot be read or written.
     """
     with stderr_logging(config.log_format, config.log_level):
-        _serve(config)
+        _serve(config, sock, startup or StartupLog())
 
 
-def _serve(config: ServerConfig) -> None:
+def _serve(config: ServerConfig, sock: socket.socket | None, startup: StartupLog) -> None:
+    adopt_library_loggers()  # transformers, imported by now, logs through our handler too
     if config.model is None:
-        folder = ensure_default_model(config.data_dir, config.engine_options.show_progress)
+        with startup.phase("demo_model", f"building the built-in demo model in {config.models_dir}"):
+            folder = ensure_default_model(config.data_dir, config.engine_options.show_progress)
         config = dataclasses.replace(config, model=str(folder))
     assert config.model is not None
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    # A decode instance's client sends prompts to its prefill instance (``--role decode``).
-    engine = engine_client_for(config)
+    options = config.engine_options
+    with startup.phase("model", f"loading the model from {config.model} on {options.device} ({options.dtype})"):
+        # A decode instance's client sends prompts to its prefill instance (``--role decode``).
+        engine = engine_client_for(config)
+    _warm_up(engine, options, startup)
     sessions = SessionConfig(data_dir=config.data_dir, model_fingerprint=model_fingerprint(config.model),
                              redis_url=config.redis_url, default_ttl_s=config.default_ttl_s,
                              max_num_generations=config.max_num_generations,
@@ -198,7 +210,9 @@ def _serve(config: ServerConfig) -> None:
                              tokenize_workers=config.tokenize_workers,
                              max_tokenizations_per_owner=config.max_tokenizations_per_key,
                              shared_prefixes=config.shared_prefixes)
-    manager = SessionManager(engine, Tokenizer.from_pretrained(config.model), sessions)
+    with startup.phase("tokenizer", "loading the tokenizer"):
+        tokenizer = Tokenizer.from_pretrained(config.model)
+    manager = SessionManager(engine, tokenizer, sessions)
     app = create_app(config, engine, manager)
     _log_auth(config)
 
@@ -206,23 +220,52 @@ def _serve(config: ServerConfig) -> None:
         await engine.shutdown()
 
     app.on_shutdown.append(stop_engine)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _Server(uvicorn.Config(
         app, host=config.host, port=config.port, ws_max_size=config.max_body_bytes,
         lifespan="on", timeout_graceful_shutdown=_GRACE_S, log_level=config.log_level,
         log_config=None, access_log=False, timeout_keep_alive=config.keepalive_timeout_s,
-        http=guarded_http_protocol(config.header_timeout_s, config.max_connections)))
+        http=guarded_http_protocol(config.header_timeout_s, config.max_connections)), startup)
     engine.start()
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the
     # handler it found: make SIGTERM end in KeyboardInterrupt too, so serve() returns normally.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     except KeyboardInterrupt:
         logger.info("phloem serve: stopped")
     finally:
         signal.signal(signal.SIGTERM, previous)
         if engine.is_running:
             asyncio.run(engine.shutdown())
+
+
+def _warm_up(engine: EngineClient, options: EngineOptions, startup: StartupLog) -> None:
+    """Compile on a GPU what the first requests would (``engine.warmup``); on CPU nothing
+    compiles (torch kernels), so there is nothing to wait for."""
+    if not options.device.startswith("cuda"):
+        logger.info("startup: no kernel warm-up on %s (nothing compiles there)", options.device)
+        return
+    with startup.phase("warm_up", "warming up kernels: a few requests compile what serving uses"):
+        report = engine.warm_up(options.show_progress)
+    logger.info("startup: warm-up ran %d requests, %d steps, %d prompt tokens",
+                report.num_requests, report.num_steps, report.num_prompt_tokens)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, timing its own start (the app's startup hooks restore the journaled
+    sessions) and logging ``startup.ready`` once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, startup: StartupLog) -> None:
+        super().__init__(config)
+        self._startup = startup
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        with self._startup.phase("http", "restoring sessions and opening the port"):
+            await super().startup(sockets)
+        if self.started:
+            listening = self.servers[0].sockets[0].getsockname() if self.servers else None
+            host, port = (listening[0], listening[1]) if listening else (self.config.host, self.config.port)
+            self._startup.ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
 
 
 def _log_auth(config: ServerConfig) -> None:

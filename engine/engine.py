@@ -36,6 +36,7 @@ from phloem.engine.config import (
     ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
+    default_max_num_batched_tokens,
 )
 from phloem.engine.errors import CorruptStep, InvalidRequest
 from phloem.engine.grammar import GrammarBackend
@@ -54,6 +55,7 @@ from phloem.engine.state_slots import SlotPool
 from phloem.engine.step_pipeline import next_decode_step
 from phloem.engine.tp_workers import TPWorkers, WorkerSpec, rank_device
 from phloem.engine.transfer_state import TransferReservation, TransferSource
+from phloem.engine.warmup import WarmupReport, warm_up
 
 __all__ = ["Engine"]
 
@@ -159,7 +161,9 @@ class Engine:
         load_config = replace(load_config, device=str(_with_index(torch.device(load_config.device))))
         parallel = ParallelConfig(**pick(_PARALLEL_OPTIONS))  # type: ignore[arg-type]
         cache_config = CacheConfig(**pick(_CACHE_OPTIONS))  # type: ignore[arg-type]
-        scheduler_config = SchedulerConfig(**pick(_SCHED_OPTIONS))  # type: ignore[arg-type]
+        budget = default_max_num_batched_tokens(load_config.device)
+        sched = {"max_num_batched_tokens": budget, **pick(_SCHED_OPTIONS)}
+        scheduler_config = SchedulerConfig(**sched)  # type: ignore[arg-type]
         runner_config = RunnerConfig(**pick(_RUNNER_OPTIONS))  # type: ignore[arg-type]
         model_config = ModelConfig.from_pretrained(path)
         tp_size = parallel.tensor_parallel_size
@@ -442,6 +446,11 @@ class Engine:
         while self.scheduler.num_finalizing() or self._queued is not None:
             self.step()
         return [final[i] for i in ids]
+
+    def warm_up(self, show_progress: bool | None = None) -> WarmupReport:
+        """Run every kind of step serving will use once, so the kernels a first request would
+        compile compile now; the engine is left empty (``engine.warmup``)."""
+        return warm_up(self, show_progress)
 
     def pin_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> RadixNode | None:
         """Pin the deepest checkpoint within ``token_ids`` cached in ``namespace`` (a session's

@@ -19,7 +19,8 @@ Checkpoint names accepted, beside the model's own (``engine.models.qwen3_hybrid`
 Then each module's ``fused_weights()`` redirects tensors into the model's fused parameters:
 ``q/k/v_proj`` -> rows of ``qkv_proj``; ``in_proj_{qkv,z,b,a}`` -> rows of ``in_proj``;
 ``mlp.gate`` + ``mlp.shared_expert_gate`` -> rows of ``mlp.router``; ``mlp.shared_expert.*`` ->
-expert ``E`` of ``mlp.experts.*``.
+expert ``E`` of ``mlp.experts.*`` (when the shared expert's FFN size is the experts'; else it
+stays a module of its own, ``engine.models._moe``).
 
 Every parameter must be covered by the checkpoint; an unknown, missing or mis-shaped tensor
 raises ``ValueError`` naming it.

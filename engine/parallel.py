@@ -15,7 +15,8 @@ Sharding of rank ``r`` of ``N`` (a weight is ``[out, in]``; "rows" are outputs):
                gate/up rows, down_proj input columns, then all-reduce; the router is replicated.
                With ``expert_parallel`` rank r instead holds routed experts [r*E/N, (r+1)*E/N)
                whole and rank 0 the whole shared expert; each rank adds its experts' share
-               of every token, then all-reduce
+               of every token, then all-reduce. A shared expert of another FFN size than the
+               experts' is its own MLP, split like a dense one under both
     embedding  vocab rows split, padded to ceil(V / N) per rank; a token outside a rank's rows
                embeds to 0 there, then all-reduce (exactly one rank contributes: exact)
     LM head    vocab rows split; logits gathered to rank 0, the only rank that samples
@@ -212,6 +213,9 @@ def check_tp_size(mc: ModelConfig, tp_size: int, device: torch.device, expert_pa
         "intermediate_size": mc.intermediate_size if not all(moe) else 0,
         "moe_intermediate_size": mc.moe_intermediate_size if any(moe) and not expert_parallel else 0,
         "num_experts": mc.num_experts if expert_parallel else 0,
+        # A shared expert of its own size is split across the ranks under TP and EP alike.
+        "shared_expert_intermediate_size": (mc.shared_expert_intermediate_size if any(moe) and (
+            mc.shared_expert_intermediate_size != mc.moe_intermediate_size) else 0),
     }
     for name, value in must_divide.items():
         if value % tp_size:

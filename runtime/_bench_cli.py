@@ -14,23 +14,44 @@ from collections.abc import Callable
 from pathlib import Path
 
 from phloem.runtime.env import read_env
+from phloem.runtime.model_shapes import SHAPES
+from phloem.runtime.preflight import best_device, check_device, check_model_folder
 
 __all__ = ["add_bench_commands", "show_progress"]
 
 _EXAMPLES = """\
 examples:
-  phloem bench decode --device cuda                       # Qwen3.5-35B-A3B shape, dummy weights, one GPU
-  phloem bench decode --shape tiny --device cpu --batches 1,4 --contexts 256 --prefill-tokens 512
-  phloem bench decode --device cuda --tp 2 --batches 1,16 --contexts 1024   # two GPUs, NCCL
+  phloem bench decode                                     # Qwen3.5-35B-A3B shape, dummy weights, the best device here
   phloem bench prefix-cache                               # 12-turn conversation, cache on vs off (CPU ok)
   phloem bench long-context --device cuda                 # decode at 128K / 256K / 1M tokens of context
   phloem bench agentic                                    # scaled-down agents against fresh local servers
-  phloem bench agentic --base-url http://gpu-box:8000 --agents 16 --first-turn 50000 --append 800 --output 500
-  phloem bench prefix-cache --no-progress > prefix-cache.md   # no progress bars (or PHLOEM_NO_PROGRESS=1)
   phloem bench trie                                       # tokenspeed-trie vs our client, same workload (CPU ok)
+  phloem bench decode --help                              # one benchmark's flags, defaults and examples
 """
-_TRIE_EXAMPLES = """\
-examples:
+# Each benchmark's own examples (its --help shows only these).
+_KIND_EXAMPLES = {
+    "decode": """\
+  phloem bench decode --device cuda                       # Qwen3.5-35B-A3B shape, dummy weights, one GPU
+  phloem bench decode --shape tiny --device cpu --batches 1,4 --contexts 256 --prefill-tokens 512
+  phloem bench decode --device cuda --tp 2 --batches 1,16 --contexts 1024   # two GPUs, NCCL
+  phloem bench decode --model ~/models/Qwen3.5-35B-A3B --out decode.json
+""",
+    "long-context": """\
+  phloem bench long-context --device cuda                 # decode at 128K / 256K / 1M tokens of context
+  phloem bench long-context --device cuda --contexts 32768,131072 --steps 50
+  phloem bench long-context --shape tiny --device cpu --contexts 2048,8192
+""",
+    "prefix-cache": """\
+  phloem bench prefix-cache                               # 12-turn conversation, cache on vs off (CPU ok)
+  phloem bench prefix-cache --turns 20 --first-turn 4000 --append 200
+  phloem bench prefix-cache --no-progress > prefix-cache.md   # no progress bars (or PHLOEM_NO_PROGRESS=1)
+""",
+    "agentic": """\
+  phloem bench agentic                                    # scaled-down agents against fresh local servers
+  phloem bench agentic --base-url http://gpu-box:8000 --agents 16 --first-turn 50000 --append 800 --output 500
+  phloem bench agentic --modes sessions --fork-at 3 --forks 4 --out bench-forks
+""",
+    "trie": """\
   phloem bench trie                                       # scaled-down workload, a fresh local server, 20 s
   phloem bench trie --duration 60 --agents 4 --out bench-trie
   phloem bench trie --base-url http://gpu-box:8000 --tokenizer ~/models/Qwen3.5-35B-A3B \\
@@ -38,7 +59,8 @@ examples:
 
 tokenspeed-trie (pip install tokenspeed-trie) sends TEXT prompts to /v1/completions; the built-in
 model's tokenizer is the default, which matches `phloem serve` without --model and with --shape.
-"""
+""",
+}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -57,63 +79,76 @@ def add_bench_commands(
     )  # fmt: skip
     kinds = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
 
-    decode = kinds.add_parser("decode", help="decode tok/s and roofline fraction over a batch × context grid", epilog=_EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    decode = _kind(kinds, "decode", "decode tok/s and roofline fraction over a batch × context grid")
     _engine_args(decode)
-    decode.add_argument("--batches", type=_ints, default=(1, 4, 16, 64), help="comma-separated (default: 1,4,16,64)")
-    decode.add_argument("--contexts", type=_ints, default=(1024, 32768, 131072), help="comma-separated tokens of history")
-    decode.add_argument("--prefill-tokens", type=int, default=50000, help="one prompt timed against the FLOP roofline (0: skip)")
+    decode.add_argument("--batches", metavar="N,N,...", type=_ints, default=(1, 4, 16, 64),
+                        help="decode batch sizes, comma-separated (default: 1,4,16,64)")
+    decode.add_argument("--contexts", metavar="TOKENS,...", type=_ints,
+                        help="tokens of history per request, comma-separated (default: 1024,32768,131072 "
+                             "on a GPU, 256,1024 on CPU)")
+    decode.add_argument("--prefill-tokens", metavar="TOKENS", type=int,
+                        help="one prompt timed against the FLOP roofline; 0 skips it (default: 50000 on a "
+                             "GPU, 512 on CPU)")
     decode.add_argument("--no-served", dest="served", action="store_false",
                         help="skip the served-path timing of each point (requests through the engine loop)")
     decode.add_argument("--grammar", action="store_true",
                         help="time each point again with every request under a JSON-schema grammar")
-    decode.add_argument("--tokenizer", type=Path,
+    decode.add_argument("--tokenizer", metavar="DIR", type=Path,
                         help="with --grammar: the model folder whose tokenizer the grammar is compiled against "
                              "(default: the model's, or the built-in model's for a dummy shape)")
-    decode.set_defaults(configure=lambda a: a, run=_decode)
+    decode.set_defaults(configure=_checked, run=_decode)
 
-    long = kinds.add_parser("long-context", help="batch-1 decode at long contexts with roofline fractions", epilog=_EXAMPLES,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    long = _kind(kinds, "long-context", "batch-1 decode at long contexts with roofline fractions")
     _engine_args(long)
-    long.add_argument("--contexts", type=_ints, default=(131072, 262144, 1048576), help="comma-separated tokens of history")
-    long.set_defaults(configure=lambda a: a, run=_long_context)
+    long.add_argument("--contexts", metavar="TOKENS,...", type=_ints,
+                      help="tokens of history, comma-separated (default: 131072,262144,1048576 on a GPU, "
+                           "2048,8192 on CPU)")
+    long.set_defaults(configure=_checked, run=_long_context)
 
-    prefix = kinds.add_parser("prefix-cache", help="multi-turn conversation with the prefix cache on vs off", epilog=_EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    prefix.add_argument("--model", type=Path, help="model folder (default: the built-in tiny model)")
-    prefix.add_argument("--turns", type=int, default=12)
-    prefix.add_argument("--first-turn", type=int, default=2000)
-    prefix.add_argument("--append", type=int, default=80)
-    prefix.add_argument("--output", type=int, default=16)
+    prefix = _kind(kinds, "prefix-cache", "multi-turn conversation with the prefix cache on vs off")
+    prefix.add_argument("--model", metavar="DIR", type=Path, help="model folder (default: the built-in tiny model)")
+    _conversation_args(prefix, {"--turns": 12, "--first-turn": 2000, "--append": 80, "--output": 16}, record=False)
     prefix.add_argument("--namespace", metavar="NAME", help="run as one tenant of the partitioned cache (its cost)")
-    prefix.set_defaults(configure=lambda a: a, run=_prefix_cache)
+    prefix.set_defaults(configure=_checked, run=_prefix_cache)
 
-    agentic = kinds.add_parser("agentic", help="simulated agents over HTTP: sessions vs stateless vs no cache", epilog=_EXAMPLES,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    agentic.add_argument("--base-url", help="a running server (default: start a fresh local server per mode)")
+    agentic = _kind(kinds, "agentic", "simulated agents over HTTP: sessions vs stateless vs no cache")
+    agentic.add_argument("--base-url", metavar="URL", help="a running server (default: start a fresh local server per mode)")
     agentic.add_argument("--modes", default="sessions,stateless,nocache", help="comma-separated (default: %(default)s)")
     _workload_args(agentic)
-    agentic.add_argument("--fork-at", type=int, help="fork after this turn")
-    agentic.add_argument("--forks", type=int, default=0, help="branches at --fork-at")
-    agentic.add_argument("--vocab-hi", type=int, default=1000, help="token ids are drawn from [10, this)")
-    agentic.add_argument("--server-arg", action="append", default=[], help="extra `phloem serve` argument (repeatable)")
-    agentic.add_argument("--gpus", type=int, default=1, help="GPUs behind the server, for per-GPU throughput")
-    agentic.add_argument("--out", type=Path, default=Path("bench-agentic"), help="JSON + PNG plots go here")
-    agentic.set_defaults(configure=lambda a: a, run=run_agentic)
+    agentic.add_argument("--fork-at", metavar="TURN", type=int, help="fork after this turn (default: no fork)")
+    agentic.add_argument("--forks", metavar="N", type=int, default=0, help="branches at --fork-at (default: %(default)s)")
+    agentic.add_argument("--vocab-hi", metavar="ID", type=int, default=1000,
+                         help="token ids are drawn from [10, this) (default: %(default)s)")
+    agentic.add_argument("--server-arg", metavar="ARG", action="append", default=[],
+                         help="extra `phloem serve` argument, repeatable (default: none)")
+    agentic.add_argument("--gpus", metavar="N", type=int, default=1,
+                         help="GPUs behind the server, for per-GPU throughput (default: %(default)s)")
+    agentic.add_argument("--out", metavar="DIR", type=Path, default=Path("bench-agentic"),
+                         help="JSON + PNG plots go here (default: %(default)s)")
+    agentic.set_defaults(configure=_checked, run=run_agentic)
 
-    trie = kinds.add_parser("trie", help="the external harness tokenspeed-trie vs our own client, same workload",
-                            epilog=_TRIE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    trie.add_argument("--base-url", help="a running server (default: start a fresh local one)")
+    trie = _kind(kinds, "trie", "the external harness tokenspeed-trie vs our own client, same workload")
+    trie.add_argument("--base-url", metavar="URL", help="a running server (default: start a fresh local one)")
     _workload_args(trie)
-    trie.add_argument("--duration", type=float, default=20.0, help="seconds trie admits new traces (default: %(default)s)")
-    trie.add_argument("--tokenizer", help="the server's tokenizer folder (default: the built-in model's)")
-    trie.add_argument("--server-arg", action="append", default=[], help="extra `phloem serve` argument (repeatable)")
-    trie.add_argument("--out", type=Path, default=Path("bench-trie"), help="workload file, JSON and report go here")
-    trie.set_defaults(configure=lambda a: a, run=run_trie)
+    trie.add_argument("--duration", metavar="SECONDS", type=float, default=20.0,
+                      help="seconds trie admits new traces (default: %(default)s)")
+    trie.add_argument("--tokenizer", metavar="DIR", help="the server's tokenizer folder (default: the built-in model's)")
+    trie.add_argument("--server-arg", metavar="ARG", action="append", default=[],
+                      help="extra `phloem serve` argument, repeatable (default: none)")
+    trie.add_argument("--out", metavar="DIR", type=Path, default=Path("bench-trie"),
+                      help="workload file, JSON and report go here (default: %(default)s)")
+    trie.set_defaults(configure=_checked, run=run_trie)
     for parser in kinds.choices.values():
         parser.add_argument("--no-progress", action="store_true",
                             help="no progress bars (also $PHLOEM_NO_PROGRESS=1; bars are drawn only "
                                  "when stderr is a terminal)")
+
+
+def _kind(kinds: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """One benchmark's subcommand, its help showing its own examples."""
+    return kinds.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".",
+                            epilog="examples:\n" + _KIND_EXAMPLES[name],
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def show_progress(args: argparse.Namespace) -> bool | None:
@@ -122,43 +157,79 @@ def show_progress(args: argparse.Namespace) -> bool | None:
     return False if getattr(args, "no_progress", False) or read_env().no_progress else None
 
 
+# A conversation's shape: flag, metavar, meaning, the value in TokenSpeed's agentic record.
+_CONVERSATION = (("--turns", "N", "turns of each conversation", "10-15"),
+                 ("--first-turn", "TOKENS", "tokens of the first turn's prompt", "50000"),
+                 ("--append", "TOKENS", "new prompt tokens of each later turn", "800"),
+                 ("--output", "TOKENS", "tokens generated per turn", "500"))
+
+
+def _conversation_args(parser: argparse.ArgumentParser, defaults: dict[str, int], record: bool) -> None:
+    """``--turns``, ``--first-turn``, ``--append``, ``--output`` with these defaults; ``record``
+    names the record's value beside each (the agentic workloads, scaled down for CPU)."""
+    for flag, metavar, meaning, value in _CONVERSATION:
+        extra = f"; the record's: {value}" if record else ""
+        parser.add_argument(flag, metavar=metavar, type=int, default=defaults[flag],
+                            help=f"{meaning} (default: %(default)s{extra})")
+
+
 def _workload_args(parser: argparse.ArgumentParser) -> None:
     """The agentic workload's shape, scaled down for CPU by default (the record's in the help)."""
-    parser.add_argument("--agents", type=int, default=2, help="concurrent agents (default: %(default)s)")
-    parser.add_argument("--first-turn", type=int, default=512, help="first-turn tokens (record: 50000)")
-    parser.add_argument("--append", type=int, default=48, help="new tokens per later turn (record: 800)")
-    parser.add_argument("--turns", type=int, default=6, help="turns per agent (record: 10-15)")
-    parser.add_argument("--output", type=int, default=8, help="output tokens per turn (record: 500)")
-    parser.add_argument("--tool-pause", type=float, default=0.0, help="seconds between turns")
+    parser.add_argument("--agents", metavar="N", type=int, default=2, help="concurrent agents (default: %(default)s)")
+    _conversation_args(parser, {"--turns": 6, "--first-turn": 512, "--append": 48, "--output": 8}, record=True)
+    parser.add_argument("--tool-pause", metavar="SECONDS", type=float, default=0.0,
+                        help="seconds between turns (default: %(default)s)")
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default="qwen3.5-35b-a3b", help="dummy-weight shape (default: %(default)s; or tiny)")
-    parser.add_argument("--model", type=Path, help="a real model folder instead of a dummy shape")
-    parser.add_argument("--device", default="cuda", help="default: %(default)s")
-    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
-    parser.add_argument("--tp", type=int, default=1,
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="dummy-weight shape (default: qwen3.5-35b-a3b on a GPU, tiny on CPU)")
+    parser.add_argument("--model", metavar="DIR", type=Path, help="a real model folder instead of a dummy shape (default: none, --shape's dummy weights)")
+    parser.add_argument("--device", help="torch device: cpu, cuda, cuda:N (default: cuda when a GPU is usable, else cpu)")
+    parser.add_argument("--steps", metavar="N", type=int, default=20, help="timed decode steps per point (default: %(default)s)")
+    parser.add_argument("--tp", metavar="N", type=int, default=1,
                         help="tensor-parallel ranks, one GPU each from --device (default: %(default)s); "
                              "the roofline is one rank's share of the bytes")
     parser.add_argument("--ep", action="store_true", help="with --tp N: split the routed experts whole across the ranks")
-    parser.add_argument("--out", type=Path, help="write the raw numbers as JSON here")
+    parser.add_argument("--out", metavar="FILE", type=Path, help="write the raw numbers as JSON here (default: none)")
+
+
+def _checked(args: argparse.Namespace) -> argparse.Namespace:
+    """The arguments, once a ``--model`` folder is known to hold a model (a usage error if not)."""
+    check_model_folder(getattr(args, "model", None))
+    return args
+
+
+def _device(args: argparse.Namespace, gpu: dict[str, object], cpu: dict[str, object]) -> str:
+    """``--device``, checked (one line if this machine has no such device), else the best here;
+    fills the flags left unset with that device's defaults (``gpu`` or ``cpu``): the benchmark
+    shape does not fit a CPU's memory, nor its long contexts its time."""
+    device = str(args.device or best_device())
+    check_device(device)
+    for name, value in (gpu if device.startswith("cuda") else cpu).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return device
 
 
 def _decode(args: argparse.Namespace) -> int:
+    device = _device(args, dict(shape="qwen3.5-35b-a3b", contexts=(1024, 32768, 131072), prefill_tokens=50000),
+                     dict(shape="tiny", contexts=(256, 1024), prefill_tokens=512))
     from phloem.runtime.bench_report import bench_decode
 
-    sys.stdout.write(bench_decode(args.shape, args.model, args.device, args.batches, args.contexts,
+    sys.stdout.write(bench_decode(args.shape, args.model, device, args.batches, args.contexts,
                                   args.prefill_tokens, args.steps, args.out, grammar=args.grammar, tokenizer=args.tokenizer,
-                                  served=args.served,
-                                  tensor_parallel_size=args.tp, expert_parallel=args.ep,
+                                  served=args.served, tensor_parallel_size=args.tp, expert_parallel=args.ep,
                                   show_progress=show_progress(args)) + "\n")  # fmt: skip
     return 0
 
 
 def _long_context(args: argparse.Namespace) -> int:
+    device = _device(args, dict(shape="qwen3.5-35b-a3b", contexts=(131072, 262144, 1048576)),
+                     dict(shape="tiny", contexts=(2048, 8192)))
     from phloem.runtime.bench_report import bench_decode
 
-    sys.stdout.write(bench_decode(args.shape, args.model, args.device, (1,), args.contexts, 0, args.steps, args.out,
+    sys.stdout.write(bench_decode(args.shape, args.model, device, (1,), args.contexts, 0, args.steps, args.out,
                                   max_num_seqs=1, tensor_parallel_size=args.tp, expert_parallel=args.ep, show_progress=show_progress(args)) + "\n")  # fmt: skip
     return 0
 

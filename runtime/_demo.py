@@ -130,13 +130,18 @@ def _row(step: str, session_id: str, result: Any) -> DemoRow:
 
 
 def format_report(rows: list[DemoRow]) -> str:
-    """A fixed-width table of the rows and a cache summary line."""
+    """A fixed-width table of the rows and a cache summary line.
+
+    A session is shown by the last 8 characters of its id: ids begin with their creation time
+    (``sess_`` + milliseconds), so a branch and its parent share the first ones; the random end
+    tells them apart.
+    """
     header = f"{'step':<10} {'session':<10} {'prompt':>7} {'cached':>7} {'completion':>10}  {'finish':<7} output"
     lines = [header, "-" * len(header)]
     for r in rows:
         output = repr(r.text[:28] + ("…" if len(r.text) > 28 else ""))
         lines.append(
-            f"{r.step:<10} {r.session_id[:8]:<10} {r.prompt_tokens:>7} {r.cached_tokens:>7} "
+            f"{r.step:<10} {'…' + r.session_id[-8:]:<10} {r.prompt_tokens:>7} {r.cached_tokens:>7} "
             f"{r.completion_tokens:>10}  {r.finish_reason or '-':<7} {output}"
         )
     prompt = sum(r.prompt_tokens for r in rows)

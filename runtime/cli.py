@@ -25,8 +25,11 @@ from phloem.runtime.config import (
     DTYPES, LOG_FORMATS, LOG_LEVELS, ApiKey, EngineOptions, ServerConfig, default_data_dir, parse_api_key, read_api_keys_file,
 )
 from phloem.runtime.model_shapes import SHAPES, ensure_shape_model
-from phloem.runtime.env import EnvSettings, read_env
+from phloem.runtime.env import EnvSettings, read_env, use_kernel_caches
 from phloem.runtime.pd_roles import ROLES, PDConfig
+from phloem.runtime._cli_parsers import command_parser, shorten_usage
+from phloem.runtime.preflight import StartupError, bind_port, check_device, check_model_folder
+from phloem.runtime.startup import StartupLog
 
 __all__ = ["build_parser", "main"]
 
@@ -45,7 +48,7 @@ examples:
   phloem serve --log-format json --log-level debug 2> phloem.jsonl   # one JSON object per line
   curl -s http://127.0.0.1:8000/metrics          # Prometheus metrics of a running server
   phloem serve --shape qwen3.5-35b-a3b --device cuda --dtype bfloat16   # dummy weights, benchmarks
-  phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --max-num-batched-tokens 8192   # faster prefill
+  phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --max-num-batched-tokens 2048   # smoother decodes
 """
 _DEMO_EXAMPLES = """\
 examples:
@@ -101,7 +104,7 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
                             "tokenizer, instead of --model (benchmarks only)")
     serve.add_argument("--max-num-batched-tokens", metavar="TOKENS", type=int,
                        help="token budget of one engine step: larger prefills faster, smaller keeps "
-                            "concurrent decodes smoother (default: the engine's, 2048)")
+                            "concurrent decodes smoother (default: 8192 on a GPU, 512 on CPU)")
     serve.add_argument("--max-num-seqs", metavar="N", type=int,
                        help="requests decoding at once (default: the engine's, 64)")
     serve.add_argument("--no-async-scheduling", action="store_true",
@@ -138,6 +141,7 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
     demo.set_defaults(configure=_demo_options, run=_demo)
 
     add_bench_commands(commands, _bench_agentic, _bench_trie)
+    shorten_usage(parser)
     return parser
 
 
@@ -253,14 +257,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status (argparse exits by itself: 2 on a bad argument, 0 after ``--help``).
     """
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ValueError as exc:  # a PHLOEM_* variable that does not parse
+        sys.stderr.write(f"phloem: error: {exc}\n")
+        return 2
     args = parser.parse_args(argv)
+    command = command_parser(parser, args)
     try:
         config = args.configure(args)
     except ValueError as exc:
         # A value argparse accepted but the config rejects: a usage error naming the field.
-        parser.error(str(exc))
-    return int(args.run(config))
+        command.error(str(exc))
+    try:
+        return int(args.run(config))
+    except StartupError as exc:  # this machine cannot (no CUDA, port taken): one line
+        sys.stderr.write(f"{command.prog}: error: {exc}\n")
+        return 2
 
 
 def _api_keys(args: argparse.Namespace) -> tuple[ApiKey, ...]:
@@ -282,6 +295,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         if args.model:
             raise ValueError("--shape: give either --model or --shape, not both")
         model = str(ensure_shape_model(args.shape, options.get("data_dir") or default_data_dir()))
+    check_model_folder(model)
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -329,6 +343,11 @@ def _serve(config: ServerConfig) -> int:
     from phloem.runtime.logs import stderr_logging
     from phloem.storage import StorageError, lock_data_dir
 
+    # Before torch loads anything: kernel caches on disk, then what would fail late (preflight).
+    startup = StartupLog()
+    use_kernel_caches(config.data_dir / "kernel-cache")
+    check_device(config.device)
+    sock = bind_port(config.host, config.port) if config.pd.role != "prefill" else None
     # The server's logging, from the first line on (``serve`` finds it installed and keeps it).
     with stderr_logging(config.log_format, config.log_level), contextlib.ExitStack() as held:
         if config.pd.role != "prefill":
@@ -341,7 +360,8 @@ def _serve(config: ServerConfig) -> int:
         if config.model is None:
             from phloem.runtime.default_model import ensure_default_model
 
-            folder = ensure_default_model(config.data_dir, config.engine_options.show_progress)
+            with startup.phase("demo_model", f"building the built-in demo model in {config.models_dir}"):
+                folder = ensure_default_model(config.data_dir, config.engine_options.show_progress)
             logging.getLogger("phloem.runtime.cli").warning(
                 "phloem: no --model given; serving the built-in demo model at %s. ITS WEIGHTS ARE "
                 "RANDOM: the text it generates is gibberish (use --model DIR for a real model)", folder)
@@ -351,13 +371,14 @@ def _serve(config: ServerConfig) -> int:
 
             run_prefill_worker(config.model, config.engine_options, config.pd)
             return 0
-        from phloem.api.app import serve
-
-        serve(config)
+        with startup.phase("imports", "importing torch and the server"):
+            from phloem.api.app import serve
+        serve(config, sock=sock, startup=startup)
     return 0
 
 
 def _demo_options(args: argparse.Namespace) -> DemoOptions:
+    check_model_folder(args.model)
     return DemoOptions(
         base_url=args.base_url,
         api_key=args.api_key,

@@ -55,6 +55,12 @@ MIN_API_KEY_LEN = 16
 MAX_API_KEY_LEN = 256
 
 
+# Seconds an idle keep-alive connection stays open by default. Longer than any client keeps one
+# idle (httpx, so the SDK and openai: 5 s; a load balancer: 60 s): when both sides expire it after
+# the same time, a client reuses it just as the server closes it, and the request it sent is lost
+# (ECONNRESET, httpx.ReadError). uvicorn's default is 5 s.
+DEFAULT_KEEPALIVE_S = 75.0
+
 @dataclass(frozen=True, slots=True)
 class ApiKey:
     """One API key the server accepts (``Authorization: Bearer <secret>``).
@@ -258,7 +264,8 @@ class ServerConfig:
             ``/schema/openapi.json`` is always served).
         header_timeout_s: a connection that has not sent a whole request head this long after
             it opened (or after its previous response) is closed.
-        keepalive_timeout_s: an idle keep-alive connection is closed after this long.
+        keepalive_timeout_s: an idle keep-alive connection is closed after this long
+            (``DEFAULT_KEEPALIVE_S`` says why the default is long).
         max_connections: open connections at most; more are closed at once.
         tokenize_workers: threads that tokenize and render chat templates, off the event loop;
             0: sized to the machine's CPUs.
@@ -294,7 +301,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     docs_ui: bool = False
     header_timeout_s: float = 10.0
-    keepalive_timeout_s: float = 5.0
+    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_S
     max_connections: int = 1024
     tokenize_workers: int = 0
     max_tokenizations_per_key: int = 2

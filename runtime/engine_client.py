@@ -31,6 +31,7 @@ from typing import Protocol, TypeVar
 from phloem.engine import Engine, EngineError, InvalidRequest, RequestOutput, SamplingParams
 from phloem.engine.config import ModelConfig
 from phloem.engine.sampling_params import GrammarSpec
+from phloem.engine.warmup import WarmupReport
 from phloem.runtime.config import EngineOptions
 from phloem.runtime.engine_commands import (
     AbortRequest,
@@ -109,6 +110,23 @@ class EngineClient:
     @property
     def is_running(self) -> bool:
         return self._loop.is_running
+
+    def warm_up(self, show_progress: bool | None = None) -> WarmupReport:
+        """Run every kind of step serving uses once, so its kernels compile now, not in a first
+        request (``Engine.warm_up``); blocking, before ``start``.
+
+        Args:
+            show_progress: A bar over the warm-up requests: False never, None on a terminal.
+
+        Returns:
+            What ran.
+
+        Raises:
+            RuntimeError: The engine thread runs already.
+        """
+        if self.is_running:
+            raise RuntimeError("warm_up: call it before start()")
+        return self._loop.engine.warm_up(show_progress)
 
     def start(self) -> None:
         """Start the engine thread.

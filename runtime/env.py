@@ -16,6 +16,12 @@
     PHLOEM_NO_PROGRESS ``1``/``true``/``yes``: no progress bars (as ``--no-progress``);
                        ``0``/``false``/``no``: bars when stderr is a terminal
 
+Two variables of other projects are set here (never overridden when already set), by
+``use_kernel_caches``, so that compiled kernels persist with the data directory:
+
+    TRITON_CACHE_DIR            Triton's compiled kernels       phloem serve: <data-dir>/kernel-cache/triton
+    FLASHINFER_WORKSPACE_BASE   FlashInfer's JIT modules        phloem serve: <data-dir>/kernel-cache/flashinfer
+
 The variables only supply defaults: the CLI's flags win, and the config dataclasses never read
 the environment themselves except ``ServerConfig.data_dir``'s default (``default_data_dir``) and
 ``SessionConfig.redis_prefix``'s (``default_redis_prefix``).
@@ -25,11 +31,12 @@ A value that does not parse raises ``ValueError`` naming the variable.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PREFIX", "EnvSettings", "default_data_dir", "default_redis_prefix", "read_env"]
+__all__ = ["PREFIX", "EnvSettings", "default_data_dir", "default_redis_prefix", "read_env",
+           "use_kernel_caches"]
 
 PREFIX = "PHLOEM_"
 
@@ -109,3 +116,29 @@ def default_redis_prefix() -> str:
     """``$PHLOEM_REDIS_PREFIX`` if set, else ``phloem:`` (several servers or tests can share a
     Redis server under distinct prefixes)."""
     return read_env().redis_prefix or "phloem:"
+
+
+_KERNEL_CACHES = {"TRITON_CACHE_DIR": "triton", "FLASHINFER_WORKSPACE_BASE": "flashinfer"}
+
+
+def use_kernel_caches(cache_dir: Path, environ: MutableMapping[str, str] | None = None) -> dict[str, Path]:
+    """Keep Triton's and FlashInfer's compiled kernels under ``cache_dir``, unless their own
+    variables already say where.
+
+    Both read their variable when first imported, so this runs before anything imports torch;
+    the tensor-parallel worker processes inherit it. Their defaults (``~/.triton/cache``,
+    ``~/.cache/flashinfer``) live in the home directory, which a container loses on restart;
+    the data directory is the volume that survives, so the second start compiles nothing.
+
+    Args:
+        cache_dir: The folder (``<data-dir>/kernel-cache`` for ``phloem serve``).
+        environ: The environment to change; ``os.environ`` when None (tests pass a dict).
+
+    Returns:
+        Each variable and the folder it names now.
+    """
+    env = os.environ if environ is None else environ
+    for name, sub in _KERNEL_CACHES.items():
+        if not env.get(name):
+            env[name] = str(cache_dir / sub)
+    return {name: Path(env[name]) for name in _KERNEL_CACHES}

@@ -18,6 +18,11 @@ context (a ``ContextVar``). asyncio tasks copy the context they are created in, 
 request starts (its generation) logs under that request's id; the engine thread logs without
 one. Every record written by the handler carries ``request_id`` when there is one.
 
+Third-party lines: uvicorn's propagate to the same handler (``uvicorn.error`` is renamed
+``uvicorn``: it carries every uvicorn line but the access log, which ``phloem serve`` turns off);
+libraries that write to stderr with a handler of their own (transformers) are adopted by
+``adopt_library_loggers`` once imported, so they follow ``--log-format`` and ``--log-level`` too.
+
 Decision: ``stderr_logging`` is a context manager that removes its handler on exit and is a
 no-op when one is already installed, so the CLI and ``api.app.serve`` can both wrap the server
 and tests that call them in process get their logging back unchanged. In ``json`` mode Python
@@ -38,8 +43,8 @@ from typing import Any
 
 from phloem.runtime.config import LOG_FORMATS, LOG_LEVELS
 
-__all__ = ["JsonFormatter", "TextFormatter", "bind_request_id", "current_request_id", "log_event",
-           "stderr_logging"]
+__all__ = ["JsonFormatter", "TextFormatter", "adopt_library_loggers", "bind_request_id",
+           "current_request_id", "log_event", "stderr_logging"]
 
 _REQUEST_ID: ContextVar[str | None] = ContextVar("phloem_request_id", default=None)
 # A text value written bare; anything else is quoted as a JSON string.
@@ -138,11 +143,47 @@ class _RequestIdFilter(logging.Filter):
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to whatever ``sys.stderr`` is at the time of each record."""
+    """Writes to whatever ``sys.stderr`` is at the time of each record; remembers the library
+    loggers it adopted (``adopt_library_loggers``) to give them back on exit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adopted: list[tuple[logging.Logger, list[logging.Handler], bool]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.stream = sys.stderr
         super().emit(record)
+
+
+class _LibraryNames(logging.Filter):
+    """uvicorn logs everything but access lines as ``uvicorn.error`` (a historical name): it is
+    ``uvicorn`` here, so an INFO line does not read as an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.error":
+            record.name = "uvicorn"
+        return True
+
+
+def adopt_library_loggers() -> None:
+    """Route the records of libraries that write to stderr by themselves (transformers installs
+    its own handler and stops propagation) through the handler of ``stderr_logging``: one format
+    (text or JSON), one place. A no-op outside ``stderr_logging``; undone when it exits.
+
+    Call it after those libraries are imported (their handlers exist only then).
+    """
+    ours = next((h for h in logging.getLogger().handlers if isinstance(h, _StderrHandler)), None)
+    if ours is None:
+        return
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if not isinstance(logger, logging.Logger) or name.split(".")[0] == "phloem":
+            continue
+        own = [h for h in logger.handlers if type(h) is logging.StreamHandler]
+        if own or not logger.propagate:
+            ours.adopted.append((logger, own, logger.propagate))
+            for handler in own:
+                logger.removeHandler(handler)
+            logger.propagate = True
 
 
 @contextlib.contextmanager
@@ -167,11 +208,13 @@ def stderr_logging(log_format: str = "text", level: str = "info") -> Iterator[No
     handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     handler.addFilter(_RequestIdFilter())
+    handler.addFilter(_LibraryNames())
     old_level = root.level
     root.addHandler(handler)
     root.setLevel(level.upper())
     if log_format == "json":
         logging.captureWarnings(True)
+    adopt_library_loggers()
     try:
         yield
     finally:
@@ -179,3 +222,7 @@ def stderr_logging(log_format: str = "text", level: str = "info") -> Iterator[No
             logging.captureWarnings(False)
         root.removeHandler(handler)
         root.setLevel(old_level)
+        for logger, own, propagate in handler.adopted:
+            logger.propagate = propagate
+            for library_handler in own:
+                logger.addHandler(library_handler)

@@ -48,8 +48,9 @@ def make_children(parent: Session, owner: str, n: int, at_turn: int | None,
         raise InvalidInput(f"n: expected >= 1, got {n}")
     num_turns = len(parent.turns)
     if at_turn is not None and not 0 <= at_turn < num_turns:
+        held = f"0..{num_turns - 1}" if num_turns else "it has none yet: leave at_turn out"
         raise InvalidInput(f"at_turn: expected a committed turn of session {parent.session_id} "
-                           f"(0..{num_turns - 1}), got {at_turn}")
+                           f"({held}), got {at_turn}")
     last = num_turns - 1 if at_turn is None else at_turn
     turns = parent.turns[: last + 1]
     end = turns[-1].end if turns else 0

@@ -77,6 +77,10 @@ class SegmentTiers:
         self._sessions = sessions
         self._segments: dict[str, SpilledSegment] = {}
 
+    def entries(self) -> list[SpilledSegment]:
+        """Every live segment, in the order they were placed."""
+        return list(self._segments.values())
+
     def owns_any(self, session_id: str) -> bool:
         """Whether a live segment's file lives in this session's directory."""
         return any(e.owner_id == session_id for e in self._segments.values())

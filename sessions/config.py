@@ -52,6 +52,9 @@ class SessionConfig:
         max_tokenizations_per_owner: Tokenizations one owner runs at once (more wait).
         shared_prefixes: Prefixes computed and pinned at start in the prefix cache's shared
             namespace: every owner's requests may hit them (``runtime.shared_prefixes``).
+        shutdown_flush_s: On a graceful shutdown, seconds spent writing to disk the state a
+            restart would lose: segments in host memory, then sessions only on the GPU (most
+            recently used first); what is left then resumes by recompute. 0: write nothing.
 
     Raises:
         ValueError: A field is out of range (the message names it).
@@ -72,6 +75,7 @@ class SessionConfig:
     tokenize_workers: int = 0
     max_tokenizations_per_owner: int = 2
     shared_prefixes: tuple[SharedPrefix, ...] = ()
+    shutdown_flush_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.default_ttl_s <= self.max_ttl_s:
@@ -85,8 +89,9 @@ class SessionConfig:
             raise ValueError(f"redis_prefix: expected a non-empty string, got {self.redis_prefix!r}")
         if self.host_budget_bytes < 0:
             raise ValueError(f"host_budget_bytes: expected >= 0, got {self.host_budget_bytes}")
-        if not self.idle_to_host_s >= 0:
-            raise ValueError(f"idle_to_host_s: expected seconds >= 0, got {self.idle_to_host_s}")
+        for name in ("idle_to_host_s", "shutdown_flush_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: expected seconds >= 0, got {getattr(self, name)}")
         if self.tokenize_workers < 0 or self.max_tokenizations_per_owner < 1:
             raise ValueError(f"tokenize_workers / max_tokenizations_per_owner: expected >= 0 / >= 1, "
                              f"got {self.tokenize_workers} / {self.max_tokenizations_per_owner}")

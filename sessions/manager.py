@@ -147,8 +147,11 @@ class SessionManager(TierMoves):
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Refuse new work, cancel generations in flight (their partial output is committed),
-        stop the sweeper and the TTL timers and close the store."""
+        write what a restart would lose to disk (``SessionConfig.shutdown_flush_s``), stop the
+        sweeper and the TTL timers and close the store."""
         await self._turns.close(timeout_s)
+        if self._config.shutdown_flush_s > 0:
+            await self._spill.flush(self._config.shutdown_flush_s)
         self._tokenize.close()
         self._spill.close()
         await self._store.drain_index(timeout_s)

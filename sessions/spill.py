@@ -35,6 +35,8 @@ Policy (DESIGN.md §4, "Pin/TTL")::
   least one), and the request goes on (or is retried once; a second refusal is
   ``Overloaded``). Pinned sessions are what the engine cannot evict; idle ones it evicts by
   itself. A request that only waits for its turn behind other prefills demotes nobody.
+- **Graceful shutdown** (`Spiller.flush`, ``sessions._flush``): host segments, then sessions
+  only on the GPU, are written to disk within ``shutdown_flush_s``, so they resume from disk.
 - **Restart** (`Spiller.recover`): host and GPU state is gone; a journaled session resumes
   from the disk segment its index record names, else from the newest segment in its own
   directory whose token ids are a prefix of its history, else by recompute. Segments of this
@@ -63,6 +65,7 @@ import torch
 from phloem.engine import EngineError
 from phloem.runtime import PrefixState
 from phloem.sessions._events import SessionEvents
+from phloem.sessions._flush import FlushReport, flush_to_disk
 from phloem.sessions._pins import PinKeeper
 from phloem.sessions._segments import SegmentTiers, SpilledSegment, SpillTier
 from phloem.sessions.config import SessionConfig
@@ -119,6 +122,15 @@ class Spiller:
         """Stop the sweeper and every move in flight (the host tier dies with the process)."""
         for task in list(self._tasks):
             task.cancel()
+
+    async def flush(self, budget_s: float) -> FlushReport:
+        """Stop the sweeper and the moves in flight, then write to disk, within ``budget_s``,
+        the state a restart would lose (``sessions._flush``: host segments, then GPU-only
+        sessions, most recently used first)."""
+        tasks = list(self._tasks)
+        self.close()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return await flush_to_disk(self, self._tiers, list(self._sessions.values()), budget_s)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run a move on its own task, kept until it ends."""

@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random Hugging Face checkpoints of the three supported architectures.
 
-``tiny_checkpoint(arch, layout, experts, dtype, num_layers, tie)`` writes (once per argument set,
+``tiny_checkpoint(arch, layout, experts, dtype, num_layers, tie, shared_expert_size)`` writes (once per argument set,
 per session) a folder that ``engine.loader`` and transformers both read; ``hf_model(...)`` loads
 the equivalent plain checkpoint with transformers. All variants of one ``(arch, num_layers, tie)``
 share the same weights: the other layouts are rewrites of the plain, per-expert, fp32 one.
@@ -66,16 +66,19 @@ _MULTIMODAL = {
 }
 
 
-def _hf_config(arch: str, num_layers: int, tie: bool) -> Any:
+def _hf_config(arch: str, num_layers: int, tie: bool, shared_expert_size: int | None = None) -> Any:
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
     common = dict(
         TINY_TEXT_CONFIG, num_hidden_layers=num_layers, layer_types=layer_types, tie_word_embeddings=tie
     )
+    moe = dict(TINY_MOE_CONFIG)
+    if shared_expert_size is not None:
+        moe["shared_expert_intermediate_size"] = shared_expert_size
     if arch == "Qwen3NextForCausalLM":
         rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
-        return Qwen3NextConfig(**common, **TINY_MOE_CONFIG, intermediate_size=96, rope_parameters=rope)
+        return Qwen3NextConfig(**common, **moe, intermediate_size=96, rope_parameters=rope)
     # Qwen3.5 carries an interleaved M-RoPE section; for text it reduces to plain RoPE.
     rope = {
         "rope_type": "default",
@@ -85,7 +88,7 @@ def _hf_config(arch: str, num_layers: int, tie: bool) -> Any:
         "mrope_interleaved": True,
     }
     if arch == "Qwen3_5MoeForCausalLM":
-        return Qwen3_5MoeTextConfig(**common, **TINY_MOE_CONFIG, rope_parameters=rope)
+        return Qwen3_5MoeTextConfig(**common, **moe, rope_parameters=rope)
     if arch == "Qwen3_5ForCausalLM":
         return Qwen3_5TextConfig(**common, intermediate_size=96, rope_parameters=rope)
     raise ValueError(f"arch: unknown {arch!r}")
@@ -124,11 +127,12 @@ def _reinit_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(value)
 
 
-def _build_plain(arch: str, num_layers: int, tie: bool, folder: Path) -> None:
+def _build_plain(arch: str, num_layers: int, tie: bool, folder: Path, shared_expert_size: int | None) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_hf_config(arch, num_layers, tie), dtype=torch.float32)
+    config = _hf_config(arch, num_layers, tie, shared_expert_size)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _reinit_(model, seed=1234 + num_layers)
     if tie:
         model.tie_weights()
@@ -198,7 +202,8 @@ def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path, num_shards: in
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: ``(arch, layout="plain"|"language_model", experts="per_expert"|"fused",
-    dtype=torch.float32, num_layers=4, tie=False) -> folder``; cached per arguments."""
+    dtype=torch.float32, num_layers=4, tie=False, shared_expert_size=None) -> folder``; cached per
+    arguments. ``shared_expert_size`` None: the shared expert has the routed experts' FFN size."""
     cache: dict[tuple[Any, ...], Path] = {}
 
     def build(
@@ -208,17 +213,19 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         dtype: torch.dtype = torch.float32,
         num_layers: int = 4,
         tie: bool = False,
+        shared_expert_size: int | None = None,
     ) -> Path:
-        key = (arch, layout, experts, dtype, num_layers, tie)
+        key = (arch, layout, experts, dtype, num_layers, tie, shared_expert_size)
         if key in cache:
             return cache[key]
-        base_key = (arch, "plain", "per_expert", torch.float32, num_layers, tie)
+        base_key = (arch, "plain", "per_expert", torch.float32, num_layers, tie, shared_expert_size)
         if key == base_key:
-            folder = tmp_path_factory.mktemp(f"{arch}_{num_layers}l{'_tied' if tie else ''}")
-            _build_plain(arch, num_layers, tie, folder)
+            shared = "" if shared_expert_size is None else f"_shared{shared_expert_size}"
+            folder = tmp_path_factory.mktemp(f"{arch}_{num_layers}l{'_tied' if tie else ''}{shared}")
+            _build_plain(arch, num_layers, tie, folder, shared_expert_size)
             cache[key] = folder
             return folder
-        base = build(arch, num_layers=num_layers, tie=tie)
+        base = build(arch, num_layers=num_layers, tie=tie, shared_expert_size=shared_expert_size)
         tensors = {n: t.to(dtype) for n, t in _read_all(base).items()}
         config = json.loads((base / "config.json").read_text())
         config["dtype"] = str(dtype).removeprefix("torch.")
@@ -241,17 +248,20 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 
 @pytest.fixture(scope="session")
 def hf_model(tiny_checkpoint: Callable[..., Path]) -> Callable[..., torch.nn.Module]:
-    """Factory: ``(arch, dtype=torch.float32, num_layers=4, tie=False)`` -> transformers model (eval)."""
+    """Factory: ``(arch, dtype=torch.float32, num_layers=4, tie=False, shared_expert_size=None)`` ->
+    transformers model (eval)."""
     cache: dict[tuple[Any, ...], torch.nn.Module] = {}
 
     def load(
-        arch: str, dtype: torch.dtype = torch.float32, num_layers: int = 4, tie: bool = False
+        arch: str, dtype: torch.dtype = torch.float32, num_layers: int = 4, tie: bool = False,
+        shared_expert_size: int | None = None,
     ) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        key = (arch, dtype, num_layers, tie)
+        key = (arch, dtype, num_layers, tie, shared_expert_size)
         if key not in cache:
-            path = tiny_checkpoint(arch, dtype=dtype, num_layers=num_layers, tie=tie)
+            path = tiny_checkpoint(arch, dtype=dtype, num_layers=num_layers, tie=tie,
+                                   shared_expert_size=shared_expert_size)
             cache[key] = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         return cache[key]
 

@@ -53,7 +53,8 @@ def type_of(schema: dict[str, Any]) -> str:
         return f"[`{name}`](#{schema_anchor(name)})"
     for key in ("oneOf", "anyOf"):
         if key in schema:
-            return " | ".join(type_of(part) for part in schema[key])
+            # ``null`` last: the order of a union's parts differs between schema generators.
+            return " | ".join(sorted((type_of(part) for part in schema[key]), key=lambda t: t == "null"))
     if "enum" in schema:
         return " | ".join(f"`{json.dumps(v)}`" for v in schema["enum"])
     if "const" in schema:

@@ -23,6 +23,15 @@ skipping slots keeps one kernel for both layouts (Triton decode, grouped prefill
 reference) with no per-slot branch; the cost is that a slot routed elsewhere still runs its
 GEMV against zeros (L2-resident after the first read, but FLOPs in prefill). Rank 0 reads one
 expert more than the others per token (the shared expert).
+
+A shared expert whose FFN size differs from the routed experts' (Hugging Face's Qwen3.5-MoE and
+Qwen3-Next configs allow it) cannot be row ``E`` of the expert tensors. Such a model takes the
+unfused path (``SparseMoe.fused_shared`` False): the router has ``E`` rows, the shared expert is a
+``SwiGluMlp`` of its own size (intermediate split across the ranks under TP and EP alike) and
+``shared_expert_gate`` a separate ``[1, H]`` linear, added after the routed experts as in HF's
+``Qwen3_5MoeSparseMoeBlock``. It runs the same kernels for the routed experts and none of the
+one-token fused decode paths, which assume the shared expert is expert ``E``. Under EP the expert
+tensors then have ``E/N + 1`` rows (the zero row last).
 """
 
 from __future__ import annotations
@@ -96,35 +105,35 @@ class SparseMoe(nn.Module):
     the routing inside the experts' kernel instead (``forward_decode``), and by default the router
     too, its partial logits added by the projection before the block (``decode_route``,
     ``forward_decode_partial``; ``kernels/route_partial.py``). This needs the shared
-    expert's FFN size to equal the experts' (true of every released Qwen3.5 / Qwen3-Next).
+    expert's FFN size to equal the experts' (true of every released Qwen3.5 / Qwen3-Next); with
+    another size the block runs unfused (``fused_shared`` False; the module docstring).
     """
 
     def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup) -> None:
         super().__init__()
-        if config.shared_expert_intermediate_size != config.moe_intermediate_size:
-            raise ValueError(
-                "shared_expert_intermediate_size: expected it to equal moe_intermediate_size="
-                f"{config.moe_intermediate_size} (the shared expert runs as expert E), "
-                f"got {config.shared_expert_intermediate_size}"
-            )
+        self.fused_shared = config.shared_expert_intermediate_size == config.moe_intermediate_size
         self.ops = ops
         self.tp = tp
         self.num_experts = e = config.num_experts
         self.top_k = config.num_experts_per_tok
         # Qwen3.5-MoE's router always renormalises the top-k weights; Qwen3-Next reads the flag.
         self.renormalize = config.norm_topk_prob or config.architecture == "Qwen3_5MoeForCausalLM"
-        self.router = nn.Linear(config.hidden_size, e + 1, bias=False)
+        self.router = nn.Linear(config.hidden_size, e + int(self.fused_shared), bias=False)
         self.expert_parallel = tp.expert_parallel and tp.size > 1
+        shared = int(self.fused_shared)  # expert rows the shared expert takes
         if self.expert_parallel:
             self.num_local = e // tp.size
             self.first_expert = tp.rank * self.num_local
-            self.shared_row, self.zero_row = self.num_local, self.num_local + 1
+            self.shared_row, self.zero_row = self.num_local, self.num_local + shared
             self.intermediate_size = config.moe_intermediate_size
         else:
             self.num_local, self.first_expert, self.shared_row, self.zero_row = e, 0, e, -1
             self.intermediate_size = config.moe_intermediate_size // tp.size
-        rows = self.num_local + (2 if self.expert_parallel else 1)
+        rows = self.num_local + shared + int(self.expert_parallel)
         self.experts = Experts(rows, config.hidden_size, self.intermediate_size)
+        if not self.fused_shared:
+            self.shared_expert = SwiGluMlp(config.hidden_size, config.shared_expert_intermediate_size, tp)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         # The one-token path's transposed router, the router weight's version it was copied at, and
         # the partial-logits accumulator (decode_route); not state: built at the first decode.
         self._route: tuple[torch.Tensor, int, torch.Tensor] | None = None
@@ -138,7 +147,9 @@ class SparseMoe(nn.Module):
         """Expert rows no checkpoint tensor fills on this rank (kept at zero by ``zero_unloaded``)."""
         if not self.expert_parallel:
             return ()
-        return (self.zero_row,) if self.tp.rank == 0 else (self.shared_row, self.zero_row)
+        if self.tp.rank == 0 or not self.fused_shared:
+            return (self.zero_row,)
+        return (self.shared_row, self.zero_row)
 
     @torch.no_grad()
     def zero_unloaded(self) -> None:
@@ -149,6 +160,8 @@ class SparseMoe(nn.Module):
     def fused_weights(self) -> dict[str, tuple[str, int | None, tuple[int, int] | None]]:
         """Checkpoint tensor -> (parameter, expert row, rows of that parameter) it fills."""
         e = self.num_experts
+        if not self.fused_shared:
+            return {"gate.weight": ("router.weight", None, None)}
         return {
             "gate.weight": ("router.weight", None, (0, e)),
             "shared_expert_gate.weight": ("router.weight", None, (e, e + 1)),
@@ -163,9 +176,11 @@ class SparseMoe(nn.Module):
         inter, start = self.intermediate_size, self.tp.rank * self.intermediate_size
         full = inter * self.tp.size
         everything = slice(None)
+        # An unfused shared expert is a SwiGluMlp, which names its own shards.
+        shared = _ffn_shards("shared_expert.", inter, self.tp) if self.fused_shared else {}
         return {
             **_ffn_shards("experts.*.", inter, self.tp),
-            **_ffn_shards("shared_expert.", inter, self.tp),
+            **shared,
             # Fused [E, 2I, H] / [E, H, I] checkpoint tensors: this rank's gate and up rows.
             "experts.gate_up_proj": Shard(
                 ((everything, slice(start, start + inter)), (everything, slice(full + start, full + start + inter))),
@@ -184,7 +199,7 @@ class SparseMoe(nn.Module):
             if self.local_expert(e) is None
             for proj in ("gate_proj", "up_proj", "down_proj")
         }
-        if self.tp.rank != 0:
+        if self.tp.rank != 0 and self.fused_shared:
             out.update({f"shared_expert.{proj}.weight": Shard.skip() for proj in ("gate_proj", "up_proj", "down_proj")})
         out["experts.gate_up_proj"] = out["experts.down_proj"] = Shard.rows((first, first + n))
         return out
@@ -194,10 +209,14 @@ class SparseMoe(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token, TP=1: ``norm`` (the layer's post-attention norm) runs inside the router's GEMV
         (``kernels.fused_linear.add_rms_norm_router``), the routing inside the experts' kernel
-        (``fused_moe_routed``). Returns ``(out, residual)``.
+        (``fused_moe_routed``). Returns ``(out, residual)``. An unfused block (``fused_shared``
+        False) runs the norm, then ``forward``.
 
         Only here: with more tokens, every program of the Triton gate/up stage routing its own
         token cost more than the routing launch it saves (H200, batch 16: 10.3 -> 12.1 ms a step)."""
+        if not self.fused_shared:
+            normed, residual = norm.forward_residual(hidden, residual)
+            return self(normed), residual
         logits, normed, residual = self.ops.add_rms_norm_router(hidden, residual, norm.weight, norm.eps, self.router.weight)
         out: torch.Tensor = self.ops.fused_moe_routed(
             normed, logits, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.renormalize
@@ -212,7 +231,7 @@ class SparseMoe(nn.Module):
         whenever the router weight has changed in place since (its version counter); a CUDA graph
         captured before such a change keeps reading the old copy, as it keeps any weight's storage.
         The accumulator is zero between calls: ``forward_decode_partial`` zeroes it after reading."""
-        if not self.ops.route_partial:
+        if not self.ops.route_partial or not self.fused_shared:
             return None
         w = self.router.weight
         version = _version(w)
@@ -235,10 +254,13 @@ class SparseMoe(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.ops.moe_route_shared(self.router(x), self.top_k, self.renormalize)  # [T, k + 1]
+        route = self.ops.moe_route_shared if self.fused_shared else self.ops.moe_route
+        weights, ids = route(self.router(x), self.top_k, self.renormalize)  # [T, k + 1] fused, else [T, k]
         if self.expert_parallel:
             routed = ids[:, : self.top_k] - self.first_expert
             held = (routed >= 0) & (routed < self.num_local)
             ids = torch.cat((routed.where(held, self.zero_row), torch.full_like(ids[:, self.top_k :], self.shared_row)), 1)
         out: torch.Tensor = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if not self.fused_shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out  # this rank's partial sum: the next norm reduces it (engine.parallel)

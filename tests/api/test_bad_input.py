@@ -120,3 +120,49 @@ def test_fork_of_a_deleted_session(http: httpx.Client) -> None:
     expect(http.get(f"/v1/sessions/{session}"), 404, "session_not_found")
     expect(http.delete(f"/v1/sessions/{session}"), 404, "session_not_found")
     still_serving(http)
+
+
+def test_an_empty_body_is_the_empty_object(http: httpx.Client) -> None:
+    """No body (or ``null``) on create, fork and PATCH is ``{}``, which is valid for each; on append
+    ``{}`` names what is missing; on the OpenAI routes the body is required and says so."""
+    created = http.post("/v1/sessions")
+    assert created.status_code == 201 and created.json()["num_tokens"] == 0, created.text
+    session = created.json()["id"]
+    assert http.post("/v1/sessions", content=b"null",
+                     headers={"content-type": "application/json"}).status_code == 201
+    assert http.patch(f"/v1/sessions/{session}").status_code == 200
+    forked = http.post(f"/v1/sessions/{new_session(http)}/fork")
+    assert forked.status_code == 201 and len(forked.json()["sessions"]) == 1, forked.text
+    expect(http.post(f"/v1/sessions/{session}/append"), 400, "invalid_request",
+           "expected one of `input_ids`, `messages`, `text`, or `generate`")
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        response = http.post(path)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"] == "body: expected a JSON object, got an empty body"
+    still_serving(http)
+
+
+ENDS_EARLY = "it ends early, or holds an invalid escape such as an unpaired UTF-16 surrogate (\\ud800)"
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    (b'{"text": "x"', ENDS_EARLY), (b"[1", ENDS_EARLY),
+    (b"{bad", "object keys must be strings at byte 1"), (b'{"text": "x"} x', "trailing characters at byte 15"),
+], ids=["truncated-object", "truncated-array", "bad-key", "trailing"])
+def test_malformed_json_has_one_message_on_every_route(http: httpx.Client, body: bytes, reason: str) -> None:
+    session = new_session(http)
+    expected = f"body: expected a JSON object, got malformed JSON: {reason}"
+    headers = {"content-type": "application/json"}
+    for path in ("/v1/sessions", f"/v1/sessions/{session}/append", f"/v1/sessions/{session}/fork"):
+        expect(http.post(path, content=body, headers=headers), 400, "invalid_request", expected)
+        assert http.post(path, content=body, headers=headers).json()["detail"] == expected
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        response = http.post(path, content=body, headers=headers)
+        assert response.status_code == 400 and response.json()["error"]["message"] == expected
+
+
+def test_forking_a_session_without_turns_at_a_turn_says_it_has_none(http: httpx.Client) -> None:
+    session = http.post("/v1/sessions").json()["id"]
+    response = http.post(f"/v1/sessions/{session}/fork", json={"at_turn": 0})
+    expect(response, 400, "invalid_request", "it has none yet: leave at_turn out")
+    assert "-1" not in response.json()["detail"]

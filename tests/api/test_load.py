@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import statistics
 import time
 from collections.abc import Iterator
@@ -141,3 +142,27 @@ async def run_all_small(server: ServerProcess) -> list[Agent]:
             client.headers["Authorization"] = f"Bearer {KEYS[agent.index % len(KEYS)]}"
             await run_agent(client, agent)
     return agents
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_expiry(server: ServerProcess) -> None:
+    """The cause of lost requests under load: the server closed idle keep-alive connections after
+    5 s, exactly when httpx's pool (``keepalive_expiry``, 5 s) still reuses them, so a request
+    sent as the server closed was reset (``httpx.ReadError``). Idle past the client's expiry,
+    the connection must still carry a request."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        for _ in range(2):
+            conn.sendall(request)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(65536)
+                assert chunk, "the server closed the idle keep-alive connection"
+                head += chunk
+            assert head.startswith(b"HTTP/1.1 200"), head[:100]
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            body = head.partition(b"\r\n\r\n")[2]
+            while len(body) < length:
+                body += conn.recv(65536)
+            time.sleep(httpx.Limits().keepalive_expiry + 1.0)

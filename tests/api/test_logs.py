@@ -57,6 +57,9 @@ def test_json_logs_one_line_per_request_and_per_transition(tmp_path: Path) -> No
             assert refused.json()["request_id"] == refused.headers["x-request-id"]
             deleted = http.delete(f"/v1/sessions/{sid}", headers={"X-Request-Id": "del-1"})
             assert deleted.status_code == 204
+            # Longer than the model's window: refused, and tokenizing it logs no library warning.
+            too_long = http.post("/v1/sessions", json={"text": "hello world " * 6000})
+            assert too_long.json()["code"] == "context_length_exceeded"
     finally:
         server.stop()
 
@@ -85,7 +88,12 @@ def test_json_logs_one_line_per_request_and_per_transition(tmp_path: Path) -> No
     unauthenticated = [r for r in records if r["msg"] == "http.request" and r["status"] == 401]
     assert len(unauthenticated) == 1 and "owner" not in unauthenticated[0]
     assert {r["msg"] for r in lines_with(records, "del-1")} == {"session.deleted", "http.request"}
-    assert any(r["logger"].startswith("uvicorn") for r in records), "uvicorn's own lines are JSON too"
+    assert any(r["logger"] == "uvicorn" for r in records), "uvicorn's own lines are JSON too"
+    assert not [r for r in records if r["logger"] == "uvicorn.error"], "uvicorn's INFO lines are no errors"
+    assert "Token indices sequence length" not in text
+    (ready,) = [r for r in records if r["msg"] == "startup.ready"]
+    assert ready["url"] == server.base_url and ready["seconds"] >= ready["model"] > 0
+    assert {r["phase"] for r in records if r["msg"] == "startup.phase"} >= {"model", "tokenizer", "http"}
 
 
 def log_containing(path: Path, *needles: str) -> str:
@@ -108,7 +116,9 @@ def test_text_logs_and_request_ids_on_the_shared_server(server: Any, client: Cli
                    f"[{info.value.request_id}] http.request method=GET path=/v1/sessions/sess_missing",
                    "[text-log-check] http.request method=GET path=/v1/models route=/v1/models status=200")
 
-    stock = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError) as error:
+    # Closed at the end: a client left to the garbage collector leaks its pooled connection, an
+    # unraisable ResourceWarning that fails the whole pytest run at exit.
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0) as stock, \
+            pytest.raises(openai.BadRequestError) as error:
         stock.completions.create(model="phloem-tiny-qwen3.5", prompt=[], max_tokens=1)
     assert error.value.request_id is not None and error.value.request_id.startswith("req_")

@@ -11,6 +11,7 @@ rebuild it from the data directory.
 from __future__ import annotations
 
 import random
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -120,5 +121,38 @@ def test_kill_9_then_restart_keeps_and_resumes_every_session(tmp_path: Path,
                 if sid == spilled_parent.id or tiers.get(sid) == "disk":
                     assert result.usage.cached_tokens == len(tokens), f"{sid} resumed from disk"
             engine.close()
+    finally:
+        second.stop()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_graceful_stop_writes_host_and_gpu_sessions_to_disk(tmp_path: Path, stop: signal.Signals) -> None:
+    """SIGTERM or Ctrl-C: sessions held in host memory and on the GPU are written to disk before
+    the server exits (with log lines saying so), so after a restart every one resumes from its
+    segment instead of recomputing."""
+    first = ServerProcess(tmp_path).start()
+    assert first.process is not None
+    with Client(first.base_url, timeout=60) as client:
+        sessions = []
+        for ttl in (600, 0, 600):
+            s = client.sessions.create(input_ids=unique_ids(24), ttl=ttl)
+            s.append(input_ids=unique_ids(4), generate=GREEDY)
+            sessions.append(s)
+        sessions[2].offload("host")
+        eventually(lambda: sessions[2].refresh().status == "host")
+        before = {s.id: history(s) for s in sessions}
+    first.process.send_signal(stop)
+    assert first.process.wait(timeout=60) == 0
+    assert first.log is not None
+    log = first.log.read_text()
+    assert "shutdown: writing 3 session state(s) to disk (1 from host memory, 2 from the GPU)" in log
+    assert "shutdown: 3 of 3 session state(s) written to disk" in log
+
+    second = ServerProcess(tmp_path).start()
+    try:
+        with Client(second.base_url, timeout=60) as client:
+            for sid, tokens in before.items():
+                result = client.sessions.get(sid).append(input_ids=unique_ids(3), generate=GREEDY)
+                assert result.usage.cached_tokens == len(tokens), f"{sid} resumed from disk"
     finally:
         second.stop()

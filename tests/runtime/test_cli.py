@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from phloem.runtime import ServerConfig
-from phloem.runtime._demo import BRANCHES, TURNS, DemoOptions, format_report, run_demo, run_story
-from phloem.runtime.cli import main
+from phloem.runtime._demo import BRANCHES, TURNS, DemoOptions, DemoRow, format_report, run_demo, run_story
+from phloem.runtime.cli import build_parser, main
 
 
 HELP_ARGVS = [[], ["serve"], ["demo"], ["bench"], ["bench", "decode"], ["bench", "long-context"], ["bench", "prefix-cache"], ["bench", "agentic"]]
@@ -77,37 +77,42 @@ def test_serve_without_model_builds_the_demo_model(
     assert "RANDOM" in capsys.readouterr().err
 
 
-def test_serve_flags_and_environment(
-    served: list[ServerConfig], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def configured(argv: list[str]) -> Any:
+    """What ``phloem ARGV`` would run with: the parsed flags' config, before any check of this
+    machine (a CUDA device, a free port), so it works on any machine."""
+    args = build_parser().parse_args(argv)
+    return args.configure(args)
+
+
+def test_serve_flags_and_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model_dir: Path) -> None:
     monkeypatch.setenv("PHLOEM_PORT", "9123")
     monkeypatch.setenv("PHLOEM_DATA_DIR", str(tmp_path))
-    argv = ["serve", "--model", "/models/x", "--device", "cuda:1", "--dtype", "bfloat16"]
-    assert main([*argv, "--redis-url", "redis://r:6379/0", "--default-ttl", "60", "--tp", "2"]) == 0
-    (config,) = served
+    argv = ["serve", "--model", str(model_dir), "--device", "cuda:1", "--dtype", "bfloat16"]
+    config = configured([*argv, "--redis-url", "redis://r:6379/0", "--default-ttl", "60", "--tp", "2"])
     assert config == ServerConfig(
-        port=9123, model="/models/x", data_dir=tmp_path, redis_url="redis://r:6379/0",
+        port=9123, model=str(model_dir), data_dir=tmp_path, redis_url="redis://r:6379/0",
         device="cuda:1", dtype="bfloat16", default_ttl_s=60.0, tensor_parallel_size=2,
     )
 
 
-def test_serve_ep_flag_reaches_the_engine(served: list[ServerConfig]) -> None:
-    assert main(["serve", "--model", "/models/x", "--device", "cuda", "--tp", "2", "--ep"]) == 0
-    (config,) = served
+def test_serve_ep_flag_reaches_the_engine(model_dir: Path) -> None:
+    config = configured(["serve", "--model", str(model_dir), "--device", "cuda", "--tp", "2", "--ep"])
     assert config.engine is not None and config.engine.expert_parallel is True
     assert config.engine.as_kwargs()["tensor_parallel_size"] == 2
 
 
-def test_serve_ep_without_tp_is_a_usage_error(served: list[ServerConfig], capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_ep_without_tp_is_a_usage_error(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],
+                                              model_dir: Path) -> None:
     with pytest.raises(SystemExit) as info:
-        main(["serve", "--model", "/m", "--ep"])
+        main(["serve", "--model", str(model_dir), "--ep"])
     assert info.value.code == 2 and "expert_parallel: needs tensor_parallel_size > 1" in capsys.readouterr().err
     assert served == []
 
 
-def test_serve_rejects_a_bad_value_naming_it(served: list[ServerConfig], capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_rejects_a_bad_value_naming_it(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],
+                                             model_dir: Path) -> None:
     with pytest.raises(SystemExit) as info:
-        main(["serve", "--model", "/m", "--port", "70000"])
+        main(["serve", "--model", str(model_dir), "--port", "70000"])
     assert info.value.code == 2 and "port: expected" in capsys.readouterr().err
     assert served == []
 
@@ -170,6 +175,15 @@ def test_demo_story_runs_turns_then_branches_and_cleans_up() -> None:
     assert "branch B" in report and f"of which {sum(r.cached_tokens for r in rows)} came" in report
 
 
+def test_demo_table_tells_sessions_apart() -> None:
+    """Real ids share their time prefix (``sess_01M...``): the table shows their random ends."""
+    ids = ["sess_01M8VQX69B3K5Q0D6YPZK9GF6FJ48ZP661FB", "sess_01M8VQX6CQ2KB349DA1F9V511T2J20PDEY9A",
+           "sess_01M8VQX6CQ2KB349DAH1T4QW7R8Y0N3KEJ2M"]
+    rows = [DemoRow(step, sid, 10, 5, 2, "length", "x") for step, sid in zip(("turn 1", "branch A", "branch B"), ids)]
+    shown = [line.split()[2] for line in format_report(rows).splitlines()[2:5]]
+    assert shown == ["…8ZP661FB", "…20PDEY9A", "…0N3KEJ2M"], shown
+
+
 def test_demo_against_a_running_server_prints_the_report() -> None:
     out = io.StringIO()
     clients: list[FakeClient] = []
@@ -203,7 +217,9 @@ class Health(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-def serve(config):
+def serve(config, sock=None, startup=None):
+    if sock is not None:
+        sock.close()  # the port `phloem serve` bound for the real server; this one binds it again
     HTTPServer((config.host, config.port), Health).serve_forever()
 
 app = types.ModuleType("phloem.api.app")
@@ -252,7 +268,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
 
 
 def test_serve_shape_serves_dummy_weights_with_the_demo_tokenizer(served: list[ServerConfig], tmp_path: Path) -> None:
-    assert main(["serve", "--data-dir", str(tmp_path), "--shape", "tiny", "--no-prefix-cache"]) == 0
+    assert main(["serve", "--data-dir", str(tmp_path), "--shape", "tiny", "--no-prefix-cache", "--port", "0"]) == 0
     (config,) = served
     folder = Path(str(config.model))
     assert folder == tmp_path / "shapes" / "tiny"
@@ -268,16 +284,18 @@ def test_serve_shape_and_model_together_is_a_usage_error(served: list[ServerConf
     assert served == []
 
 
-def test_serve_step_budget_flags_reach_the_engine(served: list[ServerConfig]) -> None:
-    assert main(["serve", "--model", "/m", "--max-num-batched-tokens", "8192", "--max-num-seqs", "16"]) == 0
+def test_serve_step_budget_flags_reach_the_engine(served: list[ServerConfig], model_dir: Path) -> None:
+    argv = ["serve", "--model", str(model_dir), "--max-num-batched-tokens", "8192", "--max-num-seqs", "16"]
+    assert main([*argv, "--port", "0"]) == 0
     (config,) = served
     assert config.engine is not None
     assert (config.engine.max_num_batched_tokens, config.engine.max_num_seqs) == (8192, 16)
     assert config.engine_options.as_kwargs()["max_num_batched_tokens"] == 8192
 
 
-def test_serve_rejects_a_zero_step_budget(served: list[ServerConfig], capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_rejects_a_zero_step_budget(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],
+                                          model_dir: Path) -> None:
     with pytest.raises(SystemExit) as info:
-        main(["serve", "--model", "/m", "--max-num-batched-tokens", "0"])
+        main(["serve", "--model", str(model_dir), "--max-num-batched-tokens", "0"])
     assert info.value.code == 2 and "max_num_batched_tokens" in capsys.readouterr().err
     assert served == []

@@ -50,3 +50,19 @@ def test_the_console_script_answers_help() -> None:
         pytest.skip("the `phloem` console script is not installed (pip install -e .)")
     result = subprocess.run([script, "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "--log-format" in result.stdout and "examples:" in result.stdout
+
+
+BENCHES = [path for path in ALL if len(path) == 2 and path[0] == "bench"]
+
+
+@pytest.mark.parametrize("path", BENCHES, ids=lambda p: " ".join(p))
+def test_each_benchmark_help_is_its_own_with_defaults(path: tuple[str, ...]) -> None:
+    """``phloem bench X --help`` shows X's examples only, and every flag that takes a value says
+    what it defaults to."""
+    parser = dict(commands(build_parser()))[path]
+    examples = parser.format_help().split("examples:", 1)[1]
+    others = [p[1] for p in BENCHES if p != path]
+    assert not [o for o in others if f"phloem bench {o} " in examples], examples
+    silent = [a.option_strings[-1] for a in parser._actions
+              if a.option_strings and a.nargs != 0 and "default" not in (a.help or "")]
+    assert not silent, f"`phloem {' '.join(path)}` flags without a default in their help: {silent}"

@@ -16,7 +16,9 @@ SECRET = "s3cr3t-key-0123456789abcdef"
 
 
 def serve(tmp_path: Path, *argv: str) -> list[str]:
-    return ["serve", "--model", str(tmp_path), "--data-dir", str(tmp_path), *argv]
+    # A folder phloem's model check accepts (nothing loads it), and any free port to bind.
+    (tmp_path / "config.json").write_text("{}")
+    return ["serve", "--model", str(tmp_path), "--data-dir", str(tmp_path), "--port", "0", *argv]
 
 
 def test_keys_from_flags_and_a_file(served: list[ServerConfig], tmp_path: Path) -> None:

@@ -259,7 +259,8 @@ def test_restart_resumes_from_disk_and_rebuilds_an_empty_index(
     follow = unique_ids(3)
 
     async def main() -> None:
-        async with make_manager(**index_config) as m:
+        # As after a crash: nothing is flushed to disk at close (test_graceful_close_... does).
+        async with make_manager(**index_config, shutdown_flush_s=0) as m:
             made: dict[str, str] = {}
             for kind in ("disk", "host", "active", "twin"):
                 s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(20)), ttl=0)
@@ -292,6 +293,59 @@ def test_restart_resumes_from_disk_and_rebuilds_an_empty_index(
                 assert resumed.usage.cached_tokens == cached, kind
 
     asyncio.run(main())
+
+
+def test_graceful_close_writes_host_and_gpu_sessions_to_disk(
+        make_manager: ManagerFactory, engine: EngineClient, index_config: dict[str, Any],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A graceful close demotes host segments and spills GPU-only sessions to disk, so after a
+    restart each resumes from its segment (``cached_tokens`` = its history) with the tokens of a
+    never-spilled twin; with no time for it, nothing is written."""
+    follow = unique_ids(3)
+
+    async def main() -> None:
+        async with make_manager(**index_config) as m:
+            made: dict[str, str] = {}
+            for kind in ("host", "active", "idle"):
+                s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(20)),
+                                   ttl=0 if kind == "idle" else 300)
+                await turn(m, s.session_id, unique_ids(3))
+                made[kind] = s.session_id
+            await m.offload(OWNER, made["host"], "host", wait=True)
+            await wait_for(lambda: m.get(OWNER, made["idle"]).status == "idle")
+            assert {k: m.get(OWNER, sid).status for k, sid in made.items()} == {k: k for k in made}
+            ids = {k: sum((t.token_ids or () for t in m.turns(OWNER, sid, include_tokens=True)), ())
+                   for k, sid in made.items()}
+        assert "3 of 3 session state(s) written to disk" in caplog.text
+        async with make_manager(**index_config) as m:
+            assert {m.get(OWNER, sid).status for sid in made.values()} == {"disk"}
+            assert {index_record(m, sid).tier for sid in made.values()} == {"disk"}  # type: ignore[union-attr]
+            for kind, sid in made.items():
+                twin = await m.create(OWNER, content=SessionInput(input_ids=ids[kind]), ttl=0)
+                expected, resumed = await twin_and_resumed(engine, m, twin.session_id, sid, follow)
+                assert resumed.output_ids == expected.output_ids, kind
+                assert resumed.usage.cached_tokens == len(ids[kind]), kind
+
+    caplog.set_level("INFO", logger="phloem.sessions.shutdown")
+    asyncio.run(main())
+
+
+def test_the_shutdown_flush_stops_at_its_time_limit(make_manager: ManagerFactory,
+                                                    caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    async def main() -> list[str]:
+        async with make_manager(shutdown_flush_s=1e-9) as m:
+            made = []
+            for _ in range(2):
+                s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(20)))
+                await turn(m, s.session_id, unique_ids(3))
+                made.append(s.session_id)
+        async with make_manager() as m:
+            return [m.get(OWNER, sid).status for sid in made]
+
+    caplog.set_level("INFO", logger="phloem.sessions.shutdown")
+    assert asyncio.run(main()) == ["disk", "disk"]  # listed again; resumed by recompute
+    assert "stopped at the 0 s limit: 0 of 2 written to disk" in caplog.text
+    assert not list(tmp_path.rglob("*.safetensors")), "no segment was written"
 
 
 def test_a_session_spilled_under_tp2_resumes_under_tp1(

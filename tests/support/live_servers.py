@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from phloem.api.app import create_app
+from phloem.api.app import KEEP_ALIVE_S, create_app
 from phloem.runtime import EngineClient, EngineStats, ServerConfig
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
@@ -137,7 +137,8 @@ def live_app(model: Path, config: ServerConfig) -> Iterator[LiveApp]:
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(
         create_app(config, engine, manager), host="127.0.0.1", port=port,
-        ws_max_size=config.max_body_bytes, lifespan="on", log_level="warning"))
+        ws_max_size=config.max_body_bytes, lifespan="on", log_level="warning",
+        timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, name="live-app", daemon=True)
     thread.start()
     try:
