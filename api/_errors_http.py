@@ -148,7 +148,7 @@ def _validation_detail(exc: ValidationException) -> str:
     if not isinstance(extra, list) or not extra:
         return str(exc.detail)
     if any(item.get("key") == "data" for item in extra) and "missing required field `data`" in str(exc.__cause__):
-        return "expected a JSON object body, got an empty body"
+        return "body: expected a JSON object, got an empty body"
     parts = []
     for item in extra:
         message, key, source = item.get("message"), item.get("key"), str(item.get("source", ""))

@@ -108,7 +108,8 @@ def add_bench_commands(
     prefix = _kind(kinds, "prefix-cache", "multi-turn conversation with the prefix cache on vs off")
     prefix.add_argument("--model", metavar="DIR", type=Path, help="model folder (default: the built-in tiny model)")
     _conversation_args(prefix, {"--turns": 12, "--first-turn": 2000, "--append": 80, "--output": 16}, record=False)
-    prefix.add_argument("--namespace", metavar="NAME", help="run as one tenant of the partitioned cache (its cost)")
+    prefix.add_argument("--namespace", metavar="NAME",
+                        help="run as one tenant of the partitioned cache, to measure its cost (default: none, the shared namespace)")
     prefix.set_defaults(configure=_checked, run=_prefix_cache)
 
     agentic = _kind(kinds, "agentic", "simulated agents over HTTP: sessions vs stateless vs no cache")

@@ -239,7 +239,10 @@ def test_demo_starts_and_stops_its_own_server(monkeypatch: pytest.MonkeyPatch, t
         return clients[-1]
 
     out = io.StringIO()
-    options = DemoOptions(model="/not/loaded/by/the/stand-in", data_dir=tmp_path, startup_timeout_s=60)
+    model = tmp_path / "model"  # checked before serving (a config.json), never loaded by the stand-in
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    options = DemoOptions(model=str(model), data_dir=tmp_path, startup_timeout_s=60)
     assert run_demo(options, client_class, out) == 0, out.getvalue()
     (client,) = clients
     assert client.base_url.startswith("http://127.0.0.1:") and "branch B" in out.getvalue()

@@ -59,8 +59,10 @@ def test_openai_sampling_bounds_match_the_native_api(tenants: Tenants) -> None:
 
 def test_malformed_bodies_and_queries_get_clear_messages(tenants: Tenants) -> None:
     alice = tenants.alice
-    empty = alice.post("/v1/sessions", content=b"", headers={"Content-Type": "application/json"})
-    assert empty.status_code == 400 and "empty body" in _detail(empty)
+    # An empty body is {} where that is valid (create: an empty session); where a body is
+    # required it says so, not "'data'".
+    empty = alice.post("/v1/chat/completions", content=b"", headers={"Content-Type": "application/json"})
+    assert empty.status_code == 400 and "empty body" in empty.text and "'data'" not in empty.text
     surrogate = alice.post("/v1/sessions", content=b'{"text": "\\ud800"}', headers={"Content-Type": "application/json"})
     assert surrogate.status_code == 400 and "surrogate" in _detail(surrogate)
     listing = alice.get("/v1/sessions", params={"all": "maybe"})
