@@ -19,3 +19,6 @@ pack_caches() {
   ls -la "$1"/*.tgz
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+# One kernel cache for every process of a call (tests, benchmarks, `phloem serve`), the one the
+# carried .gpu-cache archives fill.
+export TRITON_CACHE_DIR=/root/.triton/cache FLASHINFER_WORKSPACE_BASE=/root
