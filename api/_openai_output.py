@@ -67,7 +67,7 @@ def chat_message(result: GenerationResult) -> dict[str, Any]:
 
 def chat_delta(delta: OutputDelta) -> dict[str, Any]:
     """A streamed chat delta: what the delta adds to the reasoning, content and tool calls."""
-    parsed = delta.parsed or ParsedDelta(content=delta.text)
+    parsed = delta.parsed if delta.parsed is not None else ParsedDelta(content=delta.text)
     out: dict[str, Any] = {}
     if parsed.reasoning:
         out["reasoning_content"] = parsed.reasoning

@@ -315,9 +315,15 @@ class Generation:
                           self._parser.result() if self._parser is not None else None)
 
     def _parse(self, text: str, final: bool = False) -> ParsedDelta | None:
+        """What ``text`` adds to the parts; ``final``: it is the detokenizer's tail, the last."""
         if self._parser is None:
             return None
-        return self._parser.finish() if final else self._parser.push(text)
+        pushed = self._parser.push(text)
+        if not final:
+            return pushed
+        rest = self._parser.finish()
+        return ParsedDelta(pushed.reasoning + rest.reasoning, pushed.content + rest.content,
+                           pushed.tool_calls + rest.tool_calls)
 
     async def _request(self, params: SamplingParams, detok: IncrementalDetokenizer,
                        output: list[int]) -> tuple[str | None, int]:
