@@ -102,9 +102,9 @@ class TurnRunner:
                              "server runs at once", self._config.retry_after_s)
 
     def append(self, session: Session, new: ResolvedInput, generate: GenerateOptions | None,
-               output: GenerationOutput | None = None) -> Generation:
+               output: GenerationOutput | None = None, view: str | None = None) -> Generation:
         """Start an append on ``session`` (input already resolved against its context); its
-        output is read (and constrained) as ``output`` says.
+        output is read (and constrained) as ``output`` says; ``view`` is stored with its turn.
 
         Raises:
             SessionBusy: Another append runs on the session.
@@ -123,7 +123,7 @@ class TurnRunner:
         started = time.monotonic()
 
         async def settle(completion: Completion) -> GenerationResult:
-            result = await self._commit(session, new, completion)
+            result = await self._commit(session, new, completion, view)
             self._finished(session.session_id, result, started)
             return result
 
@@ -199,8 +199,23 @@ class TurnRunner:
             self._events.generation_finished(session_id, result.turn, result.finish_reason,
                                              result.usage, time.monotonic() - started)
 
-    async def _commit(self, session: Session, new: ResolvedInput,
-                      completion: Completion) -> GenerationResult:
+    async def replace_view(self, session: Session, index: int, view: str | None) -> None:
+        """Replace the ``view`` of committed turn ``index`` (journal first, then memory).
+
+        Raises:
+            SessionNotFound: The session was deleted meanwhile.
+            GenerationFailed: The record could not be written (nothing changed).
+        """
+        async with session.lock:
+            if session.deleted:
+                raise SessionNotFound(f"session {session.session_id} was deleted")
+            turns = list(session.turns)
+            turns[index] = dataclasses.replace(turns[index], view=view)
+            await self._store.write(dataclasses.replace(session, turns=turns))
+            session.turns = turns
+
+    async def _commit(self, session: Session, new: ResolvedInput, completion: Completion,
+                      view: str | None) -> GenerationResult:
         output = list(completion.output_ids)
         generated = completion.finish_reason is not None
         chat = new.chat.with_output(new.after_generation_prompt) if generated else new.chat
@@ -211,7 +226,7 @@ class TurnRunner:
             calls = completion.parsed.tool_calls if completion.parsed is not None else ()
             turn = Turn(len(session.turns), len(session.token_ids), len(tokens), len(output),
                         completion.finish_reason, int(time.time()), len(chat.messages),
-                        chat.open_output, calls)
+                        chat.open_output, calls, completion.num_cached_tokens, view)
             committed = dataclasses.replace(session, token_ids=tokens, turns=[*session.turns, turn],
                                             chat_messages=list(chat.messages))
             await self._store.write(committed)

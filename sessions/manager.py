@@ -285,10 +285,11 @@ class SessionManager(TierMoves):
         self._events.deleted(session)
 
     async def append(self, owner: str, session_id: str, new: SessionInput | None,
-                     generate: GenerateOptions | None) -> Generation:
+                     generate: GenerateOptions | None, *, view: str | None = None) -> Generation:
         """Start an append: new input and, with ``generate``, a generation from its end.
 
-        The returned ``Generation`` is already running; its result is the committed turn.
+        The returned ``Generation`` is already running; its result is the committed turn,
+        which stores ``view`` (a protocol's JSON, ``Turn.view``).
 
         Raises:
             SessionNotFound: No such session of this owner.
@@ -310,7 +311,7 @@ class SessionManager(TierMoves):
             # The input was rendered against the turns before another append committed.
             raise SessionBusy(f"session {session_id} committed another turn while this input was "
                               "prepared; retry")
-        return self._turns.append(session, resolved, generate, output)
+        return self._turns.append(session, resolved, generate, output, view)
 
     async def complete(self, prompt_ids: Sequence[int], options: GenerateOptions, *, n: int = 1,
                        tools: Sequence[ToolSpec] | None = None, owner: str | None = None) -> list[Generation]:
@@ -378,6 +379,27 @@ class SessionManager(TierMoves):
         """
         session = self._get(owner, session_id)
         return [session.turn_info(turn, include_tokens) for turn in session.turns]
+
+    def turn(self, owner: str, session_id: str, index: int, include_tokens: bool = False) -> TurnInfo:
+        """One committed turn.
+
+        Raises:
+            SessionNotFound: No such session of this owner, or no such turn in it.
+        """
+        session = self._get(owner, session_id)
+        if not 0 <= index < len(session.turns):
+            raise SessionNotFound(f"session {session_id} has no turn {index}")
+        return session.turn_info(session.turns[index], include_tokens)
+
+    async def set_turn_view(self, owner: str, session_id: str, index: int, view: str | None) -> None:
+        """Replace the ``view`` stored with a committed turn (durably).
+
+        Raises:
+            SessionNotFound: No such session of this owner, or no such turn in it.
+            GenerationFailed: The record could not be written (nothing changed).
+        """
+        self.turn(owner, session_id, index)
+        await self._turns.replace_view(self._get(owner, session_id), index, view)
 
     def _get(self, owner: str, session_id: str) -> Session:
         session = self._sessions.get(session_id)

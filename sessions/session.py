@@ -71,6 +71,9 @@ class Turn:
     ``num_chat_messages`` and ``chat_open`` record the chat context at the turn's end, so a fork
     at this turn renders later messages exactly as the parent would have. ``tool_calls`` are
     the calls parsed from the output (the tokens stay the source of truth).
+    ``num_cached_tokens``: of the tokens before the output, those the prefix cache held.
+    ``view``: opaque JSON of a protocol that presents the turn as its own object (the Responses
+    API's request fields, ``api._routes_responses``), stored and forked with the turn.
     """
 
     index: int
@@ -82,11 +85,13 @@ class Turn:
     num_chat_messages: int = 0
     chat_open: bool = False
     tool_calls: tuple[ParsedToolCall, ...] = ()
+    num_cached_tokens: int = 0
+    view: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class TurnInfo:
-    """A turn as callers see it; ``token_ids`` only when asked for."""
+    """A turn as callers see it; ``token_ids`` only when asked for (fields as ``Turn``'s)."""
 
     index: int
     start: int
@@ -96,11 +101,13 @@ class TurnInfo:
     created_at: int
     token_ids: tuple[int, ...] | None = None
     tool_calls: tuple[ParsedToolCall, ...] = ()
+    num_cached_tokens: int = 0
+    view: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class SessionSnapshot:
-    """A session as callers see it (committed turns only)."""
+    """A session as callers see it (committed turns only; ``generating``: an append runs)."""
 
     session_id: str
     created_at: int
@@ -111,6 +118,7 @@ class SessionSnapshot:
     parent_id: str | None
     fork_turn: int | None
     ttl: float
+    generating: bool = False
 
 
 @dataclass(eq=False)
@@ -165,10 +173,11 @@ class Session:
         return SessionSnapshot(
             session_id=self.session_id, created_at=self.created_at, metadata=dict(self.metadata),
             status=self.status, num_tokens=len(self.token_ids), num_turns=len(self.turns),
-            parent_id=self.parent_id, fork_turn=self.fork_turn, ttl=self.ttl)
+            parent_id=self.parent_id, fork_turn=self.fork_turn, ttl=self.ttl, generating=self.busy)
 
     def turn_info(self, turn: Turn, include_tokens: bool) -> TurnInfo:
         """The frozen view of one of this session's turns."""
         tokens = tuple(self.token_ids[turn.start:turn.end]) if include_tokens else None
         return TurnInfo(turn.index, turn.start, turn.end, turn.num_output_tokens,
-                        turn.finish_reason, turn.created_at, tokens, turn.tool_calls)
+                        turn.finish_reason, turn.created_at, tokens, turn.tool_calls,
+                        turn.num_cached_tokens, turn.view)

@@ -315,7 +315,8 @@ def _encode(session: Session) -> dict[str, Any]:
         "fork_turn": session.fork_turn,
         "token_ids": session.token_ids,
         "turns": [[t.start, t.end, t.num_output_tokens, t.finish_reason, t.created_at,
-                   t.num_chat_messages, t.chat_open, [[c.id, c.name, c.arguments] for c in t.tool_calls]]
+                   t.num_chat_messages, t.chat_open, [[c.id, c.name, c.arguments] for c in t.tool_calls],
+                   t.num_cached_tokens, t.view]
                   for t in session.turns],
         "chat_messages": session.chat_messages,
         "tools": session.tools,
@@ -326,10 +327,12 @@ def _decode(record: SessionRecord) -> Session:
     data = json.loads(record.data)
     if data["format"] != _FORMAT:
         raise ValueError(f"format {data['format']!r}, expected {_FORMAT}")
-    # Records written before tool calls were parsed have seven fields a turn.
+    # Older records have seven fields a turn (before tool calls) or eight (before the cached
+    # count and the view).
     turns = [Turn(i, start, end, num_output, reason, created_at, num_chat, bool(chat_open),
-                  tuple(ParsedToolCall(*c) for c in (calls[0] if calls else ())))
-             for i, (start, end, num_output, reason, created_at, num_chat, chat_open, *calls)
+                  tuple(ParsedToolCall(*c) for c in (rest[0] if rest else ())),
+                  int(rest[1]) if len(rest) > 1 else 0, rest[2] if len(rest) > 2 else None)
+             for i, (start, end, num_output, reason, created_at, num_chat, chat_open, *rest)
              in enumerate(data["turns"])]
     tools = data["tools"]
     return Session(
