@@ -1,13 +1,14 @@
 """API keys (docs/api.md, "Auth"): who sent a request, checked once per request or handshake.
 
 ``AuthMiddleware`` runs before every route under ``/v1/`` and ``/metrics`` (``/health`` and the
-OpenAPI schema are public). It reads ``Authorization: Bearer <key>`` and stores the caller's
+OpenAPI schema are public). It reads ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``,
+Anthropic's header, from clients that send no ``Authorization``) and stores the caller's
 ``Principal`` in the ASGI scope (``scope["auth"]``), where ``principal_of`` finds it. A missing
 or unknown key is refused before the route runs: an HTTP request gets a 401 ``unauthorized``
 (through the app's exception handler, so OpenAI paths get OpenAI's envelope); a WebSocket is
 accepted, sent one ``error`` event and closed with 4401, as docs/api.md says for fatal socket
 errors. A request with two ``Authorization`` headers is refused (400): which one a proxy or the
-server would honour is ambiguous.
+server would honour is ambiguous; so is one with both ``Authorization`` and ``x-api-key``.
 
 Decision: a session's owner is ``key_`` + the first 32 hex digits of the HMAC-SHA256 of the key
 under the server's secret (``storage.server_secret``, kept in the data directory), never the key:
@@ -155,13 +156,15 @@ class AuthMiddleware(ASGIMiddleware):
             await next_app(scope, receive, send)
             return
         headers = [v for k, v in scope["headers"] if k == b"authorization"]
-        if len(headers) > 1:
-            detail = f"Authorization: expected one header, got {len(headers)}"
+        api_keys = [b"Bearer " + v for k, v in scope["headers"] if k == b"x-api-key"]
+        if len(headers) + len(api_keys) > 1:
+            detail = (f"Authorization: expected one header, got {len(headers)}" if len(headers) > 1
+                      else "expected one API key header: send `Authorization` or `x-api-key`, not both")
             if scope["type"] == ScopeType.WEBSOCKET:
                 await _refuse_socket(receive, send, detail)
                 return
             raise ApiError(ErrorCode.INVALID_REQUEST, detail)
-        header = headers[0] if headers else None
+        header = (headers or api_keys or [None])[0]
         principal = self._keys.authenticate(header.decode("latin-1") if header is not None else None)
         if principal is not None:
             scope["auth"] = principal

@@ -30,8 +30,8 @@ from phloem.api.schemas import (
 from phloem.sessions import Generation, OutputDelta, SessionError, SessionManager
 
 __all__ = [
-    "KEEPALIVE_S", "ApiContext", "checked_session_id", "error_event", "json_response", "owner_of",
-    "replay", "sse_message", "strict_body",
+    "KEEPALIVE_S", "ApiContext", "checked_session_id", "error_event", "json_response", "named_sse",
+    "owner_of", "replay", "sse_message", "strict_body",
 ]
 
 T = TypeVar("T")
@@ -66,6 +66,11 @@ class ApiContext:
     stream_idle_timeout_s: float
     idempotency: IdempotencyStore = field(default_factory=IdempotencyStore)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def check_model(self, model: str) -> None:
+        """Raise ``ApiError`` ``not_found`` unless ``model`` names the served model."""
+        if model != self.model_id:
+            raise ApiError(ErrorCode.NOT_FOUND, f"model: this server serves {self.model_id!r}, got {model!r}")
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         """Run ``coro`` on its own task, kept alive until it ends."""
@@ -195,6 +200,12 @@ def sse_message(event: StreamEvent) -> ServerSentEventMessage:
     """One SSE event: ``event:`` names its type, ``data:`` is its JSON."""
     name = str(type(event).__struct_config__.tag)
     return ServerSentEventMessage(data=msgspec.json.encode(event).decode(), event=name)
+
+
+def named_sse(event: dict[str, Any]) -> bytes:
+    """One SSE message of a typed event (OpenAI Responses, Anthropic): ``event:`` is its
+    ``type``, ``data:`` its JSON."""
+    return b"event: " + str(event["type"]).encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
 
 
 def replay(outcome: StoredResponse | StoredStream) -> Response[Any]:

@@ -4,10 +4,11 @@ Only ``api`` knows HTTP. Every exception that reaches a route's caller is classi
 (``classify``) into an ``ErrorCode``, a human ``detail`` and an optional ``retry_after``; the
 status follows from the code (``schemas.ERROR_STATUS``). Native routes answer
 ``application/problem+json``; the OpenAI-compatible routes (``/v1/chat/completions``,
-``/v1/completions``, ``/v1/models``) answer ``{"error": {"message", "type", "param", "code"}}``,
-which the stock ``openai`` client turns into its typed exceptions (its ``request_id`` comes
-from the ``X-Request-Id`` header; problem+json bodies also carry it). WebSocket and SSE error
-events use the same classification.
+``/v1/completions``, ``/v1/models``, ``/v1/responses``) answer ``{"error": {"message", "type",
+"param", "code"}}``, which the stock ``openai`` client turns into its typed exceptions (its
+``request_id`` comes from the ``X-Request-Id`` header; problem+json bodies also carry it); the
+Anthropic route (``/v1/messages``) answers ``{"type": "error", "error": {"type", "message"}}``
+with Anthropic's error types. WebSocket and SSE error events use the same classification.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from litestar.exceptions import (
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
 
+from phloem.api._anthropic_schemas import AnthropicError
 from phloem.api._openai_schemas import OpenAIError
 from phloem.api.schemas import (
     ERROR_STATUS, PROBLEM_CONTENT_TYPE, ErrorCode, Problem, make_problem,
@@ -38,12 +40,17 @@ from phloem.sessions import (
     SessionNotFound,
 )
 
-__all__ = ["OPENAI_PATHS", "ApiError", "StreamingOperation", "classify", "error_response",
-           "exception_handler", "malformed_json", "openai_errors", "problem_response", "problems"]
+__all__ = ["ANTHROPIC_PATHS", "OPENAI_PATHS", "ApiError", "StreamingOperation", "anthropic_error_type",
+           "anthropic_errors", "classify", "error_response", "exception_handler", "malformed_json",
+           "openai_errors", "problem_response", "problems"]
 
 logger = logging.getLogger(__name__)
 
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses")
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
 
 
 class ApiError(Exception):
@@ -200,11 +207,21 @@ def openai_error_response(code: ErrorCode, detail: str,
                     headers=_headers(code, retry_after))
 
 
+def anthropic_error_type(code: ErrorCode) -> str:
+    """Anthropic's error ``type`` for ``code`` (by its status; ``api_error`` for the rest)."""
+    status = ERROR_STATUS[code]
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
 def error_response(path: str, exc: BaseException) -> Response[bytes]:
     """The error response for ``exc`` raised while serving ``path``."""
     code, detail, retry_after = classify(exc)
     if path.startswith(OPENAI_PATHS):
         return openai_error_response(code, detail, retry_after)
+    if path.startswith(ANTHROPIC_PATHS):
+        body = {"type": "error", "error": {"type": anthropic_error_type(code), "message": detail}}
+        return Response(msgspec.json.encode(body), status_code=ERROR_STATUS[code],
+                        media_type="application/json", headers=_headers(code, retry_after))
     return problem_response(code, detail, retry_after)
 
 
@@ -222,6 +239,12 @@ def problems(*statuses: int) -> dict[int, ResponseSpec]:
 def openai_errors(*statuses: int) -> dict[int, ResponseSpec]:
     """OpenAPI: the error envelopes an OpenAI-compatible route may answer."""
     return {status: ResponseSpec(OpenAIError, generate_examples=False,
+                                 description=HTTPStatus(status).phrase) for status in statuses}
+
+
+def anthropic_errors(*statuses: int) -> dict[int, ResponseSpec]:
+    """OpenAPI: the error envelopes an Anthropic-compatible route may answer."""
+    return {status: ResponseSpec(AnthropicError, generate_examples=False,
                                  description=HTTPStatus(status).phrase) for status in statuses}
 
 

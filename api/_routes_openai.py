@@ -69,12 +69,6 @@ def _chat_options(body: ChatCompletionRequest) -> GenerateOptions:
                    parallel_tool_calls=body.parallel_tool_calls is not False)
 
 
-def _check_model(ctx: ApiContext, model: str) -> None:
-    if model != ctx.model_id:
-        raise ApiError(ErrorCode.NOT_FOUND,
-                       f"model: this server serves {ctx.model_id!r}, got {model!r}")
-
-
 def _message(m: OpenAIMessage) -> Message:
     content: str | None
     if isinstance(m.content, list):
@@ -160,7 +154,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
                            ctx: ApiContext) -> Response[Any]:
     """OpenAI chat completions (the chat template renders the whole conversation)."""
     data = await strict_body(request, ChatCompletionRequest)
-    _check_model(ctx, data.model)
+    ctx.check_model(data.model)
     tools = _convert.tool_specs(data.tools)
     prompt = await ctx.manager.prompt_ids(owner_of(request), messages=[_message(m) for m in data.messages],
                                           tools=tools, template_kwargs=data.chat_template_kwargs)
@@ -198,7 +192,7 @@ async def completions(request: Request[Any, Any, Any], data: CompletionRequest,
                       ctx: ApiContext) -> Response[Any]:
     """OpenAI text completions; ``prompt`` is text or token ids."""
     data = await strict_body(request, CompletionRequest)
-    _check_model(ctx, data.model)
+    ctx.check_model(data.model)
     prompt = await _prompt_ids(ctx, owner_of(request), data.prompt)
     generations = await _start(ctx, request, prompt, _options(data, data.max_tokens), data.n)
     texts = TokenTexts(ctx.manager.tokenizer)
@@ -252,7 +246,7 @@ async def list_models(ctx: ApiContext) -> Response[bytes]:
                                                **openai_errors(401, 404)})
 async def retrieve_model(model_id: str, ctx: ApiContext) -> Response[bytes]:
     """The served model, by its id (any other id is 404)."""
-    _check_model(ctx, model_id.lstrip("/"))
+    ctx.check_model(model_id.lstrip("/"))
     return Response(msgspec.json.encode(_model(ctx)), media_type="application/json")
 
 

@@ -1,7 +1,8 @@
 """The Litestar application (``create_app``) and ``phloem serve`` (``serve``).
 
 Routes: the native sessions API (``_routes_sessions``, ``_ws``), the OpenAI-compatible routes
-(``_routes_openai``), ``GET /health``, ``GET /metrics`` (Prometheus, ``_metrics``) and Litestar's
+(``_routes_openai``; the Responses API, a view of sessions: ``_routes_responses``), Anthropic's
+Messages API (``_routes_anthropic``), ``GET /health``, ``GET /metrics`` (Prometheus, ``_metrics``) and Litestar's
 OpenAPI schema (``/schema``, JSON at ``/schema/openapi.json``). Every error, the framework's
 included, goes through ``_errors_http.exception_handler``. Every request and socket passes
 ``_observe.RequestObserver`` (request id, one log line, HTTP metrics), which wraps the whole
@@ -60,7 +61,9 @@ from phloem.api._idempotency import IdempotencyStore
 from phloem.api._limits import OwnerLimits
 from phloem.api._metrics import METRICS_CONTENT_TYPE, ApiMetrics
 from phloem.api._observe import RequestObserver
+from phloem.api._routes_anthropic import ANTHROPIC_ROUTES
 from phloem.api._routes_openai import OPENAI_ROUTES
+from phloem.api._routes_responses import RESPONSES_ROUTES
 from phloem.api._routes_sessions import SESSION_ROUTES
 from phloem.api._server_protocol import guarded_http_protocol
 from phloem.api._ws import session_socket
@@ -142,7 +145,8 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
         await manager.close()
 
     app = Litestar(
-        route_handlers=[*SESSION_ROUTES, session_socket, *OPENAI_ROUTES, health, metrics_text],
+        route_handlers=[*SESSION_ROUTES, session_socket, *OPENAI_ROUTES, *RESPONSES_ROUTES,
+                        *ANTHROPIC_ROUTES, health, metrics_text],
         dependencies={"ctx": Provide(lambda: ctx, sync_to_thread=False, use_cache=True)},
         exception_handlers={Exception: exception_handler},
         middleware=[RequestGuard(not keys.enabled or bool(config.allowed_hosts), config.allowed_hosts),

@@ -228,7 +228,7 @@ def render_api_md(facts: ApiFacts) -> str:
         "[docs/api.md](../api.md); this page is the exact shape of every request and response.",
         "", " ".join(info.get("description", "").split()), "",
         "Headers that the schema does not list: `Authorization: Bearer <key>` (every `/v1` "
-        "route when the server has keys), `Idempotency-Key` on `POST`, `PATCH` and `DELETE` "
+        "route when the server has keys; or `x-api-key: <key>`), `Idempotency-Key` on `POST`, `PATCH` and `DELETE` "
         "under `/v1/sessions` (answered with `Idempotent-Replayed: true` on a replay; see "
         "[idempotency](../api.md#idempotency)), `Retry-After` on 429 and 503, and "
         "`Location` on `201` from `POST /v1/sessions`.", "",

@@ -60,7 +60,7 @@ def app(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Li
         asyncio.run(engine.shutdown())
 
 
-def _cap_generation(body: Any) -> None:
+def _cap_generation(body: Any, path: str) -> None:
     """At most ``MAX_TOKENS`` per generation. Only a missing, null or valid count is replaced,
     so an invalid case stays invalid."""
     if not isinstance(body, dict):
@@ -68,7 +68,9 @@ def _cap_generation(body: Any) -> None:
     generate = body.get("generate")
     if isinstance(generate, dict):
         _cap(generate, "max_tokens")
-    if "model" in body:
+    if path == "/v1/responses":
+        _cap(body, "max_output_tokens")
+    elif "model" in body and not path.endswith("/count_tokens"):
         _cap(body, "max_tokens")
         if body.get("max_completion_tokens") is not None:
             _cap(body, "max_completion_tokens")
@@ -87,7 +89,7 @@ def _nudge(case: Any, session_ids: list[str], choice: int) -> None:
         case.path_parameters["session_id"] = session_ids[choice % len(session_ids)]
     if isinstance(case.body, dict) and "model" in case.body and choice % 2:
         case.body["model"] = MODEL
-    _cap_generation(case.body)
+    _cap_generation(case.body, case.path)
 
 
 def test_schemathesis_finds_no_5xx_and_no_schema_violation(app: Litestar) -> None:
