@@ -1,5 +1,6 @@
-"""The examples of ``docs/agents.md`` (the openai client, LangChain, the SDK) run against a real
-server with the built-in random-weight model.
+"""The examples of ``docs/agents.md`` (the openai client with chat completions and the Responses
+API, the OpenAI Agents SDK, the anthropic client, LangChain, the SDK) run against a real server
+with the built-in random-weight model.
 
 Every fenced ``python`` block preceded by ``<!-- run -->`` is run as its own script, with the
 documented URL replaced by the test server's; the blocks assert their own claims (calls that
@@ -20,10 +21,11 @@ URL = "http://127.0.0.1:8000"
 BLOCKS = re.findall(r"<!-- run -->\n```python\n(.*?)```", PAGE.read_text(encoding="utf-8"), re.S)
 
 
-def test_the_guide_shows_the_client_langchain_and_the_sdk() -> None:
-    assert len(BLOCKS) == 4 and all(URL in block for block in BLOCKS)
-    assert [k for k in ("import openai", "langchain_openai", "phloem.api.client") if any(k in b for b in BLOCKS)] == [
-        "import openai", "langchain_openai", "phloem.api.client"]
+def test_the_guide_shows_every_client() -> None:
+    assert len(BLOCKS) == 7 and all(URL in block for block in BLOCKS)
+    shown = ("import openai", "client.responses.create", "from agents import", "import anthropic",
+             "langchain_openai", "phloem.api.client")
+    assert [k for k in shown if any(k in b for b in BLOCKS)] == list(shown)
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
