@@ -232,7 +232,9 @@ class CacheManager:
             # Pages past the published part and its tail were allocated ahead and never written.
             self.page_pool.free(req.page_ids[full + (1 if tail is not None else 0) :])
         else:
-            req.page_ids[:full] = tree_pages
+            # A new list, never an in-place rewrite: page-id mirrors are keyed by the list
+            # (``engine.page_lists``).
+            req.page_ids = tree_pages + req.page_ids[full:]
             req.num_shared_pages = full
             self.tree.lock(node)
             self._unlock(req)

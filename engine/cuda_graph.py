@@ -27,6 +27,7 @@ import torch
 
 from phloem.engine._progress import progress
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
+from phloem.engine.page_lists import PageListMirror
 from phloem.engine.step_plan import StepInputs
 from phloem.kernels.flashinfer_attention import MAX_GRAPH_PAGES, FlashInferAttention, fill_page_lists
 
@@ -72,8 +73,10 @@ class CudaGraphRunner:
         max_batch_size: int,
         pad_page: int,
         pad_slot: int,
+        page_mirror: PageListMirror | None = None,
     ) -> None:
         self.model, self.caches, self.attn = model, caches, attn
+        self.page_mirror = page_mirror or PageListMirror()
         self.page_size = attn.page_size
         self.pad_page, self.pad_slot = pad_page, pad_slot
         self.buckets = graph_buckets(max_batch_size)
@@ -211,7 +214,8 @@ class CudaGraphRunner:
         nbytes = self._layout.lists_offset
         if lists is not None:
             indptr, last, indices = lists
-            nnz = fill_page_lists(inp.page_ids + [[self.pad_page]] * pad, seq_lens, self.page_size, indptr, indices, last)
+            pages = self.page_mirror.arrays(inp.page_ids) + [np.array([self.pad_page], dtype=np.int32)] * pad
+            nnz = fill_page_lists(pages, seq_lens, self.page_size, indptr, indices, last)
             nbytes = self._layout.indices_end(nnz)
         start = self._layout.positions_offset if device_ids else 0
         # One turn: the copy on the compute stream, behind the graph before (as before turns).

@@ -20,6 +20,7 @@ from every rank into the TP=1 layout, so spilled sessions move between TP sizes.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -194,14 +195,20 @@ class Engine:
             raise
 
     def bind_thread(self) -> None:
-        """Make this engine's GPU the calling thread's current CUDA device (a no-op on CPU).
+        """Prepare the calling thread to run this engine: on CUDA, make the engine's GPU the
+        thread's current device; on CPU, give the thread one intra-op thread.
 
         Triton kernels, FlashInfer and new CUDA streams use the *current* device, and CUDA keeps
         it per thread: ``from_pretrained`` binds the constructing thread, and every other thread
         that runs this engine (the serving loop, the disaggregation threads) calls this first.
-        Without it an engine on ``cuda:1`` launches its kernels against ``cuda:0``.
+        Without it an engine on ``cuda:1`` launches its kernels against ``cuda:0``. On CPU a
+        thread other than the main one starts an OpenMP team of its own beside the main
+        thread's, and the two contend for the cores: one intra-op thread keeps the engine's
+        steps as fast as in the main thread (docs/decisions.md).
         """
         _bind_cuda_device(self.device)
+        if self.device.type == "cpu" and threading.current_thread() is not threading.main_thread():
+            torch.set_num_threads(1)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (idempotent; nothing to do at TP=1).

@@ -33,6 +33,7 @@ from phloem.engine.forward_batch import ForwardBatch, ModelCaches
 from phloem.engine.host_copy import to_device
 from phloem.engine.logits_processors import StepLogprobs, StepProcessing
 from phloem.engine.memory import PoolPlan, allocate_caches, plan_pools
+from phloem.engine.page_lists import PageListMirror
 from phloem.engine.parallel import TPGroup
 from phloem.engine.request import Request, TokenLogprob
 from phloem.engine.sampler import sample
@@ -113,6 +114,8 @@ class ModelRunner:
         self.device = device
         self.attn = attn
         self.graphs: CudaGraphRunner | None = None
+        # Each request's page ids as an array, grown step by step (``engine.page_lists``).
+        self.page_mirror = PageListMirror()
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(0)
         self.plan_sink = plan_sink
@@ -126,7 +129,9 @@ class ModelRunner:
         self, max_batch_size: int, pad_page: int, pad_slot: int, show_progress: bool | None = None
     ) -> None:
         assert self.attn is not None, "CUDA graphs need the FlashInfer attention backend"
-        self.graphs = CudaGraphRunner(self.model, self.caches, self.attn, max_batch_size, pad_page, pad_slot)  # type: ignore[arg-type]
+        self.graphs = CudaGraphRunner(
+            self.model, self.caches, self.attn, max_batch_size, pad_page, pad_slot, self.page_mirror  # type: ignore[arg-type]
+        )
         self.graphs.capture(show_progress)
 
     def read_state(self, pages: list[int], slot: int) -> StateTensors:
@@ -197,7 +202,9 @@ class ModelRunner:
         table = torch.zeros((len(inp.page_ids), max_pages), dtype=torch.int32)
         for i, p in enumerate(inp.page_ids):
             table[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
-        plan = self.attn.plan(inp.query_lens, inp.seq_lens, inp.page_ids) if self.attn is not None else None
+        plan = None
+        if self.attn is not None:
+            plan = self.attn.plan(inp.query_lens, inp.seq_lens, self.page_mirror.arrays(inp.page_ids))
         return ForwardBatch(
             input_ids=to_dev(inp.input_ids, torch.int64),
             positions=to_dev(inp.positions, torch.int64),

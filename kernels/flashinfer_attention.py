@@ -133,9 +133,9 @@ def fill_page_lists(
     """``page_indices``'s lists written into int32 arrays (``indptr[:B+1]``, ``last[:B]``,
     ``indices[:nnz]``; e.g. views of a pinned staging buffer); returns ``nnz``.
 
-    The page ids go straight into the array, a request's slice at a time, not a Python list through
-    ``torch.tensor``: on this project's 2-core CPU host, 16 x 8192 pages (batch 16 at 128K tokens)
-    5-7 ms against 14-19, one request of 8192 pages 0.5-0.7 against 1.2 ms, the same at 64 pages.
+    The page ids go straight into the array, a request's slice at a time. Give each request's ids
+    as an int32 numpy array where the caller can (``engine.page_lists`` keeps them across steps):
+    a slice of an array is a memory copy, a slice of a Python list is converted id by id.
 
     Raises:
         ValueError: a request has fewer pages than its tokens need, or ``indices`` is too short.

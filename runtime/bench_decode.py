@@ -234,11 +234,10 @@ def _run_decode(
         raise ValueError(f"context {context} + {extra} decoded tokens reaches the limit {engine.max_model_len}")
     reqs = []
     for i in range(batch):
-        params = SamplingParams(max_tokens=context + extra, ignore_eos=True, grammar=grammar)
-        # The whole history counts as output past a one-token prompt: no prompt-end checkpoint
-        # lands in the cache when the history's last token is computed.
-        req = Request(f"bench-{i}", [rng.randrange(vocab) for _ in range(context)], params, arrival_idx=i,
-                      num_prompt_tokens=1)
+        params = SamplingParams(max_tokens=extra + 8, ignore_eos=True, grammar=grammar)
+        # The history is the prompt, as a served request's is (so each step's outputs cost what
+        # they cost there); its prompt-end checkpoint lands in the first warm-up step.
+        req = Request(f"bench-{i}", [rng.randrange(vocab) for _ in range(context)], params, arrival_idx=i)
         assert engine.cache.admit(req) and engine.cache.allocate_pages(req, context + extra), (
             f"batch {batch} x context {context} does not fit the KV pool"
         )
@@ -266,6 +265,8 @@ def _run_decode(
             if r in running:
                 running.remove(r)
             engine.cache.release(r, publish=False)
+        if engine.cache.tree is not None:
+            engine.cache.tree.clear()  # the prompt-end checkpoints: the next point starts empty
     return DecodeResult(batch, context, ms, step_bytes(engine, batch, context), bandwidth, gpu_ms, sync_ms)
 
 

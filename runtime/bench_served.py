@@ -5,7 +5,9 @@
 (``RequestOutput``) and their delivery to the request's sink on the engine thread, and the
 finishing steps. Here ``batch`` requests are submitted to an ``EngineLoop`` like the server's
 (``AddRequest`` with an output sink), greedy with ``ignore_eos``, and each request's decode speed
-is read from the arrival times of its tokens at its sink, after ``warmup`` tokens.
+is read from the arrival times of its tokens at its sink, over the window in which every request
+decodes: from the ``warmup``-th token of the last request to arrive to the last token of the
+first to finish (the requests are added one at a time, and each arrival's prefill joins a step).
 
 The requests share a ``context - 64``-token prefix, computed once (a prefill-only request) and
 then hit in the prefix cache, plus 64 tokens of their own: a batch at 128K tokens of context
@@ -75,7 +77,8 @@ def run_served_decode(engine: Engine, batch: int, context: int, steps: int = 20,
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     shared = [rng.randrange(vocab) for _ in range(max(0, context - OWN_TOKENS))]
-    params = SamplingParams(max_tokens=warmup + steps + 1, ignore_eos=True)
+    # Room for the arrivals' steps: the first request decodes while the others are added.
+    params = SamplingParams(max_tokens=warmup + steps + 2 * batch + 1, ignore_eos=True)
     loop = EngineLoop(engine, name="phloem-bench-served")
     loop.start()
     try:
@@ -88,5 +91,7 @@ def run_served_decode(engine: Engine, batch: int, context: int, steps: int = 20,
         loop.shutdown(_TIMEOUT_S)
         if engine.cache.tree is not None:
             engine.cache.tree.clear()
-    per_token = [(s.times[warmup + steps] - s.times[warmup]) / steps for s in sinks]
+    start = max(s.times[warmup] for s in sinks)
+    end = min(s.times[-1] for s in sinks)
+    per_token = [(end - start) / sum(start < t <= end for t in s.times) for s in sinks]
     return 1000 * statistics.median(per_token)
