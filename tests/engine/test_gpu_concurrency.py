@@ -102,10 +102,10 @@ class LogitsRecorder:
         self.rows: dict[int, list[torch.Tensor]] = {}
         sample = model_runner.sample
 
-        def recording(logits, params, generators, greedy=None):  # type: ignore[no-untyped-def]
+        def recording(logits, params, *args):  # type: ignore[no-untyped-def]
             for row, p in zip(logits, params):
                 self.rows.setdefault(id(p), []).append(row.float().cpu())
-            return sample(logits, params, generators, greedy)
+            return sample(logits, params, *args)
 
         monkeypatch.setattr(model_runner, "sample", recording)
 
