@@ -189,13 +189,28 @@ def _engine_families(e: EngineStats | None) -> list[Metric]:
         _counter("phloem_engine_steps", "Engine steps run", e.num_steps),
         _counter("phloem_engine_failed_steps", "Engine steps that raised", e.num_failed_steps),
         _histogram("phloem_engine_step_seconds", "Wall time of one engine step", e.step_seconds),
+        _counter("phloem_engine_pipelined_steps", "Decode steps queued on the device behind the "
+                 "step being collected (async scheduling)", e.num_pipelined_steps),
+        _counter("phloem_engine_between_steps_seconds", "Host time the engine thread spent between "
+                 "steps while requests were in flight (commands, delivering outputs)",
+                 e.between_steps_seconds),
     ]
+    by_kind = HistogramMetricFamily("phloem_engine_step_kind_seconds", "Wall time of one engine step by "
+                                    "what it computed: decode (one token per request), prefill, mixed",
+                                    labels=["kind"])
+    for kind, h in e.step_kind_seconds.items():
+        by_kind.add_metric([kind], _buckets(h), sum_value=h.total)
+    families.append(by_kind)
     return families
 
 
 def _histogram(name: str, doc: str, h: HistogramSnapshot) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, doc, buckets=_buckets(h), sum_value=h.total)
+
+
+def _buckets(h: HistogramSnapshot) -> list[tuple[str, float]]:
     cumulative, buckets = 0, []
     for bound, count in zip([*h.bounds, math.inf], h.counts):
         cumulative += count
         buckets.append(("+Inf" if bound == math.inf else repr(bound), cumulative))
-    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h.total)
+    return buckets

@@ -134,6 +134,9 @@ class Engine:
         self._queued: LaunchedStep | None = None
         self._pending: list[RequestOutput] = []
         self.num_pipelined_steps = 0  # steps queued behind the step being collected
+        # What the last ``step`` collected: "decode" (one token per request), "prefill" (no
+        # one-token row) or "mixed"; the engine loop times steps by it.
+        self.last_step_kind = "decode"
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **options: object) -> Engine:
@@ -325,6 +328,8 @@ class Engine:
             if sched.is_empty:
                 return outputs
             launched = self.runner.launch(sched)
+        counts = launched.sched.num_new_tokens
+        self.last_step_kind = "decode" if all(n == 1 for n in counts) else "mixed" if 1 in counts else "prefill"
         if self._pipelined():
             following = next_decode_step(launched, self.scheduler, self.cache, self.max_model_len)
             if following is not None:

@@ -204,3 +204,8 @@ class EngineStats:
     num_running: int  # admitted: holding pages and a state slot
     step_seconds: HistogramSnapshot  # wall time of each engine step, failed ones included
     memory_blocked: bool = False  # the waiting requests wait for memory, not for their turn
+    # Wall time of each step by the kind it collected (``STEP_KINDS``), the loop's host time
+    # between steps while requests were in flight, and the decode steps queued behind another.
+    step_kind_seconds: dict[str, HistogramSnapshot] = field(default_factory=dict)
+    between_steps_seconds: float = 0.0
+    num_pipelined_steps: int = 0

@@ -56,7 +56,7 @@ from phloem.runtime.engine_commands import (
     Shutdown,
     UnpinPrefix,
 )
-from phloem.runtime.histogram import STEP_SECONDS_BOUNDS, Histogram
+from phloem.runtime.histogram import STEP_KINDS, STEP_SECONDS_BOUNDS, Histogram
 
 __all__ = ["EngineLoop"]
 
@@ -97,6 +97,11 @@ class EngineLoop:
         self._num_steps = 0
         self._num_failed_steps = 0
         self._step_seconds = Histogram(STEP_SECONDS_BOUNDS)
+        # Per kind of step collected (``Engine.last_step_kind``), and the host time the loop spends
+        # between two steps while requests are in flight (commands, delivering outputs): where a
+        # served decode step's time goes beside the forward itself.
+        self._kind_seconds = {kind: Histogram(STEP_SECONDS_BOUNDS) for kind in STEP_KINDS}
+        self._between_steps_s = 0.0
 
     @property
     def is_running(self) -> bool:
@@ -150,6 +155,7 @@ class EngineLoop:
             stalled = False
             while not stops:
                 block = self._paused or not self.engine.has_unfinished_requests()
+                started = time.perf_counter()
                 for command in self._drain(block, _STALL_WAIT_S if stalled else None):
                     self._paused = False
                     if isinstance(command, Shutdown):
@@ -160,6 +166,8 @@ class EngineLoop:
                         _refuse(command)
                 stalled = False
                 if not stops and not self._paused and self.engine.has_unfinished_requests():
+                    if not block:
+                        self._between_steps_s += time.perf_counter() - started
                     self._step()
                     stalled = self.engine.is_stalled()
         except Exception:
@@ -284,8 +292,11 @@ class EngineLoop:
             self._fail_all(f"engine step failed: {exc!r}", exc)
             outputs = []
         else:
-            self._step_seconds.observe(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            self._step_seconds.observe(elapsed)
+            self._kind_seconds[self.engine.last_step_kind].observe(elapsed)
             self._num_steps += 1
+        delivered = time.perf_counter()
         for command in parked:
             self._answer(command)
         for out in outputs:
@@ -297,6 +308,7 @@ class EngineLoop:
             else:
                 entry.last = out
             self._deliver(out.request_id, entry.sink, out)
+        self._between_steps_s += time.perf_counter() - delivered
 
     def _deliver(self, request_id: str, sink: OutputSink, item: RequestOutput | EngineError) -> None:
         try:
@@ -334,6 +346,9 @@ class EngineLoop:
             num_running=len(self.engine.scheduler.running),
             step_seconds=self._step_seconds.snapshot(),
             memory_blocked=self.engine.scheduler.memory_blocked,
+            step_kind_seconds={kind: h.snapshot() for kind, h in self._kind_seconds.items()},
+            between_steps_seconds=self._between_steps_s,
+            num_pipelined_steps=self.engine.num_pipelined_steps,
         )
 
     def _close(self, stops: list[Future[None]]) -> None:

@@ -11,11 +11,13 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["STEP_SECONDS_BOUNDS", "Histogram", "HistogramSnapshot"]
+__all__ = ["STEP_KINDS", "STEP_SECONDS_BOUNDS", "Histogram", "HistogramSnapshot"]
 
 STEP_SECONDS_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Upper bounds (seconds) of the engine-step histogram: a CUDA-graph decode step (~ms) up to a
 long chunked prefill on CPU (seconds)."""
+STEP_KINDS = ("decode", "mixed", "prefill")
+"""Kinds of engine step timed apart: one token per request, prompts only, or both in one step."""
 
 
 @dataclass(frozen=True, slots=True)
