@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor, wait
+from multiprocessing.sharedctypes import Synchronized
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -31,7 +34,7 @@ import httpx
 from phloem.api.client import AsyncClient
 from phloem.api.schemas import GenerateParams
 
-__all__ = ["AgenticWorkload", "TurnRecord", "num_turns", "run_agentic", "run_mode", "summarize"]
+__all__ = ["AgenticWorkload", "TurnRecord", "default_client_processes", "num_turns", "run_agentic", "run_mode", "summarize"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,10 @@ class AgenticWorkload:
     forks: int = 0
     vocab_hi: int = 1000
     seed: int = 0
+    # Client processes the agents are spread over (round-robin). One asyncio process parsing
+    # ~1,000 streamed deltas a second falls behind the server and stretches the TPOT it sees;
+    # real agents are separate processes too.
+    client_processes: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,18 +203,70 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
 async def run_mode(base_url: str, mode: str, wl: AgenticWorkload,
                    tick: _Tick = _ignore) -> tuple[list[TurnRecord], float]:
     """Run every agent of ``wl`` concurrently in ``mode``; returns the turn records and wall time.
-    ``tick(1)`` is called after every turn (a progress bar's ``advance``)."""
+    ``tick(1)`` is called after every turn (a progress bar's ``advance``). With
+    ``wl.client_processes`` > 1 the agents run in that many processes (``_run_spread``)."""
+    if wl.client_processes > 1:
+        return await asyncio.to_thread(_run_spread, base_url, mode, wl, tick)
     t0 = time.perf_counter()
+    records = await _run_agents(base_url, mode, wl, range(wl.agents), tick)
+    return records, time.perf_counter() - t0
+
+
+async def _run_agents(base_url: str, mode: str, wl: AgenticWorkload, agents: Iterable[int],
+                      tick: _Tick) -> list[TurnRecord]:
     if mode == "sessions":
         async with AsyncClient(base_url, timeout=3600, max_retries=0) as client:
-            results = await asyncio.gather(*(_sessions_agent(client, wl, a, tick) for a in range(wl.agents)))
+            results = await asyncio.gather(*(_sessions_agent(client, wl, a, tick) for a in agents))
     elif mode in ("stateless", "nocache"):
         async with httpx.AsyncClient(base_url=base_url, timeout=3600) as http:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
-            results = await asyncio.gather(*(_stateless_agent(http, wl, a, mode, model, tick) for a in range(wl.agents)))
+            results = await asyncio.gather(*(_stateless_agent(http, wl, a, mode, model, tick) for a in agents))
     else:
         raise ValueError(f"mode: expected 'sessions', 'stateless' or 'nocache', got {mode!r}")
-    return [r for agent in results for r in agent], time.perf_counter() - t0
+    return [r for agent in results for r in agent]
+
+
+_turns_done: Synchronized[int] | None = None  # a client process's shared turn counter
+
+
+def _init_client_process(counter: Synchronized[int]) -> None:
+    global _turns_done
+    _turns_done = counter
+
+
+def _count_turn(n: int) -> None:
+    assert _turns_done is not None
+    with _turns_done.get_lock():
+        _turns_done.value += n
+
+
+def _client_process(base_url: str, mode: str, wl: AgenticWorkload,
+                    agents: list[int]) -> tuple[list[TurnRecord], float, float]:
+    start = time.monotonic()
+    records = asyncio.run(_run_agents(base_url, mode, wl, agents, _count_turn))
+    return records, start, time.monotonic()
+
+
+def _run_spread(base_url: str, mode: str, wl: AgenticWorkload, tick: _Tick) -> tuple[list[TurnRecord], float]:
+    """The agents round-robin over ``wl.client_processes`` spawned processes; the wall time runs
+    from the first process's start to the last one's end (``time.monotonic`` is system-wide)."""
+    procs = min(wl.client_processes, wl.agents)
+    context = multiprocessing.get_context("spawn")
+    counter = context.Value("q", 0)
+    with ProcessPoolExecutor(procs, mp_context=context, initializer=_init_client_process,
+                             initargs=(counter,)) as pool:
+        futures = [pool.submit(_client_process, base_url, mode, wl, list(range(p, wl.agents, procs)))
+                   for p in range(procs)]
+        reported = 0
+        while not all(f.done() for f in futures):
+            wait(futures, timeout=0.25)
+            done = counter.value
+            tick(done - reported)
+            reported = done
+        parts = [f.result() for f in futures]
+    tick(counter.value - reported)
+    records = sorted((r for part in parts for r in part[0]), key=lambda r: (r.agent, r.branch, r.turn))
+    return records, max(p[2] for p in parts) - min(p[1] for p in parts)
 
 
 def summarize(records: list[TurnRecord], wall_s: float, num_gpus: int = 1) -> dict[str, object]:
@@ -356,3 +415,10 @@ def _markdown(summary: dict[str, object]) -> str:
             f"| {d['ttft_turns_2plus_s']:.3f} | {d['output_tok_s']:.1f} | {d.get('server_rss_mib', float('nan')):.0f} |"
         )
     return "\n".join(lines)
+
+
+def default_client_processes(agents: int) -> int:
+    """One client process per two CPUs of this machine, at most 8 and at most ``agents``."""
+    import os
+
+    return max(1, min(agents, 8, (os.cpu_count() or 2) // 2))

@@ -116,6 +116,9 @@ def add_bench_commands(
     agentic.add_argument("--base-url", metavar="URL", help="a running server (default: start a fresh local server per mode)")
     agentic.add_argument("--modes", default="sessions,stateless,nocache", help="comma-separated (default: %(default)s)")
     _workload_args(agentic)
+    agentic.add_argument("--client-processes", metavar="N", type=_at_least_one,
+                         help="client processes the agents are spread over (default: one per two CPUs, "
+                              "at most 8 and at most --agents): one process cannot read 16 fast streams")
     agentic.add_argument("--fork-at", metavar="TURN", type=int, help="fork after this turn (default: no fork)")
     agentic.add_argument("--forks", metavar="N", type=int, default=0, help="branches at --fork-at (default: %(default)s)")
     agentic.add_argument("--vocab-hi", metavar="ID", type=int, default=1000,
@@ -193,6 +196,16 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                              "the roofline is one rank's share of the bytes")
     parser.add_argument("--ep", action="store_true", help="with --tp N: split the routed experts whole across the ranks")
     parser.add_argument("--out", metavar="FILE", type=Path, help="write the raw numbers as JSON here (default: none)")
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
+    return value
 
 
 def _checked(args: argparse.Namespace) -> argparse.Namespace:

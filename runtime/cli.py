@@ -398,11 +398,12 @@ def _demo(options: DemoOptions) -> int:
 
 
 def _bench_agentic(args: argparse.Namespace) -> int:
-    from phloem.api.bench_agentic import AgenticWorkload, run_agentic
+    from phloem.api.bench_agentic import AgenticWorkload, default_client_processes, run_agentic
 
     workload = AgenticWorkload(
         agents=args.agents, first_turn=args.first_turn, append=args.append, turns=args.turns, output=args.output,
         tool_pause_s=args.tool_pause, fork_at=args.fork_at, forks=args.forks, vocab_hi=args.vocab_hi,
+        client_processes=args.client_processes or default_client_processes(args.agents),
     )  # fmt: skip
     table, data = run_agentic(
         workload, tuple(args.modes.split(",")), args.base_url, tuple(args.server_arg), str(args.out), args.gpus,

@@ -35,3 +35,17 @@ def test_scaled_down_agentic_run(tmp_path: Path) -> None:
         assert summary["hit_rate_of_seen"] == 1.0, summary  # every token sent before was a hit
         assert summary["hit_rate"] == summary["hit_rate_ceiling"] < 1.0, summary
     assert data["summary"]["nocache"]["hit_rate_of_seen"] == 0.0  # type: ignore[index]
+
+
+def test_agents_spread_over_client_processes(tmp_path: Path) -> None:
+    """Three agents over two spawned client processes: every agent's turns come back, each with
+    its own seeded tokens (prompt lengths and exact hits as in one process), sorted by agent."""
+    wl = AgenticWorkload(agents=3, first_turn=120, append=APPEND, turns=3, output=4, vocab_hi=1000, client_processes=2)
+    _, data = run_agentic(wl, ("sessions",), out_dir=str(tmp_path))
+    records = data["turns"]["sessions"]  # type: ignore[index]
+    assert [(r["agent"], r["turn"]) for r in records] == [(a, t) for a in range(3) for t in (1, 2, 3)]
+    for r in records:
+        assert r["prompt_tokens"] == 120 + (r["turn"] - 1) * (APPEND + 4), r
+        assert r["cached_tokens"] == (0 if r["turn"] == 1 else r["prompt_tokens"] - APPEND), r
+    assert data["workload"]["client_processes"] == 2  # type: ignore[index]
+    assert data["summary"]["sessions"]["wall_s"] > 0  # type: ignore[index]
