@@ -40,14 +40,13 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from phloem.engine import CapacityExceeded, Engine, EngineError, InvalidRequest, SamplingParams
+from phloem.engine import CapacityExceeded, Engine, EngineConfig, EngineError, InvalidRequest, SamplingParams
 from phloem.engine.kv_transfer import (
     GDNState, Goodbye, KVLayer, KVTransport, PrefillDeclined, PrefillDone, PrefillProgress, PrefillRequest,
     TransferError, TransportError,
 )
 from phloem.engine.kv_transfer_dist import PrefillListener
 from phloem.engine.transfer_state import stream_hook
-from phloem.runtime.config import EngineOptions
 from phloem.runtime.pd_link import exchange_hello, hello_for
 from phloem.runtime.pd_roles import PDConfig
 from phloem.runtime.pd_sender import QueuedSender
@@ -229,7 +228,9 @@ class PrefillWorker:
         return next((r.num_computed_tokens for r in self.engine.scheduler.running if r.request_id == rid), 0)
 
 
-def run_prefill_worker(model: str, options: EngineOptions, config: PDConfig, ready: Connection | None = None) -> None:
+def run_prefill_worker(
+    model: str, engine_config: EngineConfig, config: PDConfig, ready: Connection | None = None
+) -> None:
     """Load the model and serve prefills until SIGINT/SIGTERM (``phloem serve --role prefill``).
 
     The listener binds ``config.peer`` (port 0: a free one). With ``ready``, a spawned process
@@ -239,7 +240,7 @@ def run_prefill_worker(model: str, options: EngineOptions, config: PDConfig, rea
         ValueError: a bad model folder or option, or the address cannot be bound.
     """
     try:
-        engine = Engine.from_pretrained(model, **options.as_kwargs())
+        engine = Engine.from_pretrained(model, engine_config)
         worker = PrefillWorker(engine, config)
         host, port = config.address if config.peer else ("127.0.0.1", 0)
         listener = PrefillListener(host, port, config.connect_timeout_s, engine.device)
