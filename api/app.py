@@ -68,7 +68,7 @@ from phloem.api._routes_sessions import SESSION_ROUTES
 from phloem.api._server_protocol import guarded_http_protocol
 from phloem.api._ws import session_socket
 from phloem.api.schemas import ErrorCode
-from phloem.runtime import EngineClient, EngineOptions, ServerConfig
+from phloem.runtime import EngineClient, EngineConfig, ServerConfig
 from phloem.runtime.config import DEFAULT_KEEPALIVE_S
 from phloem.runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from phloem.runtime.logs import adopt_library_loggers, stderr_logging
@@ -100,7 +100,7 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
     model_id = Path(config.model).name if config.model else DEFAULT_MODEL_NAME
     if model_id == DEFAULT_MODEL_NAME:
         owned_by = "phloem (built-in demo model with RANDOM weights: its output is gibberish)"
-    elif config.engine_options.load_format == "dummy":
+    elif config.engine_config.load.load_format == "dummy":
         owned_by = "phloem (DUMMY random weights of this shape, for benchmarks: its output is gibberish)"
     else:
         owned_by = "phloem"
@@ -198,15 +198,15 @@ def _serve(config: ServerConfig, sock: socket.socket | None, startup: StartupLog
     adopt_library_loggers()  # transformers, imported by now, logs through our handler too
     if config.model is None:
         with startup.phase("demo_model", f"building the built-in demo model in {config.models_dir}"):
-            folder = ensure_default_model(config.data_dir, config.engine_options.show_progress)
+            folder = ensure_default_model(config.data_dir, config.engine_config.load.show_progress)
         config = dataclasses.replace(config, model=str(folder))
     assert config.model is not None
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    options = config.engine_options
-    with startup.phase("model", f"loading the model from {config.model} on {options.device} ({options.dtype})"):
+    load = config.engine_config.load
+    with startup.phase("model", f"loading the model from {config.model} on {load.device} ({load.dtype})"):
         # A decode instance's client sends prompts to its prefill instance (``--role decode``).
         engine = engine_client_for(config)
-    _warm_up(engine, options, startup)
+    _warm_up(engine, config.engine_config, startup)
     sessions = SessionConfig(data_dir=config.data_dir, model_fingerprint=model_fingerprint(config.model),
                              redis_url=config.redis_url, default_ttl_s=config.default_ttl_s,
                              max_num_generations=config.max_num_generations,
@@ -243,14 +243,14 @@ def _serve(config: ServerConfig, sock: socket.socket | None, startup: StartupLog
             asyncio.run(engine.shutdown())
 
 
-def _warm_up(engine: EngineClient, options: EngineOptions, startup: StartupLog) -> None:
+def _warm_up(engine: EngineClient, config: EngineConfig, startup: StartupLog) -> None:
     """Compile on a GPU what the first requests would (``engine.warmup``); on CPU nothing
     compiles (torch kernels), so there is nothing to wait for."""
-    if not options.device.startswith("cuda"):
-        logger.info("startup: no kernel warm-up on %s (nothing compiles there)", options.device)
+    if not config.load.device.startswith("cuda"):
+        logger.info("startup: no kernel warm-up on %s (nothing compiles there)", config.load.device)
         return
     with startup.phase("warm_up", "warming up kernels: a few requests compile what serving uses"):
-        report = engine.warm_up(options.show_progress)
+        report = engine.warm_up(config.load.show_progress)
     logger.info("startup: warm-up ran %d requests, %d steps, %d prompt tokens",
                 report.num_requests, report.num_steps, report.num_prompt_tokens)
 

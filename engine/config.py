@@ -8,15 +8,25 @@ one hybrid layout, so one config type describes them all:
     Qwen3_5ForCausalLM      every layer a dense SwiGLU MLP
     Qwen3NextForCausalLM    MoE unless ``mlp_only_layers`` / ``decoder_sparse_step`` say otherwise
 
-Runtime-measured values (page counts, slot counts) live on their owners, never here.
+``EngineConfig`` gathers the engine's sections (load, cache, scheduler, runner, parallel,
+kernels); each option is declared once, in its section. Runtime-measured values (page counts,
+slot counts) live on their owners, never here. Nothing here imports torch: the CLI builds an
+``EngineConfig`` before torch loads.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from phloem.kernels.config import KernelConfig
+
+__all__ = [
+    "CacheConfig", "EngineConfig", "KernelConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "RunnerConfig",
+    "SchedulerConfig", "default_max_num_batched_tokens",
+]
 
 SUPPORTED_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
 
@@ -216,13 +226,16 @@ class CacheConfig:
     checkpoint_prompt_end: bool = True
 
     def __post_init__(self) -> None:
+        _check_ints(self, ("page_size", "num_pages", "num_state_slots", "cpu_pool_bytes", "checkpoint_interval"))
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size: expected a positive power of two, got {self.page_size}")
         if self.checkpoint_interval < 0 or self.checkpoint_interval % self.page_size:
             raise ValueError(
                 f"checkpoint_interval: expected 0 or a multiple of page_size={self.page_size}, "
                 f"got {self.checkpoint_interval}"
             )
-        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size: expected a positive power of two, got {self.page_size}")
+        if self.cpu_pool_bytes <= 0:
+            raise ValueError(f"cpu_pool_bytes: expected > 0, got {self.cpu_pool_bytes}")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction: expected (0, 1], got {self.memory_fraction}")
         if not 0.0 < self.state_fraction < 1.0:
@@ -251,8 +264,8 @@ class SchedulerConfig:
 
     Args:
         max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks);
-            ``Engine.from_pretrained`` takes ``DEFAULT_MAX_NUM_BATCHED_TOKENS`` of its device
-            type when none is given (the field's default is the CPU's).
+            ``None``: ``DEFAULT_MAX_NUM_BATCHED_TOKENS`` of the engine's device type
+            (``for_device``).
         max_num_seqs: running requests at most (also the largest decode batch).
         max_model_len: longest token history a request may reach; ``None`` = the model's limit.
         async_scheduling: queue the next decode step on the device before reading the current
@@ -260,18 +273,25 @@ class SchedulerConfig:
             tokens are the same). Not for the steps of a disaggregated prefill.
     """
 
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens <= 0:
+        _check_ints(self, ("max_num_batched_tokens", "max_num_seqs", "max_model_len"))
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens: expected > 0, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs: expected > 0, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len: expected > 0, got {self.max_model_len}")
+
+    def for_device(self, device: str) -> SchedulerConfig:
+        """This config with its token budget decided: the one given, else ``device``'s default."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return replace(self, max_num_batched_tokens=default_max_num_batched_tokens(device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,14 +304,11 @@ class RunnerConfig:
             ``"torch"``.
         enable_cuda_graph: capture decode steps as CUDA graphs (CUDA + FlashInfer only).
         max_graph_batch_size: the largest captured decode batch; bigger ones run eagerly.
-        show_progress: draw a progress bar while capturing CUDA graphs: False never, None when
-            stderr is a terminal.
     """
 
     attention_backend: str = "auto"
     enable_cuda_graph: bool = True
     max_graph_batch_size: int = 64
-    show_progress: bool | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "flashinfer", "torch"):
@@ -339,11 +356,12 @@ class LoadConfig:
     Args:
         load_format: ``"safetensors"`` reads the folder; ``"dummy"`` builds random weights of the
             real shapes directly on the target device (benchmarks).
-        device: torch device string.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         dtype: ``"bfloat16"``, ``"float16"``, ``"float32"`` or ``"auto"`` (checkpoint dtype; bf16 for dummy).
         seed: seed for dummy weights.
-        show_progress: draw a progress bar while loading (``engine._progress``): False never,
-            None when stderr is a terminal. Tensor-parallel workers never draw one.
+        show_progress: draw progress bars while loading weights and capturing CUDA graphs
+            (``engine._progress``): False never, None when stderr is a terminal.
+            Tensor-parallel workers never draw one.
     """
 
     load_format: str = "safetensors"
@@ -357,3 +375,50 @@ class LoadConfig:
             raise ValueError(f"load_format: expected 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype: expected auto/bfloat16/float16/float32, got {self.dtype!r}")
+        kind, _, index = self.device.partition(":")
+        if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+            raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _check_ints(self, ("seed",))
+        if self.seed < 0:
+            raise ValueError(f"seed: expected >= 0, got {self.seed}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything an engine is built from besides the model folder, one frozen section each::
+
+        EngineConfig(load=LoadConfig(device="cuda", dtype="bfloat16"), cache=CacheConfig(num_pages=512))
+
+    Each component gets only its own section (the scheduler ``scheduler``, the runner ``runner``
+    and ``cache``, the loader ``load``); ``kernels`` chooses the ops (``kernels.dispatch``).
+
+    Args:
+        load: how weights are obtained, and on which device in which dtype.
+        cache: the KV page and GDN state pools, and the prefix cache.
+        scheduler: continuous-batching limits.
+        runner: attention backend and CUDA graphs.
+        parallel: tensor and expert parallelism.
+        kernels: the kernel choices that are product options.
+    """
+
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # The annotations are strings (``from __future__ import annotations``): the section class's name.
+            if not isinstance(value, globals()[str(f.type)]):
+                raise ValueError(f"{f.name}: expected a {f.type}, got {type(value).__name__}")
+
+
+def _check_ints(config: object, names: tuple[str, ...]) -> None:
+    """Each named field is an int or None (a bool is not: ``num_pages=True`` is a mistake)."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name}: expected an integer, got {value!r}")

@@ -9,12 +9,11 @@ never reaches the loop; the engine keeps serving the others. With async scheduli
 a decode step's successor is queued on the device before the step's sampled ids are read
 (``engine.step_pipeline``): ``step`` then launches one step and collects the one before.
 
-Tensor parallelism (``tensor_parallel_size=N``): this process is rank 0 and the only one that
-schedules, keeps the radix cache and samples; ``engine.tp_workers`` runs ranks 1..N-1 in child
-processes, and each step the runner sends them a compact step plan before the shared forward.
-``close()`` (or ``with Engine.from_pretrained(...) as engine``) stops them. Every rank captures
-the same CUDA-graph buckets (with the collectives inside), and exported prefixes are gathered
-from every rank into the TP=1 layout, so spilled sessions move between TP sizes.
+Tensor parallelism (``ParallelConfig.tensor_parallel_size=N``): this process is rank 0 and the
+only one that schedules, keeps the radix cache and samples; ``engine.tp_workers`` runs ranks
+1..N-1 in child processes (``close()`` stops them), each step sent a compact plan before the
+shared forward. Exported prefixes are gathered into the TP=1 layout, so spilled sessions move
+between TP sizes.
 """
 
 from __future__ import annotations
@@ -22,77 +21,58 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 
 from phloem.engine import transfer_state
+from phloem.engine.build import bind_cuda_device, load_parts
 from phloem.engine.cache_manager import CacheManager, CacheStats
-from phloem.engine.config import (
-    CacheConfig,
-    LoadConfig,
-    ModelConfig,
-    ParallelConfig,
-    RunnerConfig,
-    SchedulerConfig,
-    default_max_num_batched_tokens,
-)
+from phloem.engine.config import EngineConfig, ModelConfig
 from phloem.engine.errors import CorruptStep, InvalidRequest
 from phloem.engine.grammar import GrammarBackend
 from phloem.engine.kv_pages import PagePool
-from phloem.engine.loader import load_model
 from phloem.engine.model_runner import CausalLM, LaunchedStep, build_runner
-from phloem.engine.parallel import TPGroup, check_tp_size
+from phloem.engine.overrides import apply_overrides
+from phloem.engine.parallel import TPGroup
 from phloem.engine.prefix_state import PrefixState, export_prefix, import_prefix
 from phloem.engine.radix_cache import RadixCache, RadixNode
-from phloem.engine.request import FinishReason, Request, RequestOutput, RequestStatus, TokenLogprob
+from phloem.engine.request import Request, RequestOutput, RequestStatus
 from phloem.engine.request_checks import check_logit_bias, check_outputs, check_prompt, grammar_matcher
 from phloem.engine.sampler import skip_draws
 from phloem.engine.sampling_params import SamplingParams
 from phloem.engine.scheduler import Scheduler
 from phloem.engine.state_slots import SlotPool
+from phloem.engine.step_outputs import StepOutputs
 from phloem.engine.step_pipeline import next_decode_step
-from phloem.engine.tp_workers import TPWorkers, WorkerSpec, rank_device
+from phloem.engine.tp_workers import TPWorkers
 from phloem.engine.transfer_state import TransferReservation, TransferSource
 from phloem.engine.warmup import WarmupReport, warm_up
 
 __all__ = ["Engine"]
 
-_CACHE_OPTIONS = {
-    "page_size",
-    "memory_fraction",
-    "state_fraction",
-    "num_pages",
-    "num_state_slots",
-    "cpu_pool_bytes",
-    "enable_prefix_caching",
-    "checkpoint_interval",
-    "checkpoint_prompt_end",
-}
-_SCHED_OPTIONS = {"max_num_batched_tokens", "max_num_seqs", "max_model_len", "async_scheduling"}
-# ``show_progress`` reaches both the loader and the runner (CUDA-graph capture).
-_RUNNER_OPTIONS = {"attention_backend", "enable_cuda_graph", "max_graph_batch_size", "show_progress"}
-_LOAD_OPTIONS = {"load_format", "device", "dtype", "seed", "show_progress"}
-_PARALLEL_OPTIONS = {"tensor_parallel_size", "expert_parallel"}
-
 
 class Engine:
+    """One process's inference core; ``from_pretrained`` loads one. The constructor takes a
+    loaded ``model`` (rank 0's shard), the ``device`` it is on (``config.load.device`` is not
+    read), the tensor-parallel ``workers`` (None at TP=1) and the ``grammar`` backend (None, an
+    engine without a tokenizer as in tests: requests with a grammar are refused)."""
+
     def __init__(
         self,
         model_config: ModelConfig,
         model: CausalLM,
-        cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
+        config: EngineConfig,
         device: torch.device,
         dtype: torch.dtype,
-        runner_config: RunnerConfig | None = None,
         workers: TPWorkers | None = None,
         grammar: GrammarBackend | None = None,
     ) -> None:
-        runner_config = runner_config or RunnerConfig()
-        # None (an engine without a tokenizer, as in tests): requests with a grammar are refused.
+        cache_config, runner_config = config.cache, config.runner
+        scheduler_config = config.scheduler.for_device(str(device))
+        self.config = config
         self.grammar = grammar
         self.model_config = model_config
         self.device = device
@@ -100,6 +80,7 @@ class Engine:
         self.workers = workers
         tp = workers.group if workers is not None else TPGroup.single(device)
         sink = workers.send if workers is not None else None
+        # ``config.kernels`` reaches the op table once ``build_runner`` takes ``kernels=`` (issue 31).
         self.runner, plan = build_runner(model_config, model, cache_config, runner_config, tp, dtype, sink)
         self.page_pool = PagePool(plan.num_pages, cache_config.page_size)
         self.slot_pool = SlotPool(plan.num_slots)
@@ -123,11 +104,12 @@ class Engine:
         if workers is not None:
             workers.start(graphs)  # the workers capture the same buckets alongside rank 0
         if graphs is not None:
-            self.runner.enable_cuda_graphs(*graphs, show_progress=runner_config.show_progress)
+            self.runner.enable_cuda_graphs(*graphs, show_progress=config.load.show_progress)
         limit = model_config.max_position_embeddings
         self.max_model_len = min(scheduler_config.max_model_len or limit, limit)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._outputs = StepOutputs(model_config, self.scheduler, self.cache, self.max_model_len, self._requests)
         self.async_scheduling = scheduler_config.async_scheduling
         # A decode step queued on the device behind the one being collected (async scheduling),
         # and outputs of a step collected outside ``step`` (by ``drain``), returned by the next.
@@ -139,62 +121,47 @@ class Engine:
         self.last_step_kind = "decode"
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **options: object) -> Engine:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        config: EngineConfig | None = None,
+        *,
+        load_format: str | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        **overrides: Any,
+    ) -> Engine:
         """Load a Hugging Face model folder.
 
-        Options: ``load_format`` ("safetensors" | "dummy"), ``device``, ``dtype``, ``seed``,
-        ``page_size``, ``memory_fraction``, ``state_fraction``, ``num_pages``, ``num_state_slots``,
-        ``cpu_pool_bytes``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``async_scheduling``,
-        ``attention_backend``, ``enable_cuda_graph``, ``max_graph_batch_size``, ``show_progress``
-        (progress bars while loading and capturing: False never, None when stderr is a terminal),
-        ``tensor_parallel_size`` (N > 1 starts N - 1 worker processes; ``close()`` stops them),
-        ``expert_parallel`` (routed experts split whole across those ranks).
-        An unknown option is an error (never silently dropped).
+        Args:
+            path: the model folder (``config.json``, safetensors, tokenizer).
+            config: the engine's configuration; None: ``EngineConfig()``.
+            load_format: ``"safetensors"`` or ``"dummy"`` (random weights); overrides ``config.load``.
+            device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; overrides ``config.load``.
+            dtype: ``"auto"``, ``"bfloat16"``, ``"float16"`` or ``"float32"``; overrides ``config.load``.
+            **overrides: whole sections replacing the config's (``cache=CacheConfig(num_pages=64)``).
+                The flat options of the previous release (``num_pages=64``) still work, with a
+                ``DeprecationWarning`` naming the new spelling (``engine.overrides``).
+
+        Returns:
+            The engine. At ``tensor_parallel_size`` N > 1 it runs N - 1 worker processes:
+            ``close()`` (or ``with``) stops them.
 
         Raises:
+            TypeError: an unknown option, or a flat option given with its section.
             ValueError: a bad option, model folder or checkpoint; a tensor-parallel size that does
                 not divide the heads, exceeds 8, or exceeds the visible GPUs.
             EngineError: a tensor-parallel worker failed to start.
         """
-        known = _CACHE_OPTIONS | _SCHED_OPTIONS | _LOAD_OPTIONS | _RUNNER_OPTIONS | _PARALLEL_OPTIONS
-        unknown = set(options) - known
-        if unknown:
-            raise TypeError(f"Engine.from_pretrained: unknown option(s) {sorted(unknown)}")
-        pick = lambda names: {k: v for k, v in options.items() if k in names}  # noqa: E731
-        load_config = LoadConfig(**pick(_LOAD_OPTIONS))  # type: ignore[arg-type]
-        load_config = replace(load_config, device=str(_with_index(torch.device(load_config.device))))
-        parallel = ParallelConfig(**pick(_PARALLEL_OPTIONS))  # type: ignore[arg-type]
-        cache_config = CacheConfig(**pick(_CACHE_OPTIONS))  # type: ignore[arg-type]
-        budget = default_max_num_batched_tokens(load_config.device)
-        sched = {"max_num_batched_tokens": budget, **pick(_SCHED_OPTIONS)}
-        scheduler_config = SchedulerConfig(**sched)  # type: ignore[arg-type]
-        runner_config = RunnerConfig(**pick(_RUNNER_OPTIONS))  # type: ignore[arg-type]
-        model_config = ModelConfig.from_pretrained(path)
-        tp_size = parallel.tensor_parallel_size
-        check_tp_size(model_config, tp_size, torch.device(load_config.device), parallel.expert_parallel)
-        workers = None
-        if tp_size > 1:
-            device = rank_device(torch.device(load_config.device), 0)
-            load_config = replace(load_config, device=str(device))
-            spec = WorkerSpec(
-                str(path), model_config, load_config, cache_config, runner_config, tp_size, torch.get_num_threads(),
-                parallel.expert_parallel,
-            )
-            workers = TPWorkers.launch(spec)
+        load = {"load_format": load_format, "device": device, "dtype": dtype}
+        parts = load_parts(path, apply_overrides(config, overrides, load))
         try:
-            _bind_cuda_device(torch.device(load_config.device))
-            model = load_model(Path(path), model_config, load_config, workers.group if workers else None)
-            if workers is not None:
-                workers.wait_ready()
-            dtype = next(model.parameters()).dtype
-            device = torch.device(load_config.device)
-            grammar = GrammarBackend(path, model_config.vocab_size, model_config.eos_token_ids)
             return cls(
-                model_config, model, cache_config, scheduler_config, device, dtype, runner_config, workers, grammar
+                parts.model_config, parts.model, parts.config, parts.device, parts.dtype, parts.workers, parts.grammar
             )
         except BaseException:
-            if workers is not None:
-                workers.close()
+            if parts.workers is not None:
+                parts.workers.close()
             raise
 
     def bind_thread(self) -> None:
@@ -209,7 +176,7 @@ class Engine:
         thread's, and the two contend for the cores: one intra-op thread keeps the engine's
         steps as fast as in the main thread (docs/decisions.md).
         """
-        _bind_cuda_device(self.device)
+        bind_cuda_device(self.device)
         if self.device.type == "cpu" and threading.current_thread() is not threading.main_thread():
             torch.set_num_threads(1)
 
@@ -324,7 +291,7 @@ class Engine:
         launched, self._queued = self._queued, None
         if launched is None:
             sched = self.scheduler.schedule()
-            outputs += [self._output(r, []) for r in sched.finished_early]
+            outputs += [self._outputs.output(r, []) for r in sched.finished_early]
             if sched.is_empty:
                 return outputs
             launched = self.runner.launch(sched)
@@ -336,12 +303,7 @@ class Engine:
                 sched, inputs, input_ids = following
                 self._queued = self.runner.launch(sched, inputs, input_ids)
                 self.num_pipelined_steps += 1
-        try:
-            outputs += self._apply(launched)
-        except CorruptStep:
-            self._drop_corrupt(launched)
-            raise
-        return outputs
+        return outputs + self._apply(launched)
 
     def _pipelined(self) -> bool:
         return self.async_scheduling and self.runner.layer_hook is None
@@ -352,86 +314,18 @@ class Engine:
         engine calls it before anything that reads or changes request memory from outside."""
         launched, self._queued = self._queued, None
         if launched is not None:
-            try:
-                self._pending += self._apply(launched)
-            except CorruptStep:
-                self._drop_corrupt(launched)
-                raise
-
-    def _drop_corrupt(self, launched: LaunchedStep) -> None:
-        """Abort the requests of a corrupt step and of the step queued behind it (which ran on its
-        ids), publishing nothing: their GDN state on the device is past their counters."""
-        queued, self._queued = self._queued, None
-        for step in (launched, queued):
-            for req in step.sched.requests if step is not None else ():
-                if req.status is RequestStatus.FINISHED and not req.finalizing:
-                    continue
-                req.has_state = False  # ``release`` then frees the write slot instead of publishing it
-                self.scheduler.abort(req.request_id)
-                self._requests.pop(req.request_id, None)
+            self._pending += self._apply(launched)
 
     def _apply(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """Collect a launched step and advance its requests by what it computed and sampled;
-        their outputs."""
-        sched, result = launched.sched, self.runner.collect(launched)
-        vocab = self.model_config.vocab_size
-        impossible = {rid: t for rid, t in result.sampled.items() if not 0 <= t < vocab}
-        if impossible:
-            raise CorruptStep(f"the step sampled token ids outside the vocabulary [0, {vocab}): {impossible}")
-        outputs: list[RequestOutput] = []
-        for req, n in zip(sched.requests, sched.num_new_tokens):
-            if req.is_finished and not req.finalizing:
-                continue  # stopped (or aborted) while a queued step computed one more token
-            req.num_computed_tokens += n
-            req.has_state = True
-            req.read_slot = req.write_slot
-            if req.finalizing:
-                self.scheduler.complete_finalize(req)
-                continue
-            if req.prefill_only and req.num_computed_tokens == req.num_tokens:
-                # The prompt is computed: publishing on release puts the checkpoint at its end
-                # (at num_computed_tokens: a first token sampled here is not part of it).
-                first = result.sampled.get(req.request_id)
-                if first is not None:
-                    req.append_output(first)
-                self.scheduler.finish_now(req, FinishReason.PREFILL)
-                outputs.append(self._output(req, [] if first is None else [first], result.logprobs.get(req.request_id)))
-                continue
-            self.cache.maybe_checkpoint(req)
-            token = result.sampled.get(req.request_id)
-            if token is None:
-                continue
-            req.append_output(token)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-            outputs.append(self._output(req, [token], result.logprobs.get(req.request_id)))
-        return outputs
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        params = req.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.model_config.eos_token_ids):
-            return FinishReason.STOP
-        if req.grammar is not None and req.grammar.is_terminated:
-            return FinishReason.STOP
-        if req.reaches_length(self.max_model_len):
-            return FinishReason.LENGTH
-        return None
-
-    def _output(self, req: Request, new_tokens: list[int], logprob: TokenLogprob | None = None) -> RequestOutput:
-        finished = req.status is RequestStatus.FINISHED
-        if finished:
-            self._requests.pop(req.request_id, None)
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=req.output_token_ids,
-            new_token_ids=new_tokens,
-            finished=finished,
-            finish_reason=req.finish_reason.value if req.finish_reason else None,
-            num_cached_tokens=req.num_cached_tokens,
-            new_logprobs=(logprob,) if logprob is not None else None,
-        )
+        """Collect a launched step and advance its requests (``engine.step_outputs``); their
+        outputs. A corrupt step's requests, and those of the step queued behind it (which ran on
+        its ids), are dropped before ``CorruptStep`` propagates."""
+        try:
+            return self._outputs.apply(launched.sched, self.runner.collect(launched))
+        except CorruptStep:
+            queued, self._queued = self._queued, None
+            self._outputs.drop(launched, queued)
+            raise
 
     def generate(
         self,
@@ -554,16 +448,3 @@ class Engine:
         """Prefix-cache and pool counters (prompt vs cached tokens, checkpoints, pages in use)."""
         return self.cache.stats()
 
-
-def _with_index(device: torch.device) -> torch.device:
-    """``cuda`` -> ``cuda:<current device>``: the engine stays on the GPU it was built on whatever
-    thread runs it later (``torch.cuda.set_device`` refuses a device without an index). Without
-    CUDA the device is left as given, for the clear errors of the checks that follow."""
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _bind_cuda_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_device(_with_index(device))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from phloem.runtime.config import EngineOptions, ServerConfig
+from phloem.runtime.config import EngineConfig, ServerConfig
 
 if TYPE_CHECKING:
     from phloem.runtime.default_model import ensure_default_model
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from phloem.runtime.engine_loop import EngineLoop
 
 __all__ = [
-    "EngineClient", "EngineLoop", "EngineOptions", "EngineStats", "PrefixState", "ServerConfig",
+    "EngineClient", "EngineConfig", "EngineLoop", "EngineStats", "PrefixState", "ServerConfig",
     "ensure_default_model",
 ]
 

@@ -21,8 +21,9 @@ from pathlib import Path
 from phloem.runtime._bench_cli import add_bench_commands, show_progress
 from phloem.runtime._hardening_cli import add_hardening_flags, hardening_config
 from phloem.runtime._demo import DemoOptions
+from phloem.engine.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from phloem.runtime.config import (
-    DTYPES, LOG_FORMATS, LOG_LEVELS, ApiKey, EngineOptions, ServerConfig, default_data_dir, parse_api_key, read_api_keys_file,
+    DTYPES, LOG_FORMATS, LOG_LEVELS, ApiKey, ServerConfig, default_data_dir, parse_api_key, read_api_keys_file,
 )
 from phloem.runtime.model_shapes import SHAPES, ensure_shape_model
 from phloem.runtime.env import EnvSettings, read_env, use_kernel_caches
@@ -105,8 +106,8 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", metavar="TOKENS", type=int,
                        help="token budget of one engine step: larger prefills faster, smaller keeps "
                             "concurrent decodes smoother (default: 8192 on a GPU, 512 on CPU)")
-    serve.add_argument("--max-num-seqs", metavar="N", type=int,
-                       help="requests decoding at once (default: the engine's, 64)")
+    serve.add_argument("--max-num-seqs", metavar="N", type=int, default=SchedulerConfig().max_num_seqs,
+                       help="requests decoding at once (default: %(default)s)")
     serve.add_argument("--no-async-scheduling", action="store_true",
                        help="read each step's sampled ids before preparing the next step (default: "
                             "the next decode step is queued while the device runs the current one)")
@@ -318,25 +319,24 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         **hardening_config(args),
         **options,
-        **_engine_options(args),
+        **_engine_config(args),
     )
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, EngineOptions]:
-    """``ServerConfig.engine`` for the flags that need it (``--no-prefix-cache``, ``--shape``,
-    ``--no-progress``, ``--max-num-batched-tokens``, ``--max-num-seqs``, ``--ep``,
-    ``--no-async-scheduling``)."""
-    limits = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs}
-    flags = (args.no_prefix_cache, args.shape, args.no_progress, args.ep, args.no_async_scheduling)
-    if not any(flags) and all(v is None for v in limits.values()):
-        return {}
-    tp = args.tp if args.tp > 1 else None
-    return {"engine": EngineOptions(device=args.device, dtype=args.dtype, tensor_parallel_size=tp,
-                                    expert_parallel=args.ep or None,
-                                    async_scheduling=False if args.no_async_scheduling else None,
-                                    enable_prefix_caching=not args.no_prefix_cache,
-                                    load_format="dummy" if args.shape else "safetensors",
-                                    show_progress=False if args.no_progress else None, **limits)}  # fmt: skip
+def _engine_config(args: argparse.Namespace) -> dict[str, EngineConfig]:
+    """``ServerConfig.engine`` from ``phloem serve``'s engine flags; left out when they say nothing
+    beyond the server's own ``--device`` / ``--dtype`` / ``--tp`` (``ServerConfig.engine_config``
+    derives the same then, with ``--max-context-len``)."""
+    load, parallel = LoadConfig(device=args.device, dtype=args.dtype), ParallelConfig(tensor_parallel_size=args.tp)
+    config = EngineConfig(
+        load=dataclasses.replace(load, load_format="dummy" if args.shape else "safetensors",
+                                 show_progress=False if args.no_progress else None),
+        cache=CacheConfig(enable_prefix_caching=not args.no_prefix_cache),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                                  async_scheduling=not args.no_async_scheduling),
+        parallel=dataclasses.replace(parallel, expert_parallel=args.ep),
+    )
+    return {} if config == EngineConfig(load=load, parallel=parallel) else {"engine": config}
 
 
 def _serve(config: ServerConfig) -> int:
@@ -361,7 +361,7 @@ def _serve(config: ServerConfig) -> int:
             from phloem.runtime.default_model import ensure_default_model
 
             with startup.phase("demo_model", f"building the built-in demo model in {config.models_dir}"):
-                folder = ensure_default_model(config.data_dir, config.engine_options.show_progress)
+                folder = ensure_default_model(config.data_dir, config.engine_config.load.show_progress)
             logging.getLogger("phloem.runtime.cli").warning(
                 "phloem: no --model given; serving the built-in demo model at %s. ITS WEIGHTS ARE "
                 "RANDOM: the text it generates is gibberish (use --model DIR for a real model)", folder)
@@ -369,7 +369,7 @@ def _serve(config: ServerConfig) -> int:
         if config.pd.role == "prefill":
             from phloem.runtime.pd_prefill import run_prefill_worker
 
-            run_prefill_worker(config.model, config.engine_options, config.pd)
+            run_prefill_worker(config.model, config.engine_config, config.pd)
             return 0
         with startup.phase("imports", "importing torch and the server"):
             from phloem.api.app import serve

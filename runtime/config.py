@@ -1,19 +1,18 @@
-"""Configuration of the processes: the server (``ServerConfig``) and its engine (``EngineOptions``).
+"""Configuration of the server process (``ServerConfig``) and of its engine (``EngineConfig``).
 
 Both are frozen, slotted and validated in ``__post_init__`` (a ``ValueError`` names the field and
-the value). Neither reads the environment, except the default of ``ServerConfig.data_dir``
-(``runtime.env``). The engine's own dataclasses (``engine.config``) validate the engine knobs a
-second time when ``Engine.from_pretrained`` builds them; the checks here only catch what would
-otherwise fail late, in the engine thread, after the server has started.
+the value), so a bad flag fails before the server starts, never in the engine thread. Neither
+reads the environment, except the default of ``ServerConfig.data_dir`` (``runtime.env``).
+``engine.config`` imports without torch, so the CLI builds the ``EngineConfig`` itself.
 
 Decision: without API keys the server serves one anonymous owner, so ``ServerConfig`` refuses a
 non-loopback ``host`` unless ``allow_remote_without_auth`` says so explicitly. API keys are
 ``ApiKey`` values whose ``repr`` hides the secret, so printing a config never leaks one.
 
-Decision: ``ServerConfig.device`` / ``dtype`` / ``tensor_parallel_size`` are the server's flags;
-``ServerConfig.engine`` optionally carries every other engine knob, and must then agree on them (two
-different answers are an error, never silently resolved). ``ServerConfig.engine_options`` is what
-to pass on.
+Decision: ``ServerConfig.device`` / ``dtype`` / ``tensor_parallel_size`` / ``max_context_len`` are
+the server's flags; ``ServerConfig.engine`` optionally carries every other engine option, and must
+then agree on them (two different answers are an error, never silently resolved).
+``ServerConfig.engine_config`` is what to build the engine from.
 """
 
 from __future__ import annotations
@@ -24,11 +23,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from phloem.engine.config import MAX_TP_SIZE, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from phloem.runtime.env import default_data_dir
 from phloem.runtime.pd_roles import PDConfig
 from phloem.runtime.shared_prefixes import SharedPrefix
 
-__all__ = ["DTYPES", "LOAD_FORMATS", "LOG_FORMATS", "LOG_LEVELS", "ApiKey", "EngineOptions",
+__all__ = ["DTYPES", "LOAD_FORMATS", "LOG_FORMATS", "LOG_LEVELS", "ApiKey", "EngineConfig",
            "ServerConfig", "is_loopback", "parse_api_key", "read_api_keys_file"]
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -36,17 +36,6 @@ LOAD_FORMATS = ("safetensors", "dummy")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-# engine.config.MAX_TP_SIZE, repeated: importing phloem.engine would import torch.
-_MAX_TP_SIZE = 8
-_POSITIVE_OPTIONS = (
-    "page_size",
-    "num_pages",
-    "num_state_slots",
-    "cpu_pool_bytes",
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "max_model_len",
-)
 
 
 # RFC 6750 b64token characters, no ':' (it separates the role in `key:admin`).
@@ -146,79 +135,14 @@ def is_loopback(host: str) -> bool:
 
 
 def _check_tp_size(name: str, size: int | None) -> None:
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= _MAX_TP_SIZE):
-        raise ValueError(f"{name}: expected an integer in [1, {_MAX_TP_SIZE}], got {size!r}")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_TP_SIZE):
+        raise ValueError(f"{name}: expected an integer in [1, {MAX_TP_SIZE}], got {size!r}")
 
 
 def _check_device(name: str, device: str) -> None:
     kind = device.split(":", 1)[0]
     if kind not in ("cpu", "cuda") or (":" in device and not device.split(":", 1)[1].isdigit()):
         raise ValueError(f"{name}: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineOptions:
-    """Keyword options of ``Engine.from_pretrained``; ``None`` keeps the engine's own default.
-
-    Args:
-        load_format: ``"safetensors"`` (read the folder) or ``"dummy"`` (random weights of the
-            real shapes, for benchmarks).
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: one of ``DTYPES``; ``"auto"`` takes the checkpoint's dtype.
-        seed: seed of dummy weights.
-        page_size: tokens per KV page (a power of two).
-        num_pages / num_state_slots: explicit pool sizes (else sized from free memory).
-        cpu_pool_bytes: pool budget on CPU.
-        enable_prefix_caching: keep finished prefixes in the radix cache.
-        checkpoint_interval: GDN checkpoint every this many prefill tokens (0 disables).
-        max_num_batched_tokens / max_num_seqs / max_model_len: scheduler limits.
-        async_scheduling: queue the next decode step before reading the current one's ids
-            (None: the engine's default, on; ``--no-async-scheduling``).
-        tensor_parallel_size: ranks (processes; GPUs on CUDA) running the model, 1 to 8.
-        expert_parallel: split the routed experts whole across those ranks (``--ep``).
-        show_progress: progress bars while loading weights and capturing CUDA graphs: False
-            never; None when stderr is a terminal (``engine._progress``).
-    """
-
-    load_format: str = "safetensors"
-    device: str = "cpu"
-    dtype: str = "auto"
-    seed: int = 0
-    page_size: int | None = None
-    num_pages: int | None = None
-    num_state_slots: int | None = None
-    cpu_pool_bytes: int | None = None
-    enable_prefix_caching: bool = True
-    checkpoint_interval: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    async_scheduling: bool | None = None
-    tensor_parallel_size: int | None = None
-    expert_parallel: bool | None = None
-    show_progress: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format: expected one of {LOAD_FORMATS}, got {self.load_format!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
-        _check_device("device", self.device)
-        if self.seed < 0:
-            raise ValueError(f"seed: expected >= 0, got {self.seed}")
-        for name in _POSITIVE_OPTIONS:
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name}: expected a positive integer or None, got {value!r}")
-        if self.checkpoint_interval is not None and self.checkpoint_interval < 0:
-            raise ValueError(f"checkpoint_interval: expected >= 0 or None, got {self.checkpoint_interval}")
-        _check_tp_size("tensor_parallel_size", self.tensor_parallel_size)
-        if self.expert_parallel and (self.tensor_parallel_size or 1) == 1:
-            raise ValueError("expert_parallel: needs tensor_parallel_size > 1 (--ep with --tp N)")
-
-    def as_kwargs(self) -> dict[str, object]:
-        """The keyword arguments for ``Engine.from_pretrained`` (``None`` fields left out)."""
-        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,8 +176,9 @@ class ServerConfig:
         log_format: ``text`` (human lines) or ``json`` (one object per line); see
             ``runtime.logs``.
         log_level: the least severe level logged: ``debug``, ``info``, ``warning``, ``error``.
-        engine: every other engine knob; its ``device``, ``dtype`` and ``tensor_parallel_size``
-            must equal the fields above.
+        engine: every other engine option; its ``load.device``, ``load.dtype``,
+            ``parallel.tensor_parallel_size`` and ``scheduler.max_model_len`` (when set) must
+            equal the fields above.
         pd: prefill/decode disaggregation (``--role``, ``--pd-peer``; ``runtime.pd_roles``); a
             prefill or decode instance needs the prefix cache (any ``tensor_parallel_size``).
         shared_prefixes: prefixes every key's requests may hit in the prefix cache (which is
@@ -285,7 +210,7 @@ class ServerConfig:
     default_ttl_s: float = 300.0
     max_body_bytes: int = 8 * 1024 * 1024
     tensor_parallel_size: int = 1
-    engine: EngineOptions | None = None
+    engine: EngineConfig | None = None
     api_keys: tuple[ApiKey, ...] = ()
     allow_remote_without_auth: bool = False
     max_context_len: int | None = None
@@ -328,20 +253,28 @@ class ServerConfig:
         self._check_auth()
         self._check_limits()
         self._check_pd()
-        if self.engine is not None and (self.engine.device, self.engine.dtype) != (self.device, self.dtype):
+        self._check_engine()
+
+    def _check_engine(self) -> None:
+        if self.engine is None:
+            return
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"engine: expected an EngineConfig or None, got {type(self.engine).__name__}")
+        load, tp = self.engine.load, self.engine.parallel.tensor_parallel_size
+        if (load.device, load.dtype) != (self.device, self.dtype):
             raise ValueError(
-                f"engine: its device/dtype ({self.engine.device!r}, {self.engine.dtype!r}) must equal "
+                f"engine: its device/dtype ({load.device!r}, {load.dtype!r}) must equal "
                 f"ServerConfig.device/dtype ({self.device!r}, {self.dtype!r})"
             )
-        if self.engine is not None and (self.engine.tensor_parallel_size or 1) != self.tensor_parallel_size:
+        if tp != self.tensor_parallel_size:
             raise ValueError(
-                f"engine: its tensor_parallel_size ({self.engine.tensor_parallel_size!r}) must equal "
+                f"engine: its tensor_parallel_size ({tp!r}) must equal "
                 f"ServerConfig.tensor_parallel_size ({self.tensor_parallel_size!r})"
             )
-        if self.engine is not None and self.max_context_len is not None and (
-                self.engine.max_model_len not in (None, self.max_context_len)):
+        max_model_len = self.engine.scheduler.max_model_len
+        if self.max_context_len is not None and max_model_len not in (None, self.max_context_len):
             raise ValueError(
-                f"engine: its max_model_len ({self.engine.max_model_len!r}) must equal "
+                f"engine: its max_model_len ({max_model_len!r}) must equal "
                 f"ServerConfig.max_context_len ({self.max_context_len!r})"
             )
 
@@ -387,7 +320,7 @@ class ServerConfig:
             raise ValueError(f"pd: expected a PDConfig, got {type(self.pd).__name__}")
         if not self.pd.is_disaggregated:
             return
-        if self.engine is not None and not self.engine.enable_prefix_caching:
+        if self.engine is not None and not self.engine.cache.enable_prefix_caching:
             raise ValueError(f"pd: --role {self.pd.role} needs the prefix cache (drop --no-prefix-cache)")
 
     @property
@@ -396,15 +329,17 @@ class ServerConfig:
         return bool(self.api_keys)
 
     @property
-    def engine_options(self) -> EngineOptions:
-        """The options to build the engine with."""
-        if self.engine is not None:
-            if self.max_context_len is not None and self.engine.max_model_len is None:
-                return dataclasses.replace(self.engine, max_model_len=self.max_context_len)
-            return self.engine
-        tp = self.tensor_parallel_size if self.tensor_parallel_size > 1 else None
-        return EngineOptions(device=self.device, dtype=self.dtype, tensor_parallel_size=tp,
-                             max_model_len=self.max_context_len)
+    def engine_config(self) -> EngineConfig:
+        """The configuration to build the engine from."""
+        engine = self.engine
+        if engine is None:
+            return EngineConfig(load=LoadConfig(device=self.device, dtype=self.dtype),
+                                scheduler=SchedulerConfig(max_model_len=self.max_context_len),
+                                parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size))
+        if self.max_context_len is not None and engine.scheduler.max_model_len is None:
+            scheduler = dataclasses.replace(engine.scheduler, max_model_len=self.max_context_len)
+            return dataclasses.replace(engine, scheduler=scheduler)
+        return engine
 
     @property
     def models_dir(self) -> Path:

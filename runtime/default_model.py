@@ -30,7 +30,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-# CHAT_TEMPLATE is unused here but stays importable from this module, as before the split.
+# CHAT_TEMPLATE is unused here: code that imports the demo model's template from this module keeps working.
 from phloem.runtime._default_model_tokenizer import (
     CHAT_TEMPLATE, SPECIAL_TOKENS, TARGET_VOCAB, tokenizer_config, train_tokenizer,
 )

@@ -1,6 +1,6 @@
 """The asyncio face of the engine: coroutines and async iterators over the engine loop thread.
 
-    client = EngineClient.from_pretrained(path, EngineOptions(device="cuda"))
+    client = EngineClient.from_pretrained(path, EngineConfig(load=LoadConfig(device="cuda")))
     client.start()
     async for out in client.generate(prompt_ids, SamplingParams(max_tokens=64)):
         send(out.new_token_ids)          # the last item has out.finished == True
@@ -29,10 +29,9 @@ from types import TracebackType
 from typing import Protocol, TypeVar
 
 from phloem.engine import Engine, EngineError, InvalidRequest, RequestOutput, SamplingParams
-from phloem.engine.config import ModelConfig
+from phloem.engine.config import EngineConfig, ModelConfig
 from phloem.engine.sampling_params import GrammarSpec
 from phloem.engine.warmup import WarmupReport
-from phloem.runtime.config import EngineOptions
 from phloem.runtime.engine_commands import (
     AbortRequest,
     AddRequest,
@@ -81,12 +80,12 @@ class EngineClient:
         self._max_model_len = engine.max_model_len
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> EngineClient:
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> EngineClient:
         """Load a model folder into a new engine (blocking; call before serving). Not started.
 
         Args:
             path: A Hugging Face model folder.
-            options: Engine options; None: ``EngineOptions()``.
+            config: The engine's configuration; None: ``EngineConfig()``.
 
         Returns:
             The client; call ``start`` before using it.
@@ -94,8 +93,7 @@ class EngineClient:
         Raises:
             ValueError: The folder or an option is invalid (from the engine's loader and configs).
         """
-        options = options if options is not None else EngineOptions()
-        return cls(Engine.from_pretrained(path, **options.as_kwargs()))
+        return cls(Engine.from_pretrained(path, config))
 
     @property
     def model_config(self) -> ModelConfig:

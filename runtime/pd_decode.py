@@ -64,7 +64,7 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
     assert config.model is not None, "resolve the default model first"
     if config.pd.role == "prefill":
         raise ValueError("pd_role: a prefill instance serves no HTTP API; run runtime.pd_prefill.serve_prefill")
-    engine = Engine.from_pretrained(config.model, **config.engine_options.as_kwargs())
+    engine = Engine.from_pretrained(config.model, config.engine_config)
     if config.pd.role == "decode":
         return PDEngineClient(engine, config.pd)
     return EngineClient(engine)
@@ -262,7 +262,7 @@ class PDEngineClient(EngineClient):
             await inner.aclose()
 
     def _first_token_stop(self, prompt: list[int], params: SamplingParams, token: int) -> str | None:
-        """``Engine._stop_reason`` for the first token, which the prefill side sampled."""
+        """``StepOutputs._stop_reason`` (``engine.step_outputs``) for the first token, which the prefill side sampled."""
         if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos):
             return "stop"
         if params.max_tokens <= 1 or len(prompt) + 1 >= self.max_model_len:

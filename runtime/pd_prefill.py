@@ -13,15 +13,15 @@ and serves one link at a time::
 KV streams while the last prefill step's forward runs: a ``ModelRunner.layer_hook``
 (``engine.transfer_state.stream_hook``) copies layer ``l``'s pages right after that layer's
 forward and a ``QueuedSender`` thread sends them while layer ``l + 1`` onwards compute. Earlier
-chunks' pages travel with their layer in that step too (one ``KVLayer`` per layer, as before); the
+chunks' pages travel with their layer in that step too (one ``KVLayer`` per layer); the
 GDN state and the first token exist only once the step is over. Only the pages the decode side
 does not hold are sent (from page ``held_len // page_size`` on). When the decode side holds more
 than this cache, this side recomputes the difference from its own deepest checkpoint (no reverse
 transfer) — unless that is the dearer side: ``declines`` answers ``PrefillDeclined`` when the
 tokens this side would recompute although the decode side holds them outnumber the tokens the
 decode side has left to compute, and the decode side allows it (``may_decline``: it prefills
-locally at all). Measured case (two H200s): a 50K-token conversation the decode side held after a
-failed transfer was recomputed here in 3.0 s instead of 800 new tokens there.
+locally at all). Why: after a failed transfer the decode side may hold a long conversation this
+side lacks, and recomputing all of it here costs far more than the few new tokens there.
 
 Failures: a request the engine refuses or that fails in a step is aborted (its pages and slot
 freed) and answered with ``TransferError``, and the link stays up. A broken link (the decode side
@@ -40,14 +40,13 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from phloem.engine import CapacityExceeded, Engine, EngineError, InvalidRequest, SamplingParams
+from phloem.engine import CapacityExceeded, Engine, EngineConfig, EngineError, InvalidRequest, SamplingParams
 from phloem.engine.kv_transfer import (
     GDNState, Goodbye, KVLayer, KVTransport, PrefillDeclined, PrefillDone, PrefillProgress, PrefillRequest,
     TransferError, TransportError,
 )
 from phloem.engine.kv_transfer_dist import PrefillListener
 from phloem.engine.transfer_state import stream_hook
-from phloem.runtime.config import EngineOptions
 from phloem.runtime.pd_link import exchange_hello, hello_for
 from phloem.runtime.pd_roles import PDConfig
 from phloem.runtime.pd_sender import QueuedSender
@@ -229,7 +228,9 @@ class PrefillWorker:
         return next((r.num_computed_tokens for r in self.engine.scheduler.running if r.request_id == rid), 0)
 
 
-def run_prefill_worker(model: str, options: EngineOptions, config: PDConfig, ready: Connection | None = None) -> None:
+def run_prefill_worker(
+    model: str, engine_config: EngineConfig, config: PDConfig, ready: Connection | None = None
+) -> None:
     """Load the model and serve prefills until SIGINT/SIGTERM (``phloem serve --role prefill``).
 
     The listener binds ``config.peer`` (port 0: a free one). With ``ready``, a spawned process
@@ -239,7 +240,7 @@ def run_prefill_worker(model: str, options: EngineOptions, config: PDConfig, rea
         ValueError: a bad model folder or option, or the address cannot be bound.
     """
     try:
-        engine = Engine.from_pretrained(model, **options.as_kwargs())
+        engine = Engine.from_pretrained(model, engine_config)
         worker = PrefillWorker(engine, config)
         host, port = config.address if config.peer else ("127.0.0.1", 0)
         listener = PrefillListener(host, port, config.connect_timeout_s, engine.device)

@@ -9,7 +9,7 @@ history. So before the sessions layer closes (SIGINT/SIGTERM, after the open str
        used first, are spilled to disk (an export from the engine, which still runs).
 
 Bounded: nothing new starts once ``budget_s`` has passed (the move in progress finishes), and
-what was not written resumes by recompute as before. Progress: one log line when it starts, one
+what was not written resumes by recompute, as without a flush. Progress: one log line when it starts, one
 when it ends (written, bytes, seconds, what was left), and a bar on a terminal.
 """
 

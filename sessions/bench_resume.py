@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from phloem.runtime import EngineClient, EngineOptions
+from phloem.runtime import EngineClient, EngineConfig
 from phloem.sessions import (
     GenerateOptions, SessionConfig, SessionInput, SessionManager, Tokenizer, model_fingerprint,
 )
@@ -54,13 +54,13 @@ class ResumeReport:
 
 
 def run_resume_bench(model_dir: Path, data_dir: Path, prompt_len: int = 4096, append_len: int = 16,
-                     reps: int = 5, options: EngineOptions | None = None) -> ResumeReport:
+                     reps: int = 5, options: EngineConfig | None = None) -> ResumeReport:
     """Measure the resume paths (see the module docstring) and return their medians."""
     return asyncio.run(_bench(model_dir, data_dir, prompt_len, append_len, reps, options))
 
 
 async def _bench(model_dir: Path, data_dir: Path, prompt_len: int, append_len: int, reps: int,
-                 options: EngineOptions | None) -> ResumeReport:
+                 options: EngineConfig | None) -> ResumeReport:
     engine = EngineClient.from_pretrained(model_dir, options)
     engine.start()
     config = SessionConfig(data_dir=data_dir, model_fingerprint=model_fingerprint(model_dir),

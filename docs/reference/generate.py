@@ -154,14 +154,14 @@ def config_blocks() -> dict[str, list[str]]:
     from phloem.engine import config as engine_config
     from phloem.runtime import env
     from phloem.runtime.cli import build_parser
-    from phloem.runtime.config import EngineOptions, ServerConfig
+    from phloem.runtime.config import ServerConfig
     from phloem.sessions.config import SessionConfig
 
     by_flag, by_var = _env_flags(build_parser, env.EnvSettings)
     names = [env.PREFIX + f.name.upper() for f in dataclasses.fields(env.EnvSettings)]
     blocks = {"cli": flag_tables(build_parser(env.EnvSettings()), by_flag),
               "env": env_table(names, env.__doc__ or "", by_var)}
-    for cls in (ServerConfig, EngineOptions, SessionConfig, engine_config.CacheConfig,
+    for cls in (ServerConfig, engine_config.EngineConfig, SessionConfig, engine_config.CacheConfig,
                 engine_config.SchedulerConfig, engine_config.RunnerConfig,
                 engine_config.ParallelConfig, engine_config.LoadConfig):
         blocks[cls.__name__] = dataclass_table(cls)

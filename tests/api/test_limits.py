@@ -23,7 +23,8 @@ from live_servers import LiveApp, live_app
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from phloem.runtime import EngineOptions, ServerConfig, ensure_default_model
+from phloem.engine import EngineConfig, SchedulerConfig
+from phloem.runtime import ServerConfig, ensure_default_model
 from phloem.runtime.config import ApiKey
 
 ALICE, BOB, CAROL = "alice-key-0123456789", "bob-key-0123456789ab", "carol-key-0123456789"
@@ -38,7 +39,7 @@ def app(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Li
         data_dir=tmp_path_factory.mktemp("limits"), max_body_bytes=64 * 1024,
         api_keys=(ApiKey(ALICE), ApiKey(BOB), ApiKey(CAROL)), max_context_len=4096,
         max_sessions_per_key=MAX_SESSIONS, max_generations_per_key=1, max_num_generations=2,
-        stream_idle_timeout_s=IDLE_S, retry_after_s=3.0, engine=EngineOptions(max_num_seqs=1))
+        stream_idle_timeout_s=IDLE_S, retry_after_s=3.0, engine=EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1)))
     with live_app(ensure_default_model(data_dir), config) as served:
         yield served
 

@@ -19,12 +19,12 @@ import pytest
 from phloem.engine import config as engine_config
 from phloem.kernels.dispatch import ENV_VAR as KERNELS_ENV_VAR
 from phloem.runtime.cli import build_parser
-from phloem.runtime.config import EngineOptions, ServerConfig
+from phloem.runtime.config import ServerConfig
 from phloem.runtime.env import PREFIX, EnvSettings
 from phloem.sessions.config import SessionConfig
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
-CLASSES = [ServerConfig, EngineOptions, SessionConfig, engine_config.CacheConfig,
+CLASSES = [ServerConfig, engine_config.EngineConfig, SessionConfig, engine_config.CacheConfig,
            engine_config.SchedulerConfig, engine_config.RunnerConfig, engine_config.ParallelConfig,
            engine_config.LoadConfig, engine_config.ModelConfig]
 FIX = "regenerate with `python3 docs/reference/generate.py`"

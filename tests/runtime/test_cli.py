@@ -97,8 +97,8 @@ def test_serve_flags_and_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
 def test_serve_ep_flag_reaches_the_engine(model_dir: Path) -> None:
     config = configured(["serve", "--model", str(model_dir), "--device", "cuda", "--tp", "2", "--ep"])
-    assert config.engine is not None and config.engine.expert_parallel is True
-    assert config.engine.as_kwargs()["tensor_parallel_size"] == 2
+    assert config.engine is not None and config.engine.parallel.expert_parallel is True
+    assert config.engine.parallel.tensor_parallel_size == 2
 
 
 def test_serve_ep_without_tp_is_a_usage_error(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],
@@ -277,7 +277,7 @@ def test_serve_shape_serves_dummy_weights_with_the_demo_tokenizer(served: list[S
     assert folder == tmp_path / "shapes" / "tiny"
     assert {p.name for p in folder.iterdir()} == {"config.json", "tokenizer.json", "tokenizer_config.json"}
     assert config.engine is not None
-    assert (config.engine.load_format, config.engine.enable_prefix_caching) == ("dummy", False)
+    assert (config.engine.load.load_format, config.engine.cache.enable_prefix_caching) == ("dummy", False)
 
 
 def test_serve_shape_and_model_together_is_a_usage_error(served: list[ServerConfig], capsys: pytest.CaptureFixture[str]) -> None:
@@ -292,8 +292,8 @@ def test_serve_step_budget_flags_reach_the_engine(served: list[ServerConfig], mo
     assert main([*argv, "--port", "0"]) == 0
     (config,) = served
     assert config.engine is not None
-    assert (config.engine.max_num_batched_tokens, config.engine.max_num_seqs) == (8192, 16)
-    assert config.engine_options.as_kwargs()["max_num_batched_tokens"] == 8192
+    assert (config.engine.scheduler.max_num_batched_tokens, config.engine.scheduler.max_num_seqs) == (8192, 16)
+    assert config.engine_config.scheduler.max_num_batched_tokens == 8192
 
 
 def test_serve_rejects_a_zero_step_budget(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],

@@ -1,4 +1,4 @@
-"""ServerConfig / EngineOptions validation and the PHLOEM_* environment."""
+"""ServerConfig / EngineConfig validation and the PHLOEM_* environment."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from phloem.runtime.config import EngineOptions, ServerConfig
+from phloem.engine.config import CacheConfig, LoadConfig, ParallelConfig, SchedulerConfig
+from phloem.runtime.config import EngineConfig, ServerConfig
 from phloem.runtime.env import EnvSettings, default_data_dir, read_env
 
 
@@ -36,57 +37,54 @@ def test_server_config_rejects_bad_values_naming_the_field(field: str, value: An
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("section", "field", "value"),
     [
-        ("load_format", "gguf"),
-        ("device", "mps"),
-        ("dtype", "fp8"),
-        ("seed", -1),
-        ("page_size", 0),
-        ("num_pages", True),
-        ("max_num_seqs", -3),
-        ("checkpoint_interval", -16),
-        ("tensor_parallel_size", 16),
+        (LoadConfig, "load_format", "gguf"),
+        (LoadConfig, "device", "mps"),
+        (LoadConfig, "dtype", "fp8"),
+        (LoadConfig, "seed", -1),
+        (CacheConfig, "page_size", 0),
+        (CacheConfig, "num_pages", True),
+        (SchedulerConfig, "max_num_seqs", -3),
+        (CacheConfig, "checkpoint_interval", -16),
+        (ParallelConfig, "tensor_parallel_size", 16),
     ],
 )
-def test_engine_options_reject_bad_values_naming_the_field(field: str, value: Any) -> None:
+def test_engine_config_sections_reject_bad_values_naming_the_field(section: type, field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=f"^{field}: "):
-        EngineOptions(**{field: value})
+        section(**{field: value})
 
 
 def test_configs_are_frozen_and_slotted() -> None:
     config = ServerConfig(data_dir=Path("/tmp/x"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.port = 1  # type: ignore[misc]
-    assert not hasattr(config, "__dict__") and not hasattr(EngineOptions(), "__dict__")
+    assert not hasattr(config, "__dict__") and not hasattr(EngineConfig(), "__dict__")
 
 
-def test_engine_options_kwargs_leave_engine_defaults_alone() -> None:
-    assert EngineOptions().as_kwargs() == {
-        "load_format": "safetensors",
-        "device": "cpu",
-        "dtype": "auto",
-        "seed": 0,
-        "enable_prefix_caching": True,
-    }
-    assert EngineOptions(num_pages=8, max_model_len=256).as_kwargs()["num_pages"] == 8
+def test_the_default_engine_config_leaves_engine_defaults_alone() -> None:
+    assert ServerConfig().engine_config == EngineConfig()
+    tuned = ServerConfig(engine=EngineConfig(cache=CacheConfig(num_pages=8)), max_context_len=256).engine_config
+    assert (tuned.cache.num_pages, tuned.scheduler.max_model_len) == (8, 256)
 
 
-def test_server_engine_options_follow_device_and_dtype() -> None:
+def test_server_engine_config_follows_device_and_dtype() -> None:
     config = ServerConfig(device="cuda:1", dtype="bfloat16", data_dir=Path("/d"))
-    assert config.engine_options == EngineOptions(device="cuda:1", dtype="bfloat16")
+    assert config.engine_config == EngineConfig(load=LoadConfig(device="cuda:1", dtype="bfloat16"))
     assert config.models_dir == Path("/d/models")
-    tuned = EngineOptions(device="cuda:1", dtype="bfloat16", max_num_seqs=4)
-    assert ServerConfig(device="cuda:1", dtype="bfloat16", engine=tuned).engine_options is tuned
+    tuned = EngineConfig(load=LoadConfig(device="cuda:1", dtype="bfloat16"), scheduler=SchedulerConfig(max_num_seqs=4))
+    assert ServerConfig(device="cuda:1", dtype="bfloat16", engine=tuned).engine_config is tuned
     with pytest.raises(ValueError, match="^engine: "):
         ServerConfig(device="cpu", engine=tuned)
+    with pytest.raises(ValueError, match="^engine: expected an EngineConfig"):
+        ServerConfig(engine={"load": LoadConfig()})  # type: ignore[arg-type]
 
 
-def test_tensor_parallel_size_is_a_server_flag_the_engine_options_follow() -> None:
-    assert ServerConfig(tensor_parallel_size=2).engine_options.as_kwargs()["tensor_parallel_size"] == 2
-    assert "tensor_parallel_size" not in ServerConfig().engine_options.as_kwargs()
+def test_tensor_parallel_size_is_a_server_flag_the_engine_config_follows() -> None:
+    assert ServerConfig(tensor_parallel_size=2).engine_config.parallel.tensor_parallel_size == 2
+    assert ServerConfig().engine_config.parallel == ParallelConfig()
     with pytest.raises(ValueError, match="^engine: its tensor_parallel_size"):
-        ServerConfig(tensor_parallel_size=2, engine=EngineOptions())
+        ServerConfig(tensor_parallel_size=2, engine=EngineConfig())
 
 
 def test_read_env_reads_only_the_prefix() -> None:

@@ -18,7 +18,8 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from phloem.engine import Engine, SamplingParams  # noqa: E402
-from phloem.runtime import EngineClient, EngineOptions, ensure_default_model  # noqa: E402
+from phloem.engine import CacheConfig, EngineConfig  # noqa: E402
+from phloem.runtime import EngineClient, ensure_default_model  # noqa: E402
 from phloem.runtime.default_model import DEFAULT_MODEL_NAME, SPECIAL_TOKENS  # noqa: E402
 
 TEXTS = [
@@ -90,7 +91,7 @@ def test_engine_and_transformers_agree(model_dir: Path) -> None:
 
 def test_engine_client_serves_it(model_dir: Path) -> None:
     async def main() -> list[int]:
-        async with EngineClient.from_pretrained(model_dir, EngineOptions(num_pages=64)) as client:
+        async with EngineClient.from_pretrained(model_dir, EngineConfig(cache=CacheConfig(num_pages=64))) as client:
             assert client.model_config.architecture == "Qwen3_5MoeForCausalLM"
             outs = [o async for o in client.generate([5, 6, 7, 8], SamplingParams(max_tokens=8, ignore_eos=True))]
             return [t for o in outs for t in o.new_token_ids]

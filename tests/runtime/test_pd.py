@@ -27,10 +27,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from phloem.engine import Engine, EngineError, RequestOutput, SamplingParams
+from phloem.engine import (
+    CacheConfig, Engine, EngineConfig, EngineError, ParallelConfig, RequestOutput, SamplingParams, SchedulerConfig,
+)
 from phloem.engine.kv_transfer import GDNState, Hello, KVLayer, PrefillProgress, PrefillRequest
 from phloem.engine.kv_transfer_dist import PrefillListener, connect
-from phloem.runtime.config import EngineOptions
 from phloem.runtime.engine_client import EngineClient
 from phloem.runtime.pd_decode import PDEngineClient
 from phloem.runtime.pd_link import exchange_hello, hello_for
@@ -41,8 +42,9 @@ from pd_links import serving
 ARCH = "Qwen3_5MoeForCausalLM"
 # 8 layers: two full-attention layers, so KV streams as two messages. A 32-token budget chunks
 # every longer prefill (a heartbeat per chunk); no periodic checkpoints (turn ends only).
-OPTIONS: dict[str, object] = dict(
-    num_pages=128, num_state_slots=24, page_size=16, max_num_batched_tokens=32, checkpoint_interval=0
+CONFIG = EngineConfig(
+    cache=CacheConfig(num_pages=128, num_state_slots=24, page_size=16, checkpoint_interval=0),
+    scheduler=SchedulerConfig(max_num_batched_tokens=32),
 )
 GREEDY = SamplingParams(max_tokens=6)
 
@@ -51,12 +53,12 @@ def tokens(n: int, seed: int) -> list[int]:
     return [(seed * 131 + i * 17) % 256 for i in range(n)]
 
 
-def spawn_prefill(model: Path, options: dict[str, object] = OPTIONS) -> tuple[multiprocessing.Process, int]:
+def spawn_prefill(model: Path, config: EngineConfig = CONFIG) -> tuple[multiprocessing.Process, int]:
     """A real prefill instance in a spawned process; returns it and the port it listens on."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    config = PDConfig(role="prefill", peer="127.0.0.1:0", connect_timeout_s=10)
-    args = (str(model), EngineOptions(**options), config, theirs)  # type: ignore[arg-type]
+    pd = PDConfig(role="prefill", peer="127.0.0.1:0", connect_timeout_s=10)
+    args = (str(model), config, pd, theirs)
     proc = ctx.Process(target=run_prefill_worker, args=args, name="phloem-prefill-test", daemon=True)
     proc.start()
     theirs.close()
@@ -86,13 +88,13 @@ def prefill_port(model: Path) -> Iterator[int]:
 def decode_client(model: Path, port: int, **pd: object) -> PDEngineClient:
     settings: dict[str, object] = {"timeout_s": 20, "connect_timeout_s": 5, "reconnect_interval_s": 60, **pd}
     config = PDConfig(role="decode", peer=f"127.0.0.1:{port}", **settings)  # type: ignore[arg-type]
-    return PDEngineClient(Engine.from_pretrained(model, **OPTIONS), config)
+    return PDEngineClient(Engine.from_pretrained(model, CONFIG), config)
 
 
 @asynccontextmanager
 async def pair(model: Path, port: int, **pd: object) -> AsyncIterator[tuple[EngineClient, PDEngineClient]]:
     """(colocated reference, decode client); the decode side's pools are checked for leaks after."""
-    async with EngineClient(Engine.from_pretrained(model, **OPTIONS)) as ref:
+    async with EngineClient(Engine.from_pretrained(model, CONFIG)) as ref:
         async with decode_client(model, port, **pd) as client:
             yield ref, client
             await assert_no_leak(client)
@@ -195,7 +197,7 @@ def test_a_prefill_side_that_lost_the_conversation_declines_it(model: Path, loca
     failed transfer retried locally): the next turn is declined and prefilled on the decode side,
     which holds it, unless the decode side never prefills (``local_prefill_tokens=0``); tokens
     equal a colocated run either way and nothing leaks on either side."""
-    worker = PrefillWorker(Engine.from_pretrained(model, **OPTIONS), PDConfig(role="prefill", peer="127.0.0.1:0"))
+    worker = PrefillWorker(Engine.from_pretrained(model, CONFIG), PDConfig(role="prefill", peer="127.0.0.1:0"))
     with serving(worker) as listener:
 
         async def main() -> None:
@@ -229,17 +231,17 @@ def test_tensor_parallel_on_either_side_equals_one_process(model: Path, side: st
     """TP=2 on the prefill side (its KV gathered from both ranks and sent once the prompt is
     computed) or on the decode side (the TP=1-layout state installed into both ranks' parts):
     fresh prompts and a conversation's later turns equal a colocated TP=1 engine, nothing leaks."""
-    tp2 = dict(OPTIONS, tensor_parallel_size=2)
-    prefill_engine = Engine.from_pretrained(model, **(tp2 if side == "prefill" else OPTIONS))
+    tp2 = dataclasses.replace(CONFIG, parallel=ParallelConfig(tensor_parallel_size=2))
+    prefill_engine = Engine.from_pretrained(model, tp2 if side == "prefill" else CONFIG)
     worker = PrefillWorker(prefill_engine, PDConfig(role="prefill", peer="127.0.0.1:0"))
     try:
         with serving(worker) as listener:
 
             async def main() -> None:
-                async with EngineClient(Engine.from_pretrained(model, **OPTIONS)) as ref:
+                async with EngineClient(Engine.from_pretrained(model, CONFIG)) as ref:
                     config = PDConfig(role="decode", peer=f"127.0.0.1:{listener.port}", timeout_s=20,
                                       connect_timeout_s=5, local_prefill_tokens=0)  # fmt: skip
-                    decode_engine = Engine.from_pretrained(model, **(tp2 if side == "decode" else OPTIONS))
+                    decode_engine = Engine.from_pretrained(model, tp2 if side == "decode" else CONFIG)
                     async with PDEngineClient(decode_engine, config) as client:
                         for n in (7, 45):
                             await both(ref, client, tokens(n, 70 + n))
@@ -322,7 +324,7 @@ def test_prefill_peer_dying_mid_transfer(model: Path, retry_local: bool) -> None
 
 
 def test_decode_peer_dying_mid_prefill_leaves_the_prefill_side_clean(model: Path) -> None:
-    worker = PrefillWorker(Engine.from_pretrained(model, **OPTIONS), PDConfig(role="prefill", peer="127.0.0.1:0"))
+    worker = PrefillWorker(Engine.from_pretrained(model, CONFIG), PDConfig(role="prefill", peer="127.0.0.1:0"))
     with serving(worker) as listener:
         peer = run_script("faulty-decode", str(model), str(listener.port))
         assert peer.wait(60) == 1
@@ -368,11 +370,11 @@ def test_prefill_process_killed_then_requests_run_on_the_decode_side(model: Path
 
 
 def test_a_layout_mismatch_is_refused_with_a_clear_error(model: Path) -> None:
-    worker = PrefillWorker(Engine.from_pretrained(model, **OPTIONS), PDConfig(role="prefill", peer="127.0.0.1:0"))
+    worker = PrefillWorker(Engine.from_pretrained(model, CONFIG), PDConfig(role="prefill", peer="127.0.0.1:0"))
 
     async def main(port: int) -> None:
         config = PDConfig(role="decode", peer=f"127.0.0.1:{port}", retry_local=False)
-        other = Engine.from_pretrained(model, **dict(OPTIONS, page_size=32))
+        other = Engine.from_pretrained(model, dataclasses.replace(CONFIG, cache=dataclasses.replace(CONFIG.cache, page_size=32)))
         async with PDEngineClient(other, config) as client:
             with pytest.raises(EngineError, match="do not serve the same model layout"):
                 await collect(client, tokens(20, 1))
@@ -405,7 +407,7 @@ def _faulty_prefill(phase: str) -> None:
 
 def _faulty_decode(model: str, port: int) -> None:
     """A decode peer that links, asks for a long prompt and dies once it is being computed."""
-    engine = Engine.from_pretrained(model, **OPTIONS)
+    engine = Engine.from_pretrained(model, CONFIG)
     link = connect("127.0.0.1", port, connect_timeout_s=30)
     exchange_hello(link, hello_for(engine, "decode"), first=True, timeout_s=30)
     link.send(PrefillRequest(1, torch.tensor(tokens(400, 9)), 0, 0.0, 1.0, 0, None, 1), 30)
@@ -473,7 +475,7 @@ async def _collect(client, prompt: list[int], params: SamplingParams) -> list[in
 def test_random_conversations_equal_one_process(model: Path, seed: int) -> None:
     rng = random.Random(seed)
     local = rng.choice([0, 8, 64])
-    worker = PrefillWorker(Engine.from_pretrained(model, **OPTIONS), PDConfig(role="prefill", peer="127.0.0.1:0"))
+    worker = PrefillWorker(Engine.from_pretrained(model, CONFIG), PDConfig(role="prefill", peer="127.0.0.1:0"))
     with serving(worker) as listener:
 
         async def main() -> dict[str, int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from phloem.engine import Engine
 from phloem.runtime import EngineClient, ensure_default_model
-from phloem.runtime.config import EngineOptions
+from phloem.engine import EngineConfig
 from phloem.runtime.pd_decode import PDEngineClient
 from phloem.runtime.pd_prefill import run_prefill_worker
 from phloem.runtime.pd_roles import PDConfig
@@ -57,7 +57,7 @@ def test_sessions_on_a_decode_instance_equal_a_colocated_server(tmp_path: Path) 
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=run_prefill_worker, daemon=True, args=(
-        str(model), EngineOptions(), PDConfig(role="prefill", peer="127.0.0.1:0"), theirs))
+        str(model), EngineConfig(), PDConfig(role="prefill", peer="127.0.0.1:0"), theirs))
     proc.start()
     theirs.close()
     try:

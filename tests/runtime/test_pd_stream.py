@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
 from phloem.engine.kv_transfer import (
     GDNState, KVLayer, KVTransport, Message, PrefillDone, PrefillProgress, PrefillRequest, TransportError,
 )
@@ -30,8 +30,9 @@ from phloem.runtime.pd_sender import QueuedSender
 from pd_links import link_pair, serving
 
 ARCH = "Qwen3_5MoeForCausalLM"
-OPTIONS: dict[str, object] = dict(
-    num_pages=128, num_state_slots=24, page_size=16, max_num_batched_tokens=32, checkpoint_interval=0
+CONFIG = EngineConfig(
+    cache=CacheConfig(num_pages=128, num_state_slots=24, page_size=16, checkpoint_interval=0),
+    scheduler=SchedulerConfig(max_num_batched_tokens=32),
 )
 WAIT_S = 10.0
 
@@ -62,7 +63,7 @@ class Timeline:
 @pytest.fixture
 def served(model: Path) -> Iterator[tuple[PrefillWorker, KVTransport, Engine, Timeline]]:
     """(prefill worker on a thread, the decode end of its link, a colocated reference, timeline)."""
-    worker = PrefillWorker(Engine.from_pretrained(model, **OPTIONS), PDConfig(role="prefill", peer="127.0.0.1:0"))
+    worker = PrefillWorker(Engine.from_pretrained(model, CONFIG), PDConfig(role="prefill", peer="127.0.0.1:0"))
     timeline = Timeline()
     layers = worker.engine.runner.model.model.layers  # type: ignore[attr-defined]
     assert [i for i, layer in enumerate(layers) if layer.is_full_attention] == [3, 7]
@@ -75,7 +76,7 @@ def served(model: Path) -> Iterator[tuple[PrefillWorker, KVTransport, Engine, Ti
 
     layers[-1].register_forward_pre_hook(before_last_layer)
     layers[-1].register_forward_hook(lambda *_: timeline.add("last-layer-done"))
-    ref = Engine.from_pretrained(model, **OPTIONS)
+    ref = Engine.from_pretrained(model, CONFIG)
     with serving(worker) as listener:
         link = connect("127.0.0.1", listener.port, connect_timeout_s=10)
         exchange_hello(link, hello_for(ref, "decode"), first=True, timeout_s=10)

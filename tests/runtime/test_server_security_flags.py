@@ -64,7 +64,7 @@ def test_limit_flags_reach_the_config(served: list[ServerConfig], tmp_path: Path
     assert (config.max_body_bytes, config.max_context_len, config.max_sessions_per_key,
             config.max_generations_per_key, config.max_num_generations,
             config.stream_idle_timeout_s) == (1000, 2048, 7, 3, 9, 30.0)
-    assert config.engine_options.max_model_len == 2048
+    assert config.engine_config.scheduler.max_model_len == 2048
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 import pytest
 from redis_support import TcpProxy, clear_prefix, random_prefix, require_redis
 
-from phloem.runtime import EngineClient, EngineOptions
+from phloem.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from phloem.runtime import EngineClient
 from phloem.sessions import (
     GenerateOptions, GenerationResult, SessionConfig, SessionInput, SessionManager, Tokenizer,
     model_fingerprint,
@@ -356,7 +357,7 @@ def test_a_session_spilled_under_tp2_resumes_under_tp1(
     prompt, follow = unique_ids(40), unique_ids(3)
 
     async def spill_under_tp2() -> tuple[str, tuple[int, ...]]:
-        tp2 = EngineClient.from_pretrained(model_dir, EngineOptions(tensor_parallel_size=2))
+        tp2 = EngineClient.from_pretrained(model_dir, EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2)))
         tp2.start()
         try:
             config = SessionConfig(data_dir=tmp_path, model_fingerprint=model_fingerprint(model_dir))
@@ -430,8 +431,8 @@ def test_redis_unreachable_at_start_and_mid_run_degrades_and_resyncs(
 def test_pinned_sessions_never_block_admission(model_dir: Path, tokenizer: Tokenizer,
                                                tmp_path: Path, short_of: str) -> None:
     # Four sessions pinned for a long TTL hold every slot (or nearly every page) of a small engine.
-    options = (EngineOptions(num_state_slots=4) if short_of == "slots"
-               else EngineOptions(num_pages=12, num_state_slots=16))
+    options = (EngineConfig(cache=CacheConfig(num_state_slots=4)) if short_of == "slots"
+               else EngineConfig(cache=CacheConfig(num_pages=12, num_state_slots=16)))
     engine = EngineClient.from_pretrained(model_dir, options)
     engine.start()
     config = SessionConfig(data_dir=tmp_path, model_fingerprint=model_fingerprint(model_dir),
@@ -467,7 +468,7 @@ def test_waiting_behind_long_prefills_demotes_nobody(model_dir: Path, tokenizer:
                                                      tmp_path: Path) -> None:
     """Two long first turns in small chunks: the second waits far longer than
     ``admission_stall_s`` for its turn, with memory to spare, and no pinned session moves."""
-    engine = EngineClient.from_pretrained(model_dir, EngineOptions(max_num_batched_tokens=16))
+    engine = EngineClient.from_pretrained(model_dir, EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=16)))
     engine.start()
     config = SessionConfig(data_dir=tmp_path, model_fingerprint=model_fingerprint(model_dir),
                            admission_stall_s=0.1)

@@ -128,7 +128,7 @@ class LiveApp:
 def live_app(model: Path, config: ServerConfig) -> Iterator[LiveApp]:
     """Serve ``create_app(config, ...)`` on ``127.0.0.1:<free port>`` until the block ends (the
     engine and the sessions layer configured as ``phloem serve`` would from ``config``)."""
-    engine = EngineClient.from_pretrained(model, config.engine_options)
+    engine = EngineClient.from_pretrained(model, config.engine_config)
     engine.start()
     sessions = SessionConfig(data_dir=config.data_dir, model_fingerprint=model_fingerprint(model),
                              max_num_generations=config.max_num_generations,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from phloem.engine import Engine
-from phloem.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from phloem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
 
 VOCAB = 97
@@ -94,14 +94,18 @@ def make_engine(
     return Engine(
         toy_config(**mc),
         ToyModel(),
-        CacheConfig(
-            page_size=4,
-            num_pages=num_pages,
-            num_state_slots=num_slots,
-            enable_prefix_caching=caching,
-            checkpoint_interval=interval,
+        EngineConfig(
+            cache=CacheConfig(
+                page_size=4,
+                num_pages=num_pages,
+                num_state_slots=num_slots,
+                enable_prefix_caching=caching,
+                checkpoint_interval=interval,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=budget, max_num_seqs=max_seqs, async_scheduling=async_scheduling
+            ),
         ),
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, async_scheduling=async_scheduling),
         torch.device("cpu"),
         torch.float32,
     )

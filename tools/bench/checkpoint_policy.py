@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"
 from toy_model import ToyModel, toy_config  # noqa: E402
 
 from phloem.engine import Engine, SamplingParams  # noqa: E402
-from phloem.engine.config import CacheConfig, SchedulerConfig  # noqa: E402
+from phloem.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from phloem.engine.radix_cache import RadixCache, RadixNode  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
     sched = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=args.agents + 1)
     import torch
 
-    return Engine(config, ToyModel(), cache, sched, torch.device("cpu"), torch.float32)
+    return Engine(config, ToyModel(), EngineConfig(cache=cache, scheduler=sched), torch.device("cpu"), torch.float32)
 
 
 def keep_two_newest(tree: RadixCache, heads: list[RadixNode]) -> None:
