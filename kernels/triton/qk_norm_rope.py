@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["qk_norm_rope_gate", "qk_norm_rope_gate_store"]
 
@@ -135,7 +134,7 @@ def qk_norm_rope_gate_kernel(
     HALF,
     eps,
     BD: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()
@@ -180,11 +179,12 @@ def qk_norm_rope_gate(
     positions: torch.Tensor,
     inv_freq: torch.Tensor,
     eps: float,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q [T, Hq, D], k [T, Hk, D], gate [T, Hq * D])``, see the module docstring."""
     _check_shapes(q_gate, k, inv_freq)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    q, gate = _launch(q_gate, k, q_norm_w, k_norm_w, positions, inv_freq, eps, k_out, None)
+    q, gate = _launch(q_gate, k, q_norm_w, k_norm_w, positions, inv_freq, eps, k_out, None, pdl)
     return q, k_out, gate
 
 
@@ -199,6 +199,7 @@ def qk_norm_rope_gate_store(
     eps: float,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [T, Hq, D], gate [T, Hq * D])``; rotated ``k`` and ``v`` land in ``kv_cache`` at ``slot_mapping``."""
     _check_shapes(q_gate, k, inv_freq)
@@ -207,7 +208,7 @@ def qk_norm_rope_gate_store(
             f"v must be shaped like k {tuple(k.shape)} and kv_cache [pages, 2, page_size, Hk, D] with a unit "
             f"last stride, got v {tuple(v.shape)} and kv_cache {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
         )
-    return _launch(q_gate, k, q_norm_w, k_norm_w, positions, inv_freq, eps, None, (v, kv_cache, slot_mapping))
+    return _launch(q_gate, k, q_norm_w, k_norm_w, positions, inv_freq, eps, None, (v, kv_cache, slot_mapping), pdl)
 
 
 def _launch(
@@ -220,6 +221,7 @@ def _launch(
     eps: float,
     k_out: torch.Tensor | None,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    pdl: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch over ``(token, q head | k head)``: ``k`` to ``k_out``, or with ``store`` to the cache."""
     num_tokens, num_q_heads, _ = q_gate.shape
@@ -244,6 +246,6 @@ def _launch(
         q_gate.stride(0), q_gate.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache,
         num_q_heads, num_k_heads, head_dim, inv_freq.shape[0], eps,
-        BD=triton.next_power_of_2(head_dim), STORE=store is not None, launch_pdl=LAUNCH_PDL,
+        BD=triton.next_power_of_2(head_dim), STORE=store is not None, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return q, gate
