@@ -43,7 +43,6 @@ class EnvVar:
     help: str
 
 
-_BOOL = "1/true/yes/on or 0/false/no/off"
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("PHLOEM_DATA_DIR", "path", "~/.phloem", "data directory (models, spilled sessions, index)"),
     EnvVar("PHLOEM_MODEL", "path", "built-in demo model", "model folder served by `phloem serve`"),
@@ -60,7 +59,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("PHLOEM_LOG_FORMAT", "str", "text", "`text` or `json`: default of `phloem serve --log-format`"),
     EnvVar("PHLOEM_LOG_LEVEL", "str", "info", "`debug`/`info`/`warning`/`error`: default of `--log-level`"),
     EnvVar("PHLOEM_NO_PROGRESS", "bool", "0",
-           f"{_BOOL}: no progress bars (as `--no-progress`); off: bars when stderr is a terminal"),
+           "on: no progress bars (as `--no-progress`); off: bars when stderr is a terminal"),
     EnvVar("PHLOEM_KERNELS", "auto | torch | triton", "auto",
            "`KernelConfig.backend`: `torch` or `triton` forces the kernel backend; `auto` picks Triton on a "
            "CUDA device when `triton` imports, else the torch references. Forcing Triton off CUDA needs "
