@@ -81,8 +81,7 @@ class CudaGraphRunner:
         n, dev = max_batch_size, attn.device
         # The static inputs and (with the Triton decode attention) the page lists live in one device
         # buffer per turn, mirrored by two pinned host buffers used in turn, so a step's inputs
-        # reach the device in one copy (ten small copies cost ~27 us of device time a step on an
-        # H200, docs/benchmarks.md).
+        # reach the device in one copy, not ten small ones.
         self._layout = _StagingLayout(n, MAX_GRAPH_PAGES if attn.triton_decode else 0)
         self.turns = _TURNS if attn.triton_decode else 1
         self._dev = [torch.zeros(self._layout.nbytes, dtype=torch.uint8, device=dev) for _ in range(self.turns)]

@@ -1,7 +1,7 @@
 """Row-wise argmax of logits on the GPU: Triton version of ``kernels.argmax.argmax``.
 
-``torch.argmax`` over one ``[1, 248320]`` row (the 35B-A3B vocabulary) is one reduction kernel of
-~8.6 µs on an H200 (most of its programs idle); here ``P`` programs a row each reduce a chunk to
+``torch.argmax`` over one ``[1, 248320]`` row (the 35B-A3B vocabulary) is one reduction kernel
+with most of its programs idle; here ``P`` programs a row each reduce a chunk to
 (key, first index), and one more launch picks the row's winner among the ``P`` partials. Keys are
 the fp32 values' bits mapped to int32 so that integer order is float order, with every NaN above
 +inf (``torch.argmax``'s NaN rule); ties go to the smallest index, which is the first occurrence

@@ -15,8 +15,7 @@ otherwise they are copied first. One program normalises one row of ``D`` in fp32
 Memory traffic at the 35B-A3B decode shape (bf16, one token): ``add_rms_norm`` over hidden 2048
 reads 2 x 4 KiB + the 4 KiB weight and writes 2 x 4 KiB (20 KiB); ``gated_rms_norm`` over 32 value
 heads of 128 reads x and gate (2 x 8 KiB) + 256 B weight, writes 8 KiB (~24 KiB). Both are
-launch-bound at decode; measured on an H200 (CUDA-graph replay, one token): ``add_rms_norm``
-1.5 us against 16 us for the reference, ``gated_rms_norm`` 1.4 us against 21 us.
+launch-bound at decode, so one launch each replaces the reference's chain of elementwise ops.
 """
 
 from __future__ import annotations

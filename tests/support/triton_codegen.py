@@ -173,7 +173,7 @@ def argmax() -> None:
 
 
 def decode_attention() -> None:
-    from phloem.kernels.triton.decode_attention import decode_attention_merge_kernel, decode_attention_split_kernel
+    from phloem.kernels.triton.decode_attention_kernel import decode_attention_merge_kernel, decode_attention_split_kernel
 
     common = {"GROUP": 8, "D": 256, "PAGE": 16, "MIN_SPLIT": 16}
     pointers = _all("q kv_cache out", "*bf16") | _all("kv_indptr kv_indices kv_last_page_len", "*i32") | _all("o_part lse_part", "*fp32")
@@ -193,7 +193,7 @@ def gemv(pro: int, conv: bool, prefetch: bool, route: bool = False) -> None:
     """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape (with
     ``conv`` and ``prefetch``, the conv operands preloaded and the update after the walk; ``route``:
     with the router partial's epilogue)."""
-    from phloem.kernels.triton.gemv import gemv_kernel
+    from phloem.kernels.triton.gemv_kernel import gemv_kernel
 
     pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs p_h p_rt p_pw", "*bf16") | _all("p_read p_write p_acc", "*i64")
     kp = 4096 if pro in (2, 3) else 2048
