@@ -19,7 +19,6 @@ step; a step replays the same bucket on every rank because they all get the same
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -39,10 +38,9 @@ def graph_buckets(max_batch_size: int) -> list[int]:
     return [b for b in sizes if b < max_batch_size] + [max_batch_size]
 
 
-# Graph turns: 2 where the page lists are staged with the inputs (the Triton decode attention), so
-# step k + 1's inputs are copied while step k's graph runs (PHLOEM_GRAPH_TURNS=1: one set of
-# buffers, every copy between two graphs). Read when the module imports.
-_TURNS = 1 if os.environ.get("PHLOEM_GRAPH_TURNS", "2").strip() == "1" else 2
+# Graph turns where the page lists are staged with the inputs (the Triton decode attention): step
+# k + 1's inputs are copied while step k's graph runs.
+_TURNS = 2
 
 
 class CudaGraphRunner:
@@ -56,9 +54,9 @@ class CudaGraphRunner:
     of the next turn's buffer (the next step of the same rows reads them there, ``run``), and a
     second stream copies them to the host after the graph ends, while the next graph runs; the next
     replay of turn ``t`` (which rewrites those ids) waits for that copy. Every cross-stream wait is
-    for an event of a step before, so none holds the compute stream in the steady state. One turn
-    (``PHLOEM_GRAPH_TURNS=1``, or FlashInfer's decode, whose wrappers keep their own per-bucket
-    buffers) orders the same copies behind the graph before instead.
+    for an event of a step before, so none holds the compute stream in the steady state. With
+    FlashInfer's decode (``KernelConfig.triton_decode_attention`` off), whose wrappers keep their
+    own per-bucket buffers, one turn orders the same copies behind the graph before instead.
 
     The host side of both staging buffers: a step writes pinned host buffer ``k % 2`` (guarded by
     the event of its previous copy) and reads its ids from pinned buffer ``k % 2``, which only
@@ -83,8 +81,7 @@ class CudaGraphRunner:
         n, dev = max_batch_size, attn.device
         # The static inputs and (with the Triton decode attention) the page lists live in one device
         # buffer per turn, mirrored by two pinned host buffers used in turn, so a step's inputs
-        # reach the device in one copy (ten small copies cost ~27 us of device time a step on an
-        # H200, docs/benchmarks.md).
+        # reach the device in one copy, not ten small ones.
         self._layout = _StagingLayout(n, MAX_GRAPH_PAGES if attn.triton_decode else 0)
         self.turns = _TURNS if attn.triton_decode else 1
         self._dev = [torch.zeros(self._layout.nbytes, dtype=torch.uint8, device=dev) for _ in range(self.turns)]

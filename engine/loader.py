@@ -56,6 +56,7 @@ from phloem.engine.config import LoadConfig, ModelConfig
 from phloem.engine.models import Qwen3HybridForCausalLM, get_model_class
 from phloem.engine.models._gdn import GatedDeltaNet
 from phloem.engine.parallel import Shard, TPGroup
+from phloem.kernels.config import KernelConfig
 from phloem.kernels.dispatch import get_ops
 
 __all__ = ["load_model"]
@@ -69,10 +70,11 @@ _EXPERT_IDX = re.compile(r"\.experts\.\d+\.")
 
 
 def load_model(
-    model_path: str | Path, model_config: ModelConfig, load_config: LoadConfig, tp: TPGroup | None = None
+    model_path: str | Path, model_config: ModelConfig, load_config: LoadConfig, tp: TPGroup | None = None,
+    kernels: KernelConfig = KernelConfig(),
 ) -> Qwen3HybridForCausalLM:
     """Returns the model (this rank's shard under ``tp``) in eval mode on ``load_config.device``,
-    weights in the resolved dtype. A progress bar counts the tensors read (or drawn) when
+    weights in the resolved dtype, its ops chosen by ``kernels`` (``kernels.dispatch.get_ops``). A progress bar counts the tensors read (or drawn) when
     ``load_config.show_progress`` allows it (``engine._progress``).
 
     Raises:
@@ -81,7 +83,7 @@ def load_model(
     device = torch.device(load_config.device)
     dtype = _resolve_dtype(Path(model_path), load_config)
     with torch.device("meta"):
-        model = get_model_class(model_config.architecture)(model_config, tp, ops=get_ops(device))
+        model = get_model_class(model_config.architecture)(model_config, tp, ops=get_ops(device, kernels))
     model = model.to(dtype=dtype).to_empty(device=device)
     model.post_materialize()
     with torch.no_grad():

@@ -40,6 +40,7 @@ from phloem.engine.sampler import sample
 from phloem.engine.scheduler import SchedulerOutput
 from phloem.engine.step_plan import StateMove, StepInputs, StepPlan
 from phloem.engine.tp_state import StateTensors, gather_state, scatter_state, state_shapes
+from phloem.kernels.config import KernelConfig
 from phloem.kernels.flashinfer_attention import FlashInferAttention, flashinfer_available
 
 __all__ = [
@@ -334,7 +335,8 @@ def _rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def _attention_backend(
-    mc: ModelConfig, cc: CacheConfig, rc: RunnerConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    mc: ModelConfig, cc: CacheConfig, rc: RunnerConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device,
+    kernels: KernelConfig,
 ) -> FlashInferAttention | None:
     """FlashInfer on CUDA (when importable, not turned off, and the dtype fp16 / bf16), else None:
     the torch reference (and no CUDA graphs: they capture FlashInfer's decode)."""
@@ -351,7 +353,7 @@ def _attention_backend(
             raise ValueError(f"attention_backend: 'flashinfer' serves float16 / bfloat16 models, got {dtype}")
         return None
     num_heads, num_kv_heads = mc.num_attention_heads // tp.size, max(1, mc.num_key_value_heads // tp.size)
-    return FlashInferAttention(num_heads, num_kv_heads, mc.head_dim, cc.page_size, dtype, device)
+    return FlashInferAttention(num_heads, num_kv_heads, mc.head_dim, cc.page_size, dtype, device, kernels)
 
 
 def build_runner(
@@ -362,8 +364,10 @@ def build_runner(
     tp: TPGroup,
     dtype: torch.dtype,
     plan_sink: PlanSink | None = None,
+    kernels: KernelConfig = KernelConfig(),
 ) -> tuple[ModelRunner, PoolPlan]:
-    """Size the pools, allocate this rank's caches (on ``tp.device``) and wrap ``model`` in a runner.
+    """Size the pools, allocate this rank's caches (on ``tp.device``) and wrap ``model`` in a runner
+    (``kernels``: the attention backend's decode kernel and launch, ``FlashInferAttention``).
 
     Every rank of a group calls this together: free memory differs between GPUs, so the ranks
     agree on the smallest pool sizes (the pools must be identical in structure everywhere).
@@ -374,5 +378,5 @@ def build_runner(
         num_pages, num_slots = tp.all_min([plan.num_pages, plan.num_slots])
         plan = replace(plan, num_pages=num_pages, num_slots=num_slots)
     caches = allocate_caches(mc, plan, cc.page_size, dtype, device, tp.size)
-    attn = _attention_backend(mc, cc, rc, tp, dtype, device)
+    attn = _attention_backend(mc, cc, rc, tp, dtype, device, kernels)
     return ModelRunner(model, caches, cc.page_size, mc, tp, attn, plan_sink), plan

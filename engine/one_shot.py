@@ -14,10 +14,10 @@ Decisions:
   deadlock: both sides must run the same collective).
 - Used only where it pays and fits: decode-sized calls (at most ``MAX_ROWS`` rows and ``HALF_BYTES``
   per call); larger batches (prefill) take NCCL's all-reduce and the ``add_rms_norm`` kernel.
-- Off by default until it has run on two GPUs: ``PHLOEM_ONE_SHOT_ALLREDUCE=1`` turns it on (it
-  was built without a GPU run; its protocol is tested on CPU by concurrent processes under the
+- Off by default until it has run on two GPUs: ``KernelConfig.one_shot_allreduce`` turns it on
+  (``connect``'s ``enabled``). Its protocol is tested on CPU by concurrent processes under the
   Triton interpreter and it compiles for sm_90, but a kernel that spins on another GPU's flags
-  must be seen to work there before it is the default). ``0`` or unset: NCCL.
+  must be seen to work there before it is the default. Off: NCCL.
 - The CUDA runtime calls go through ``engine.cuda_ipc`` (PyTorch's own libcudart, by ctypes);
   without peer access between every pair of the group's GPUs the group keeps NCCL.
 - The buffers live as long as the process group; ``close`` unmaps the peers' (this rank's own
@@ -27,7 +27,6 @@ Decisions:
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,11 +34,10 @@ import torch
 
 from phloem.engine.cuda_ipc import CudaRuntime, IpcHandle
 
-__all__ = ["ENV_VAR", "HALF_BYTES", "MAX_ROWS", "OneShotAllReduce"]
+__all__ = ["HALF_BYTES", "MAX_ROWS", "OneShotAllReduce"]
 
 log = logging.getLogger(__name__)
 
-ENV_VAR = "PHLOEM_ONE_SHOT_ALLREDUCE"
 MAX_ROWS = 256
 HALF_BYTES = 1 << 20  # 256 tokens x hidden 2048 x bf16
 _FLAGS_AT = 2 * HALF_BYTES
@@ -66,9 +64,11 @@ class OneShotAllReduce:
         store: Any,
         agree: Callable[[bool], bool],
         all_reduce: Callable[[torch.Tensor], torch.Tensor],
+        enabled: bool = False,
     ) -> OneShotAllReduce | None:
-        """Map every rank's buffer on this rank; None on every rank unless all of them succeeded
-        and a first call gave the process group's all-reduce's bits on every rank.
+        """Map every rank's buffer on this rank; None on every rank unless ``enabled`` (the same on
+        every rank: ``KernelConfig.one_shot_allreduce``), all of them succeeded and a first call
+        gave the process group's all-reduce's bits on every rank.
 
         ``store`` is a c10d store shared by the group (keys ``one-shot/<rank>``); ``agree(ok)``
         returns whether every rank's ``ok`` is true and ``all_reduce`` sums a tensor over the
@@ -76,7 +76,7 @@ class OneShotAllReduce:
         """
         made: OneShotAllReduce | None = None
         ok = False
-        if os.environ.get(ENV_VAR, "0") == "1" and device.type == "cuda" and 1 < world <= _WORLD_MAX:
+        if enabled and device.type == "cuda" and 1 < world <= _WORLD_MAX:
             try:
                 made = cls._map(rank, world, device, store)
                 ok = True

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phloem.engine.config import ModelConfig
+from phloem.kernels.config import KernelConfig
 from phloem.engine.one_shot import OneShotAllReduce
 
 Op = Callable[..., Any]
@@ -78,9 +79,12 @@ class TPGroup:
 
     @classmethod
     def connect(
-        cls, rank: int, size: int, store: Any, device: torch.device, timeout: timedelta, expert_parallel: bool = False
+        cls, rank: int, size: int, store: Any, device: torch.device, timeout: timedelta, expert_parallel: bool = False,
+        kernels: KernelConfig = KernelConfig(),
     ) -> TPGroup:
-        """Join the group through a c10d store: NCCL on CUDA, gloo otherwise (blocks until all ranks join)."""
+        """Join the group through a c10d store: NCCL on CUDA, gloo otherwise (blocks until all ranks join).
+        On GPUs, with ``kernels.one_shot_allreduce`` (the same on every rank), also the one-shot
+        NVLink all-reduce (``engine.one_shot``)."""
         prefixed = dist.PrefixStore("phloem-tp", store)  # type: ignore[attr-defined]
         if device.type == "cuda":
             nccl = getattr(dist, "ProcessGroupNCCL")
@@ -95,7 +99,7 @@ class TPGroup:
             return group
         one_shot = OneShotAllReduce.connect(
             rank, size, device, dist.PrefixStore("phloem-one-shot", store),  # type: ignore[attr-defined]
-            lambda ok: group.all_min([int(ok)])[0] == 1, group.all_reduce,
+            lambda ok: group.all_min([int(ok)])[0] == 1, group.all_reduce, kernels.one_shot_allreduce,
         )  # fmt: skip
         return replace(group, one_shot=one_shot)
 

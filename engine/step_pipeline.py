@@ -1,8 +1,7 @@
 """Async scheduling: queue decode step N+1 on the device before reading step N's sampled ids.
 
 A synchronous step leaves the device idle while the host reads the sampled ids, updates the
-requests, schedules and prepares the next step (0.3–0.7 ms at batch 1 on the H200, against a
-3 ms step). In the steady state of decoding, step N+1 is known before step N's ids are: the same
+requests, schedules and prepares the next step (a sizeable fraction of a batch-1 decode step). In the steady state of decoding, step N+1 is known before step N's ids are: the same
 requests, each one position further, with step N's sampled ids as input. ``next_decode_step``
 builds that step from the requests' counters (before step N's update), and the runner takes its
 input ids straight from step N's sampled-id tensor on the device (``ModelRunner.launch``), so the

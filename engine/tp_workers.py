@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from phloem.engine.config import CacheConfig, LoadConfig, ModelConfig, RunnerConfig
+from phloem.kernels.config import KernelConfig
 from phloem.engine.errors import EngineError
 from phloem.engine.loader import load_model
 from phloem.engine.model_runner import build_runner
@@ -61,7 +62,8 @@ _JOIN_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """What every rank builds from: the model folder and the engine's configs (rank 0's device)."""
+    """What every rank builds from: the model folder and the engine's configs (rank 0's device).
+    ``kernels`` reaches every rank's op table, attention backend and group (one-shot all-reduce)."""
 
     path: str
     model_config: ModelConfig
@@ -71,6 +73,7 @@ class WorkerSpec:
     tp_size: int
     num_threads: int
     expert_parallel: bool = False
+    kernels: KernelConfig = KernelConfig()
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -118,7 +121,9 @@ class TPWorkers:
                 conns.append(ours)
             for rank, (proc, conn) in enumerate(zip(processes, conns), start=1):
                 _expect(rank, proc, conn, "hello")
-            group = TPGroup.connect(0, spec.tp_size, store, device, _COLLECTIVE_TIMEOUT, spec.expert_parallel)
+            group = TPGroup.connect(
+                0, spec.tp_size, store, device, _COLLECTIVE_TIMEOUT, spec.expert_parallel, spec.kernels
+            )
         except BaseException:
             _stop(None, processes, conns)
             raise
@@ -215,13 +220,17 @@ def _worker_main(rank: int, spec: WorkerSpec, port: int, conn: Connection) -> No
             _HOST, port, spec.tp_size, is_master=False, timeout=_COLLECTIVE_TIMEOUT
         )
         conn.send(("hello", None))
-        group = TPGroup.connect(rank, spec.tp_size, store, device, _COLLECTIVE_TIMEOUT, spec.expert_parallel)
+        group = TPGroup.connect(
+            rank, spec.tp_size, store, device, _COLLECTIVE_TIMEOUT, spec.expert_parallel, spec.kernels
+        )
         # Rank 0 draws the one progress bar; a worker's would garble it.
         load_config = replace(spec.load_config, device=str(device), show_progress=False)
-        model = load_model(spec.path, spec.model_config, load_config, group)
+        model = load_model(spec.path, spec.model_config, load_config, group, spec.kernels)
         conn.send(("ready", None))
         dtype = next(model.parameters()).dtype
-        runner, _ = build_runner(spec.model_config, model, spec.cache_config, spec.runner_config, group, dtype)
+        runner, _ = build_runner(
+            spec.model_config, model, spec.cache_config, spec.runner_config, group, dtype, kernels=spec.kernels
+        )
         kind, graphs = conn.recv()
         assert kind == "start", f"expected 'start' from rank 0, got {kind!r}"
         if graphs is not None:

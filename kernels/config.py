@@ -2,9 +2,15 @@
 
 ``KernelConfig()`` is the default every engine gets: Triton kernels on a CUDA device (torch
 references elsewhere), the Triton one-token GEMV and split-KV decode attention, the fused one-token
-decode path, programmatic dependent launch where the GPU supports it, and the one-shot all-reduce
-under tensor parallelism. ``runtime.env`` builds one from ``PHLOEM_*`` variables for the CLI;
-nothing under ``kernels/`` or ``engine/`` reads the environment.
+decode path and programmatic dependent launch where the GPU supports it; every all-reduce of
+tensor parallelism through NCCL (the one-shot NVLink all-reduce is opt-in until it has run on two
+GPUs). ``runtime.env.kernel_config`` builds one from ``PHLOEM_*`` variables for the CLI; nothing
+under ``kernels/`` or ``engine/`` reads the environment.
+
+Where each field is used: ``backend``, ``triton_gemv``, ``fused_decode`` and ``pdl`` by
+``kernels.dispatch.get_ops`` (the model's op table); ``triton_decode_attention`` and ``pdl`` by
+``kernels.flashinfer_attention.FlashInferAttention`` (pure-decode steps: the split-KV Triton kernel
+instead of FlashInfer's decode); ``one_shot_allreduce`` by ``engine.parallel.TPGroup.connect``.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ class KernelConfig:
     ``triton`` elsewhere than CUDA needs ``TRITON_INTERPRET=1`` (tests).
 
     ``pdl``: programmatic dependent launch; ``None`` turns it on for sm_90+ GPUs (never under the
-    interpreter).
+    interpreter; ``kernels/triton/_pdl.py``).
+
+    ``one_shot_allreduce``: small all-reduces of tensor parallelism on GPUs through the one-shot
+    NVLink kernel fused with the add + RMSNorm after it (``engine.one_shot``), else NCCL.
     """
 
     backend: BackendChoice = "auto"
@@ -31,7 +40,7 @@ class KernelConfig:
     triton_decode_attention: bool = True
     fused_decode: bool = True
     pdl: bool | None = None
-    one_shot_allreduce: bool = True
+    one_shot_allreduce: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "torch", "triton"):

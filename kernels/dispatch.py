@@ -1,12 +1,12 @@
 """One table of the ops the model calls, bound to Triton kernels or to the torch references.
 
-``get_ops(device)`` returns a frozen ``KernelOps``; the model calls ``ops.<name>`` and never imports
-an implementation. Every field has the signature and semantics of the reference in ``kernels/``;
-ops without a Triton kernel yet are the reference in both backends.
-
-Backend choice, read only here: ``PHLOEM_KERNELS=torch`` or ``triton`` forces one; unset or empty
-picks Triton on a CUDA device when ``triton`` imports, else torch. Forcing Triton on a non-CUDA
-device needs ``TRITON_INTERPRET=1`` (tests only).
+``get_ops(device, config)`` returns a frozen ``KernelOps``; the model calls ``ops.<name>`` and never
+imports an implementation. Every field has the signature and semantics of the reference in
+``kernels/``; ops without a Triton kernel yet are the reference in both backends. ``config``
+(``kernels.config.KernelConfig``) carries the choices: the backend (``auto``: Triton on a CUDA device
+when ``triton`` imports, else torch; forcing Triton on a non-CUDA device needs ``TRITON_INTERPRET=1``,
+tests only), the one-token Triton GEMV, the fused decode path and programmatic dependent launch,
+which is bound into the Triton ops here (``kernels/triton/_pdl.py``).
 
 NOTE: the Triton modules are imported only when selected: ``@triton.jit`` binds to the
 interpreter or the compiler at import time, so importing them early would pin that choice.
@@ -14,7 +14,8 @@ interpreter or the compiler at import time, so importing them early would pin th
 
 from __future__ import annotations
 
-import os
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -22,26 +23,9 @@ from typing import Any, Literal
 import torch
 
 from phloem.kernels import argmax, attention, conv1d, fused_linear, gdn, linear, moe, norm, qk_norm_rope, route_partial
+from phloem.kernels.config import KernelConfig
 
-__all__ = [
-    "ENV_VAR",
-    "FUSED_DECODE_ENV_VAR",
-    "GEMV_ENV_VAR",
-    "ROUTE_PARTIAL_ENV_VAR",
-    "KernelOps",
-    "get_ops",
-    "kernel_backend",
-]
-
-ENV_VAR = "PHLOEM_KERNELS"
-# "0": cuBLAS serves one-token ``linear`` calls too; by default the Triton GEMV does
-# (kernels/triton/gemv.py: 5-35% faster than cuBLAS at every 35B-A3B decode shape on an H200).
-GEMV_ENV_VAR = "PHLOEM_TRITON_GEMV"
-# "0": the model's one-token decode path calls the unfused ops (``KernelOps.fused_decode``).
-FUSED_DECODE_ENV_VAR = "PHLOEM_FUSED_DECODE"
-# "0": the fused one-token path keeps the MoE router's own launch (``add_rms_norm_router``) instead
-# of its partial logits in the output projection before it (``KernelOps.route_partial``).
-ROUTE_PARTIAL_ENV_VAR = "PHLOEM_ROUTE_PARTIAL"
+__all__ = ["KernelOps", "get_ops", "kernel_backend"]
 
 Backend = Literal["torch", "triton"]
 Op = Callable[..., Any]
@@ -54,18 +38,21 @@ class KernelOps:
     ``fused_decode``: a one-token decode step calls the fused projections (``add_rms_norm_linear``
     and the rest of ``kernels.fused_linear``) instead of the ops they compose. On the torch backend
     they are exactly those compositions, so the choice changes launches, not values (but for
-    ``route_partial``'s logits); it is on in both backends unless ``PHLOEM_FUSED_DECODE=0``.
+    ``route_partial``'s logits); ``KernelConfig.fused_decode``, in both backends.
 
     ``route_partial``: on that path a MoE layer has no router launch: the output projection before
     it adds the router's partial logits (``gated_rms_norm_linear_route``, ``sigmoid_gate_linear_route``)
     and the experts' op scales them (``fused_moe_route_partial``; ``kernels/route_partial.py``, whose
-    logits differ from the router's by one rounding). On with ``fused_decode`` unless
-    ``PHLOEM_ROUTE_PARTIAL=0``.
+    logits differ from the router's by one rounding). On with ``fused_decode``; a table with it
+    off (``dataclasses.replace``) runs the router as a launch of its own (``add_rms_norm_router``).
+
+    ``pdl``: the Triton ops launch under programmatic dependent launch (always off for torch).
     """
 
     backend: Backend
     fused_decode: bool
     route_partial: bool
+    pdl: bool
     rms_norm: Op
     add_rms_norm: Op
     gated_rms_norm: Op
@@ -95,24 +82,20 @@ class KernelOps:
     argmax: Op
 
 
-def kernel_backend(device: torch.device) -> Backend:
-    """The backend for ``device``: ``PHLOEM_KERNELS`` if set, else Triton on CUDA when it imports.
+def kernel_backend(device: torch.device, config: KernelConfig = KernelConfig()) -> Backend:
+    """The backend for ``device``: ``config.backend`` if not ``auto``, else Triton on CUDA when it imports.
 
     Raises:
-        ValueError: ``PHLOEM_KERNELS`` is not ``torch``, ``triton`` or empty, or Triton is forced on a
-            non-CUDA device without ``TRITON_INTERPRET=1``.
+        ValueError: Triton is forced on a non-CUDA device without ``TRITON_INTERPRET=1``.
         ImportError: Triton is forced and does not import.
     """
-    choice = os.environ.get(ENV_VAR, "").strip().lower()
-    if choice not in ("", "torch", "triton"):
-        raise ValueError(f"{ENV_VAR} must be 'torch', 'triton' or unset, got {choice!r}")
-    if choice == "torch":
+    if config.backend == "torch":
         return "torch"
-    if choice == "triton":
+    if config.backend == "triton":
         import triton
 
         if device.type != "cuda" and not triton.knobs.runtime.interpret:
-            raise ValueError(f"{ENV_VAR}=triton on device {device} needs CUDA or TRITON_INTERPRET=1")
+            raise ValueError(f"kernel backend 'triton' on device {device} needs CUDA or TRITON_INTERPRET=1")
         return "triton"
     if device.type != "cuda":
         return "torch"
@@ -123,13 +106,14 @@ def kernel_backend(device: torch.device) -> Backend:
     return "triton"
 
 
-def get_ops(device: torch.device) -> KernelOps:
-    """The op table for ``device`` (see ``kernel_backend`` for the choice and what it raises)."""
-    fused_decode = os.environ.get(FUSED_DECODE_ENV_VAR, "").strip() != "0"
+def get_ops(device: torch.device, config: KernelConfig = KernelConfig()) -> KernelOps:
+    """The op table for ``device`` under ``config`` (see ``kernel_backend`` for the backend and what
+    it raises)."""
     reference = KernelOps(
         backend="torch",
-        fused_decode=fused_decode,
-        route_partial=fused_decode and os.environ.get(ROUTE_PARTIAL_ENV_VAR, "").strip() != "0",
+        fused_decode=config.fused_decode,
+        route_partial=config.fused_decode,
+        pdl=False,
         rms_norm=norm.rms_norm,
         add_rms_norm=norm.add_rms_norm,
         gated_rms_norm=norm.gated_rms_norm,
@@ -158,7 +142,11 @@ def get_ops(device: torch.device) -> KernelOps:
         fused_moe_route_partial=route_partial.fused_moe_route_partial,
         argmax=argmax.argmax,
     )
-    return reference if kernel_backend(device) == "torch" else _with_triton(reference)
+    if kernel_backend(device, config) == "torch":
+        return reference
+    from phloem.kernels.triton._pdl import use_pdl
+
+    return _with_triton(reference, config, use_pdl(config.pdl, device))
 
 
 # Up to this many tokens the grouped GEMV serves the MoE (covering every CUDA-graph decode bucket);
@@ -166,7 +154,7 @@ def get_ops(device: torch.device) -> KernelOps:
 _SMALL_MOE_TOKENS = 256
 
 
-def _with_triton(reference: KernelOps) -> KernelOps:
+def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> KernelOps:
     from phloem.kernels.triton import argmax as triton_argmax
     from phloem.kernels.triton import conv1d_update, gdn_decode, gdn_gates, gemv, moe_grouped, moe_route, moe_token
     from phloem.kernels.triton import fused_moe as triton_fused_moe
@@ -181,8 +169,10 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         small = topk_ids.shape[0] <= _SMALL_MOE_TOKENS
-        impl = triton_fused_moe.fused_moe if small else moe_grouped.fused_moe_grouped
-        out: torch.Tensor = impl(x, w_gate_up, w_down, topk_weights, topk_ids)
+        if not small:
+            grouped: torch.Tensor = moe_grouped.fused_moe_grouped(x, w_gate_up, w_down, topk_weights, topk_ids)
+            return grouped
+        out: torch.Tensor = triton_fused_moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, pdl)
         return out
 
     def fused_moe_routed(
@@ -194,9 +184,11 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         renormalize: bool,
     ) -> torch.Tensor:
         if router_logits.shape[0] <= _SMALL_MOE_TOKENS:
-            out: torch.Tensor = triton_fused_moe.fused_moe_routed(x, router_logits, w_gate_up, w_down, top_k, renormalize)
+            out: torch.Tensor = triton_fused_moe.fused_moe_routed(
+                x, router_logits, w_gate_up, w_down, top_k, renormalize, pdl
+            )
             return out
-        weights, ids = moe_route.moe_route_shared(router_logits, top_k, renormalize)
+        weights, ids = moe_route.moe_route_shared(router_logits, top_k, renormalize, pdl)
         return fused_moe(x, w_gate_up, w_down, weights, ids)
 
     def fused_moe_route_partial(
@@ -214,38 +206,56 @@ def _with_triton(reference: KernelOps) -> KernelOps:
         if not one:
             return reference.fused_moe_route_partial(s, acc, norm_w, eps, w_gate_up, w_down, top_k, renormalize)
         out: torch.Tensor = triton_fused_moe.fused_moe_token_route_partial(
-            s, acc, norm_w, eps, w_gate_up, w_down, top_k, renormalize
+            s, acc, norm_w, eps, w_gate_up, w_down, top_k, renormalize, pdl=pdl
         )
         return out
 
+    bind = functools.partial(_with_pdl, pdl=pdl)
     return replace(
         reference,
         backend="triton",
+        pdl=pdl,
         fused_moe=fused_moe,
         fused_moe_routed=fused_moe_routed,
         fused_moe_route_partial=fused_moe_route_partial,
         chunk_gated_delta_rule=_fla_chunk_or(reference.chunk_gated_delta_rule),
-        rms_norm=triton_norm.rms_norm,
-        add_rms_norm=triton_norm.add_rms_norm,
-        gated_rms_norm=triton_norm.gated_rms_norm,
-        qk_norm_rope_gate=triton_qk_norm_rope.qk_norm_rope_gate,
-        qk_norm_rope_gate_store=triton_qk_norm_rope.qk_norm_rope_gate_store,
-        causal_conv1d_update=conv1d_update.causal_conv1d_update,
-        recurrent_gated_delta_rule=gdn_decode.recurrent_gated_delta_rule,
-        recurrent_gated_delta_rule_with_gates=gdn_decode.recurrent_gated_delta_rule_with_gates,
-        moe_route=moe_route.moe_route,
-        moe_route_shared=moe_route.moe_route_shared,
+        rms_norm=bind(triton_norm.rms_norm),
+        add_rms_norm=bind(triton_norm.add_rms_norm),
+        gated_rms_norm=bind(triton_norm.gated_rms_norm),
+        qk_norm_rope_gate=bind(triton_qk_norm_rope.qk_norm_rope_gate),
+        qk_norm_rope_gate_store=bind(triton_qk_norm_rope.qk_norm_rope_gate_store),
+        causal_conv1d_update=bind(conv1d_update.causal_conv1d_update),
+        recurrent_gated_delta_rule=bind(gdn_decode.recurrent_gated_delta_rule),
+        recurrent_gated_delta_rule_with_gates=bind(gdn_decode.recurrent_gated_delta_rule_with_gates),
+        moe_route=bind(moe_route.moe_route),
+        moe_route_shared=bind(moe_route.moe_route_shared),
         gdn_gates=gdn_gates.gdn_gates,
-        linear=reference.linear if os.environ.get(GEMV_ENV_VAR, "").strip() == "0" else gemv.linear,
-        add_rms_norm_linear=gemv.add_rms_norm_linear,
-        add_rms_norm_conv_linear=gemv.add_rms_norm_conv_linear,
-        gated_rms_norm_linear=gemv.gated_rms_norm_linear,
-        sigmoid_gate_linear=gemv.sigmoid_gate_linear,
-        add_rms_norm_router=gemv.add_rms_norm_router,
-        gated_rms_norm_linear_route=gemv.gated_rms_norm_linear_route,
-        sigmoid_gate_linear_route=gemv.sigmoid_gate_linear_route,
-        argmax=triton_argmax.argmax,
+        linear=bind(gemv.linear) if config.triton_gemv else reference.linear,
+        add_rms_norm_linear=bind(gemv.add_rms_norm_linear),
+        add_rms_norm_conv_linear=bind(gemv.add_rms_norm_conv_linear),
+        gated_rms_norm_linear=bind(gemv.gated_rms_norm_linear),
+        sigmoid_gate_linear=bind(gemv.sigmoid_gate_linear),
+        add_rms_norm_router=bind(gemv.add_rms_norm_router),
+        gated_rms_norm_linear_route=bind(gemv.gated_rms_norm_linear_route),
+        sigmoid_gate_linear_route=bind(gemv.sigmoid_gate_linear_route),
+        argmax=bind(triton_argmax.argmax),
     )
+
+
+# Keyword arguments of the Triton launchers that are launch choices, not operands: ``pdl`` is bound
+# here, ``config`` (tiles for benchmark sweeps) keeps its default.
+_LAUNCH_OPTIONS = ("pdl", "config")
+
+
+def _with_pdl(op: Op, pdl: bool) -> Op:
+    """``op`` with its ``pdl`` argument fixed, under the op's own name and module and with the
+    signature it has without its launch options (the reference's, which the model calls)."""
+    bound = functools.update_wrapper(functools.partial(op, pdl=pdl), op)
+    signature = inspect.signature(op)
+    bound.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[p for name, p in signature.parameters.items() if name not in _LAUNCH_OPTIONS]
+    )
+    return bound
 
 
 def _fla_chunk_or(fallback: Op) -> Op:

@@ -13,25 +13,24 @@ buffers in place before each replay.
 FlashInfer's ``plan`` fills a pinned host buffer and queues its copy to the device; the next
 ``plan`` rewrites that buffer. The page indices of a captured graph's wrapper reach the device by a
 queued copy of ours first (FlashInfer's own copy of host indices into the fixed buffer blocks the
-host until the device has run every queued step: measured on an H200, the batch-1 host step waited
-~2 ms in it and async scheduling hid nothing). When the engine queues step N+1 before step N has run (async
+host until the device has run every queued step, which async scheduling cannot hide). When the engine queues step N+1 before step N has run (async
 scheduling), a plan must not overwrite the buffer before step N's copy has been done: each plan
 waits for the previous plan's copies (an event recorded after them; the device reaches them as
 soon as it starts step N, so the wait is short) and records its own.
 
 Pure-decode steps of fp16/bf16 models run the split-KV Triton kernel
 (``kernels.triton.decode_attention``) instead of FlashInfer's decode, unless
-``PHLOEM_TRITON_DECODE_ATTENTION=0``: it reads the same indptr / indices / last-page lengths, which
-a plan copies from pinned memory into the device (a captured graph keeps them in its staging
-buffer with the step's other inputs, ``engine.cuda_graph``, and plans nothing), needs no host-side
-scheduling of its own, and joins the decode kernels' programmatic dependent launch. Measured on an
-H200 at the 35B-A3B shape: docs/benchmarks.md.
+``KernelConfig.triton_decode_attention`` is off: it reads the same indptr / indices / last-page
+lengths, which a plan copies from pinned memory into the device (a captured graph keeps them in
+its staging buffer with the step's other inputs, ``engine.cuda_graph``, and plans nothing), needs
+no host-side scheduling of its own, and joins the decode kernels' programmatic dependent launch.
+Its attention layers hand their prologue (QK norm, RoPE, gate, KV write) to the split launch
+(``TritonDecodePlan.prologue``).
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,17 +38,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from phloem.kernels.config import KernelConfig
+
 __all__ = [
-    "MAX_GRAPH_PAGES", "PROLOGUE_ENV_VAR", "TRITON_DECODE_ENV_VAR", "FlashInferAttention", "FlashInferPlan", "TritonDecodePlan", "fill_page_lists",
+    "MAX_GRAPH_PAGES", "FlashInferAttention", "FlashInferPlan", "TritonDecodePlan", "fill_page_lists",
     "flashinfer_available", "page_indices",
 ]
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
-TRITON_DECODE_ENV_VAR = "PHLOEM_TRITON_DECODE_ATTENTION"
-# 0: the attention layers of a Triton decode step run their prologue (QK norm, RoPE, gate, KV write)
-# as a launch of its own before the split launch, not inside it (TritonDecodePlan.prologue; inside:
-# 2.13 against 2.14 ms a batch-1 step on an H200, docs/benchmarks.md, tenth session).
-PROLOGUE_ENV_VAR = "PHLOEM_ATTN_PROLOGUE"
 # Page ids a captured decode step can hold (all sequences of the bucket together): FlashInfer's
 # fixed-buffer wrapper and the graph runner's staging buffer (engine.cuda_graph).
 MAX_GRAPH_PAGES = 1 << 20
@@ -86,14 +82,19 @@ class TritonDecodePlan:
     kv_last_page_len: torch.Tensor
     scale: float
     # The attention layers hand the step's projections to ``run_prologue`` (QK norm, RoPE, gate and
-    # the KV write inside the split launch) instead of running them first (PHLOEM_ATTN_PROLOGUE=0: first).
+    # the KV write inside the split launch) instead of running them first (the engine's plans always
+    # do; False is the two-launch composition the tests compare it with).
     prologue: bool = False
+    # Launched under programmatic dependent launch (``kernels/triton/_pdl.py``).
+    pdl: bool = False
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """``q`` ``[B, Hq, D]``, ``kv_cache`` ``[pages, 2, page_size, Hkv, D]`` -> ``[B, Hq, D]``."""
         from phloem.kernels.triton.decode_attention import paged_decode_attention
 
-        return paged_decode_attention(q, kv_cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.scale)
+        return paged_decode_attention(
+            q, kv_cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.scale, pdl=self.pdl
+        )
 
     def run_prologue(
         self, q_gate: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_norm_w: torch.Tensor,
@@ -106,7 +107,7 @@ class TritonDecodePlan:
 
         return paged_decode_attention_prologue(
             q_gate, key, value, q_norm_w, k_norm_w, positions, inv_freq, eps, kv_cache, slot_mapping,
-            self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.scale,
+            self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.scale, pdl=self.pdl,
         )  # fmt: skip
 
 
@@ -154,9 +155,14 @@ def fill_page_lists(
 
 
 class FlashInferAttention:
+    """FlashInfer's prefill and decode wrappers over one workspace; with
+    ``config.triton_decode_attention`` pure-decode steps plan the split-KV Triton kernel instead
+    (with the attention prologue inside it, and ``config.pdl`` resolved for ``device``)."""
+
     def __init__(
-        self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
+        self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+        device: torch.device, config: KernelConfig = KernelConfig(),
+    ) -> None:  # fmt: skip
         import flashinfer
 
         self._fi = flashinfer
@@ -167,8 +173,13 @@ class FlashInferAttention:
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         self._graph_wrappers: dict[int, Any] = {}
         self._staged: torch.cuda.Event | None = None  # recorded after the last plan's copies
-        self.triton_decode = os.environ.get(TRITON_DECODE_ENV_VAR, "").strip() != "0"
-        self.prologue = self.triton_decode and os.environ.get(PROLOGUE_ENV_VAR, "").strip() != "0"
+        self.triton_decode = config.triton_decode_attention
+        self.prologue = self.triton_decode
+        self.pdl = False
+        if self.triton_decode:
+            from phloem.kernels.triton._pdl import use_pdl
+
+            self.pdl = use_pdl(config.pdl, device)
 
     def plan(
         self,
@@ -236,7 +247,7 @@ class FlashInferAttention:
     def staged_decode_plan(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> TritonDecodePlan:
         """The split-KV Triton decode over page lists its caller keeps on the device (a captured
         graph's static staging buffer, ``engine.cuda_graph``): no ``plan`` call per step."""
-        return TritonDecodePlan(indptr, indices, last, self.head_dim**-0.5, self.prologue)
+        return TritonDecodePlan(indptr, indices, last, self.head_dim**-0.5, self.prologue, self.pdl)
 
     def _graph_wrapper(self, batch_size: int) -> Any:
         wrapper = self._graph_wrappers.get(batch_size)

@@ -11,8 +11,7 @@ one scalar, so the router is linear in ``s`` up to it::
 and ``u`` is a sum over the rows of ``s``: each program of the output projection adds the terms of
 the rows it produced (``add_route_partial``), and the experts' kernel, which computes ``rstd(s)``
 and ``normed`` from ``s`` itself, scales the sum (``fused_moe_route_partial``). The batch-1 decode
-step so loses one dependent launch per MoE layer (the router GEMV with its add + norm prologue:
-2.9 µs of a 2.09 ms step each on an H200, docs/benchmarks.md, fifteenth session).
+step so loses one dependent launch per MoE layer (the router GEMV with its add + norm prologue).
 
 **The accumulator** ``acc`` ``[ROUTE_COPIES, E + 1]`` int64 holds ``u`` in fixed point (``u · 2^32``,
 each program's fp32 partial truncated toward zero): integer sums do not depend on the order the
@@ -32,8 +31,6 @@ close the routing can differ from the unfused path's; in fp32 they agree to fp32
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from phloem.kernels.moe import fused_moe_routed
@@ -49,23 +46,10 @@ __all__ = [
 ]
 
 
-def _copies(text: str) -> int:
-    """``PHLOEM_ROUTE_COPIES``: a power of two (the experts' kernel reads the rows as one tile)."""
-    try:
-        copies = int(text)
-    except ValueError:
-        copies = 0
-    if copies < 1 or copies & (copies - 1):
-        raise ValueError(f"PHLOEM_ROUTE_COPIES: expected a power of two, got {text!r}")
-    return copies
-
-
-# Rows of the accumulator (PHLOEM_ROUTE_COPIES, for sweeps): more rows, fewer programs adding into
-# one address, more for each of the experts' programs to read. A batch-1 decode step on an H200
-# (512 out_proj programs adding 257 logits each): 1 row 2.43 ms, 2 rows 2.14, 4 rows 2.07-2.08,
-# 8 rows 2.16 (the experts' gate/up then holds the 8 x 256 sums in registers: docs/benchmarks.md,
-# fifteenth session).
-ROUTE_COPIES = _copies(os.environ.get("PHLOEM_ROUTE_COPIES", "4"))
+# Rows of the accumulator, a power of two (the experts' kernel reads the rows as one tile): more
+# rows, fewer programs adding into one address, more sums for each of the experts' programs to
+# hold in registers; 4 balanced the two (``docs/decisions.md``).
+ROUTE_COPIES = 4
 ROUTE_SCALE = 2.0**32
 
 

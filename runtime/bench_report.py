@@ -34,24 +34,15 @@ __all__ = ["bench_decode", "engine_switches"]
 def engine_switches(engine: Engine) -> dict[str, object]:
     """The kernel and scheduling choices a run's numbers depend on (the opt-in switches of
     ``docs/configuration.md`` as the engine took them), printed and saved with the numbers."""
-    from phloem.kernels.dispatch import get_ops
-
-    ops = get_ops(engine.device)
-    pdl = preload = False
-    if ops.backend == "triton":
-        from phloem.kernels.triton._pdl import LAUNCH_PDL
-        from phloem.kernels.triton.decode_attention import PRELOAD_FIRST_TILE
-
-        pdl, preload = LAUNCH_PDL, PRELOAD_FIRST_TILE
+    ops = engine.runner.model.ops  # the op table the engine's model was built with
     group = engine.workers.group if engine.workers is not None else None
     return {
         "kernels": ops.backend,
         "async_scheduling": engine.async_scheduling,
         "triton_gemv": ops.linear.__module__.endswith(".gemv"),
         "fused_decode": ops.fused_decode,
-        "pdl": pdl,
+        "pdl": ops.pdl,
         "attention_prologue": bool(engine.runner.attn is not None and engine.runner.attn.prologue),
-        "attention_preload": preload,
         "tensor_parallel_size": group.size if group is not None else 1,
         "one_shot_allreduce": group is not None and group.one_shot is not None,
     }

@@ -1,20 +1,8 @@
 """The one place that reads environment variables; every one is spelled ``PHLOEM_<NAME>``.
 
-    PHLOEM_DATA_DIR    data directory (models, spilled sessions, index)   default ~/.phloem
-    PHLOEM_MODEL       model folder served by ``phloem serve``            default: built-in demo model
-    PHLOEM_HOST        bind address of ``phloem serve``
-    PHLOEM_PORT        port of ``phloem serve``
-    PHLOEM_REDIS_URL   Redis index URL (unset: embedded SQLite index)
-    PHLOEM_REDIS_PREFIX  namespace of the index's Redis keys                default phloem:
-    PHLOEM_DEVICE      torch device of the engine
-    PHLOEM_DTYPE       weight dtype of the engine
-    PHLOEM_API_KEY     API key: the one ``phloem serve`` accepts (``KEY`` or ``KEY:admin``;
-                       default of ``--api-key``) and the one the SDK sends (``phloem demo``)
-    PHLOEM_API_KEYS_FILE  default of ``phloem serve --api-keys-file``
-    PHLOEM_LOG_FORMAT  ``text`` or ``json``: default of ``phloem serve --log-format``
-    PHLOEM_LOG_LEVEL   ``debug``/``info``/``warning``/``error``: default of ``--log-level``
-    PHLOEM_NO_PROGRESS ``1``/``true``/``yes``: no progress bars (as ``--no-progress``);
-                       ``0``/``false``/``no``: bars when stderr is a terminal
+``VARIABLES`` is the table of them (name, type, default, meaning); ``docs/configuration.md``
+lists exactly that table (``tests/docs/test_configuration.py``). ``read_env`` reads the server's
+and the CLI's (``EnvSettings``), ``kernel_config`` the kernel choices (``KernelConfig``).
 
 Two variables of other projects are set here (never overridden when already set), by
 ``use_kernel_caches``, so that compiled kernels persist with the data directory:
@@ -34,11 +22,67 @@ import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-__all__ = ["PREFIX", "EnvSettings", "default_data_dir", "default_redis_prefix", "read_env",
-           "use_kernel_caches"]
+from phloem.kernels.config import KernelConfig
+
+__all__ = ["PREFIX", "VARIABLES", "EnvSettings", "EnvVar", "default_data_dir", "default_redis_prefix",
+           "kernel_config", "read_env", "use_kernel_caches"]
 
 PREFIX = "PHLOEM_"
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    """One ``PHLOEM_*`` variable: its full name, the type of its value, its default (what applies
+    when it is unset or empty) and what it means."""
+
+    name: str
+    type: Literal["str", "int", "path", "bool", "auto | torch | triton"]
+    default: str
+    help: str
+
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar("PHLOEM_DATA_DIR", "path", "~/.phloem", "data directory (models, spilled sessions, index)"),
+    EnvVar("PHLOEM_MODEL", "path", "built-in demo model", "model folder served by `phloem serve`"),
+    EnvVar("PHLOEM_HOST", "str", "127.0.0.1", "bind address of `phloem serve`"),
+    EnvVar("PHLOEM_PORT", "int", "8000", "port of `phloem serve`"),
+    EnvVar("PHLOEM_REDIS_URL", "str", "embedded SQLite index", "Redis URL of the session index"),
+    EnvVar("PHLOEM_REDIS_PREFIX", "str", "phloem:", "namespace of the index's Redis keys"),
+    EnvVar("PHLOEM_DEVICE", "str", "cpu", "torch device of the engine"),
+    EnvVar("PHLOEM_DTYPE", "str", "auto", "weight dtype of the engine"),
+    EnvVar("PHLOEM_API_KEY", "str", "none",
+           "API key: the one `phloem serve` accepts (`KEY` or `KEY:admin`; default of `--api-key`) "
+           "and the one the SDK sends (`phloem demo`)"),
+    EnvVar("PHLOEM_API_KEYS_FILE", "path", "none", "default of `phloem serve --api-keys-file`"),
+    EnvVar("PHLOEM_LOG_FORMAT", "str", "text", "`text` or `json`: default of `phloem serve --log-format`"),
+    EnvVar("PHLOEM_LOG_LEVEL", "str", "info", "`debug`/`info`/`warning`/`error`: default of `--log-level`"),
+    EnvVar("PHLOEM_NO_PROGRESS", "bool", "0",
+           "on: no progress bars (as `--no-progress`); off: bars when stderr is a terminal"),
+    EnvVar("PHLOEM_KERNELS", "auto | torch | triton", "auto",
+           "`KernelConfig.backend`: `torch` or `triton` forces the kernel backend; `auto` picks Triton on a "
+           "CUDA device when `triton` imports, else the torch references. Forcing Triton off CUDA needs "
+           "`TRITON_INTERPRET=1` (tests only)"),
+    EnvVar("PHLOEM_TRITON_GEMV", "bool", "1",
+           "`KernelConfig.triton_gemv`: one-token `linear` calls (the LM head, the unfused projections) run "
+           "the Triton GEMV of `kernels/triton/gemv.py`; off: cuBLAS"),
+    EnvVar("PHLOEM_TRITON_DECODE_ATTENTION", "bool", "1",
+           "`KernelConfig.triton_decode_attention`: pure-decode steps of fp16/bf16 models run the split-KV "
+           "Triton kernel of `kernels/triton/decode_attention.py` (with the attention prologue inside it); "
+           "off: FlashInfer's decode wrapper. Prefill and mixed steps always run FlashInfer"),
+    EnvVar("PHLOEM_FUSED_DECODE", "bool", "1",
+           "`KernelConfig.fused_decode`: a one-token decode step (TP=1) calls the fused projections of "
+           "`kernels/fused_linear.py` and folds each MoE router into the projection before it "
+           "(`kernels/route_partial.py`); off: the unfused ops"),
+    EnvVar("PHLOEM_PDL", "bool", "auto (on for sm_90+)",
+           "`KernelConfig.pdl`: the decode Triton kernels launch with programmatic dependent launch "
+           "(`kernels/triton/_pdl.py`; the same results bit for bit); unset: on where the GPU is sm_90 or newer"),
+    EnvVar("PHLOEM_ONE_SHOT_ALLREDUCE", "bool", "0",
+           "`KernelConfig.one_shot_allreduce`: tensor parallelism's small all-reduces on GPUs run the "
+           "one-shot NVLink all-reduce + add + RMSNorm kernel (`engine/one_shot.py`); off: NCCL, then "
+           "the `add_rms_norm` kernel"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,11 +144,54 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
 
 
 def _flag(name: str, value: str | None) -> bool:
-    if value is None or value.strip().lower() in ("0", "false", "no", "off"):
+    return bool(_tristate(name, value))
+
+
+def _tristate(name: str, value: str | None) -> bool | None:
+    """A boolean variable's value; None when unset or empty."""
+    if value is None or not value.strip():
+        return None
+    if value.strip().lower() in ("0", "false", "no", "off"):
         return False
     if value.strip().lower() in ("1", "true", "yes", "on"):
         return True
     raise ValueError(f"{PREFIX}{name}: expected 1/true/yes/on or 0/false/no/off, got {value!r}")
+
+
+def kernel_config(environ: Mapping[str, str] | None = None) -> KernelConfig:
+    """The kernel choices of the ``PHLOEM_*`` kernel variables (``VARIABLES``); each one unset or
+    empty keeps ``KernelConfig``'s default.
+
+    Args:
+        environ: The environment to read; ``os.environ`` when None (tests pass a dict).
+
+    Returns:
+        The config for ``kernels.dispatch.get_ops`` and the engine.
+
+    Raises:
+        ValueError: ``PHLOEM_KERNELS`` is not ``auto``, ``torch`` or ``triton``, or a boolean
+            variable is not one.
+    """
+    env = os.environ if environ is None else environ
+
+    def get(name: str) -> str | None:
+        return env.get(PREFIX + name) or None
+
+    backend = (get("KERNELS") or "auto").strip().lower() or "auto"
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"{PREFIX}KERNELS must be 'auto', 'torch', 'triton' or unset, got {backend!r}")
+    default = KernelConfig()
+    flags = {field: _tristate(name, get(name)) for field, name in _KERNEL_FLAGS.items()}
+    return KernelConfig(
+        backend=backend,  # type: ignore[arg-type]
+        **{field: getattr(default, field) if value is None else value
+           for field, value in flags.items() if field != "pdl"},
+        pdl=flags["pdl"],
+    )
+
+
+_KERNEL_FLAGS = {"triton_gemv": "TRITON_GEMV", "triton_decode_attention": "TRITON_DECODE_ATTENTION",
+                 "fused_decode": "FUSED_DECODE", "pdl": "PDL", "one_shot_allreduce": "ONE_SHOT_ALLREDUCE"}
 
 
 def default_data_dir() -> Path:

@@ -25,12 +25,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["MissingDoc", "commands", "dataclass_table", "docstring_args", "env_table",
-           "env_variables", "fill_blocks", "flag_tables"]
+           "fill_blocks", "flag_tables"]
 
 _BLOCK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)"
                     r"(<!-- END GENERATED: (?P=name) -->)", re.S)
@@ -120,35 +120,13 @@ def _is_flag(action: argparse.Action) -> bool:
     return bool(action.option_strings) and not isinstance(action, argparse._HelpAction)
 
 
-def env_variables(module_doc: str) -> dict[str, str]:
-    """``PHLOEM_X`` → its line(s) in the docstring table of ``runtime.env``."""
-    found: dict[str, str] = {}
-    current: str | None = None
-    for line in module_doc.splitlines():
-        match = re.match(r"^\s+(PHLOEM_\w+)\s+(.*)$", line)
-        if match:
-            current = match.group(1)
-            found[current] = match.group(2).strip()
-        elif current and line.startswith(" " * 8) and line.strip():
-            found[current] += " " + line.strip()
-        else:
-            current = None
-    return found
-
-
-def env_table(names: list[str], module_doc: str, used_by: dict[str, list[str]]) -> list[str]:
-    """The variables table.
-
-    Raises:
-        MissingDoc: A variable has no line in the module docstring.
-    """
-    docs = env_variables(module_doc)
-    lines = ["| variable | feeds | meaning |", "|---|---|---|"]
-    for name in names:
-        if name not in docs:
-            raise MissingDoc(f"{name}: not described in the docstring of phloem.runtime.env")
-        feeds = ", ".join(f"`{f}`" for f in used_by.get(name, [])) or "—"
-        lines.append(f"| `{name}` | {feeds} | {_cell(docs[name].replace('``', '`'))} |")
+def env_table(variables: Sequence[Any], used_by: dict[str, list[str]]) -> list[str]:
+    """The variables table: one row per ``runtime.env.VARIABLES`` entry, in its order (``used_by``:
+    the flags each variable feeds)."""
+    lines = ["| variable | type | default | feeds | meaning |", "|---|---|---|---|---|"]
+    for var in variables:
+        feeds = ", ".join(f"`{f}`" for f in used_by.get(var.name, [])) or "—"
+        lines.append(f"| `{var.name}` | {_cell(var.type)} | {_cell(var.default)} | {feeds} | {_cell(var.help)} |")
     return lines
 
 

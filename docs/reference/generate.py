@@ -158,9 +158,8 @@ def config_blocks() -> dict[str, list[str]]:
     from phloem.sessions.config import SessionConfig
 
     by_flag, by_var = _env_flags(build_parser, env.EnvSettings)
-    names = [env.PREFIX + f.name.upper() for f in dataclasses.fields(env.EnvSettings)]
     blocks = {"cli": flag_tables(build_parser(env.EnvSettings()), by_flag),
-              "env": env_table(names, env.__doc__ or "", by_var)}
+              "env": env_table(env.VARIABLES, by_var)}
     for cls in (ServerConfig, engine_config.EngineConfig, SessionConfig, engine_config.CacheConfig,
                 engine_config.SchedulerConfig, engine_config.RunnerConfig,
                 engine_config.ParallelConfig, engine_config.LoadConfig):

@@ -100,8 +100,7 @@ class GatedAttention(nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         meta = batch.attn_metadata
         if isinstance(meta, TritonDecodePlan) and meta.prologue:
-            # The prologue below inside the decode attention's split launch (one launch, not two;
-            # PHLOEM_ATTN_PROLOGUE=0: two).
+            # The prologue below inside the decode attention's split launch (one launch, not two).
             out, gate = meta.run_prologue(
                 q_gate, key, value, self.q_norm.weight, self.k_norm.weight, batch.positions, inv_freq, self.eps,
                 kv_cache, batch.slot_mapping,

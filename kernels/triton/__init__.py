@@ -16,12 +16,12 @@ Modules (import them directly; importing this package imports no Triton code)::
     moe_token       one token's gate/up (+ routing)   kernels.moe (via fused_moe)
     decode_attention  paged_decode_attention          kernels.attention.paged_attention (decode steps)
     gemv            linear and the fused projections  kernels.linear, kernels.fused_linear
-                    (one token)
+                    (one token; tiles in gemv_config)
     allreduce_norm  one_shot_add_rms_norm (TP)        kernels.norm.all_reduce_add_rms_norm
 
-``_pdl`` holds the programmatic-dependent-launch switch the decode kernels read (on for sm_90+; ``PHLOEM_PDL``),
-``_device`` the SM count and the balanced grid of the kernels whose programs walk tiles, ``_env`` the
-launch configurations read from the environment.
+``_pdl`` resolves the programmatic-dependent-launch choice the launchers take (``pdl``; on for sm_90+),
+``_device`` the SM count and the balanced grid of the kernels whose programs walk tiles,
+``gemv_config`` the one-token GEMVs' tiles by weight shape.
 
 NOTE: ``@triton.jit`` reads ``TRITON_INTERPRET`` when a module is imported, so on CPU set
 ``TRITON_INTERPRET=1`` before the first import of any of these modules.

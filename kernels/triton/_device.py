@@ -35,7 +35,7 @@ def resident_programs(kernel: Any, props: Any) -> int:
     """Programs of a compiled kernel (``n_regs``, ``metadata.num_warps``, ``metadata.shared``, as the
     GPU loaded it) that fit one SM of a device with ``props`` (``torch.cuda.get_device_properties``):
     the fewest its threads, its registers (64K an SM) and its shared memory allow. A grid sized for
-    more programs an SM leaves a second wave (docs/benchmarks.md, sixteenth session)."""
+    more programs an SM leaves a second wave."""
     threads = 32 * kernel.metadata.num_warps
     return min(
         props.max_threads_per_multi_processor // threads,

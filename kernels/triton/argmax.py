@@ -1,7 +1,7 @@
 """Row-wise argmax of logits on the GPU: Triton version of ``kernels.argmax.argmax``.
 
-``torch.argmax`` over one ``[1, 248320]`` row (the 35B-A3B vocabulary) is one reduction kernel of
-~8.6 µs on an H200 (most of its programs idle); here ``P`` programs a row each reduce a chunk to
+``torch.argmax`` over one ``[1, 248320]`` row (the 35B-A3B vocabulary) is one reduction kernel
+with most of its programs idle; here ``P`` programs a row each reduce a chunk to
 (key, first index), and one more launch picks the row's winner among the ``P`` partials. Keys are
 the fp32 values' bits mapped to int32 so that integer order is float order, with every NaN above
 +inf (``torch.argmax``'s NaN rule); ties go to the smallest index, which is the first occurrence
@@ -17,7 +17,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.argmax import argmax as _reference
-from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["argmax"]
 
@@ -41,7 +40,7 @@ def _best(keys, idx):
 
 
 @triton.jit
-def argmax_partial_kernel(p_x, p_key, p_idx, V, s_xr, CHUNK, BLOCK: tl.constexpr):
+def argmax_partial_kernel(p_x, p_key, p_idx, V, s_xr, CHUNK, BLOCK: tl.constexpr, PDL: tl.constexpr):
     i_r = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     n_c = tl.num_programs(1)
@@ -65,7 +64,9 @@ def argmax_partial_kernel(p_x, p_key, p_idx, V, s_xr, CHUNK, BLOCK: tl.constexpr
 
 
 @triton.jit
-def argmax_final_kernel(p_key, p_idx, p_out, p_copy, NP, BP: tl.constexpr, COPY: tl.constexpr):
+def argmax_final_kernel(
+    p_key, p_idx, p_out, p_copy, NP, BP: tl.constexpr, COPY: tl.constexpr, PDL: tl.constexpr
+):
     i_r = tl.program_id(0).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
@@ -80,7 +81,7 @@ def argmax_final_kernel(p_key, p_idx, p_out, p_copy, NP, BP: tl.constexpr, COPY:
 
 
 def argmax(
-    logits: torch.Tensor, copy_to: torch.Tensor | None = None, out: torch.Tensor | None = None
+    logits: torch.Tensor, copy_to: torch.Tensor | None = None, out: torch.Tensor | None = None, pdl: bool = False
 ) -> torch.Tensor:
     """``[S, V]`` float logits (unit last stride) -> ``[S]`` int64: ``torch.argmax(logits, -1)``;
     ``copy_to`` (``[S]`` int64, contiguous) is written with the same ids by the same kernel;
@@ -104,8 +105,8 @@ def argmax(
     keys = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     idx = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     argmax_partial_kernel[(rows, chunks)](logits, keys, idx, vocab, logits.stride(0), chunk, BLOCK=_BLOCK,
-                                          num_warps=4, launch_pdl=LAUNCH_PDL)  # fmt: skip
+                                          num_warps=4, PDL=pdl, launch_pdl=pdl)  # fmt: skip
     argmax_final_kernel[(rows,)](keys, idx, out, copy_to if copy_to is not None else out, chunks,
                                  BP=triton.next_power_of_2(chunks), COPY=copy_to is not None, num_warps=4,
-                                 launch_pdl=LAUNCH_PDL)  # fmt: skip
+                                 PDL=pdl, launch_pdl=pdl)  # fmt: skip
     return out

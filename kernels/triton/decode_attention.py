@@ -20,75 +20,48 @@ Two launches, both with a grid fixed by the shapes alone (CUDA-graph safe for an
 
    A program loads the ``G`` query heads of its KV head once (padded with zero rows to
    ``BLOCK_G >= 16``, the smallest M of ``tl.dot``), walks its keys in tiles of ``BLOCK_T`` tokens
-   (each token's page id through ``kv_indices``; tiles past the split's end are masked, so
-   ``BLOCK_T`` may exceed ``MIN_SPLIT``), keeps an fp32 online softmax (base 2) and writes its
-   normalised partial output ``[G, D]`` fp32 and log-sum-exp ``[G]`` to a workspace
-   ``[B, Hkv, S, G, (D)]``. With ``S == 1`` (a host-side choice) it writes the output itself and
-   the merge is not launched.
+   (each token's page id through ``kv_indices``; tiles past the split's end are masked), keeps an
+   fp32 online softmax (base 2) and writes its normalised partial output ``[G, D]`` fp32 and
+   log-sum-exp ``[G]`` to a workspace ``[B, Hkv, S, G, (D)]``. With ``S == 1`` (a host-side
+   choice) it writes the output itself and the merge is not launched.
 2. ``(B, Hq, D // BLOCK_D)`` programs combine the ``num_active`` partials of a query head (computed
    as above, so unwritten workspace rows are never read).
 
-Why ``tl.dot`` (tensor cores) and not a broadcast multiply-and-sum: at the target shape (G 8,
-D 256) each key costs 2 x 8 x 256 multiply-adds for QK and as many for PV against 1 KiB of K+V read,
-8 flops per byte: on CUDA cores that is about half the H200's fp32 rate at full bandwidth, and the
-``[G, BLOCK_T, D]`` product would not fit in registers. Padding 8 rows to 16 wastes tensor-core
-cycles, which are idle anyway. ``P`` is rounded to the KV dtype for the PV product (as FlashInfer
-and FlashAttention do); fp32 inputs use ``ieee`` dots, so fp32 matches the reference tightly.
-
-Memory traffic at the Qwen3.5-35B-A3B shape (Hq 16, Hkv 2, D 256, bf16, page 16): K+V are 2 KiB a
-token per layer (2 MiB at 1K context, 64 MiB at 32K, 256 MiB at 128K); the workspace adds
-``S x 16 x 1 KiB`` per sequence, written and read back (mostly from L2). Measured on an H200
-(``docs/bench/decode_attention_bench.py``, CUDA-graph replay over distinct caches, PDL on), µs with
-FlashInfer's tensor-core decode in brackets, at 1K / 32K / 128K: batch 1 7.8 / 27.6 / 73.8
-(10.6 / 33.4 / 78.6), batch 4 10.8 / 77 / 267 (17.0 / 75 / 252), batch 16 21 / 259 / 977
-(22 / 254 / 965), i.e. up to 4.4 TB/s. Tiles (``DecodeAttentionConfig``): 32 tokens, 4 warps,
-2 stages were within ~5% of the best of 16-64 tokens x 4-8 warps x 2-3 stages at the long
-contexts. Batch 1 at 1K is latency-bound: 64 splits instead of the default 256 took 5.6 µs, the
-idle programs of the long-context grid ~2 µs there; they have since read the page lists before
-``gdc_wait`` and end there (not timed alone; in the batch-1 decode step the kernel is worth
-0.09 ms against FlashInfer's decode, docs/benchmarks.md).
+Why ``tl.dot`` (tensor cores): at G 8, D 256 each key costs 8 flops per byte of K+V, about half
+a GPU's fp32 CUDA-core rate at full bandwidth, and the ``[G, BLOCK_T, D]`` product of a broadcast
+multiply would not fit in registers; padding 8 rows to 16 wastes tensor-core cycles that are idle
+anyway. ``P`` is rounded to the KV dtype for the PV product (as FlashInfer and FlashAttention do);
+fp32 inputs use ``ieee`` dots, so fp32 matches the reference tightly.
 
 With the prologue (``paged_decode_attention_prologue``, ``PROLOGUE``) the split launch also does
 what ``kernels.triton.qk_norm_rope.qk_norm_rope_gate_store`` does before it: ``q`` is the projection's
 ``| query | gate |`` per head, every active program normalises and rotates its ``G`` query heads in
-registers (``qk_norm_rope.norm_rope_rows``: the reference's rounding, cos/sin once for all heads),
-split 0 copies their gates out for ``o_proj``, and the split holding the sequence's last key writes
-the step's K and V row into its page (``qk_norm_rope.norm_rope_store_kv``, the same row code as the
-separate kernel, so the cache is the same bit for bit) and then, after a CTA barrier, reads it like
-any other key. No other program reads that row, so none waits. One launch fewer in every attention
-layer of a decode step, and the queries never go through memory; the programs redo the queries'
-norm (``G x D`` values, from L2), which the separate kernel did once. Measured on an H200 in the
-batch-1 decode step at 1K (docs/benchmarks.md, tenth session): 2.127-2.135 ms on the device
-against 2.137-2.141 with the two launches, and 9.64 against 9.67 ms at batch 16. The decode steps
-use it unless ``PHLOEM_ATTN_PROLOGUE=0`` (``kernels.flashinfer_attention``).
+registers (``qk_norm_rope.norm_rope_rows``: the reference's rounding), split 0 copies their gates
+out for ``o_proj``, and the split holding the sequence's last key writes the step's K and V row
+into its page (``qk_norm_rope.norm_rope_store_kv``, the same row code as the separate kernel, so
+the cache is the same bit for bit) and then, after a CTA barrier, reads it like any other key. No
+other program reads that row, so none waits: one launch fewer in every attention layer of a
+decode step, and the queries never go through memory.
 
-A split of one ``MIN_SPLIT`` tile of keys (every split of a short sequence: 1K at batch 1 is 65
-splits of 16) loads that tile before ``gdc_wait`` (``PRELOAD``, ``PRELOAD_FIRST_TILE``), all but the
-step's own key, which its split loads again after writing it; the key loads then overlap the
-kernels before instead of following the wait. Longer splits walk as without it, and the kernel is
-capped at 128 registers (``DecodeAttentionConfig.max_registers``): the tile held through the
-prologue took it from 118 to 146 registers a thread, 3 programs an H200 SM instead of 4, and the
-long-context grid (sized for 4) lost 50 µs a step at 32K and 180 at 128K. Measured in the batch-1
-decode step on an H200 (docs/benchmarks.md, fourteenth session): the attention launches 75-76 µs a
-step against 87 at 1K; 32K and 128K as before.
+A split of one ``MIN_SPLIT`` tile of keys (every split of a short sequence) loads that tile before
+``gdc_wait`` (``PRELOAD``), all but the step's own key, which its split loads again after writing
+it: the key loads overlap the kernels before instead of following the wait. Longer splits walk as
+without it. The tile held through the prologue costs registers, so the split kernel is capped at
+``DecodeAttentionConfig.max_registers`` to keep 4 programs an SM for the long-context grid.
 
-Pure-decode steps reach it through ``kernels.flashinfer_attention`` (``TritonDecodePlan``).
+The kernels are in ``decode_attention_kernel``; pure-decode steps reach them through
+``kernels.flashinfer_attention`` (``TritonDecodePlan``).
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton import _device
-from phloem.kernels.triton._env import env_config, interpreting
-from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
-from phloem.kernels.triton.qk_norm_rope import norm_rope_rows, norm_rope_store_kv
+from phloem.kernels.triton.decode_attention_kernel import decode_attention_merge_kernel, decode_attention_split_kernel
 
 __all__ = [
     "DecodeAttentionConfig", "default_max_splits", "paged_decode_attention", "paged_decode_attention_prologue",
@@ -101,16 +74,6 @@ _MAX_HEAD_DIM = 512
 _MAX_SPLITS = 256
 # Programs to aim for per SM in the split launch (see ``default_max_splits``).
 _PROGRAMS_PER_SM = 4
-# Splits of one MIN_SPLIT tile of keys (every split of a sequence up to MIN_SPLIT x the splits:
-# 4K keys at batch 1 on an H200) load it before ``gdc_wait``, all but the step's own key (which a
-# kernel of the step writes); longer splits walk as without it. PHLOEM_ATTN_PRELOAD: 1 (default) in
-# registers, 2 only pulled into L2 (``prefetch.global.L2``), 0 off; module-level for A/B sweeps.
-# Measured in the batch-1 decode step on an H200 (docs/benchmarks.md, fourteenth session): the
-# attention launches 12-13 us a step faster at 1K with 1, 7 with 2; with 1 the kernel needs 146
-# registers a thread, 3 programs an SM, and lost 50 us at 32K and 180 us at 128K until the default
-# config capped it at 128 (4 an SM again: 32K and 128K as without the preload). The tenth session's
-# version preloaded the first tile of every split and lost the same way.
-PRELOAD_FIRST_TILE = {"0": 0, "2": 2}.get(os.environ.get("PHLOEM_ATTN_PRELOAD", "").strip(), 1)
 # Elements of a merge tile ([BLOCK_S, BLOCK_D] fp32): 32 registers a thread over 4 warps.
 _MERGE_TILE = 4096
 
@@ -118,259 +81,30 @@ _MERGE_TILE = 4096
 class DecodeAttentionConfig(NamedTuple):
     """Tokens per tile, warps and pipeline stages of the split launch, and the shortest split (keys).
 
-    ``default_max_splits`` assumes the defaults' occupancy (4 programs per SM on an H200)."""
+    ``default_max_splits`` assumes the defaults' occupancy (4 programs per SM). Benchmark tools
+    pass another one to ``paged_decode_attention_tuned`` / ``paged_decode_attention_prologue``."""
 
     block_t: int = 32
     num_warps: int = 4
     num_stages: int = 2
     min_split: int = 16
-    # ptxas's cap a thread (0: none). 128 keeps 4 programs an H200 SM (4 warps each) with the
-    # one-tile preload (146 registers uncapped: 3 an SM, and a 512-program long-context grid then
-    # runs in two waves; docs/benchmarks.md, fourteenth session).
+    # ptxas's cap a thread (0: none). 128 keeps 4 programs an SM (4 warps each) with the one-tile
+    # preload; uncapped, 3 fit and a long-context grid sized for 4 runs in two waves.
     max_registers: int = 128
 
 
-# PHLOEM_DECODE_ATTENTION_CONFIG: block_t[,num_warps[,num_stages[,min_split[,max_registers]]]] (sweeps, other GPUs).
-_DEFAULT_CONFIG = env_config("PHLOEM_DECODE_ATTENTION_CONFIG", DecodeAttentionConfig) or DecodeAttentionConfig()
-
-
-@triton.jit
-def _seq_split(kv_indptr, kv_last_page_len, i_b, num_splits, PAGE: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """``(first kv_indices slot, seq_len, split_len, num_active)`` of sequence ``i_b``; both kernels
-    call this, so they agree on which workspace rows exist."""
-    i_first = tl.load(kv_indptr + i_b)
-    num_pages = tl.load(kv_indptr + i_b + 1) - i_first
-    seq_len = tl.maximum((num_pages - 1) * PAGE + tl.load(kv_last_page_len + i_b), 0)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), MIN_SPLIT) * MIN_SPLIT, MIN_SPLIT)
-    return i_first.to(tl.int64), seq_len, split_len, tl.cdiv(seq_len, split_len)
-
-
-@triton.jit
-def _kv_tile(p_kv, kv_indices, i_first, t, t_end, o_t, s_cp, s_ct, s_ckv, PAGE: tl.constexpr):
-    """K and V ``[BLOCK_T, D]`` of positions ``t + o_t`` below ``t_end`` (each through its page id),
-    and that mask; masked rows read as 0 (unwritten slots of the last page may hold anything, NaN)."""
-    o_pos = t + o_t
-    m_t = o_pos < t_end
-    i_page = tl.load(kv_indices + i_first + o_pos // PAGE, mask=m_t, other=0).to(tl.int64)
-    o_kv = i_page[:, None] * s_cp + (o_pos % PAGE)[:, None] * s_ct  # [BLOCK_T, 1] int64
-    b_k = tl.load(p_kv + o_kv, mask=m_t[:, None], other=0.0)
-    b_v = tl.load(p_kv + s_ckv + o_kv, mask=m_t[:, None], other=0.0)
-    return b_k, b_v, m_t
-
-
-@triton.jit
-def _prefetch_kv_l2(p_head, kv_indices, i_first, t, t_end, o_t, s_cp, s_ct, s_ckv, PAGE: tl.constexpr, D: tl.constexpr):
-    """Pull the K and V rows of positions ``t + o_t`` below ``t_end`` into L2 (``prefetch.global.L2``,
-    one per 128-byte line of a bf16 row): nothing is held in registers."""
-    o_pos = t + o_t
-    m_t = o_pos < t_end
-    i_page = tl.load(kv_indices + i_first + o_pos // PAGE, mask=m_t, other=0).to(tl.int64)
-    o_line = tl.arange(0, D // 64) * 64
-    p_k = p_head + i_page[:, None] * s_cp + (o_pos % PAGE)[:, None] * s_ct + o_line[None, :]
-    p_k = tl.where(m_t[:, None], p_k, p_head)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tprefetch.global.L2 [$2];\n\tmov.u32 $0, 0;", "=r,l,l",
-                              [p_k, p_k + s_ckv], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
-def _attend_tile(b_q, b_k, b_v, m_t, b_m, b_l, b_acc, qk_scale, PRECISION: tl.constexpr):
-    """One tile of keys into the online softmax (base 2): the new ``(max, sum, accumulator)``."""
-    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_T]
-    b_s = tl.where(m_t[None, :], b_s, float("-inf"))
-    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-    b_alpha = tl.exp2(b_m - b_m_new)
-    b_p = tl.exp2(b_s - b_m_new[:, None])
-    b_l = b_l * b_alpha + tl.sum(b_p, 1)
-    b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
-    return b_m_new, b_l, b_acc * b_alpha[:, None] + b_pv
-
-
-@triton.jit
-def decode_attention_split_kernel(
-    q,
-    kv_cache,
-    kv_indptr,
-    kv_indices,
-    kv_last_page_len,
-    o_part,
-    lse_part,
-    out,
-    s_qb,
-    s_qh,
-    s_cp,
-    s_ckv,
-    s_ct,
-    s_ch,
-    s_ob,
-    s_oh,
-    qk_scale,
-    num_splits,
-    k_new,
-    v_new,
-    s_kb,
-    s_kh,
-    s_vb,
-    s_vh,
-    q_norm_w,
-    k_norm_w,
-    positions,
-    inv_freq,
-    slots,
-    gate,
-    s_gb,
-    half,
-    eps,
-    GROUP: tl.constexpr,
-    D: tl.constexpr,
-    PAGE: tl.constexpr,
-    MIN_SPLIT: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    DIRECT: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PROLOGUE: tl.constexpr,
-    PRELOAD: tl.constexpr,
-):
-    if PDL:
-        gdc_launch_dependents()
-    # Split slowest: the busy programs of short sequences (low splits) are dispatched first.
-    i_hk = tl.program_id(0).to(tl.int64)
-    i_b = tl.program_id(1).to(tl.int64)
-    i_s = tl.program_id(2)
-    num_kv_heads = tl.num_programs(0).to(tl.int64)
-    o_g = tl.arange(0, BLOCK_G)
-    m_g = o_g < GROUP
-    o_d = tl.arange(0, D)
-    # The page lists are step inputs (copied in before the step's first kernel): read before the
-    # wait, so the programs past a short sequence's splits end without waiting for anything.
-    i_first, seq_len, split_len, num_active = _seq_split(kv_indptr, kv_last_page_len, i_b, num_splits, PAGE, MIN_SPLIT)
-    if i_s < num_active:
-        t_start = i_s * split_len
-        t_end = tl.minimum(t_start + split_len, seq_len)
-        o_t = tl.arange(0, BLOCK_T)
-        p_kv = kv_cache + i_hk * s_ch + o_d[None, :]
-        if PRELOAD:
-            # A split of one MIN_SPLIT tile (every split of a short sequence) loads it before the
-            # wait, all but the step's own key (position seq_len - 1): no kernel of this step writes
-            # the others, so their loads overlap the kernels before. Longer splits walk as below.
-            # PRELOAD 2 only pulls the tile into L2 there (no registers held through the wait).
-            o_ts = tl.arange(0, MIN_SPLIT)
-            one_tile = split_len <= MIN_SPLIT
-            b_k0 = tl.zeros([MIN_SPLIT, D], dtype=kv_cache.dtype.element_ty)
-            b_v0 = tl.zeros([MIN_SPLIT, D], dtype=kv_cache.dtype.element_ty)
-            m_t0 = o_ts < 0
-            if PRELOAD == 2:
-                if one_tile:
-                    _prefetch_kv_l2(kv_cache + i_hk * s_ch, kv_indices, i_first, t_start, t_end, o_ts, s_cp, s_ct, s_ckv, PAGE, D)
-            elif one_tile:
-                b_k0, b_v0, m_t0 = _kv_tile(p_kv, kv_indices, i_first, t_start, tl.minimum(t_end, seq_len - 1), o_ts,
-                                            s_cp, s_ct, s_ckv, PAGE)  # fmt: skip
-        if PDL:
-            gdc_wait()  # q and this step's K/V row come from the kernel before (kernels/triton/_pdl.py)
-        if PROLOGUE:
-            # q is the projection's | query | gate | per head: this program normalises and rotates
-            # its query heads itself; split 0 copies their gates out, and the last split (the one
-            # holding the step's own key) writes this KV head's new K and V row into its page, then
-            # reads it back like any key (its own writes, visible to all its threads after the barrier).
-            b_pos = tl.load(positions + i_b).to(tl.float32)
-            p_qg = q + i_b * s_qb + (i_hk * GROUP) * s_qh
-            b_q = norm_rope_rows(p_qg, s_qh, m_g, q_norm_w, inv_freq, b_pos, half, eps, BLOCK_G, D)  # [BLOCK_G, D]
-            if i_s == 0:
-                p_g = p_qg + o_g[:, None] * s_qh + D + o_d[None, :]
-                p_gate = gate + i_b * s_gb + (i_hk * GROUP + o_g[:, None]) * D + o_d[None, :]
-                tl.store(p_gate, tl.load(p_g, mask=m_g[:, None]), mask=m_g[:, None])
-            if i_s == num_active - 1:
-                i_slot = tl.load(slots + i_b).to(tl.int64)
-                norm_rope_store_kv(k_new + i_b * s_kb + i_hk * s_kh, v_new + i_b * s_vb + i_hk * s_vh, k_norm_w,
-                                   inv_freq, b_pos, i_slot, kv_cache, s_cp, s_ckv, s_ct, s_ch, i_hk, PAGE, D, half,
-                                   eps, D)  # fmt: skip
-                tl.debug_barrier()
-        else:
-            p_q = q + i_b * s_qb + (i_hk * GROUP + o_g[:, None]) * s_qh + o_d[None, :]
-            b_q = tl.load(p_q, mask=m_g[:, None], other=0.0)  # [BLOCK_G, D]
-        b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        b_l = tl.zeros([BLOCK_G], tl.float32)
-        b_acc = tl.zeros([BLOCK_G, D], tl.float32)
-        t_loop = t_start
-        if PRELOAD:
-            if one_tile:
-                # The step's key is in this split (the tile again, after its write), or the tile is in L2.
-                if (PRELOAD == 2) | (seq_len - 1 < t_end):
-                    b_k0, b_v0, m_t0 = _kv_tile(p_kv, kv_indices, i_first, t_start, t_end, o_ts, s_cp, s_ct, s_ckv, PAGE)
-                b_m, b_l, b_acc = _attend_tile(b_q, b_k0, b_v0, m_t0, b_m, b_l, b_acc, qk_scale, PRECISION)
-                t_loop = t_end
-        for t in tl.range(t_loop, t_end, BLOCK_T, num_stages=NUM_STAGES):
-            b_k, b_v, m_t = _kv_tile(p_kv, kv_indices, i_first, t, t_end, o_t, s_cp, s_ct, s_ckv, PAGE)
-            b_m, b_l, b_acc = _attend_tile(b_q, b_k, b_v, m_t, b_m, b_l, b_acc, qk_scale, PRECISION)
-        # Every active split has a key, and the zero padding rows score 0: b_l >= 1 on every row.
-        b_o = b_acc / b_l[:, None]
-        if DIRECT:
-            p_out = out + i_b * s_ob + (i_hk * GROUP + o_g[:, None]) * s_oh + o_d[None, :]
-            tl.store(p_out, b_o.to(out.dtype.element_ty), mask=m_g[:, None])
-        else:
-            i_row = ((i_b * num_kv_heads + i_hk) * num_splits + i_s) * GROUP
-            tl.store(o_part + (i_row + o_g[:, None]) * D + o_d[None, :], b_o, mask=m_g[:, None])
-            tl.store(lse_part + i_row + o_g, b_m + tl.log2(b_l), mask=m_g)
-
-
-@triton.jit
-def decode_attention_merge_kernel(
-    o_part,
-    lse_part,
-    kv_indptr,
-    kv_last_page_len,
-    out,
-    s_ob,
-    s_oh,
-    num_splits,
-    GROUP: tl.constexpr,
-    D: tl.constexpr,
-    PAGE: tl.constexpr,
-    MIN_SPLIT: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()  # the split kernel's partials first (kernels/triton/_pdl.py)
-    i_b = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1).to(tl.int64)
-    i_d = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1).to(tl.int64) // GROUP
-    _, _, _, num_active = _seq_split(kv_indptr, kv_last_page_len, i_b, num_splits, PAGE, MIN_SPLIT)
-    # Row of split 0 for this query head; split s is GROUP rows further.
-    i_row = (i_b * num_kv_heads + i_h // GROUP) * num_splits * GROUP + i_h % GROUP
-    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    o_s = tl.arange(0, BLOCK_S)
-    b_m = tl.full([], float("-inf"), tl.float32)
-    b_l = tl.zeros([], tl.float32)
-    b_acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(0, num_active, BLOCK_S):
-        m_s = s + o_s < num_active
-        o_row = i_row + (s + o_s) * GROUP
-        b_lse = tl.load(lse_part + o_row, mask=m_s, other=float("-inf"))  # [BLOCK_S]
-        b_o = tl.load(o_part + o_row[:, None] * D + o_d[None, :], mask=m_s[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
-        b_m_new = tl.maximum(b_m, tl.max(b_lse, 0))
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_w = tl.exp2(b_lse - b_m_new)
-        b_l = b_l * b_alpha + tl.sum(b_w, 0)
-        b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_o, 0)
-        b_m = b_m_new
-    b_out = tl.where(b_l > 0, b_acc / b_l, 0.0)
-    tl.store(out + i_b * s_ob + i_h * s_oh + o_d, b_out.to(out.dtype.element_ty))
+_DEFAULT_CONFIG = DecodeAttentionConfig()
 
 
 def default_max_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Splits per (sequence, KV head): one wave of ``_PROGRAMS_PER_SM`` programs per SM, less 2%.
 
-    The grid must not depend on the lengths, so it is sized for a long context. With the default
-    tiles (128 registers: the one-tile preload under its cap, 118 without it; 41 KiB of shared
-    memory) 4 programs fit an H200 SM: 512 programs in all keep enough loads in flight to reach
-    ~4.1-4.4 TB/s (fewer, with longer splits, fall off: batch 1 at 128K with 128 splits took 97 µs against 74 with 256). A grid just over one wave
-    leaves its last programs to a second one (batch 16 at 32K: 17 splits, 544 programs, 355 µs
-    against 258 for 16), hence the floor and the 2% of the SMs' slots left to the kernels beside
-    it under PDL. H200, Hkv 2: batch 1 -> 256 (the cap), 4 -> 64, 16 -> 16, 64 -> 4, 259+ -> 1.
+    The grid must not depend on the lengths, so it is sized for a long context: with the default
+    tiles (128 registers, 41 KiB of shared memory) 4 programs fit an SM, and one full wave of them
+    keeps enough loads in flight to run near the memory bandwidth, where fewer, longer splits fall
+    off. A grid just over one wave leaves its last programs to a second one, hence the floor, and
+    the 2% of the SMs' slots left to the kernels beside it under PDL. 132 SMs, Hkv 2: batch 1 -> 256
+    (the cap), 4 -> 64, 16 -> 16, 64 -> 4, 259+ -> 1.
     Short sequences use only the splits ``MIN_SPLIT`` allows (1K at batch 1: 64 of 16 keys).
     """
     slots = _PROGRAMS_PER_SM * num_sms * 49 // 50
@@ -431,14 +165,16 @@ def paged_decode_attention(
     scale: float,
     max_splits: int | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys: ``[B, Hq, D]`` in ``q.dtype``.
 
     ``max_splits``: programs per (sequence, KV head) at most, capped at 256 (None: ``default_max_splits``).
-    ``out``: written in place when given. Raises ``ValueError`` for inputs the kernels do not cover.
+    ``out``: written in place when given. ``pdl``: launched under programmatic dependent launch
+    (``kernels/triton/_pdl.py``). Raises ``ValueError`` for inputs the kernels do not cover.
     """
     return paged_decode_attention_tuned(
-        q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, scale, max_splits, out, _DEFAULT_CONFIG
+        q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, scale, max_splits, out, _DEFAULT_CONFIG, pdl
     )
 
 
@@ -452,10 +188,12 @@ def paged_decode_attention_tuned(
     max_splits: int | None,
     out: torch.Tensor | None,
     config: DecodeAttentionConfig,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """``paged_decode_attention`` with an explicit launch configuration (sweeps)."""
+    """``paged_decode_attention`` with an explicit launch configuration (benchmark sweeps)."""
     _check_inputs(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, out)
-    return _launch(q, kv_cache, (kv_indptr, kv_indices, kv_last_page_len), scale, max_splits, out, config, None)
+    indices = (kv_indptr, kv_indices, kv_last_page_len)
+    return _launch(q, kv_cache, indices, scale, max_splits, out, config, None, pdl)
 
 
 class _Prologue(NamedTuple):
@@ -488,6 +226,8 @@ def paged_decode_attention_prologue(
     kv_last_page_len: torch.Tensor,
     scale: float,
     max_splits: int | None = None,
+    pdl: bool = False,
+    config: DecodeAttentionConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels.qk_norm_rope.qk_norm_rope_gate_store`` then ``paged_decode_attention``, the first
     inside the split launch: ``(out [B, Hq, D], gate [B, Hq * D])``, and the step's ``key`` (normalised,
@@ -500,6 +240,7 @@ def paged_decode_attention_prologue(
     a sequence's last key writes that key and its value before attending, so one launch replaces two
     and the queries never go through memory. Each sequence's ``slot_mapping`` entry must be its last
     key's slot in the page lists (as a step plans them); a sequence of length 0 is not covered.
+    ``pdl`` and ``config`` as for ``paged_decode_attention_tuned`` (None: the default tiles).
     """
     num_seqs, num_q_heads, width = q_gate.shape if q_gate.dim() == 3 else (0, 0, -1)
     head_dim = kv_cache.shape[-1] if kv_cache.dim() == 5 else -1
@@ -524,7 +265,7 @@ def paged_decode_attention_prologue(
     pro = _Prologue(key, value, q_norm_w.contiguous(), k_norm_w.contiguous(), positions.contiguous(),
                     inv_freq.float().contiguous(), slot_mapping.contiguous(), gate, eps)  # fmt: skip
     indices = (kv_indptr, kv_indices, kv_last_page_len)
-    out = _launch(q_gate, kv_cache, indices, scale, max_splits, None, _DEFAULT_CONFIG, pro)
+    out = _launch(q_gate, kv_cache, indices, scale, max_splits, None, config or _DEFAULT_CONFIG, pro, pdl)
     return out, gate
 
 
@@ -537,6 +278,7 @@ def _launch(
     out: torch.Tensor | None,
     config: DecodeAttentionConfig,
     pro: _Prologue | None,
+    pdl: bool,
 ) -> torch.Tensor:
     """The split launch (and the merge): ``q`` ``[B, Hq, D]``, or with ``pro`` ``q_gate`` ``[B, Hq, 2D]``."""
     if max_splits is not None and max_splits < 1:
@@ -572,7 +314,7 @@ def _launch(
         scale * 1.4426950408889634,  # log2(e): the softmax runs in base 2
         num_splits, *prologue, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_T=config.block_t,
         DIRECT=num_splits == 1, NUM_STAGES=config.num_stages, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PROLOGUE=pro is not None, PRELOAD=_preload(config.min_split), num_warps=config.num_warps, launch_pdl=LAUNCH_PDL,
+        PROLOGUE=pro is not None, PRELOAD=_preload(config.min_split), num_warps=config.num_warps, PDL=pdl, launch_pdl=pdl,
         **({"maxnreg": config.max_registers} if config.max_registers else {}), **common,
     )  # fmt: skip
     if num_splits > 1:
@@ -580,18 +322,15 @@ def _launch(
         block_s = min(triton.next_power_of_2(num_splits), max(1, _MERGE_TILE // block_d))
         decode_attention_merge_kernel[(num_seqs, num_q_heads, head_dim // block_d)](
             o_part, lse_part, indices[0], indices[2], out, out.stride(0), out.stride(1), num_splits,
-            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, launch_pdl=LAUNCH_PDL, **common,
+            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, PDL=pdl, launch_pdl=pdl, **common,
         )  # fmt: skip
     return out
 
 
-def _preload(min_split: int) -> int:
-    """``PRELOAD_FIRST_TILE`` where a split of ``min_split`` keys can be one ``tl.dot`` tile (a power
-    of two, at least 16), else 0; the L2 prefetch (2) is inline PTX, which the interpreter cannot run."""
-    mode = int(PRELOAD_FIRST_TILE)
-    if mode == 2 and interpreting():
-        mode = 1
-    return mode if min_split >= 16 and min_split & (min_split - 1) == 0 else 0
+def _preload(min_split: int) -> bool:
+    """Whether a split of ``min_split`` keys can be one ``tl.dot`` tile (a power of two, at least 16),
+    which the one-tile splits then load before ``gdc_wait``."""
+    return min_split >= 16 and min_split & (min_split - 1) == 0
 
 
 def _merge_block_d(num_rows: int, head_dim: int, num_sms: int) -> int:

@@ -22,7 +22,9 @@ One token (batch-1 decode) takes stage 1 from ``kernels.triton.moe_token`` (a sl
 programs walking their slot's blocks, each routing once: ``fused_moe_token`` /
 ``fused_moe_token_routed``, and ``fused_moe_token_route_partial`` from the router partial's
 accumulator, ``kernels/route_partial.py``, which stage 2 zeroes after its wait), then stage 2
-here with its own tiles and a walk that keeps the next step's tile in flight (``DOWN_PREFETCH``; 55-77 us a decode step on an H200, docs/benchmarks.md).
+here with its own tiles and a walk that keeps the next step's tile and the ids a step further
+ahead in flight (``PREFETCH``). More tokens walk one tile at a time (the prefetching walk was
+measured at one token only).
 
 At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8 + shared) one token reads
 9 × 3 × 2048 × 512 bf16 = 57 MB per layer, which is what bounds decode. Accumulation is fp32.
@@ -30,7 +32,6 @@ At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8 + shared) one token re
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -39,8 +40,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.triton import moe_token
-from phloem.kernels.triton._env import env_config
-from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert
 
 __all__ = [
@@ -75,7 +74,7 @@ def _gate_up_kernel(
     p_x, p_w, p_ids, p_act, p_logits, p_tw, s_lt, E,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROUTE: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr,
+    ROUTE: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
@@ -140,7 +139,7 @@ def _down_operands(p_act, p_w, i_pair, e, s, o_n, m_n, o_kb, H: tl.constexpr, IN
 def _down_sum_kernel(
     p_act, p_w, p_ids, p_tw, p_out, p_zero, N_ZERO,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_BLOCKS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
@@ -179,8 +178,8 @@ def _down_sum_kernel(
             b_tw_next = tl.load(p_tw_t + j_next).to(tl.float32)
             acc += b_wc.to(tl.float32) * (b_ac.to(tl.float32) * b_twc)
     else:
-        # One flat loop over (expert slot j, K block) so loads pipeline across experts (the eleventh
-        # session's walk, kept as it was for more than one token: the activations as one row).
+        # One flat loop over (expert slot j, K block) so loads pipeline across experts (the
+        # activations as one row).
         for s in range(0, STEPS):
             i_pair = i_pair0 + s // K_BLOCKS
             e = tl.load(p_ids + i_pair).to(tl.int64)
@@ -194,36 +193,15 @@ def _down_sum_kernel(
     tl.store(p_out + i_tok * H + o_n, tl.sum(acc, axis=1).to(p_out.dtype.element_ty), mask=m_n)
 
 
-_ENV_VAR = "PHLOEM_MOE_DECODE_CONFIG"
-
-# Chosen by a CUDA-graph sweep on an H200 at the 35B-A3B shape (docs/benchmarks.md, "MoE kernel
-# sweep"; docs/bench/moe_sweep.py) at one token, now used for 2 to _BATCH_TOKENS - 1 tokens (one
-# token has _H200_TOKEN_CONFIG below), and at 16 tokens (used from _BATCH_TOKENS up).
-_H200_CONFIG = MoeDecodeConfig(4, 1024, 8, 3, 4, 512, 8, 2)
-_H200_BATCH_CONFIG = MoeDecodeConfig(4, 1024, 8, 2, 4, 256, 1, 2)
+# The sweep winners at the 35B-A3B shape (``docs/bench/moe_sweep.py``): at one token, used for 2
+# to _BATCH_TOKENS - 1 tokens, and at 16 tokens, used from _BATCH_TOKENS up. Benchmark tools pass
+# another ``MoeDecodeConfig`` to ``fused_moe_tuned`` directly.
+DEFAULT_CONFIG = MoeDecodeConfig(4, 1024, 8, 3, 4, 512, 8, 2)
+_BATCH_CONFIG = MoeDecodeConfig(4, 1024, 8, 2, 4, 256, 1, 2)
 _BATCH_TOKENS = 8
-# One token (``fused_moe_token*``: stage 1 is ``moe_token``'s, only the down fields count): with the
-# prefetching walk, 1024 programs of 2 rows and 4 warps over 512 of 4 rows and 8 warps, 2.092-2.112
-# against 2.100-2.109 ms a decode step on an H200; 1 row and 4 warps 2.094, 2 warps 2.18-2.19
-# (docs/benchmarks.md, twelfth session).
-_H200_TOKEN_CONFIG = MoeDecodeConfig(4, 1024, 8, 3, 2, 512, 4, 2)
-
-
-def _env_config() -> MoeDecodeConfig | None:
-    """``PHLOEM_MOE_DECODE_CONFIG``: one integer per field of ``MoeDecodeConfig`` (sweeps, other GPUs), else None."""
-    config: MoeDecodeConfig | None = env_config(_ENV_VAR, MoeDecodeConfig)
-    return config
-
-
-# One token's down stage walks with the next step's tile in flight and the ids a step further
-# ahead (PHLOEM_MOE_DOWN_PREFETCH=0: the ids slot by slot and one tile at a time; module-level for
-# A/B). Two tiles ahead measured the same as one on an H200 (docs/benchmarks.md, twelfth session).
-# Measured at batch 1 only, so more tokens keep the one-tile walk (batch 16 was not A/B-timed).
-DOWN_PREFETCH = os.environ.get("PHLOEM_MOE_DOWN_PREFETCH", "1").strip() != "0"
-_ENV_CONFIG = _env_config()
-DEFAULT_CONFIG = _ENV_CONFIG or _H200_CONFIG
-_BATCH_CONFIG = _ENV_CONFIG or _H200_BATCH_CONFIG
-_TOKEN_CONFIG = _ENV_CONFIG or _H200_TOKEN_CONFIG
+# One token (``fused_moe_token*``: stage 1 is ``moe_token``'s, only the down fields count) with the
+# prefetching walk: 1024 programs of 2 rows and 4 warps.
+_TOKEN_CONFIG = MoeDecodeConfig(4, 1024, 8, 3, 2, 512, 4, 2)
 
 
 def fused_moe(
@@ -232,11 +210,12 @@ def fused_moe(
     w_down: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, K]
     topk_ids: torch.Tensor,  # [T, K]
+    pdl: bool = False,
 ) -> torch.Tensor:
     if topk_ids.shape[0] == 1 and moe_token.covered(x, w_gate_up, w_down, topk_ids.shape[1]):
-        return fused_moe_token(x, w_gate_up, w_down, topk_weights, topk_ids)
+        return fused_moe_token(x, w_gate_up, w_down, topk_weights, topk_ids, pdl=pdl)
     config = DEFAULT_CONFIG if x.shape[0] < _BATCH_TOKENS else _BATCH_CONFIG
-    return fused_moe_tuned(x, w_gate_up, w_down, topk_weights, topk_ids, config)
+    return fused_moe_tuned(x, w_gate_up, w_down, topk_weights, topk_ids, config, pdl=pdl)
 
 
 def fused_moe_routed(
@@ -246,12 +225,13 @@ def fused_moe_routed(
     w_down: torch.Tensor,  # [E + 1, H, I]
     top_k: int,
     renormalize: bool,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``kernels.moe.fused_moe_routed``: the routing (``moe_route.route_row`` / ``select_expert``) in
     the gate/up stage's programs, no launch of its own."""
     num_tokens, num_cols = router_logits.shape
     if num_tokens == 1 and moe_token.covered(x, w_gate_up, w_down, top_k + 1):
-        return fused_moe_token_routed(x, router_logits, w_gate_up, w_down, top_k, renormalize)
+        return fused_moe_token_routed(x, router_logits, w_gate_up, w_down, top_k, renormalize, pdl=pdl)
     if not 1 <= top_k <= num_cols - 1 <= MAX_EXPERTS or router_logits.stride(-1) != 1:
         raise ValueError(f"need 1 <= top_k <= E <= {MAX_EXPERTS} and unit-stride logits, got top_k={top_k}, "
                          f"logits {tuple(router_logits.shape)} strides {router_logits.stride()}")  # fmt: skip
@@ -262,8 +242,8 @@ def fused_moe_routed(
     tw = torch.empty((num_tokens, top_k + 1), dtype=router_logits.dtype, device=x.device)
     act = torch.empty((num_tokens * (top_k + 1), inter), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
-    launch_gate_up(x, w_gate_up, ids, act, config, (router_logits, tw, renormalize))
-    launch_down_sum(act, w_down, ids, tw, out, config)
+    launch_gate_up(x, w_gate_up, ids, act, config, (router_logits, tw, renormalize), pdl=pdl)
+    launch_down_sum(act, w_down, ids, tw, out, config, pdl=pdl)
     return out
 
 
@@ -274,12 +254,13 @@ def fused_moe_token(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: moe_token.MoeTokenConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``fused_moe`` of one token (``moe_token.covered``): ``moe_token``'s gate/up, then down + sum."""
     ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
     act, out = _token_buffers(x, w_down, ids.shape[1])
-    moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, config or moe_token.DEFAULT_CONFIG)
-    launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG, prefetch=DOWN_PREFETCH)
+    moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, config or moe_token.DEFAULT_CONFIG, pdl=pdl)
+    launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG, prefetch=True, pdl=pdl)
     return out
 
 
@@ -291,9 +272,10 @@ def fused_moe_token_routed(
     top_k: int,
     renormalize: bool,
     config: moe_token.MoeTokenConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``fused_moe_routed`` of one token: the routing inside ``moe_token``'s gate/up programs."""
-    return _routed_token(x, router_logits, w_gate_up, w_down, top_k, renormalize, config, None)
+    return _routed_token(x, router_logits, w_gate_up, w_down, top_k, renormalize, config, None, pdl)
 
 
 def fused_moe_token_route_partial(
@@ -306,17 +288,19 @@ def fused_moe_token_route_partial(
     top_k: int,
     renormalize: bool,
     config: moe_token.MoeTokenConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``kernels.route_partial.fused_moe_route_partial`` of one token: the norm and the logits in
     ``moe_token``'s gate/up programs (which write the logits into a buffer of their own), the
     accumulator zeroed by the down stage."""
     logits = torch.empty((1, w_gate_up.shape[0]), dtype=s.dtype, device=s.device)
-    return _routed_token(s, logits, w_gate_up, w_down, top_k, renormalize, config, (norm_w, eps, acc))
+    return _routed_token(s, logits, w_gate_up, w_down, top_k, renormalize, config, (norm_w, eps, acc), pdl)
 
 
 def _routed_token(
     x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
     renormalize: bool, config: moe_token.MoeTokenConfig | None, partial: tuple[torch.Tensor, float, torch.Tensor] | None,
+    pdl: bool,
 ) -> torch.Tensor:  # fmt: skip
     """One token's gate/up (routing in its programs; ``partial``: ``moe_token.launch_gate_up``'s),
     then the down stage (zeroing ``partial``'s accumulator)."""
@@ -325,9 +309,9 @@ def _routed_token(
     tw = torch.empty((1, slots), dtype=logits.dtype, device=x.device)
     act, out = _token_buffers(x, w_down, slots)
     c = config or (moe_token.PARTIAL_CONFIG if partial is not None else moe_token.DEFAULT_CONFIG)
-    moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, c, (logits, tw, renormalize), partial)
+    moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, c, (logits, tw, renormalize), partial, pdl=pdl)
     zero = partial[2] if partial is not None else None
-    launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG, prefetch=DOWN_PREFETCH, zero=zero)
+    launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG, prefetch=True, zero=zero, pdl=pdl)
     return out
 
 
@@ -343,6 +327,7 @@ def fused_moe_tuned(
     topk_ids: torch.Tensor,
     config: MoeDecodeConfig,
     down_prefetch: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``fused_moe`` with explicit tile sizes, warps and stages (for sweeps); ``down_prefetch`` as
     ``launch_down_sum``'s ``prefetch``."""
@@ -353,13 +338,14 @@ def fused_moe_tuned(
     x, ids, tw = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
-    launch_gate_up(x, w_gate_up, ids, act, config)
-    launch_down_sum(act, w_down, ids, tw, out, config, prefetch=down_prefetch)
+    launch_gate_up(x, w_gate_up, ids, act, config, pdl=pdl)
+    launch_down_sum(act, w_down, ids, tw, out, config, prefetch=down_prefetch, pdl=pdl)
     return out
 
 
 def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, act: torch.Tensor,
-                   c: MoeDecodeConfig, route: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> None:  # fmt: skip
+                   c: MoeDecodeConfig, route: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
+                   pdl: bool = False) -> None:  # fmt: skip
     """Stage 1 alone into ``act`` ``[T * K, I]`` (sweeps time the stages one by one). With ``route``
     (router logits ``[T, E + 1]``, weights out ``[T, K]``, renormalise) the kernel routes and writes
     ``ids`` and the weights itself."""
@@ -371,15 +357,15 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
         x, w_gate_up, ids, act, logits, tw, logits.stride(0), num_experts,
         H=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1,
         ROUTE=route is not None, BE=triton.next_power_of_2(num_experts), BR=triton.next_power_of_2(max(top_k - 1, 1)),
-        RENORMALIZE=renormalize, num_warps=c.num_warps1, num_stages=c.num_stages1, launch_pdl=LAUNCH_PDL,
+        RENORMALIZE=renormalize, num_warps=c.num_warps1, num_stages=c.num_stages1, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
 
 
 def launch_down_sum(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor,
                     out: torch.Tensor, c: MoeDecodeConfig, prefetch: bool = False,
-                    zero: torch.Tensor | None = None) -> None:  # fmt: skip
+                    zero: torch.Tensor | None = None, pdl: bool = False) -> None:  # fmt: skip
     """Stage 2 alone into ``out`` ``[T, H]``; ``prefetch``: the walk with the next step's tile in
-    flight (the one-token path's, ``DOWN_PREFETCH``), else one tile at a time. Same sums bit for bit.
+    flight (the one-token path's), else one tile at a time. Same sums bit for bit.
     ``zero`` (contiguous): set to zero after the wait (the router's accumulator,
     ``kernels/route_partial.py``)."""
     num_tokens, hidden = out.shape
@@ -394,5 +380,5 @@ def launch_down_sum(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, 
         H=hidden, INTER=inter, TOP_K=top_k, K_BLOCKS=triton.cdiv(inter, block_k),
         BLOCK_N=c.block_n2, BLOCK_K=block_k, PREFETCH=prefetch, ZERO_BLOCK=zero_block,
         num_warps=c.num_warps2, num_stages=c.num_stages2,
-        launch_pdl=LAUNCH_PDL,
+        PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip

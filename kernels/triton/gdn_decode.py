@@ -17,9 +17,9 @@ the same call (the engine's copy-on-write never does; the reference would tolera
 
 Memory traffic at the 35B-A3B decode shape (Hk 16, Hv 32, Dk = Dv = 128), per layer and sequence:
 state 2 MiB read + 2 MiB written (fp32), q/k/v/out 4 x 8 KiB in bf16, g/beta 256 B: ~4.03 MiB.
-Measured on an H200 (CUDA-graph replay): 3-4 us at batch 1 (latency-bound, 128 programs) against
-62 us for the reference; 82 us at batch 64, 3.3 TB/s. ``BV`` 32 with 4 warps was within ~10% of
-the best of BV 8-64 x 1-8 warps at batch 1, 8 and 64.
+Batch 1 is latency-bound (128 programs); large batches run near the memory bandwidth.
+``GdnDecodeConfig()`` (``BV`` 32, 4 warps) is the tile a sweep of ``BV`` 8-64 x 1-8 warps chose
+(``docs/decisions.md``).
 
 ``recurrent_gated_delta_rule_with_gates`` (the reference of the same name) takes the raw ``a``/``b``
 projections and computes the gates in the same program (``FROM_GATES``): ``g = -exp(A_log) *
@@ -36,10 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.triton._env import env_config
-from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
-
-__all__ = ["recurrent_gated_delta_rule", "recurrent_gated_delta_rule_with_gates"]
+__all__ = ["GdnDecodeConfig", "recurrent_gated_delta_rule", "recurrent_gated_delta_rule_with_gates"]
 
 # Same epsilon as kernels.gdn (HF's l2norm).
 _L2_EPS = 1e-6
@@ -52,9 +49,8 @@ class GdnDecodeConfig(NamedTuple):
     num_warps: int = 4
 
 
-# A [128, 32] fp32 state tile is 32 registers a thread over 4 warps. PHLOEM_GDN_DECODE_CONFIG:
-# block_v[,num_warps] (sweeps, other GPUs).
-_CONFIG = env_config("PHLOEM_GDN_DECODE_CONFIG", GdnDecodeConfig) or GdnDecodeConfig()
+# A [128, 32] fp32 state tile is 32 registers a thread over 4 warps.
+_CONFIG = GdnDecodeConfig()
 
 
 @triton.jit
@@ -88,7 +84,7 @@ def recurrent_gated_delta_rule_kernel(
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    FROM_GATES: tl.constexpr,
+    FROM_GATES: tl.constexpr, PDL: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -148,9 +144,12 @@ def recurrent_gated_delta_rule(
     ssm_states: torch.Tensor,
     read_slots: torch.Tensor,
     write_slots: torch.Tensor,
+    pdl: bool = False,
+    config: GdnDecodeConfig | None = None,
 ) -> torch.Tensor:
-    """Decode, one token per sequence (always from a stored state): ``[B, Hv, Dv]`` in ``v.dtype``."""
-    return _launch(q, k, v, g, beta, ssm_states, read_slots, write_slots, None)
+    """Decode, one token per sequence (always from a stored state): ``[B, Hv, Dv]`` in ``v.dtype``.
+    ``config``: the launch's tiles (benchmark sweeps; None: ``GdnDecodeConfig()``)."""
+    return _launch(q, k, v, g, beta, ssm_states, read_slots, write_slots, None, pdl, config or _CONFIG)
 
 
 def recurrent_gated_delta_rule_with_gates(
@@ -164,9 +163,12 @@ def recurrent_gated_delta_rule_with_gates(
     ssm_states: torch.Tensor,
     read_slots: torch.Tensor,
     write_slots: torch.Tensor,
+    pdl: bool = False,
+    config: GdnDecodeConfig | None = None,
 ) -> torch.Tensor:
     """The decode step with its gates computed in the kernel from ``a``, ``b`` ``[B, Hv]``."""
-    return _launch(q, k, v, a, b, ssm_states, read_slots, write_slots, (A_log.contiguous(), dt_bias.contiguous()))
+    gates = (A_log.contiguous(), dt_bias.contiguous())
+    return _launch(q, k, v, a, b, ssm_states, read_slots, write_slots, gates, pdl, config or _CONFIG)
 
 
 def _launch(
@@ -179,6 +181,8 @@ def _launch(
     read_slots: torch.Tensor,
     write_slots: torch.Tensor,
     gates: tuple[torch.Tensor, torch.Tensor] | None,
+    pdl: bool,
+    config: GdnDecodeConfig,
 ) -> torch.Tensor:
     """One launch; with ``gates`` (``A_log``, ``dt_bias``) ``g`` and ``beta`` are the raw ``a`` and ``b``."""
     num_seqs, num_k_heads, k_dim = q.shape
@@ -195,7 +199,7 @@ def _launch(
     if num_seqs == 0:
         return out
     a_log, dt_bias = gates if gates is not None else (g, g)  # unused without FROM_GATES
-    block_v = min(triton.next_power_of_2(v_dim), _CONFIG.block_v)
+    block_v = min(triton.next_power_of_2(v_dim), config.block_v)
     grid = (num_seqs, num_v_heads, triton.cdiv(v_dim, block_v))
     recurrent_gated_delta_rule_kernel[grid](
         q, k, v, g, beta, ssm_states, read_slots, write_slots, out,
@@ -205,6 +209,6 @@ def _launch(
         k_dim**0.5, _L2_EPS, a_log, dt_bias,
         GROUP=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim,
         BK=triton.next_power_of_2(k_dim), BV=block_v, FROM_GATES=gates is not None,
-        num_warps=_CONFIG.num_warps, launch_pdl=LAUNCH_PDL,
+        num_warps=config.num_warps, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -29,40 +29,36 @@ Rounding follows the references: the prologue's values are rounded to the input 
 reference's intermediate tensors are (the residual sum, the normalised row, the gate product),
 ``y`` once from the fp32 sum; the conv update rounds as ``kernels.triton.conv1d_update``. The conv
 state of a row is read and written by the one program that owns the row (loads before a CTA
-barrier, stores after), so ``read_slot == write_slot`` updates in place. With the operands
-preloaded (``CONV_PRELOAD``) the update runs after the walk (``CONV_AFTER_WALK``), for all of a
-program's conv rows at once, so no step of the walk waits on the epilogue. The walk keeps each
-block's projection in a ``[CONV_BLOCKS, BLOCK_N]`` register tile (``CONV_KEEP``) and stores only
-the rows past the conv channels; the update then reads nothing back and the conv rows are stored
-once (13-17 us a decode step faster on an H200 than storing them, a CTA barrier and reading them
-back, with the same values bit for bit; two stores of a row from two threads with no barrier
-between would race).
+barrier, stores after), so ``read_slot == write_slot`` updates in place. A program walking at most
+16 blocks loads the conv operands of all its blocks before ``gdc_wait`` (``CONV_BLOCKS``) and runs
+the update after the walk, for all its conv rows at once, so no step of the walk waits on the
+epilogue: the walk keeps each block's projection in a ``[CONV_BLOCKS, BLOCK_N]`` register tile and
+stores only the rows past the conv channels, so the update reads nothing back and each conv row is
+stored once (two stores of a row from two threads with no barrier between would race). A longer
+walk loads the operands and runs the update block by block inside it.
 
 With ``ROUTE`` a block's rows of the transposed router ``[N, E + 1]`` are loaded with its weight
 tile (the first before ``gdc_wait``, the next with the prefetch), its residual rows with the
 prologue's loads; the program's fp32 sum goes into the accumulator once, after its walk, as
 fixed-point integers (one atomic add a logit).
 
-Tiles: ``gemv_config`` (measured, see there). Anything the kernel does not cover (more than one
+The kernel is ``gemv_kernel.gemv_kernel``; its tiles ``gemv_config.gemv_config``. Anything the kernel does not cover (more than one
 row, ``K > MAX_K``, mixed dtypes, a weight without unit last stride) goes to the unfused ops.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, acc_fits, add_route_partial
 from phloem.kernels.triton import conv1d_update, norm
 from phloem.kernels.triton._device import balanced_grid
-from phloem.kernels.triton._env import parse_config
-from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
+from phloem.kernels.triton.gemv_config import MAX_K, GemvConfig, gemv_config
+from phloem.kernels.triton.gemv_kernel import gemv_kernel
 
 __all__ = [
     "GemvConfig",
@@ -79,285 +75,9 @@ __all__ = [
 ]
 
 PRO_NONE, PRO_ADD_RMS_NORM, PRO_GATED_RMS_NORM, PRO_SIGMOID_GATE = 0, 1, 2, 3
-MAX_K = 8192
-
-
-class GemvConfig(NamedTuple):
-    """Rows per tile, warps, pipeline stages, programs per SM (0: one program per row block), the
-    one-block-ahead prefetch and ptxas's register cap a thread (0: none)."""
-
-    block_n: int
-    num_warps: int
-    num_stages: int
-    programs_per_sm: int
-    prefetch: bool
-    max_registers: int = 0
-
-
-@triton.jit
-def _gemv_input(
-    p_x, p_a, p_nw, p_res, p_normed, K, eps, i_p,
-    PRO: tl.constexpr, HAS_A: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr,
-    HEAD: tl.constexpr, KP: tl.constexpr,
-):  # fmt: skip
-    """``x̂`` ``[KP]`` fp32 (zeros past ``K``); see the module docstring for the modes."""
-    dtype = p_x.dtype.element_ty
-    o_k = tl.arange(0, KP)
-    m_k = o_k < K
-    if PRO == 2:  # PRO_GATED_RMS_NORM: heads of HEAD values, each normalised on its own
-        NH: tl.constexpr = KP // HEAD
-        o_2 = tl.arange(0, NH)[:, None] * HEAD + tl.arange(0, HEAD)[None, :]
-        m_2 = o_2 < K
-        b_v = tl.load(p_x + o_2, mask=m_2, other=0.0).to(tl.float32)
-        b_g = tl.load(p_a + o_2, mask=m_2, other=0.0).to(tl.float32)
-        b_rstd = tl.rsqrt(tl.sum(b_v * b_v, axis=1) / HEAD + eps)
-        b_nw = tl.load(p_nw + tl.arange(0, HEAD)).to(tl.float32)
-        b_n = b_nw[None, :] * (b_v * b_rstd[:, None]).to(dtype).to(tl.float32)
-        if ROUND_WEIGHTED:
-            b_n = b_n.to(dtype).to(tl.float32)
-        b_n = (b_n * (b_g / (1.0 + tl.exp(-b_g)))).to(dtype).to(tl.float32)
-        return tl.reshape(b_n, (KP,))
-    b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
-    if PRO == 1:  # PRO_ADD_RMS_NORM
-        if HAS_A:
-            b_x = (b_x + tl.load(p_a + o_k, mask=m_k, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-        b_rstd = tl.rsqrt(tl.sum(b_x * b_x) / K + eps)
-        b_nw = tl.load(p_nw + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_n = (b_x * b_rstd * (1.0 + b_nw)).to(dtype).to(tl.float32)
-        if i_p == 0:
-            if HAS_A:
-                tl.store(p_res + o_k, b_x.to(dtype), mask=m_k)
-            if WRITE_NORMED:
-                tl.store(p_normed + o_k, b_n.to(dtype), mask=m_k)
-        return b_n
-    if PRO == 3:  # PRO_SIGMOID_GATE
-        b_g = tl.load(p_a + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_x = (b_x * tl.sigmoid(b_g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    return b_x
-
-
-@triton.jit
-def _conv_operands(o_n, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC: tl.constexpr, BKC: tl.constexpr):
-    """The conv state (window columns ``0..KC-2``, and ``1..KC-2`` shifted to the front) and weights
-    of rows ``o_n``; zeros past ``CONV_N``."""
-    dtype = p_cs.dtype.element_ty
-    o_c = tl.arange(0, BKC)
-    m_c = (o_n < N) & (o_n < CONV_N)
-    p_read = p_cs + i_read * s_cn + o_n[:, None] * s_cd + o_c[None, :]
-    b_s = tl.load(p_read, mask=m_c[:, None] & (o_c[None, :] < KC - 1), other=0.0).to(dtype)
-    b_next = tl.load(p_read + 1, mask=m_c[:, None] & (o_c[None, :] < KC - 2), other=0.0).to(dtype)
-    b_cw = tl.load(p_cw + o_n[:, None] * s_cw + o_c[None, :], mask=m_c[:, None] & (o_c[None, :] < KC), other=0.0)
-    return b_s, b_next, b_cw
-
-
-@triton.jit
-def _conv_epilogue(
-    b_y, o_n, m_n, b_s, b_next, b_cw, p_y, p_cs, i_write, s_cn, s_cd, CONV_N,
-    KC: tl.constexpr, BKC: tl.constexpr, BARRIER: tl.constexpr,
-):  # fmt: skip
-    """Rows ``< CONV_N`` of ``b_y`` (the block's projection, rounded) through the conv update
-    (``kernels.triton.conv1d_update``'s rounding), the state shifted into the write slot."""
-    dtype = p_y.dtype.element_ty
-    w_dtype = b_cw.dtype
-    o_c = tl.arange(0, BKC)
-    m_s = (m_n & (o_n < CONV_N))[:, None] & (o_c[None, :] < KC - 1)
-    b_win = tl.where(o_c[None, :] == KC - 1, b_y[:, None], b_s.to(dtype))
-    b_acc = tl.sum(b_win.to(w_dtype).to(tl.float32) * b_cw.to(tl.float32), 1).to(w_dtype).to(tl.float32)
-    b_conv = (b_acc / (1.0 + tl.exp(-b_acc))).to(w_dtype).to(dtype)
-    tl.store(p_y + o_n, tl.where(o_n < CONV_N, b_conv, b_y), mask=m_n)
-    b_new = tl.where(o_c[None, :] == KC - 2, b_y[:, None], b_next.to(dtype))
-    if BARRIER:  # every thread has loaded its part of the state before any shifts it in place
-        tl.debug_barrier()
-    tl.store(p_cs + i_write * s_cn + o_n[:, None] * s_cd + o_c[None, :], b_new.to(p_cs.dtype.element_ty), mask=m_s)
-
-
-@triton.jit
-def _route_tile(p_rt, o_n, N, o_e, m_e, E1):
-    """The transposed router's rows ``o_n`` ``[BLOCK_N, BE]`` (zeros past ``N`` and ``E1``)."""
-    return tl.load(p_rt + o_n[:, None].to(tl.int64) * E1 + o_e[None, :], mask=(o_n < N)[:, None] & m_e[None, :], other=0.0)
-
-
-@triton.jit
-def gemv_kernel(
-    p_x, p_w, p_y, N, K, s_wn,
-    p_a, p_nw, p_res, p_normed, eps,
-    p_cw, p_cs, p_read, p_write, s_cw, s_cn, s_cd, CONV_N,
-    p_h, p_rt, p_pw, p_acc, E1, scale,
-    PRO: tl.constexpr, CONV: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
-    HAS_A: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr, HEAD: tl.constexpr,
-    KC: tl.constexpr, BKC: tl.constexpr, CONV_BLOCKS: tl.constexpr, DEFER: tl.constexpr, KEEP: tl.constexpr,
-    ROUTE: tl.constexpr, BE: tl.constexpr, COPIES: tl.constexpr,
-):  # fmt: skip
-    i_p = tl.program_id(0)
-    n_p = tl.num_programs(0)
-    o_k = tl.arange(0, KP)
-    m_k = o_k < K
-    o_b = tl.arange(0, BLOCK_N)
-    o_first = i_p * BLOCK_N + o_b
-    if ROUTE:
-        o_e = tl.arange(0, BE)
-        m_e = o_e < E1
-        b_route = tl.zeros([BE], dtype=tl.float32)
-        if PREFETCH:  # the router's rows and norm weights of the first block, before the wait
-            b_rt = _route_tile(p_rt, o_first, N, o_e, m_e, E1)
-            b_pw = tl.load(p_pw + o_first, mask=o_first < N, other=0.0)
-    if PREFETCH:
-        b_w = tl.load(p_w + o_first[:, None].to(tl.int64) * s_wn + o_k[None, :],
-                      mask=(o_first < N)[:, None] & m_k[None, :], other=0.0)  # fmt: skip
-    if CONV:
-        # Step inputs (copied in before the step) and the layer's own conv state: no kernel before
-        # this one in the step writes them.
-        i_read = tl.load(p_read).to(tl.int64)
-        i_write = tl.load(p_write).to(tl.int64)
-        if CONV_BLOCKS > 0:
-            # The conv operands of all this program's blocks (at most CONV_BLOCKS), before the wait:
-            # loaded block by block they put a memory latency into every step of the walk.
-            o_j = tl.arange(0, CONV_BLOCKS)
-            o_rows = tl.reshape((i_p + o_j * n_p)[:, None] * BLOCK_N + o_b[None, :], (CONV_BLOCKS * BLOCK_N,))
-            b_s3, b_next3, b_cw3 = _conv_operands(o_rows, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC, BKC)
-            if not DEFER:
-                b_s3 = tl.reshape(b_s3, (CONV_BLOCKS, BLOCK_N, BKC))
-                b_next3 = tl.reshape(b_next3, (CONV_BLOCKS, BLOCK_N, BKC))
-                b_cw3 = tl.reshape(b_cw3, (CONV_BLOCKS, BLOCK_N, BKC))
-            # Every thread has loaded its part of the state before any shifts it in place.
-            tl.debug_barrier()
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
-    if ROUTE:  # the residual of the first block's rows, issued with the prologue's loads
-        b_h = tl.load(p_h + o_first, mask=o_first < N, other=0.0)
-    b_x = _gemv_input(p_x, p_a, p_nw, p_res, p_normed, K, eps, i_p, PRO, HAS_A, WRITE_NORMED, ROUND_WEIGHTED, HEAD, KP)
-    if KEEP:
-        b_kept = tl.zeros([CONV_BLOCKS, BLOCK_N], dtype=p_y.dtype.element_ty)
-    for i_blk in range(i_p, tl.cdiv(N, BLOCK_N), n_p):
-        o_n = i_blk * BLOCK_N + o_b
-        m_n = o_n < N
-        if PREFETCH:
-            # The next block's tile is in flight while this block is reduced.
-            o_next = o_n + n_p * BLOCK_N
-            b_cur = b_w
-            b_w = tl.load(p_w + o_next[:, None].to(tl.int64) * s_wn + o_k[None, :],
-                          mask=(o_next < N)[:, None] & m_k[None, :], other=0.0)  # fmt: skip
-        else:
-            b_cur = tl.load(p_w + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
-                            other=0.0)  # fmt: skip
-        if ROUTE:
-            b_hc = b_h
-            b_h = tl.load(p_h + o_n + n_p * BLOCK_N, mask=o_n + n_p * BLOCK_N < N, other=0.0)
-            if PREFETCH:
-                b_rtc, b_pwc = b_rt, b_pw
-                b_rt = _route_tile(p_rt, o_n + n_p * BLOCK_N, N, o_e, m_e, E1)
-                b_pw = tl.load(p_pw + o_n + n_p * BLOCK_N, mask=o_n + n_p * BLOCK_N < N, other=0.0)
-            else:
-                b_rtc = _route_tile(p_rt, o_n, N, o_e, m_e, E1)
-                b_pwc = tl.load(p_pw + o_n, mask=m_n, other=0.0)
-        if CONV and not DEFER:
-            if CONV_BLOCKS > 0:
-                j = (i_blk - i_p) // n_p
-                b_s = tl.sum(tl.where(o_j[:, None, None] == j, b_s3, 0), axis=0).to(b_s3.dtype)
-                b_next = tl.sum(tl.where(o_j[:, None, None] == j, b_next3, 0), axis=0).to(b_next3.dtype)
-                b_cw = tl.sum(tl.where(o_j[:, None, None] == j, b_cw3, 0), axis=0).to(b_cw3.dtype)
-            else:
-                # Loaded in the block's own step (prefetching them with the next tile measured slower
-                # on an H200: in_proj + conv 17.4 -> 19.5 us, 244 registers a thread, 2 programs an SM).
-                b_s, b_next, b_cw = _conv_operands(o_n, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC, BKC)
-        b_y = tl.sum(b_cur.to(tl.float32) * b_x[None, :], axis=1).to(p_y.dtype.element_ty)
-        if CONV and not DEFER:
-            _conv_epilogue(b_y, o_n, m_n, b_s, b_next, b_cw, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC,
-                           CONV_BLOCKS == 0)  # fmt: skip
-        elif ROUTE:
-            # The residual sum s of these rows (stored in place of y) and their router terms.
-            b_s = (b_y.to(tl.float32) + b_hc.to(tl.float32)).to(p_y.dtype.element_ty)
-            tl.store(p_y + o_n, b_s, mask=m_n)
-            b_route += tl.sum(b_rtc.to(tl.float32) * (b_s.to(tl.float32) * (1.0 + b_pwc.to(tl.float32)))[:, None], axis=0)
-        elif KEEP:
-            # A conv row's projection is kept for the update after the walk, which stores its only
-            # value (a store here too would race that one: another thread, no barrier between).
-            tl.store(p_y + o_n, b_y, mask=m_n & (o_n >= CONV_N))
-            b_kept = tl.where(o_j[:, None] == (i_blk - i_p) // n_p, b_y[None, :], b_kept)
-        else:
-            tl.store(p_y + o_n, b_y, mask=m_n)
-    if ROUTE:
-        # This program's terms in fixed point (kernels/route_partial.py): integer sums, the same
-        # bits whatever order the programs add in.
-        p_row = p_acc + (i_p % COPIES) * E1
-        tl.atomic_add(p_row + o_e, (b_route * scale).to(tl.int64), mask=m_e, sem="relaxed")
-    if KEEP:
-        # The conv update after the walk from the projections kept in registers: no barrier and no
-        # read back of this program's stores.
-        m_rows = (o_rows < N) & (o_rows < CONV_N)
-        b_y = tl.reshape(b_kept, (CONV_BLOCKS * BLOCK_N,))
-        _conv_epilogue(b_y, o_rows, m_rows, b_s3, b_next3, b_cw3, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC, False)
-    elif DEFER:
-        # The conv update of all this program's conv rows at once, after the walk: their projections
-        # were stored like any row's and are read back (this program's own writes, visible to all its
-        # threads after the barrier), so no step of the walk waits on the epilogue.
-        tl.debug_barrier()
-        m_rows = (o_rows < N) & (o_rows < CONV_N)
-        b_y = tl.load(p_y + o_rows, mask=m_rows, other=0.0)
-        _conv_epilogue(b_y, o_rows, m_rows, b_s3, b_next3, b_cw3, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC, False)
-
-
-# From docs/bench/gemv_sweep.py on an H200 at the 35B-A3B shapes (CUDA-graph replays over distinct
-# weights, docs/benchmarks.md "decode GEMVs"): 4 programs per SM walking row blocks with the
-# one-ahead prefetch beat one program per block by 10-40% (the prologue runs once per program)
-# and cuBLAS by 5-35%; tiles of 8 K bf16 per block; 4 warps where the conv epilogue holds more
-# registers, and for the router (257 rows: one block per program pair of SMs).
-# The conv operands of a program's blocks all loaded at its start, before ``gdc_wait``, not one
-# block's at a time inside the walk (up to 16 blocks a program; module-level for A/B sweeps).
-CONV_PRELOAD = True
-# With the operands preloaded, the conv update of a program's rows after its walk, not block by
-# block inside it (PHLOEM_GEMV_CONV_AFTER_WALK=0: inside; module-level for A/B sweeps).
-CONV_AFTER_WALK = os.environ.get("PHLOEM_GEMV_CONV_AFTER_WALK", "1").strip() != "0"
-# After the walk, the conv rows' projections taken from registers (kept block by block during the
-# walk), not read back from this program's stores after a CTA barrier (PHLOEM_GEMV_CONV_KEEP=0:
-# read back; module-level for A/B sweeps).
-CONV_KEEP = os.environ.get("PHLOEM_GEMV_CONV_KEEP", "1").strip() != "0"
-_WIDE = GemvConfig(block_n=4, num_warps=8, num_stages=1, programs_per_sm=4, prefetch=True)
-
-
-def _shape_configs(text: str) -> dict[tuple[int, int], GemvConfig]:
-    """``PHLOEM_GEMV_SHAPE_CONFIG``: ``NxK=block_n,num_warps,num_stages,programs_per_sm,prefetch[,max_registers]``
-    entries separated by ``/`` (in-step sweeps: a configuration timed alone is not one timed between
-    its neighbours under programmatic dependent launch)."""
-    out: dict[tuple[int, int], GemvConfig] = {}
-    for entry in filter(None, (e.strip() for e in text.split("/"))):
-        shape, _, values = entry.partition("=")
-        try:
-            num_n, num_k = (int(v) for v in shape.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"PHLOEM_GEMV_SHAPE_CONFIG: expected NxK=block_n,warps,stages,programs_per_sm,prefetch[,max_registers] "
-                             f"entries separated by '/', got {entry!r}") from None  # fmt: skip
-        out[(num_n, num_k)] = parse_config(values, GemvConfig, f"PHLOEM_GEMV_SHAPE_CONFIG ({shape})")
-    return out
-
-
-_SHAPE_CONFIGS = _shape_configs(os.environ.get("PHLOEM_GEMV_SHAPE_CONFIG", ""))
-
-
-def gemv_config(num_n: int, num_k: int, conv: bool = False, route: bool = False) -> GemvConfig:
-    """The launch configuration for an ``[num_n, num_k]`` weight (``conv``: with the conv epilogue;
-    ``route``: with the router's partial logits); ``PHLOEM_GEMV_SHAPE_CONFIG`` overrides it per shape."""
-    if (num_n, num_k) in _SHAPE_CONFIGS:
-        return _SHAPE_CONFIGS[(num_n, num_k)]
-    block_n = max(1, min(8, 8192 // triton.next_power_of_2(num_k)))
-    if num_n < 1024:
-        return _WIDE._replace(block_n=min(block_n, 2), num_warps=4, programs_per_sm=1)
-    if route:
-        # Uncapped, the route epilogue's out_proj loads at 101 registers a thread: 2 programs an SM
-        # for a grid sized for 4, 2.118-2.124 ms a decode step on an H200 against 2.074-2.078 capped
-        # at 64 (docs/benchmarks.md, fifteenth session).
-        return _WIDE._replace(block_n=block_n, max_registers=64)
-    # The conv epilogue inside the walk holds more registers: 4 warps there; after the walk, 8
-    # (in_proj + conv 14.9 us against 15.4 for the best per-block configuration; docs/benchmarks.md).
-    if conv and not (CONV_PRELOAD and CONV_AFTER_WALK):
-        return _WIDE._replace(block_n=block_n, num_warps=4)
-    # After the walk, capped at 64 registers a thread (62 against 64 as loaded on an H200, no spills,
-    # 4 programs an SM either way): in the batch-1 decode step the 30 in_proj launches took 394-400 us
-    # in five capped runs against 406-430 in twenty uncapped ones, though the whole step (2.093-2.098
-    # ms on the device against 2.104-2.110) moved within the method's noise (docs/benchmarks.md,
-    # fourteenth session). The other shapes load at 56-64 registers uncapped.
-    return _WIDE._replace(block_n=block_n, max_registers=64 if conv else 0)
+# A program preloads the conv operands of its blocks and defers the conv update past its walk up
+# to this many blocks (the operands are held in registers through the walk).
+_MAX_CONV_BLOCKS = 16
 
 
 def _covered(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
@@ -382,15 +102,14 @@ class _Call(NamedTuple):
     route: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # residual, router_t, norm w, acc
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, call: _Call,
+def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, call: _Call, pdl: bool,
             config: GemvConfig | None = None) -> None:  # fmt: skip
     num_n, num_k = weight.shape
     c = config or gemv_config(num_n, num_k, call.conv is not None, call.route is not None)
     blocks = triton.cdiv(num_n, c.block_n)
     grid = balanced_grid(blocks, c.programs_per_sm, x.device)
     walk = triton.cdiv(blocks, grid)  # blocks per program
-    conv_blocks = triton.next_power_of_2(walk) if call.conv is not None and CONV_PRELOAD and walk <= 16 else 0
-    defer = conv_blocks > 0 and CONV_AFTER_WALK
+    conv_blocks = triton.next_power_of_2(walk) if call.conv is not None and walk <= _MAX_CONV_BLOCKS else 0
     conv_w, conv_s, r_slot, w_slot = call.conv if call.conv is not None else (x, x, x, x)
     h, router_t, post_w, acc = call.route if call.route is not None else (x, x, x, x)
     nw = call.nw if call.nw is not None else x
@@ -405,10 +124,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
         HAS_A=call.a is not None, WRITE_NORMED=call.normed is not None,
         ROUND_WEIGHTED=torch.promote_types(nw.dtype, x.dtype) == x.dtype, HEAD=call.head,
         KC=conv_w.shape[1] if call.conv is not None else 1,
-        BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks, DEFER=defer,
-        KEEP=defer and CONV_KEEP, ROUTE=call.route is not None,
+        BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks,
+        ROUTE=call.route is not None,
         BE=triton.next_power_of_2(router_t.shape[1]) if call.route is not None else 1, COPIES=ROUTE_COPIES,
-        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=LAUNCH_PDL,
+        num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl, launch_pdl=pdl,
         **({"maxnreg": c.max_registers} if c.max_registers else {}),
     )  # fmt: skip
 
@@ -417,29 +136,31 @@ def _row(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T``; one row through the kernel, anything else through ``F.linear``."""
-    return linear_tuned(x, weight, None)
+def linear(x: torch.Tensor, weight: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """``x @ weight.T``; one row through the kernel, anything else through ``F.linear`` (``pdl``:
+    launched under programmatic dependent launch, ``kernels/triton/_pdl.py``)."""
+    return linear_tuned(x, weight, None, pdl)
 
 
-def linear_tuned(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None) -> torch.Tensor:
-    """``linear`` with an explicit launch configuration (sweeps; None: ``gemv_config``'s)."""
+def linear_tuned(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None, pdl: bool = False) -> torch.Tensor:
+    """``linear`` with an explicit launch configuration (benchmark sweeps; None: ``gemv_config``'s)."""
     if not _covered(x, weight):
         return F.linear(x, weight)
     y = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(_row(x), weight, y, PRO_NONE, _Call(), config)
+    _launch(_row(x), weight, y, PRO_NONE, _Call(), pdl, config)
     return y
 
 
 def add_rms_norm_linear(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, weight: torch.Tensor
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels.fused_linear.add_rms_norm_linear``."""
     if not _covered(x, weight, residual):
-        normed, residual = norm.add_rms_norm(x, residual, norm_w, eps)
-        return linear(normed, weight), residual
+        normed, residual = norm.add_rms_norm(x, residual, norm_w, eps, pdl)
+        return linear(normed, weight, pdl), residual
     y, res = _outputs(x, residual, weight.shape[0])
-    _launch(_row(x), weight, y, PRO_ADD_RMS_NORM, _Call(a=_opt_row(residual), nw=norm_w, res=res, eps=eps))
+    _launch(_row(x), weight, y, PRO_ADD_RMS_NORM, _Call(a=_opt_row(residual), nw=norm_w, res=res, eps=eps), pdl)
     return y, res
 
 
@@ -453,6 +174,7 @@ def add_rms_norm_conv_linear(
     conv_states: torch.Tensor,
     read_slots: torch.Tensor,
     write_slots: torch.Tensor,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels.fused_linear.add_rms_norm_conv_linear``."""
     conv_dim, kernel_size = conv_w.shape
@@ -462,31 +184,31 @@ def add_rms_norm_conv_linear(
         and conv_w.stride(-1) == 1 and kernel_size >= 2
     )  # fmt: skip
     if not fits:
-        y, residual = add_rms_norm_linear(x, residual, norm_w, eps, weight)
-        conv = conv1d_update.causal_conv1d_update(y[:, :conv_dim], conv_w, None, conv_states, read_slots, write_slots)
+        y, residual = add_rms_norm_linear(x, residual, norm_w, eps, weight, pdl)
+        conv = conv1d_update.causal_conv1d_update(y[:, :conv_dim], conv_w, None, conv_states, read_slots, write_slots, pdl)
         return torch.cat((conv, y[:, conv_dim:]), dim=-1), residual
     y, res = _outputs(x, residual, weight.shape[0])
     call = _Call(a=_opt_row(residual), nw=norm_w, res=res, eps=eps, conv=(conv_w, conv_states, read_slots, write_slots))
-    _launch(_row(x), weight, y, PRO_ADD_RMS_NORM, call)
+    _launch(_row(x), weight, y, PRO_ADD_RMS_NORM, call, pdl)
     return y, res
 
 
 def gated_rms_norm_linear(
-    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor
+    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor, pdl: bool = False
 ) -> torch.Tensor:
     """``kernels.fused_linear.gated_rms_norm_linear`` (``x``, ``gate`` ``[1, H, D]``)."""
     head = x.shape[-1]
     flat = x.reshape(x.shape[0], -1)
     if not _covered(flat, weight) or gate.shape != x.shape or head & (head - 1) or norm_w.shape != (head,):
-        return linear(norm.gated_rms_norm(x, gate, norm_w, eps).reshape(flat.shape), weight)
+        return linear(norm.gated_rms_norm(x, gate, norm_w, eps, pdl).reshape(flat.shape), weight, pdl)
     y = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(_row(flat), weight, y, PRO_GATED_RMS_NORM, _Call(a=_heads(gate), nw=norm_w, eps=eps, head=head))
+    _launch(_row(flat), weight, y, PRO_GATED_RMS_NORM, _Call(a=_heads(gate), nw=norm_w, eps=eps, head=head), pdl)
     return y
 
 
 def gated_rms_norm_linear_route(
     x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
-    residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor,
+    residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor, pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``kernels.fused_linear.gated_rms_norm_linear_route``: the residual sum and the router's
     partial logits in the projection's programs (``kernels/route_partial.py``)."""
@@ -495,23 +217,23 @@ def gated_rms_norm_linear_route(
     route = _route_operands(residual, router_t, post_norm_w, acc, weight.shape[0])
     if (route is None or not _covered(flat, weight) or gate.shape != x.shape or head & (head - 1)
             or norm_w.shape != (head,)):  # fmt: skip
-        y = gated_rms_norm_linear(x, gate, norm_w, eps, weight)
+        y = gated_rms_norm_linear(x, gate, norm_w, eps, weight, pdl)
         return add_route_partial(y, residual, router_t, post_norm_w, acc)
     s = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(_row(flat), weight, s, PRO_GATED_RMS_NORM, _Call(a=_heads(gate), nw=norm_w, eps=eps, head=head, route=route))
+    _launch(_row(flat), weight, s, PRO_GATED_RMS_NORM, _Call(a=_heads(gate), nw=norm_w, eps=eps, head=head, route=route), pdl)
     return s
 
 
 def sigmoid_gate_linear_route(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
-    residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor,
+    residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor, pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``kernels.fused_linear.sigmoid_gate_linear_route`` (see ``gated_rms_norm_linear_route``)."""
     route = _route_operands(residual, router_t, post_norm_w, acc, weight.shape[0])
     if route is None or not _covered(x, weight) or gate.shape != x.shape:
-        return add_route_partial(sigmoid_gate_linear(x, gate, weight), residual, router_t, post_norm_w, acc)
+        return add_route_partial(sigmoid_gate_linear(x, gate, weight, pdl), residual, router_t, post_norm_w, acc)
     s = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(_row(x), weight, s, PRO_SIGMOID_GATE, _Call(a=_row(gate), route=route))
+    _launch(_row(x), weight, s, PRO_SIGMOID_GATE, _Call(a=_row(gate), route=route), pdl)
     return s
 
 
@@ -528,25 +250,26 @@ def _route_operands(
     return (_row(residual), router_t, post_norm_w, acc) if fits else None
 
 
-def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """``kernels.fused_linear.sigmoid_gate_linear``."""
     if not _covered(x, weight) or gate.shape != x.shape:
-        return linear(x * torch.sigmoid(gate), weight)
+        return linear(x * torch.sigmoid(gate), weight, pdl)
     y = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(_row(x), weight, y, PRO_SIGMOID_GATE, _Call(a=_row(gate)))
+    _launch(_row(x), weight, y, PRO_SIGMOID_GATE, _Call(a=_row(gate)), pdl)
     return y
 
 
 def add_rms_norm_router(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernels.fused_linear.add_rms_norm_router``: ``(router logits, normed, x + residual)``."""
     if not _covered(x, router_w, residual):
-        normed, residual = norm.add_rms_norm(x, residual, norm_w, eps)
-        return linear(normed, router_w), normed, residual
+        normed, residual = norm.add_rms_norm(x, residual, norm_w, eps, pdl)
+        return linear(normed, router_w, pdl), normed, residual
     logits, res = _outputs(x, residual, router_w.shape[0])
     normed = torch.empty_like(x)
-    _launch(_row(x), router_w, logits, PRO_ADD_RMS_NORM, _Call(a=_opt_row(residual), nw=norm_w, res=res, normed=normed, eps=eps))
+    _launch(_row(x), router_w, logits, PRO_ADD_RMS_NORM, _Call(a=_opt_row(residual), nw=norm_w, res=res, normed=normed, eps=eps), pdl)
     return logits, normed, res
 
 

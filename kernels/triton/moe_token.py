@@ -11,8 +11,7 @@ Slot-major: ``NUM_P`` programs per slot walk its blocks of ``BLOCK_N`` gate and 
 block's tiles in flight while one is reduced (as ``kernels.triton.gemv``'s GEMVs). Routed, each
 program finds its own slot's expert once (``moe_route.select_expert``: ``s + 1`` arg-max rounds over
 the logits) and one program (the last, after its walk) writes the weights and ids the down stage
-reads; the sixth session's kernel (``fused_moe._gate_up_kernel``) ran 1152 programs in several
-waves, each routing again.
+reads (``fused_moe._gate_up_kernel`` runs a program per (slot, block), each routing again).
 
 With the router folded into the projection before it (``kernels/route_partial.py``, ``partial``)
 ``x`` is the residual sum ``s``: every program computes ``rstd(s)`` and ``normed`` itself, the
@@ -26,16 +25,7 @@ slot's programs load their first tile of the **last expert** there — in the mo
 wait check the ids: where the last slot holds another expert, the tile is loaded again (correct for
 any ids, only slower).
 
-Measured on an H200 (``docs/bench/moe_token_sweep.py``, docs/benchmarks.md): ids given 11.2 µs a
-layer against 12.4 for ``fused_moe._gate_up_kernel``; routed, the MoE block (router GEMV, gate/up,
-down) ~1.7 µs a layer less than with the sixth session's routed kernel. Two variants measured worse
-and were removed: routing in the router GEMV's last program (a count of finished programs; the
-router went from 2.0 to 5.6 µs, the block from 24.1 to 25.8) and a down stage loading a block's rows
-of all nine experts at once (16.4 µs against 7.7 for ``_down_sum_kernel``). Two more in the eighth
-session (docs/benchmarks.md): both stages in one launch joined by per-slot counters (the block
-25.1 µs against 22.0; the wait cost 2.1 µs more than the kernel boundary), and a down stage routing
-again to load all its weights before ``gdc_wait`` (23.0 against 22.2: while this kernel fills the
-SMs, none of its programs is resident to prefetch).
+The alternatives this replaced, and those that measured slower, are rows of ``docs/decisions.md``.
 """
 
 from __future__ import annotations
@@ -47,10 +37,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.triton._env import env_config
-from phloem.kernels.triton._device import balanced_grid
-from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE
+from phloem.kernels.triton._device import balanced_grid
 from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert, select_in
 
 __all__ = ["DEFAULT_CONFIG", "MAX_SLOTS", "PARTIAL_CONFIG", "MoeTokenConfig", "covered", "launch_gate_up"]
@@ -64,25 +52,13 @@ class MoeTokenConfig(NamedTuple):
     programs_per_sm: int
 
 
-_ENV_VAR = "PHLOEM_MOE_TOKEN_CONFIG"
-# Chosen on an H200 at the 35B-A3B shape (docs/bench/moe_token_sweep.py; docs/benchmarks.md).
-_H200_CONFIG = MoeTokenConfig(block_n=2, num_warps=4, programs_per_sm=4)
+# The 35B-A3B shape's sweep winner (``docs/bench/moe_token_sweep.py``). Benchmark tools pass
+# another ``MoeTokenConfig`` to ``fused_moe.fused_moe_token*`` directly.
+DEFAULT_CONFIG = MoeTokenConfig(block_n=2, num_warps=4, programs_per_sm=4)
 MAX_SLOTS = 64
-
-
-def _env_config() -> MoeTokenConfig | None:
-    """``PHLOEM_MOE_TOKEN_CONFIG``: one integer per field of ``MoeTokenConfig`` (sweeps, other GPUs), else None."""
-    config: MoeTokenConfig | None = env_config(_ENV_VAR, MoeTokenConfig)
-    return config
-
-
-_ENV_CONFIG = _env_config()
-DEFAULT_CONFIG = _ENV_CONFIG or _H200_CONFIG
-# With the router partial (``partial``): the norm and the accumulator's sums take the kernel to 136
-# registers a thread as loaded on an H200, so 3 programs an SM fit: a grid sized for 4 left a second
-# wave (2.19 ms a batch-1 step against 2.02 with this one; docs/benchmarks.md, sixteenth session).
-_H200_PARTIAL_CONFIG = MoeTokenConfig(block_n=2, num_warps=4, programs_per_sm=3)
-PARTIAL_CONFIG = _ENV_CONFIG or _H200_PARTIAL_CONFIG
+# With the router partial (``partial``) the norm and the accumulator's sums raise the kernel's
+# registers so that only 3 programs fit an SM: a grid sized for 4 would leave a second wave.
+PARTIAL_CONFIG = MoeTokenConfig(block_n=2, num_warps=4, programs_per_sm=3)
 
 
 @triton.jit
@@ -117,7 +93,7 @@ def _gate_up_token_kernel(
     p_x, p_w, p_ids, p_act, p_logits, p_tw, E_LAST, NUM_P, p_nw, eps, p_acc, scale,
     S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
     ROUTE: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PARTIAL: tl.constexpr, COPIES: tl.constexpr,
+    PARTIAL: tl.constexpr, COPIES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Slot-major: NUM_P programs per slot, each walking the slot's blocks p, p + NUM_P, ...
     i_p = tl.program_id(0)
@@ -135,10 +111,9 @@ def _gate_up_token_kernel(
     if PARTIAL:
         # x is the residual sum s: its norm here (kernels.norm.rms_norm's formula), and the logits
         # from the partial sums the projection before added (kernels/route_partial.py). The sums'
-        # loads are issued first, with s's: one memory latency before the routing, not two (after
-        # the norm's reduction, 13.4 against 12.6 µs a launch on an H200; docs/benchmarks.md,
-        # sixteenth session). (The norm weight is loaded here, not before the wait: held across
-        # it, its 2048 values cost 16 registers a thread for the whole walk.)
+        # loads are issued first, with s's: one memory latency before the routing, not two. (The
+        # norm weight is loaded here, not before the wait: held across it, its 2048 values cost 16
+        # registers a thread for the whole walk.)
         dtype = p_x.dtype.element_ty
         o_e = tl.arange(0, BE)
         b_us = _acc_sums(p_acc, o_e, E_LAST, COPIES)
@@ -173,8 +148,8 @@ def _gate_up_token_kernel(
     if ROUTE:
         # The weights and ids for the down stage (which waits for this kernel to end) from the last
         # program, after its walk: a shared-expert program, which routes nothing itself and starts
-        # streaming before the wait (in program 0, before its walk, the full routing delayed slot
-        # 0's first load; 2.14 against 2.15 ms a decode step on an H200, docs/benchmarks.md).
+        # streaming before the wait (in program 0, before its walk, the routing delays slot 0's
+        # first load).
         if i_p == S * NUM_P - 1:
             if PARTIAL:
                 # The logits into p_logits first (the shared gate's from its column of the sums),
@@ -197,7 +172,7 @@ def covered(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, slot
 
 def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, act: torch.Tensor, c: MoeTokenConfig,
                    route: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
-                   partial: tuple[torch.Tensor, float, torch.Tensor] | None = None) -> None:  # fmt: skip
+                   partial: tuple[torch.Tensor, float, torch.Tensor] | None = None, pdl: bool = False) -> None:  # fmt: skip
     """The gate/up stage into ``act`` ``[S, I]``. With ``route`` (router
     logits ``[1, E + 1]``, weights out ``[1, S]``, renormalise) the kernel routes and writes ``ids``
     and the weights itself. With ``partial`` (the MoE norm's weight and eps, the accumulator of
@@ -223,5 +198,5 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
         ROUTE=route is not None, BE=triton.next_power_of_2(w_gate_up.shape[0] - 1) if route is not None else 1,
         BR=triton.next_power_of_2(max(num_slots - 1, 1)), RENORMALIZE=renormalize,
         PARTIAL=partial is not None, COPIES=ROUTE_COPIES,
-        num_warps=c.num_warps, launch_pdl=LAUNCH_PDL,
+        num_warps=c.num_warps, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip

@@ -18,7 +18,6 @@ offset arithmetic, two index-puts) and the ``k`` round trip through memory are g
 
 Memory traffic at the 35B-A3B decode shape (16 q / 2 kv heads of 256, bf16, one token): reads
 q_gate 16 KiB + k 1 KiB + weights 1 KiB, writes q 8 KiB + gate 8 KiB + k 1 KiB: ~35 KiB.
-Measured on an H200 (CUDA-graph replay, one token): 2.0 us against 61 us for the reference.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.triton._pdl import LAUNCH_PDL, PDL
 
 __all__ = ["qk_norm_rope_gate", "qk_norm_rope_gate_store"]
 
@@ -40,8 +38,8 @@ def _rope_cos_sin(p_inv_freq, b_pos, HALF, dtype: tl.constexpr, BD: tl.constexpr
     o_d = tl.arange(0, BD)
     m_rot = o_d < 2 * HALF
     b_freq = b_pos * tl.load(p_inv_freq + tl.where(o_d < HALF, o_d, o_d - HALF), mask=m_rot, other=0.0)
-    # No fast approximate cos/sin here: measured on an H200, tl.cos / tl.sin equal torch.cos / torch.sin
-    # bit for bit for angles up to 2.6e5 rad (position 256K at inv_freq 1).
+    # No fast approximate cos/sin here: tl.cos / tl.sin equal torch.cos / torch.sin bit for bit for
+    # angles up to 2.6e5 rad (position 256K at inv_freq 1) on the GPU.
     return tl.cos(b_freq).to(dtype).to(tl.float32), tl.sin(b_freq).to(dtype).to(tl.float32), m_rot
 
 
@@ -135,7 +133,7 @@ def qk_norm_rope_gate_kernel(
     HALF,
     eps,
     BD: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()
@@ -180,11 +178,12 @@ def qk_norm_rope_gate(
     positions: torch.Tensor,
     inv_freq: torch.Tensor,
     eps: float,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q [T, Hq, D], k [T, Hk, D], gate [T, Hq * D])``, see the module docstring."""
     _check_shapes(q_gate, k, inv_freq)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    q, gate = _launch(q_gate, k, q_norm_w, k_norm_w, positions, inv_freq, eps, k_out, None)
+    q, gate = _launch(q_gate, k, q_norm_w, k_norm_w, positions, inv_freq, eps, k_out, None, pdl)
     return q, k_out, gate
 
 
@@ -199,6 +198,7 @@ def qk_norm_rope_gate_store(
     eps: float,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [T, Hq, D], gate [T, Hq * D])``; rotated ``k`` and ``v`` land in ``kv_cache`` at ``slot_mapping``."""
     _check_shapes(q_gate, k, inv_freq)
@@ -207,7 +207,7 @@ def qk_norm_rope_gate_store(
             f"v must be shaped like k {tuple(k.shape)} and kv_cache [pages, 2, page_size, Hk, D] with a unit "
             f"last stride, got v {tuple(v.shape)} and kv_cache {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
         )
-    return _launch(q_gate, k, q_norm_w, k_norm_w, positions, inv_freq, eps, None, (v, kv_cache, slot_mapping))
+    return _launch(q_gate, k, q_norm_w, k_norm_w, positions, inv_freq, eps, None, (v, kv_cache, slot_mapping), pdl)
 
 
 def _launch(
@@ -220,6 +220,7 @@ def _launch(
     eps: float,
     k_out: torch.Tensor | None,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    pdl: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch over ``(token, q head | k head)``: ``k`` to ``k_out``, or with ``store`` to the cache."""
     num_tokens, num_q_heads, _ = q_gate.shape
@@ -244,6 +245,6 @@ def _launch(
         q_gate.stride(0), q_gate.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache,
         num_q_heads, num_k_heads, head_dim, inv_freq.shape[0], eps,
-        BD=triton.next_power_of_2(head_dim), STORE=store is not None, launch_pdl=LAUNCH_PDL,
+        BD=triton.next_power_of_2(head_dim), STORE=store is not None, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return q, gate

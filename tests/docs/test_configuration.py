@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 
 from phloem.engine import config as engine_config
-from phloem.kernels.dispatch import ENV_VAR as KERNELS_ENV_VAR
 from phloem.runtime.cli import build_parser
 from phloem.runtime.config import ServerConfig
-from phloem.runtime.env import PREFIX, EnvSettings
+from phloem.runtime.env import PREFIX, VARIABLES, EnvSettings
 from phloem.sessions.config import SessionConfig
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -66,9 +65,34 @@ def test_serve_flags_are_documented() -> None:
 
 def test_every_environment_variable_is_documented() -> None:
     text = PAGE.read_text(encoding="utf-8")
-    names = [PREFIX + f.name.upper() for f in dataclasses.fields(EnvSettings)] + [KERNELS_ENV_VAR]
+    names = [PREFIX + f.name.upper() for f in dataclasses.fields(EnvSettings)] + ["PHLOEM_KERNELS"]
     missing = [name for name in names if f"`{name}`" not in text]
     assert not missing, f"variables missing from {PAGE.name}: {missing}; {FIX}"
+
+
+def test_the_variables_table_is_runtime_envs_table() -> None:
+    """The page's variables are exactly ``runtime.env.VARIABLES``: each row's name, type, default
+    and meaning, in order, and no other ``PHLOEM_*`` variable in a table of the page."""
+    text = PAGE.read_text(encoding="utf-8")
+    begin, end = "<!-- BEGIN GENERATED: env -->", "<!-- END GENERATED: env -->"
+    rows = [line.split(" | ") for line in text[text.index(begin):text.index(end)].splitlines()
+            if line.startswith("| `PHLOEM_")]
+    cell = lambda value: " ".join(value.replace("|", "\\|").split())  # noqa: E731
+    assert [(r[0], r[1], r[2], r[4].removesuffix(" |")) for r in rows] == [
+        (f"| `{v.name}`", cell(v.type), cell(v.default), cell(v.help)) for v in VARIABLES
+    ], f"the variables table differs from runtime.env.VARIABLES; {FIX}"
+    elsewhere = {line.split("`")[1] for line in text.replace(text[text.index(begin):text.index(end)], "").splitlines()
+                 if line.startswith("| `PHLOEM_")}
+    assert not elsewhere, f"PHLOEM_* rows outside the generated table: {sorted(elsewhere)}"
+    assert {v.name for v in VARIABLES} >= set(names_read_by_env()), "a variable runtime.env reads is not in VARIABLES"
+
+
+def names_read_by_env() -> list[str]:
+    """Every ``PHLOEM_*`` name ``runtime.env`` reads: the ``EnvSettings`` fields and the kernel flags."""
+    from phloem.runtime import env
+
+    return ([PREFIX + f.name.upper() for f in dataclasses.fields(EnvSettings)] + [PREFIX + "KERNELS"]
+            + [PREFIX + name for name in env._KERNEL_FLAGS.values()])
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda cls: cls.__name__)

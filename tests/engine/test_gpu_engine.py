@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_kernels import use_kernels
 
 from phloem.engine import Engine, SamplingParams
+from phloem.kernels.config import KernelConfig
 from phloem.runtime.default_model import ensure_default_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -86,8 +88,8 @@ def test_async_scheduling_gives_the_synchronous_tokens_bitwise(model_dir: Path) 
 
 
 def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: Path) -> None:
-    """Programmatic dependent launch (on by default on sm_90+; ``PHLOEM_PDL=0`` is read when the
-    kernel modules import, so in a fresh process) changes when kernels launch, not what they
+    """Programmatic dependent launch (on by default on sm_90+; ``PHLOEM_PDL=0``, read by
+    ``runtime.env.kernel_config`` in a fresh process) changes when kernels launch, not what they
     compute: the same tokens with it off, bit for bit, with CUDA graphs and eager prefill; and
     one-token ``linear`` calls through cuBLAS instead of the Triton GEMV (``PHLOEM_TRITON_GEMV=0``)
     still follow them."""
@@ -97,8 +99,12 @@ def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: 
 
     params = dict(max_tokens=12, ignore_eos=True)
     script = (
-        "import json\n"
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parents[1] / 'support')!r})\n"
+        "from engine_kernels import use_kernels\n"
         "from phloem.engine import Engine, SamplingParams\n"
+        "from phloem.runtime.env import kernel_config\n"
+        "use_kernels(kernel_config())\n"
         f"e = Engine.from_pretrained({str(model_dir)!r}, device='cuda', dtype='bfloat16', num_pages=512, "
         "num_state_slots=64, max_num_batched_tokens=128, max_num_seqs=16)\n"
         f"outs = e.generate({PROMPTS!r}, SamplingParams(**{params!r}))\n"
@@ -117,48 +123,13 @@ def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: 
                    [*PROMPTS, PROMPTS[0]], runs[2])  # fmt: skip
 
 
-def test_graph_turns_give_the_one_buffer_tokens_bitwise(model_dir: Path) -> None:
-    """Two graph turns (``PHLOEM_GRAPH_TURNS``, read when ``engine.cuda_graph`` imports, so in a
-    fresh process) move the input and ids copies onto their own streams; they must change no
-    token: the same as one turn bit for bit, with async scheduling, a batch that shrinks (a bucket
-    change and row gathers: the ids then copied, not taken in place), seeded random rows beside
-    greedy ones (the ids then sampled outside the graph), and a second turn over the checkpoints."""
-    import json
-    import subprocess
-    import sys
-
-    script = (
-        "import json\n"
-        "from phloem.engine import Engine, SamplingParams\n"
-        f"e = Engine.from_pretrained({str(model_dir)!r}, device='cuda', dtype='bfloat16', num_pages=512, "
-        "num_state_slots=64, max_num_batched_tokens=128, max_num_seqs=16)\n"
-        "assert e.runner.graphs is not None\n"
-        f"prompts = {PROMPTS!r}\n"
-        "greedy = [SamplingParams(max_tokens=8 + 6 * i, ignore_eos=True) for i in range(len(prompts))]\n"
-        "first = e.generate(prompts, greedy)\n"
-        "mixed = [SamplingParams(max_tokens=10 + 3 * i, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=7 + i)"
-        " for i in range(len(prompts))]\n"
-        "second = e.generate([p + o.token_ids + [4, 5] for p, o in zip(prompts, first)], mixed)\n"
-        "print(json.dumps([e.runner.graphs.turns, [o.token_ids for o in first + second]]))\n"
-    )
-    runs = []
-    for turns in ("1", "2"):
-        env = {k: v for k, v in os.environ.items() if k != "PHLOEM_GRAPH_TURNS"} | {"PHLOEM_GRAPH_TURNS": turns}
-        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    assert [r[0] for r in runs] == [1, 2]
-    assert runs[1][1] == runs[0][1], "two graph turns changed the tokens"
-
-
 def test_attention_prologue_in_the_split_launch_follows_eager(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default (``PHLOEM_ATTN_PROLOGUE`` unset, read when the attention backend is built): the
-    decode steps' QK norm, RoPE, gate and KV write run inside the split-KV attention launch, in
-    CUDA graphs and eagerly; the tokens follow the eager engine with ``PHLOEM_ATTN_PROLOGUE=0``
-    (the prologue as a launch of its own; the queries' norm sums in another order, so bf16 may
-    part at a near tie), and a second turn over the cached prefix too."""
+    """The default: the decode steps' QK norm, RoPE, gate and KV write run inside the split-KV
+    attention launch, in CUDA graphs and eagerly; the tokens follow the eager engine with
+    FlashInfer's decode (``KernelConfig.triton_decode_attention`` off: the prologue as a launch of
+    its own; sums in another order, so bf16 may part at a near tie), and a second turn over the
+    cached prefix too."""
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    monkeypatch.delenv("PHLOEM_ATTN_PROLOGUE", raising=False)
     engine = gpu_engine(model_dir)
     assert engine.runner.attn is not None and engine.runner.attn.prologue
     first = [o.token_ids for o in engine.generate(PROMPTS, params)]
@@ -166,7 +137,7 @@ def test_attention_prologue_in_the_split_launch_follows_eager(model_dir: Path, m
     second = [o.token_ids for o in engine.generate(follow, SamplingParams(max_tokens=12, ignore_eos=True))]
     eager_fused = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
     eager_first = [o.token_ids for o in eager_fused.generate(PROMPTS, params)]
-    monkeypatch.setenv("PHLOEM_ATTN_PROLOGUE", "0")
+    use_kernels(KernelConfig(triton_decode_attention=False), monkeypatch.setattr)
     reference = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
     assert not reference.runner.attn.prologue  # type: ignore[union-attr]
     assert_follows(reference, PROMPTS, first)
@@ -257,7 +228,7 @@ def test_tensor_parallel_2_follows_tp1_over_nccl(model_dir: Path, one_shot: str,
     """TP=2 (NCCL, GPUs 0 and 1, CUDA-graph decode on both ranks) against TP=1: prefill, decode,
     a prefix hit, a fork, and a resume from an exported (gathered, then scattered) prefix; with
     the decode all-reduces through NCCL and through the one-shot kernel (``engine.one_shot``)."""
-    monkeypatch.setenv("PHLOEM_ONE_SHOT_ALLREDUCE", one_shot)  # the spawned worker inherits it
+    use_kernels(KernelConfig(one_shot_allreduce=one_shot == "1"), monkeypatch.setattr)  # the workers' WorkerSpec too
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with gpu_engine(model_dir, tensor_parallel_size=2, checkpoint_interval=64) as tp2:
         assert tp2.workers is not None and tp2.workers.group.size == 2

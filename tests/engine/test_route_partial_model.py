@@ -1,9 +1,11 @@
 """The one-token decode path without a router launch (``kernels/route_partial.py``) at the model
 level, torch backend: its layers' accumulators are zero between steps, the transposed router follows
-an in-place weight edit, and turning it off gives the same greedy tokens (fp32)."""
+an in-place weight edit, and turning it off (``KernelOps.route_partial``) gives the same greedy
+tokens (fp32)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,9 +25,8 @@ def _moe_layers(engine: Engine) -> list[SparseMoe]:
 
 
 def test_accumulators_are_zero_between_steps_and_the_router_copy_follows_edits(
-    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoint: Callable[..., Path],
 ) -> None:
-    monkeypatch.delenv("PHLOEM_ROUTE_PARTIAL", raising=False)
     engine = Engine.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM"), **OPTIONS)
     tokens = engine.generate([PROMPT], PARAMS)[0].token_ids
     moes = _moe_layers(engine)
@@ -43,7 +44,8 @@ def test_accumulators_are_zero_between_steps_and_the_router_copy_follows_edits(
     with torch.no_grad():
         moe.router.weight.mul_(0.5)
 
-    monkeypatch.setenv("PHLOEM_ROUTE_PARTIAL", "0")
     plain = Engine.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM"), **OPTIONS)
+    for m in _moe_layers(plain):
+        m.ops = dataclasses.replace(m.ops, route_partial=False)
     assert plain.generate([PROMPT], PARAMS)[0].token_ids == tokens
     assert all(m._route is None for m in _moe_layers(plain))

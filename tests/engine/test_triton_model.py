@@ -1,19 +1,22 @@
 """The whole model on the Triton op table, run by Triton's interpreter on CPU, against the torch
 references: the same greedy tokens (fp32), for batched decode and for the one-token steps that
-take the Triton GEMV (``PHLOEM_TRITON_GEMV=1``), with the MoE router in the projection before it
-(``kernels/route_partial.py``, the default) and in its own launch. Every Triton kernel the model calls on a GPU runs
+take the Triton GEMV (``KernelConfig.triton_gemv``), with the MoE router in the projection before it
+(``kernels/route_partial.py``, the default) and in its own launch (``KernelOps.route_partial`` off). Every Triton kernel the model calls on a GPU runs
 here except FlashInfer's attention and fla's chunked prefill (their torch fallbacks run instead).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from engine_kernels import use_kernels
 
 from phloem.engine import Engine, SamplingParams
+from phloem.kernels.config import KernelConfig
 
 pytest.importorskip("triton")
 
@@ -34,19 +37,19 @@ ROUTER_OPS = ("add_rms_norm_linear", "add_rms_norm_conv_linear", "gated_rms_norm
 def test_the_triton_op_table_gives_the_reference_tokens(
     route_partial: str, tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PHLOEM_ROUTE_PARTIAL", route_partial)
     path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
     options = dict(dtype="float32", enable_prefix_caching=False, num_pages=64, num_state_slots=8)
     reference = Engine.from_pretrained(path, **options)
+    _route_partial(reference, route_partial == "1")
     assert reference.runner.model.model.layers[0].mlp.ops.backend == "torch"
     batched = [o.token_ids for o in reference.generate(PROMPTS, PARAMS)]
     alone = reference.generate(PROMPTS[:1], PARAMS)[0].token_ids
 
-    monkeypatch.setenv("PHLOEM_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PHLOEM_TRITON_GEMV", "1")
+    use_kernels(KernelConfig(backend="triton", triton_gemv=True), monkeypatch.setattr)
     calls = _count_fused_ops(monkeypatch)
     engine = Engine.from_pretrained(path, **options)
+    _route_partial(engine, route_partial == "1")
     ops = engine.runner.model.model.layers[0].mlp.ops
     assert ops.backend == "triton" and ops.linear.__module__ == "phloem.kernels.triton.gemv"
     assert ops.route_partial == (route_partial == "1")
@@ -57,6 +60,13 @@ def test_the_triton_op_table_gives_the_reference_tokens(
     # model) and none of the other path's.
     used = ROUTED_OPS if route_partial == "1" else ROUTER_OPS
     assert all(calls[name] for name in used) and not any(calls[name] for name in calls if name not in used), calls
+
+
+def _route_partial(engine: Engine, on: bool) -> None:
+    """Every MoE layer of ``engine`` with the router in the projection before it (``on``, the
+    default of the fused one-token path) or in a launch of its own (``KernelOps.route_partial``)."""
+    for layer in engine.runner.model.model.layers:
+        layer.mlp.ops = dataclasses.replace(layer.mlp.ops, route_partial=on)
 
 
 def _count_fused_ops(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
@@ -70,9 +80,9 @@ def _count_fused_ops(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         calls[name] = 0
         op = getattr(module, name)
 
-        def counted(*args: object, _op: Callable[..., object] = op, _name: str = name) -> object:
+        def counted(*args: object, _op: Callable[..., object] = op, _name: str = name, **launch: object) -> object:
             calls[_name] += 1
-            return _op(*args)
+            return _op(*args, **launch)
 
         monkeypatch.setattr(module, name, counted)
     return calls

@@ -86,15 +86,8 @@ def hf_qwen3_next() -> ModuleType:
     return modeling_qwen3_next
 
 
-# The L2 prefetch (mode 2) is inline PTX: GPU only (the interpreter would run mode 1 in its place).
-_PRELOAD_MODES = {"tile0-after-wait": 0, "tile0-preloaded": 1} | ({"tile0-in-l2": 2} if torch.cuda.is_available() else {})
-
-
-@pytest.fixture(params=list(_PRELOAD_MODES.values()), ids=list(_PRELOAD_MODES))
-def decode_preload(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
-    """The split-KV decode attention with the one-tile splits' keys loaded after ``gdc_wait``, before
-    it, or pulled into L2 before it (``decode_attention.PRELOAD_FIRST_TILE``, read at each launch)."""
-    from phloem.kernels.triton import decode_attention
-
-    monkeypatch.setattr(decode_attention, "PRELOAD_FIRST_TILE", request.param)
+@pytest.fixture(params=[1], ids=["tile0-preloaded"])
+def decode_preload(request: pytest.FixtureRequest) -> int:
+    """The split-KV decode attention as it launches: the one-tile splits' keys loaded before
+    ``gdc_wait`` (``PRELOAD``; its other modes were removed, ``docs/decisions.md``)."""
     return int(request.param)

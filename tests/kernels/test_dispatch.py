@@ -12,14 +12,16 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from phloem.kernels import norm  # noqa: E402
-from phloem.kernels.dispatch import ENV_VAR, KernelOps, get_ops  # noqa: E402
+from phloem.kernels.config import KernelConfig  # noqa: E402
+from phloem.kernels.dispatch import KernelOps, get_ops  # noqa: E402
+from phloem.runtime.env import kernel_config  # noqa: E402
 
-OP_NAMES = [f.name for f in dataclasses.fields(KernelOps) if f.name not in ("backend", "fused_decode", "route_partial")]
+ENV_VAR = "PHLOEM_KERNELS"
+OP_NAMES = [f.name for f in dataclasses.fields(KernelOps) if f.name not in ("backend", "fused_decode", "route_partial", "pdl")]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-def test_cpu_defaults_to_the_references(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_VAR, raising=False)
+def test_cpu_defaults_to_the_references() -> None:
     ops = get_ops(CPU)
     assert ops.backend == "torch"
     assert ops.rms_norm is norm.rms_norm
@@ -27,9 +29,8 @@ def test_cpu_defaults_to_the_references(monkeypatch: pytest.MonkeyPatch) -> None
     assert not any(".triton." in getattr(ops, name).__module__ for name in OP_NAMES)
 
 
-def test_cuda_defaults_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_defaults_to_triton() -> None:
     """Choosing needs no GPU: a ``cuda`` device object is enough."""
-    monkeypatch.delenv(ENV_VAR, raising=False)
     ops = get_ops(CUDA)
     assert ops.backend == "triton"
     assert ops.rms_norm.__module__ == "phloem.kernels.triton.norm"
@@ -38,13 +39,13 @@ def test_cuda_defaults_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_env_forces_torch_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "torch")
-    assert get_ops(CUDA) == get_ops(CPU)
+    assert get_ops(CUDA, kernel_config()) == get_ops(CPU, kernel_config())
 
 
 def test_env_forces_triton_under_the_interpreter(monkeypatch: pytest.MonkeyPatch, assert_close) -> None:
     monkeypatch.setenv(ENV_VAR, "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ops = get_ops(CPU)
+    ops = get_ops(CPU, kernel_config())
     assert ops.backend == "triton"
     if not torch.cuda.is_available():
         x, weight = torch.randn(3, 16), torch.randn(16) * 0.1
@@ -55,59 +56,59 @@ def test_env_triton_on_cpu_without_interpreter_raises(monkeypatch: pytest.Monkey
     monkeypatch.setenv(ENV_VAR, "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        get_ops(CPU)
+        get_ops(CPU, kernel_config())
 
 
 def test_bad_env_value_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "cuda")
     with pytest.raises(ValueError, match=f"{ENV_VAR} must be"):
-        get_ops(CPU)
+        get_ops(CPU, kernel_config())
 
 
-def test_ops_are_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_VAR, raising=False)
+def test_a_bad_backend_in_the_config_raises() -> None:
+    with pytest.raises(ValueError, match="kernel backend must be"):
+        KernelConfig(backend="cuda")  # type: ignore[arg-type]
+
+
+def test_ops_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         get_ops(CPU).rms_norm = norm.add_rms_norm  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("name", OP_NAMES)
-def test_triton_ops_keep_the_reference_signature(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    reference, triton_op = getattr(get_ops(CPU), name), getattr(get_ops(CUDA), name)
+def test_triton_ops_keep_the_reference_signature(name: str, pdl: bool) -> None:
+    reference, triton_op = getattr(get_ops(CPU), name), getattr(get_ops(CUDA, KernelConfig(pdl=pdl)), name)
     assert inspect.signature(triton_op) == inspect.signature(reference)
 
 
-def test_the_triton_gemv_serves_linear_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one-token Triton GEMV by default on the Triton backend; ``PHLOEM_TRITON_GEMV=0``: cuBLAS."""
-    from phloem.kernels.dispatch import GEMV_ENV_VAR
-
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.delenv(GEMV_ENV_VAR, raising=False)
+def test_the_triton_gemv_serves_linear_unless_turned_off() -> None:
+    """The one-token Triton GEMV by default on the Triton backend; ``triton_gemv=False``: cuBLAS."""
     assert get_ops(CUDA).linear.__module__ == "phloem.kernels.triton.gemv"
     assert get_ops(CPU).linear.__module__ == "phloem.kernels.linear"  # the torch backend ignores it
-    monkeypatch.setenv(GEMV_ENV_VAR, "0")
-    assert get_ops(CUDA).linear is get_ops(CPU).linear
+    off = KernelConfig(triton_gemv=False)
+    assert get_ops(CUDA, off).linear is get_ops(CPU, off).linear
 
 
-def test_fused_decode_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from phloem.kernels.dispatch import FUSED_DECODE_ENV_VAR
-
-    monkeypatch.delenv(FUSED_DECODE_ENV_VAR, raising=False)
+def test_fused_decode_is_on_unless_turned_off() -> None:
     assert get_ops(CPU).fused_decode and get_ops(CUDA).fused_decode
-    monkeypatch.setenv(FUSED_DECODE_ENV_VAR, "0")
-    assert not get_ops(CPU).fused_decode and not get_ops(CUDA).fused_decode
+    off = KernelConfig(fused_decode=False)
+    assert not get_ops(CPU, off).fused_decode and not get_ops(CUDA, off).fused_decode
 
 
-def test_the_router_goes_into_the_projection_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_router_goes_into_the_projection_with_the_fused_path() -> None:
     """``KernelOps.route_partial`` (kernels/route_partial.py) rides on the fused one-token path:
-    off with ``PHLOEM_ROUTE_PARTIAL=0`` and with ``PHLOEM_FUSED_DECODE=0``."""
-    from phloem.kernels.dispatch import FUSED_DECODE_ENV_VAR, ROUTE_PARTIAL_ENV_VAR
-
-    monkeypatch.delenv(FUSED_DECODE_ENV_VAR, raising=False)
-    monkeypatch.delenv(ROUTE_PARTIAL_ENV_VAR, raising=False)
+    off with ``fused_decode=False``."""
     assert get_ops(CPU).route_partial and get_ops(CUDA).route_partial
-    monkeypatch.setenv(ROUTE_PARTIAL_ENV_VAR, "0")
-    assert not get_ops(CPU).route_partial and not get_ops(CUDA).route_partial
-    monkeypatch.delenv(ROUTE_PARTIAL_ENV_VAR)
-    monkeypatch.setenv(FUSED_DECODE_ENV_VAR, "0")
-    assert not get_ops(CPU).route_partial
+    assert not get_ops(CPU, KernelConfig(fused_decode=False)).route_partial
+
+
+def test_pdl_is_bound_into_the_triton_ops() -> None:
+    """``KernelConfig.pdl`` reaches every Triton launcher through the table; never under the
+    interpreter, and never on the torch backend."""
+    import triton
+
+    on = get_ops(CUDA, KernelConfig(pdl=True))
+    assert on.pdl == (not triton.knobs.runtime.interpret)
+    assert on.linear.keywords == {"pdl": on.pdl}  # type: ignore[attr-defined]
+    assert not get_ops(CUDA, KernelConfig(pdl=False)).pdl and not get_ops(CPU, KernelConfig(pdl=True)).pdl

@@ -163,10 +163,10 @@ def test_tp_group_takes_the_one_shot_kernel_for_calls_that_fit() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the setup failure path (no libcudart loaded)")
-def test_a_rank_whose_setup_fails_tells_its_peers_and_the_group_keeps_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rank_whose_setup_fails_tells_its_peers_and_the_group_keeps_nccl() -> None:
     """Without CUDA the buffers cannot be mapped: the rank publishes an empty handle (its peers,
     blocked on ``store.get``, learn it at once instead of waiting for the store's timeout) and the
-    group's vote says NCCL; with the variable unset nothing is attempted at all."""
+    group's vote says NCCL; not enabled (``KernelConfig.one_shot_allreduce``), nothing is attempted at all."""
     import torch.distributed as dist
 
     from phloem.engine import one_shot
@@ -178,10 +178,8 @@ def test_a_rank_whose_setup_fails_tells_its_peers_and_the_group_keeps_nccl(monke
         return ok
 
     store = dist.HashStore()  # type: ignore[attr-defined]
-    monkeypatch.setenv(one_shot.ENV_VAR, "1")
-    got = one_shot.OneShotAllReduce.connect(0, 2, torch.device("cuda", 0), store, agree, lambda t: t)
+    got = one_shot.OneShotAllReduce.connect(0, 2, torch.device("cuda", 0), store, agree, lambda t: t, enabled=True)
     assert got is None and votes == [False] and store.get("one-shot/0") == b""
-    monkeypatch.delenv(one_shot.ENV_VAR)
     store2 = dist.HashStore()  # type: ignore[attr-defined]
     assert one_shot.OneShotAllReduce.connect(0, 2, torch.device("cuda", 0), store2, lambda ok: ok, lambda t: t) is None
     assert store2.num_keys() == 0

@@ -26,7 +26,8 @@ from triton_codegen import CASES  # noqa: E402
 @pytest.fixture(scope="module", params=["plain", "pdl"])
 def results(request: pytest.FixtureRequest) -> dict[str, str]:
     """Every case compiled as launched by default, and with programmatic dependent launch
-    (``PHLOEM_PDL=1``: the decode kernels then start with ``griddepcontrol.wait``)."""
+    (``PHLOEM_PDL=1``, read by the script through ``runtime.env.kernel_config``: the decode kernels'
+    ``PDL`` constexpr, so they start with ``griddepcontrol.wait``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PHLOEM_PDL")}
     if request.param == "pdl":
         env["PHLOEM_PDL"] = "1"

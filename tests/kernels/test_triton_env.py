@@ -1,53 +1,40 @@
-"""Launch configurations from the environment (``kernels.triton._env.env_config``)."""
+"""The kernel choices from the environment (``runtime.env.kernel_config``): the only place a
+``PHLOEM_*`` kernel variable is read; ``kernels/`` itself takes a ``KernelConfig``."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import pytest
 
-from phloem.kernels.triton._env import env_config
+from phloem.kernels.config import KernelConfig
+from phloem.runtime.env import VARIABLES, kernel_config
 
 
-class _Config(NamedTuple):
-    block_n: int
-    num_warps: int
-    prefetch: bool
+def test_unset_or_empty_is_the_default_config() -> None:
+    assert kernel_config({}) == KernelConfig()
+    assert kernel_config({name: "" for name in (v.name for v in VARIABLES)}) == KernelConfig()
 
 
-def test_reads_one_integer_per_field(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PHLOEM_TEST_CONFIG", " 4,8,1 ")
-    assert env_config("PHLOEM_TEST_CONFIG", _Config) == _Config(4, 8, True)
+def test_each_variable_sets_its_field() -> None:
+    env = {"PHLOEM_KERNELS": " Triton ", "PHLOEM_TRITON_GEMV": "0", "PHLOEM_TRITON_DECODE_ATTENTION": "no",
+           "PHLOEM_FUSED_DECODE": "false", "PHLOEM_PDL": "1", "PHLOEM_ONE_SHOT_ALLREDUCE": "on"}
+    assert kernel_config(env) == KernelConfig(backend="triton", triton_gemv=False, triton_decode_attention=False,
+                                              fused_decode=False, pdl=True, one_shot_allreduce=True)
+    assert kernel_config({"PHLOEM_PDL": "0"}).pdl is False
+    assert kernel_config({"PHLOEM_KERNELS": "torch"}).backend == "torch"
 
 
-@pytest.mark.parametrize("text", [None, "", "  "])
-def test_unset_or_empty_is_none(monkeypatch: pytest.MonkeyPatch, text: str | None) -> None:
-    if text is None:
-        monkeypatch.delenv("PHLOEM_TEST_CONFIG", raising=False)
-    else:
-        monkeypatch.setenv("PHLOEM_TEST_CONFIG", text)
-    assert env_config("PHLOEM_TEST_CONFIG", _Config) is None
+@pytest.mark.parametrize(("name", "value", "match"), [
+    ("PHLOEM_KERNELS", "cuda", "PHLOEM_KERNELS must be 'auto', 'torch', 'triton' or unset, got 'cuda'"),
+    ("PHLOEM_PDL", "2", r"PHLOEM_PDL: expected 1/true/yes/on or 0/false/no/off, got '2'"),
+    ("PHLOEM_TRITON_GEMV", "maybe", "PHLOEM_TRITON_GEMV: expected"),
+])  # fmt: skip
+def test_anything_else_is_a_clear_error(name: str, value: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        kernel_config({name: value})
 
 
-@pytest.mark.parametrize("text", ["4,8", "4,8,1,2", "4,x,1", "4.0,8,1"])
-def test_anything_else_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
-    monkeypatch.setenv("PHLOEM_TEST_CONFIG", text)
-    with pytest.raises(ValueError, match=r"PHLOEM_TEST_CONFIG: expected 3 comma-separated integers \(block_n, num_warps, prefetch\)"):
-        env_config("PHLOEM_TEST_CONFIG", _Config)
-
-
-class _WithDefault(NamedTuple):
-    block_n: int
-    num_warps: int
-    maxnreg: int = 0
-
-
-def test_trailing_defaults_may_be_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PHLOEM_TEST_CONFIG", "2,4")
-    assert env_config("PHLOEM_TEST_CONFIG", _WithDefault) == _WithDefault(2, 4, 0)
-    monkeypatch.setenv("PHLOEM_TEST_CONFIG", "2,4,96")
-    assert env_config("PHLOEM_TEST_CONFIG", _WithDefault) == _WithDefault(2, 4, 96)
-    for text in ("2", "2,4,96,1"):
-        monkeypatch.setenv("PHLOEM_TEST_CONFIG", text)
-        with pytest.raises(ValueError, match=r"expected 2 to 3 comma-separated integers \(block_n, num_warps, maxnreg\)"):
-            env_config("PHLOEM_TEST_CONFIG", _WithDefault)
+def test_every_kernel_field_has_its_variable() -> None:
+    """A new ``KernelConfig`` field needs its row in ``runtime.env.VARIABLES`` (and so in the docs)."""
+    names = {v.name for v in VARIABLES}
+    fields = {"backend": "PHLOEM_KERNELS"} | {f: f"PHLOEM_{f.upper()}" for f in KernelConfig.__dataclass_fields__ if f != "backend"}
+    assert set(fields.values()) <= names, set(fields.values()) - names

@@ -39,25 +39,6 @@ def test_bf16_rounds_once_from_fp32(assert_close) -> None:
     assert_close(linear(x, w), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_shape_configs_override_the_chosen_tiles_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PHLOEM_GEMV_SHAPE_CONFIG`` (in-step sweeps): its shapes take the given tiles, others keep
-    ``gemv_config``'s; a malformed entry is refused with the expected form."""
-    from phloem.kernels.triton import gemv
-
-    parsed = gemv._shape_configs("2048x4096=1,8,1,4,1 / 12352X2048=2,4,1,2,0,64")
-    assert parsed == {(2048, 4096): gemv.GemvConfig(1, 8, 1, 4, True), (12352, 2048): gemv.GemvConfig(2, 4, 1, 2, False, 64)}
-    default = gemv.gemv_config(2048, 4096)
-    monkeypatch.setattr(gemv, "_SHAPE_CONFIGS", parsed)
-    assert gemv.gemv_config(2048, 4096) == gemv.GemvConfig(1, 8, 1, 4, True) != default
-    assert gemv.gemv_config(9216, 2048) == gemv.GemvConfig(4, 8, 1, 4, True)
-    for bad in ("2048=1,8,1,4,1", "axb=1,2,3,4,5"):
-        with pytest.raises(ValueError, match="NxK=block_n"):
-            gemv._shape_configs(bad)
-    for bad in ("2048x4096=1,8", "2048x4096=1,8,1,4,1,9,9", "2048x4096=one"):
-        with pytest.raises(ValueError, match=r"PHLOEM_GEMV_SHAPE_CONFIG \(2048x4096\): expected 5 to 6"):
-            gemv._shape_configs(bad)
-
-
 def test_a_strided_weight_view_and_other_shapes_fall_back(assert_close) -> None:
     x, w = _inputs(16, 64, torch.float32, seed=5)
     wide = torch.cat((w, w), dim=1)[:, :64]  # row stride 128, unit last stride: the kernel

@@ -93,8 +93,8 @@ def test_one_token_goes_to_the_token_kernels(monkeypatch: pytest.MonkeyPatch) ->
     x, w_gate_up, w_down, gen = _experts(9, 32, 16, torch.float32, seed=4)
     weights, ids = _shared_layout(9, 2, gen, torch.float32)
     calls = []
-    monkeypatch.setattr(fused_moe, "fused_moe_token", lambda *a: calls.append(a) or torch.zeros_like(x))
-    monkeypatch.setattr(fused_moe, "fused_moe_token_routed", lambda *a: calls.append(a) or torch.zeros_like(x))
+    monkeypatch.setattr(fused_moe, "fused_moe_token", lambda *a, **launch: calls.append(a) or torch.zeros_like(x))
+    monkeypatch.setattr(fused_moe, "fused_moe_token_routed", lambda *a, **launch: calls.append(a) or torch.zeros_like(x))
     fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids)
     fused_moe.fused_moe(x.repeat(2, 1), w_gate_up, w_down, weights.repeat(2, 1), ids.repeat(2, 1))
     logits = torch.randn(2, 9, generator=gen).to(DEVICE)

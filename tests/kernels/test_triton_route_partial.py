@@ -136,13 +136,6 @@ def test_real_shapes_give_the_same_bits_every_run(prologue: str, assert_close) -
     assert_close(runs[0].sum(0).double() / route_partial.ROUTE_SCALE, _u(s, t), atol=1e-4, rtol=1e-5)
 
 
-def test_accumulator_rows_are_a_power_of_two() -> None:
-    assert route_partial._copies("4") == 4 and route_partial._copies("1") == 1
-    for bad in ("0", "3", "-2", "four"):
-        with pytest.raises(ValueError, match="PHLOEM_ROUTE_COPIES: expected a power of two"):
-            route_partial._copies(bad)
-
-
 def test_the_kernels_take_only_accumulators_of_the_format() -> None:
     """``acc_fits``: ROUTE_COPIES contiguous int64 rows of E + 1 columns; anything else goes to the
     references."""

@@ -18,6 +18,17 @@ from typing import Any
 H200 = ("cuda", 90, 32)
 
 
+def _pdl() -> bool:
+    """The launch's PDL choice from ``PHLOEM_PDL`` (``runtime.env.kernel_config``): ``1`` forces it;
+    unset, on a machine without a GPU, it is off."""
+    import torch
+
+    from phloem.kernels.triton._pdl import use_pdl
+    from phloem.runtime.env import kernel_config
+
+    return use_pdl(kernel_config().pdl, torch.device("cuda"))
+
+
 def compile_for_h200(
     kernel: Any, pointers: dict[str, str], constexprs: dict[str, object], floats: frozenset[str] = frozenset({"eps"}),
     divisible: frozenset[str] = frozenset(),
@@ -34,7 +45,11 @@ def compile_for_h200(
     from triton.compiler import ASTSource
 
     signature = {}
-    for name, param in inspect.signature(kernel.fn).parameters.items():
+    params = inspect.signature(kernel.fn).parameters
+    pdl = _pdl()
+    if "PDL" in params:  # a decode kernel that opts into programmatic dependent launch
+        constexprs = constexprs | {"PDL": pdl}
+    for name, param in params.items():
         if "constexpr" in str(param.annotation):
             assert name in constexprs, f"{kernel.fn.__name__}: no value for constexpr {name}"
             signature[name] = "constexpr"
@@ -44,10 +59,7 @@ def compile_for_h200(
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
     compiled = triton.compile(source, target=GPUTarget(*H200))
     assert compiled.asm["cubin"], "no cubin"
-    if "PDL" in kernel.fn.__globals__:  # a decode kernel that opts into programmatic dependent launch
-        from phloem.kernels.triton._pdl import LAUNCH_PDL
-
-        pdl = LAUNCH_PDL  # PHLOEM_PDL=1 forces it; unset on a machine without a GPU: off
+    if "PDL" in params:
         for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
             found = instruction in compiled.asm["ptx"]
             assert found == pdl, f"{kernel.fn.__name__}: {instruction} {found}"
@@ -161,15 +173,15 @@ def argmax() -> None:
 
 
 def decode_attention() -> None:
-    from phloem.kernels.triton.decode_attention import decode_attention_merge_kernel, decode_attention_split_kernel
+    from phloem.kernels.triton.decode_attention_kernel import decode_attention_merge_kernel, decode_attention_split_kernel
 
     common = {"GROUP": 8, "D": 256, "PAGE": 16, "MIN_SPLIT": 16}
     pointers = _all("q kv_cache out", "*bf16") | _all("kv_indptr kv_indices kv_last_page_len", "*i32") | _all("o_part lse_part", "*fp32")
     # The prologue's operands (unused without PROLOGUE, typed as a launch passes them with it).
     pointers |= _all("k_new v_new q_norm_w k_norm_w gate", "*bf16") | _all("positions slots", "*i64") | {"inv_freq": "*fp32"}
     modes = [(direct, prologue, False) for direct in (False, True) for prologue in (False, True)]
-    # preload: 0 off, 1 the one-tile splits' tile in registers, 2 pulled into L2 (inline PTX).
-    for direct, prologue, preload in modes + [(False, True, 1), (False, False, 1), (False, True, 2)]:
+    # preload: the one-tile splits' tile in registers before the wait (off where MIN_SPLIT cannot be one tile).
+    for direct, prologue, preload in modes + [(False, True, True), (False, False, True)]:
         compile_for_h200(decode_attention_split_kernel, pointers, common | {
             "BLOCK_G": 16, "BLOCK_T": 32, "DIRECT": direct, "NUM_STAGES": 2, "PRECISION": "tf32", "PROLOGUE": prologue,
             "PRELOAD": preload},
@@ -177,11 +189,11 @@ def decode_attention() -> None:
     compile_for_h200(decode_attention_merge_kernel, pointers, common | {"BLOCK_S": 16, "BLOCK_D": 256})
 
 
-def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = True, route: bool = False) -> None:
-    """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape (``defer``:
-    with the conv operands preloaded, the conv update after the walk, not inside it; ``route``: with
-    the router partial's epilogue)."""
-    from phloem.kernels.triton.gemv import gemv_kernel
+def gemv(pro: int, conv: bool, prefetch: bool, route: bool = False) -> None:
+    """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape (with
+    ``conv`` and ``prefetch``, the conv operands preloaded and the update after the walk; ``route``:
+    with the router partial's epilogue)."""
+    from phloem.kernels.triton.gemv_kernel import gemv_kernel
 
     pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs p_h p_rt p_pw", "*bf16") | _all("p_read p_write p_acc", "*i64")
     kp = 4096 if pro in (2, 3) else 2048
@@ -189,7 +201,6 @@ def gemv(pro: int, conv: bool, prefetch: bool, defer: bool = True, keep: bool = 
         "PRO": pro, "CONV": conv, "KP": kp, "BLOCK_N": 8192 // kp, "PREFETCH": prefetch,
         "HAS_A": pro != 0, "WRITE_NORMED": pro == 1 and not conv, "ROUND_WEIGHTED": True,
         "HEAD": 128 if pro == 2 else 1, "KC": 4 if conv else 1, "BKC": 4 if conv else 1, "CONV_BLOCKS": 8 if conv and prefetch else 0,
-        "DEFER": conv and prefetch and defer, "KEEP": conv and prefetch and defer and keep,
         "ROUTE": route, "BE": 512 if route else 1, "COPIES": 4,
     }  # fmt: skip
     compile_for_h200(gemv_kernel, pointers, constexprs, floats=frozenset({"eps", "scale"}))
@@ -214,9 +225,7 @@ CASES: dict[str, Callable[[], None]] = {
     "linear (one-token GEMV, prefetch)": lambda: gemv(0, False, True),
     "add_rms_norm_linear / _router": lambda: gemv(1, False, True),
     "add_rms_norm_conv_linear": lambda: gemv(1, True, True),
-    "add_rms_norm_conv_linear (conv per block)": lambda: gemv(1, True, True, defer=False),
-    "add_rms_norm_conv_linear (conv after the walk, read back)": lambda: gemv(1, True, True, keep=False),
-    "add_rms_norm_conv_linear (no prefetch)": lambda: gemv(1, True, False),
+    "add_rms_norm_conv_linear (conv per block, no prefetch)": lambda: gemv(1, True, False),
     "gated_rms_norm_linear": lambda: gemv(2, False, True),
     "sigmoid_gate_linear": lambda: gemv(3, False, True),
     "gated_rms_norm_linear_route (the router partial)": lambda: gemv(2, False, True, route=True),
