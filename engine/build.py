@@ -54,12 +54,13 @@ def load_parts(path: str | Path, config: EngineConfig) -> EngineParts:
     if parallel.tensor_parallel_size > 1:
         spec = WorkerSpec(
             str(path), model_config, config.load, config.cache, config.runner, parallel.tensor_parallel_size,
-            torch.get_num_threads(), parallel.expert_parallel,
+            torch.get_num_threads(), parallel.expert_parallel, kernels=config.kernels,
         )
         workers = TPWorkers.launch(spec)
     try:
         bind_cuda_device(device)
-        model = load_model(Path(path), model_config, config.load, workers.group if workers else None)
+        model = load_model(Path(path), model_config, config.load, workers.group if workers else None,
+                           kernels=config.kernels)
         if workers is not None:
             workers.wait_ready()
         dtype = next(model.parameters()).dtype

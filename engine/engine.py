@@ -80,8 +80,8 @@ class Engine:
         self.workers = workers
         tp = workers.group if workers is not None else TPGroup.single(device)
         sink = workers.send if workers is not None else None
-        # ``config.kernels`` reaches the op table once ``build_runner`` takes ``kernels=`` (issue 31).
-        self.runner, plan = build_runner(model_config, model, cache_config, runner_config, tp, dtype, sink)
+        self.runner, plan = build_runner(model_config, model, cache_config, runner_config, tp, dtype, sink,
+                                         kernels=config.kernels)
         self.page_pool = PagePool(plan.num_pages, cache_config.page_size)
         self.slot_pool = SlotPool(plan.num_slots)
         tree = None

@@ -26,7 +26,7 @@ from phloem.runtime.config import (
     DTYPES, LOG_FORMATS, LOG_LEVELS, ApiKey, ServerConfig, default_data_dir, parse_api_key, read_api_keys_file,
 )
 from phloem.runtime.model_shapes import SHAPES, ensure_shape_model
-from phloem.runtime.env import EnvSettings, read_env, use_kernel_caches
+from phloem.runtime.env import EnvSettings, kernel_config, read_env, use_kernel_caches
 from phloem.runtime.pd_roles import ROLES, PDConfig
 from phloem.runtime._cli_parsers import command_parser, shorten_usage
 from phloem.runtime.preflight import StartupError, bind_port, check_device, check_model_folder
@@ -335,6 +335,7 @@ def _engine_config(args: argparse.Namespace) -> dict[str, EngineConfig]:
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   async_scheduling=not args.no_async_scheduling),
         parallel=dataclasses.replace(parallel, expert_parallel=args.ep),
+        kernels=kernel_config(),
     )
     return {} if config == EngineConfig(load=load, parallel=parallel) else {"engine": config}
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_kernels import use_kernels
 
 from phloem.engine import Engine, SamplingParams
 from phloem.kernels.config import KernelConfig
@@ -101,12 +100,10 @@ def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: 
     script = (
         "import json, sys\n"
         f"sys.path.insert(0, {str(Path(__file__).parents[1] / 'support')!r})\n"
-        "from engine_kernels import use_kernels\n"
         "from phloem.engine import Engine, SamplingParams\n"
         "from phloem.runtime.env import kernel_config\n"
-        "use_kernels(kernel_config())\n"
         f"e = Engine.from_pretrained({str(model_dir)!r}, device='cuda', dtype='bfloat16', num_pages=512, "
-        "num_state_slots=64, max_num_batched_tokens=128, max_num_seqs=16)\n"
+        "kernels=kernel_config(), num_state_slots=64, max_num_batched_tokens=128, max_num_seqs=16)\n"
         f"outs = e.generate({PROMPTS!r}, SamplingParams(**{params!r}))\n"
         f"alone = e.generate([{PROMPTS[0]!r}], SamplingParams(**{params!r}))\n"
         "print(json.dumps([o.token_ids for o in outs + alone]))\n"
@@ -137,8 +134,8 @@ def test_attention_prologue_in_the_split_launch_follows_eager(model_dir: Path, m
     second = [o.token_ids for o in engine.generate(follow, SamplingParams(max_tokens=12, ignore_eos=True))]
     eager_fused = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
     eager_first = [o.token_ids for o in eager_fused.generate(PROMPTS, params)]
-    use_kernels(KernelConfig(triton_decode_attention=False), monkeypatch.setattr)
-    reference = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
+    reference = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False,
+                           kernels=KernelConfig(triton_decode_attention=False))
     assert not reference.runner.attn.prologue  # type: ignore[union-attr]
     assert_follows(reference, PROMPTS, first)
     assert_follows(reference, PROMPTS, eager_first)
@@ -228,9 +225,9 @@ def test_tensor_parallel_2_follows_tp1_over_nccl(model_dir: Path, one_shot: str,
     """TP=2 (NCCL, GPUs 0 and 1, CUDA-graph decode on both ranks) against TP=1: prefill, decode,
     a prefix hit, a fork, and a resume from an exported (gathered, then scattered) prefix; with
     the decode all-reduces through NCCL and through the one-shot kernel (``engine.one_shot``)."""
-    use_kernels(KernelConfig(one_shot_allreduce=one_shot == "1"), monkeypatch.setattr)  # the workers' WorkerSpec too
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    with gpu_engine(model_dir, tensor_parallel_size=2, checkpoint_interval=64) as tp2:
+    with gpu_engine(model_dir, tensor_parallel_size=2, checkpoint_interval=64,
+                    kernels=KernelConfig(one_shot_allreduce=one_shot == "1")) as tp2:
         assert tp2.workers is not None and tp2.workers.group.size == 2
         assert (tp2.workers.group.one_shot is not None) == (one_shot == "1")
         assert tp2.runner.graphs is not None and tp2.runner.graphs.graphs

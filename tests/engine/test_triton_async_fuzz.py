@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from engine_kernels import use_kernels
 from toy_model import assert_pools_empty
 
 from phloem.engine import Engine, RequestOutput, SamplingParams
@@ -155,8 +154,8 @@ def two_layer_checkpoint(tiny_checkpoint: Callable[..., Path], tmp_path_factory:
 
 def test_async_scheduling_gives_the_synchronous_tokens(two_layer_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    use_kernels(KernelConfig(backend="triton"), monkeypatch.setattr)
-    options = dict(dtype="float32", num_pages=8, num_state_slots=6, max_num_batched_tokens=16, checkpoint_interval=32)
+    options = dict(dtype="float32", num_pages=8, num_state_slots=6, max_num_batched_tokens=16, checkpoint_interval=32,
+                   kernels=KernelConfig(backend="triton"))
     pipelined = Engine.from_pretrained(two_layer_checkpoint, async_scheduling=True, **options)
     sync = Engine.from_pretrained(two_layer_checkpoint, async_scheduling=False, **options)
     assert pipelined.runner.model.model.layers[0].mlp.ops.backend == "triton"

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_kernels import use_kernels
 
 from phloem.engine import Engine, SamplingParams
 from phloem.kernels.config import KernelConfig
@@ -46,9 +45,8 @@ def test_the_triton_op_table_gives_the_reference_tokens(
     alone = reference.generate(PROMPTS[:1], PARAMS)[0].token_ids
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    use_kernels(KernelConfig(backend="triton", triton_gemv=True), monkeypatch.setattr)
     calls = _count_fused_ops(monkeypatch)
-    engine = Engine.from_pretrained(path, **options)
+    engine = Engine.from_pretrained(path, kernels=KernelConfig(backend="triton", triton_gemv=True), **options)
     _route_partial(engine, route_partial == "1")
     ops = engine.runner.model.model.layers[0].mlp.ops
     assert ops.backend == "triton" and ops.linear.__module__ == "phloem.kernels.triton.gemv"

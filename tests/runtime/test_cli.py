@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from phloem.kernels.config import KernelConfig
 from phloem.runtime import ServerConfig
 from phloem.runtime._demo import BRANCHES, TURNS, DemoOptions, DemoRow, format_report, run_demo, run_story
 from phloem.runtime.cli import build_parser, main
@@ -294,6 +295,19 @@ def test_serve_step_budget_flags_reach_the_engine(served: list[ServerConfig], mo
     assert config.engine is not None
     assert (config.engine.scheduler.max_num_batched_tokens, config.engine.scheduler.max_num_seqs) == (8192, 16)
     assert config.engine_config.scheduler.max_num_batched_tokens == 8192
+
+
+def test_serve_kernel_variables_reach_the_engine(served: list[ServerConfig], model_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PHLOEM_PDL`` / ``PHLOEM_TRITON_GEMV`` (read in ``runtime.env`` only) become the served
+    engine's ``KernelConfig``; unset, the engine keeps the defaults."""
+    assert main(["serve", "--model", str(model_dir), "--port", "0"]) == 0
+    monkeypatch.setenv("PHLOEM_PDL", "0")
+    monkeypatch.setenv("PHLOEM_TRITON_GEMV", "0")
+    assert main(["serve", "--model", str(model_dir), "--port", "0"]) == 0
+    default, chosen = served
+    assert default.engine_config.kernels == KernelConfig()
+    assert chosen.engine_config.kernels == KernelConfig(pdl=False, triton_gemv=False)
 
 
 def test_serve_rejects_a_zero_step_budget(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],
