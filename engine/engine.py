@@ -341,6 +341,9 @@ class Engine:
         except CorruptStep:
             self._drop_corrupt(launched)
             raise
+        if self._queued is not None:
+            # Its grammar masks and penalties read the tokens ``_apply`` just appended.
+            self._queued = self.runner.sample_queued(self._queued)
         return outputs
 
     def _pipelined(self) -> bool:

@@ -6,8 +6,10 @@ samples exactly as before (no tensor is built). Otherwise ``apply`` returns an f
 logits with, for the rows concerned and in this order:
 
 1. the grammar's mask: tokens it does not allow next become ``-inf`` (``engine.grammar``; the
-   bitmask is filled on the host when ``build`` runs, which ``ModelRunner.launch`` calls after
-   queueing the forward, so the host work overlaps the device's);
+   bitmask is filled on the host when ``build`` runs, which the runner calls after queueing the
+   forward, so the host work overlaps the device's). A finished request's row (one that a step
+   queued ahead still samples, its token dropped: ``engine.step_pipeline``) is not masked: its
+   matcher may have terminated, and a terminated matcher has no next tokens;
 2. the penalties, over the counts ``c`` of each token in the output and the set ``seen`` of
    tokens in the prompt or the output::
 
@@ -93,7 +95,7 @@ class StepProcessing:
         self.device = device
         self.vocab_size = vocab_size
         self.reqs = tuple(reqs)
-        self.grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        self.grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.is_finished]
         self.bitmask = self._fill_bitmask() if self.grammar_rows else None
         self.penalty_rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
         self.eos_ids = tuple(eos_ids)
