@@ -12,32 +12,15 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from grammars import HERMES, JSON, REGEX, SCHEMA, TOOL_CALL, TOOLS, WEATHER, XML, XML_CALL
 from toy_model import assert_pools_empty
 
-from phloem.engine import Engine, GrammarSpec, SamplingParams
+from phloem.engine import Engine, SamplingParams
 from phloem.engine.grammar import GrammarMatcher
 from phloem.engine.model_runner import LaunchedStep
 from phloem.runtime import ensure_default_model
 from phloem.sessions import Tokenizer
-from phloem.sessions.output_parser import OutputFormat, parse_output
-from phloem.sessions.structured import ToolChoice, build_grammar
-
-SCHEMA = {"type": "object", "properties": {
-    "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
-    "unit": {"enum": ["kg", "lb"]}}, "required": ["ok", "n", "unit"], "additionalProperties": False}
-JSON = GrammarSpec("json_schema", json.dumps(SCHEMA))
-REGEX = GrammarSpec("structural_tag", json.dumps(
-    {"type": "structural_tag", "format": {"type": "regex", "pattern": "[a-z]{2,5}( [0-9]{1,2}){1,3}\\."}}))
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-           "required": ["city", "days"]}
-TOOLS = ({"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "flag", "parameters": {
-             "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}}})
-HERMES = OutputFormat("hermes", TOOLS)
-XML = OutputFormat("qwen_xml", TOOLS)
-TOOL_CALL = build_grammar(HERMES, None, ToolChoice("required"), parallel_tool_calls=False)
-XML_CALL = build_grammar(XML, None, ToolChoice("function", "flag"))
+from phloem.sessions.output_parser import parse_output
 
 
 @pytest.fixture(scope="module")
