@@ -123,9 +123,12 @@ class StepProcessing:
         if out.data_ptr() == logits.data_ptr():
             out = out.clone()
         if self.bitmask is not None:
-            rows = self._rows(self.grammar_rows)
             allowed = _unpack(self.bitmask, self.vocab_size)
-            out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+            if len(self.grammar_rows) == len(self.reqs):
+                out.masked_fill_(~allowed, float("-inf"))
+            else:
+                rows = self._rows(self.grammar_rows)
+                out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
         if self.penalty_rows:
             self._apply_penalties(out)
         self._apply_bias(out)
@@ -159,12 +162,14 @@ class StepProcessing:
         assert isinstance(req.penalty_state, PenaltyState)
         return req.penalty_state
 
-    @staticmethod
-    def _seen(states: list[PenaltyState], counts: torch.Tensor) -> torch.Tensor:
+    def _seen(self, states: list[PenaltyState], counts: torch.Tensor) -> torch.Tensor:
         seen = counts > 0
         prompt = [j for j, s in enumerate(states) if s.prompt_mask is not None]
         if prompt:
-            seen[prompt] |= torch.stack([states[j].prompt_mask for j in prompt])  # type: ignore[misc]
+            # Indexed by a device tensor: a Python list index would be copied synchronously, and
+            # the host would wait for the forward queued before this step's sampling.
+            rows = self._rows(prompt)
+            seen[rows] |= torch.stack([states[j].prompt_mask for j in prompt])  # type: ignore[misc]
         return seen
 
     def _apply_bias(self, logits: torch.Tensor) -> None:
