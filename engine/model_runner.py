@@ -93,9 +93,9 @@ class LaunchedStep:
     way to the host like the ids (None when no request asked).
 
     ``logits``: set on a step whose sampling is not queued yet (it waits for the tokens of the
-    step before: ``tokens`` is then None; ``ModelRunner.sample_queued`` returns the sampled step). NOTE:
-    logits from a CUDA graph are valid only until the next replay of any graph, so the engine
-    queues the sampling before it launches another forward.
+    step before; ``tokens`` is then None and ``ModelRunner.sample_queued`` returns the sampled
+    step). NOTE: logits from a CUDA graph are valid only until the next replay of any graph, so
+    the engine queues the sampling before it launches another forward.
     """
 
     sched: SchedulerOutput
