@@ -153,7 +153,9 @@ class StepLog:
             self.events.append(("collect", step.sched))
             return collect(step)
 
-        runner.launch, runner.sample_queued, runner.collect = logged_launch, logged_sample, logged_collect  # type: ignore[method-assign]
+        runner.launch = logged_launch  # type: ignore[method-assign]
+        runner.sample_queued = logged_sample  # type: ignore[method-assign]
+        runner.collect = logged_collect  # type: ignore[method-assign]
 
     def find(self, kind: str, sched: object) -> int:
         return next(i for i, (k, s) in enumerate(self.events) if k == kind and s is sched)
@@ -200,7 +202,8 @@ def test_a_grammar_that_ends_inside_the_queued_step_stops_as_before(model_dir: P
         assert_pools_empty(engine)
     assert results[True] == results[False]
     (stopped, _, _), (ended, reason, _), (cut, cut_reason, _), _ = results[True][0]
-    assert stopped == free.token_ids[: stopped.index(stop) + 1] and ended == free.token_ids and reason == "stop"  # type: ignore[union-attr]
+    assert stopped == free.token_ids[: stopped.index(stop) + 1]  # type: ignore[union-attr]
+    assert ended == free.token_ids and reason == "stop"
     assert cut == free.token_ids[:-1] and cut_reason == "length"
 
 
