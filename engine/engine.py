@@ -116,9 +116,7 @@ class Engine:
         self._queued: LaunchedStep | None = None
         self._pending: list[RequestOutput] = []
         self.num_pipelined_steps = 0  # steps queued behind the step being collected
-        # What the last ``step`` collected: "decode" (one token per request), "prefill" (no
-        # one-token row) or "mixed"; the engine loop times steps by it.
-        self.last_step_kind = "decode"
+        self.last_step_kind = "decode"  # ``SchedulerOutput.kind`` of the step ``step`` collected
 
     @classmethod
     def from_pretrained(
@@ -295,15 +293,18 @@ class Engine:
             if sched.is_empty:
                 return outputs
             launched = self.runner.launch(sched)
-        counts = launched.sched.num_new_tokens
-        self.last_step_kind = "decode" if all(n == 1 for n in counts) else "mixed" if 1 in counts else "prefill"
+        self.last_step_kind = launched.sched.kind
         if self._pipelined():
             following = next_decode_step(launched, self.scheduler, self.cache, self.max_model_len)
             if following is not None:
                 sched, inputs, input_ids = following
                 self._queued = self.runner.launch(sched, inputs, input_ids)
                 self.num_pipelined_steps += 1
-        return outputs + self._apply(launched)
+        outputs += self._apply(launched)
+        if self._queued is not None:
+            # Its grammar masks and penalties read the tokens ``_apply`` just appended.
+            self._queued = self.runner.sample_queued(self._queued)
+        return outputs
 
     def _pipelined(self) -> bool:
         return self.async_scheduling and self.runner.layer_hook is None

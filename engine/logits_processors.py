@@ -6,8 +6,10 @@ samples exactly as before (no tensor is built). Otherwise ``apply`` returns an f
 logits with, for the rows concerned and in this order:
 
 1. the grammar's mask: tokens it does not allow next become ``-inf`` (``engine.grammar``; the
-   bitmask is filled on the host when ``build`` runs, which ``ModelRunner.launch`` calls after
-   queueing the forward, so the host work overlaps the device's);
+   bitmask is filled on the host when ``build`` runs, which the runner calls after queueing the
+   forward, so the host work overlaps the device's). A finished request's row (one that a step
+   queued ahead still samples, its token dropped: ``engine.step_pipeline``) is not masked: its
+   matcher may have terminated, and a terminated matcher has no next tokens;
 2. the penalties, over the counts ``c`` of each token in the output and the set ``seen`` of
    tokens in the prompt or the output::
 
@@ -93,7 +95,7 @@ class StepProcessing:
         self.device = device
         self.vocab_size = vocab_size
         self.reqs = tuple(reqs)
-        self.grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        self.grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.is_finished]
         self.bitmask = self._fill_bitmask() if self.grammar_rows else None
         self.penalty_rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
         self.eos_ids = tuple(eos_ids)
@@ -121,9 +123,12 @@ class StepProcessing:
         if out.data_ptr() == logits.data_ptr():
             out = out.clone()
         if self.bitmask is not None:
-            rows = self._rows(self.grammar_rows)
             allowed = _unpack(self.bitmask, self.vocab_size)
-            out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+            if len(self.grammar_rows) == len(self.reqs):
+                out.masked_fill_(~allowed, float("-inf"))
+            else:
+                rows = self._rows(self.grammar_rows)
+                out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
         if self.penalty_rows:
             self._apply_penalties(out)
         self._apply_bias(out)
@@ -157,12 +162,14 @@ class StepProcessing:
         assert isinstance(req.penalty_state, PenaltyState)
         return req.penalty_state
 
-    @staticmethod
-    def _seen(states: list[PenaltyState], counts: torch.Tensor) -> torch.Tensor:
+    def _seen(self, states: list[PenaltyState], counts: torch.Tensor) -> torch.Tensor:
         seen = counts > 0
         prompt = [j for j, s in enumerate(states) if s.prompt_mask is not None]
         if prompt:
-            seen[prompt] |= torch.stack([states[j].prompt_mask for j in prompt])  # type: ignore[misc]
+            # Indexed by a device tensor: a Python list index would be copied synchronously, and
+            # the host would wait for the forward queued before this step's sampling.
+            rows = self._rows(prompt)
+            seen[rows] |= torch.stack([states[j].prompt_mask for j in prompt])  # type: ignore[misc]
         return seen
 
     def _apply_bias(self, logits: torch.Tensor) -> None:

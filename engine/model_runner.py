@@ -9,6 +9,13 @@ A step is ``launch`` (queue the forward and the sampling on the device) then ``c
 the sampled ids back: the step's one host sync). Between the two the engine may launch the next
 decode step (``engine.step_pipeline``), whose input ids are the previous step's sampled ids
 *on the device* (``input_ids``): the host then prepares step N+1 while the device runs step N.
+When step N+1's logits processing needs step N's tokens on the host (a grammar's mask, the
+penalties' counts), ``launch`` queues only its forward, and ``sample_queued`` queues its
+sampling once step N's tokens are read and applied, while the device still runs step N+1's
+forward::
+
+    device:  fwd N | sample N | fwd N+1 ................ | sample N+1 | fwd N+2 ...
+    host:    launch fwd N+1 | wait ids N, accept them, fill masks | sample_queued(N+1) | ...
 
 Under tensor parallelism rank 0's runner hands each step's ``StepPlan`` (its page copies and
 inputs) to ``plan_sink`` before its own forward; a worker rank's runner gets the plan through
@@ -85,6 +92,11 @@ class LaunchedStep:
     behind the next step that async scheduling has queued, and wait for that step too.) On CPU
     ``host_tokens`` is ``tokens``. ``logprobs``: the sampled rows' log-probabilities, on their
     way to the host like the ids (None when no request asked).
+
+    ``logits``: set on a step whose sampling is not queued yet (it waits for the tokens of the
+    step before; ``tokens`` is then None and ``ModelRunner.sample_queued`` returns the sampled
+    step). NOTE: logits from a CUDA graph are valid only until the next replay of any graph, so
+    the engine queues the sampling before it launches another forward.
     """
 
     sched: SchedulerOutput
@@ -93,6 +105,11 @@ class LaunchedStep:
     host_tokens: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
     logprobs: StepLogprobs | None = None
+    logits: torch.Tensor | None = None
+
+    @property
+    def awaits_sampling(self) -> bool:
+        return self.logits is not None
 
 
 class ModelRunner:
@@ -265,7 +282,10 @@ class ModelRunner:
         """Queue the step's forward and sampling on the device; nothing is read back.
 
         ``inp`` defaults to ``prepare_inputs(out)``; ``input_ids`` as in ``forward_logits`` (under
-        tensor parallelism the plan says so and every rank receives them by broadcast).
+        tensor parallelism the plan says so and every rank receives them by broadcast). A step
+        with ``input_ids`` is queued before the step that samples them is read, so when one of
+        its sampled requests reads the last token (``SamplingParams.reads_last_token``) only its
+        forward is queued: ``sample_queued`` queues the sampling once those tokens are applied.
         """
         inp = inp if inp is not None else self.prepare_inputs(out)
         if self.plan_sink is not None:
@@ -278,6 +298,28 @@ class ModelRunner:
         if logits is None:
             return LaunchedStep(out, (), None)
         reqs = tuple(out.requests[i] for i in inp.sample_rows)
+        if input_ids is not None and any(r.params.reads_last_token for r in reqs):
+            return LaunchedStep(out, reqs, None, logits=logits)
+        return self._sample(out, reqs, logits, greedy)
+
+    def sample_queued(self, step: LaunchedStep) -> LaunchedStep:
+        """Queue the sampling of a step whose ``launch`` left it out (its forward is queued or
+        running) and return the sampled step; any other step is returned as it is.
+
+        Call it once the tokens of the step before are applied to the requests (grammar matchers
+        advanced, outputs appended): the masks and penalties are then those a synchronous step
+        would have built, so the tokens are the same. Rows of requests that finished meanwhile
+        are sampled without their grammar and dropped by the engine.
+        """
+        if step.logits is None:
+            return step
+        return self._sample(step.sched, step.sampled, step.logits, None)
+
+    def _sample(
+        self, out: SchedulerOutput, reqs: tuple[Request, ...], logits: torch.Tensor, greedy: torch.Tensor | None
+    ) -> LaunchedStep:
+        """Queue the processing and sampling of ``logits`` (one row per request of ``reqs``) and the
+        copy of the sampled ids to the host."""
         generators = [r.generator or self.default_generator for r in reqs]
         # Built after the forward is queued: grammar masks are filled on the host meanwhile.
         mc = self.model_config
@@ -298,7 +340,10 @@ class ModelRunner:
 
     @staticmethod
     def collect(step: LaunchedStep) -> StepResult:
-        """Read a launched step's sampled ids (waits for the device to finish that step only)."""
+        """Read a launched step's sampled ids (waits for the device to finish that step only).
+
+        A step whose sampling was never queued (the engine step that launched it failed before
+        ``sample_queued``) reads as having sampled nothing."""
         if step.host_tokens is None:
             return StepResult({})
         if step.copied is not None:

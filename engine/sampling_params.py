@@ -115,6 +115,7 @@ class SamplingParams:
     @property
     def reads_last_token(self) -> bool:
         """Whether the next token's logits depend on the token just sampled (a grammar's mask,
-        the penalties' counts, the count ``min_tokens`` compares): such a request's step cannot
-        be queued before the previous step's ids are read (``engine.step_pipeline``)."""
+        the penalties' counts, the count ``min_tokens`` compares): a step queued before the
+        previous step's ids are read samples such a request only once they are
+        (``engine.step_pipeline``)."""
         return self.grammar is not None or self.has_penalties or self.min_tokens > 0

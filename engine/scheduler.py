@@ -48,6 +48,12 @@ class SchedulerOutput:
     finished_early: tuple[Request, ...] = ()
 
     @property
+    def kind(self) -> str:
+        """``decode`` (one token per request), ``prefill`` (no one-token row) or ``mixed``."""
+        counts = self.num_new_tokens
+        return "decode" if all(n == 1 for n in counts) else "mixed" if 1 in counts else "prefill"
+
+    @property
     def is_empty(self) -> bool:
         return not self.requests
 

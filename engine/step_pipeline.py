@@ -24,10 +24,17 @@ after step N cannot change it:
   request's write slot to the cache, and step N+1 would write into it);
 - no request is a prefill-only one, and every request gets the page for its next position
   without preemption (eviction from the cache is fine: only unlocked nodes go);
-- the runner has no per-step layer hook (disaggregated prefill);
-- no request's next logits depend on the token step N samples (``SamplingParams.reads_last_token``:
-  a grammar's mask for step N+1 is computed from token N on the host, and the penalties and
-  ``min_tokens`` count it), so a step holding a grammar request runs synchronously.
+- the runner has no per-step layer hook (disaggregated prefill).
+
+A request whose next logits depend on the token step N samples (``SamplingParams.reads_last_token``:
+a grammar's mask for step N+1 is computed from token N on the host, the penalties and
+``min_tokens`` count it) is queued too, but only step N+1's forward: its sampling waits for step
+N's tokens (``ModelRunner.launch``). The engine reads step N's tokens while the device runs step
+N+1's forward, advances the grammar matchers, and queues step N+1's sampling
+(``ModelRunner.sample_queued``): the bitmask is filled on the host and copied to the device
+during the forward, and the masked sampling runs as its own small launch after it. A request
+that step N finished (a grammar that reached its end, a stop token) is still a row of step N+1:
+its grammar is left out of the mask and its token dropped.
 
 Under tensor parallelism the queued step's plan goes to the worker ranks at once, marked
 ``device_ids``, and every rank receives the ids from rank 0's device by a broadcast queued just
@@ -80,7 +87,6 @@ def next_decode_step(
             req.status is not RequestStatus.RUNNING
             or req.finalizing
             or req.prefill_only
-            or req.params.reads_last_token
             or computed_after != req.num_tokens
             or cache.checkpoint_due(req, computed_after, req.num_tokens)
         ):

@@ -12,8 +12,8 @@ plus causal attention ``2 × Hq × D × T²`` per attention layer, over a measur
 
 With a grammar (``--grammar``) every request of a point decodes again under ``BENCH_SCHEMA``, a
 JSON Schema whose ``minItems`` keeps the document open for the whole run: the cost of
-constrained decoding (the bitmask filled on the host each step, the masked sampling, and the
-step no longer queued ahead) against the same point without it.
+constrained decoding (the bitmask filled on the host each step while the next forward runs, and
+the masked sampling launched after it) against the same point without it.
 """
 
 from __future__ import annotations
