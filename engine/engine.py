@@ -301,8 +301,7 @@ class Engine:
                 self._queued = self.runner.launch(sched, inputs, input_ids)
                 self.num_pipelined_steps += 1
         outputs += self._apply(launched)
-        if self._queued is not None:
-            # Its grammar masks and penalties read the tokens ``_apply`` just appended.
+        if self._queued is not None:  # its grammar masks and penalties read the tokens just applied
             self._queued = self.runner.sample_queued(self._queued)
         return outputs
 
