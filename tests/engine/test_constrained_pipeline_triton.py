@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from toy_model import assert_pools_empty
 
 from phloem.engine import Engine, SamplingParams
+from phloem.kernels.config import KernelConfig
 from phloem.runtime import ensure_default_model
 
 pytest.importorskip("triton")
@@ -48,7 +49,6 @@ def two_layer_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_constrained_steps_give_the_synchronous_tokens(two_layer_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PHLOEM_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     # Few forwards (the interpreter takes seconds each): a prefill, then four decode steps, the
     # last three queued ahead with their sampling waiting for the ids before.
@@ -60,7 +60,7 @@ def test_constrained_steps_give_the_synchronous_tokens(two_layer_model: Path, mo
     outs = {}
     for pipelined in (True, False):
         engine = Engine.from_pretrained(two_layer_model, dtype="float32", num_pages=16, num_state_slots=12,
-                                        async_scheduling=pipelined)
+                                        async_scheduling=pipelined, kernels=KernelConfig(backend="triton"))
         assert engine.runner.model.model.layers[0].mlp.ops.backend == "triton"
         outs[pipelined] = [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, params)]
         assert (engine.num_pipelined_steps > 0) == pipelined
