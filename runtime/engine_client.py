@@ -28,10 +28,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol, TypeVar
 
-from phloem.engine import Engine, EngineError, InvalidRequest, RequestOutput, SamplingParams
+from phloem.engine import (
+    Engine, EngineError, GrammarSpec, InvalidRequest, RequestOutput, SamplingParams, WarmupReport,
+)
 from phloem.engine.config import EngineConfig, ModelConfig
-from phloem.engine.sampling_params import GrammarSpec
-from phloem.engine.warmup import WarmupReport
 from phloem.runtime.engine_commands import (
     AbortRequest,
     AddRequest,

@@ -80,7 +80,7 @@ VARIABLES: tuple[EnvVar, ...] = (
            "(`kernels/triton/_pdl.py`; the same results bit for bit); unset: on where the GPU is sm_90 or newer"),
     EnvVar("PHLOEM_ONE_SHOT_ALLREDUCE", "bool", "0",
            "`KernelConfig.one_shot_allreduce`: tensor parallelism's small all-reduces on GPUs run the "
-           "one-shot NVLink all-reduce + add + RMSNorm kernel (`engine/one_shot.py`); off: NCCL, then "
+           "one-shot NVLink all-reduce + add + RMSNorm kernel (`engine/parallel/one_shot_allreduce.py`); off: NCCL, then "
            "the `add_rms_norm` kernel"),
 )
 

@@ -49,7 +49,7 @@ from phloem.kernels.config import KernelConfig
 from phloem.engine.errors import EngineError
 from phloem.engine.loader import load_model
 from phloem.engine.model_runner import build_runner
-from phloem.engine.parallel import TPGroup
+from phloem.engine.parallel.group import TPGroup
 from phloem.engine.step_plan import StepPlan, decode_plan, encode_plan
 
 __all__ = ["TPWorkers", "WorkerSpec", "rank_device"]

@@ -7,7 +7,7 @@ prefix (rank 0 decode, rank 1 prefill). A broken link is never repaired: the dec
 again and gets a new number, and the listener, which polls the counter, joins the newest one. One
 decode instance per prefill instance (the counter does not arbitrate between several).
 
-Wire form of one message (``kv_transfer.split_message``)::
+Wire form of one message (``protocol.split_message``)::
 
     control group  int64[4]  [MAGIC, kind, meta_len, num_tensors]
                    uint8[meta_len]  JSON {"fields": {...}, "tensors": [[dtype, shape], ...]}
@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from phloem.engine.kv_transfer import KVTransport, Message, TransportError, join_message, split_message
+from phloem.engine.transfer.protocol import KVTransport, Message, TransportError, join_message, split_message
 
 __all__ = ["PrefillListener", "TorchDistTransport", "connect"]
 
