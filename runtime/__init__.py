@@ -2,8 +2,8 @@
 
 Role: run one ``Engine`` on its own thread (``EngineLoop``) and give the asyncio API an
 ``EngineClient`` that never blocks the event loop; build ``ServerConfig`` from flags and the
-``PHLOEM_*`` environment (``env``); provide the built-in demo model; the prefill/decode
-instances (``runtime.pd``); the ``phloem`` CLI.
+``PHLOEM_*`` environment (``env``, also the process's NCCL defaults); provide the built-in demo
+model; the prefill/decode instances (``runtime.pd``); the ``phloem`` CLI.
 
 May import: the engine's public API only (``phloem.engine``, ``phloem.engine.config``,
 ``phloem.engine.transfer``, ``phloem.engine.parallel``; an import-linter contract), and

@@ -50,6 +50,7 @@ from phloem.runtime.engine_commands import (
     UnpinPrefix,
 )
 from phloem.runtime.engine_loop import EngineLoop
+from phloem.runtime.env import use_nccl_defaults
 
 __all__ = ["EngineClient"]
 
@@ -93,6 +94,7 @@ class EngineClient:
         Raises:
             ValueError: The folder or an option is invalid (from the engine's loader and configs).
         """
+        use_nccl_defaults()  # before any NCCL group forms (tensor parallelism on GPUs)
         return cls(Engine.from_pretrained(path, config))
 
     @property

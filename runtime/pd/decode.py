@@ -42,6 +42,7 @@ from phloem.engine.transfer import KVTransport, TransferReservation, connect
 from phloem.runtime.config import ServerConfig
 from phloem.runtime.engine_client import EngineClient
 from phloem.runtime.engine_commands import InstallTransfer, ReleaseTransfer, ReserveTransfer
+from phloem.runtime.env import use_nccl_defaults
 from phloem.runtime.pd.link import Declined, DecodeLink, TransferFailed, TransferResult, hello_for
 from phloem.runtime.pd.roles import PDConfig
 
@@ -62,6 +63,7 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
     assert config.model is not None, "resolve the default model first"
     if config.pd.role == "prefill":
         raise ValueError("pd_role: a prefill instance serves no HTTP API; run runtime.pd.prefill.serve_prefill")
+    use_nccl_defaults()  # before any NCCL group forms: tensor parallelism, the link's data group
     engine = Engine.from_pretrained(config.model, config.engine_config)
     if config.pd.role == "decode":
         return PDEngineClient(engine, config.pd)

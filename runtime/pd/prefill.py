@@ -45,6 +45,7 @@ from phloem.engine.transfer import (
     GDNState, Goodbye, KVLayer, KVTransport, PrefillDeclined, PrefillDone, PrefillListener, PrefillProgress,
     PrefillRequest, TransferError, TransportError, stream_hook,
 )
+from phloem.runtime.env import use_nccl_defaults
 from phloem.runtime.pd.link import exchange_hello, hello_for
 from phloem.runtime.pd.roles import PDConfig
 from phloem.runtime.pd.sender import QueuedSender
@@ -237,6 +238,7 @@ def run_prefill_worker(
     Raises:
         ValueError: a bad model folder or option, or the address cannot be bound.
     """
+    use_nccl_defaults()  # before any NCCL group forms: tensor parallelism, the links' data groups
     try:
         engine = Engine.from_pretrained(model, engine_config)
         worker = PrefillWorker(engine, config)
