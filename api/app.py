@@ -72,7 +72,7 @@ from phloem.runtime import EngineClient, EngineConfig, ServerConfig
 from phloem.runtime.config import DEFAULT_KEEPALIVE_S
 from phloem.runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from phloem.runtime.logs import adopt_library_loggers, stderr_logging
-from phloem.runtime.pd_decode import engine_client_for
+from phloem.runtime.pd.decode import engine_client_for
 from phloem.runtime.startup import StartupLog
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 from phloem.storage import server_secret

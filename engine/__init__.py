@@ -1,6 +1,11 @@
 """One process's inference core: models, weight loading, KV pages, GDN state slots, scheduler,
-model runner, sampler; tensor parallelism (``parallel``: group, sharded layers, shard specs;
-``tp_workers``: the worker ranks an engine with ``tensor_parallel_size > 1`` spawns).
+radix cache, model runner, sampler; and two sub-packages:
+
+- ``engine.parallel``: tensor (and expert) parallelism: the group and its collectives, the
+  sharded layers, the worker ranks an engine with ``tensor_parallel_size > 1`` spawns, the
+  one-shot all-reduce;
+- ``engine.transfer``: moving KV pages and GDN state between engines: prefix export/import
+  (session spill), prefill/decode disaggregation's messages, transport and pool side.
 
 Public entry point (outside code relies on exactly this shape)::
 
@@ -9,7 +14,10 @@ Public entry point (outside code relies on exactly this shape)::
     engine = Engine.from_pretrained(path, EngineConfig(cache=CacheConfig(num_pages=512)), device="cuda")
     outputs = engine.generate(prompt_token_ids, SamplingParams(max_tokens=32))
 
-The configuration, the errors and ``SamplingParams`` import without torch (the CLI builds an
+The public API is the names exported here, ``engine.config``, and the exports of
+``engine.transfer`` and ``engine.parallel``; the layers above import nothing else of the engine
+(an import-linter contract in pyproject.toml checks it). The configuration, the errors,
+``SamplingParams`` and the progress bars import without torch (the CLI builds an
 ``EngineConfig`` before torch loads); ``Engine`` and the output types load on first access.
 
 May import: ``phloem.kernels`` (and torch).
@@ -30,22 +38,30 @@ from phloem.engine.config import (
     SchedulerConfig,
 )
 from phloem.engine.errors import CapacityExceeded, CorruptStep, EngineError, InvalidRequest
+from phloem.engine.progress_bars import progress, progress_bar, progress_shown
 from phloem.engine.sampling_params import GrammarSpec, SamplingParams
 
 if TYPE_CHECKING:
+    from phloem.engine.cache_manager import CacheStats
     from phloem.engine.engine import Engine
+    from phloem.engine.radix_cache import RadixNode
     from phloem.engine.request import RequestOutput, TokenLogprob
+    from phloem.engine.warmup import WarmupReport
 
 __all__ = [
-    "CacheConfig", "CapacityExceeded", "CorruptStep", "Engine", "EngineConfig", "EngineError", "GrammarSpec",
-    "InvalidRequest", "KernelConfig", "LoadConfig", "ParallelConfig", "RequestOutput", "RunnerConfig",
-    "SamplingParams", "SchedulerConfig", "TokenLogprob",
+    "CacheConfig", "CacheStats", "CapacityExceeded", "CorruptStep", "Engine", "EngineConfig", "EngineError",
+    "GrammarSpec", "InvalidRequest", "KernelConfig", "LoadConfig", "ParallelConfig", "RadixNode", "RequestOutput",
+    "RunnerConfig", "SamplingParams", "SchedulerConfig", "TokenLogprob", "WarmupReport", "progress", "progress_bar",
+    "progress_shown",
 ]
 
 _LAZY = {
+    "CacheStats": "phloem.engine.cache_manager",
     "Engine": "phloem.engine.engine",
+    "RadixNode": "phloem.engine.radix_cache",
     "RequestOutput": "phloem.engine.request",
     "TokenLogprob": "phloem.engine.request",
+    "WarmupReport": "phloem.engine.warmup",
 }
 
 

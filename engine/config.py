@@ -360,7 +360,7 @@ class LoadConfig:
         dtype: ``"bfloat16"``, ``"float16"``, ``"float32"`` or ``"auto"`` (checkpoint dtype; bf16 for dummy).
         seed: seed for dummy weights.
         show_progress: draw progress bars while loading weights and capturing CUDA graphs
-            (``engine._progress``): False never, None when stderr is a terminal.
+            (``engine.progress_bars``): False never, None when stderr is a terminal.
             Tensor-parallel workers never draw one.
     """
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from phloem.engine._progress import progress
+from phloem.engine.progress_bars import progress
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
 from phloem.engine.page_lists import PageListMirror
 from phloem.engine.step_plan import StepInputs

@@ -10,7 +10,7 @@ a decode step's successor is queued on the device before the step's sampled ids 
 (``engine.step_pipeline``): ``step`` then launches one step and collects the one before.
 
 Tensor parallelism (``ParallelConfig.tensor_parallel_size=N``): this process is rank 0 and the
-only one that schedules, keeps the radix cache and samples; ``engine.tp_workers`` runs ranks
+only one that schedules, keeps the radix cache and samples; ``engine.parallel.workers`` runs ranks
 1..N-1 in child processes (``close()`` stops them), each step sent a compact plan before the
 shared forward. Exported prefixes are gathered into the TP=1 layout, so spilled sessions move
 between TP sizes.
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from phloem.engine import transfer_state
 from phloem.engine.build import bind_cuda_device, load_parts
 from phloem.engine.cache_manager import CacheManager, CacheStats
 from phloem.engine.config import EngineConfig, ModelConfig
@@ -36,8 +35,8 @@ from phloem.engine.grammar import GrammarBackend
 from phloem.engine.kv_pages import PagePool
 from phloem.engine.model_runner import CausalLM, LaunchedStep, build_runner
 from phloem.engine.overrides import apply_overrides
-from phloem.engine.parallel import TPGroup
-from phloem.engine.prefix_state import PrefixState, export_prefix, import_prefix
+from phloem.engine.parallel.group import TPGroup
+from phloem.engine.parallel.workers import TPWorkers
 from phloem.engine.radix_cache import RadixCache, RadixNode
 from phloem.engine.request import Request, RequestOutput, RequestStatus
 from phloem.engine.request_checks import check_logit_bias, check_outputs, check_prompt, grammar_matcher
@@ -47,8 +46,9 @@ from phloem.engine.scheduler import Scheduler
 from phloem.engine.state_slots import SlotPool
 from phloem.engine.step_outputs import StepOutputs
 from phloem.engine.step_pipeline import next_decode_step
-from phloem.engine.tp_workers import TPWorkers
-from phloem.engine.transfer_state import TransferReservation, TransferSource
+from phloem.engine.transfer import pool_side
+from phloem.engine.transfer.pool_side import TransferReservation, TransferSource
+from phloem.engine.transfer.prefix_export import PrefixState, export_prefix, import_prefix
 from phloem.engine.warmup import WarmupReport, warm_up
 
 __all__ = ["Engine"]
@@ -386,7 +386,7 @@ class Engine:
     def export_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> PrefixState | None:
         """Host copies of the KV pages and head checkpoint of the deepest prefix of ``token_ids``
         cached in ``namespace`` (for spilling a session), in the TP=1 layout whatever the
-        tensor-parallel size (``engine.tp_state``); None when nothing of it is cached."""
+        tensor-parallel size (``engine.parallel.state_shards``); None when nothing of it is cached."""
         self.drain()
         return export_prefix(self.cache, self.runner.read_state, list(token_ids), namespace)
 
@@ -404,7 +404,7 @@ class Engine:
         self, token_ids: Sequence[int], params: SamplingParams, local_up_to: int = 0, namespace: str | None = None
     ) -> TransferReservation | None:
         """Decode side of a disaggregated prefill: lock the cached prefix of ``token_ids`` and
-        reserve pages and a state slot for the rest (``engine.transfer_state``), in ``namespace``.
+        reserve pages and a state slot for the rest (``engine.transfer.pool_side``), in ``namespace``.
 
         Returns None (taking nothing) when a prefix is cached and at most ``local_up_to`` tokens
         lie past it (compute them here), or when no room can be made. Every reservation ends in
@@ -415,7 +415,7 @@ class Engine:
         """
         prompt = self._validate(token_ids, params)
         self.drain()
-        return transfer_state.reserve(self.cache, prompt, local_up_to, namespace)
+        return pool_side.reserve(self.cache, prompt, local_up_to, namespace)
 
     def install_transfer(
         self, reservation: TransferReservation, kv: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor
@@ -428,12 +428,12 @@ class Engine:
             ValueError: the tensors do not match the reservation (it is left as it was).
         """
         self.drain()
-        transfer_state.install(self.cache, self.runner.state_shapes, self.runner.write_state, reservation, kv, conv, ssm)
+        pool_side.install(self.cache, self.runner.state_shapes, self.runner.write_state, reservation, kv, conv, ssm)
 
     def release_transfer(self, reservation: TransferReservation) -> None:
         """Give back what ``reserve_transfer`` took (idempotent; a no-op after install)."""
         self.drain()
-        transfer_state.release(self.cache, reservation)
+        pool_side.release(self.cache, reservation)
 
     def transfer_source(
         self, token_ids: Sequence[int], first_page: int, namespace: str | None = None
@@ -442,7 +442,7 @@ class Engine:
         of ``token_ids``, as a prefill-only request in ``namespace`` published it (read in the
         TP=1 layout); None when it is not cached."""
         self.drain()
-        return transfer_state.transfer_source(self.cache, self.runner.read_state, list(token_ids), first_page, namespace)
+        return pool_side.transfer_source(self.cache, self.runner.read_state, list(token_ids), first_page, namespace)
 
     def cache_stats(self) -> CacheStats:
         """Prefix-cache and pool counters (prompt vs cached tokens, checkpoints, pages in use)."""

@@ -51,11 +51,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from phloem.engine._progress import progress, progress_bar, progress_shown
+from phloem.engine.progress_bars import progress, progress_bar, progress_shown
 from phloem.engine.config import LoadConfig, ModelConfig
 from phloem.engine.models import Qwen3HybridForCausalLM, get_model_class
 from phloem.engine.models._gdn import GatedDeltaNet
-from phloem.engine.parallel import Shard, TPGroup
+from phloem.engine.parallel.group import TPGroup
+from phloem.engine.parallel.layers import Shard
 from phloem.kernels.config import KernelConfig
 from phloem.kernels.dispatch import get_ops
 
@@ -75,7 +76,7 @@ def load_model(
 ) -> Qwen3HybridForCausalLM:
     """Returns the model (this rank's shard under ``tp``) in eval mode on ``load_config.device``,
     weights in the resolved dtype, its ops chosen by ``kernels`` (``kernels.dispatch.get_ops``). A progress bar counts the tensors read (or drawn) when
-    ``load_config.show_progress`` allows it (``engine._progress``).
+    ``load_config.show_progress`` allows it (``engine.progress_bars``).
 
     Raises:
         ValueError: no safetensors files, or an unknown, missing or mis-shaped tensor.

@@ -23,7 +23,7 @@ inputs) to ``plan_sink`` before its own forward; a worker rank's runner gets the
 bucket when graphs are on (every rank captures the same buckets; the collectives are captured
 with them). Reading or writing a cached prefix's state (``read_state`` / ``write_state``, for
 session spill and resume) is a plan too: every rank joins the gather or scatter
-(``engine.tp_state``).
+(``engine.parallel.state_shards``).
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from phloem.engine.host_copy import to_device
 from phloem.engine.logits_processors import StepLogprobs, StepProcessing
 from phloem.engine.memory import PoolPlan, allocate_caches, plan_pools
 from phloem.engine.page_lists import PageListMirror
-from phloem.engine.parallel import TPGroup
+from phloem.engine.parallel.group import TPGroup
 from phloem.engine.request import Request, TokenLogprob
 from phloem.engine.sampler import sample
 from phloem.engine.scheduler import SchedulerOutput
 from phloem.engine.step_plan import StateMove, StepInputs, StepPlan
-from phloem.engine.tp_state import StateTensors, gather_state, scatter_state, state_shapes
+from phloem.engine.parallel.state_shards import StateTensors, gather_state, scatter_state, state_shapes
 from phloem.kernels.config import KernelConfig
 from phloem.kernels.flashinfer_attention import FlashInferAttention, flashinfer_available
 
@@ -139,7 +139,7 @@ class ModelRunner:
         self.plan_sink = plan_sink
         # Copies made since the last plan; the workers replay them before the next forward.
         self._pending_copies: list[tuple[int, int]] = []
-        # Set by a disaggregated prefill while its request runs (runtime.pd_prefill); a step with
+        # Set by a disaggregated prefill while its request runs (runtime.pd.prefill); a step with
         # a layer hook runs eagerly (no CUDA graph), every other step pays one None check.
         self.layer_hook: StepLayerHook | None = None
 

@@ -4,7 +4,7 @@ Under tensor parallelism only rank 0 schedules. Each step it sends the other ran
 ``StepPlan``: the KV page copies its scheduler made since the last plan (the copy-on-write tail
 page of a prefix hit or fork), then the step's ``StepInputs``. A plan without inputs may instead
 carry a ``StateMove``: export a cached prefix's pages and state slot to rank 0, or import them
-from rank 0 (session spill and resume, ``engine.tp_state``). A worker replays the copies and
+from rank 0 (session spill and resume, ``engine.parallel.state_shards``). A worker replays the copies and
 runs the same forward; it never samples (rank 0 alone turns the gathered logits into tokens,
 and the next plan carries them as input ids), so sampling needs no agreement between ranks. A
 step that rank 0 queued before reading the previous step's ids (async scheduling) is sent with

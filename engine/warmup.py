@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from phloem.engine._progress import progress_bar
+from phloem.engine.progress_bars import progress_bar
 from phloem.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ class KernelConfig:
     interpreter; ``kernels/triton/_pdl.py``).
 
     ``one_shot_allreduce``: small all-reduces of tensor parallelism on GPUs through the one-shot
-    NVLink kernel fused with the add + RMSNorm after it (``engine.one_shot``), else NCCL.
+    NVLink kernel fused with the add + RMSNorm after it (``engine.parallel.one_shot_allreduce``), else NCCL.
     """
 
     backend: BackendChoice = "auto"

@@ -2,10 +2,13 @@
 
 Role: run one ``Engine`` on its own thread (``EngineLoop``) and give the asyncio API an
 ``EngineClient`` that never blocks the event loop; build ``ServerConfig`` from flags and the
-``PHLOEM_*`` environment (``env``); provide the built-in demo model; the ``phloem`` CLI.
+``PHLOEM_*`` environment (``env``, also the process's NCCL defaults); provide the built-in demo
+model; the prefill/decode instances (``runtime.pd``); the ``phloem`` CLI.
 
-May import: ``phloem.engine``, ``phloem.storage``. Exception: ``runtime.cli`` is the composition
-root and the one module that imports ``phloem.api`` (inside functions).
+May import: the engine's public API only (``phloem.engine``, ``phloem.engine.config``,
+``phloem.engine.transfer``, ``phloem.engine.parallel``; an import-linter contract), and
+``phloem.storage``. Exception: ``runtime.cli`` is the composition root and the one module that
+imports ``phloem.api`` (inside functions).
 
 The engine-backed names load on first access, so ``phloem --help`` and the SDK side of
 ``phloem demo`` never import torch.

@@ -27,7 +27,7 @@ from phloem.runtime.config import (
 )
 from phloem.runtime.model_shapes import SHAPES, ensure_shape_model
 from phloem.runtime.env import EnvSettings, kernel_config, read_env, use_kernel_caches
-from phloem.runtime.pd_roles import ROLES, PDConfig
+from phloem.runtime.pd.roles import ROLES, PDConfig
 from phloem.runtime._cli_parsers import command_parser, shorten_usage
 from phloem.runtime.preflight import StartupError, bind_port, check_device, check_model_folder
 from phloem.runtime.startup import StartupLog
@@ -368,7 +368,7 @@ def _serve(config: ServerConfig) -> int:
                 "RANDOM: the text it generates is gibberish (use --model DIR for a real model)", folder)
             config = dataclasses.replace(config, model=str(folder))
         if config.pd.role == "prefill":
-            from phloem.runtime.pd_prefill import run_prefill_worker
+            from phloem.runtime.pd.prefill import run_prefill_worker
 
             run_prefill_worker(config.model, config.engine_config, config.pd)
             return 0

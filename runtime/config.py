@@ -25,7 +25,7 @@ from pathlib import Path
 
 from phloem.engine.config import MAX_TP_SIZE, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from phloem.runtime.env import default_data_dir
-from phloem.runtime.pd_roles import PDConfig
+from phloem.runtime.pd.roles import PDConfig
 from phloem.runtime.shared_prefixes import SharedPrefix
 
 __all__ = ["DTYPES", "LOAD_FORMATS", "LOG_FORMATS", "LOG_LEVELS", "ApiKey", "EngineConfig",
@@ -179,7 +179,7 @@ class ServerConfig:
         engine: every other engine option; its ``load.device``, ``load.dtype``,
             ``parallel.tensor_parallel_size`` and ``scheduler.max_model_len`` (when set) must
             equal the fields above.
-        pd: prefill/decode disaggregation (``--role``, ``--pd-peer``; ``runtime.pd_roles``); a
+        pd: prefill/decode disaggregation (``--role``, ``--pd-peer``; ``runtime.pd.roles``); a
             prefill or decode instance needs the prefix cache (any ``tensor_parallel_size``).
         shared_prefixes: prefixes every key's requests may hit in the prefix cache (which is
             otherwise partitioned by key; ``runtime.shared_prefixes``).

@@ -28,10 +28,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol, TypeVar
 
-from phloem.engine import Engine, EngineError, InvalidRequest, RequestOutput, SamplingParams
+from phloem.engine import (
+    Engine, EngineError, GrammarSpec, InvalidRequest, RequestOutput, SamplingParams, WarmupReport,
+)
 from phloem.engine.config import EngineConfig, ModelConfig
-from phloem.engine.sampling_params import GrammarSpec
-from phloem.engine.warmup import WarmupReport
 from phloem.runtime.engine_commands import (
     AbortRequest,
     AddRequest,
@@ -50,6 +50,7 @@ from phloem.runtime.engine_commands import (
     UnpinPrefix,
 )
 from phloem.runtime.engine_loop import EngineLoop
+from phloem.runtime.env import use_nccl_defaults
 
 __all__ = ["EngineClient"]
 
@@ -93,6 +94,7 @@ class EngineClient:
         Raises:
             ValueError: The folder or an option is invalid (from the engine's loader and configs).
         """
+        use_nccl_defaults()  # before any NCCL group forms (tensor parallelism on GPUs)
         return cls(Engine.from_pretrained(path, config))
 
     @property

@@ -14,10 +14,8 @@ from typing import TypeAlias
 
 import torch
 
-from phloem.engine import EngineError, RequestOutput, SamplingParams
-from phloem.engine.cache_manager import CacheStats
-from phloem.engine.prefix_state import PrefixState
-from phloem.engine.transfer_state import TransferReservation
+from phloem.engine import CacheStats, EngineError, RequestOutput, SamplingParams
+from phloem.engine.transfer import PrefixState, TransferReservation
 from phloem.runtime.histogram import HistogramSnapshot
 
 __all__ = [

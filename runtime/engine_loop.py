@@ -35,8 +35,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from phloem.engine import Engine, EngineError, InvalidRequest, RequestOutput
-from phloem.engine.radix_cache import RadixNode
+from phloem.engine import Engine, EngineError, InvalidRequest, RadixNode, RequestOutput
 from phloem.runtime.engine_commands import (
     AbortRequest,
     AddRequest,

@@ -4,11 +4,14 @@
 lists exactly that table (``tests/docs/test_configuration.py``). ``read_env`` reads the server's
 and the CLI's (``EnvSettings``), ``kernel_config`` the kernel choices (``KernelConfig``).
 
-Two variables of other projects are set here (never overridden when already set), by
-``use_kernel_caches``, so that compiled kernels persist with the data directory:
+Three variables of other projects are set here (never overridden when already set): by
+``use_kernel_caches``, so that compiled kernels persist with the data directory, and by
+``use_nccl_defaults``, before the runtime builds an engine (the engine reads and writes no
+environment; its tensor-parallel workers and PD links inherit this process's):
 
     TRITON_CACHE_DIR            Triton's compiled kernels       phloem serve: <data-dir>/kernel-cache/triton
     FLASHINFER_WORKSPACE_BASE   FlashInfer's JIT modules        phloem serve: <data-dir>/kernel-cache/flashinfer
+    NCCL_NVLS_ENABLE            NCCL's NVLink multicast         0 (off)
 
 The variables only supply defaults: the CLI's flags win, and the config dataclasses never read
 the environment themselves except ``ServerConfig.data_dir``'s default (``default_data_dir``) and
@@ -27,7 +30,7 @@ from typing import Literal
 from phloem.kernels.config import KernelConfig
 
 __all__ = ["PREFIX", "VARIABLES", "EnvSettings", "EnvVar", "default_data_dir", "default_redis_prefix",
-           "kernel_config", "read_env", "use_kernel_caches"]
+           "kernel_config", "read_env", "use_kernel_caches", "use_nccl_defaults"]
 
 PREFIX = "PHLOEM_"
 
@@ -80,7 +83,7 @@ VARIABLES: tuple[EnvVar, ...] = (
            "(`kernels/triton/_pdl.py`; the same results bit for bit); unset: on where the GPU is sm_90 or newer"),
     EnvVar("PHLOEM_ONE_SHOT_ALLREDUCE", "bool", "0",
            "`KernelConfig.one_shot_allreduce`: tensor parallelism's small all-reduces on GPUs run the "
-           "one-shot NVLink all-reduce + add + RMSNorm kernel (`engine/one_shot.py`); off: NCCL, then "
+           "one-shot NVLink all-reduce + add + RMSNorm kernel (`engine/parallel/one_shot_allreduce.py`); off: NCCL, then "
            "the `add_rms_norm` kernel"),
 )
 
@@ -229,3 +232,28 @@ def use_kernel_caches(cache_dir: Path, environ: MutableMapping[str, str] | None 
         if not env.get(name):
             env[name] = str(cache_dir / sub)
     return {name: Path(env[name]) for name in _KERNEL_CACHES}
+
+
+# NVLink multicast (NVLS) stays off: the machines we run on do not support it (docs/decisions.md).
+NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0"}
+
+
+def use_nccl_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set NCCL's process-level settings (``NCCL_DEFAULTS``) that are not already set.
+
+    NCCL reads its variables when a communicator is created: rank 0's tensor-parallel group and
+    a PD link's data group in this process, and the worker ranks, which ``torch.multiprocessing``
+    spawns with this process's environment. So the runtime calls this before it builds an
+    engine; a program that uses ``Engine`` directly on several GPUs calls it too (or exports the
+    variables). A value already set wins.
+
+    Args:
+        environ: The environment to change; ``os.environ`` when None (tests pass a dict).
+
+    Returns:
+        Each variable and its value now.
+    """
+    env = os.environ if environ is None else environ
+    for name, value in NCCL_DEFAULTS.items():
+        env.setdefault(name, value)
+    return {name: env[name] for name in NCCL_DEFAULTS}

@@ -11,7 +11,7 @@ event when it ends; ``ready`` sums them up once the server accepts connections::
     startup.ready seconds=52.3 url=http://127.0.0.1:8000 model=41.2 warm_up=9.7 sessions=0.1
 
 On a terminal the long phases also draw progress bars (weights, CUDA graphs, warm-up requests:
-``engine._progress``); in a log file the lines above are what shows.
+``engine.progress_bars``); in a log file the lines above are what shows.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ Policy (DESIGN.md §4, "Pin/TTL")::
   model that no session references any more are deleted.
 
 Under tensor parallelism the engine gathers every rank's shard into the TP=1 layout
-(``engine.tp_state``): segments do not depend on the TP size.
+(``engine.parallel.state_shards``): segments do not depend on the TP size.
 
 Where segments live and how they move between tiers is ``sessions._segments``; this module is
 the policy. Lock order: ``session.lock`` may be held while taking a ``SpilledSegment.lock``,

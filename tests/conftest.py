@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 
+from phloem.runtime.env import use_nccl_defaults
+
 # transformers must take its torch fallbacks, never flash-linear-attention kernels (GPU-only
 # Triton code). On a GPU machine fla stays importable for the engine's own GPU tests; the tests
 # that run transformers on the CPU are not marked `gpu` and are not run there.
@@ -29,6 +31,10 @@ if not torch.cuda.is_available():
     # first imported — which transformers does indirectly (torch.distributed.fsdp -> torch._dynamo)
     # long before the kernel test modules load. Switch it on before any test module imports.
     os.environ["TRITON_INTERPRET"] = "1"
+
+# The engine sets no NCCL variable; the tests that build tensor-parallel engines on GPUs directly
+# get what the runtime sets before it builds one (NVLink multicast off).
+use_nccl_defaults()
 
 # The tiny models are far too small for intra-op threads to pay off: on the 2-core CI machine,
 # thread contention made the model tests ~8x slower than single-threaded.

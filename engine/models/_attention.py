@@ -17,7 +17,8 @@ from torch import nn
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.models._norm import RMSNorm
-from phloem.engine.parallel import RowParallelLinear, Shard, TPGroup, kv_head_start
+from phloem.engine.parallel.group import TPGroup, kv_head_start
+from phloem.engine.parallel.layers import RowParallelLinear, Shard
 from phloem.kernels.dispatch import KernelOps
 from phloem.kernels.flashinfer_attention import TritonDecodePlan
 

@@ -20,7 +20,8 @@ from torch import nn
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.models._norm import GatedRMSNorm, RMSNorm
-from phloem.engine.parallel import RowParallelLinear, Shard, TPGroup
+from phloem.engine.parallel.group import TPGroup
+from phloem.engine.parallel.layers import RowParallelLinear, Shard
 from phloem.kernels.dispatch import KernelOps
 
 __all__ = ["GatedDeltaNet"]

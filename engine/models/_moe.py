@@ -42,7 +42,8 @@ from torch import nn
 
 from phloem.engine.config import ModelConfig
 from phloem.engine.models._norm import RMSNorm
-from phloem.engine.parallel import RowParallelLinear, Shard, TPGroup
+from phloem.engine.parallel.group import TPGroup
+from phloem.engine.parallel.layers import RowParallelLinear, Shard
 from phloem.kernels.dispatch import KernelOps
 from phloem.kernels.route_partial import new_route_acc
 

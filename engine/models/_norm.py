@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phloem.engine.parallel import TPGroup
+from phloem.engine.parallel.group import TPGroup
 from phloem.kernels.dispatch import KernelOps
 
 __all__ = ["GatedRMSNorm", "RMSNorm"]

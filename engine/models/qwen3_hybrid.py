@@ -33,7 +33,8 @@ from phloem.engine.models._attention import GatedAttention
 from phloem.engine.models._gdn import GatedDeltaNet
 from phloem.engine.models._moe import SparseMoe, SwiGluMlp
 from phloem.engine.models._norm import RMSNorm
-from phloem.engine.parallel import ParallelEmbedding, ParallelLMHead, TPGroup
+from phloem.engine.parallel.group import TPGroup
+from phloem.engine.parallel.layers import ParallelEmbedding, ParallelLMHead
 from phloem.kernels.dispatch import KernelOps, get_ops
 from phloem.kernels.rope import rope_inv_freq
 

@@ -6,7 +6,7 @@ TP, an NCCL all-reduce (a ring's latency per call at decode sizes, 81 calls a st
 35B-A3B shape) plus the ``add_rms_norm`` launch.
 
 How it works (vLLM's and SGLang's custom all-reduce, one-shot flavour): every rank owns a buffer
-that all ranks have mapped (CUDA IPC, ``engine.one_shot``). One program per row:
+that all ranks have mapped (CUDA IPC, ``engine.parallel.one_shot_allreduce``). One program per row:
 
 1. copies its row of this rank's partial sum into its buffer;
 2. writes the row's epoch into every rank's flag slot ``[rank, row]`` (release, system scope);

@@ -224,7 +224,7 @@ def test_prefix_hits_under_graphs_follow_fresh(model_dir: Path) -> None:
 def test_tensor_parallel_2_follows_tp1_over_nccl(model_dir: Path, one_shot: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """TP=2 (NCCL, GPUs 0 and 1, CUDA-graph decode on both ranks) against TP=1: prefill, decode,
     a prefix hit, a fork, and a resume from an exported (gathered, then scattered) prefix; with
-    the decode all-reduces through NCCL and through the one-shot kernel (``engine.one_shot``)."""
+    the decode all-reduces through NCCL and through the one-shot kernel (``engine.parallel.one_shot_allreduce``)."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with gpu_engine(model_dir, tensor_parallel_size=2, checkpoint_interval=64,
                     kernels=KernelConfig(one_shot_allreduce=one_shot == "1")) as tp2:

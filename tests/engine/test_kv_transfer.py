@@ -17,7 +17,7 @@ import torch
 from toy_model import assert_pools_empty, expected, make_engine
 
 from phloem.engine import Engine, InvalidRequest, SamplingParams
-from phloem.engine.transfer_state import TransferReservation
+from phloem.engine.transfer.pool_side import TransferReservation
 
 GREEDY = SamplingParams(max_tokens=6)
 

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from phloem.engine.kv_transfer import (
+from phloem.engine.transfer.protocol import (
     GDNState, Goodbye, Hello, KVLayer, PrefillDeclined, PrefillDone, PrefillProgress, PrefillRequest,
     TransferError, TransportError, join_message, split_message,
 )
-from phloem.engine.kv_transfer_dist import PrefillListener, TorchDistTransport, connect
+from phloem.engine.transfer.dist_transport import PrefillListener, TorchDistTransport, connect
 from pd_links import link_pair
 
 HELLO = Hello("decode", 16, 256, (1, 2, 16, 2, 32), "float32", (3, 192, 3), "float32", (3, 4, 16, 16))

@@ -25,7 +25,7 @@ import phloem.engine.loader as loader
 from phloem.engine import Engine, EngineError, SamplingParams
 from phloem.engine.config import LoadConfig, ModelConfig
 from phloem.engine.parallel import TPGroup, check_tp_size, kv_head_start
-from phloem.engine.prefix_state import PrefixState
+from phloem.engine.transfer.prefix_export import PrefixState
 from phloem.engine.step_plan import StateMove, StepInputs, StepPlan, decode_plan, encode_plan
 from phloem.runtime.engine_client import EngineClient
 

@@ -119,7 +119,7 @@ def _group_rank(rank: int, port: int, data: list, queue: object) -> None:
 
     import torch.distributed as dist
 
-    from phloem.engine import one_shot
+    from phloem.engine.parallel import one_shot_allreduce as one_shot
     from phloem.engine.parallel import TPGroup
     from phloem.kernels.norm import add_rms_norm
 
@@ -150,7 +150,7 @@ def test_tp_group_takes_the_one_shot_kernel_for_calls_that_fit() -> None:
     """``TPGroup.all_reduce_add_rms_norm`` over a gloo group with one-shot buffers attached (CPU
     shared memory standing in for the IPC-mapped GPU buffers): the self-check passes, calls of at
     most ``MAX_ROWS`` rows take the kernel, a larger one the process group, all give the reference."""
-    from phloem.engine import one_shot
+    from phloem.engine.parallel import one_shot_allreduce as one_shot
 
     size = 2 * one_shot.HALF_BYTES + 8 * one_shot.MAX_ROWS * 8
     data = [torch.zeros(size, dtype=torch.uint8).share_memory_() for _ in range(2)]
@@ -169,7 +169,7 @@ def test_a_rank_whose_setup_fails_tells_its_peers_and_the_group_keeps_nccl() -> 
     group's vote says NCCL; not enabled (``KernelConfig.one_shot_allreduce``), nothing is attempted at all."""
     import torch.distributed as dist
 
-    from phloem.engine import one_shot
+    from phloem.engine.parallel import one_shot_allreduce as one_shot
 
     votes: list[bool] = []
 

@@ -30,13 +30,13 @@ import torch
 from phloem.engine import (
     CacheConfig, Engine, EngineConfig, EngineError, ParallelConfig, RequestOutput, SamplingParams, SchedulerConfig,
 )
-from phloem.engine.kv_transfer import GDNState, Hello, KVLayer, PrefillProgress, PrefillRequest
-from phloem.engine.kv_transfer_dist import PrefillListener, connect
+from phloem.engine.transfer.protocol import GDNState, Hello, KVLayer, PrefillProgress, PrefillRequest
+from phloem.engine.transfer.dist_transport import PrefillListener, connect
 from phloem.runtime.engine_client import EngineClient
-from phloem.runtime.pd_decode import PDEngineClient
-from phloem.runtime.pd_link import exchange_hello, hello_for
-from phloem.runtime.pd_prefill import PrefillWorker, declines, run_prefill_worker
-from phloem.runtime.pd_roles import PDConfig
+from phloem.runtime.pd.decode import PDEngineClient
+from phloem.runtime.pd.link import exchange_hello, hello_for
+from phloem.runtime.pd.prefill import PrefillWorker, declines, run_prefill_worker
+from phloem.runtime.pd.roles import PDConfig
 from pd_links import serving
 
 ARCH = "Qwen3_5MoeForCausalLM"

@@ -17,8 +17,8 @@ from phloem.engine import Engine, SamplingParams
 from phloem.runtime.cli import build_parser, main
 from phloem.runtime.config import ServerConfig
 from phloem.runtime.engine_client import EngineClient
-from phloem.runtime.pd_decode import PDEngineClient
-from phloem.runtime.pd_roles import PDConfig, parse_peer
+from phloem.runtime.pd.decode import PDEngineClient
+from phloem.runtime.pd.roles import PDConfig, parse_peer
 
 
 def configure(*argv: str) -> ServerConfig:
@@ -104,7 +104,7 @@ def test_serve_role_prefill_serves_a_decode_instance(tiny_checkpoint: Callable[.
 
 
 def test_role_both_serves_a_plain_engine_client(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
-    from phloem.runtime.pd_decode import engine_client_for
+    from phloem.runtime.pd.decode import engine_client_for
 
     model = str(tiny_checkpoint("Qwen3_5MoeForCausalLM"))
     plain = engine_client_for(ServerConfig(model=model, data_dir=tmp_path))

@@ -16,9 +16,9 @@ from pathlib import Path
 from phloem.engine import Engine
 from phloem.runtime import EngineClient, ensure_default_model
 from phloem.engine import EngineConfig
-from phloem.runtime.pd_decode import PDEngineClient
-from phloem.runtime.pd_prefill import run_prefill_worker
-from phloem.runtime.pd_roles import PDConfig
+from phloem.runtime.pd.decode import PDEngineClient
+from phloem.runtime.pd.prefill import run_prefill_worker
+from phloem.runtime.pd.roles import PDConfig
 from phloem.sessions import GenerateOptions, SessionConfig, SessionInput, SessionManager, Tokenizer, model_fingerprint
 
 OWNER = "key-1"

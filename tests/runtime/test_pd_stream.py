@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from phloem.engine import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
-from phloem.engine.kv_transfer import (
+from phloem.engine.transfer.protocol import (
     GDNState, KVLayer, KVTransport, Message, PrefillDone, PrefillProgress, PrefillRequest, TransportError,
 )
-from phloem.engine.kv_transfer_dist import connect
-from phloem.runtime.pd_link import exchange_hello, hello_for
-from phloem.runtime.pd_prefill import PrefillWorker
-from phloem.runtime.pd_roles import PDConfig
-from phloem.runtime.pd_sender import QueuedSender
+from phloem.engine.transfer.dist_transport import connect
+from phloem.runtime.pd.link import exchange_hello, hello_for
+from phloem.runtime.pd.prefill import PrefillWorker
+from phloem.runtime.pd.roles import PDConfig
+from phloem.runtime.pd.sender import QueuedSender
 from pd_links import link_pair, serving
 
 ARCH = "Qwen3_5MoeForCausalLM"

@@ -352,7 +352,7 @@ def test_the_shutdown_flush_stops_at_its_time_limit(make_manager: ManagerFactory
 def test_a_session_spilled_under_tp2_resumes_under_tp1(
         make_manager: ManagerFactory, engine: EngineClient, model_dir: Path, tokenizer: Tokenizer,
         tmp_path: Path) -> None:
-    """Segments hold the TP=1 layout (``engine.tp_state``): a TP=2 server's disk segment resumes
+    """Segments hold the TP=1 layout (``engine.parallel.state_shards``): a TP=2 server's disk segment resumes
     on a TP=1 server as a full hit, with the tokens of a never-spilled twin."""
     prompt, follow = unique_ids(40), unique_ids(3)
 

@@ -7,8 +7,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from phloem.engine.kv_transfer_dist import PrefillListener, TorchDistTransport, connect
-from phloem.runtime.pd_prefill import PrefillWorker
+from phloem.engine.transfer.dist_transport import PrefillListener, TorchDistTransport, connect
+from phloem.runtime.pd.prefill import PrefillWorker
 
 __all__ = ["link_pair", "serving"]
 

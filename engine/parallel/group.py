@@ -1,4 +1,6 @@
-"""Tensor parallelism: the group context, its collectives, the sharded layers and the shard specs.
+"""Tensor parallelism: the group context and its collectives; how each module is sharded.
+
+The sharded layers and the shard specs the loader reads are in ``engine.parallel.layers``.
 
 Every rank builds the same model with per-rank sizes and runs the same forward (SPMD). The group
 is passed explicitly to whatever communicates; ``TPGroup.single()`` (TP=1) has no process group
@@ -25,7 +27,7 @@ Sharding of rank ``r`` of ``N`` (a weight is ``[out, in]``; "rows" are outputs):
 Every "then all-reduce" above is deferred: those modules return this rank's partial sum, and the
 RMSNorm that reads it next reduces it together with the residual add and the norm
 (``TPGroup.all_reduce_add_rms_norm``: one NVLink kernel per call at decode sizes on GPUs, see
-``engine.one_shot``, opt-in; the process group's all-reduce otherwise). A layer pays two.
+``engine.parallel.one_shot_allreduce``, opt-in; the process group's all-reduce otherwise). A layer pays two.
 
 A group with ``pg=None`` and ``size > 1`` builds or loads one rank's shard in a single process
 (tests); it must not communicate.
@@ -40,24 +42,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from phloem.engine.config import ModelConfig
 from phloem.kernels.config import KernelConfig
-from phloem.engine.one_shot import OneShotAllReduce
+from phloem.engine.parallel.one_shot_allreduce import OneShotAllReduce
 
 Op = Callable[..., Any]
 
-__all__ = [
-    "ParallelEmbedding",
-    "ParallelLMHead",
-    "RowParallelLinear",
-    "Shard",
-    "TPGroup",
-    "check_tp_size",
-    "kv_head_start",
-]
+__all__ = ["TPGroup", "check_tp_size", "kv_head_start"]
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TPGroup:
@@ -68,7 +60,7 @@ class TPGroup:
     device: torch.device
     pg: Any = None  # a gloo or NCCL c10d backend
     expert_parallel: bool = False  # routed experts split whole across the ranks (``engine.models._moe``)
-    one_shot: OneShotAllReduce | None = None  # NVLink buffers for small all-reduces (``engine.one_shot``)
+    one_shot: OneShotAllReduce | None = None  # NVLink buffers for small all-reduces (``engine.parallel.one_shot_allreduce``)
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"rank {self.rank} outside a group of {self.size}"
@@ -84,7 +76,7 @@ class TPGroup:
     ) -> TPGroup:
         """Join the group through a c10d store: NCCL on CUDA, gloo otherwise (blocks until all ranks join).
         On GPUs, with ``kernels.one_shot_allreduce`` (the same on every rank), also the one-shot
-        NVLink all-reduce (``engine.one_shot``)."""
+        NVLink all-reduce (``engine.parallel.one_shot_allreduce``)."""
         prefixed = dist.PrefixStore("phloem-tp", store)  # type: ignore[attr-defined]
         if device.type == "cuda":
             nccl = getattr(dist, "ProcessGroupNCCL")
@@ -238,113 +230,3 @@ def check_tp_size(mc: ModelConfig, tp_size: int, device: torch.device, expert_pa
                 f"tensor_parallel_size: {tp_size} ranks from {device} need GPUs {first}..{first + tp_size - 1}, "
                 f"but {visible} are visible"
             )
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """The part of one checkpoint tensor a rank reads: ``parts`` (index tuples) concatenated along
-    ``dim``, zero-padded to ``pad_rows`` rows (vocab shards)."""
-
-    parts: tuple[tuple[slice, ...], ...]
-    dim: int = 0
-    pad_rows: int | None = None
-
-    @classmethod
-    def rows(cls, *ranges: tuple[int, int]) -> Shard:
-        return cls(tuple((slice(a, b),) for a, b in ranges))
-
-    @classmethod
-    def skip(cls) -> Shard:
-        """This rank holds none of the tensor: the loader does not read it (expert parallelism)."""
-        return cls(())
-
-    @property
-    def skipped(self) -> bool:
-        return not self.parts
-
-    @classmethod
-    def cols(cls, start: int, end: int) -> Shard:
-        return cls(((slice(None), slice(start, end)),), dim=1)
-
-    def read(self, tensor_slice: Any) -> torch.Tensor:
-        """Read from a ``safe_open(...).get_slice(name)``: only this rank's bytes leave the file."""
-        pieces = [tensor_slice[index] for index in self.parts]
-        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
-        if self.pad_rows is not None and out.shape[0] < self.pad_rows:
-            pad = out.new_zeros((self.pad_rows - out.shape[0], *out.shape[1:]))
-            out = torch.cat((out, pad))
-        return out
-
-
-def _vocab_rows(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
-    """``(first row, rows per rank)``: the vocab padded to a multiple of the group size."""
-    per_rank = -(-vocab_size // tp.size)
-    return tp.rank * per_rank, per_rank
-
-
-def _vocab_shard(vocab_size: int, start: int, per_rank: int) -> dict[str, Shard]:
-    """The rank's vocab rows of ``weight``; the last rank's padding rows read as zeros."""
-    return {"weight": Shard(((slice(start, min(vocab_size, start + per_rank)),),), pad_rows=per_rank)}
-
-
-class ParallelEmbedding(nn.Module):
-    """Vocab-parallel token embedding; ``weight`` holds this rank's (padded) vocab rows."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
-        super().__init__()
-        self.tp = tp
-        self.vocab_size = vocab_size
-        self.start, per_rank = _vocab_rows(vocab_size, tp)
-        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
-
-    def checkpoint_shards(self) -> dict[str, Shard]:
-        return _vocab_shard(self.vocab_size, self.start, self.weight.shape[0])
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum of the embeddings (zero rows for tokens outside its vocab rows);
-        the first layer's input norm reduces it, as for a ``RowParallelLinear``."""
-        if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return out.masked_fill_(outside[:, None], 0.0)
-
-
-class ParallelLMHead(nn.Module):
-    """Vocab-parallel output projection; logits come back whole on rank 0 only."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, linear: Op = F.linear) -> None:
-        super().__init__()
-        self.tp = tp
-        self.linear = linear  # the op table's ``linear`` (one-token GEMV on GPU)
-        self.vocab_size = vocab_size
-        self.start, per_rank = _vocab_rows(vocab_size, tp)
-        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
-
-    def checkpoint_shards(self) -> dict[str, Shard]:
-        return _vocab_shard(self.vocab_size, self.start, self.weight.shape[0])
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """``[S, H]`` -> ``[S, V]`` in the weight dtype (None on ranks other than 0)."""
-        logits = self.tp.gather_first(self.linear(hidden, self.weight), dim=-1)
-        if logits is None or logits.shape[-1] == self.vocab_size:
-            return logits
-        return logits[:, : self.vocab_size]
-
-
-class RowParallelLinear(nn.Linear):
-    """A linear layer whose input features are split across ranks; returns this rank's partial sum.
-
-    The sum over the ranks is left to whoever reads the output: in the model that is the next
-    ``RMSNorm.forward_residual``, which reduces it in the same kernel as the residual add and norm
-    (``TPGroup.all_reduce_add_rms_norm``).
-    """
-
-    def __init__(self, in_features: int, out_features: int, linear: Op = F.linear) -> None:
-        super().__init__(in_features, out_features, bias=False)
-        self.linear = linear  # the op table's ``linear`` where the owner has one (``kernels.dispatch``)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.linear(x, self.weight)
-        return out

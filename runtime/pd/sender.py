@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from phloem.engine.kv_transfer import KVTransport, Message, TransportError
+from phloem.engine.transfer import KVTransport, Message, TransportError
 
 __all__ = ["QueuedSender"]
 

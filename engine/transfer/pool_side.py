@@ -32,7 +32,7 @@ lists the pages from ``first_page`` on; ``whole`` and ``state`` read them. The p
 owns its engine alone while it sends, so nothing can evict them meanwhile.
 
 Tensor parallelism. Every tensor crosses the link in the TP=1 layout (all KV heads, all GDN
-channels), whatever either side's TP size, like a spilled session (``engine.tp_state``): the
+channels), whatever either side's TP size, like a spilled session (``engine.parallel.state_shards``): the
 decode side's ``install`` writes through ``ModelRunner.write_state`` (each rank gets its part)
 and the prefill side reads through ``ModelRunner.read_state`` (rank 0 gathers the parts). Under
 TP the prefill side cannot stream during the forward (the hook sees rank 0's heads only): it
@@ -51,7 +51,7 @@ from phloem.engine.forward_batch import ModelCaches
 from phloem.engine.model_runner import AttnLayerHook, StepLayerHook
 from phloem.engine.radix_cache import Checkpoint, RadixCache, RadixNode
 from phloem.engine.scheduler import SchedulerOutput
-from phloem.engine.tp_state import StateTensors
+from phloem.engine.parallel.state_shards import StateTensors
 
 # ModelRunner.read_state / write_state / state_shapes: whole (TP=1 layout) state, every rank.
 ReadState = Callable[[list[int], int], StateTensors]

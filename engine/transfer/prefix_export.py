@@ -9,7 +9,7 @@ what lies past the checkpoint. Pages the tree still holds for the same positions
 imported duplicates freed; nothing is ever written into a page the tree shares.
 
 Layout of the exported tensors (what ``storage`` segments hold), the same whatever the
-tensor-parallel size (``engine.tp_state`` gathers and scatters the ranks' shards)::
+tensor-parallel size (``engine.parallel.state_shards`` gathers and scatters the ranks' shards)::
 
     kv    [num_attn_layers, num_pages, 2, page_size, num_kv_heads, head_dim]   model dtype
     conv  [num_gdn_layers, conv_dim, conv_kernel - 1]                           model dtype
@@ -25,11 +25,11 @@ import torch
 
 from phloem.engine.cache_manager import CacheManager
 from phloem.engine.radix_cache import Checkpoint
-from phloem.engine.tp_state import StateTensors
+from phloem.engine.parallel.state_shards import StateTensors
 
 __all__ = ["PrefixState", "export_prefix", "import_prefix"]
 
-# ``(pages, slot)`` -> the whole (TP=1 layout) state on the device (``engine.tp_state``).
+# ``(pages, slot)`` -> the whole (TP=1 layout) state on the device (``engine.parallel.state_shards``).
 StateReader = Callable[[Sequence[int], int], StateTensors]
 # ``(pages, slot, state)``: write a whole state into the pages and slot of every rank.
 StateWriter = Callable[[Sequence[int], int, StateTensors], None]

@@ -15,7 +15,7 @@ A decode instance and a prefill instance exchange, per request (``xfer_id``)::
           or, instead of any of the four:  ◀── TransferError(message)  (that request failed)
       Goodbye ────────────────────────────────────────▶               the decode closes the link
 
-``KVTransport`` is the seam: ``engine.kv_transfer_dist`` implements it over ``torch.distributed``
+``KVTransport`` is the seam: ``engine.transfer.dist_transport`` implements it over ``torch.distributed``
 (gloo on CPU, NCCL for the tensors between GPUs), and it is what a NIXL or Mooncake backend would
 implement later (one-sided RDMA writes into the decode side's pre-registered pages instead of
 messages; the handshake above stays). Any ``TransportError`` leaves the link unusable: both sides

@@ -7,7 +7,7 @@ prefix (rank 0 decode, rank 1 prefill). A broken link is never repaired: the dec
 again and gets a new number, and the listener, which polls the counter, joins the newest one. One
 decode instance per prefill instance (the counter does not arbitrate between several).
 
-Wire form of one message (``kv_transfer.split_message``)::
+Wire form of one message (``protocol.split_message``)::
 
     control group  int64[4]  [MAGIC, kind, meta_len, num_tensors]
                    uint8[meta_len]  JSON {"fields": {...}, "tensors": [[dtype, shape], ...]}
@@ -15,7 +15,9 @@ Wire form of one message (``kv_transfer.split_message``)::
 
 Control always travels over gloo (CPU tensors). On CPU the data shares that group; on CUDA the
 tensors travel over a second, NCCL group between the two GPUs (``data_device``). Point-to-point
-order within a group is the send order, so no tags are needed.
+order within a group is the send order, so no tags are needed. NCCL's settings are the process
+environment's: the runtime sets its defaults (``runtime.env.use_nccl_defaults``); this module
+reads and writes none.
 
 Timeouts: gloo's group timeout bounds joining (``connect_timeout_s``); every wait passes its own
 bound. A wait that times out or sees the peer gone raises ``TransportError`` and the link is dead
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from datetime import timedelta
@@ -35,7 +36,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from phloem.engine.kv_transfer import KVTransport, Message, TransportError, join_message, split_message
+from phloem.engine.transfer.protocol import KVTransport, Message, TransportError, join_message, split_message
 
 __all__ = ["PrefillListener", "TorchDistTransport", "connect"]
 
@@ -170,7 +171,6 @@ def _join(store: Any, link: int, rank: int, device: torch.device, timeout: timed
         control = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)  # type: ignore[attr-defined]
         data = control
         if device.type == "cuda":
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             nccl = getattr(dist, "ProcessGroupNCCL")
             options = nccl.Options()
             options._timeout = timeout

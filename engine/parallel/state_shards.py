@@ -1,6 +1,6 @@
 """A cached prefix's KV pages and GDN state, read from and written to the caches of every rank.
 
-Exported state (``engine.prefix_state``, what ``storage`` segments hold) is always in the TP=1
+Exported state (``engine.transfer.prefix_export``, what ``storage`` segments hold) is always in the TP=1
 layout, whatever the tensor-parallel size that produced it, so a session spilled by a TP=2 server
 resumes on a TP=1 or TP=4 one. Rank ``r``'s caches hold a part of each tensor: ranges along
 one dim of the whole-model layout (the same split as the weights, ``engine.parallel``)::
@@ -25,7 +25,7 @@ import torch
 
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ModelCaches
-from phloem.engine.parallel import TPGroup, kv_head_start
+from phloem.engine.parallel.group import TPGroup, kv_head_start
 
 __all__ = ["StateTensors", "gather_state", "read_local", "scatter_state", "state_shapes", "write_local"]
 

@@ -10,8 +10,12 @@ Two channels per worker::
     control  a multiprocessing Pipe: handshake messages, step plans (bytes), shutdown (b"").
              Waiting on a pipe costs nothing while the engine idles (a collective would time
              out), and a worker whose rank 0 died reads EOF and exits.
-    data     the c10d process group (gloo on CPU, NCCL on CUDA with NCCL_NVLS_ENABLE=0 unless
-             set), meeting at a TCPStore that rank 0 binds on a free loopback port.
+    data     the c10d process group (gloo on CPU, NCCL on CUDA), meeting at a TCPStore that
+             rank 0 binds on a free loopback port.
+
+NCCL's settings are the process environment's, which the workers inherit through spawn; this
+module reads and writes none. The runtime sets its defaults (``NCCL_NVLS_ENABLE=0``) before it
+builds an engine (``runtime.env.use_nccl_defaults``).
 
 Startup::
 
@@ -32,7 +36,6 @@ the ranks, and ``engine`` may not import ``runtime``.
 
 from __future__ import annotations
 
-import os
 import traceback
 import weakref
 from dataclasses import dataclass, replace
@@ -49,7 +52,7 @@ from phloem.kernels.config import KernelConfig
 from phloem.engine.errors import EngineError
 from phloem.engine.loader import load_model
 from phloem.engine.model_runner import build_runner
-from phloem.engine.parallel import TPGroup
+from phloem.engine.parallel.group import TPGroup
 from phloem.engine.step_plan import StepPlan, decode_plan, encode_plan
 
 __all__ = ["TPWorkers", "WorkerSpec", "rank_device"]
@@ -102,8 +105,6 @@ class TPWorkers:
     def launch(cls, spec: WorkerSpec) -> TPWorkers:
         """Spawn ranks 1..N-1 and join the group as rank 0 (blocks until every rank joined)."""
         device = rank_device(torch.device(spec.load_config.device), 0)
-        if device.type == "cuda":
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         store = dist.TCPStore(  # type: ignore[attr-defined]
             _HOST, 0, spec.tp_size, is_master=True, wait_for_workers=False, timeout=_COLLECTIVE_TIMEOUT
         )

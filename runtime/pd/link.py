@@ -27,12 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from phloem.engine import Engine, EngineError, SamplingParams
-from phloem.engine.kv_transfer import (
+from phloem.engine.transfer import (
     GDNState, Goodbye, Hello, KVLayer, KVTransport, Message, PrefillDeclined, PrefillDone, PrefillProgress,
-    PrefillRequest, TransferError, TransportError,
+    PrefillRequest, TransferError, TransferReservation, TransportError,
 )
-from phloem.engine.transfer_state import TransferReservation
-from phloem.runtime.pd_roles import PDConfig
+from phloem.runtime.pd.roles import PDConfig
 
 __all__ = ["DecodeLink", "Declined", "TransferFailed", "TransferResult", "exchange_hello", "hello_for"]
 

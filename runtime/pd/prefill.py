@@ -11,7 +11,7 @@ and serves one link at a time::
     Goodbye or a broken link ─▶ accept the next link
 
 KV streams while the last prefill step's forward runs: a ``ModelRunner.layer_hook``
-(``engine.transfer_state.stream_hook``) copies layer ``l``'s pages right after that layer's
+(``engine.transfer.pool_side.stream_hook``) copies layer ``l``'s pages right after that layer's
 forward and a ``QueuedSender`` thread sends them while layer ``l + 1`` onwards compute. Earlier
 chunks' pages travel with their layer in that step too (one ``KVLayer`` per layer); the
 GDN state and the first token exist only once the step is over. Only the pages the decode side
@@ -41,15 +41,14 @@ from multiprocessing.connection import Connection
 import torch
 
 from phloem.engine import CapacityExceeded, Engine, EngineConfig, EngineError, InvalidRequest, SamplingParams
-from phloem.engine.kv_transfer import (
-    GDNState, Goodbye, KVLayer, KVTransport, PrefillDeclined, PrefillDone, PrefillProgress, PrefillRequest,
-    TransferError, TransportError,
+from phloem.engine.transfer import (
+    GDNState, Goodbye, KVLayer, KVTransport, PrefillDeclined, PrefillDone, PrefillListener, PrefillProgress,
+    PrefillRequest, TransferError, TransportError, stream_hook,
 )
-from phloem.engine.kv_transfer_dist import PrefillListener
-from phloem.engine.transfer_state import stream_hook
-from phloem.runtime.pd_link import exchange_hello, hello_for
-from phloem.runtime.pd_roles import PDConfig
-from phloem.runtime.pd_sender import QueuedSender
+from phloem.runtime.env import use_nccl_defaults
+from phloem.runtime.pd.link import exchange_hello, hello_for
+from phloem.runtime.pd.roles import PDConfig
+from phloem.runtime.pd.sender import QueuedSender
 
 __all__ = ["PrefillWorker", "declines", "run_prefill_worker"]
 
@@ -169,7 +168,7 @@ class PrefillWorker:
             return
         if self._streams:
             conv, ssm = source.state()
-        else:  # tensor-parallel: every layer now, gathered from the ranks (engine.transfer_state)
+        else:  # tensor-parallel: every layer now, gathered from the ranks (engine.transfer.pool_side)
             kv, conv, ssm = source.whole()
             for layer in range(kv.shape[0]):
                 transport.send(KVLayer(req.xfer_id, layer, first_page, kv[layer]), timeout)
@@ -239,6 +238,7 @@ def run_prefill_worker(
     Raises:
         ValueError: a bad model folder or option, or the address cannot be bound.
     """
+    use_nccl_defaults()  # before any NCCL group forms: tensor parallelism, the links' data groups
     try:
         engine = Engine.from_pretrained(model, engine_config)
         worker = PrefillWorker(engine, config)

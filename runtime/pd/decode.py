@@ -38,14 +38,13 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from phloem.engine import Engine, EngineError, InvalidRequest, RequestOutput, SamplingParams
-from phloem.engine.kv_transfer import KVTransport
-from phloem.engine.kv_transfer_dist import connect
-from phloem.engine.transfer_state import TransferReservation
+from phloem.engine.transfer import KVTransport, TransferReservation, connect
 from phloem.runtime.config import ServerConfig
 from phloem.runtime.engine_client import EngineClient
 from phloem.runtime.engine_commands import InstallTransfer, ReleaseTransfer, ReserveTransfer
-from phloem.runtime.pd_link import Declined, DecodeLink, TransferFailed, TransferResult, hello_for
-from phloem.runtime.pd_roles import PDConfig
+from phloem.runtime.env import use_nccl_defaults
+from phloem.runtime.pd.link import Declined, DecodeLink, TransferFailed, TransferResult, hello_for
+from phloem.runtime.pd.roles import PDConfig
 
 __all__ = ["PDEngineClient", "engine_client_for"]
 
@@ -59,11 +58,12 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
 
     Raises:
         ValueError: the model folder or an engine option is invalid; the role is ``prefill``
-            (that instance serves no HTTP: ``runtime.pd_prefill``).
+            (that instance serves no HTTP: ``runtime.pd.prefill``).
     """
     assert config.model is not None, "resolve the default model first"
     if config.pd.role == "prefill":
-        raise ValueError("pd_role: a prefill instance serves no HTTP API; run runtime.pd_prefill.serve_prefill")
+        raise ValueError("pd_role: a prefill instance serves no HTTP API; run runtime.pd.prefill.serve_prefill")
+    use_nccl_defaults()  # before any NCCL group forms: tensor parallelism, the link's data group
     engine = Engine.from_pretrained(config.model, config.engine_config)
     if config.pd.role == "decode":
         return PDEngineClient(engine, config.pd)
@@ -117,7 +117,7 @@ class PDEngineClient(EngineClient):
         engine: The decode engine (prefix cache on; any tensor-parallel size).
         config: Disaggregation settings; ``config.peer`` is the prefill instance.
         connector: Opens a link to the prefill instance; None: ``torch.distributed`` to
-            ``config.peer`` (``engine.kv_transfer_dist.connect``).
+            ``config.peer`` (``engine.transfer.dist_transport.connect``).
 
     Raises:
         ValueError: the engine runs without a prefix cache.

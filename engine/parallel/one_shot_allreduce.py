@@ -18,7 +18,7 @@ Decisions:
   (``connect``'s ``enabled``). Its protocol is tested on CPU by concurrent processes under the
   Triton interpreter and it compiles for sm_90, but a kernel that spins on another GPU's flags
   must be seen to work there before it is the default. Off: NCCL.
-- The CUDA runtime calls go through ``engine.cuda_ipc`` (PyTorch's own libcudart, by ctypes);
+- The CUDA runtime calls go through ``engine.parallel.cuda_ipc`` (PyTorch's own libcudart, by ctypes);
   without peer access between every pair of the group's GPUs the group keeps NCCL.
 - The buffers live as long as the process group; ``close`` unmaps the peers' (this rank's own
   2 MiB stay allocated until the process ends, see ``close`` in ``_map``).
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from phloem.engine.cuda_ipc import CudaRuntime, IpcHandle
+from phloem.engine.parallel.cuda_ipc import CudaRuntime, IpcHandle
 
 __all__ = ["HALF_BYTES", "MAX_ROWS", "OneShotAllReduce"]
 
@@ -106,7 +106,7 @@ class OneShotAllReduce:
         try:
             cudart = CudaRuntime()
             index = device.index if device.index is not None else torch.cuda.current_device()
-            for peer in range(world):  # rank r runs on the r-th GPU from rank 0's (tp_workers.rank_device)
+            for peer in range(world):  # rank r runs on the r-th GPU from rank 0's (workers.rank_device)
                 other = index - rank + peer
                 if peer != rank and not torch.cuda.can_device_access_peer(index, other):
                     raise RuntimeError(f"cuda:{index} cannot access cuda:{other} (no P2P)")
