@@ -19,7 +19,7 @@ from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.models._norm import RMSNorm
 from phloem.engine.parallel import RowParallelLinear, Shard, TPGroup, kv_head_start
 from phloem.kernels.dispatch import KernelOps
-from phloem.kernels.flashinfer_attention import TritonDecodePlan
+from phloem.kernels.attention.flashinfer import TritonDecodePlan
 
 __all__ = ["GatedAttention"]
 

@@ -44,7 +44,7 @@ from phloem.engine.config import ModelConfig
 from phloem.engine.models._norm import RMSNorm
 from phloem.engine.parallel import RowParallelLinear, Shard, TPGroup
 from phloem.kernels.dispatch import KernelOps
-from phloem.kernels.route_partial import new_route_acc
+from phloem.kernels.moe.route_partial import new_route_acc
 
 __all__ = ["Experts", "SparseMoe", "SwiGluMlp"]
 

@@ -35,7 +35,7 @@ from phloem.engine.models._moe import SparseMoe, SwiGluMlp
 from phloem.engine.models._norm import RMSNorm
 from phloem.engine.parallel import ParallelEmbedding, ParallelLMHead, TPGroup
 from phloem.kernels.dispatch import KernelOps, get_ops
-from phloem.kernels.rope import rope_inv_freq
+from phloem.kernels.attention.rope import rope_inv_freq
 
 __all__ = ["Qwen3HybridForCausalLM"]
 
