@@ -28,7 +28,7 @@ from phloem.engine.progress_bars import progress
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
 from phloem.engine.page_lists import PageListMirror
 from phloem.engine.step_plan import StepInputs
-from phloem.kernels.flashinfer_attention import MAX_GRAPH_PAGES, FlashInferAttention, fill_page_lists
+from phloem.kernels.attention.flashinfer import MAX_GRAPH_PAGES, FlashInferAttention, fill_page_lists
 
 __all__ = ["CudaGraphRunner", "graph_buckets"]
 

@@ -48,7 +48,7 @@ from phloem.engine.scheduler import SchedulerOutput
 from phloem.engine.step_plan import StateMove, StepInputs, StepPlan
 from phloem.engine.parallel.state_shards import StateTensors, gather_state, scatter_state, state_shapes
 from phloem.kernels.config import KernelConfig
-from phloem.kernels.flashinfer_attention import FlashInferAttention, flashinfer_available
+from phloem.kernels.attention.flashinfer import FlashInferAttention, flashinfer_available
 
 __all__ = [
     "AttnLayerHook", "CausalLM", "LaunchedStep", "ModelRunner", "StepInputs", "StepLayerHook", "StepResult",

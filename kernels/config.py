@@ -9,7 +9,7 @@ under ``kernels/`` or ``engine/`` reads the environment.
 
 Where each field is used: ``backend``, ``triton_gemv``, ``fused_decode`` and ``pdl`` by
 ``kernels.dispatch.get_ops`` (the model's op table); ``triton_decode_attention`` and ``pdl`` by
-``kernels.flashinfer_attention.FlashInferAttention`` (pure-decode steps: the split-KV Triton kernel
+``kernels.attention.flashinfer.FlashInferAttention`` (pure-decode steps: the split-KV Triton kernel
 instead of FlashInfer's decode); ``one_shot_allreduce`` by ``engine.parallel.TPGroup.connect``.
 """
 
@@ -29,7 +29,7 @@ class KernelConfig:
     ``triton`` elsewhere than CUDA needs ``TRITON_INTERPRET=1`` (tests).
 
     ``pdl``: programmatic dependent launch; ``None`` turns it on for sm_90+ GPUs (never under the
-    interpreter; ``kernels/triton/_pdl.py``).
+    interpreter; ``kernels/common/pdl.py``).
 
     ``one_shot_allreduce``: small all-reduces of tensor parallelism on GPUs through the one-shot
     NVLink kernel fused with the add + RMSNorm after it (``engine.parallel.one_shot_allreduce``), else NCCL.

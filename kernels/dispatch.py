@@ -1,12 +1,13 @@
 """One table of the ops the model calls, bound to Triton kernels or to the torch references.
 
 ``get_ops(device, config)`` returns a frozen ``KernelOps``; the model calls ``ops.<name>`` and never
-imports an implementation. Every field has the signature and semantics of the reference in
-``kernels/``; ops without a Triton kernel yet are the reference in both backends. ``config``
-(``kernels.config.KernelConfig``) carries the choices: the backend (``auto``: Triton on a CUDA device
-when ``triton`` imports, else torch; forcing Triton on a non-CUDA device needs ``TRITON_INTERPRET=1``,
-tests only), the one-token Triton GEMV, the fused decode path and programmatic dependent launch,
-which is bound into the Triton ops here (``kernels/triton/_pdl.py``).
+imports an implementation. Every field has the signature and semantics of a torch reference
+(``kernels/<op>/reference.py`` and the torch modules beside it); ops without a Triton kernel yet
+are the reference in both backends. ``config`` (``kernels.config.KernelConfig``) carries the
+choices: the backend (``auto``: Triton on a CUDA device when ``triton`` imports, else torch;
+forcing Triton on a non-CUDA device needs ``TRITON_INTERPRET=1``, tests only), the one-token
+Triton GEMV, the fused decode path and programmatic dependent launch, which is bound into the
+Triton ops here (``kernels/common/pdl.py``).
 
 NOTE: the Triton modules are imported only when selected: ``@triton.jit`` binds to the
 interpreter or the compiler at import time, so importing them early would pin that choice.
@@ -22,8 +23,16 @@ from typing import Any, Literal
 
 import torch
 
-from phloem.kernels import argmax, attention, conv1d, fused_linear, gdn, linear, moe, norm, qk_norm_rope, route_partial
+from phloem.kernels.attention import qk_norm_rope
+from phloem.kernels.attention import reference as attention
 from phloem.kernels.config import KernelConfig
+from phloem.kernels.gdn import conv1d
+from phloem.kernels.gdn import reference as gdn
+from phloem.kernels.linear import reference as linear
+from phloem.kernels.moe import reference as moe
+from phloem.kernels.moe import route_partial
+from phloem.kernels.norm import reference as norm
+from phloem.kernels.sampling import reference as sampling
 
 __all__ = ["KernelOps", "get_ops", "kernel_backend"]
 
@@ -36,13 +45,13 @@ class KernelOps:
     """The model's ops for one backend; ``backend`` names the choice made.
 
     ``fused_decode``: a one-token decode step calls the fused projections (``add_rms_norm_linear``
-    and the rest of ``kernels.fused_linear``) instead of the ops they compose. On the torch backend
+    and the rest of ``kernels.linear.reference``) instead of the ops they compose. On the torch backend
     they are exactly those compositions, so the choice changes launches, not values (but for
     ``route_partial``'s logits); ``KernelConfig.fused_decode``, in both backends.
 
     ``route_partial``: on that path a MoE layer has no router launch: the output projection before
     it adds the router's partial logits (``gated_rms_norm_linear_route``, ``sigmoid_gate_linear_route``)
-    and the experts' op scales them (``fused_moe_route_partial``; ``kernels/route_partial.py``, whose
+    and the experts' op scales them (``fused_moe_route_partial``; ``kernels/moe/route_partial.py``, whose
     logits differ from the router's by one rounding). On with ``fused_decode``; a table with it
     off (``dataclasses.replace``) runs the router as a launch of its own (``add_rms_norm_router``).
 
@@ -132,19 +141,19 @@ def get_ops(device: torch.device, config: KernelConfig = KernelConfig()) -> Kern
         fused_moe=moe.fused_moe,
         fused_moe_routed=moe.fused_moe_routed,
         linear=linear.linear,
-        add_rms_norm_linear=fused_linear.add_rms_norm_linear,
-        add_rms_norm_conv_linear=fused_linear.add_rms_norm_conv_linear,
-        gated_rms_norm_linear=fused_linear.gated_rms_norm_linear,
-        sigmoid_gate_linear=fused_linear.sigmoid_gate_linear,
-        add_rms_norm_router=fused_linear.add_rms_norm_router,
-        gated_rms_norm_linear_route=fused_linear.gated_rms_norm_linear_route,
-        sigmoid_gate_linear_route=fused_linear.sigmoid_gate_linear_route,
+        add_rms_norm_linear=linear.add_rms_norm_linear,
+        add_rms_norm_conv_linear=linear.add_rms_norm_conv_linear,
+        gated_rms_norm_linear=linear.gated_rms_norm_linear,
+        sigmoid_gate_linear=linear.sigmoid_gate_linear,
+        add_rms_norm_router=linear.add_rms_norm_router,
+        gated_rms_norm_linear_route=linear.gated_rms_norm_linear_route,
+        sigmoid_gate_linear_route=linear.sigmoid_gate_linear_route,
         fused_moe_route_partial=route_partial.fused_moe_route_partial,
-        argmax=argmax.argmax,
+        argmax=sampling.argmax,
     )
     if kernel_backend(device, config) == "torch":
         return reference
-    from phloem.kernels.triton._pdl import use_pdl
+    from phloem.kernels.common.pdl import use_pdl
 
     return _with_triton(reference, config, use_pdl(config.pdl, device))
 
@@ -155,11 +164,14 @@ _SMALL_MOE_TOKENS = 256
 
 
 def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> KernelOps:
-    from phloem.kernels.triton import argmax as triton_argmax
-    from phloem.kernels.triton import conv1d_update, gdn_decode, gdn_gates, gemv, moe_grouped, moe_route, moe_token
-    from phloem.kernels.triton import fused_moe as triton_fused_moe
-    from phloem.kernels.triton import norm as triton_norm
-    from phloem.kernels.triton import qk_norm_rope as triton_qk_norm_rope
+    from phloem.kernels.attention import triton_qk_norm_rope
+    from phloem.kernels.gdn import triton_conv1d, triton_gates
+    from phloem.kernels.gdn import triton_decode as triton_gdn
+    from phloem.kernels.linear import triton_gemv
+    from phloem.kernels.moe import triton_decode as triton_moe
+    from phloem.kernels.moe import triton_grouped, triton_route, triton_token
+    from phloem.kernels.norm import triton_norm
+    from phloem.kernels.sampling import triton_argmax
 
     def fused_moe(
         x: torch.Tensor,
@@ -170,9 +182,9 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
     ) -> torch.Tensor:
         small = topk_ids.shape[0] <= _SMALL_MOE_TOKENS
         if not small:
-            grouped: torch.Tensor = moe_grouped.fused_moe_grouped(x, w_gate_up, w_down, topk_weights, topk_ids)
+            grouped: torch.Tensor = triton_grouped.fused_moe_grouped(x, w_gate_up, w_down, topk_weights, topk_ids)
             return grouped
-        out: torch.Tensor = triton_fused_moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, pdl)
+        out: torch.Tensor = triton_moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, pdl)
         return out
 
     def fused_moe_routed(
@@ -184,11 +196,11 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
         renormalize: bool,
     ) -> torch.Tensor:
         if router_logits.shape[0] <= _SMALL_MOE_TOKENS:
-            out: torch.Tensor = triton_fused_moe.fused_moe_routed(
+            out: torch.Tensor = triton_moe.fused_moe_routed(
                 x, router_logits, w_gate_up, w_down, top_k, renormalize, pdl
             )
             return out
-        weights, ids = moe_route.moe_route_shared(router_logits, top_k, renormalize, pdl)
+        weights, ids = triton_route.moe_route_shared(router_logits, top_k, renormalize, pdl)
         return fused_moe(x, w_gate_up, w_down, weights, ids)
 
     def fused_moe_route_partial(
@@ -201,11 +213,11 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
         top_k: int,
         renormalize: bool,
     ) -> torch.Tensor:
-        one = (s.shape[0] == 1 and moe_token.covered(s, w_gate_up, w_down, top_k + 1)
+        one = (s.shape[0] == 1 and triton_token.covered(s, w_gate_up, w_down, top_k + 1)
                and route_partial.acc_fits(acc, w_gate_up.shape[0]) and norm_w.shape == (s.shape[1],))  # fmt: skip
         if not one:
             return reference.fused_moe_route_partial(s, acc, norm_w, eps, w_gate_up, w_down, top_k, renormalize)
-        out: torch.Tensor = triton_fused_moe.fused_moe_token_route_partial(
+        out: torch.Tensor = triton_moe.fused_moe_token_route_partial(
             s, acc, norm_w, eps, w_gate_up, w_down, top_k, renormalize, pdl=pdl
         )
         return out
@@ -224,20 +236,20 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
         gated_rms_norm=bind(triton_norm.gated_rms_norm),
         qk_norm_rope_gate=bind(triton_qk_norm_rope.qk_norm_rope_gate),
         qk_norm_rope_gate_store=bind(triton_qk_norm_rope.qk_norm_rope_gate_store),
-        causal_conv1d_update=bind(conv1d_update.causal_conv1d_update),
-        recurrent_gated_delta_rule=bind(gdn_decode.recurrent_gated_delta_rule),
-        recurrent_gated_delta_rule_with_gates=bind(gdn_decode.recurrent_gated_delta_rule_with_gates),
-        moe_route=bind(moe_route.moe_route),
-        moe_route_shared=bind(moe_route.moe_route_shared),
-        gdn_gates=gdn_gates.gdn_gates,
-        linear=bind(gemv.linear) if config.triton_gemv else reference.linear,
-        add_rms_norm_linear=bind(gemv.add_rms_norm_linear),
-        add_rms_norm_conv_linear=bind(gemv.add_rms_norm_conv_linear),
-        gated_rms_norm_linear=bind(gemv.gated_rms_norm_linear),
-        sigmoid_gate_linear=bind(gemv.sigmoid_gate_linear),
-        add_rms_norm_router=bind(gemv.add_rms_norm_router),
-        gated_rms_norm_linear_route=bind(gemv.gated_rms_norm_linear_route),
-        sigmoid_gate_linear_route=bind(gemv.sigmoid_gate_linear_route),
+        causal_conv1d_update=bind(triton_conv1d.causal_conv1d_update),
+        recurrent_gated_delta_rule=bind(triton_gdn.recurrent_gated_delta_rule),
+        recurrent_gated_delta_rule_with_gates=bind(triton_gdn.recurrent_gated_delta_rule_with_gates),
+        moe_route=bind(triton_route.moe_route),
+        moe_route_shared=bind(triton_route.moe_route_shared),
+        gdn_gates=triton_gates.gdn_gates,
+        linear=bind(triton_gemv.linear) if config.triton_gemv else reference.linear,
+        add_rms_norm_linear=bind(triton_gemv.add_rms_norm_linear),
+        add_rms_norm_conv_linear=bind(triton_gemv.add_rms_norm_conv_linear),
+        gated_rms_norm_linear=bind(triton_gemv.gated_rms_norm_linear),
+        sigmoid_gate_linear=bind(triton_gemv.sigmoid_gate_linear),
+        add_rms_norm_router=bind(triton_gemv.add_rms_norm_router),
+        gated_rms_norm_linear_route=bind(triton_gemv.gated_rms_norm_linear_route),
+        sigmoid_gate_linear_route=bind(triton_gemv.sigmoid_gate_linear_route),
         argmax=bind(triton_argmax.argmax),
     )
 
@@ -264,6 +276,6 @@ def _fla_chunk_or(fallback: Op) -> Op:
         import fla  # noqa: F401
     except ImportError:
         return fallback
-    from phloem.kernels.fla_gdn import chunk_gated_delta_rule
+    from phloem.kernels.gdn.fla import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule

@@ -69,18 +69,18 @@ VARIABLES: tuple[EnvVar, ...] = (
            "`TRITON_INTERPRET=1` (tests only)"),
     EnvVar("PHLOEM_TRITON_GEMV", "bool", "1",
            "`KernelConfig.triton_gemv`: one-token `linear` calls (the LM head, the unfused projections) run "
-           "the Triton GEMV of `kernels/triton/gemv.py`; off: cuBLAS"),
+           "the Triton GEMV of `kernels/linear/triton_gemv.py`; off: cuBLAS"),
     EnvVar("PHLOEM_TRITON_DECODE_ATTENTION", "bool", "1",
            "`KernelConfig.triton_decode_attention`: pure-decode steps of fp16/bf16 models run the split-KV "
-           "Triton kernel of `kernels/triton/decode_attention.py` (with the attention prologue inside it); "
+           "Triton kernel of `kernels/attention/triton_decode.py` (with the attention prologue inside it); "
            "off: FlashInfer's decode wrapper. Prefill and mixed steps always run FlashInfer"),
     EnvVar("PHLOEM_FUSED_DECODE", "bool", "1",
            "`KernelConfig.fused_decode`: a one-token decode step (TP=1) calls the fused projections of "
-           "`kernels/fused_linear.py` and folds each MoE router into the projection before it "
-           "(`kernels/route_partial.py`); off: the unfused ops"),
+           "`kernels/linear/reference.py` and folds each MoE router into the projection before it "
+           "(`kernels/moe/route_partial.py`); off: the unfused ops"),
     EnvVar("PHLOEM_PDL", "bool", "auto (on for sm_90+)",
            "`KernelConfig.pdl`: the decode Triton kernels launch with programmatic dependent launch "
-           "(`kernels/triton/_pdl.py`; the same results bit for bit); unset: on where the GPU is sm_90 or newer"),
+           "(`kernels/common/pdl.py`; the same results bit for bit); unset: on where the GPU is sm_90 or newer"),
     EnvVar("PHLOEM_ONE_SHOT_ALLREDUCE", "bool", "0",
            "`KernelConfig.one_shot_allreduce`: tensor parallelism's small all-reduces on GPUs run the "
            "one-shot NVLink all-reduce + add + RMSNorm kernel (`engine/parallel/one_shot_allreduce.py`); off: NCCL, then "

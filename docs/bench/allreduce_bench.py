@@ -58,7 +58,7 @@ def _graph_us(fn, calls: int) -> float:  # type: ignore[no-untyped-def]
 
 def _rank(rank: int, port: int, iters: int, queue) -> None:  # type: ignore[no-untyped-def]
     from phloem.engine.parallel import TPGroup
-    from phloem.kernels.triton.norm import add_rms_norm
+    from phloem.kernels.norm.triton_norm import add_rms_norm
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)

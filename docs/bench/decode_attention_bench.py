@@ -1,4 +1,4 @@
-"""Time the split-KV paged decode attention (``kernels/triton/decode_attention.py``) against
+"""Time the split-KV paged decode attention (``kernels/attention/triton_decode.py``) against
 FlashInfer's tensor-core decode on the GPU, at the 35B-A3B attention shape (Hq 16, Hkv 2, D 256,
 bf16, pages of 16).
 
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels import (kernels/triton/__init__.py)
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels import (kernels/__init__.py)
 
-from phloem.kernels.attention import paged_attention  # noqa: E402
-from phloem.kernels.triton import decode_attention as da  # noqa: E402
-from phloem.kernels.triton._device import num_sms  # noqa: E402
+from phloem.kernels.attention import triton_decode as da  # noqa: E402
+from phloem.kernels.attention.reference import paged_attention  # noqa: E402
+from phloem.kernels.common.device import num_sms  # noqa: E402
 
 CALLS, REPEATS, CACHE_BUDGET = 10, 20, 40e9
 

@@ -1,4 +1,4 @@
-"""Sweep the one-token decode GEMVs (``kernels/triton/gemv.py``) on the GPU against cuBLAS, timing
+"""Sweep the one-token decode GEMVs (``kernels/linear/triton_gemv.py``) on the GPU against cuBLAS, timing
 CUDA-graph replays over distinct weights (nothing served from L2).
 
     python3 docs/bench/gemv_sweep.py [--out gemv.json] [--quick]
@@ -7,7 +7,7 @@ CUDA-graph replays over distinct weights (nothing served from L2).
 
 Shapes: the 35B-A3B decode projections (bf16). Pass 1 times the plain GEMV in every launch
 configuration against ``F.linear`` per weight shape; pass 2 times the fused projections of
-``kernels.fused_linear`` (each with the best plain configurations of its shape) against the unfused
+``kernels.linear.reference`` (each with the best plain configurations of its shape) against the unfused
 ops the model ran before (Triton norms / conv / routing around cuBLAS). ``--top FILE`` skips the
 grid and times only the best configurations FILE found (e.g. again under ``PHLOEM_PDL=0``:
 programmatic dependent launch, on by default on an H200, overlaps the graph's consecutive calls). Every configuration is checked against an fp32 reference
@@ -24,8 +24,11 @@ import multiprocessing as mp
 import torch
 import torch.nn.functional as F
 
-from phloem.kernels import fused_linear as ref
-from phloem.kernels.triton import conv1d_update, gemv, moe_route, norm
+from phloem.kernels.gdn import triton_conv1d as conv1d_update
+from phloem.kernels.linear import reference as ref
+from phloem.kernels.linear import triton_gemv as gemv
+from phloem.kernels.moe import triton_route as moe_route
+from phloem.kernels.norm import triton_norm as norm
 from phloem.runtime.bench_decode import graph_us, measure_bandwidth
 
 H, CONV, VD, HQD, E, TOP_K = 2048, 8192, 4096, 4096, 256, 8
@@ -168,7 +171,7 @@ def sweep_fused(plain: list[dict]) -> list[dict]:
 def sweep_moe() -> list[dict]:
     """The MoE block of one token after its router: the routing kernel + both expert stages against
     ``fused_moe_routed`` (the routing inside the gate/up stage), on 8 layers' experts."""
-    from phloem.kernels.triton import fused_moe
+    from phloem.kernels.moe import triton_decode as fused_moe
 
     e, inter, layers = E + 1, 512, 8
     gen = torch.Generator(device="cuda").manual_seed(0)

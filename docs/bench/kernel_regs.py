@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from phloem.kernels.rope import rope_inv_freq
-from phloem.kernels.triton import decode_attention as da
-from phloem.kernels.triton._device import resident_programs
+from phloem.kernels.attention import triton_decode as da
+from phloem.kernels.attention.rope import rope_inv_freq
+from phloem.kernels.common.device import resident_programs
 
 PAGE, HQ, HKV, D, CONTEXT = 16, 16, 2, 256, 1024
 
@@ -70,7 +70,9 @@ def decode_kernels() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from gemv_sweep import SHAPES, fused_cases, weights
 
-    from phloem.kernels.triton import fused_moe, gdn_decode, gemv
+    from phloem.kernels.gdn import triton_decode as gdn_decode
+    from phloem.kernels.linear import triton_gemv as gemv
+    from phloem.kernels.moe import triton_decode as fused_moe
 
     for name in ("in_proj", "qkv_proj", "out_proj", "router", "lm_head"):
         ws = weights(name)[:1]
@@ -85,9 +87,9 @@ def decode_kernels() -> None:
     x, logits = torch.randn(1, 2048, device=dev, dtype=bf), torch.randn(1, 257, device=dev, dtype=bf)
     run = lambda: fused_moe.fused_moe_token_routed(x, logits, w_gu, w_d, 8, True)  # noqa: E731
     report({"moe gate/up (routed)": fused_moe.moe_token._gate_up_token_kernel, "moe down + sum": fused_moe._down_sum_kernel}, run)
-    # The router folded into the output projection (kernels/route_partial.py): out_proj's route
+    # The router folded into the output projection (kernels/moe/route_partial.py): out_proj's route
     # epilogue, and the experts reading the accumulator.
-    from phloem.kernels.route_partial import new_route_acc
+    from phloem.kernels.moe.route_partial import new_route_acc
 
     acc, router_t, post_w = new_route_acc(257, dev), torch.randn(2048, 257, device=dev, dtype=bf) * 0.02, x[0]
     o, z = torch.randn(1, 32, 128, device=dev, dtype=bf), torch.randn(1, 32, 128, device=dev, dtype=bf)

@@ -21,10 +21,10 @@ import time
 import torch
 import triton
 
-from phloem.kernels.moe import fused_moe as reference
-from phloem.kernels.moe import moe_route_shared
-from phloem.kernels.triton.fused_moe import DEFAULT_CONFIG, MoeDecodeConfig, fused_moe_tuned, launch_down_sum, launch_gate_up
-from phloem.kernels.triton.moe_grouped import fused_moe_grouped
+from phloem.kernels.moe.reference import fused_moe as reference
+from phloem.kernels.moe.reference import moe_route_shared
+from phloem.kernels.moe.triton_decode import DEFAULT_CONFIG, MoeDecodeConfig, fused_moe_tuned, launch_down_sum, launch_gate_up
+from phloem.kernels.moe.triton_grouped import fused_moe_grouped
 from phloem.runtime.bench_decode import graph_us
 
 E, H, I, TOP_K, LAYERS = 257, 2048, 512, 8, 8

@@ -1,4 +1,4 @@
-"""Sweep the one-token MoE kernels (``kernels/triton/moe_token.py``) on the GPU and time the whole
+"""Sweep the one-token MoE kernels (``kernels/moe/triton_token.py``) on the GPU and time the whole
 MoE block of a batch-1 decode layer, old composition against new, as CUDA-graph replays.
 
     python3 docs/bench/moe_token_sweep.py [--out moe_token.json] [--quick] [--env-out best.env]
@@ -27,10 +27,12 @@ import json
 
 import torch
 
-from phloem.kernels.moe import fused_moe as reference
-from phloem.kernels.moe import fused_moe_routed as reference_routed
-from phloem.kernels.moe import moe_route_shared
-from phloem.kernels.triton import fused_moe, gemv, moe_token
+from phloem.kernels.linear import triton_gemv as gemv
+from phloem.kernels.moe import triton_decode as fused_moe
+from phloem.kernels.moe import triton_token as moe_token
+from phloem.kernels.moe.reference import fused_moe as reference
+from phloem.kernels.moe.reference import fused_moe_routed as reference_routed
+from phloem.kernels.moe.reference import moe_route_shared
 from phloem.runtime.bench_decode import graph_us, measure_bandwidth
 
 E, H, I, TOP_K, LAYERS = 257, 2048, 512, 8, 8

@@ -10,7 +10,7 @@ the one before to end, so the ends are in launch order: a launch's cost in the s
 the previous launch's end. Launches are named by their role in the 35B-A3B layer pattern (a GDN
 layer: in_proj + conv, the GDN step, out_proj, the MoE router, gate/up, down; an attention layer:
 qkv, the split-KV attention, its merge, o_proj, then the same MoE; with the router folded into the
-projection before it, ``kernels/route_partial.py``, no router launch and the roles ``out_proj_route``
+projection before it, ``kernels/moe/route_partial.py``, no router launch and the roles ``out_proj_route``
 and ``o_proj_route``, which read the router's bytes too); ``tail`` is the final norm,
 the LM head and the argmax. Prints µs per step for each role, and with one run the bytes each role
 must read and the rate that gives against the run's copy bandwidth.

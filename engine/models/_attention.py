@@ -20,7 +20,7 @@ from phloem.engine.models._norm import RMSNorm
 from phloem.engine.parallel.group import TPGroup, kv_head_start
 from phloem.engine.parallel.layers import RowParallelLinear, Shard
 from phloem.kernels.dispatch import KernelOps
-from phloem.kernels.flashinfer_attention import TritonDecodePlan
+from phloem.kernels.attention.flashinfer import TritonDecodePlan
 
 __all__ = ["GatedAttention"]
 
@@ -80,7 +80,7 @@ class GatedAttention(nn.Module):
         route: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """One token, TP=1: ``norm`` (the layer's input norm) runs inside ``qkv_proj``'s GEMV and the
-        output gate inside ``o_proj``'s (``kernels.fused_linear``). Returns ``(out, residual)``; with
+        output gate inside ``o_proj``'s (``kernels.linear.reference``). Returns ``(out, residual)``; with
         ``route`` (``SparseMoe.decode_route``) ``o_proj`` also adds the residual and the router's
         partial logits, and both are the residual sum."""
         qkv, residual = self.ops.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight)

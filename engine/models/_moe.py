@@ -45,7 +45,7 @@ from phloem.engine.models._norm import RMSNorm
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.parallel.layers import RowParallelLinear, Shard
 from phloem.kernels.dispatch import KernelOps
-from phloem.kernels.route_partial import new_route_acc
+from phloem.kernels.moe.route_partial import new_route_acc
 
 __all__ = ["Experts", "SparseMoe", "SwiGluMlp"]
 
@@ -105,7 +105,7 @@ class SparseMoe(nn.Module):
     gate-sigmoid-mul-add of the shared expert costs nothing extra); a one-token decode step runs
     the routing inside the experts' kernel instead (``forward_decode``), and by default the router
     too, its partial logits added by the projection before the block (``decode_route``,
-    ``forward_decode_partial``; ``kernels/route_partial.py``). This needs the shared
+    ``forward_decode_partial``; ``kernels/moe/route_partial.py``). This needs the shared
     expert's FFN size to equal the experts' (true of every released Qwen3.5 / Qwen3-Next); with
     another size the block runs unfused (``fused_shared`` False; the module docstring).
     """
@@ -209,7 +209,7 @@ class SparseMoe(nn.Module):
         self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token, TP=1: ``norm`` (the layer's post-attention norm) runs inside the router's GEMV
-        (``kernels.fused_linear.add_rms_norm_router``), the routing inside the experts' kernel
+        (``kernels.linear.reference.add_rms_norm_router``), the routing inside the experts' kernel
         (``fused_moe_routed``). Returns ``(out, residual)``. An unfused block (``fused_shared``
         False) runs the norm, then ``forward``.
 
@@ -226,7 +226,7 @@ class SparseMoe(nn.Module):
 
     def decode_route(self, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(router transposed [H, E + 1], norm weight, accumulator)`` for the one-token path without
-        a router launch (``kernels/route_partial.py``; ``KernelOps.route_partial``), else None.
+        a router launch (``kernels/moe/route_partial.py``; ``KernelOps.route_partial``), else None.
 
         The transposed copy (1 MB a layer at the 35B-A3B shape) is made at the first call and again
         whenever the router weight has changed in place since (its version counter); a CUDA graph

@@ -36,7 +36,7 @@ from phloem.engine.models._norm import RMSNorm
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.parallel.layers import ParallelEmbedding, ParallelLMHead
 from phloem.kernels.dispatch import KernelOps, get_ops
-from phloem.kernels.rope import rope_inv_freq
+from phloem.kernels.attention.rope import rope_inv_freq
 
 __all__ = ["Qwen3HybridForCausalLM"]
 
@@ -59,7 +59,7 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, tp)
-        # One-token decode steps take the fused projections (kernels.fused_linear): the norms, the
+        # One-token decode steps take the fused projections (kernels.linear.reference): the norms, the
         # conv, the output gates and the routing inside the GEMVs next to them.
         self.fuse_decode = ops.fused_decode and tp.size == 1
 
@@ -176,7 +176,7 @@ class Qwen3HybridForCausalLM(nn.Module):
     def greedy_ids(
         self, logits: torch.Tensor, copy_to: torch.Tensor | None = None, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``[S, V]`` logits -> ``[S]`` int64, each row's first largest (``kernels.argmax``); also
+        """``[S, V]`` logits -> ``[S]`` int64, each row's first largest (``kernels.sampling.reference``); also
         written into ``copy_to`` where given; into ``out`` (and returned) where given."""
         ids: torch.Tensor = self.ops.argmax(logits, copy_to, out)
         return ids

@@ -5,7 +5,7 @@ rank allocates one device buffer with ``cudaMalloc`` (two halves of ``HALF_BYTES
 by epoch parity, then its flags: int64 ``[world, MAX_ROWS]``, zeroed), publishes its CUDA IPC
 handle in the group's store, and opens every peer's with ``cudaIpcMemLazyEnablePeerAccess`` on its
 own device (the peer's memory becomes addressable from this GPU over NVLink). The kernel
-(``kernels.triton.allreduce_norm``) gets the table of addresses and this rank's epoch counters.
+(``kernels.norm.triton_allreduce``) gets the table of addresses and this rank's epoch counters.
 
 Decisions:
 
@@ -157,7 +157,7 @@ class OneShotAllReduce:
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``add_rms_norm(all_reduce(x), residual, weight, eps)`` in one kernel (every rank calls it)."""
-        from phloem.kernels.triton.allreduce_norm import one_shot_add_rms_norm
+        from phloem.kernels.norm.triton_allreduce import one_shot_add_rms_norm
 
         half = HALF_BYTES // x.element_size()
         return one_shot_add_rms_norm(x, residual, weight, eps, self.buffers, self.flags, self.epochs, self.rank, half)

@@ -71,7 +71,7 @@ def test_step_roles_charges_each_launch_from_the_previous_end() -> None:
 
 
 def test_step_roles_reads_layers_without_a_router_launch() -> None:
-    """With the router in the projection before the experts (kernels/route_partial.py) a GDN layer is
+    """With the router in the projection before the experts (kernels/moe/route_partial.py) a GDN layer is
     five launches and an attention layer six; both patterns may follow each other."""
     module = runpy.run_path(str(BENCH / "step_roles.py"), run_name="step_roles")
     gdn = ["gemv_kernel", "recurrent_gated_delta_rule_kernel", "gemv_kernel", "_gate_up_token_kernel", "_down_sum_kernel"]

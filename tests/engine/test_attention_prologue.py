@@ -12,9 +12,9 @@ from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.models._attention import GatedAttention
 from phloem.engine.parallel import TPGroup
+from phloem.kernels.attention.flashinfer import TritonDecodePlan, page_indices
+from phloem.kernels.attention.rope import rope_inv_freq
 from phloem.kernels.dispatch import get_ops
-from phloem.kernels.flashinfer_attention import TritonDecodePlan, page_indices
-from phloem.kernels.rope import rope_inv_freq
 
 CPU = torch.device("cpu")
 PAGE = 4

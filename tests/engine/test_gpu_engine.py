@@ -156,7 +156,7 @@ def test_gpu_tokens_follow_the_cpu_reference(model_dir: Path) -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_one_token_decode_through_the_fused_projections_follows_the_reference(model_dir: Path, dtype: str) -> None:
-    """A sequence decoding alone takes the fused one-token path (``kernels.fused_linear``: the norms,
+    """A sequence decoding alone takes the fused one-token path (``kernels.linear.reference``: the norms,
     the conv, the gates inside the GEMVs; the routing inside the experts' kernel), in its CUDA
     graph and eagerly; teacher-forced against prefill logits (never that path) of an unfused
     engine in bf16, of the CPU references in fp32."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from phloem.engine.cuda_graph import _StagingLayout
-from phloem.kernels.flashinfer_attention import fill_page_lists, page_indices
+from phloem.kernels.attention.flashinfer import fill_page_lists, page_indices
 
 
 @pytest.mark.parametrize(("n", "max_pages"), [(1, 64), (7, 1000), (256, 1 << 12), (5, 0)])

@@ -229,7 +229,7 @@ def test_text_mrope_is_plain_rope() -> None:
         apply_rotary_pos_emb,
     )
 
-    from phloem.kernels.rope import apply_partial_rope, rope_inv_freq
+    from phloem.kernels.attention.rope import apply_partial_rope, rope_inv_freq
 
     rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
             "mrope_section": [11, 11, 10], "mrope_interleaved": True}

@@ -1,4 +1,4 @@
-"""The one-token decode path without a router launch (``kernels/route_partial.py``) at the model
+"""The one-token decode path without a router launch (``kernels/moe/route_partial.py``) at the model
 level, torch backend: its layers' accumulators are zero between steps, the transposed router follows
 an in-place weight edit, and turning it off (``KernelOps.route_partial``) gives the same greedy
 tokens (fp32)."""

@@ -1,7 +1,7 @@
 """The whole model on the Triton op table, run by Triton's interpreter on CPU, against the torch
 references: the same greedy tokens (fp32), for batched decode and for the one-token steps that
 take the Triton GEMV (``KernelConfig.triton_gemv``), with the MoE router in the projection before it
-(``kernels/route_partial.py``, the default) and in its own launch (``KernelOps.route_partial`` off). Every Triton kernel the model calls on a GPU runs
+(``kernels/moe/route_partial.py``, the default) and in its own launch (``KernelOps.route_partial`` off). Every Triton kernel the model calls on a GPU runs
 here except FlashInfer's attention and fla's chunked prefill (their torch fallbacks run instead).
 """
 
@@ -24,7 +24,7 @@ PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
 # The fused one-token ops each decode path calls, with and without the router's own launch
-# (kernels/route_partial.py); every layer of the tiny MoE checkpoint is a MoE layer.
+# (kernels/moe/route_partial.py); every layer of the tiny MoE checkpoint is a MoE layer.
 ROUTED_OPS = ("add_rms_norm_linear", "add_rms_norm_conv_linear", "gated_rms_norm_linear_route",
               "sigmoid_gate_linear_route", "fused_moe_token_route_partial")  # fmt: skip
 ROUTER_OPS = ("add_rms_norm_linear", "add_rms_norm_conv_linear", "gated_rms_norm_linear", "sigmoid_gate_linear",
@@ -49,7 +49,7 @@ def test_the_triton_op_table_gives_the_reference_tokens(
     engine = Engine.from_pretrained(path, kernels=KernelConfig(backend="triton", triton_gemv=True), **options)
     _route_partial(engine, route_partial == "1")
     ops = engine.runner.model.model.layers[0].mlp.ops
-    assert ops.backend == "triton" and ops.linear.__module__ == "phloem.kernels.triton.gemv"
+    assert ops.backend == "triton" and ops.linear.__module__ == "phloem.kernels.linear.triton_gemv"
     assert ops.route_partial == (route_partial == "1")
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == batched
     assert not any(calls.values()), f"batched decode steps are not one-token steps: {calls}"
@@ -68,9 +68,11 @@ def _route_partial(engine: Engine, on: bool) -> None:
 
 
 def _count_fused_ops(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Wrap the fused one-token ops (kernels.fused_linear's Triton versions, the one-token experts)
+    """Wrap the fused one-token ops (kernels.linear.reference's Triton versions, the one-token experts)
     to count their calls."""
-    from phloem.kernels.triton import fused_moe, gemv  # imported under the interpreter (set above)
+    # imported under the interpreter (set above)
+    from phloem.kernels.linear import triton_gemv as gemv
+    from phloem.kernels.moe import triton_decode as fused_moe
 
     calls: dict[str, int] = {}
     for name in dict.fromkeys(ROUTED_OPS + ROUTER_OPS):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phloem.kernels.attention import paged_attention, store_kv
+from phloem.kernels.attention.reference import paged_attention, store_kv
 
 PAGE_SIZE = 16
 HEAD_DIM = 24

@@ -5,7 +5,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from phloem.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from phloem.kernels.gdn.conv1d import causal_conv1d_update, causal_conv1d_varlen
 
 KERNEL = 4
 NUM_SLOTS = 8

@@ -11,9 +11,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels import norm  # noqa: E402
 from phloem.kernels.config import KernelConfig  # noqa: E402
 from phloem.kernels.dispatch import KernelOps, get_ops  # noqa: E402
+from phloem.kernels.norm import reference as norm  # noqa: E402
 from phloem.runtime.env import kernel_config  # noqa: E402
 
 ENV_VAR = "PHLOEM_KERNELS"
@@ -33,7 +33,7 @@ def test_cuda_defaults_to_triton() -> None:
     """Choosing needs no GPU: a ``cuda`` device object is enough."""
     ops = get_ops(CUDA)
     assert ops.backend == "triton"
-    assert ops.rms_norm.__module__ == "phloem.kernels.triton.norm"
+    assert ops.rms_norm.__module__ == "phloem.kernels.norm.triton_norm"
     assert ops.paged_attention is get_ops(CPU).paged_attention
 
 
@@ -84,8 +84,8 @@ def test_triton_ops_keep_the_reference_signature(name: str, pdl: bool) -> None:
 
 def test_the_triton_gemv_serves_linear_unless_turned_off() -> None:
     """The one-token Triton GEMV by default on the Triton backend; ``triton_gemv=False``: cuBLAS."""
-    assert get_ops(CUDA).linear.__module__ == "phloem.kernels.triton.gemv"
-    assert get_ops(CPU).linear.__module__ == "phloem.kernels.linear"  # the torch backend ignores it
+    assert get_ops(CUDA).linear.__module__ == "phloem.kernels.linear.triton_gemv"
+    assert get_ops(CPU).linear.__module__ == "phloem.kernels.linear.reference"  # the torch backend ignores it
     off = KernelConfig(triton_gemv=False)
     assert get_ops(CUDA, off).linear is get_ops(CPU, off).linear
 
@@ -97,7 +97,7 @@ def test_fused_decode_is_on_unless_turned_off() -> None:
 
 
 def test_the_router_goes_into_the_projection_with_the_fused_path() -> None:
-    """``KernelOps.route_partial`` (kernels/route_partial.py) rides on the fused one-token path:
+    """``KernelOps.route_partial`` (kernels/moe/route_partial.py) rides on the fused one-token path:
     off with ``fused_decode=False``."""
     assert get_ops(CPU).route_partial and get_ops(CUDA).route_partial
     assert not get_ops(CPU, KernelConfig(fused_decode=False)).route_partial

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phloem.kernels.gdn import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule, recurrent_gated_delta_rule
+from phloem.kernels.gdn.reference import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule, recurrent_gated_delta_rule
 
 NUM_K_HEADS, NUM_V_HEADS, K_DIM, V_DIM = 2, 4, 32, 24
 NUM_SLOTS = 10

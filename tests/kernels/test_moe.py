@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phloem.kernels.moe import fused_moe, moe_route
+from phloem.kernels.moe.reference import fused_moe, moe_route
 
 HIDDEN, INTERMEDIATE = 24, 10
 DTYPES = [torch.float32, torch.bfloat16]

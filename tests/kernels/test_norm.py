@@ -5,7 +5,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from phloem.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
+from phloem.kernels.norm.reference import add_rms_norm, gated_rms_norm, rms_norm
 
 SHAPES = [(1, 1), (1, 8), (7, 33), (3, 5, 128)]
 DTYPES = [torch.float32, torch.bfloat16]

@@ -1,11 +1,11 @@
-"""The host-side page lists of the paged attention plans (``kernels.flashinfer_attention.page_indices``)."""
+"""The host-side page lists of the paged attention plans (``kernels.attention.flashinfer.page_indices``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from phloem.kernels.flashinfer_attention import page_indices
+from phloem.kernels.attention.flashinfer import page_indices
 
 
 def _reference(page_ids: list[list[int]], seq_lens: list[int], page_size: int) -> tuple[list[int], list[int], list[int]]:

@@ -5,7 +5,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from phloem.kernels.rope import apply_partial_rope, rope_inv_freq
+from phloem.kernels.attention.rope import apply_partial_rope, rope_inv_freq
 
 HEAD_DIM = 32
 THETA = 10_000_000.0

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from phloem.kernels.norm import all_reduce_add_rms_norm
+from phloem.kernels.norm.reference import all_reduce_add_rms_norm
 
 pytest.importorskip("triton")
 
@@ -56,7 +56,7 @@ def _case(it: int, world: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], 
 
 def _rank(rank: int, world: int, dtype: torch.dtype, iters: int, data: list, flags: list, queue: object) -> None:
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module imports (spawned process)
-    from phloem.kernels.triton.allreduce_norm import one_shot_add_rms_norm
+    from phloem.kernels.norm.triton_allreduce import one_shot_add_rms_norm
 
     try:
         buffers = torch.tensor([d.data_ptr() for d in data], dtype=torch.int64)
@@ -100,7 +100,7 @@ def test_ranks_agree_with_the_reference_and_each_other(world: int, dtype: torch.
 
 
 def test_a_call_larger_than_the_buffer_is_refused() -> None:
-    from phloem.kernels.triton.allreduce_norm import one_shot_add_rms_norm
+    from phloem.kernels.norm.triton_allreduce import one_shot_add_rms_norm
 
     table = torch.zeros(2, dtype=torch.int64)
     epochs = torch.zeros(MAX_ROWS, dtype=torch.int64)
@@ -121,7 +121,7 @@ def _group_rank(rank: int, port: int, data: list, queue: object) -> None:
 
     from phloem.engine.parallel import one_shot_allreduce as one_shot
     from phloem.engine.parallel import TPGroup
-    from phloem.kernels.norm import add_rms_norm
+    from phloem.kernels.norm.reference import add_rms_norm
 
     try:
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]

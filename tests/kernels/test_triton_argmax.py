@@ -9,8 +9,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels.argmax import argmax as reference  # noqa: E402
-from phloem.kernels.triton.argmax import argmax  # noqa: E402
+from phloem.kernels.sampling.reference import argmax as reference  # noqa: E402
+from phloem.kernels.sampling.triton_argmax import argmax  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -9,8 +9,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels.conv1d import causal_conv1d_update as reference  # noqa: E402
-from phloem.kernels.triton.conv1d_update import causal_conv1d_update  # noqa: E402
+from phloem.kernels.gdn.conv1d import causal_conv1d_update as reference  # noqa: E402
+from phloem.kernels.gdn.triton_conv1d import causal_conv1d_update  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_SLOTS = 8

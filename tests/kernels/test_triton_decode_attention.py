@@ -1,4 +1,4 @@
-"""Split-KV paged decode attention (Triton) against the torch reference ``kernels.attention.paged_attention``.
+"""Split-KV paged decode attention (Triton) against the torch reference ``kernels.attention.reference.paged_attention``.
 
 On CPU the kernels run under the Triton interpreter, in fp32 and fp16 (its ``tl.dot`` on bf16
 operands is wrong in Triton 3.6: bf16 runs on the GPU only).
@@ -16,8 +16,8 @@ from paged_lists import PageLists
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels.attention import paged_attention  # noqa: E402
-from phloem.kernels.triton.decode_attention import default_max_splits, paged_decode_attention  # noqa: E402
+from phloem.kernels.attention.reference import paged_attention  # noqa: E402
+from phloem.kernels.attention.triton_decode import default_max_splits, paged_decode_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -1,6 +1,6 @@
 """The decode attention with the QK-norm + RoPE + gate + KV-write prologue in its split launch
-(``kernels.triton.decode_attention.paged_decode_attention_prologue``) against the torch references
-(``kernels.qk_norm_rope.qk_norm_rope_gate_store`` then ``kernels.attention.paged_attention``) and
+(``kernels.attention.triton_decode.paged_decode_attention_prologue``) against the torch references
+(``kernels.attention.qk_norm_rope.qk_norm_rope_gate_store`` then ``kernels.attention.reference.paged_attention``) and
 against the two Triton launches it replaces.
 
 On CPU the kernels run under the Triton interpreter in fp32 (its ``tl.dot`` on bf16 operands is
@@ -19,11 +19,11 @@ from paged_lists import PageLists
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels.attention import paged_attention  # noqa: E402
-from phloem.kernels.qk_norm_rope import qk_norm_rope_gate_store as reference_store  # noqa: E402
-from phloem.kernels.rope import rope_inv_freq  # noqa: E402
-from phloem.kernels.triton import qk_norm_rope  # noqa: E402
-from phloem.kernels.triton.decode_attention import (  # noqa: E402
+from phloem.kernels.attention import triton_qk_norm_rope as qk_norm_rope  # noqa: E402
+from phloem.kernels.attention.qk_norm_rope import qk_norm_rope_gate_store as reference_store  # noqa: E402
+from phloem.kernels.attention.reference import paged_attention  # noqa: E402
+from phloem.kernels.attention.rope import rope_inv_freq  # noqa: E402
+from phloem.kernels.attention.triton_decode import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_prologue,
 )

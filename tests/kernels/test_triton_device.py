@@ -1,4 +1,4 @@
-"""Grid sizing of the kernels whose programs walk tiles (``kernels.triton._device``)."""
+"""Grid sizing of the kernels whose programs walk tiles (``kernels.common.device``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from phloem.kernels.triton._device import balanced_grid, num_sms, resident_programs
+from phloem.kernels.common.device import balanced_grid, num_sms, resident_programs
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The one-token Triton GEMVs (``kernels.triton.gemv``) against the references of ``kernels.fused_linear``.
+"""The one-token Triton GEMVs (``kernels.linear.triton_gemv``) against the references of ``kernels.linear.reference``.
 
 On CPU under the interpreter at small shapes, in every launch layout (one program per row block;
 programs walking several blocks, with and without the one-block-ahead prefetch); on the GPU at the
@@ -16,9 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels import fused_linear as ref  # noqa: E402
-from phloem.kernels.linear import linear as ref_linear  # noqa: E402
-from phloem.kernels.triton import gemv  # noqa: E402
+from phloem.kernels.linear import reference as ref  # noqa: E402
+from phloem.kernels.linear import triton_gemv as gemv  # noqa: E402
+from phloem.kernels.linear.reference import linear as ref_linear  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LAYOUTS: dict[str, gemv.GemvConfig | None] = {
@@ -101,10 +101,10 @@ def test_sigmoid_gate_linear(assert_close) -> None:
 
 @pytest.mark.parametrize("prologue", ["gated", "sigmoid"])
 def test_route_epilogue_adds_the_residual_and_the_routers_terms(prologue: str, assert_close) -> None:
-    """``*_linear_route`` (kernels/route_partial.py) in every layout: ``s`` as the plain projection
+    """``*_linear_route`` (kernels/moe/route_partial.py) in every layout: ``s`` as the plain projection
     plus the residual, the accumulator as the reference's (fp32; the kernel truncates each
     program's part, the reference the whole row's)."""
-    from phloem.kernels import route_partial
+    from phloem.kernels.moe import route_partial
 
     n, heads, d, cols = 36, 4, 16, 7
     x, z, gate = _randn(1, heads, d, seed=20), _randn(1, heads, d, seed=21), _randn(1, heads * d, seed=22)

@@ -1,4 +1,4 @@
-"""Small-batch fused MoE (Triton) against the torch reference ``kernels.moe.fused_moe``."""
+"""Small-batch fused MoE (Triton) against the torch reference ``kernels.moe.reference.fused_moe``."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels.moe import fused_moe as reference  # noqa: E402
-from phloem.kernels.moe import fused_moe_routed as reference_routed  # noqa: E402
-from phloem.kernels.moe import moe_route  # noqa: E402
-from phloem.kernels.triton.fused_moe import MoeDecodeConfig, fused_moe, fused_moe_routed, fused_moe_tuned  # noqa: E402
+from phloem.kernels.moe.reference import fused_moe as reference  # noqa: E402
+from phloem.kernels.moe.reference import fused_moe_routed as reference_routed  # noqa: E402
+from phloem.kernels.moe.reference import moe_route  # noqa: E402
+from phloem.kernels.moe.triton_decode import MoeDecodeConfig, fused_moe, fused_moe_routed, fused_moe_tuned  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -64,7 +64,7 @@ def test_down_prefetch_walk_matches_the_one_tile_walk_bit_for_bit(tokens: int) -
     """The prefetching down walk adds the same products in the same order as the one-tile walk, so
     at the real shape (bf16, compiled; one token's tiles and the batch tiles) the outputs are equal
     bit for bit."""
-    from phloem.kernels.triton.fused_moe import _BATCH_CONFIG, _TOKEN_CONFIG, launch_down_sum
+    from phloem.kernels.moe.triton_decode import _BATCH_CONFIG, _TOKEN_CONFIG, launch_down_sum
 
     _, _, w_down, weights, ids = _inputs(tokens, 256, 8, 2048, 512, torch.bfloat16)
     act = torch.randn(tokens * 8, 512, device=DEVICE).to(torch.bfloat16)

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels.gdn import gdn_gates as ref_gates  # noqa: E402
-from phloem.kernels.moe import moe_route, moe_route_shared as ref_route_shared  # noqa: E402
-from phloem.kernels.triton.gdn_gates import gdn_gates  # noqa: E402
-from phloem.kernels.triton.moe_route import moe_route_shared  # noqa: E402
+from phloem.kernels.gdn.reference import gdn_gates as ref_gates  # noqa: E402
+from phloem.kernels.gdn.triton_gates import gdn_gates  # noqa: E402
+from phloem.kernels.moe.reference import moe_route, moe_route_shared as ref_route_shared  # noqa: E402
+from phloem.kernels.moe.triton_route import moe_route_shared  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels.gdn import recurrent_gated_delta_rule as reference  # noqa: E402
-from phloem.kernels.gdn import recurrent_gated_delta_rule_with_gates as reference_with_gates  # noqa: E402
-from phloem.kernels.triton.gdn_decode import (  # noqa: E402
+from phloem.kernels.gdn.reference import recurrent_gated_delta_rule as reference  # noqa: E402
+from phloem.kernels.gdn.reference import recurrent_gated_delta_rule_with_gates as reference_with_gates  # noqa: E402
+from phloem.kernels.gdn.triton_decode import (  # noqa: E402
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_with_gates,
 )

@@ -11,8 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels.linear import linear as reference  # noqa: E402
-from phloem.kernels.triton.gemv import linear  # noqa: E402
+from phloem.kernels.linear.reference import linear as reference  # noqa: E402
+from phloem.kernels.linear.triton_gemv import linear  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -1,4 +1,4 @@
-"""Prefill grouped-GEMM MoE (Triton) against the torch reference ``kernels.moe.fused_moe``."""
+"""Prefill grouped-GEMM MoE (Triton) against the torch reference ``kernels.moe.reference.fused_moe``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels.moe import fused_moe as reference  # noqa: E402
-from phloem.kernels.moe import moe_route, moe_route_shared  # noqa: E402
-from phloem.kernels.triton.moe_grouped import fused_moe_grouped, sort_by_expert  # noqa: E402
+from phloem.kernels.moe.reference import fused_moe as reference  # noqa: E402
+from phloem.kernels.moe.reference import moe_route, moe_route_shared  # noqa: E402
+from phloem.kernels.moe.triton_grouped import fused_moe_grouped, sort_by_expert  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

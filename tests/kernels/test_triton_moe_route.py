@@ -9,8 +9,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels.moe import moe_route as reference  # noqa: E402
-from phloem.kernels.triton.moe_route import moe_route  # noqa: E402
+from phloem.kernels.moe.reference import moe_route as reference  # noqa: E402
+from phloem.kernels.moe.triton_route import moe_route  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

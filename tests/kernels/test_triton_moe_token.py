@@ -1,5 +1,5 @@
-"""The experts of one token (``kernels.triton.moe_token``'s gate/up, then ``fused_moe``'s down) against
-the torch references ``kernels.moe.fused_moe`` / ``fused_moe_routed``.
+"""The experts of one token (``kernels.moe.triton_token``'s gate/up, then ``fused_moe``'s down) against
+the torch references ``kernels.moe.reference.fused_moe`` / ``fused_moe_routed``.
 
 On CPU under the interpreter at small shapes, in several launch layouts (programs walking several
 tiles; one program per tile); the ids in the model's layout (the shared expert, stored last, in the
@@ -19,11 +19,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels.moe import fused_moe as reference  # noqa: E402
-from phloem.kernels.moe import fused_moe_routed as reference_routed  # noqa: E402
-from phloem.kernels.moe import moe_route_shared  # noqa: E402
-from phloem.kernels.triton import fused_moe, moe_token  # noqa: E402
-from phloem.kernels.triton.moe_token import MoeTokenConfig  # noqa: E402
+from phloem.kernels.moe import triton_decode as fused_moe  # noqa: E402
+from phloem.kernels.moe import triton_token as moe_token  # noqa: E402
+from phloem.kernels.moe.reference import fused_moe as reference  # noqa: E402
+from phloem.kernels.moe.reference import fused_moe_routed as reference_routed  # noqa: E402
+from phloem.kernels.moe.reference import moe_route_shared  # noqa: E402
+from phloem.kernels.moe.triton_token import MoeTokenConfig  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LAYOUTS = {
@@ -125,8 +126,8 @@ def test_the_default_grids_fit_the_sm_as_loaded() -> None:
     """The H200 configurations' programs an SM all resident at the 35B-A3B shape, routed and with the
     router partial: a grid sized for more leaves a second wave (the sixteenth session's gate/up went
     to 136 registers and its step from 2.03 to 2.19 ms with the grid still sized for 4)."""
-    from phloem.kernels.route_partial import new_route_acc
-    from phloem.kernels.triton._device import resident_programs
+    from phloem.kernels.common.device import resident_programs
+    from phloem.kernels.moe.route_partial import new_route_acc
 
     x, w_gate_up, w_down, gen = _experts(257, 2048, 512, torch.bfloat16, seed=7)
     logits = torch.randn(1, 257, generator=gen).to(DEVICE, torch.bfloat16)

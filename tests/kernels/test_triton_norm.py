@@ -9,8 +9,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels import norm as reference  # noqa: E402
-from phloem.kernels.triton.norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
+from phloem.kernels.norm import reference  # noqa: E402
+from phloem.kernels.norm.triton_norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6

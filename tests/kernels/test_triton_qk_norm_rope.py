@@ -10,10 +10,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels.qk_norm_rope import qk_norm_rope_gate as reference  # noqa: E402
-from phloem.kernels.qk_norm_rope import qk_norm_rope_gate_store as reference_store  # noqa: E402
-from phloem.kernels.rope import rope_inv_freq  # noqa: E402
-from phloem.kernels.triton.qk_norm_rope import qk_norm_rope_gate, qk_norm_rope_gate_store  # noqa: E402
+from phloem.kernels.attention.qk_norm_rope import qk_norm_rope_gate as reference  # noqa: E402
+from phloem.kernels.attention.qk_norm_rope import qk_norm_rope_gate_store as reference_store  # noqa: E402
+from phloem.kernels.attention.rope import rope_inv_freq  # noqa: E402
+from phloem.kernels.attention.triton_qk_norm_rope import qk_norm_rope_gate, qk_norm_rope_gate_store  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6

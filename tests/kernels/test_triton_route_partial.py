@@ -1,4 +1,4 @@
-"""The MoE router folded into the output projection before it (``kernels/route_partial.py``): the
+"""The MoE router folded into the output projection before it (``kernels/moe/route_partial.py``): the
 Triton projections' route epilogue and the experts' kernel that reads the accumulator, against the
 torch references (interpreter on CPU; the real shapes on the GPU)."""
 
@@ -13,8 +13,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from phloem.kernels import fused_linear, route_partial  # noqa: E402
-from phloem.kernels.triton import fused_moe, gemv  # noqa: E402
+from phloem.kernels.linear import reference as fused_linear  # noqa: E402
+from phloem.kernels.linear import triton_gemv as gemv  # noqa: E402
+from phloem.kernels.moe import route_partial  # noqa: E402
+from phloem.kernels.moe import triton_decode as fused_moe  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6

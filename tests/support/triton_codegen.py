@@ -23,7 +23,7 @@ def _pdl() -> bool:
     unset, on a machine without a GPU, it is off."""
     import torch
 
-    from phloem.kernels.triton._pdl import use_pdl
+    from phloem.kernels.common.pdl import use_pdl
     from phloem.runtime.env import kernel_config
 
     return use_pdl(kernel_config().pdl, torch.device("cuda"))
@@ -71,7 +71,7 @@ def _all(names: str, dtype: str) -> dict[str, str]:
 
 
 def qk_norm_rope(store: bool) -> None:
-    from phloem.kernels.triton.qk_norm_rope import qk_norm_rope_gate_kernel
+    from phloem.kernels.attention.triton_qk_norm_rope import qk_norm_rope_gate_kernel
 
     bf16 = ("q_gate", "k", "q_norm_w", "k_norm_w", "o_q", "o_k", "o_gate", "v", "kv")
     pointers = {name: "*bf16" for name in bf16} | {"positions": "*i64", "slots": "*i64", "inv_freq": "*fp32"}
@@ -79,7 +79,7 @@ def qk_norm_rope(store: bool) -> None:
 
 
 def gdn_decode(from_gates: bool) -> None:
-    from phloem.kernels.triton.gdn_decode import recurrent_gated_delta_rule_kernel
+    from phloem.kernels.gdn.triton_decode import recurrent_gated_delta_rule_kernel
 
     pointers = {name: "*bf16" for name in ("q", "k", "v", "o")}
     pointers |= {"ssm_states": "*fp32", "read_slots": "*i64", "write_slots": "*i64", "a_log": "*fp32", "dt_bias": "*fp32"}
@@ -91,14 +91,14 @@ def gdn_decode(from_gates: bool) -> None:
 
 # The 35B-A3B decode shapes: hidden 2048, expert FFN 512, 256 experts + the shared one, top-8 + 1.
 def conv1d_update() -> None:
-    from phloem.kernels.triton.conv1d_update import causal_conv1d_update_kernel
+    from phloem.kernels.gdn.triton_conv1d import causal_conv1d_update_kernel
 
     pointers = _all("x weight bias o", "*bf16") | _all("read_slots write_slots", "*i64") | {"conv_states": "*bf16"}
     compile_for_h200(causal_conv1d_update_kernel, pointers, {"K": 4, "BK": 4, "BD": 256, "HAS_BIAS": False})
 
 
 def fused_moe_decode() -> None:
-    from phloem.kernels.triton.fused_moe import _down_sum_kernel, _gate_up_kernel
+    from phloem.kernels.moe.triton_decode import _down_sum_kernel, _gate_up_kernel
 
     moe = {"H": 2048, "INTER": 512, "TOP_K": 9}
     for route in (False, True):  # ids given / routed in the kernel from the router logits
@@ -111,7 +111,7 @@ def fused_moe_decode() -> None:
 
 
 def moe_grouped_prefill() -> None:
-    from phloem.kernels.triton.moe_grouped import _grouped_down_kernel, _grouped_gate_up_kernel
+    from phloem.kernels.moe.triton_grouped import _grouped_down_kernel, _grouped_gate_up_kernel
 
     tiles = {"E": 257, "H": 2048, "INTER": 512, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PRECISION": "tf32"}
     compile_for_h200(_grouped_gate_up_kernel, _all("p_x p_w p_act", "*bf16") | _all("p_rows p_block_e", "*i64"),
@@ -121,7 +121,7 @@ def moe_grouped_prefill() -> None:
 
 
 def moe_route(shared: bool) -> None:
-    from phloem.kernels.triton.moe_route import moe_route_kernel
+    from phloem.kernels.moe.triton_route import moe_route_kernel
 
     pointers = {"logits": "*bf16", "topk_weights": "*bf16", "topk_ids": "*i64"}
     compile_for_h200(moe_route_kernel, pointers,
@@ -129,14 +129,14 @@ def moe_route(shared: bool) -> None:
 
 
 def gdn_gates() -> None:
-    from phloem.kernels.triton.gdn_gates import gdn_gates_kernel
+    from phloem.kernels.gdn.triton_gates import gdn_gates_kernel
 
     pointers = _all("p_a p_b p_beta", "*bf16") | _all("p_alog p_dt p_g", "*fp32")
     compile_for_h200(gdn_gates_kernel, pointers, {"H": 32, "BLOCK_H": 32})
 
 
 def norms() -> None:
-    from phloem.kernels.triton.norm import add_rms_norm_kernel, gated_rms_norm_kernel, rms_norm_kernel
+    from phloem.kernels.norm.triton_norm import add_rms_norm_kernel, gated_rms_norm_kernel, rms_norm_kernel
 
     compile_for_h200(rms_norm_kernel, _all("x weight o", "*bf16"), {"BD": 2048})
     compile_for_h200(add_rms_norm_kernel, _all("x residual weight o o_residual", "*bf16"), {"BD": 2048})
@@ -144,7 +144,7 @@ def norms() -> None:
 
 
 def one_shot_norm(world: int) -> None:
-    from phloem.kernels.triton.allreduce_norm import one_shot_add_rms_norm_kernel
+    from phloem.kernels.norm.triton_allreduce import one_shot_add_rms_norm_kernel
 
     pointers = _all("x residual weight o o_residual", "*bf16") | _all("buffers flags epochs", "*i64")
     constexprs = {"WORLD": world, "MAX_ROWS": 256, "BD": 2048, "HAS_RESIDUAL": True}
@@ -153,7 +153,7 @@ def one_shot_norm(world: int) -> None:
 
 
 def moe_token() -> None:
-    from phloem.kernels.triton.moe_token import _gate_up_token_kernel
+    from phloem.kernels.moe.triton_token import _gate_up_token_kernel
 
     moe = {"S": 9, "H": 2048, "INTER": 512, "COPIES": 4}
     # ids given / routed from the router logits / from the router partial's accumulator
@@ -165,7 +165,7 @@ def moe_token() -> None:
 
 
 def argmax() -> None:
-    from phloem.kernels.triton.argmax import argmax_final_kernel, argmax_partial_kernel
+    from phloem.kernels.sampling.triton_argmax import argmax_final_kernel, argmax_partial_kernel
 
     compile_for_h200(argmax_partial_kernel, {"p_x": "*bf16", "p_key": "*i32", "p_idx": "*i32"}, {"BLOCK": 1024})
     for copy in (False, True):  # with the ids also written into the graph's input-id row
@@ -173,7 +173,7 @@ def argmax() -> None:
 
 
 def decode_attention() -> None:
-    from phloem.kernels.triton.decode_attention_kernel import decode_attention_merge_kernel, decode_attention_split_kernel
+    from phloem.kernels.attention.triton_decode_kernel import decode_attention_merge_kernel, decode_attention_split_kernel
 
     common = {"GROUP": 8, "D": 256, "PAGE": 16, "MIN_SPLIT": 16}
     pointers = _all("q kv_cache out", "*bf16") | _all("kv_indptr kv_indices kv_last_page_len", "*i32") | _all("o_part lse_part", "*fp32")
@@ -193,7 +193,7 @@ def gemv(pro: int, conv: bool, prefetch: bool, route: bool = False) -> None:
     """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape (with
     ``conv`` and ``prefetch``, the conv operands preloaded and the update after the walk; ``route``:
     with the router partial's epilogue)."""
-    from phloem.kernels.triton.gemv_kernel import gemv_kernel
+    from phloem.kernels.linear.triton_gemv_kernel import gemv_kernel
 
     pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs p_h p_rt p_pw", "*bf16") | _all("p_read p_write p_acc", "*i64")
     kp = 4096 if pro in (2, 3) else 2048

@@ -19,7 +19,7 @@ waits for the previous plan's copies (an event recorded after them; the device r
 soon as it starts step N, so the wait is short) and records its own.
 
 Pure-decode steps of fp16/bf16 models run the split-KV Triton kernel
-(``kernels.triton.decode_attention``) instead of FlashInfer's decode, unless
+(``kernels.attention.triton_decode``) instead of FlashInfer's decode, unless
 ``KernelConfig.triton_decode_attention`` is off: it reads the same indptr / indices / last-page
 lengths, which a plan copies from pinned memory into the device (a captured graph keeps them in
 its staging buffer with the step's other inputs, ``engine.cuda_graph``, and plans nothing), needs
@@ -73,7 +73,7 @@ class FlashInferPlan:
 
 @dataclass(frozen=True, slots=True)
 class TritonDecodePlan:
-    """A pure-decode step through ``kernels.triton.decode_attention``: the page lists on the device
+    """A pure-decode step through ``kernels.attention.triton_decode``: the page lists on the device
     (the kernel's split count depends on the batch size alone, so a captured graph's grid holds for
     any lengths)."""
 
@@ -85,12 +85,12 @@ class TritonDecodePlan:
     # the KV write inside the split launch) instead of running them first (the engine's plans always
     # do; False is the two-launch composition the tests compare it with).
     prologue: bool = False
-    # Launched under programmatic dependent launch (``kernels/triton/_pdl.py``).
+    # Launched under programmatic dependent launch (``kernels/common/pdl.py``).
     pdl: bool = False
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """``q`` ``[B, Hq, D]``, ``kv_cache`` ``[pages, 2, page_size, Hkv, D]`` -> ``[B, Hq, D]``."""
-        from phloem.kernels.triton.decode_attention import paged_decode_attention
+        from phloem.kernels.attention.triton_decode import paged_decode_attention
 
         return paged_decode_attention(
             q, kv_cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.scale, pdl=self.pdl
@@ -101,9 +101,9 @@ class TritonDecodePlan:
         k_norm_w: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float,
         kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``kernels.qk_norm_rope.qk_norm_rope_gate_store`` then ``run``, in one split launch:
-        ``(out [B, Hq, D], gate [B, Hq * D])`` (``kernels.triton.decode_attention.paged_decode_attention_prologue``)."""
-        from phloem.kernels.triton.decode_attention import paged_decode_attention_prologue
+        """``kernels.attention.qk_norm_rope.qk_norm_rope_gate_store`` then ``run``, in one split launch:
+        ``(out [B, Hq, D], gate [B, Hq * D])`` (``kernels.attention.triton_decode.paged_decode_attention_prologue``)."""
+        from phloem.kernels.attention.triton_decode import paged_decode_attention_prologue
 
         return paged_decode_attention_prologue(
             q_gate, key, value, q_norm_w, k_norm_w, positions, inv_freq, eps, kv_cache, slot_mapping,
@@ -177,7 +177,7 @@ class FlashInferAttention:
         self.prologue = self.triton_decode
         self.pdl = False
         if self.triton_decode:
-            from phloem.kernels.triton._pdl import use_pdl
+            from phloem.kernels.common.pdl import use_pdl
 
             self.pdl = use_pdl(config.pdl, device)
 

@@ -1,5 +1,5 @@
 """One-token GEMVs of the decode step, each fused with the row ops around it: Triton versions of
-``kernels.linear.linear`` and of the projections of ``kernels.fused_linear``.
+``kernels.linear.reference``'s ``linear`` and fused projections.
 
 ``y = W x̂`` for one row ``x`` ``[1, K]`` and ``W`` ``[N, K]`` (unit last stride), with ``x̂`` made from
 the inputs by a prologue (``PRO``) and, with ``CONV``, the first rows of ``y`` finished by the GDN
@@ -14,7 +14,7 @@ conv update::
                         write slot (stored in place of y); rows >= D: y   add_rms_norm_conv_linear
     ROUTE               s = y + residual stored in place of y; each program adds its rows' terms
                         of the MoE router's partial logits into an accumulator (kernels/
-                        route_partial.py)                          gated_rms_norm_linear_route,
+                        moe/route_partial.py)                      gated_rms_norm_linear_route,
                                                                    sigmoid_gate_linear_route
 
 Every program computes the prologue of the whole row (``K`` <= ``MAX_K``, held in registers: a few
@@ -23,11 +23,11 @@ KiB read through L2 by each program, instead of a launch of its own), then walks
 ``[BLOCK_N, K]`` tile, multiplied in fp32 and reduced once. With ``PREFETCH`` the next block's tile
 is loaded before the current one is reduced, and the first block's weights before
 ``gdc_wait``: weights are never written by the kernels before, so under programmatic dependent
-launch the weight stream starts while those kernels finish (``kernels/triton/_pdl.py``).
+launch the weight stream starts while those kernels finish (``kernels/common/pdl.py``).
 
 Rounding follows the references: the prologue's values are rounded to the input dtype where the
 reference's intermediate tensors are (the residual sum, the normalised row, the gate product),
-``y`` once from the fp32 sum; the conv update rounds as ``kernels.triton.conv1d_update``. The conv
+``y`` once from the fp32 sum; the conv update rounds as ``kernels.gdn.triton_conv1d``. The conv
 state of a row is read and written by the one program that owns the row (loads before a CTA
 barrier, stores after), so ``read_slot == write_slot`` updates in place. A program walking at most
 16 blocks loads the conv operands of all its blocks before ``gdc_wait`` (``CONV_BLOCKS``) and runs
@@ -42,8 +42,9 @@ tile (the first before ``gdc_wait``, the next with the prefetch), its residual r
 prologue's loads; the program's fp32 sum goes into the accumulator once, after its walk, as
 fixed-point integers (one atomic add a logit).
 
-The kernel is ``gemv_kernel.gemv_kernel``; its tiles ``gemv_config.gemv_config``. Anything the kernel does not cover (more than one
-row, ``K > MAX_K``, mixed dtypes, a weight without unit last stride) goes to the unfused ops.
+The kernel is ``triton_gemv_kernel.gemv_kernel``; its tiles ``triton_gemv_config.gemv_config``.
+Anything the kernel does not cover (more than one row, ``K > MAX_K``, mixed dtypes, a weight
+without unit last stride) goes to the unfused ops.
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE, acc_fits, add_route_partial
-from phloem.kernels.triton import conv1d_update, norm
-from phloem.kernels.triton._device import balanced_grid
-from phloem.kernels.triton.gemv_config import MAX_K, GemvConfig, gemv_config
-from phloem.kernels.triton.gemv_kernel import gemv_kernel
+from phloem.kernels.common.device import balanced_grid
+from phloem.kernels.gdn import triton_conv1d
+from phloem.kernels.linear.triton_gemv_config import MAX_K, GemvConfig, gemv_config
+from phloem.kernels.linear.triton_gemv_kernel import gemv_kernel
+from phloem.kernels.moe.route_partial import ROUTE_COPIES, ROUTE_SCALE, acc_fits, add_route_partial
+from phloem.kernels.norm import triton_norm
 
 __all__ = [
     "GemvConfig",
@@ -138,7 +140,7 @@ def _row(x: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """``x @ weight.T``; one row through the kernel, anything else through ``F.linear`` (``pdl``:
-    launched under programmatic dependent launch, ``kernels/triton/_pdl.py``)."""
+    launched under programmatic dependent launch, ``kernels/common/pdl.py``)."""
     return linear_tuned(x, weight, None, pdl)
 
 
@@ -155,9 +157,9 @@ def add_rms_norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.fused_linear.add_rms_norm_linear``."""
+    """``kernels.linear.reference.add_rms_norm_linear``."""
     if not _covered(x, weight, residual):
-        normed, residual = norm.add_rms_norm(x, residual, norm_w, eps, pdl)
+        normed, residual = triton_norm.add_rms_norm(x, residual, norm_w, eps, pdl)
         return linear(normed, weight, pdl), residual
     y, res = _outputs(x, residual, weight.shape[0])
     _launch(_row(x), weight, y, PRO_ADD_RMS_NORM, _Call(a=_opt_row(residual), nw=norm_w, res=res, eps=eps), pdl)
@@ -176,7 +178,7 @@ def add_rms_norm_conv_linear(
     write_slots: torch.Tensor,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.fused_linear.add_rms_norm_conv_linear``."""
+    """``kernels.linear.reference.add_rms_norm_conv_linear``."""
     conv_dim, kernel_size = conv_w.shape
     fits = (
         _covered(x, weight, residual) and conv_dim <= weight.shape[0]
@@ -185,7 +187,9 @@ def add_rms_norm_conv_linear(
     )  # fmt: skip
     if not fits:
         y, residual = add_rms_norm_linear(x, residual, norm_w, eps, weight, pdl)
-        conv = conv1d_update.causal_conv1d_update(y[:, :conv_dim], conv_w, None, conv_states, read_slots, write_slots, pdl)
+        conv = triton_conv1d.causal_conv1d_update(
+            y[:, :conv_dim], conv_w, None, conv_states, read_slots, write_slots, pdl
+        )
         return torch.cat((conv, y[:, conv_dim:]), dim=-1), residual
     y, res = _outputs(x, residual, weight.shape[0])
     call = _Call(a=_opt_row(residual), nw=norm_w, res=res, eps=eps, conv=(conv_w, conv_states, read_slots, write_slots))
@@ -196,11 +200,11 @@ def add_rms_norm_conv_linear(
 def gated_rms_norm_linear(
     x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor, pdl: bool = False
 ) -> torch.Tensor:
-    """``kernels.fused_linear.gated_rms_norm_linear`` (``x``, ``gate`` ``[1, H, D]``)."""
+    """``kernels.linear.reference.gated_rms_norm_linear`` (``x``, ``gate`` ``[1, H, D]``)."""
     head = x.shape[-1]
     flat = x.reshape(x.shape[0], -1)
     if not _covered(flat, weight) or gate.shape != x.shape or head & (head - 1) or norm_w.shape != (head,):
-        return linear(norm.gated_rms_norm(x, gate, norm_w, eps, pdl).reshape(flat.shape), weight, pdl)
+        return linear(triton_norm.gated_rms_norm(x, gate, norm_w, eps, pdl).reshape(flat.shape), weight, pdl)
     y = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch(_row(flat), weight, y, PRO_GATED_RMS_NORM, _Call(a=_heads(gate), nw=norm_w, eps=eps, head=head), pdl)
     return y
@@ -210,8 +214,8 @@ def gated_rms_norm_linear_route(
     x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
     residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor, pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """``kernels.fused_linear.gated_rms_norm_linear_route``: the residual sum and the router's
-    partial logits in the projection's programs (``kernels/route_partial.py``)."""
+    """``kernels.linear.reference.gated_rms_norm_linear_route``: the residual sum and the router's
+    partial logits in the projection's programs (``kernels/moe/route_partial.py``)."""
     head = x.shape[-1]
     flat = x.reshape(x.shape[0], -1)
     route = _route_operands(residual, router_t, post_norm_w, acc, weight.shape[0])
@@ -228,7 +232,7 @@ def sigmoid_gate_linear_route(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor, pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """``kernels.fused_linear.sigmoid_gate_linear_route`` (see ``gated_rms_norm_linear_route``)."""
+    """``kernels.linear.reference.sigmoid_gate_linear_route`` (see ``gated_rms_norm_linear_route``)."""
     route = _route_operands(residual, router_t, post_norm_w, acc, weight.shape[0])
     if route is None or not _covered(x, weight) or gate.shape != x.shape:
         return add_route_partial(sigmoid_gate_linear(x, gate, weight, pdl), residual, router_t, post_norm_w, acc)
@@ -251,7 +255,7 @@ def _route_operands(
 
 
 def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    """``kernels.fused_linear.sigmoid_gate_linear``."""
+    """``kernels.linear.reference.sigmoid_gate_linear``."""
     if not _covered(x, weight) or gate.shape != x.shape:
         return linear(x * torch.sigmoid(gate), weight, pdl)
     y = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
@@ -263,9 +267,9 @@ def add_rms_norm_router(
     x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``kernels.fused_linear.add_rms_norm_router``: ``(router logits, normed, x + residual)``."""
+    """``kernels.linear.reference.add_rms_norm_router``: ``(router logits, normed, x + residual)``."""
     if not _covered(x, router_w, residual):
-        normed, residual = norm.add_rms_norm(x, residual, norm_w, eps, pdl)
+        normed, residual = triton_norm.add_rms_norm(x, residual, norm_w, eps, pdl)
         return linear(normed, router_w, pdl), normed, residual
     logits, res = _outputs(x, residual, router_w.shape[0])
     normed = torch.empty_like(x)

@@ -1,4 +1,4 @@
-"""The one-token GEMV kernel and its prologue / epilogue helpers (``kernels.triton.gemv`` launches
+"""The one-token GEMV kernel and its prologue / epilogue helpers (``kernels.linear.triton_gemv`` launches
 it and describes its modes: ``PRO``, ``CONV``, ``ROUTE``).
 
 Notation: ``p_`` pointers, ``o_`` offsets, ``m_`` masks, ``b_`` tiles; ``i_p`` the program, ``n_p``
@@ -76,7 +76,7 @@ def _conv_epilogue(
     KC: tl.constexpr, BKC: tl.constexpr, BARRIER: tl.constexpr,
 ):  # fmt: skip
     """Rows ``< CONV_N`` of ``b_y`` (the block's projection, rounded) through the conv update
-    (``kernels.triton.conv1d_update``'s rounding), the state shifted into the write slot."""
+    (``kernels.gdn.triton_conv1d``'s rounding), the state shifted into the write slot."""
     dtype = p_y.dtype.element_ty
     w_dtype = b_cw.dtype
     o_c = tl.arange(0, BKC)
@@ -139,7 +139,7 @@ def gemv_kernel(
             tl.debug_barrier()
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
+        gdc_wait()  # the previous kernel's writes first (kernels/common/pdl.py)
     if ROUTE:  # the residual of the first block's rows, issued with the prologue's loads
         b_h = tl.load(p_h + o_first, mask=o_first < N, other=0.0)
     b_x = _gemv_input(p_x, p_a, p_nw, p_res, p_normed, K, eps, i_p, PRO, HAS_A, WRITE_NORMED, ROUND_WEIGHTED, HEAD, KP)
@@ -186,7 +186,7 @@ def gemv_kernel(
         else:
             tl.store(p_y + o_n, b_y, mask=m_n)
     if ROUTE:
-        # This program's terms in fixed point (kernels/route_partial.py): integer sums, the same
+        # This program's terms in fixed point (kernels/moe/route_partial.py): integer sums, the same
         # bits whatever order the programs add in.
         p_row = p_acc + (i_p % COPIES) * E1
         tl.atomic_add(p_row + o_e, (b_route * scale).to(tl.int64), mask=m_e, sem="relaxed")

@@ -42,7 +42,7 @@ def all_reduce_add_rms_norm(
     parts: Sequence[torch.Tensor], residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm(sum(parts), residual)``: the ranks' partial sums added in fp32 in rank order and
-    rounded to their dtype (the reference of ``kernels.triton.allreduce_norm``; for two ranks this is
+    rounded to their dtype (the reference of ``kernels.norm.triton_allreduce``; for two ranks this is
     exactly a bf16 all-reduce's sum)."""
     total = parts[0].float()
     for part in parts[1:]:

@@ -1,8 +1,12 @@
-"""Decode projections fused with the elementwise ops around them: references composed of those ops.
+"""Dense projections, alone and fused with the elementwise ops around them: torch references.
+
+``linear`` is ``x @ weight.T`` (``[..., K]`` x ``[N, K]`` -> ``[..., N]``), i.e.
+``torch.nn.functional.linear``.
 
 At batch 1 a decode step is hundreds of launches whose bytes are tiny next to the GEMVs between
 them, so the ops that only read or write one row of the hidden state go into the projection that
-consumes or produces it (``kernels.triton.gemv`` runs each as one launch)::
+consumes or produces it (``kernels.linear.triton_gemv`` runs each, and ``linear`` for one token,
+as one launch)::
 
     add_rms_norm_linear       add_rms_norm -> linear                       attention qkv_proj
     add_rms_norm_conv_linear  add_rms_norm -> linear -> conv1d update      GDN in_proj (+ conv)
@@ -16,20 +20,20 @@ consumes or produces it (``kernels.triton.gemv`` runs each as one launch)::
     sigmoid_gate_linear_route     sigmoid_gate_linear -> + residual,       attention o_proj, the same
                                   router partial
 
-Each function here is exactly the composition of the references of ``kernels.norm``,
-``kernels.linear`` and ``kernels.conv1d`` it names, so a model calling them on the
-torch backend computes what the unfused calls compute. Shapes: ``x``, ``residual`` ``[T, K]``;
-``weight`` ``[N, K]``; outputs ``[T, N]``.
+Each fused function is exactly the composition of the references of ``kernels.norm.reference``,
+``linear`` and ``kernels.gdn.conv1d`` it names, so a model calling them on the torch backend
+computes what the unfused calls compute. Shapes: ``x``, ``residual`` ``[T, K]``; ``weight``
+``[N, K]``; outputs ``[T, N]``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from phloem.kernels.conv1d import causal_conv1d_update
-from phloem.kernels.linear import linear
-from phloem.kernels.norm import add_rms_norm, gated_rms_norm
-from phloem.kernels.route_partial import add_route_partial
+from phloem.kernels.gdn.conv1d import causal_conv1d_update
+from phloem.kernels.moe.route_partial import add_route_partial
+from phloem.kernels.norm.reference import add_rms_norm, gated_rms_norm
 
 __all__ = [
     "add_rms_norm_conv_linear",
@@ -37,9 +41,14 @@ __all__ = [
     "add_rms_norm_router",
     "gated_rms_norm_linear",
     "gated_rms_norm_linear_route",
+    "linear",
     "sigmoid_gate_linear",
     "sigmoid_gate_linear_route",
 ]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
 
 
 def add_rms_norm_linear(
@@ -63,7 +72,7 @@ def add_rms_norm_conv_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GDN's decode input projection: ``add_rms_norm_linear``, then the first ``D = conv_w.shape[0]``
     output columns (the conv channels ``q|k|v``) replaced by their causal conv1d + SiLU update
-    (``kernels.conv1d.causal_conv1d_update``, no bias, state at ``read_slots`` / ``write_slots``)."""
+    (``kernels.gdn.conv1d.causal_conv1d_update``, no bias, state at ``read_slots`` / ``write_slots``)."""
     y, residual = add_rms_norm_linear(x, residual, norm_w, eps, weight)
     conv_dim = conv_w.shape[0]
     conv = causal_conv1d_update(y[:, :conv_dim], conv_w, None, conv_states, read_slots, write_slots)
@@ -97,7 +106,7 @@ def gated_rms_norm_linear_route(
     x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
     residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
-    """``gated_rms_norm_linear``, then ``route_partial.add_route_partial`` (the residual sum ``s``,
+    """``gated_rms_norm_linear``, then ``kernels.moe.route_partial.add_route_partial`` (the residual sum ``s``,
     returned, and the MoE router's partial logits added into ``acc``)."""
     y = gated_rms_norm_linear(x, gate, norm_w, eps, weight)
     return add_route_partial(y, residual, router_t, post_norm_w, acc)
@@ -107,5 +116,5 @@ def sigmoid_gate_linear_route(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
-    """``sigmoid_gate_linear``, then ``route_partial.add_route_partial``."""
+    """``sigmoid_gate_linear``, then ``kernels.moe.route_partial.add_route_partial``."""
     return add_route_partial(sigmoid_gate_linear(x, gate, weight), residual, router_t, post_norm_w, acc)

@@ -1,4 +1,4 @@
-"""RMS norms of Qwen3-Next / Qwen3.5: Triton versions of ``kernels.norm``.
+"""RMS norms of Qwen3-Next / Qwen3.5: Triton versions of ``kernels.norm.reference``.
 
 Shapes (as the references): ``x``, ``residual``, ``gate`` ``[..., D]``, ``weight`` ``[D]``; outputs are
 new contiguous tensors of ``x``'s shape. Inputs may be strided as long as the leading dims flatten
@@ -33,7 +33,7 @@ __all__ = ["add_rms_norm", "gated_rms_norm", "rms_norm"]
 def rms_norm_kernel(x, weight, o, s_x, D, eps, BD: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
+        gdc_wait()  # the previous kernel's writes first (kernels/common/pdl.py)
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -49,7 +49,7 @@ def add_rms_norm_kernel(
 ):
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
+        gdc_wait()  # the previous kernel's writes first (kernels/common/pdl.py)
     i_r = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -70,7 +70,7 @@ def gated_rms_norm_kernel(
 ):
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
+        gdc_wait()  # the previous kernel's writes first (kernels/common/pdl.py)
     i_r = tl.program_id(0).to(tl.int64)
     x_dtype = x.dtype.element_ty
     o_d = tl.arange(0, BD)

@@ -1,6 +1,6 @@
 """The gate/up stage of one token's experts (batch-1 decode), with the routing in its programs.
 
-``kernels.triton.fused_moe`` runs one token's experts as this kernel, then its own down + weighted
+``kernels.moe.triton_decode`` runs one token's experts as this kernel, then its own down + weighted
 sum (``_down_sum_kernel``): ``fused_moe`` with the ids given, ``fused_moe_routed`` with the router
 logits. With one token the experts' bytes are small (9 × 3 × 2048 × 512 bf16 = 57 MB a layer at the
 35B-A3B shape, ~14 µs at 4 TB/s), so what costs is the time the weight stream stands still::
@@ -8,20 +8,20 @@ logits. With one token the experts' bytes are small (9 × 3 × 2048 × 512 bf16 
     act[s, n] = silu(x · Wg[e_s][n]) * (x · Wu[e_s][n])
 
 Slot-major: ``NUM_P`` programs per slot walk its blocks of ``BLOCK_N`` gate and up rows, the next
-block's tiles in flight while one is reduced (as ``kernels.triton.gemv``'s GEMVs). Routed, each
-program finds its own slot's expert once (``moe_route.select_expert``: ``s + 1`` arg-max rounds over
+block's tiles in flight while one is reduced (as ``kernels.linear.triton_gemv``'s GEMVs). Routed, each
+program finds its own slot's expert once (``triton_route.select_expert``: ``s + 1`` arg-max rounds over
 the logits) and one program (the last, after its walk) writes the weights and ids the down stage
-reads (``fused_moe._gate_up_kernel`` runs a program per (slot, block), each routing again).
+reads (``triton_decode._gate_up_kernel`` runs a program per (slot, block), each routing again).
 
-With the router folded into the projection before it (``kernels/route_partial.py``, ``partial``)
+With the router folded into the projection before it (``kernels/moe/route_partial.py``, ``partial``)
 ``x`` is the residual sum ``s``: every program computes ``rstd(s)`` and ``normed`` itself, the
 logits from the accumulator's rows (loaded first), and routes on them (``moe_route.select_in``); the
 last program writes the logits out for ``route_row``.
 
-Under programmatic dependent launch (``kernels/triton/_pdl.py``) a kernel may load, before its
+Under programmatic dependent launch (``kernels/common/pdl.py``) a kernel may load, before its
 ``gdc_wait``, only what no kernel before it in the step writes: the weights, not the ids. The last
 slot's programs load their first tile of the **last expert** there — in the model's layout
-(``kernels.moe.moe_route_shared``) the last slot is the shared expert, stored last — and after the
+(``kernels.moe.reference.moe_route_shared``) the last slot is the shared expert, stored last — and after the
 wait check the ids: where the last slot holds another expert, the tile is loaded again (correct for
 any ids, only slower).
 
@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.route_partial import ROUTE_COPIES, ROUTE_SCALE
-from phloem.kernels.triton._device import balanced_grid
-from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert, select_in
+from phloem.kernels.common.device import balanced_grid
+from phloem.kernels.moe.route_partial import ROUTE_COPIES, ROUTE_SCALE
+from phloem.kernels.moe.triton_route import MAX_EXPERTS, route_row, select_expert, select_in
 
 __all__ = ["DEFAULT_CONFIG", "MAX_SLOTS", "PARTIAL_CONFIG", "MoeTokenConfig", "covered", "launch_gate_up"]
 
@@ -82,7 +82,7 @@ def _acc_sums(p_acc, o_e, E_LAST, COPIES: tl.constexpr):
 
 @triton.jit
 def _partial_logits(b_u, o_e, E_LAST, b_rstd, scale, dtype: tl.constexpr):
-    """The routed logits ``rstd(s) · u`` (``kernels/route_partial.py``) in ``dtype`` as fp32, ``-inf``
+    """The routed logits ``rstd(s) · u`` (``kernels/moe/route_partial.py``) in ``dtype`` as fp32, ``-inf``
     past the ``E_LAST`` routed experts."""
     b_l = (b_u.to(tl.float32) * (1.0 / scale) * b_rstd).to(dtype).to(tl.float32)
     return tl.where(o_e < E_LAST, b_l, -float("inf"))
@@ -107,10 +107,10 @@ def _gate_up_token_kernel(
     b_g, b_u = _gate_up_tile(p_w, E_LAST, p, o_b, o_k, m_k, H, INTER, BLOCK_N, last)
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the router's logits or ids, and the normed row (kernels/triton/_pdl.py)
+        gdc_wait()  # the router's logits or ids, and the normed row (kernels/common/pdl.py)
     if PARTIAL:
-        # x is the residual sum s: its norm here (kernels.norm.rms_norm's formula), and the logits
-        # from the partial sums the projection before added (kernels/route_partial.py). The sums'
+        # x is the residual sum s: its norm here (kernels.norm.reference.rms_norm's formula), and the logits
+        # from the partial sums the projection before added (kernels/moe/route_partial.py). The sums'
         # loads are issued first, with s's: one memory latency before the routing, not two. (The
         # norm weight is loaded here, not before the wait: held across it, its 2048 values cost 16
         # registers a thread for the whole walk.)
@@ -176,7 +176,7 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
     """The gate/up stage into ``act`` ``[S, I]``. With ``route`` (router
     logits ``[1, E + 1]``, weights out ``[1, S]``, renormalise) the kernel routes and writes ``ids``
     and the weights itself. With ``partial`` (the MoE norm's weight and eps, the accumulator of
-    ``kernels/route_partial.py``) as well, ``x`` is the residual sum ``s``: the kernel normalises it
+    ``kernels/moe/route_partial.py``) as well, ``x`` is the residual sum ``s``: the kernel normalises it
     and computes the logits from the accumulator, writing them into ``route``'s logits (an output
     then)."""
     num_slots, inter = act.shape

@@ -1,5 +1,5 @@
 """The split-KV decode attention's two kernels: the split launch (with its optional prologue and
-one-tile preload) and the merge. ``kernels.triton.decode_attention`` launches them and documents
+one-tile preload) and the merge. ``kernels.attention.triton_decode`` launches them and documents
 the shapes, the split rule and why.
 """
 
@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.triton.qk_norm_rope import norm_rope_rows, norm_rope_store_kv
+from phloem.kernels.attention.triton_qk_norm_rope import norm_rope_rows, norm_rope_store_kv
 
 __all__ = ["decode_attention_merge_kernel", "decode_attention_split_kernel"]
 
@@ -129,7 +129,7 @@ def decode_attention_split_kernel(
                 b_k0, b_v0, m_t0 = _kv_tile(p_kv, kv_indices, i_first, t_start, tl.minimum(t_end, seq_len - 1), o_ts,
                                             s_cp, s_ct, s_ckv, PAGE)  # fmt: skip
         if PDL:
-            gdc_wait()  # q and this step's K/V row come from the kernel before (kernels/triton/_pdl.py)
+            gdc_wait()  # q and this step's K/V row come from the kernel before (kernels/common/pdl.py)
         if PROLOGUE:
             # q is the projection's | query | gate | per head: this program normalises and rotates
             # its query heads itself; split 0 copies their gates out, and the last split (the one
@@ -195,7 +195,7 @@ def decode_attention_merge_kernel(
 ):
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the split kernel's partials first (kernels/triton/_pdl.py)
+        gdc_wait()  # the split kernel's partials first (kernels/common/pdl.py)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     i_d = tl.program_id(2)

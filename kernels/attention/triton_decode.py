@@ -1,9 +1,9 @@
 """Split-KV paged decode attention (one query token per sequence): Triton version of a pure-decode
-step of ``kernels.attention.paged_attention``.
+step of ``kernels.attention.reference.paged_attention``.
 
 Shapes: ``q`` ``[B, Hq, D]``; ``kv_cache`` ``[num_pages, 2, page_size, Hkv, D]`` (K plane 0, V plane 1,
 unit last stride); ``kv_indptr`` ``[B + 1]``, ``kv_indices`` ``[>= nnz]``, ``kv_last_page_len`` ``[B]``
-int32, as FlashInfer plans them (``kernels.flashinfer_attention.page_indices``). Query head ``h``
+int32, as FlashInfer plans them (``kernels.attention.flashinfer.page_indices``). Query head ``h``
 reads KV head ``h // G`` (``G = Hq // Hkv``); scores, softmax and the weighted sum accumulate in fp32
 and the output is cast to ``q.dtype``. Every sequence has at least one key.
 
@@ -34,11 +34,11 @@ anyway. ``P`` is rounded to the KV dtype for the PV product (as FlashInfer and F
 fp32 inputs use ``ieee`` dots, so fp32 matches the reference tightly.
 
 With the prologue (``paged_decode_attention_prologue``, ``PROLOGUE``) the split launch also does
-what ``kernels.triton.qk_norm_rope.qk_norm_rope_gate_store`` does before it: ``q`` is the projection's
+what ``kernels.attention.triton_qk_norm_rope.qk_norm_rope_gate_store`` does before it: ``q`` is the projection's
 ``| query | gate |`` per head, every active program normalises and rotates its ``G`` query heads in
-registers (``qk_norm_rope.norm_rope_rows``: the reference's rounding), split 0 copies their gates
+registers (``triton_qk_norm_rope.norm_rope_rows``: the reference's rounding), split 0 copies their gates
 out for ``o_proj``, and the split holding the sequence's last key writes the step's K and V row
-into its page (``qk_norm_rope.norm_rope_store_kv``, the same row code as the separate kernel, so
+into its page (``triton_qk_norm_rope.norm_rope_store_kv``, the same row code as the separate kernel, so
 the cache is the same bit for bit) and then, after a CTA barrier, reads it like any other key. No
 other program reads that row, so none waits: one launch fewer in every attention layer of a
 decode step, and the queries never go through memory.
@@ -49,8 +49,8 @@ it: the key loads overlap the kernels before instead of following the wait. Long
 without it. The tile held through the prologue costs registers, so the split kernel is capped at
 ``DecodeAttentionConfig.max_registers`` to keep 4 programs an SM for the long-context grid.
 
-The kernels are in ``decode_attention_kernel``; pure-decode steps reach them through
-``kernels.flashinfer_attention`` (``TritonDecodePlan``).
+The kernels are in ``triton_decode_kernel``; pure-decode steps reach them through
+``kernels.attention.flashinfer`` (``TritonDecodePlan``).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ from typing import NamedTuple
 import torch
 import triton
 
-from phloem.kernels.triton import _device
-from phloem.kernels.triton.decode_attention_kernel import decode_attention_merge_kernel, decode_attention_split_kernel
+from phloem.kernels.attention.triton_decode_kernel import decode_attention_merge_kernel, decode_attention_split_kernel
+from phloem.kernels.common import device as _device
 
 __all__ = [
     "DecodeAttentionConfig", "default_max_splits", "paged_decode_attention", "paged_decode_attention_prologue",
@@ -171,7 +171,7 @@ def paged_decode_attention(
 
     ``max_splits``: programs per (sequence, KV head) at most, capped at 256 (None: ``default_max_splits``).
     ``out``: written in place when given. ``pdl``: launched under programmatic dependent launch
-    (``kernels/triton/_pdl.py``). Raises ``ValueError`` for inputs the kernels do not cover.
+    (``kernels/common/pdl.py``). Raises ``ValueError`` for inputs the kernels do not cover.
     """
     return paged_decode_attention_tuned(
         q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, scale, max_splits, out, _DEFAULT_CONFIG, pdl
@@ -229,13 +229,13 @@ def paged_decode_attention_prologue(
     pdl: bool = False,
     config: DecodeAttentionConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.qk_norm_rope.qk_norm_rope_gate_store`` then ``paged_decode_attention``, the first
+    """``kernels.attention.qk_norm_rope.qk_norm_rope_gate_store`` then ``paged_decode_attention``, the first
     inside the split launch: ``(out [B, Hq, D], gate [B, Hq * D])``, and the step's ``key`` (normalised,
     rotated) and ``value`` ``[B, Hkv, D]`` written into ``kv_cache`` at ``slot_mapping`` ``[B]``.
 
     ``q_gate`` ``[B, Hq, 2D]`` is the ``q_proj`` output per head (``| query | gate |``; any strides
     with a unit last one, e.g. a view of the fused qkv projection). Every split program normalises
-    and rotates its KV head's query heads itself (the same rounding as ``kernels.triton.qk_norm_rope``,
+    and rotates its KV head's query heads itself (the same rounding as ``kernels.attention.triton_qk_norm_rope``,
     so the same values whichever kernel made them), split 0 copies their gates, and the split holding
     a sequence's last key writes that key and its value before attending, so one launch replaces two
     and the queries never go through memory. Each sequence's ``slot_mapping`` entry must be its last

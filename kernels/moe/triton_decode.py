@@ -1,6 +1,6 @@
 """Fused MoE experts for small batches (decode): grouped GEMV straight from the expert weights.
 
-Same signature and semantics as ``kernels.moe.fused_moe``. The torch reference loops over the
+Same signature and semantics as ``kernels.moe.reference.fused_moe``. The torch reference loops over the
 experts a batch hits, with data-dependent shapes (not capturable in a CUDA graph) and one launch
 per expert. Here two launches serve every (token, top-k slot) pair at once, each program reading
 its expert's rows by index, so the bytes moved are the top-k experts' weights once:
@@ -14,14 +14,14 @@ across expert boundaries), writing the token's output once in ``x.dtype`` — no
 no separate reduction and cast launches, no atomics (the sum order is fixed: deterministic).
 
 ``fused_moe_routed`` takes the router logits instead of the weights and ids: each gate/up program
-finds its slot's expert itself (``moe_route.select_expert``) and one program per token writes the
+finds its slot's expert itself (``triton_route.select_expert``) and one program per token writes the
 weights and ids stage 2 reads, so the routing needs no launch of its own (the one-token decode
 path; with more tokens the routing in every program costs more than the launch it saves).
 
-One token (batch-1 decode) takes stage 1 from ``kernels.triton.moe_token`` (a slot-major grid of
+One token (batch-1 decode) takes stage 1 from ``kernels.moe.triton_token`` (a slot-major grid of
 programs walking their slot's blocks, each routing once: ``fused_moe_token`` /
 ``fused_moe_token_routed``, and ``fused_moe_token_route_partial`` from the router partial's
-accumulator, ``kernels/route_partial.py``, which stage 2 zeroes after its wait), then stage 2
+accumulator, ``kernels/moe/route_partial.py``, which stage 2 zeroes after its wait), then stage 2
 here with its own tiles and a walk that keeps the next step's tile and the ids a step further
 ahead in flight (``PREFETCH``). More tokens walk one tile at a time (the prefetching walk was
 measured at one token only).
@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.triton import moe_token
-from phloem.kernels.triton.moe_route import MAX_EXPERTS, route_row, select_expert
+from phloem.kernels.moe import triton_token
+from phloem.kernels.moe.triton_route import MAX_EXPERTS, route_row, select_expert
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -78,7 +78,7 @@ def _gate_up_kernel(
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
+        gdc_wait()  # the previous kernel's writes first (kernels/common/pdl.py)
     i_pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + j
     i_n = tl.program_id(1).to(tl.int64)
     i_tok = i_pair // TOP_K
@@ -143,11 +143,11 @@ def _down_sum_kernel(
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
+        gdc_wait()  # the previous kernel's writes first (kernels/common/pdl.py)
     i_tok = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1).to(tl.int64)
     if ZERO_BLOCK > 0:
-        # The router's accumulator back to zero (kernels/route_partial.py): the gate/up stage, which
+        # The router's accumulator back to zero (kernels/moe/route_partial.py): the gate/up stage, which
         # read it, has ended (the wait above).
         o_z = i_n * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
         tl.store(p_zero + o_z, tl.zeros([ZERO_BLOCK], dtype=p_zero.dtype.element_ty), mask=(o_z < N_ZERO) & (i_tok == 0))
@@ -199,7 +199,7 @@ def _down_sum_kernel(
 DEFAULT_CONFIG = MoeDecodeConfig(4, 1024, 8, 3, 4, 512, 8, 2)
 _BATCH_CONFIG = MoeDecodeConfig(4, 1024, 8, 2, 4, 256, 1, 2)
 _BATCH_TOKENS = 8
-# One token (``fused_moe_token*``: stage 1 is ``moe_token``'s, only the down fields count) with the
+# One token (``fused_moe_token*``: stage 1 is ``triton_token``'s, only the down fields count) with the
 # prefetching walk: 1024 programs of 2 rows and 4 warps.
 _TOKEN_CONFIG = MoeDecodeConfig(4, 1024, 8, 3, 2, 512, 4, 2)
 
@@ -212,7 +212,7 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [T, K]
     pdl: bool = False,
 ) -> torch.Tensor:
-    if topk_ids.shape[0] == 1 and moe_token.covered(x, w_gate_up, w_down, topk_ids.shape[1]):
+    if topk_ids.shape[0] == 1 and triton_token.covered(x, w_gate_up, w_down, topk_ids.shape[1]):
         return fused_moe_token(x, w_gate_up, w_down, topk_weights, topk_ids, pdl=pdl)
     config = DEFAULT_CONFIG if x.shape[0] < _BATCH_TOKENS else _BATCH_CONFIG
     return fused_moe_tuned(x, w_gate_up, w_down, topk_weights, topk_ids, config, pdl=pdl)
@@ -227,10 +227,10 @@ def fused_moe_routed(
     renormalize: bool,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """``kernels.moe.fused_moe_routed``: the routing (``moe_route.route_row`` / ``select_expert``) in
+    """``kernels.moe.reference.fused_moe_routed``: the routing (``triton_route.route_row`` / ``select_expert``) in
     the gate/up stage's programs, no launch of its own."""
     num_tokens, num_cols = router_logits.shape
-    if num_tokens == 1 and moe_token.covered(x, w_gate_up, w_down, top_k + 1):
+    if num_tokens == 1 and triton_token.covered(x, w_gate_up, w_down, top_k + 1):
         return fused_moe_token_routed(x, router_logits, w_gate_up, w_down, top_k, renormalize, pdl=pdl)
     if not 1 <= top_k <= num_cols - 1 <= MAX_EXPERTS or router_logits.stride(-1) != 1:
         raise ValueError(f"need 1 <= top_k <= E <= {MAX_EXPERTS} and unit-stride logits, got top_k={top_k}, "
@@ -253,13 +253,13 @@ def fused_moe_token(
     w_down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    config: moe_token.MoeTokenConfig | None = None,
+    config: triton_token.MoeTokenConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """``fused_moe`` of one token (``moe_token.covered``): ``moe_token``'s gate/up, then down + sum."""
+    """``fused_moe`` of one token (``triton_token.covered``): ``triton_token``'s gate/up, then down + sum."""
     ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
     act, out = _token_buffers(x, w_down, ids.shape[1])
-    moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, config or moe_token.DEFAULT_CONFIG, pdl=pdl)
+    triton_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, config or triton_token.DEFAULT_CONFIG, pdl=pdl)
     launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG, prefetch=True, pdl=pdl)
     return out
 
@@ -271,10 +271,10 @@ def fused_moe_token_routed(
     w_down: torch.Tensor,
     top_k: int,
     renormalize: bool,
-    config: moe_token.MoeTokenConfig | None = None,
+    config: triton_token.MoeTokenConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """``fused_moe_routed`` of one token: the routing inside ``moe_token``'s gate/up programs."""
+    """``fused_moe_routed`` of one token: the routing inside ``triton_token``'s gate/up programs."""
     return _routed_token(x, router_logits, w_gate_up, w_down, top_k, renormalize, config, None, pdl)
 
 
@@ -287,11 +287,11 @@ def fused_moe_token_route_partial(
     w_down: torch.Tensor,
     top_k: int,
     renormalize: bool,
-    config: moe_token.MoeTokenConfig | None = None,
+    config: triton_token.MoeTokenConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """``kernels.route_partial.fused_moe_route_partial`` of one token: the norm and the logits in
-    ``moe_token``'s gate/up programs (which write the logits into a buffer of their own), the
+    """``kernels.moe.route_partial.fused_moe_route_partial`` of one token: the norm and the logits in
+    ``triton_token``'s gate/up programs (which write the logits into a buffer of their own), the
     accumulator zeroed by the down stage."""
     logits = torch.empty((1, w_gate_up.shape[0]), dtype=s.dtype, device=s.device)
     return _routed_token(s, logits, w_gate_up, w_down, top_k, renormalize, config, (norm_w, eps, acc), pdl)
@@ -299,17 +299,17 @@ def fused_moe_token_route_partial(
 
 def _routed_token(
     x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
-    renormalize: bool, config: moe_token.MoeTokenConfig | None, partial: tuple[torch.Tensor, float, torch.Tensor] | None,
-    pdl: bool,
+    renormalize: bool, config: triton_token.MoeTokenConfig | None,
+    partial: tuple[torch.Tensor, float, torch.Tensor] | None, pdl: bool,
 ) -> torch.Tensor:  # fmt: skip
-    """One token's gate/up (routing in its programs; ``partial``: ``moe_token.launch_gate_up``'s),
+    """One token's gate/up (routing in its programs; ``partial``: ``triton_token.launch_gate_up``'s),
     then the down stage (zeroing ``partial``'s accumulator)."""
     slots = top_k + 1
     ids = torch.empty((1, slots), dtype=torch.int64, device=x.device)
     tw = torch.empty((1, slots), dtype=logits.dtype, device=x.device)
     act, out = _token_buffers(x, w_down, slots)
-    c = config or (moe_token.PARTIAL_CONFIG if partial is not None else moe_token.DEFAULT_CONFIG)
-    moe_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, c, (logits, tw, renormalize), partial, pdl=pdl)
+    c = config or (triton_token.PARTIAL_CONFIG if partial is not None else triton_token.DEFAULT_CONFIG)
+    triton_token.launch_gate_up(x.contiguous(), w_gate_up, ids, act, c, (logits, tw, renormalize), partial, pdl=pdl)
     zero = partial[2] if partial is not None else None
     launch_down_sum(act, w_down, ids, tw, out, _TOKEN_CONFIG, prefetch=True, zero=zero, pdl=pdl)
     return out
@@ -367,7 +367,7 @@ def launch_down_sum(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, 
     """Stage 2 alone into ``out`` ``[T, H]``; ``prefetch``: the walk with the next step's tile in
     flight (the one-token path's), else one tile at a time. Same sums bit for bit.
     ``zero`` (contiguous): set to zero after the wait (the router's accumulator,
-    ``kernels/route_partial.py``)."""
+    ``kernels/moe/route_partial.py``)."""
     num_tokens, hidden = out.shape
     top_k, inter = ids.shape[1], act.shape[1]
     block_k = min(c.block_k2, triton.next_power_of_2(inter))

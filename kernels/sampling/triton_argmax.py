@@ -1,4 +1,4 @@
-"""Row-wise argmax of logits on the GPU: Triton version of ``kernels.argmax.argmax``.
+"""Row-wise argmax of logits on the GPU: Triton version of ``kernels.sampling.reference.argmax``.
 
 ``torch.argmax`` over one ``[1, 248320]`` row (the 35B-A3B vocabulary) is one reduction kernel
 with most of its programs idle; here ``P`` programs a row each reduce a chunk to
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from phloem.kernels.argmax import argmax as _reference
+from phloem.kernels.sampling.reference import argmax as _reference
 
 __all__ = ["argmax"]
 
@@ -46,7 +46,7 @@ def argmax_partial_kernel(p_x, p_key, p_idx, V, s_xr, CHUNK, BLOCK: tl.constexpr
     n_c = tl.num_programs(1)
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
+        gdc_wait()  # the previous kernel's writes first (kernels/common/pdl.py)
     o = tl.arange(0, BLOCK)
     best_key = tl.full([BLOCK], -0x7FFFFFFF - 1, tl.int32)
     best_idx = tl.full([BLOCK], 0x7FFFFFFF, tl.int32)

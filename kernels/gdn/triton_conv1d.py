@@ -1,4 +1,4 @@
-"""Depthwise causal conv1d + SiLU decode step: Triton version of ``kernels.conv1d.causal_conv1d_update``.
+"""Depthwise causal conv1d + SiLU decode step: Triton version of ``kernels.gdn.conv1d.causal_conv1d_update``.
 
 Shapes (as the reference): ``x`` ``[B, D]`` with unit last stride, ``weight`` ``[D, K]``, ``bias``
 ``[D] | None``, ``conv_states`` ``[num_slots, D, K-1]`` with unit last stride, ``read_slots`` /
@@ -58,7 +58,7 @@ def causal_conv1d_update_kernel(
 ):
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
+        gdc_wait()  # the previous kernel's writes first (kernels/common/pdl.py)
     i_b = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
     x_dtype = x.dtype.element_ty
@@ -104,7 +104,7 @@ def causal_conv1d_update(
     pdl: bool = False,
 ) -> torch.Tensor:
     """One decode token per sequence; every sequence has an initial state (``pdl``: launched
-    under programmatic dependent launch, ``kernels/triton/_pdl.py``)."""
+    under programmatic dependent launch, ``kernels/common/pdl.py``)."""
     num_seqs, dim = x.shape
     kernel_size = weight.shape[1]
     if kernel_size < 2 or weight.shape[0] != dim:

@@ -1,6 +1,6 @@
 """Fused MoE experts for prefill-sized batches: a grouped GEMM over tokens sorted by expert.
 
-Same signature and semantics as ``kernels.moe.fused_moe``. The reference runs one pair of GEMMs
+Same signature and semantics as ``kernels.moe.reference.fused_moe``. The reference runs one pair of GEMMs
 per expert the batch reaches, with a host sync per expert; the decode kernel
 (``triton.fused_moe``) re-reads an expert's weights once per token. Here the ``T × k``
 (token, slot) pairs are sorted by expert and cut into blocks of ``BLOCK_M`` pairs of one expert
@@ -121,7 +121,7 @@ def fused_moe_grouped(
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
-    """``kernels.moe.fused_moe`` as a grouped GEMM (tile sizes exposed for sweeps)."""
+    """``kernels.moe.reference.fused_moe`` as a grouped GEMM (tile sizes exposed for sweeps)."""
     num_tokens, hidden = x.shape
     num_experts, top_k, inter = w_down.shape[0], topk_ids.shape[1], w_down.shape[2]
     assert w_gate_up.shape[1:] == (2 * inter, hidden) and w_down.shape[1:] == (hidden, inter), "expert shapes"

@@ -1,4 +1,4 @@
-"""Fused router softmax + top-k + renormalise: Triton version of ``kernels.moe.moe_route``.
+"""Fused router softmax + top-k + renormalise: Triton version of ``kernels.moe.reference.moe_route``.
 
 Shapes (as the reference): ``router_logits`` ``[T, E]`` with unit last stride and ``E <= 1024``;
 returns ``topk_weights`` ``[T, top_k]`` in the logits dtype and ``topk_ids`` ``[T, top_k]`` int64,
@@ -77,7 +77,7 @@ def route_row(
 @triton.jit
 def select_expert(p_logits, j, E, BE: tl.constexpr):
     """The id ``route_row`` puts in slot ``j`` (the ``j``-th largest of the ``E`` logits, ties to the
-    lowest id), found alone: ``j + 1`` arg-max rounds (``kernels.triton.fused_moe`` routes in the
+    lowest id), found alone: ``j + 1`` arg-max rounds (``kernels.moe.triton_decode`` routes in the
     experts' programs with it)."""
     o_e = tl.arange(0, BE)
     b_l = tl.load(p_logits + o_e, mask=o_e < E, other=-float("inf")).to(tl.float32)
@@ -109,7 +109,7 @@ def moe_route_kernel(
 ):
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
+        gdc_wait()  # the previous kernel's writes first (kernels/common/pdl.py)
     i_t = tl.program_id(0).to(tl.int64)
     S_OUT: tl.constexpr = TOP_K + HAS_SHARED
     route_row(logits + i_t * s_lt, topk_weights + i_t * S_OUT, topk_ids + i_t * S_OUT, E,
@@ -126,7 +126,7 @@ def moe_route(
 def moe_route_shared(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.moe.moe_route_shared``: ``[T, E + 1]`` logits -> ``[T, k + 1]`` weights and ids."""
+    """``kernels.moe.reference.moe_route_shared``: ``[T, E + 1]`` logits -> ``[T, k + 1]`` weights and ids."""
     return _route(router_logits, top_k, renormalize, True, pdl)
 
 

@@ -8,12 +8,13 @@ Shapes: ``q_gate`` ``[T, Hq, 2D]`` is the ``q_proj`` output viewed per head (HF
 ``k`` ``[T, Hk, D]``; ``q_norm_w``, ``k_norm_w`` ``[D]`` zero-centred; ``positions`` ``[T]`` int64;
 ``inv_freq`` ``[R // 2]`` fp32. Returns ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hk, D]`` (zero-centred RMSNorm
 over ``D``, then rotate-half RoPE on the first ``R`` dims) and ``gate`` ``[T, Hq * D]``, all in the
-input dtype. This is the composition of ``kernels.norm.rms_norm`` and ``kernels.rope.apply_partial_rope``
-that ``kernels.triton.qk_norm_rope`` fuses into one launch.
+input dtype. This is the composition of ``kernels.norm.reference.rms_norm`` and
+``kernels.attention.rope.apply_partial_rope`` that ``kernels.attention.triton_qk_norm_rope`` fuses
+into one launch.
 
 ``qk_norm_rope_gate_store`` is the attention prologue of a step: the same, then the normalised,
 rotated ``k`` and ``v`` written into the paged KV cache at ``slot_mapping``
-(``kernels.attention.store_kv``); it returns only ``q`` and ``gate`` (attention reads K and V from
+(``kernels.attention.reference.store_kv``); it returns only ``q`` and ``gate`` (attention reads K and V from
 the cache). The Triton version does all of it in one launch instead of five.
 """
 
@@ -21,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from phloem.kernels.attention import store_kv
-from phloem.kernels.norm import rms_norm
-from phloem.kernels.rope import apply_partial_rope
+from phloem.kernels.attention.reference import store_kv
+from phloem.kernels.attention.rope import apply_partial_rope
+from phloem.kernels.norm.reference import rms_norm
 
 __all__ = ["qk_norm_rope_gate", "qk_norm_rope_gate_store"]
 

@@ -1,7 +1,7 @@
 """Greedy token choice: the index of each row's largest logit (``[S, V]`` -> ``[S]`` int64).
 
 The reference is ``torch.argmax(logits, dim=-1)``: the first index of the maximum, a NaN counting
-as larger than any number (so the first NaN of a row wins). ``kernels.triton.argmax`` is the GPU
+as larger than any number (so the first NaN of a row wins). ``kernels.sampling.triton_argmax`` is the GPU
 version the CUDA-graph decode step runs inside its graph, on the logits in the model's dtype
 (bf16's argmax is its fp32 upcast's: the upcast is exact and keeps the order).
 """

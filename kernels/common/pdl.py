@@ -9,8 +9,8 @@ started (its programs then wait, resident, in their own ``gdc_wait``), the secon
 previous kernel to complete and its writes to be visible before this one reads anything the
 previous one may write, so the results are the same as without PDL. What a kernel reads before
 its wait must be written by no kernel before it in the step: the weights (the one-token GEMVs load
-their first tile there, ``kernels/triton/gemv.py``; the experts' kernels the shared expert's,
-``kernels/triton/moe_token.py``), the step's inputs (copied in before its first kernel) and a
+their first tile there, ``kernels/linear/triton_gemv.py``; the experts' kernels the shared expert's,
+``kernels/moe/triton_token.py``), the step's inputs (copied in before its first kernel) and a
 layer's own conv and recurrent state, whose only writer in a step is the kernel that reads it. So
 the memory stream starts while the kernel before finishes. (What was queued before the step, the
 input copies or a copy-on-write of a state slot, has completed by then: a kernel that does not

@@ -1,6 +1,6 @@
 """One-shot all-reduce fused with the residual add and RMSNorm that follow it (tensor parallelism).
 
-Reference: ``kernels.norm.all_reduce_add_rms_norm`` (the ranks' partial sums added in fp32 in rank
+Reference: ``kernels.norm.reference.all_reduce_add_rms_norm`` (the ranks' partial sums added in fp32 in rank
 order, rounded to the input dtype, then ``add_rms_norm``). Replaces, per row-parallel output under
 TP, an NCCL all-reduce (a ring's latency per call at decode sizes, 81 calls a step at the
 35B-A3B shape) plus the ``add_rms_norm`` launch.
@@ -13,7 +13,7 @@ that all ranks have mapped (CUDA IPC, ``engine.parallel.one_shot_allreduce``). O
 3. waits until every rank's epoch in its own flags ``[q, row]`` has reached its epoch (acquire);
 4. reads the row from every rank's buffer, sums in fp32 in rank order (so every rank gets the same
    bits), rounds to the dtype as the all-reduce would, then adds the residual and normalises as
-   ``kernels.triton.norm.add_rms_norm`` does, writing both outputs.
+   ``kernels.norm.triton_norm.add_rms_norm`` does, writing both outputs.
 
 Epochs are int64 counters in device memory, one per row (program), incremented by the kernel itself:
 a CUDA graph replays the same launch and the epochs still advance, and no host state is needed.
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from phloem.kernels.triton.norm import _launch_config, _rows
+from phloem.kernels.norm.triton_norm import _launch_config, _rows
 
 __all__ = ["one_shot_add_rms_norm"]
 

@@ -1,4 +1,4 @@
-"""GDN gates in one launch: Triton version of ``kernels.gdn.gdn_gates``.
+"""GDN gates in one launch: Triton version of ``kernels.gdn.reference.gdn_gates``.
 
 ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)`` for ``[T, Hv]`` inputs,
 replacing the reference's ~7 elementwise launches per GDN layer (float casts, exp, add, softplus,

@@ -1,4 +1,4 @@
-"""Fused QK RMSNorm + partial RoPE + gate split: Triton version of ``kernels.qk_norm_rope.qk_norm_rope_gate``.
+"""Fused QK RMSNorm + partial RoPE + gate split: Triton version of ``kernels.attention.qk_norm_rope.qk_norm_rope_gate``.
 
 Shapes (as the reference): ``q_gate`` ``[T, Hq, 2D]`` (per head ``| query (D) | gate (D) |``), ``k``
 ``[T, Hk, D]``, both with a unit last stride; ``q_norm_w``, ``k_norm_w`` ``[D]``; ``positions`` ``[T]``;
@@ -69,7 +69,7 @@ def norm_rope_rows(p_x, s_row, m_rows, p_w, p_inv_freq, b_pos, HALF, eps, BR: tl
     """``_norm_rope_row`` of ``BR`` rows ``s_row`` apart (``D`` a power of two), held in registers:
     ``[BR, D]`` in ``p_x``'s dtype, zeros on the rows outside ``m_rows``. The same rounding as
     ``_norm_rope_row``, with cos/sin computed once for all rows (they depend on the position alone).
-    The decode attention's fused prologue (``kernels.triton.decode_attention``) normalises and
+    The decode attention's fused prologue (``kernels.attention.triton_decode``) normalises and
     rotates its query heads with it."""
     dtype = p_x.dtype.element_ty
     o_d = tl.arange(0, D)
@@ -137,7 +137,7 @@ def qk_norm_rope_gate_kernel(
 ):
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
+        gdc_wait()  # the previous kernel's writes first (kernels/common/pdl.py)
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     b_pos = tl.load(positions + i_t).to(tl.float32)

@@ -1,4 +1,5 @@
-"""Gated delta rule decode step over slot-addressed state: Triton version of ``kernels.gdn.recurrent_gated_delta_rule``.
+"""Gated delta rule decode step over slot-addressed state: Triton version of
+``kernels.gdn.reference.recurrent_gated_delta_rule``.
 
 Shapes (as the reference): ``q``, ``k`` ``[B, Hk, Dk]``; ``v`` ``[B, Hv, Dv]``; ``g`` ``[B, Hv]`` fp32 log
 decay; ``beta`` ``[B, Hv]``; ``ssm_states`` ``[num_slots, Hv, Dk, Dv]`` (fp32) with unit stride on ``Dv``;
@@ -24,7 +25,7 @@ Batch 1 is latency-bound (128 programs); large batches run near the memory bandw
 ``recurrent_gated_delta_rule_with_gates`` (the reference of the same name) takes the raw ``a``/``b``
 projections and computes the gates in the same program (``FROM_GATES``): ``g = -exp(A_log) *
 softplus(a + dt_bias)`` in fp32 and ``beta = sigmoid(b)`` rounded to ``b``'s dtype, as
-``kernels.gdn.gdn_gates`` does; the separate gates launch of each GDN layer is gone at decode.
+``kernels.gdn.reference.gdn_gates`` does; the separate gates launch of each GDN layer is gone at decode.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["GdnDecodeConfig", "recurrent_gated_delta_rule", "recurrent_gated_delta_rule_with_gates"]
 
-# Same epsilon as kernels.gdn (HF's l2norm).
+# Same epsilon as kernels.gdn.reference (HF's l2norm).
 _L2_EPS = 1e-6
 
 
@@ -106,13 +107,13 @@ def recurrent_gated_delta_rule_kernel(
     b_h = tl.load(ssm_states + i_read * s_sn + o_h, mask=m_h, other=0.0).to(tl.float32)  # [BK, BV]
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # the previous kernel's writes first (kernels/triton/_pdl.py)
+        gdc_wait()  # the previous kernel's writes first (kernels/common/pdl.py)
 
     b_q = tl.load(q + i_b * s_qb + i_hk * s_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_k = tl.load(k + i_b * s_kb + i_hk * s_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + i_b * s_vb + i_h * s_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
     if FROM_GATES:
-        # ``g`` and ``beta`` point at the raw ``a`` and ``b`` projections (kernels.gdn.gdn_gates).
+        # ``g`` and ``beta`` point at the raw ``a`` and ``b`` projections (kernels.gdn.reference.gdn_gates).
         b_x = tl.load(g + i_b * s_gb + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
         b_sp = tl.where(b_x > 20.0, b_x, tl.log(1.0 + tl.exp(b_x)))  # torch's softplus threshold
         b_g = -tl.exp(tl.load(a_log + i_h).to(tl.float32)) * b_sp

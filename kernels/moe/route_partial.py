@@ -23,7 +23,7 @@ its accumulator (``engine.models._moe.SparseMoe``). Range: ``|u| < 2^31`` (a res
 norm ~1e6 at the 35B-A3B shape), resolution ``2^-32``.
 
 **Numerics against the unfused router.** The experts read the same ``normed`` bits (the same
-formula, ``kernels.norm.rms_norm``). The logits are not the router's bits: the router multiplies
+formula, ``kernels.norm.reference.rms_norm``). The logits are not the router's bits: the router multiplies
 ``normed`` rounded to the model dtype, this path the unrounded ``s · rstd · (1 + w)``, one
 rounding less (~1e-3 in a bf16 logit of ~1). Where two logits of the top-k boundary are that
 close the routing can differ from the unfused path's; in fp32 they agree to fp32 rounding.
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from phloem.kernels.moe import fused_moe_routed
+from phloem.kernels.moe.reference import fused_moe_routed
 
 __all__ = [
     "ROUTE_COPIES",
@@ -70,7 +70,7 @@ def acc_fits(acc: torch.Tensor, num_cols: int) -> bool:
 def add_route_partial(
     y: torch.Tensor, residual: torch.Tensor, router_t: torch.Tensor, norm_w: torch.Tensor, acc: torch.Tensor
 ) -> torch.Tensor:
-    """``s = y + residual`` (rounded to ``y.dtype``, as ``kernels.norm.add_rms_norm``) for one row
+    """``s = y + residual`` (rounded to ``y.dtype``, as ``kernels.norm.reference.add_rms_norm``) for one row
     ``[1, H]``; adds ``u = (s · (1 + norm_w)) @ router_t`` (fp32, ``router_t`` ``[H, E + 1]``: the
     router transposed) into ``acc`` in fixed point. Returns ``s``."""
     s = y + residual
@@ -98,8 +98,8 @@ def fused_moe_route_partial(
 ) -> torch.Tensor:
     """The MoE block of one row from the residual sum ``s`` ``[1, H]`` and the accumulator: the
     layer's norm (``norm_w``, ``eps``), the logits ``rstd(s) · u``, routing and experts as
-    ``kernels.moe.fused_moe_routed``. Zeroes ``acc``."""
-    rstd = torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + eps)  # kernels.norm's formula
+    ``kernels.moe.reference.fused_moe_routed``. Zeroes ``acc``."""
+    rstd = torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + eps)  # kernels.norm.reference's formula
     normed = (s.float() * rstd * (1.0 + norm_w.float())).to(s.dtype)
     logits = route_logits(acc, rstd, s.dtype)
     acc.zero_()

@@ -1,0 +1,14 @@
+"""Dense projections, alone and fused with the row ops around them (the one-token decode GEMVs).
+
+Torch references::
+
+    reference            linear and the fused projections (add_rms_norm_linear, ...)
+
+Triton versions of them::
+
+    triton_gemv          the one-token GEMVs (launchers)
+    triton_gemv_kernel   the GEMV kernel with its prologues and epilogues
+    triton_gemv_config   tiles by weight shape
+
+Importing this package imports no Triton code.
+"""

@@ -1,0 +1,18 @@
+"""Mixture of experts: top-k routing and the SwiGLU experts.
+
+Torch references::
+
+    reference        moe_route(_shared), fused_moe, fused_moe_routed
+    route_partial    the router folded into the projection before it (one-token decode):
+                     the fixed-point accumulator and fused_moe_route_partial
+
+Triton versions of them::
+
+    triton_route     moe_route(_shared) in one launch; the routing rows the experts' kernels reuse
+    triton_decode    fused_moe(_routed) for small batches (grouped GEMV), and the one-token paths
+                     (fused_moe_token*, fused_moe_token_route_partial)
+    triton_token     one token's gate/up stage, with the routing in its programs
+    triton_grouped   fused_moe for prefill-sized batches (grouped GEMM over tokens sorted by expert)
+
+Importing this package imports no Triton code.
+"""
