@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from trie.types import Workload
 
-from phloem.api.bench_agentic import AgenticWorkload
-from phloem.api.bench_trie import ideal_hit_rates, parse_trie_output, run_trie_bench, trie_workload_rows
+from phloem.benchmarks.agentic import AgenticWorkload
+from phloem.benchmarks.trie import ideal_hit_rates, parse_trie_output, run_trie_bench, trie_workload_rows
 
 WL = AgenticWorkload(agents=2, first_turn=128, append=16, turns=4, output=4)
 

@@ -4,7 +4,7 @@ Builds ``sessions`` conversations that share a 64-token system prompt, each with
 of 40 new tokens and a checkpoint (with a tail page) at every turn end, then times one ``evict``
 call that frees 10% of the tree's pages and one that frees everything.
 
-    python3 docs/bench/radix_evict.py
+    python3 benchmarks/sweeps/radix_evict.py
 """
 
 from __future__ import annotations

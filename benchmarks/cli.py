@@ -1,8 +1,8 @@
 """The ``phloem bench`` subcommands: decode, prefix-cache, long-context, agentic and trie.
 
 ``agentic`` drives a server over HTTP with the SDK, and ``trie`` runs the external harness
-tokenspeed-trie next to it; both live in ``phloem.api``, so their runners are handed in by
-``runtime/cli.py`` (the one module allowed to import ``api``), like ``demo``'s client.
+tokenspeed-trie next to it. Each benchmark's module is imported inside the function that runs it,
+so ``phloem --help`` never imports torch or the SDK.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from phloem.runtime.env import read_env
@@ -67,11 +66,8 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
-def add_bench_commands(
-    commands: argparse._SubParsersAction,  # type: ignore[type-arg]
-    run_agentic: Callable[[argparse.Namespace], int],
-    run_trie: Callable[[argparse.Namespace], int],
-) -> None:
+def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``bench`` and its benchmarks to the ``phloem`` command tree ``commands``."""
     bench = commands.add_parser(
         "bench", help="benchmarks: decode, prefix-cache, long-context, agentic, trie",
         description="Benchmarks; every speed is reported against a limit measured in the same run.",
@@ -129,7 +125,7 @@ def add_bench_commands(
                          help="GPUs behind the server, for per-GPU throughput (default: %(default)s)")
     agentic.add_argument("--out", metavar="DIR", type=Path, default=Path("bench-agentic"),
                          help="JSON + PNG plots go here (default: %(default)s)")
-    agentic.set_defaults(configure=_checked, run=run_agentic)
+    agentic.set_defaults(configure=_checked, run=_agentic)
 
     trie = _kind(kinds, "trie", "the external harness tokenspeed-trie vs our own client, same workload")
     trie.add_argument("--base-url", metavar="URL", help="a running server (default: start a fresh local one)")
@@ -141,7 +137,7 @@ def add_bench_commands(
                       help="extra `phloem serve` argument, repeatable (default: none)")
     trie.add_argument("--out", metavar="DIR", type=Path, default=Path("bench-trie"),
                       help="workload file, JSON and report go here (default: %(default)s)")
-    trie.set_defaults(configure=_checked, run=run_trie)
+    trie.set_defaults(configure=_checked, run=_trie)
     for parser in kinds.choices.values():
         parser.add_argument("--no-progress", action="store_true",
                             help="no progress bars (also $PHLOEM_NO_PROGRESS=1; bars are drawn only "
@@ -229,7 +225,7 @@ def _device(args: argparse.Namespace, gpu: dict[str, object], cpu: dict[str, obj
 def _decode(args: argparse.Namespace) -> int:
     device = _device(args, dict(shape="qwen3.5-35b-a3b", contexts=(1024, 32768, 131072), prefill_tokens=50000),
                      dict(shape="tiny", contexts=(256, 1024), prefill_tokens=512))
-    from phloem.runtime.bench_report import bench_decode
+    from phloem.benchmarks.report import bench_decode
 
     sys.stdout.write(bench_decode(args.shape, args.model, device, args.batches, args.contexts,
                                   args.prefill_tokens, args.steps, args.out, grammar=args.grammar, tokenizer=args.tokenizer,
@@ -241,7 +237,7 @@ def _decode(args: argparse.Namespace) -> int:
 def _long_context(args: argparse.Namespace) -> int:
     device = _device(args, dict(shape="qwen3.5-35b-a3b", contexts=(131072, 262144, 1048576)),
                      dict(shape="tiny", contexts=(2048, 8192)))
-    from phloem.runtime.bench_report import bench_decode
+    from phloem.benchmarks.report import bench_decode
 
     sys.stdout.write(bench_decode(args.shape, args.model, device, (1,), args.contexts, 0, args.steps, args.out,
                                   max_num_seqs=1, tensor_parallel_size=args.tp, expert_parallel=args.ep, show_progress=show_progress(args)) + "\n")  # fmt: skip
@@ -249,7 +245,7 @@ def _long_context(args: argparse.Namespace) -> int:
 
 
 def _prefix_cache(args: argparse.Namespace) -> int:
-    from phloem.runtime.bench_prefix_cache import run_prefix_cache_bench
+    from phloem.benchmarks.prefix_cache import run_prefix_cache_bench
     from phloem.runtime.default_model import ensure_default_model
 
     show = show_progress(args)
@@ -258,4 +254,34 @@ def _prefix_cache(args: argparse.Namespace) -> int:
                                     namespace=args.namespace, num_pages=4096, num_state_slots=64,
                                     max_num_batched_tokens=512, show_progress=show)  # fmt: skip
     sys.stdout.write(report.table() + "\n")
+    return 0
+
+
+def _agentic(args: argparse.Namespace) -> int:
+    from phloem.benchmarks.agentic import AgenticWorkload, default_client_processes, run_agentic
+
+    workload = AgenticWorkload(
+        agents=args.agents, first_turn=args.first_turn, append=args.append, turns=args.turns, output=args.output,
+        tool_pause_s=args.tool_pause, fork_at=args.fork_at, forks=args.forks, vocab_hi=args.vocab_hi,
+        client_processes=args.client_processes or default_client_processes(args.agents),
+    )  # fmt: skip
+    table, data = run_agentic(
+        workload, tuple(args.modes.split(",")), args.base_url, tuple(args.server_arg), str(args.out), args.gpus,
+        show_progress=show_progress(args),
+    )
+    sys.stdout.write(table + "\n" + f"raw numbers and plots: {args.out}/\n")
+    return 0
+
+
+def _trie(args: argparse.Namespace) -> int:
+    from phloem.benchmarks.agentic import AgenticWorkload
+    from phloem.benchmarks.trie import run_trie_bench
+
+    workload = AgenticWorkload(
+        agents=args.agents, first_turn=args.first_turn, append=args.append, turns=args.turns, output=args.output,
+        tool_pause_s=args.tool_pause,
+    )  # fmt: skip
+    report, _ = run_trie_bench(workload, args.duration, args.base_url, tuple(args.server_arg), args.tokenizer,
+                               str(args.out))  # fmt: skip
+    sys.stdout.write(report + "\n" + f"workload file, raw numbers and report: {args.out}/\n")
     return 0

@@ -1,5 +1,5 @@
 """``phloem serve``'s tenancy and hardening flags (docs/api.md, "Security model"), apart from
-``runtime.cli`` so that it stays one page: the shared prefixes, the ``Host`` / ``Origin`` names
+``cli.main`` so that it stays one page: the shared prefixes, the ``Host`` / ``Origin`` names
 answered, the API pages, connection limits and the idempotency quota."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 
 from phloem.engine import Engine
 from phloem.engine.grammar import GrammarBackend
-from phloem.runtime.bench_decode import (
+from phloem.benchmarks.decode import (
     BENCH_SCHEMA,
     DecodeResult,
     PrefillResult,
@@ -24,7 +24,7 @@ from phloem.runtime.bench_decode import (
     run_decode,
     run_prefill,
 )
-from phloem.runtime.bench_served import OWN_TOKENS, run_served_decode
+from phloem.benchmarks.served import OWN_TOKENS, run_served_decode
 from phloem.runtime.model_shapes import write_shape
 from phloem.runtime.progress import progress as bar
 
@@ -83,7 +83,7 @@ def bench_decode(
     also governs the progress bars of loading and of the grid (``runtime.progress``). With
     ``grammar`` each point is timed again under ``BENCH_SCHEMA``; its grammar is compiled
     against ``tokenizer`` (a model folder), else the model's own, else the built-in model's.
-    With ``served`` each point is also timed on the served path (``runtime.bench_served``).
+    With ``served`` each point is also timed on the served path (``benchmarks.served``).
     """
     dev = torch.device(device)
     with tempfile.TemporaryDirectory() as tmp:

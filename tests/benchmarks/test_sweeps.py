@@ -1,5 +1,5 @@
-"""The scripts under docs/bench/ that CI cannot run to the end (they need GPUs) still parse, and
-the CPU ones run."""
+"""The sweep scripts (benchmarks/sweeps/) and GPU run scripts (tools/gpu/) that CI cannot run to
+the end (they need GPUs) still parse, and the CPU ones run."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import runpy
 import subprocess
 from pathlib import Path
 
-BENCH = Path(__file__).parents[2] / "docs" / "bench"
+ROOT = Path(__file__).parents[2]
+BENCH = ROOT / "benchmarks" / "sweeps"
+GPU_TOOLS = ROOT / "tools" / "gpu"
 
 
 def test_gpu_scripts_parse() -> None:
     for script in ("gpu_checks.sh", "gpu_lease.sh"):
-        subprocess.run(["bash", "-n", str(BENCH / script)], check=True)
+        subprocess.run(["bash", "-n", str(GPU_TOOLS / script)], check=True)
 
 
 def test_allreduce_bench_imports() -> None:

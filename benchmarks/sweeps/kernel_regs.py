@@ -2,8 +2,8 @@
 offline ``ptxas -v`` can only estimate: it compiled the attention to 210 registers where the GPU
 loads 118), and how many programs of each fit an SM.
 
-    python3 docs/bench/kernel_regs.py [MODE:CONFIG ...]   # e.g. 0:32,4,2,16 1:32,4,2,16,128
-    python3 docs/bench/kernel_regs.py --decode             # every one-token kernel, env configs
+    python3 benchmarks/sweeps/kernel_regs.py [MODE:CONFIG ...]   # e.g. 0:32,4,2,16 1:32,4,2,16,128
+    python3 benchmarks/sweeps/kernel_regs.py --decode             # every one-token kernel, env configs
 
 MODE is ``decode_attention.PRELOAD_FIRST_TILE`` (0 off, 1 the one-tile splits' tile in registers,
 2 pulled into L2); CONFIG is ``DecodeAttentionConfig``'s fields, comma-separated. Each pair runs one

@@ -1,8 +1,8 @@
 """Which GDN checkpoints to keep under slot pressure: Phloem's eviction order against TokenSpeed's
 "two newest snapshots per request", on an agentic workload, CPU only.
 
-    python3 tools/bench/checkpoint_policy.py                  # the table in docs/benchmarks.md
-    python3 tools/bench/checkpoint_policy.py --agents 4 --slots 24
+    python3 benchmarks/sweeps/checkpoint_policy.py                  # the table in docs/benchmarks.md
+    python3 benchmarks/sweeps/checkpoint_policy.py --agents 4 --slots 24
 
 The engine is the real one (scheduler, radix cache, pools) over the toy model of the tests
 (``tests/support/toy_model.py``: its KV and state are a running sum, so a wrong resume shows up

@@ -1,6 +1,6 @@
 """Where the host's time goes in batch-1 decode steps (cProfile over ``engine.step``), on the GPU.
 
-    python3 docs/bench/host_profile.py [--steps 60] [--top 30]
+    python3 benchmarks/sweeps/host_profile.py [--steps 60] [--top 30]
 
 Builds the 35B-A3B shape with dummy weights (one sequence, so one CUDA-graph bucket), decodes a
 1K-context request with async scheduling, and prints the ms per step without and with the
@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from phloem.engine import Engine
-from phloem.runtime.bench_decode import run_decode
+from phloem.benchmarks.decode import run_decode
 from phloem.runtime.model_shapes import write_shape
 
 

@@ -1,9 +1,9 @@
 """Sweep the one-token decode GEMVs (``kernels/triton/gemv.py``) on the GPU against cuBLAS, timing
 CUDA-graph replays over distinct weights (nothing served from L2).
 
-    python3 docs/bench/gemv_sweep.py [--out gemv.json] [--quick]
-    python3 docs/bench/gemv_sweep.py --conv --out conv.json   # in_proj + conv: operands preloaded or not, conv after the walk
-    PHLOEM_PDL=0 python3 docs/bench/gemv_sweep.py --top gemv.json --out gemv_nopdl.json
+    python3 benchmarks/sweeps/gemv_sweep.py [--out gemv.json] [--quick]
+    python3 benchmarks/sweeps/gemv_sweep.py --conv --out conv.json   # in_proj + conv: operands preloaded or not, conv after the walk
+    PHLOEM_PDL=0 python3 benchmarks/sweeps/gemv_sweep.py --top gemv.json --out gemv_nopdl.json
 
 Shapes: the 35B-A3B decode projections (bf16). Pass 1 times the plain GEMV in every launch
 configuration against ``F.linear`` per weight shape; pass 2 times the fused projections of
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from phloem.kernels import fused_linear as ref
 from phloem.kernels.triton import conv1d_update, gemv, moe_route, norm
-from phloem.runtime.bench_decode import graph_us, measure_bandwidth
+from phloem.benchmarks.decode import graph_us, measure_bandwidth
 
 H, CONV, VD, HQD, E, TOP_K = 2048, 8192, 4096, 4096, 256, 8
 SHAPES = {  # name: (N, K)

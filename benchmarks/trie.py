@@ -5,7 +5,7 @@ A check that a client nobody here wrote gets sensible numbers from us. ``tokensp
 ``/v1/completions`` endpoint with ``ignore_eos`` and ``stream_options.include_usage`` and reads
 ``usage.prompt_tokens_details.cached_tokens``. This module
 
-1. writes the agentic workload of ``bench_agentic`` (one long first turn, then tool results of
+1. writes the agentic workload of ``benchmarks.agentic`` (one long first turn, then tool results of
    ``append`` tokens, ``output`` tokens per turn) as a trie JSONL file, one trace per agent;
 2. runs the harness's own CLI in a subprocess (``python -m trie.cli``), exactly as a user would,
    and parses its ``benchmark complete`` summary line;
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import httpx
 
-from phloem.api.bench_agentic import AgenticWorkload, TurnRecord, _Server, run_agentic
+from phloem.benchmarks.agentic import AgenticWorkload, TurnRecord, _Server, run_agentic
 
 __all__ = [
     "TrieReport", "ideal_hit_rates", "parse_trie_output", "per_trace_rates", "run_trie", "run_trie_bench",

@@ -7,7 +7,7 @@ shared, each session in one of ``tenants`` namespaces), then times every session
 its next turn (``match``, what admission does) and the inserts that built the tree. Best of
 ``repeats``.
 
-    python3 docs/bench/radix_namespaces.py
+    python3 benchmarks/sweeps/radix_namespaces.py
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class DecodeResult:
     gpu_ms_per_step: float | None = None  # CUDA-graph replay alone, timed with device events
     sync_ms_per_step: float | None = None  # the same steps with async scheduling off
     grammar_ms_per_step: float | None = None  # the same steps, every request under BENCH_SCHEMA
-    # Requests of the same batch and context through the engine loop (``runtime.bench_served``):
+    # Requests of the same batch and context through the engine loop (``benchmarks.served``):
     # the time per token a user gets.
     served_ms_per_step: float | None = None
 

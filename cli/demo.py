@@ -5,8 +5,8 @@ The story: create a session with a system prompt, run 3 turns of append + genera
 the prompt, cached and completion tokens, so the prefix cache is visible: every turn after the
 first, and both branches, find their history cached.
 
-The SDK client class is passed in by ``runtime.cli`` (the one module allowed to import
-``phloem.api``); anything with the SDK's ``Client`` shape works, which is how the tests drive it.
+The SDK client class is passed in by ``cli.main``; anything with the SDK's ``Client`` shape
+works, which is how the tests drive it.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def format_report(rows: list[DemoRow]) -> str:
 def _local_server(options: DemoOptions, out: TextIO) -> Iterator[str]:
     """Start ``phloem serve`` on a free loopback port; yield its URL once ``/health`` answers."""
     port = _free_port()
-    command = [sys.executable, "-m", "phloem.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, "-m", "phloem.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if options.model is not None:
         command += ["--model", options.model]
     if options.data_dir is not None:

@@ -1,9 +1,9 @@
 #!/bin/bash
-# Drive docs/bench/gpu_checks.sh on a lent GPU machine across several device calls (each call is
+# Drive tools/gpu/gpu_checks.sh on a lent GPU machine across several device calls (each call is
 # capped at 10 minutes; the machine stays ours while calls follow each other within 30 s).
 #
-#   bash docs/bench/gpu_lease.sh start "STEPS" [SECONDS]  # first call: install, start detached, watch
-#   bash /tmp/work/docs/bench/gpu_lease.sh watch SECONDS  # later calls: watch on, copy results out
+#   bash tools/gpu/gpu_lease.sh start "STEPS" [SECONDS]  # first call: install, start detached, watch
+#   bash /tmp/work/tools/gpu/gpu_lease.sh watch SECONDS  # later calls: watch on, copy results out
 #
 # start: installs the carried wheels (.whl/) into /tmp/site, copies the tree to /tmp/work (later
 # calls replace the call's checkout, never the running copy), unpacks a carried FlashInfer build
@@ -45,7 +45,7 @@ case ${1:?start or watch} in
     ln -sfn /tmp/work /tmp/pkg/phloem
     [ -f .device/flashinfer_so.tgz ] && tar xzf .device/flashinfer_so.tgz -C /tmp/fi
     nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
-    cd /tmp/work && PYTHONPATH=/tmp/pkg:/tmp/site:/tmp/work setsid nohup bash docs/bench/gpu_checks.sh "$RUN" "$2" \
+    cd /tmp/work && PYTHONPATH=/tmp/pkg:/tmp/site:/tmp/work setsid nohup bash tools/gpu/gpu_checks.sh "$RUN" "$2" \
       > "$RUN/driver.log" 2>&1 < /dev/null &
     sleep 2
     watch "${3:-540}"

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Every GPU acceptance check still open, in one run on a two-H200 machine; a table at the end.
 #
-#   bash docs/bench/gpu_checks.sh OUT_DIR [STEPS]   # from the repository root, phloem importable
+#   bash tools/gpu/gpu_checks.sh OUT_DIR [STEPS]   # from the repository root, phloem importable
 #
 # STEPS (default "0 1+3a 6 5 2 3b 4 9": most needed first, for a lease that ends early) runs in
 # the order given; "A+B" runs A on GPU 0 and B on GPU 1
@@ -23,8 +23,8 @@
 #   4   PD: tiny model, prefill on GPU 0 and decode on GPU 1, tokens against a colocated server
 #   5   PD vs colocated on the 35B-A3B shape, agentic workload (50K first turn, 800-token turns)
 #   6   the TP all-reduce: one-shot NVLink all-reduce + residual + RMSNorm against NCCL (tokens
-#       and µs per call, docs/bench/allreduce_bench.py)
-#   7   the one-token decode GEMVs (docs/bench/gemv_sweep.py): every launch configuration against
+#       and µs per call, benchmarks/sweeps/allreduce_bench.py)
+#   7   the one-token decode GEMVs (benchmarks/sweeps/gemv_sweep.py): every launch configuration against
 #       cuBLAS, the fused projections against the unfused ops; then the best again under PDL
 #   8   decode bench TP=1, batch 1 and 16 at 1K, variants from $DECODE_VARIANTS: unfused (the
 #       one-token path's unfused ops, PHLOEM_FUSED_DECODE=0), fused (PDL off), fused_pdl (the
@@ -32,24 +32,24 @@
 #   11  the decode bench's whole grid with the defaults: batch 1/4/16/64 at 1K/32K/128K, a 50K prefill
 #   12  batch-1 decode alone at 1K/32K/128K with the defaults (the one-token path; batches > 1 are step 11's),
 #       with step 13's fastest one-token MoE tiles when step 13 ran first
-#   13  the one-token MoE kernels (docs/bench/moe_token_sweep.py): stage sweeps, then the MoE block
+#   13  the one-token MoE kernels (benchmarks/sweeps/moe_token_sweep.py): stage sweeps, then the MoE block
 #       (norm + router + routing + experts) of the sixth session against this one's
-#   14  GDN in_proj + conv, the conv operands per block or preloaded (docs/bench/gemv_sweep.py --conv)
-#   15  the split-KV Triton decode attention against FlashInfer's (docs/bench/decode_attention_bench.py)
+#   14  GDN in_proj + conv, the conv operands per block or preloaded (benchmarks/sweeps/gemv_sweep.py --conv)
+#   15  the split-KV Triton decode attention against FlashInfer's (benchmarks/sweeps/decode_attention_bench.py)
 #   16  the GPU tests of the seventh session's kernels alone (a quick subset of step 1)
 #   17  batch-1 decode at 1K: FlashInfer's decode instead of the Triton one (PHLOEM_TRITON_DECODE_ATTENTION=0)
 #   20  batch-1 decode at 1K once per environment in $DECODE_ENVS ("name:VAR=v+VAR=v name2:..."; a value
 #       may hold commas); $DECODE_BATCHES (e.g. 1,16) for other batch sizes, $DECODE_ARGS more arguments (--steps 100)
 #   26  the GPU tests of the one-token GEMVs (the conv update's modes and the router partial's epilogue
 #       included) and the expert kernels (or the test files in $GPU_TESTS)
-#   21  what the device runs between two batch-1 decode graphs (docs/bench/step_trace.py)
+#   21  what the device runs between two batch-1 decode graphs (benchmarks/sweeps/step_trace.py)
 #   23  the GPU tests of the GDN decode, argmax and one-token MoE kernels and the engine (tokens: graphs,
 #       eager, CPU)
 #   24  the engine's GPU tests alone (tests/engine/test_gpu_engine.py; $TEST_TIMEOUT seconds, default 400)
 #   25  the GPU tests of the tenth session's kernels: the decode attention with and without its prologue,
 #       the QK-norm kernel (its row code now shared), argmax, the copy-bandwidth timers
 #   30  batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (step 20's summary)
-#   10  where the host's time goes in batch-1 async decode steps (docs/bench/host_profile.py, cProfile)
+#   10  where the host's time goes in batch-1 async decode steps (benchmarks/sweeps/host_profile.py, cProfile)
 #   9   the summary table
 # A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0).
 set -u
@@ -59,7 +59,7 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PHLOEM_NO_PROGRESS=1
 export PHLOEM_DATA_DIR=${PHLOEM_DATA_DIR:-/tmp/phloem-data} PYTHONUNBUFFERED=1
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
-PY="python3 -m phloem.runtime.cli"
+PY="python3 -m phloem.cli"
 stamp() { echo "$(date +%T) $*" | tee -a "$OUT/phases.txt"; }
 # wait_up PORT PID...: until the server on PORT answers; gives up at once when any PID has exited
 # (a server that died at start must not cost the 10 minutes of the timeout: the fifth session's did).
@@ -129,7 +129,7 @@ step_4() {
   local p2=$!
   CUDA_VISIBLE_DEVICES=0 $PY serve --device cuda --dtype bfloat16 --port 8300 > "$OUT/4_colocated.log" 2>&1 &
   local p3=$!
-  wait_up 8201 $p1 $p2 && wait_up 8300 $p3 && timeout 600 python3 docs/bench/pd_check.py 8201 8300 > "$OUT/4_pd_check.txt" 2>&1
+  wait_up 8201 $p1 $p2 && wait_up 8300 $p3 && timeout 600 python3 benchmarks/sweeps/pd_check.py 8201 8300 > "$OUT/4_pd_check.txt" 2>&1
   kill $p1 $p2 $p3 2>/dev/null; wait $p1 $p2 $p3 2>/dev/null
 }
 step_5() {
@@ -147,14 +147,14 @@ step_5() {
   kill $p3 2>/dev/null; wait $p3 2>/dev/null
 }
 step_6() {
-  timeout 300 python3 docs/bench/allreduce_bench.py > "$OUT/6_allreduce.txt" 2>&1
+  timeout 300 python3 benchmarks/sweeps/allreduce_bench.py > "$OUT/6_allreduce.txt" 2>&1
 }
 step_7() {
   # GEMV_SWEEP=full: the whole grid; else only the best configurations of the recorded sweep.
   local grid="--top docs/bench/h200_gemv_sweep.json"
   [ "${GEMV_SWEEP:-}" = full ] && grid=""
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 600 python3 docs/bench/gemv_sweep.py $grid --out "$OUT/7_gemv.json" > "$OUT/7_gemv.txt" 2>&1
-  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_PDL=0 timeout 300 python3 docs/bench/gemv_sweep.py --top "$OUT/7_gemv.json" \
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 600 python3 benchmarks/sweeps/gemv_sweep.py $grid --out "$OUT/7_gemv.json" > "$OUT/7_gemv.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_PDL=0 timeout 300 python3 benchmarks/sweeps/gemv_sweep.py --top "$OUT/7_gemv.json" \
     --out "$OUT/7_gemv_nopdl.json" > "$OUT/7_gemv_nopdl.txt" 2>&1
 }
 step_8() {
@@ -175,14 +175,14 @@ step_12() {
     --prefill-tokens 0 --out "$OUT/12_decode_b1.json" > "$OUT/12_decode_b1.txt" 2>&1
 }
 step_13() {
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 docs/bench/moe_token_sweep.py --out "$OUT/13_moe_token.json" \
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 benchmarks/sweeps/moe_token_sweep.py --out "$OUT/13_moe_token.json" \
     --env-out "$OUT/13_best.env" > "$OUT/13_moe_token.txt" 2>&1
 }
 step_14() {
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/gemv_sweep.py --conv --out "$OUT/14_conv.json" > "$OUT/14_conv.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/gemv_sweep.py --conv --out "$OUT/14_conv.json" > "$OUT/14_conv.txt" 2>&1
 }
 step_15() {
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 docs/bench/decode_attention_bench.py --out "$OUT/15_attn.json" > "$OUT/15_attn.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 benchmarks/sweeps/decode_attention_bench.py --out "$OUT/15_attn.json" > "$OUT/15_attn.txt" 2>&1
 }
 step_16() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/kernels/test_triton_moe_token.py \
@@ -206,7 +206,7 @@ step_20() {
   done
 }
 step_21() {
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/step_trace.py --out "$OUT/21_trace.json" > "$OUT/21_trace.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/step_trace.py --out "$OUT/21_trace.json" > "$OUT/21_trace.txt" 2>&1
 }
 step_23() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/kernels/test_triton_gdn_decode.py \
@@ -233,7 +233,7 @@ step_30() {
   DECODE_ENVS=${LONG_ENVS:-"default_long:PHLOEM_PDL=1"} DECODE_ARGS="--contexts 32768,131072 --steps 30" step_20
 }
 step_10() {
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 docs/bench/host_profile.py > "$OUT/10_host.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/host_profile.py > "$OUT/10_host.txt" 2>&1
 }
 step_9() {
   echo; echo "== summary =="

@@ -1,7 +1,7 @@
 """Sweep the one-token MoE kernels (``kernels/triton/moe_token.py``) on the GPU and time the whole
 MoE block of a batch-1 decode layer, old composition against new, as CUDA-graph replays.
 
-    python3 docs/bench/moe_token_sweep.py [--out moe_token.json] [--quick] [--env-out best.env]
+    python3 benchmarks/sweeps/moe_token_sweep.py [--out moe_token.json] [--quick] [--env-out best.env]
 
 Shape: Qwen3.5-35B-A3B (256 routed experts + the shared one stored as expert 256, H=2048, I=512,
 bf16, top-8 + shared). Every timing is a CUDA graph of ``LAYERS`` calls on distinct layers' weights
@@ -31,7 +31,7 @@ from phloem.kernels.moe import fused_moe as reference
 from phloem.kernels.moe import fused_moe_routed as reference_routed
 from phloem.kernels.moe import moe_route_shared
 from phloem.kernels.triton import fused_moe, gemv, moe_token
-from phloem.runtime.bench_decode import graph_us, measure_bandwidth
+from phloem.benchmarks.decode import graph_us, measure_bandwidth
 
 E, H, I, TOP_K, LAYERS = 257, 2048, 512, 8, 8
 DT = torch.bfloat16

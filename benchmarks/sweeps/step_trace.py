@@ -1,6 +1,6 @@
 """What the device runs between two batch-1 decode graphs, on the GPU: the engine's own steps.
 
-    python3 docs/bench/step_trace.py [--steps 12] [--out trace.json]
+    python3 benchmarks/sweeps/step_trace.py [--steps 12] [--out trace.json]
 
 Builds the 35B-A3B shape with dummy weights (one sequence), decodes a 1K-context request with
 async scheduling under the CUDA profiler, and prints, for the steady-state steps, every device
@@ -21,7 +21,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from phloem.engine import Engine
-from phloem.runtime.bench_decode import run_decode
+from phloem.benchmarks.decode import run_decode
 from phloem.runtime.model_shapes import write_shape
 
 

@@ -2,8 +2,8 @@
 FlashInfer's tensor-core decode on the GPU, at the 35B-A3B attention shape (Hq 16, Hkv 2, D 256,
 bf16, pages of 16).
 
-    python3 docs/bench/decode_attention_bench.py --out decode_attention.json [--sweep]
-    TRITON_INTERPRET=1 python3 docs/bench/decode_attention_bench.py --smoke   # CPU: tiny shapes, checks only
+    python3 benchmarks/sweeps/decode_attention_bench.py --out decode_attention.json [--sweep]
+    TRITON_INTERPRET=1 python3 benchmarks/sweeps/decode_attention_bench.py --smoke   # CPU: tiny shapes, checks only
 
 For batch 1/4/16 at 1K/32K/128K context (every sequence the same length, pages shuffled), each
 kernel is (i) checked against the fp32 torch reference (and FlashInfer against ours), then (ii)
@@ -121,7 +121,7 @@ def timed(batch: Batch, call) -> float | None:
     if batch.q.device.type != "cuda":
         call(batch.caches[0])
         return None
-    from phloem.runtime.bench_decode import graph_us
+    from phloem.benchmarks.decode import graph_us
 
     kvs = list(itertools.islice(itertools.cycle(batch.caches), CALLS))
     return statistics.median(graph_us(lambda: [call(kv) for kv in kvs], CALLS, REPEATS) for _ in range(3))

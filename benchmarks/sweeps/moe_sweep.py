@@ -1,6 +1,6 @@
 """Sweep the decode MoE kernels' tiles on the GPU, timing CUDA-graph replays (not eager calls).
 
-    python3 docs/bench/moe_sweep.py [--out sweep.json] [--quick]
+    python3 benchmarks/sweeps/moe_sweep.py [--out sweep.json] [--quick]
 
 Shape: Qwen3.5-35B-A3B experts (256 routed + the shared one as expert 256, H=2048, I=512, bf16,
 top-8 + shared). Each variant is captured once as a CUDA graph of ``LAYERS`` calls on distinct
@@ -25,7 +25,7 @@ from phloem.kernels.moe import fused_moe as reference
 from phloem.kernels.moe import moe_route_shared
 from phloem.kernels.triton.fused_moe import DEFAULT_CONFIG, MoeDecodeConfig, fused_moe_tuned, launch_down_sum, launch_gate_up
 from phloem.kernels.triton.moe_grouped import fused_moe_grouped
-from phloem.runtime.bench_decode import graph_us
+from phloem.benchmarks.decode import graph_us
 
 E, H, I, TOP_K, LAYERS = 257, 2048, 512, 8, 8
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from phloem.api.bench_agentic import TurnRecord
+if TYPE_CHECKING:
+    from phloem.benchmarks.agentic import TurnRecord
 
 __all__ = ["plot_agentic"]
 

@@ -1,9 +1,9 @@
 """Greedy tokens of a disaggregated pair (its decode instance's API) against a colocated server.
 
-    python3 docs/bench/pd_check.py DECODE_PORT COLOCATED_PORT
+    python3 benchmarks/sweeps/pd_check.py DECODE_PORT COLOCATED_PORT
 
 Both servers must serve the same model (the built-in tiny model by default); prints each prompt's
-text from both and "ALL SAME" or "DIFFER". Used by ``docs/bench/gpu_checks.sh``.
+text from both and "ALL SAME" or "DIFFER". Used by ``tools/gpu/gpu_checks.sh``.
 """
 
 from __future__ import annotations

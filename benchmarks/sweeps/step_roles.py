@@ -2,7 +2,7 @@
 launch, from the timeline ``bench decode --out`` saves (``kernels.timeline``: the first replayed
 step's launches in order).
 
-    python3 docs/bench/step_roles.py RUN.json [RUN2.json ...]
+    python3 benchmarks/sweeps/step_roles.py RUN.json [RUN2.json ...]
 
 Under PDL a kernel's interval starts while the kernel before still runs (its programs wait in
 ``gdc_wait``), so interval lengths overlap and add up to more than the step. Each launch waits for

@@ -1,9 +1,9 @@
 """The TP all-reduce + residual add + RMSNorm on two GPUs: one-shot NVLink kernel against NCCL.
 
-    python3 docs/bench/allreduce_bench.py [--iters 200]     # on a machine with two GPUs
+    python3 benchmarks/sweeps/allreduce_bench.py [--iters 200]     # on a machine with two GPUs
 
 Two processes (one per GPU) join a ``TPGroup`` as the engine does (NCCL + the one-shot buffers of
-``engine.one_shot``). For each row count it checks, on random bf16 inputs drawn afresh per call,
+``engine.parallel.one_shot_allreduce``). For each row count it checks, on random bf16 inputs drawn afresh per call,
 that the one-shot kernel gives the same bits as NCCL's all-reduce followed by the ``add_rms_norm``
 kernel (exact for two ranks: both round the one sum of two bf16 values), on both ranks, eagerly
 and replayed from a CUDA graph; then it times 80 calls (one decode step's worth) captured in a

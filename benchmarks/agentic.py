@@ -324,7 +324,7 @@ class _Server:
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "phloem.runtime.cli", "serve", "--port", str(self.port), "--data-dir", data_dir, *args]
+        cmd = [sys.executable, "-m", "phloem.cli", "serve", "--port", str(self.port), "--data-dir", data_dir, *args]
         self.log = open(f"{data_dir}/server.log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -369,7 +369,7 @@ def run_agentic(
     import tempfile
     from pathlib import Path
 
-    from phloem.api.bench_plots import plot_agentic
+    from phloem.benchmarks.plots import plot_agentic
     from phloem.runtime.progress import progress_bar
 
     runs: dict[str, list[TurnRecord]] = {}

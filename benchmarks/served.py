@@ -1,6 +1,6 @@
 """Decode speed on the served path: requests through the engine loop, as the server sends them.
 
-``run_decode`` (``runtime.bench_decode``) injects synthetic running requests and times
+``run_decode`` (``benchmarks.decode``) injects synthetic running requests and times
 ``engine.step()`` alone; what a user gets also pays admission, the prefill, each step's outputs
 (``RequestOutput``) and their delivery to the request's sink on the engine thread, and the
 finishing steps. Here ``batch`` requests are submitted to an ``EngineLoop`` like the server's

@@ -1,8 +1,8 @@
 """The ``phloem`` command: ``serve``, ``demo`` and ``bench``.
 
-This module is the composition root: the one module of ``runtime`` allowed to import
-``phloem.api`` (the server in ``serve``, the SDK in ``demo``), always inside the function that
-needs it, so ``phloem --help`` stays fast and the SDK side of ``demo`` never imports torch.
+The composition root (``phloem.cli``): it imports ``phloem.api`` (the server in ``serve``, the SDK
+in ``demo``) inside the function that needs it, so ``phloem --help`` stays fast and the SDK side
+of ``demo`` never imports torch; ``phloem bench`` comes from ``phloem.benchmarks.cli``.
 
 Flags default to the ``PHLOEM_*`` environment variables (``runtime.env``), then to
 ``ServerConfig``'s defaults.
@@ -18,9 +18,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from phloem.runtime._bench_cli import add_bench_commands, show_progress
-from phloem.runtime._hardening_cli import add_hardening_flags, hardening_config
-from phloem.runtime._demo import DemoOptions
+from phloem.benchmarks.cli import add_bench_commands
+from phloem.cli.hardening import add_hardening_flags, hardening_config
+from phloem.cli.demo import DemoOptions
 from phloem.engine.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from phloem.runtime.config import (
     DTYPES, LOG_FORMATS, LOG_LEVELS, ApiKey, ServerConfig, default_data_dir, parse_api_key, read_api_keys_file,
@@ -28,7 +28,7 @@ from phloem.runtime.config import (
 from phloem.runtime.model_shapes import SHAPES, ensure_shape_model
 from phloem.runtime.env import EnvSettings, kernel_config, read_env, use_kernel_caches
 from phloem.runtime.pd.roles import ROLES, PDConfig
-from phloem.runtime._cli_parsers import command_parser, shorten_usage
+from phloem.cli.parsers import command_parser, shorten_usage
 from phloem.runtime.preflight import StartupError, bind_port, check_device, check_model_folder
 from phloem.runtime.startup import StartupLog
 
@@ -141,7 +141,7 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
                       help="how long to wait for the server it starts (default: %(default)s)")
     demo.set_defaults(configure=_demo_options, run=_demo)
 
-    add_bench_commands(commands, _bench_agentic, _bench_trie)
+    add_bench_commands(commands)
     shorten_usage(parser)
     return parser
 
@@ -356,14 +356,14 @@ def _serve(config: ServerConfig) -> int:
             try:
                 held.enter_context(lock_data_dir(config.data_dir))
             except StorageError as exc:
-                logging.getLogger("phloem.runtime.cli").error("phloem serve: --data-dir: %s", exc)
+                logging.getLogger("phloem.cli.main").error("phloem serve: --data-dir: %s", exc)
                 return 2
         if config.model is None:
             from phloem.runtime.default_model import ensure_default_model
 
             with startup.phase("demo_model", f"building the built-in demo model in {config.models_dir}"):
                 folder = ensure_default_model(config.data_dir, config.engine_config.load.show_progress)
-            logging.getLogger("phloem.runtime.cli").warning(
+            logging.getLogger("phloem.cli.main").warning(
                 "phloem: no --model given; serving the built-in demo model at %s. ITS WEIGHTS ARE "
                 "RANDOM: the text it generates is gibberish (use --model DIR for a real model)", folder)
             config = dataclasses.replace(config, model=str(folder))
@@ -392,40 +392,10 @@ def _demo_options(args: argparse.Namespace) -> DemoOptions:
 
 def _demo(options: DemoOptions) -> int:
     from phloem.api.client import Client
-    from phloem.runtime._demo import run_demo
+    from phloem.cli.demo import run_demo
 
-    # The SDK is handed in: only this module may import phloem.api (the layering contract).
+    # The SDK is handed in, so a test can drive the story with a stand-in client.
     return run_demo(options, Client, sys.stdout)
-
-
-def _bench_agentic(args: argparse.Namespace) -> int:
-    from phloem.api.bench_agentic import AgenticWorkload, default_client_processes, run_agentic
-
-    workload = AgenticWorkload(
-        agents=args.agents, first_turn=args.first_turn, append=args.append, turns=args.turns, output=args.output,
-        tool_pause_s=args.tool_pause, fork_at=args.fork_at, forks=args.forks, vocab_hi=args.vocab_hi,
-        client_processes=args.client_processes or default_client_processes(args.agents),
-    )  # fmt: skip
-    table, data = run_agentic(
-        workload, tuple(args.modes.split(",")), args.base_url, tuple(args.server_arg), str(args.out), args.gpus,
-        show_progress=show_progress(args),
-    )
-    sys.stdout.write(table + "\n" + f"raw numbers and plots: {args.out}/\n")
-    return 0
-
-
-def _bench_trie(args: argparse.Namespace) -> int:
-    from phloem.api.bench_agentic import AgenticWorkload
-    from phloem.api.bench_trie import run_trie_bench
-
-    workload = AgenticWorkload(
-        agents=args.agents, first_turn=args.first_turn, append=args.append, turns=args.turns, output=args.output,
-        tool_pause_s=args.tool_pause,
-    )  # fmt: skip
-    report, _ = run_trie_bench(workload, args.duration, args.base_url, tuple(args.server_arg), args.tokenizer,
-                               str(args.out))  # fmt: skip
-    sys.stdout.write(report + "\n" + f"workload file, raw numbers and report: {args.out}/\n")
-    return 0
 
 
 if __name__ == "__main__":
