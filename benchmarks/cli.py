@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from phloem.runtime.env import read_env
+from phloem.runtime.env import kernel_config, read_env
 from phloem.runtime.model_shapes import SHAPES
 from phloem.runtime.preflight import best_device, check_device, check_model_folder
 
@@ -230,7 +230,7 @@ def _decode(args: argparse.Namespace) -> int:
     sys.stdout.write(bench_decode(args.shape, args.model, device, args.batches, args.contexts,
                                   args.prefill_tokens, args.steps, args.out, grammar=args.grammar, tokenizer=args.tokenizer,
                                   served=args.served, tensor_parallel_size=args.tp, expert_parallel=args.ep,
-                                  show_progress=show_progress(args)) + "\n")  # fmt: skip
+                                  kernels=kernel_config(), show_progress=show_progress(args)) + "\n")  # fmt: skip
     return 0
 
 
@@ -240,7 +240,8 @@ def _long_context(args: argparse.Namespace) -> int:
     from phloem.benchmarks.report import bench_decode
 
     sys.stdout.write(bench_decode(args.shape, args.model, device, (1,), args.contexts, 0, args.steps, args.out,
-                                  max_num_seqs=1, tensor_parallel_size=args.tp, expert_parallel=args.ep, show_progress=show_progress(args)) + "\n")  # fmt: skip
+                                  max_num_seqs=1, tensor_parallel_size=args.tp, expert_parallel=args.ep, kernels=kernel_config(),
+                                  show_progress=show_progress(args)) + "\n")  # fmt: skip
     return 0
 
 
