@@ -58,12 +58,14 @@ def _graph_us(fn, calls: int) -> float:  # type: ignore[no-untyped-def]
 
 def _rank(rank: int, port: int, iters: int, queue) -> None:  # type: ignore[no-untyped-def]
     from phloem.engine.parallel import TPGroup
+    from phloem.kernels.config import KernelConfig
     from phloem.kernels.triton.norm import add_rms_norm
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))  # type: ignore[attr-defined]
-    tp = TPGroup.connect(rank, 2, store, device, timedelta(seconds=120))
+    # The one-shot kernel is off by default (KernelConfig.one_shot_allreduce).
+    tp = TPGroup.connect(rank, 2, store, device, timedelta(seconds=120), kernels=KernelConfig(one_shot_allreduce=True))
     assert tp.one_shot is not None, "the one-shot buffers did not map (see the warning above)"
     one_shot = tp.one_shot
     eps = 1e-6
@@ -121,7 +123,6 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=200)
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ["PHLOEM_ONE_SHOT_ALLREDUCE"] = "1"  # off by default (engine.one_shot)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29611

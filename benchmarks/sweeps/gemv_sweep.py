@@ -2,15 +2,15 @@
 CUDA-graph replays over distinct weights (nothing served from L2).
 
     python3 benchmarks/sweeps/gemv_sweep.py [--out gemv.json] [--quick]
-    python3 benchmarks/sweeps/gemv_sweep.py --conv --out conv.json   # in_proj + conv: operands preloaded or not, conv after the walk
-    PHLOEM_PDL=0 python3 benchmarks/sweeps/gemv_sweep.py --top gemv.json --out gemv_nopdl.json
+    python3 benchmarks/sweeps/gemv_sweep.py --top gemv.json --out gemv_again.json
 
 Shapes: the 35B-A3B decode projections (bf16). Pass 1 times the plain GEMV in every launch
 configuration against ``F.linear`` per weight shape; pass 2 times the fused projections of
 ``kernels.fused_linear`` (each with the best plain configurations of its shape) against the unfused
 ops the model ran before (Triton norms / conv / routing around cuBLAS). ``--top FILE`` skips the
-grid and times only the best configurations FILE found (e.g. again under ``PHLOEM_PDL=0``:
-programmatic dependent launch, on by default on an H200, overlaps the graph's consecutive calls). Every configuration is checked against an fp32 reference
+grid and times only the best configurations FILE found. Every launch is without programmatic
+dependent launch (the launchers' ``pdl=False``); the engine's choice, ``KernelConfig.pdl``, is
+timed end to end by ``phloem bench decode``. Every configuration is checked against an fp32 reference
 before it is timed. Prints Markdown; ``--out`` writes the rows as JSON.
 """
 
@@ -190,30 +190,6 @@ def sweep_moe() -> list[dict]:
     return rows
 
 
-def sweep_conv() -> list[dict]:
-    """GDN in_proj + conv: the conv operands loaded block by block in the walk against all of a
-    program's at its start (``gemv.CONV_PRELOAD``), over tiles and warps; the plain GEMV as the floor."""
-    name = "in_proj"
-    ws, (n, k) = weights(name), SHAPES[name]
-    (variant, fused, _, reference), = [case for case in fused_cases(name, ws) if case[0] == "add_rms_norm_conv_linear"]
-    x = torch.randn(1, k, device="cuda", dtype=DT)
-    rows = []
-    original, preload, after = gemv.gemv_config, gemv.CONV_PRELOAD, gemv.CONV_AFTER_WALK
-    modes = {"preload off": (False, False), "preload on": (True, False), "preload on, conv after the walk": (True, True)}
-    for c in [gemv.GemvConfig(bn, w, 1, pps, True) for bn in (2, 4) for w in (4, 8) for pps in (2, 4)]:
-        rows.append(_row(name, "plain", c, graph_us(lambda: [gemv.linear_tuned(x, w, c) for w in ws], len(ws)), n * k * 2))  # noqa: B023
-        for mode, (on, walk) in modes.items():
-            gemv.gemv_config, gemv.CONV_PRELOAD, gemv.CONV_AFTER_WALK = (lambda n_, k_, conv=False, c=c: c), on, walk
-            try:
-                want = reference(ws[0])  # before the fused call updates the state in place
-                check(fused(ws[0]), want, (variant, c, mode))
-                us = graph_us(lambda: [fused(w) for w in ws], len(ws))  # noqa: B023
-                rows.append(_row(name, f"{variant} ({mode})", c, us, n * k * 2))
-            finally:
-                gemv.gemv_config, gemv.CONV_PRELOAD, gemv.CONV_AFTER_WALK = original, preload, after
-    return rows
-
-
 def table(rows: list[dict], bandwidth: float) -> str:
     lines = [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", "",
              "| shape | variant | config (block_n, warps, stages, programs/SM, prefetch) | µs | TB/s |", "|---|---|---|---|---|"]
@@ -233,16 +209,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--top", help="time only the best configurations of this earlier --out")
     ap.add_argument("--jobs", type=int, default=12)
-    ap.add_argument("--conv", action="store_true", help="only the in_proj + conv variants (sweep_conv)")
     args = ap.parse_args()
     bandwidth = measure_bandwidth(torch.device("cuda"))
-    if args.conv:
-        rows = sweep_conv()
-        print(table(rows, bandwidth))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"bandwidth": bandwidth, "rows": rows}, f, indent=1)
-        return
     if args.top:
         with open(args.top) as f:
             earlier = json.load(f)["rows"]

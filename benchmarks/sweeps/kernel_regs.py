@@ -2,16 +2,15 @@
 offline ``ptxas -v`` can only estimate: it compiled the attention to 210 registers where the GPU
 loads 118), and how many programs of each fit an SM.
 
-    python3 benchmarks/sweeps/kernel_regs.py [MODE:CONFIG ...]   # e.g. 0:32,4,2,16 1:32,4,2,16,128
-    python3 benchmarks/sweeps/kernel_regs.py --decode             # every one-token kernel, env configs
+    python3 benchmarks/sweeps/kernel_regs.py [CONFIG ...]   # e.g. 32,4,2,16 32,4,2,16,128
+    python3 benchmarks/sweeps/kernel_regs.py --decode       # every one-token kernel, default tiles
 
-MODE is ``decode_attention.PRELOAD_FIRST_TILE`` (0 off, 1 the one-tile splits' tile in registers,
-2 pulled into L2); CONFIG is ``DecodeAttentionConfig``'s fields, comma-separated. Each pair runs one
-launch of ``paged_decode_attention_prologue`` at the 35B-A3B shape (16 query / 2 KV heads of 256,
-pages of 16, 1K keys). ``--decode`` runs the GEMV projections (``gemv_sweep.fused_cases``), the
+CONFIG is ``DecodeAttentionConfig``'s fields, comma-separated. Each one runs one launch of
+``paged_decode_attention_prologue`` at the 35B-A3B shape (16 query / 2 KV heads of 256, pages of
+16, 1K keys). ``--decode`` runs the GEMV projections (``gemv_sweep.fused_cases``), the
 one-token MoE stages (also as the router-in-projection path reads them) and the GDN decode step
 once each at that shape, with the tiles the
-environment chooses (``PHLOEM_GEMV_SHAPE_CONFIG`` and the like).
+kernels ship (``gemv_config``, ``moe_token.DEFAULT_CONFIG`` and the like).
 """
 
 from __future__ import annotations
@@ -111,12 +110,9 @@ def main() -> None:
     if sys.argv[1:] == ["--decode"]:
         decode_kernels()
         return
-    specs = sys.argv[1:] or ["0:32,4,2,16", "1:32,4,2,16", "2:32,4,2,16"]
-    for spec in specs:
-        mode, _, fields = spec.partition(":")
-        config = da.DecodeAttentionConfig(*(int(v) for v in fields.split(",")))
-        da.PRELOAD_FIRST_TILE = int(mode)
-        report({f"attention split, preload {mode}, config {tuple(config)}": da.decode_attention_split_kernel}, lambda c=config: launch(c))
+    for spec in sys.argv[1:] or [",".join(str(v) for v in da.DecodeAttentionConfig())]:
+        config = da.DecodeAttentionConfig(*(int(v) for v in spec.split(",")))
+        report({f"attention split, config {tuple(config)}": da.decode_attention_split_kernel}, lambda c=config: launch(c))
 
 
 if __name__ == "__main__":

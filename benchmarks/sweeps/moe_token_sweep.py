@@ -1,7 +1,7 @@
 """Sweep the one-token MoE kernels (``kernels/triton/moe_token.py``) on the GPU and time the whole
 MoE block of a batch-1 decode layer, old composition against new, as CUDA-graph replays.
 
-    python3 benchmarks/sweeps/moe_token_sweep.py [--out moe_token.json] [--quick] [--env-out best.env]
+    python3 benchmarks/sweeps/moe_token_sweep.py [--out moe_token.json] [--quick]
 
 Shape: Qwen3.5-35B-A3B (256 routed experts + the shared one stored as expert 256, H=2048, I=512,
 bf16, top-8 + shared). Every timing is a CUDA graph of ``LAYERS`` calls on distinct layers' weights
@@ -13,8 +13,8 @@ the whole block). Every configuration is checked against the torch reference bef
     2. the block after the attention, end to end (norm + router + routing + experts):
        ``add_rms_norm_router`` + the sixth session's routed kernels (1152 gate/up programs, each
        routing its own slot) against ``fused_moe_token_routed`` with the best few gate/up
-       configurations and the shipped default; ``--env-out`` writes the fastest as
-       ``PHLOEM_MOE_TOKEN_CONFIG`` for a decode bench to use.
+       configurations and the shipped default; the fastest is printed as a ``MoeTokenConfig``,
+       the value to ship as ``moe_token.DEFAULT_CONFIG``.
 
 Prints Markdown tables; ``--out`` writes the rows as JSON.
 """
@@ -157,7 +157,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--env-out", help="write the fastest configuration as a shell export to this file")
     args = ap.parse_args()
     device = torch.device("cuda")
     bandwidth = measure_bandwidth(device)
@@ -166,11 +165,7 @@ def main() -> None:
     blocks, best = time_blocks(layers, rows)
     rows += blocks
     print(table(rows, bandwidth))
-    # For the decode bench that follows (gpu_checks.sh step 12 reads it): the fastest block's tiles.
-    print(f"best {moe_token._ENV_VAR}={','.join(str(int(v)) for v in best)}")
-    if args.env_out:
-        with open(args.env_out, "w") as f:
-            f.write(f"export {moe_token._ENV_VAR}={','.join(str(int(v)) for v in best)}\n")
+    print(f"best {best!r}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"bandwidth": bandwidth, "rows": rows}, f, indent=1)

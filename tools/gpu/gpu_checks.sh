@@ -11,7 +11,7 @@
 # so step 0 compiles them once, in one process, before anything runs in parallel or under a timeout.
 #   0   warm-up: the tiny model (head_dim 64) in bf16 and fp32, prefill + decode + graphs, and the
 #       35B-A3B shape (head_dim 256) prefill + decode; then FlashInfer's built modules are packed
-#       into OUT/flashinfer_so.tgz (a later machine can start from them: docs/bench/gpu_poll.sh)
+#       into OUT/flashinfer_so.tgz (a later machine can start from them)
 #   1   single-GPU tests (pytest -m gpu), incl. async scheduling against sync, bitwise, and the
 #       fused KV-write prologue and in-kernel GDN gates at the 35B-A3B shapes
 #   2   TP=2 tests (graphs on both ranks, a resume from a gathered export; the cuda:1 engine test)
@@ -25,16 +25,15 @@
 #   6   the TP all-reduce: one-shot NVLink all-reduce + residual + RMSNorm against NCCL (tokens
 #       and µs per call, benchmarks/sweeps/allreduce_bench.py)
 #   7   the one-token decode GEMVs (benchmarks/sweeps/gemv_sweep.py): every launch configuration against
-#       cuBLAS, the fused projections against the unfused ops; then the best again under PDL
+#       cuBLAS, the fused projections against the unfused ops ($GEMV_TOP=FILE: only the best
+#       configurations of an earlier sweep's --out FILE)
 #   8   decode bench TP=1, batch 1 and 16 at 1K, variants from $DECODE_VARIANTS: unfused (the
 #       one-token path's unfused ops, PHLOEM_FUSED_DECODE=0), fused (PDL off), fused_pdl (the
 #       default), cublas (PHLOEM_TRITON_GEMV=0); each with the kernel profile of the batch-1 graph
 #   11  the decode bench's whole grid with the defaults: batch 1/4/16/64 at 1K/32K/128K, a 50K prefill
-#   12  batch-1 decode alone at 1K/32K/128K with the defaults (the one-token path; batches > 1 are step 11's),
-#       with step 13's fastest one-token MoE tiles when step 13 ran first
+#   12  batch-1 decode alone at 1K/32K/128K with the defaults (the one-token path; batches > 1 are step 11's)
 #   13  the one-token MoE kernels (benchmarks/sweeps/moe_token_sweep.py): stage sweeps, then the MoE block
 #       (norm + router + routing + experts) of the sixth session against this one's
-#   14  GDN in_proj + conv, the conv operands per block or preloaded (benchmarks/sweeps/gemv_sweep.py --conv)
 #   15  the split-KV Triton decode attention against FlashInfer's (benchmarks/sweeps/decode_attention_bench.py)
 #   16  the GPU tests of the seventh session's kernels alone (a quick subset of step 1)
 #   17  batch-1 decode at 1K: FlashInfer's decode instead of the Triton one (PHLOEM_TRITON_DECODE_ATTENTION=0)
@@ -51,7 +50,8 @@
 #   30  batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (step 20's summary)
 #   10  where the host's time goes in batch-1 async decode steps (benchmarks/sweeps/host_profile.py, cProfile)
 #   9   the summary table
-# A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0).
+# A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0). The PHLOEM_*
+# kernel variables a step sets are read by `phloem bench decode` into its KernelConfig (runtime/env.py).
 set -u
 OUT=${1:?usage: gpu_checks.sh OUT_DIR [STEPS]}
 STEPS=${2:-"0 1+3a 6 5 2 3b 4 9"}
@@ -150,12 +150,9 @@ step_6() {
   timeout 300 python3 benchmarks/sweeps/allreduce_bench.py > "$OUT/6_allreduce.txt" 2>&1
 }
 step_7() {
-  # GEMV_SWEEP=full: the whole grid; else only the best configurations of the recorded sweep.
-  local grid="--top docs/bench/h200_gemv_sweep.json"
-  [ "${GEMV_SWEEP:-}" = full ] && grid=""
+  # GEMV_TOP=FILE: only the best configurations of an earlier sweep; else the whole grid.
+  local grid=${GEMV_TOP:+--top $GEMV_TOP}
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 600 python3 benchmarks/sweeps/gemv_sweep.py $grid --out "$OUT/7_gemv.json" > "$OUT/7_gemv.txt" 2>&1
-  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_PDL=0 timeout 300 python3 benchmarks/sweeps/gemv_sweep.py --top "$OUT/7_gemv.json" \
-    --out "$OUT/7_gemv_nopdl.json" > "$OUT/7_gemv_nopdl.txt" 2>&1
 }
 step_8() {
   local v
@@ -169,17 +166,12 @@ step_11() {
     --prefill-tokens 50000 --out "$OUT/11_decode.json" > "$OUT/11_decode.txt" 2>&1
 }
 step_12() {
-  # With step 13's fastest one-token MoE tiles where it ran before (PHLOEM_MOE_TOKEN_CONFIG).
-  [ -f "$OUT/13_best.env" ] && . "$OUT/13_best.env"
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 $PY bench decode --device cuda --batches 1 --contexts 1024,32768,131072 \
     --prefill-tokens 0 --out "$OUT/12_decode_b1.json" > "$OUT/12_decode_b1.txt" 2>&1
 }
 step_13() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 benchmarks/sweeps/moe_token_sweep.py --out "$OUT/13_moe_token.json" \
-    --env-out "$OUT/13_best.env" > "$OUT/13_moe_token.txt" 2>&1
-}
-step_14() {
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/gemv_sweep.py --conv --out "$OUT/14_conv.json" > "$OUT/14_conv.txt" 2>&1
+    > "$OUT/13_moe_token.txt" 2>&1
 }
 step_15() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 benchmarks/sweeps/decode_attention_bench.py --out "$OUT/15_attn.json" > "$OUT/15_attn.txt" 2>&1
@@ -192,7 +184,6 @@ step_16() {
 }
 step_17() {
   local b1="bench decode --device cuda --batches 1 --contexts 1024 --prefill-tokens 0"
-  [ -f "$OUT/13_best.env" ] && . "$OUT/13_best.env"
   CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_TRITON_DECODE_ATTENTION=0 timeout 300 $PY $b1 --out "$OUT/17_flashinfer.json" \
     > "$OUT/17_flashinfer.txt" 2>&1
 }
@@ -247,7 +238,7 @@ step_9() {
   [ -f "$OUT/16_kernel_tests.txt" ] && echo "16_kernel_tests: $(tail -n 1 "$OUT/16_kernel_tests.txt")"
   [ -f "$OUT/20_summary.txt" ] && cat "$OUT/20_summary.txt"
   for f in 17_flashinfer; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | grep '^|\|launches\|kernels' | head -n 30; }; done
-  for f in 13_moe_token 14_conv 15_attn; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | tail -n 40; }; done
+  for f in 13_moe_token 15_attn; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | tail -n 40; }; done
   [ -f "$OUT/23_tests.txt" ] && echo "23_tests: $(tail -n 1 "$OUT/23_tests.txt")"
   [ -f "$OUT/24_engine_tests.txt" ] && echo "24_engine_tests: $(tail -n 1 "$OUT/24_engine_tests.txt")"
   [ -f "$OUT/26_gemv_moe_tests.txt" ] && { echo "26_gemv_moe_tests: $(tail -n 1 "$OUT/26_gemv_moe_tests.txt")"; grep -E "^(FAILED|ERROR)" "$OUT/26_gemv_moe_tests.txt" | head -n 20; }
