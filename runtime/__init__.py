@@ -1,14 +1,14 @@
-"""Processes and loops: config, the engine loop thread, the asyncio bridge, the demo model, CLI.
+"""Processes and loops: config, the engine loop thread, the asyncio bridge, the demo model.
 
 Role: run one ``Engine`` on its own thread (``EngineLoop``) and give the asyncio API an
-``EngineClient`` that never blocks the event loop; build ``ServerConfig`` from flags and the
-``PHLOEM_*`` environment (``env``, also the process's NCCL defaults); provide the built-in demo
-model; the prefill/decode instances (``runtime.pd``); the ``phloem`` CLI.
+``EngineClient`` that never blocks the event loop; ``ServerConfig`` and the ``PHLOEM_*``
+environment (``env``, also the process's NCCL defaults) it is built from; preflight checks; the
+built-in demo model and the benchmark shapes (``model_shapes``); the prefill/decode instances
+(``runtime.pd``). The ``phloem`` command that wires it all is ``phloem.cli``.
 
 May import: the engine's public API only (``phloem.engine``, ``phloem.engine.config``,
 ``phloem.engine.transfer``, ``phloem.engine.parallel``; an import-linter contract), and
-``phloem.storage``. Exception: ``runtime.cli`` is the composition root and the one module that
-imports ``phloem.api`` (inside functions).
+``phloem.storage``.
 
 The engine-backed names load on first access, so ``phloem --help`` and the SDK side of
 ``phloem demo`` never import torch.

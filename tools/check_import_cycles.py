@@ -1,6 +1,6 @@
 """Fail when the product's modules import each other in a cycle.
 
-import-linter's contracts keep the layers (api -> sessions -> runtime -> engine -> kernels) and
+import-linter's contracts keep the layers (cli -> benchmarks -> api -> ... -> kernels) and
 the sub-package boundaries; a cycle *inside* a layer passes them. This tool parses every product
 module (not the tests), resolves each ``import``/``from … import`` that names a ``phloem`` module
 — module level and inside functions alike, since both make the modules depend on each other —

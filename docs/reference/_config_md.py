@@ -7,7 +7,7 @@ be known, so nothing is silently dropped.
 
 Sources, all read from the code:
 
-- flags: ``phloem.runtime.cli.build_parser`` built with an empty environment (so a developer's
+- flags: ``phloem.cli.main.build_parser`` built with an empty environment (so a developer's
   ``PHLOEM_*`` variables never leak into the page), every subcommand, every argument group;
   help texts are expanded as ``--help`` expands them;
 - variables: the fields of ``runtime.env.EnvSettings`` and their lines in that module's

@@ -153,7 +153,7 @@ def config_blocks() -> dict[str, list[str]]:
     """The generated blocks of ``docs/configuration.md``, by name."""
     from phloem.engine import config as engine_config
     from phloem.runtime import env
-    from phloem.runtime.cli import build_parser
+    from phloem.cli.main import build_parser
     from phloem.runtime.config import ServerConfig
     from phloem.sessions.config import SessionConfig
 

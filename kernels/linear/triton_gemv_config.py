@@ -1,7 +1,7 @@
 """Launch configurations of the one-token GEMVs (``kernels.linear.triton_gemv``), by weight shape.
 
 ``gemv_config`` is what every launch uses unless a caller passes a ``GemvConfig`` itself
-(``triton_gemv.linear_tuned``: the benchmark sweeps, ``docs/bench/gemv_sweep.py``). The choices are the
+(``triton_gemv.linear_tuned``: the benchmark sweeps, ``benchmarks/sweeps/gemv_sweep.py``). The choices are the
 sweep's winners at the Qwen3.5-35B-A3B decode shapes: 4 programs per SM walking row blocks with
 the one-ahead prefetch (the prologue runs once per program, not once per block), tiles of 8 K
 elements per block, 4 warps for small weights such as the router; ``docs/decisions.md`` has the

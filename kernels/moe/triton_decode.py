@@ -193,7 +193,7 @@ def _down_sum_kernel(
     tl.store(p_out + i_tok * H + o_n, tl.sum(acc, axis=1).to(p_out.dtype.element_ty), mask=m_n)
 
 
-# The sweep winners at the 35B-A3B shape (``docs/bench/moe_sweep.py``): at one token, used for 2
+# The sweep winners at the 35B-A3B shape (``benchmarks/sweeps/moe_sweep.py``): at one token, used for 2
 # to _BATCH_TOKENS - 1 tokens, and at 16 tokens, used from _BATCH_TOKENS up. Benchmark tools pass
 # another ``MoeDecodeConfig`` to ``fused_moe_tuned`` directly.
 DEFAULT_CONFIG = MoeDecodeConfig(4, 1024, 8, 3, 4, 512, 8, 2)

@@ -52,7 +52,7 @@ class MoeTokenConfig(NamedTuple):
     programs_per_sm: int
 
 
-# The 35B-A3B shape's sweep winner (``docs/bench/moe_token_sweep.py``). Benchmark tools pass
+# The 35B-A3B shape's sweep winner (``benchmarks/sweeps/moe_token_sweep.py``). Benchmark tools pass
 # another ``MoeTokenConfig`` to ``fused_moe.fused_moe_token*`` directly.
 DEFAULT_CONFIG = MoeTokenConfig(block_n=2, num_warps=4, programs_per_sm=4)
 MAX_SLOTS = 64

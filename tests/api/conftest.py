@@ -1,6 +1,6 @@
 """Fixtures for the server tests.
 
-``server``: a REAL ``phloem serve`` process (``python3 -m phloem.runtime.cli serve``) on a free
+``server``: a REAL ``phloem serve`` process (``python3 -m phloem.cli serve``) on a free
 loopback port, serving the built-in tiny model (random weights) from a temporary data dir; it
 is started once for the test session and terminated at the end.
 
@@ -57,7 +57,7 @@ def server(data_dir: Path) -> Iterator[Server]:
     log = data_dir / "server.log"
     # One intra-op thread: the tiny model gains nothing from more on the 2-core CI machine.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "phloem.runtime.cli", "serve", "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "phloem.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port), "--data-dir", str(data_dir)]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from phloem.api.bench_agentic import AgenticWorkload, run_agentic
+from phloem.benchmarks.agentic import AgenticWorkload, run_agentic
 
 APPEND = 24
 

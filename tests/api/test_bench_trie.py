@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from trie.types import Workload
 
-from phloem.api.bench_agentic import AgenticWorkload
-from phloem.api.bench_trie import ideal_hit_rates, parse_trie_output, run_trie_bench, trie_workload_rows
+from phloem.benchmarks.agentic import AgenticWorkload
+from phloem.benchmarks.trie import ideal_hit_rates, parse_trie_output, run_trie_bench, trie_workload_rows
 
 WL = AgenticWorkload(agents=2, first_turn=128, append=16, turns=4, output=4)
 
@@ -49,7 +49,7 @@ def test_trie_against_a_real_server(tmp_path: Path) -> None:
     assert 0 < m["eligible_cache_hit_rate_pct_max"] <= 100.0
     # Trie sends text; the random model's output often does not re-tokenize to the generated ids,
     # and then only the prompt-end checkpoint serves the history (without it trie measured 64.9%
-    # eligible hits; with it ~98%: docs/bench/tokenspeed_trie.md).
+    # eligible hits; with it ~98%: docs/benchmarks.md, "External harness").
     assert m["eligible_cache_hit_rate_pct_mean"] >= 85.0, m
     # Our own client on the same workload and server: exact counts.
     stateless = data["ours"]["turns"]["stateless"]  # type: ignore[index]

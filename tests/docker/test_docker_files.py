@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from phloem.runtime.cli import build_parser
+from phloem.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """Fixtures for the docs tests: a real ``phloem serve`` for the documented commands to talk to.
 
-``docs_server``: ``python3 -m phloem.runtime.cli serve`` on a free loopback port, serving the
+``docs_server``: ``python3 -m phloem.cli serve`` on a free loopback port, serving the
 built-in tiny model (random weights) from a temporary data dir, started once per test session.
 ``run_script`` (a fixture returning a function) runs a command the docs show, in the repository
 root, and fails the test with its output when it exits non-zero.

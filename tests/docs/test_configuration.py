@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from phloem.engine import config as engine_config
-from phloem.runtime.cli import build_parser
+from phloem.cli.main import build_parser
 from phloem.runtime.config import ServerConfig
 from phloem.runtime.env import PREFIX, VARIABLES, EnvSettings
 from phloem.sessions.config import SessionConfig

@@ -305,7 +305,7 @@ def test_aborting_a_constrained_request_while_its_step_is_queued(model_dir: Path
 def test_the_decode_benchmark_times_the_queued_constrained_path(model_dir: Path) -> None:
     """``phloem bench decode --grammar`` steps the engine as served: its constrained steps are
     queued ahead like the plain ones."""
-    from phloem.runtime.bench_decode import BENCH_SCHEMA, run_decode
+    from phloem.benchmarks.decode import BENCH_SCHEMA, run_decode
 
     engine = Engine.from_pretrained(model_dir, num_pages=64, num_state_slots=12)
     steps, warmup = 3, 3

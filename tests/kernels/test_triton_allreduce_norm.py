@@ -4,7 +4,7 @@ Each rank is a process running the kernel under the Triton interpreter; the "GPU
 shared memory every process has mapped (at its own address, as CUDA IPC maps a peer's buffer), so
 the flag protocol runs for real: the ranks publish rows, signal each other with release/acquire
 atomics, wait, read every rank's row, and must all produce the reference's bits. The two-GPU run
-(``docs/bench/allreduce_bench.py``, ``test_gpu_engine``) checks the same kernel over NVLink.
+(``benchmarks/sweeps/allreduce_bench.py``, ``test_gpu_engine``) checks the same kernel over NVLink.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The step profile's arithmetic (``runtime.bench_decode._step_profile``) on hand-made device events."""
+"""The step profile's arithmetic (``benchmarks.decode._step_profile``) on hand-made device events."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from phloem.runtime.bench_decode import _step_profile
+from phloem.benchmarks.decode import _step_profile
 
 
 def _event(name: str, start: float, end: float, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:

@@ -15,8 +15,8 @@ import pytest
 
 from phloem.kernels.config import KernelConfig
 from phloem.runtime import ServerConfig
-from phloem.runtime._demo import BRANCHES, TURNS, DemoOptions, DemoRow, format_report, run_demo, run_story
-from phloem.runtime.cli import build_parser, main
+from phloem.cli.demo import BRANCHES, TURNS, DemoOptions, DemoRow, format_report, run_demo, run_story
+from phloem.cli.main import build_parser, main
 
 
 HELP_ARGVS = [[], ["serve"], ["demo"], ["bench"], ["bench", "decode"], ["bench", "long-context"], ["bench", "prefix-cache"], ["bench", "agentic"]]
@@ -33,10 +33,10 @@ def test_help_exits_zero_and_shows_examples(argv: list[str], capsys: pytest.Capt
 
 def test_console_script_help_runs_without_torch() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "phloem.runtime.cli", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "phloem.cli", "--help"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and "serve" in result.stdout
-    check = "import sys, phloem.runtime.cli, phloem.runtime; assert 'torch' not in sys.modules"
+    check = "import sys, phloem.cli.main, phloem.runtime; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", check], timeout=60).returncode == 0
 
 
@@ -264,7 +264,7 @@ def _server_available() -> bool:
 @pytest.mark.skipif(not _server_available(), reason="phloem.api.app (the server) is not there yet")
 def test_demo_end_to_end(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "phloem.runtime.cli", "demo", "--data-dir", str(tmp_path), "--max-tokens", "4"],
+        [sys.executable, "-m", "phloem.cli", "demo", "--data-dir", str(tmp_path), "--max-tokens", "4"],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr

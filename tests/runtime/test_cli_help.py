@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from phloem.runtime.cli import build_parser
+from phloem.cli.main import build_parser
 
 
 def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
@@ -38,7 +38,7 @@ def test_help_has_examples_and_exits_zero(path: tuple[str, ...]) -> None:
     assert "examples:" in text, f"`phloem {' '.join(path)} --help` has no examples"
     examples = text.split("examples:", 1)[1]
     assert f"phloem {' '.join(path)}".strip() in examples, "the examples use the command itself"
-    result = subprocess.run([sys.executable, "-m", "phloem.runtime.cli", *path, "--help"],
+    result = subprocess.run([sys.executable, "-m", "phloem.cli", *path, "--help"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "examples:" in result.stdout and result.stderr == ""

@@ -1,11 +1,11 @@
-"""The copy bandwidth the decode roofline divides by (``runtime.bench_decode.measure_bandwidth``)."""
+"""The copy bandwidth the decode roofline divides by (``benchmarks.decode.measure_bandwidth``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from phloem.runtime.bench_decode import measure_bandwidth
+from phloem.benchmarks.decode import measure_bandwidth
 
 
 def test_both_timers_give_a_positive_rate_on_cpu() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from phloem.engine import Engine, SamplingParams
-from phloem.runtime.cli import build_parser, main
+from phloem.cli.main import build_parser, main
 from phloem.runtime.config import ServerConfig
 from phloem.runtime.engine_client import EngineClient
 from phloem.runtime.pd.decode import PDEngineClient
@@ -71,7 +71,7 @@ def test_serve_role_prefill_serves_a_decode_instance(tiny_checkpoint: Callable[.
     model = tiny_checkpoint("Qwen3_5MoeForCausalLM")
     peer = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "phloem.runtime.cli", "serve", "--role", "prefill", "--pd-peer", peer,
+        [sys.executable, "-m", "phloem.cli", "serve", "--role", "prefill", "--pd-peer", peer,
          "--model", str(model), "--data-dir", str(tmp_path), "--no-progress"],
         stderr=subprocess.PIPE, text=True,
     )

@@ -18,8 +18,8 @@ import pytest
 
 from phloem.engine import Engine
 from phloem.runtime import ensure_default_model
-from phloem.runtime._bench_cli import show_progress
-from phloem.runtime.cli import build_parser
+from phloem.benchmarks.cli import show_progress
+from phloem.cli.main import build_parser
 from phloem.runtime.env import read_env
 from phloem.runtime.progress import progress, progress_bar, progress_shown
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from phloem.runtime import ServerConfig
-from phloem.runtime.cli import main
+from phloem.cli.main import main
 from phloem.runtime.config import ApiKey, is_loopback, parse_api_key, read_api_keys_file
 
 SECRET = "s3cr3t-key-0123456789abcdef"

@@ -1,7 +1,7 @@
 """The hostile-tenant suite: real ``phloem serve`` processes, real Redis, three API keys.
 
 Every test here plays a tenant (or a web page) attacking another tenant or the server, over
-HTTP against a ``python3 -m phloem.runtime.cli serve`` process. ``tenants`` is one such server
+HTTP against a ``python3 -m phloem.cli serve`` process. ``tenants`` is one such server
 shared by the tests that need nothing special: keys ``ALICE`` and ``BOB`` (two tenants) and
 ``ADMIN`` (``tenants.py``), the Redis index (``redis_support.require_redis``; a Redis that does
 not answer fails the suite), and one operator-declared shared prefix (``SYSTEM``). Tests that

@@ -49,7 +49,7 @@ def test_an_unwritable_data_dir_degrades_health_and_hides_paths(tmp_path: Path, 
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "phloem.runtime.cli", "serve", "--port", "0", *args]
+    command = [sys.executable, "-m", "phloem.cli", "serve", "--port", "0", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from phloem.sessions.bench_resume import run_resume_bench
+from phloem.benchmarks.resume import run_resume_bench
 
 
 def test_resume_bench_paths_reuse_the_spilled_prefix(model_dir: Path, tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Servers for the API tests: a real ``phloem serve`` process, or the app on uvicorn in a thread.
 
-``ServerProcess`` runs ``python3 -m phloem.runtime.cli serve`` with any flags on a free loopback
+``ServerProcess`` runs ``python3 -m phloem.cli serve`` with any flags on a free loopback
 port (its output goes to a log file the tests can read), and can be stopped, killed with SIGKILL
 and measured (RSS). ``live_app`` serves ``create_app`` with real uvicorn in a thread of the test
 process, so tests get real sockets (client disconnects reach the server) AND the engine client
@@ -57,7 +57,7 @@ class ServerProcess:
         """Start the process and wait until ``/health`` answers 200."""
         self.log = self.log or self.data_dir / f"server-{self.port}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}
-        command = [sys.executable, "-m", "phloem.runtime.cli", "serve", "--host", "127.0.0.1",
+        command = [sys.executable, "-m", "phloem.cli", "serve", "--host", "127.0.0.1",
                    "--port", str(self.port), "--data-dir", str(self.data_dir), *self.args]
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

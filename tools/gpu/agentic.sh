@@ -7,7 +7,7 @@ source tools/gpu/setup.sh || exit 1
 DATA=/tmp/phloem-data
 rm -rf "$DATA"
 T0=$(date +%s.%N)
-python3 -m phloem.runtime.cli serve --device cuda --dtype bfloat16 --shape qwen3.5-35b-a3b --data-dir "$DATA" \
+python3 -m phloem.cli serve --device cuda --dtype bfloat16 --shape qwen3.5-35b-a3b --data-dir "$DATA" \
   --port 8000 > "$OUT/server.log" 2>&1 &
 SERVER=$!
 until curl -sf http://127.0.0.1:8000/health 2>/dev/null | grep -q '"ok"'; do
@@ -25,7 +25,7 @@ print(f"first chat request: {r.status_code} in {time.perf_counter() - t:.3f} s")
 PY
 for n in ${@:-4 16}; do
   T1=$(date +%s)
-  python3 -m phloem.runtime.cli bench agentic --base-url http://127.0.0.1:8000 --modes sessions --agents "$n" \
+  python3 -m phloem.cli bench agentic --base-url http://127.0.0.1:8000 --modes sessions --agents "$n" \
     --first-turn 50000 --append 800 --turns 12 --output 500 --no-progress --out "/tmp/agentic-$n" 2>&1 | grep -v Warning | tail -4
   cp "/tmp/agentic-$n/agentic.json" "$OUT/agentic-$n.json"
   curl -s http://127.0.0.1:8000/metrics | grep -E "^phloem_(engine|state_slots|prefix_checkpoints|kv_pages)" > "$OUT/metrics-$n.txt"

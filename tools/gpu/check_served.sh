@@ -11,6 +11,6 @@ timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 300 -rf \
 echo "tests: $(( $(date +%s) - T0 )) s"
 pack_caches "$OUT" >/dev/null
 T1=$(date +%s)
-timeout 240 python3 -m phloem.runtime.cli bench decode --device cuda --batches 1,16 --contexts 1024,57344 \
+timeout 240 python3 -m phloem.cli bench decode --device cuda --batches 1,16 --contexts 1024,57344 \
   --prefill-tokens 50000 --grammar --no-progress --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -14
 echo "bench: $(( $(date +%s) - T1 )) s"

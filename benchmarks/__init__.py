@@ -1,0 +1,13 @@
+"""Benchmarks: every ``phloem bench`` command, its reporting and plots, and the sweep tools.
+
+Role: ``benchmarks.cli`` adds the ``phloem bench`` subcommands (decode, long-context,
+prefix-cache, agentic, trie) to the CLI; ``decode`` / ``served`` / ``report`` time decode and
+prefill against the rooflines measured in the same run; ``prefix_cache`` and ``resume`` time the
+prefix cache and session resume on the engine; ``agentic`` / ``plots`` / ``trie`` drive a server
+over HTTP (our SDK, and the external harness tokenspeed-trie). ``benchmarks/sweeps/`` holds
+scripts run by path (kernel tile sweeps, traces, CPU data-structure benchmarks). The current
+figures are in ``docs/benchmarks.md``.
+
+May import: ``phloem.api``, ``phloem.sessions``, ``phloem.runtime``, ``phloem.engine``,
+``phloem.kernels``, ``phloem.storage``; only ``phloem.cli`` imports it.
+"""

@@ -1,0 +1,424 @@
+"""``phloem bench agentic``: simulated agents against a running server, over real HTTP.
+
+Each agent holds a conversation shaped like the record's workload: a long first turn, then turns
+that append a tool result of ``append`` tokens, ``output`` generated tokens per turn (greedy,
+``ignore_eos``), an optional pause between turns (the tool call), and optionally ``forks``
+branches from turn ``fork_at`` that continue independently. Three modes run the same workload:
+
+- ``sessions``: the native session API (``POST /v1/sessions/{id}/append``, SSE);
+- ``stateless``: ``/v1/completions`` resending the whole history each turn (prefix cache only);
+- ``nocache``: the stateless client against a server started with the prefix cache disabled.
+
+Per turn it records prompt tokens, cached tokens (from the server's usage), time to first token,
+time per output token and wall time; the report gives hit rate (cached / prompt tokens) next
+to its ceiling (the share of prompt tokens the client had sent before: a cache can serve nothing
+else, so a cold long first turn caps it), the hit rate of those tokens, per-user decode speed (1000 / TPOT ms), TTFT by turn, and aggregate throughput. Token ids are
+drawn from ``[10, vocab_hi)`` so that no special token is sent by accident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor, wait
+from multiprocessing.sharedctypes import Synchronized
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from phloem.api.client import AsyncClient
+from phloem.api.schemas import GenerateParams
+
+__all__ = ["AgenticWorkload", "TurnRecord", "default_client_processes", "num_turns", "run_agentic", "run_mode", "summarize"]
+
+
+@dataclass(frozen=True, slots=True)
+class AgenticWorkload:
+    agents: int = 1
+    first_turn: int = 50_000
+    append: int = 800
+    turns: int = 12
+    output: int = 500
+    tool_pause_s: float = 0.0
+    fork_at: int | None = None  # fork after this turn (1-based)
+    forks: int = 0
+    vocab_hi: int = 1000
+    seed: int = 0
+    # Client processes the agents are spread over (round-robin). One asyncio process parsing
+    # ~1,000 streamed deltas a second falls behind the server and stretches the TPOT it sees;
+    # real agents are separate processes too.
+    client_processes: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord:
+    mode: str
+    agent: int
+    branch: int
+    turn: int
+    prompt_tokens: int
+    new_tokens: int  # what the client sent for the first time this turn (the rest was seen before)
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    tpot_s: float
+    wall_s: float
+
+
+@dataclass(slots=True)
+class _Agent:
+    agent: int
+    branch: int
+    history: list[int]
+    rng: random.Random
+    records: list[TurnRecord] = field(default_factory=list)
+
+
+def _tokens(rng: random.Random, n: int, hi: int) -> list[int]:
+    return [rng.randrange(10, hi) for _ in range(n)]
+
+
+def _timing(t0: float, stamps: list[float]) -> tuple[float, float]:
+    ttft = stamps[0] - t0 if stamps else 0.0
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
+    return ttft, tpot
+
+
+_Tick = Callable[[int], None]
+
+
+def _ignore(n: int) -> None:
+    del n
+
+
+def num_turns(wl: AgenticWorkload) -> int:
+    """Turns one mode of ``wl`` runs (every agent, every branch after a fork)."""
+    fork_at = wl.fork_at if wl.forks and wl.fork_at else wl.turns
+    return wl.agents * (fork_at + wl.forks * (wl.turns - fork_at))
+
+
+async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int,
+                          tick: _Tick = _ignore) -> list[TurnRecord]:
+    rng = random.Random(wl.seed * 1000 + agent)
+    params = GenerateParams(max_tokens=wl.output, temperature=0.0, ignore_eos=True)
+    session = await client.sessions.create(metadata={"bench": "agentic", "agent": str(agent)})
+    root = _Agent(agent, 0, [], rng)
+    records: list[TurnRecord] = []
+
+    async def run_turns(handle: object, state: _Agent, first: int, last: int) -> None:
+        for turn in range(first, last + 1):
+            new = _tokens(state.rng, wl.first_turn if turn == 1 else wl.append, wl.vocab_hi)
+            t0 = time.perf_counter()
+            stamps: list[float] = []
+            async with handle.stream(input_ids=new, generate=params) as stream:  # type: ignore[attr-defined]
+                async for delta in stream:
+                    stamps.extend([time.perf_counter()] * len(delta.token_ids))
+            result = stream.result
+            assert result is not None, "the stream ended without a committed turn"
+            ttft, tpot = _timing(t0, stamps)
+            records.append(
+                TurnRecord(
+                    "sessions", state.agent, state.branch, turn, result.usage.prompt_tokens, len(new),
+                    result.usage.cached_tokens, result.usage.completion_tokens, ttft, tpot, time.perf_counter() - t0,
+                )
+            )  # fmt: skip
+            tick(1)
+            if wl.tool_pause_s and turn < last:
+                await asyncio.sleep(wl.tool_pause_s)
+
+    fork_at = wl.fork_at if wl.forks and wl.fork_at else wl.turns
+    await run_turns(session, root, 1, fork_at)
+    if fork_at < wl.turns:
+        children = await session.fork(n=wl.forks)
+        await asyncio.gather(
+            *(
+                run_turns(child, _Agent(agent, i + 1, [], random.Random(rng.random())), fork_at + 1, wl.turns)
+                for i, child in enumerate(children)
+            )
+        )
+    return records
+
+
+async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: int, mode: str, model: str,
+                           tick: _Tick = _ignore) -> list[TurnRecord]:
+    rng = random.Random(wl.seed * 1000 + agent)
+    records: list[TurnRecord] = []
+
+    async def run_turns(state: _Agent, first: int, last: int) -> None:
+        for turn in range(first, last + 1):
+            new = _tokens(state.rng, wl.first_turn if turn == 1 else wl.append, wl.vocab_hi)
+            state.history += new
+            body = {
+                "model": model, "prompt": state.history, "max_tokens": wl.output, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+            }  # fmt: skip
+            t0 = time.perf_counter()
+            stamps: list[float] = []
+            usage: dict[str, object] = {}
+            output: list[int] = []
+            async with http.stream("POST", "/v1/completions", json=body) as resp:
+                resp.raise_for_status()
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or []:
+                        ids = choice.get("token_ids") or []
+                        output += ids
+                        stamps.extend([time.perf_counter()] * len(ids))
+            ttft, tpot = _timing(t0, stamps)
+            details = usage.get("prompt_tokens_details") or {}
+            records.append(
+                TurnRecord(
+                    mode, state.agent, state.branch, turn, int(usage.get("prompt_tokens", 0)), len(new),  # type: ignore[arg-type]
+                    int(details.get("cached_tokens", 0)), int(usage.get("completion_tokens", 0)),  # type: ignore[union-attr, arg-type]
+                    ttft, tpot, time.perf_counter() - t0,
+                )
+            )  # fmt: skip
+            tick(1)
+            state.history += output
+            if wl.tool_pause_s and turn < last:
+                await asyncio.sleep(wl.tool_pause_s)
+
+    root = _Agent(agent, 0, [], rng)
+    fork_at = wl.fork_at if wl.forks and wl.fork_at else wl.turns
+    await run_turns(root, 1, fork_at)
+    if fork_at < wl.turns:
+        await asyncio.gather(
+            *(
+                run_turns(_Agent(agent, i + 1, list(root.history), random.Random(rng.random())), fork_at + 1, wl.turns)
+                for i in range(wl.forks)
+            )
+        )
+    return records
+
+
+async def run_mode(base_url: str, mode: str, wl: AgenticWorkload,
+                   tick: _Tick = _ignore) -> tuple[list[TurnRecord], float]:
+    """Run every agent of ``wl`` concurrently in ``mode``; returns the turn records and wall time.
+    ``tick(1)`` is called after every turn (a progress bar's ``advance``). With
+    ``wl.client_processes`` > 1 the agents run in that many processes (``_run_spread``)."""
+    if wl.client_processes > 1:
+        return await asyncio.to_thread(_run_spread, base_url, mode, wl, tick)
+    t0 = time.perf_counter()
+    records = await _run_agents(base_url, mode, wl, range(wl.agents), tick)
+    return records, time.perf_counter() - t0
+
+
+async def _run_agents(base_url: str, mode: str, wl: AgenticWorkload, agents: Iterable[int],
+                      tick: _Tick) -> list[TurnRecord]:
+    if mode == "sessions":
+        async with AsyncClient(base_url, timeout=3600, max_retries=0) as client:
+            results = await asyncio.gather(*(_sessions_agent(client, wl, a, tick) for a in agents))
+    elif mode in ("stateless", "nocache"):
+        async with httpx.AsyncClient(base_url=base_url, timeout=3600) as http:
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            results = await asyncio.gather(*(_stateless_agent(http, wl, a, mode, model, tick) for a in agents))
+    else:
+        raise ValueError(f"mode: expected 'sessions', 'stateless' or 'nocache', got {mode!r}")
+    return [r for agent in results for r in agent]
+
+
+_turns_done: Synchronized[int] | None = None  # a client process's shared turn counter
+
+
+def _init_client_process(counter: Synchronized[int]) -> None:
+    global _turns_done
+    _turns_done = counter
+
+
+def _count_turn(n: int) -> None:
+    assert _turns_done is not None
+    with _turns_done.get_lock():
+        _turns_done.value += n
+
+
+def _client_process(base_url: str, mode: str, wl: AgenticWorkload,
+                    agents: list[int]) -> tuple[list[TurnRecord], float, float]:
+    start = time.monotonic()
+    records = asyncio.run(_run_agents(base_url, mode, wl, agents, _count_turn))
+    return records, start, time.monotonic()
+
+
+def _run_spread(base_url: str, mode: str, wl: AgenticWorkload, tick: _Tick) -> tuple[list[TurnRecord], float]:
+    """The agents round-robin over ``wl.client_processes`` spawned processes; the wall time runs
+    from the first process's start to the last one's end (``time.monotonic`` is system-wide)."""
+    procs = min(wl.client_processes, wl.agents)
+    context = multiprocessing.get_context("spawn")
+    counter = context.Value("q", 0)
+    with ProcessPoolExecutor(procs, mp_context=context, initializer=_init_client_process,
+                             initargs=(counter,)) as pool:
+        futures = [pool.submit(_client_process, base_url, mode, wl, list(range(p, wl.agents, procs)))
+                   for p in range(procs)]
+        reported = 0
+        while not all(f.done() for f in futures):
+            wait(futures, timeout=0.25)
+            done = counter.value
+            tick(done - reported)
+            reported = done
+        parts = [f.result() for f in futures]
+    tick(counter.value - reported)
+    records = sorted((r for part in parts for r in part[0]), key=lambda r: (r.agent, r.branch, r.turn))
+    return records, max(p[2] for p in parts) - min(p[1] for p in parts)
+
+
+def summarize(records: list[TurnRecord], wall_s: float, num_gpus: int = 1) -> dict[str, object]:
+    prompt = sum(r.prompt_tokens for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    completion = sum(r.completion_tokens for r in records)
+    tpots = [r.tpot_s for r in records if r.tpot_s > 0]
+    later = [r for r in records if r.turn > 1]
+    seen = sum(r.prompt_tokens - r.new_tokens for r in records)
+    return {
+        "turns": len(records),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        # The best any cache can do on this workload: every token sent before is a hit, no new one.
+        "hit_rate_ceiling": seen / prompt if prompt else 0.0,
+        "hit_rate_of_seen": cached / seen if seen else 0.0,
+        "hit_rate_turns_2plus": sum(r.cached_tokens for r in later) / max(1, sum(r.prompt_tokens for r in later)),
+        "per_user_decode_tok_s": 1.0 / statistics.median(tpots) if tpots else 0.0,
+        "ttft_turn1_s": statistics.median([r.ttft_s for r in records if r.turn == 1] or [0.0]),
+        "ttft_turns_2plus_s": statistics.median([r.ttft_s for r in later] or [0.0]),
+        "output_tok_s": completion / wall_s if wall_s else 0.0,
+        "output_tok_s_per_gpu": completion / wall_s / num_gpus if wall_s else 0.0,
+        "wall_s": wall_s,
+    }
+
+
+def records_json(records: list[TurnRecord]) -> list[dict[str, object]]:
+    return [asdict(r) for r in records]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rss_mib(pid: int) -> float:
+    """Resident memory of a local process (Linux ``/proc``), MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class _Server:
+    """A ``phloem serve`` subprocess on a free loopback port, for one benchmark mode."""
+
+    def __init__(self, args: list[str], data_dir: str) -> None:
+        import subprocess
+        import sys
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "phloem.cli", "serve", "--port", str(self.port), "--data-dir", data_dir, *args]
+        self.log = open(f"{data_dir}/server.log", "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"phloem serve exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"phloem serve did not answer /health within {timeout_s} s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def run_agentic(
+    wl: AgenticWorkload,
+    modes: tuple[str, ...] = ("sessions", "stateless", "nocache"),
+    base_url: str | None = None,
+    server_args: tuple[str, ...] = (),
+    out_dir: str | None = None,
+    num_gpus: int = 1,
+    show_progress: bool | None = None,
+) -> tuple[str, dict[str, object]]:
+    """Run ``wl`` in each mode (a fresh server per mode unless ``base_url``); returns Markdown + raw data.
+
+    ``nocache`` needs a server without the prefix cache: with ``base_url`` it is skipped. Each
+    mode's turns are counted by a progress bar (``show_progress``: False never, None when stderr
+    is a terminal; ``runtime.progress``).
+    """
+    import tempfile
+    from pathlib import Path
+
+    from phloem.benchmarks.plots import plot_agentic
+    from phloem.runtime.progress import progress_bar
+
+    runs: dict[str, list[TurnRecord]] = {}
+    summary: dict[str, object] = {}
+    for mode in modes:
+        if base_url is not None:
+            if mode == "nocache":
+                continue
+            with progress_bar(num_turns(wl), f"agentic {mode}", "turn", show_progress) as tick:
+                records, wall = asyncio.run(run_mode(base_url, mode, wl, tick))
+            summary[mode] = summarize(records, wall, num_gpus)
+        else:
+            with tempfile.TemporaryDirectory() as data_dir:
+                extra = ["--no-prefix-cache"] if mode == "nocache" else []
+                server = _Server([*server_args, *extra], data_dir)
+                try:
+                    server.wait()
+                    with progress_bar(num_turns(wl), f"agentic {mode}", "turn", show_progress) as tick:
+                        records, wall = asyncio.run(run_mode(server.url, mode, wl, tick))
+                    summary[mode] = summarize(records, wall, num_gpus) | {"server_rss_mib": _rss_mib(server.proc.pid)}
+                finally:
+                    server.stop()
+        runs[mode] = records
+    data: dict[str, object] = {"workload": asdict(wl), "summary": summary, "turns": {m: records_json(r) for m, r in runs.items()}}
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "agentic.json").write_text(json.dumps(data, indent=2))
+        data["plots"] = [str(p) for p in plot_agentic(runs, out)]
+    return _markdown(summary), data
+
+
+def _markdown(summary: dict[str, object]) -> str:
+    lines = [
+        "| mode | turns | prompt tokens | cached | hit rate (ceiling) | of tokens seen before | hit rate turns 2+ | per-user decode tok/s | TTFT turn 1 s | TTFT turns 2+ s | output tok/s | server RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, s in summary.items():
+        d = dict(s)  # type: ignore[call-overload]
+        lines.append(
+            f"| {mode} | {d['turns']} | {d['prompt_tokens']} | {d['cached_tokens']} | {d['hit_rate']:.1%} "
+            f"({d['hit_rate_ceiling']:.1%}) | {d['hit_rate_of_seen']:.1%} | {d['hit_rate_turns_2plus']:.1%} | {d['per_user_decode_tok_s']:.1f} | {d['ttft_turn1_s']:.3f} "
+            f"| {d['ttft_turns_2plus_s']:.3f} | {d['output_tok_s']:.1f} | {d.get('server_rss_mib', float('nan')):.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def default_client_processes(agents: int) -> int:
+    """One client process per two CPUs of this machine, at most 8 and at most ``agents``."""
+    import os
+
+    return max(1, min(agents, 8, (os.cpu_count() or 2) // 2))

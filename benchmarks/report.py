@@ -1,0 +1,211 @@
+"""Orchestrates ``phloem bench decode``: builds the engine, runs the grid, prints and saves the report."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from phloem.engine import Engine
+from phloem.engine.grammar import GrammarBackend
+from phloem.benchmarks.decode import (
+    BENCH_SCHEMA,
+    DecodeResult,
+    PrefillResult,
+    StepProfile,
+    kernel_breakdown,
+    measure_bandwidth,
+    measure_matmul_rate,
+    decode_tokens,
+    run_decode,
+    run_prefill,
+)
+from phloem.benchmarks.served import OWN_TOKENS, run_served_decode
+from phloem.runtime.model_shapes import write_shape
+from phloem.runtime.progress import progress as bar
+
+__all__ = ["bench_decode", "engine_switches"]
+
+
+def engine_switches(engine: Engine) -> dict[str, object]:
+    """The kernel and scheduling choices a run's numbers depend on (the opt-in switches of
+    ``docs/configuration.md`` as the engine took them), printed and saved with the numbers."""
+    ops = engine.runner.model.ops  # the op table the engine's model was built with
+    group = engine.workers.group if engine.workers is not None else None
+    return {
+        "kernels": ops.backend,
+        "async_scheduling": engine.async_scheduling,
+        "triton_gemv": ops.linear.__module__.endswith(".gemv"),
+        "fused_decode": ops.fused_decode,
+        "pdl": ops.pdl,
+        "attention_prologue": bool(engine.runner.attn is not None and engine.runner.attn.prologue),
+        "tensor_parallel_size": group.size if group is not None else 1,
+        "one_shot_allreduce": group is not None and group.one_shot is not None,
+    }
+
+
+def _fits(engine: Engine, batch: int, context: int, steps: int) -> bool:
+    pages = engine.page_pool.pages_for(context + decode_tokens(steps, 3))
+    return batch * pages <= engine.page_pool.num_free_pages and batch <= engine.slot_pool.num_free_slots
+
+
+def _served(engine: Engine, batch: int, context: int, steps: int) -> float | None:
+    """``run_served_decode``'s ms per step, or None when its requests do not fit the pools (they
+    share a prefix, but each holds pages of its own tokens and a checkpoint slot or two)."""
+    pages = engine.page_pool.pages_for(context) + batch * engine.page_pool.pages_for(OWN_TOKENS + steps + 8)
+    if pages > engine.page_pool.num_free_pages or 2 * batch + 2 > engine.slot_pool.num_free_slots:
+        return None
+    return run_served_decode(engine, batch, context, steps)
+
+
+def bench_decode(
+    shape: str = "qwen3.5-35b-a3b",
+    model: Path | None = None,
+    device: str = "cuda",
+    batches: tuple[int, ...] = (1, 4, 16, 64),
+    contexts: tuple[int, ...] = (1024, 32768, 131072),
+    prefill_tokens: int = 50000,
+    steps: int = 20,
+    out_json: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+    grammar: bool = False,
+    tokenizer: Path | None = None,
+    served: bool = True,
+    **engine_options: object,
+) -> str:
+    """Run the decode grid (and one long prefill); returns the report as Markdown.
+
+    ``progress`` gets one line per grid point; ``engine_options["show_progress"]`` (False: never)
+    also governs the progress bars of loading and of the grid (``runtime.progress``). With
+    ``grammar`` each point is timed again under ``BENCH_SCHEMA``; its grammar is compiled
+    against ``tokenizer`` (a model folder), else the model's own, else the built-in model's.
+    With ``served`` each point is also timed on the served path (``benchmarks.served``).
+    """
+    dev = torch.device(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model or write_shape(shape, Path(tmp))
+        fmt = "safetensors" if model else "dummy"
+        defaults: dict[str, object] = dict(load_format=fmt, device=device, max_num_seqs=max(batches))
+        if dev.type == "cuda":
+            defaults.update(dtype="bfloat16", max_num_batched_tokens=8192)
+        defaults.update(engine_options)
+        engine = Engine.from_pretrained(path, **defaults)
+    if dev.type == "cuda":
+        engine.runner.caches.kv.normal_()  # never time on zeros
+    if grammar and (tokenizer is not None or model is None):
+        engine.grammar = _grammar_backend(engine, tokenizer)
+    copy_bytes = (2 << 30) if dev.type == "cuda" else (64 << 20)
+    # The roofline's denominator: the copy timed by device events (measure_bandwidth says why),
+    # with the host-timed figure and a second measurement after the grid reported beside it.
+    bandwidth = measure_bandwidth(dev, nbytes=copy_bytes)
+    bandwidth_host = measure_bandwidth(dev, nbytes=copy_bytes, timer="host")
+    matmul = measure_matmul_rate(dev)
+    results: list[DecodeResult] = []
+    skipped: list[tuple[int, int]] = []
+    grid = [(context, batch) for context in contexts for batch in batches]
+    show = engine_options.get("show_progress")
+    for context, batch in bar(grid, len(grid), "decode grid", "point", show if isinstance(show, bool) else None):
+        if context + decode_tokens(steps, 3) >= engine.max_model_len or not _fits(engine, batch, context, steps):
+            skipped.append((batch, context))
+            continue
+        result = run_decode(engine, batch, context, bandwidth, steps=steps, grammar=BENCH_SCHEMA if grammar else None)
+        if served:
+            result = replace(result, served_ms_per_step=_served(engine, batch, context, steps))
+        results.append(result)
+        if progress is not None:
+            r = results[-1]
+            progress(f"batch {batch} context {context}: {r.ms_per_step:.2f} ms/step, {r.roofline_fraction:.0%} of roofline, "
+                     f"graph {r.gpu_ms_per_step}, served {r.served_ms_per_step}")
+    bandwidth_after = measure_bandwidth(dev, nbytes=copy_bytes)
+    prefill: PrefillResult | None = None
+    if prefill_tokens and prefill_tokens < engine.max_model_len:
+        prefill = run_prefill(engine, prefill_tokens, matmul)
+    # Profiled on rank 0 alone, eagerly: under TP its workers would replay graphs meanwhile.
+    kernels = kernel_breakdown(engine) if dev.type == "cuda" and engine.workers is None else None
+    switches = engine_switches(engine)
+    copy = (bandwidth, bandwidth_host, bandwidth_after)
+    report = _markdown(shape if model is None else str(model), device, copy, matmul, results, skipped, prefill, kernels)
+    report = ", ".join(f"{k} {v}" for k, v in switches.items()) + "\n" + report
+    if out_json is not None:
+        out_json.write_text(
+            json.dumps(
+                {
+                    "shape": shape,
+                    "switches": switches,
+                    "bandwidth": bandwidth,
+                    "bandwidth_host_timed": bandwidth_host,
+                    "bandwidth_after_grid": bandwidth_after,
+                    "matmul_rate": matmul,
+                    "decode": [asdict(r) | {"roofline_fraction": r.roofline_fraction} for r in results],
+                    "skipped": skipped,
+                    "prefill": asdict(prefill) | {"roofline_fraction": prefill.roofline_fraction} if prefill else None,
+                    "kernels": asdict(kernels) if kernels is not None else None,
+                },
+                indent=2,
+            )
+        )
+    return report
+
+
+def _grammar_backend(engine: Engine, tokenizer: Path | None) -> GrammarBackend:
+    """A grammar backend over ``tokenizer``'s folder, or the built-in model's (dummy shapes have
+    none: its small vocabulary makes the host's mask work cheaper than a real tokenizer's)."""
+    from phloem.runtime.default_model import ensure_default_model
+
+    folder = tokenizer or ensure_default_model(Path(tempfile.mkdtemp(prefix="phloem-bench-")), False)
+    mc = engine.model_config
+    return GrammarBackend(folder, mc.vocab_size, mc.eos_token_ids)
+
+
+def _markdown(
+    name: str,
+    device: str,
+    copy: tuple[float, float, float],
+    matmul: float,
+    results: list[DecodeResult],
+    skipped: list[tuple[int, int]],
+    prefill: PrefillResult | None,
+    kernels: StepProfile | None,
+) -> str:
+    bandwidth, host, after = (b / 1e12 for b in copy)
+    lines = [
+        f"model {name} on {device}: copy bandwidth {bandwidth:.2f} TB/s (device-timed; host-timed {host:.2f}, "
+        f"after the grid {after:.2f}), bf16 GEMM {matmul / 1e12:.0f} TFLOP/s",
+        "",
+        "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline | served ms/step | served / step | sync ms/step | GPU ms (graph replay) | GPU fraction | JSON-schema ms/step | grammar cost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.batch} | {r.context} | {r.ms_per_step:.2f} | {r.tok_per_s_per_user:.0f} | {r.batch * r.tok_per_s_per_user:.0f} "
+            f"| {r.bytes.total / 1e9:.2f} | {1000 * r.bytes.total / r.bandwidth:.2f} | {r.roofline_fraction:.0%} "
+            + (f"| {r.served_ms_per_step:.2f} | {r.served_ms_per_step / r.ms_per_step - 1:+.1%} " if r.served_ms_per_step else "| - | - ")
+            + (f"| {r.sync_ms_per_step:.2f} " if r.sync_ms_per_step else "| - ")
+            + (f"| {r.gpu_ms_per_step:.2f} | {1000 * r.bytes.total / r.bandwidth / r.gpu_ms_per_step:.0%} " if r.gpu_ms_per_step else "| - | - ")
+            + (f"| {r.grammar_ms_per_step:.2f} | {r.grammar_ms_per_step / r.ms_per_step - 1:+.1%} |" if r.grammar_ms_per_step else "| - | - |")
+        )
+    if skipped:
+        lines.append("")
+        lines.append("not run (KV does not fit the pool): " + ", ".join(f"batch {b} × {c}" for b, c in skipped))
+    if prefill:
+        lines += [
+            "",
+            f"prefill {prefill.tokens} tokens: {prefill.seconds:.2f} s ({prefill.tokens / prefill.seconds:.0f} tok/s), "
+            f"{prefill.flops / 1e12:.0f} TFLOP -> {prefill.roofline_fraction:.0%} of the GEMM roofline",
+        ]
+    if kernels is not None:
+        lines += [
+            "",
+            f"one decode step, batch 1, 1K context ({kernels.source}): {kernels.launches:.0f} launches, "
+            f"{kernels.busy_us:.0f} µs busy in a {kernels.span_us:.0f} µs span "
+            f"({kernels.span_us - kernels.busy_us:.0f} µs between kernels)",
+            "",
+            "| kernel | µs per step | launches per step |",
+            "|---|---|---|",
+        ]
+        lines += [f"| `{k}` | {us:.1f} | {n:g} |" for k, us, n in kernels.kernels]
+    return "\n".join(lines)

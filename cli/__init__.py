@@ -1,0 +1,12 @@
+"""The ``phloem`` command: the composition root, the top layer.
+
+Role: parse flags and ``PHLOEM_*`` variables into configs and wire the layers together:
+``phloem serve`` (engine, sessions and the HTTP app, ``cli.main``), ``phloem demo`` (the SDK
+against a server, ``cli.demo``) and ``phloem bench`` (``phloem.benchmarks``). ``cli.parsers``
+holds the argparse helpers, ``cli.hardening`` ``serve``'s tenancy flags.
+
+May import: every other package (``phloem.benchmarks``, ``phloem.api``, ``phloem.sessions``,
+``phloem.runtime``, ``phloem.engine``, ``phloem.storage``); nothing imports it. Heavy imports
+(torch, the server, the SDK) happen inside the function that needs them, so ``phloem --help``
+stays fast and never imports torch.
+"""

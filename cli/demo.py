@@ -1,0 +1,201 @@
+"""``phloem demo``: a scripted agent conversation against a server, with a token report.
+
+The story: create a session with a system prompt, run 3 turns of append + generate, fork it into
+2 branches, generate once in each, then delete the sessions. The report shows, per generation,
+the prompt, cached and completion tokens, so the prefix cache is visible: every turn after the
+first, and both branches, find their history cached.
+
+The SDK client class is passed in by ``cli.main``; anything with the SDK's ``Client`` shape
+works, which is how the tests drive it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["DemoOptions", "DemoRow", "format_report", "run_demo", "run_story"]
+
+SYSTEM_PROMPT = "You are a careful agent. You plan, call tools, and check their results."
+TURNS = (
+    "List the files in the project and tell me which one holds the tests.",
+    "Run the failing test and summarise the error.",
+    "Propose a one-line fix for the off-by-one error in the loop.",
+)
+BRANCHES = (
+    "Branch A: apply the fix and run the whole test suite.",
+    "Branch B: write a new test that covers the empty input first.",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """What ``phloem demo`` was asked to do (see ``phloem demo --help``)."""
+
+    base_url: str | None = None
+    api_key: str | None = None
+    max_tokens: int = 16
+    model: str | None = None
+    data_dir: Path | None = None
+    startup_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: expected >= 1, got {self.max_tokens}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s: expected > 0, got {self.startup_timeout_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class DemoRow:
+    """One generation of the story and its usage."""
+
+    step: str
+    session_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    text: str
+
+
+def run_demo(options: DemoOptions, client_class: Callable[..., Any], out: TextIO) -> int:
+    """Run the story against ``options.base_url``, or against a server started for the occasion.
+
+    Args:
+        options: The demo's options.
+        client_class: The SDK ``Client`` class (called as ``client_class(base_url, api_key=...)``).
+        out: Where the report goes.
+
+    Returns:
+        The exit status: 0 on success, 1 if the server could not be started or the story failed.
+    """
+    try:
+        with contextlib.ExitStack() as stack:
+            base_url = options.base_url or stack.enter_context(_local_server(options, out))
+            client = stack.enter_context(client_class(base_url, api_key=options.api_key))
+            rows = run_story(client, options.max_tokens)
+    except Exception as exc:  # report any failure as the command's outcome, not a traceback
+        out.write(f"phloem demo: failed: {type(exc).__name__}: {exc}\n")
+        return 1
+    out.write(format_report(rows))
+    if options.base_url is None and options.model is None:
+        out.write("NOTE: the built-in model's weights are random, so its text is gibberish.\n")
+    return 0
+
+
+def run_story(client: Any, max_tokens: int) -> list[DemoRow]:
+    """Create a session, 3 turns, fork into 2 branches, one turn each; then delete them.
+
+    Args:
+        client: An SDK ``Client`` (``client.sessions.create``, ``Session.append/fork/delete``).
+        max_tokens: Tokens per generation (greedy).
+
+    Returns:
+        One row per generation, in order.
+    """
+    generate = {"max_tokens": max_tokens, "temperature": 0.0}
+    root = client.sessions.create(messages=[{"role": "system", "content": SYSTEM_PROMPT}])
+    created = [root]
+    rows: list[DemoRow] = []
+    try:
+        for i, text in enumerate(TURNS):
+            result = root.append(messages=[{"role": "user", "content": text}], generate=generate)
+            rows.append(_row(f"turn {i + 1}", root.id, result))
+        branches = root.fork(len(BRANCHES))
+        created += branches
+        for name, branch, text in zip("AB", branches, BRANCHES):
+            result = branch.append(messages=[{"role": "user", "content": text}], generate=generate)
+            rows.append(_row(f"branch {name}", branch.id, result))
+    finally:
+        for session in reversed(created):
+            session.delete()
+    return rows
+
+
+def _row(step: str, session_id: str, result: Any) -> DemoRow:
+    usage = result.usage
+    return DemoRow(
+        step, session_id, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
+        result.finish_reason, result.text,
+    )
+
+
+def format_report(rows: list[DemoRow]) -> str:
+    """A fixed-width table of the rows and a cache summary line.
+
+    A session is shown by the last 8 characters of its id: ids begin with their creation time
+    (``sess_`` + milliseconds), so a branch and its parent share the first ones; the random end
+    tells them apart.
+    """
+    header = f"{'step':<10} {'session':<10} {'prompt':>7} {'cached':>7} {'completion':>10}  {'finish':<7} output"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        output = repr(r.text[:28] + ("…" if len(r.text) > 28 else ""))
+        lines.append(
+            f"{r.step:<10} {'…' + r.session_id[-8:]:<10} {r.prompt_tokens:>7} {r.cached_tokens:>7} "
+            f"{r.completion_tokens:>10}  {r.finish_reason or '-':<7} {output}"
+        )
+    prompt = sum(r.prompt_tokens for r in rows)
+    cached = sum(r.cached_tokens for r in rows)
+    share = f"{100 * cached / prompt:.0f}%" if prompt else "-"
+    lines.append(f"prompt tokens {prompt}, of which {cached} came from the prefix cache ({share})")
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def _local_server(options: DemoOptions, out: TextIO) -> Iterator[str]:
+    """Start ``phloem serve`` on a free loopback port; yield its URL once ``/health`` answers."""
+    port = _free_port()
+    command = [sys.executable, "-m", "phloem.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    if options.model is not None:
+        command += ["--model", options.model]
+    if options.data_dir is not None:
+        command += ["--data-dir", str(options.data_dir)]
+    base_url = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile(prefix="phloem-demo-", suffix=".log", delete=False) as log:
+        out.write(f"phloem demo: starting a server at {base_url} (log: {log.name})\n")
+        out.flush()
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_until_healthy(base_url, server, options.startup_timeout_s, Path(log.name))
+            yield base_url
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    Path(log.name).unlink(missing_ok=True)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_until_healthy(base_url: str, server: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
+    import httpx  # here, so `phloem --help` does not pay for it
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the server exited with status {server.returncode}; its log ends:\n{tail}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass  # not listening yet
+        time.sleep(0.2)
+    raise TimeoutError(f"the server at {base_url} did not answer /health within {timeout_s} s (log: {log})")

@@ -1,0 +1,267 @@
+#!/bin/bash
+# Every GPU acceptance check still open, in one run on a two-H200 machine; a table at the end.
+#
+#   bash tools/gpu/gpu_checks.sh OUT_DIR [STEPS]   # from the repository root, phloem importable
+#
+# STEPS (default "0 1+3a 6 5 2 3b 4 9": most needed first, for a lease that ends early) runs in
+# the order given; "A+B" runs A on GPU 0 and B on GPU 1
+# at the same time (a correctness step beside a single-GPU timing: they share no GPU).
+# Order matters for device time: FlashInfer JIT-compiles each kernel variant on first use (minutes
+# on a fresh machine; the third session's TP test sat in two ranks' ninja builds for 15 minutes),
+# so step 0 compiles them once, in one process, before anything runs in parallel or under a timeout.
+#   0   warm-up: the tiny model (head_dim 64) in bf16 and fp32, prefill + decode + graphs, and the
+#       35B-A3B shape (head_dim 256) prefill + decode; then FlashInfer's built modules are packed
+#       into OUT/flashinfer_so.tgz (a later machine can start from them)
+#   1   single-GPU tests (pytest -m gpu), incl. async scheduling against sync, bitwise, and the
+#       fused KV-write prologue and in-kernel GDN gates at the 35B-A3B shapes
+#   2   TP=2 tests (graphs on both ranks, a resume from a gathered export; the cuda:1 engine test)
+#   3a  decode bench TP=1, batch 1 and 16 at 1K context (each point timed with async scheduling
+#       and again without it: the "sync ms/step" column), with the defaults; again with cuBLAS
+#       for one-token linear calls (PHLOEM_TRITON_GEMV=0), and without programmatic dependent
+#       launch on top (PHLOEM_PDL=0)
+#   3b  decode bench TP=2 (NCCL all-reduces, then the one-shot kernel), and TP=2 + expert parallelism
+#   4   PD: tiny model, prefill on GPU 0 and decode on GPU 1, tokens against a colocated server
+#   5   PD vs colocated on the 35B-A3B shape, agentic workload (50K first turn, 800-token turns)
+#   6   the TP all-reduce: one-shot NVLink all-reduce + residual + RMSNorm against NCCL (tokens
+#       and µs per call, benchmarks/sweeps/allreduce_bench.py)
+#   7   the one-token decode GEMVs (benchmarks/sweeps/gemv_sweep.py): every launch configuration against
+#       cuBLAS, the fused projections against the unfused ops ($GEMV_TOP=FILE: only the best
+#       configurations of an earlier sweep's --out FILE)
+#   8   decode bench TP=1, batch 1 and 16 at 1K, variants from $DECODE_VARIANTS: unfused (the
+#       one-token path's unfused ops, PHLOEM_FUSED_DECODE=0), fused (PDL off), fused_pdl (the
+#       default), cublas (PHLOEM_TRITON_GEMV=0); each with the kernel profile of the batch-1 graph
+#   11  the decode bench's whole grid with the defaults: batch 1/4/16/64 at 1K/32K/128K, a 50K prefill
+#   12  batch-1 decode alone at 1K/32K/128K with the defaults (the one-token path; batches > 1 are step 11's)
+#   13  the one-token MoE kernels (benchmarks/sweeps/moe_token_sweep.py): stage sweeps, then the MoE block
+#       (norm + router + routing + experts) of the sixth session against this one's
+#   15  the split-KV Triton decode attention against FlashInfer's (benchmarks/sweeps/decode_attention_bench.py)
+#   16  the GPU tests of the seventh session's kernels alone (a quick subset of step 1)
+#   17  batch-1 decode at 1K: FlashInfer's decode instead of the Triton one (PHLOEM_TRITON_DECODE_ATTENTION=0)
+#   20  batch-1 decode at 1K once per environment in $DECODE_ENVS ("name:VAR=v+VAR=v name2:..."; a value
+#       may hold commas); $DECODE_BATCHES (e.g. 1,16) for other batch sizes, $DECODE_ARGS more arguments (--steps 100)
+#   26  the GPU tests of the one-token GEMVs (the conv update's modes and the router partial's epilogue
+#       included) and the expert kernels (or the test files in $GPU_TESTS)
+#   21  what the device runs between two batch-1 decode graphs (benchmarks/sweeps/step_trace.py)
+#   23  the GPU tests of the GDN decode, argmax and one-token MoE kernels and the engine (tokens: graphs,
+#       eager, CPU)
+#   24  the engine's GPU tests alone (tests/engine/test_gpu_engine.py; $TEST_TIMEOUT seconds, default 400)
+#   25  the GPU tests of the tenth session's kernels: the decode attention with and without its prologue,
+#       the QK-norm kernel (its row code now shared), argmax, the copy-bandwidth timers
+#   30  batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (step 20's summary)
+#   10  where the host's time goes in batch-1 async decode steps (benchmarks/sweeps/host_profile.py, cProfile)
+#   9   the summary table
+# A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0). The PHLOEM_*
+# kernel variables a step sets are read by `phloem bench decode` into its KernelConfig (runtime/env.py).
+set -u
+OUT=${1:?usage: gpu_checks.sh OUT_DIR [STEPS]}
+STEPS=${2:-"0 1+3a 6 5 2 3b 4 9"}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PHLOEM_NO_PROGRESS=1
+export PHLOEM_DATA_DIR=${PHLOEM_DATA_DIR:-/tmp/phloem-data} PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
+PY="python3 -m phloem.cli"
+stamp() { echo "$(date +%T) $*" | tee -a "$OUT/phases.txt"; }
+# wait_up PORT PID...: until the server on PORT answers; gives up at once when any PID has exited
+# (a server that died at start must not cost the 10 minutes of the timeout: the fifth session's did).
+wait_up() {
+  local port=$1; shift
+  for _ in $(seq 600); do
+    curl -s -o /dev/null "http://127.0.0.1:$port/v1/models" && return 0
+    for pid in "$@"; do kill -0 "$pid" 2>/dev/null || { stamp "server for port $port exited"; return 1; }; done
+    sleep 1
+  done
+  return 1
+}
+
+step_0() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} python3 - > "$OUT/0_warmup.txt" 2>&1 <<'PYEOF'
+import time
+from phloem.engine import Engine, SamplingParams
+from phloem.runtime.default_model import ensure_default_model
+from phloem.runtime.model_shapes import ensure_shape_model
+import os
+data = os.environ["PHLOEM_DATA_DIR"]
+tiny = ensure_default_model(data)
+for dtype in ("bfloat16", "float32"):
+    t = time.time()
+    e = Engine.from_pretrained(tiny, device="cuda", dtype=dtype, num_pages=256, num_state_slots=16, max_num_seqs=4)
+    e.generate([list(range(1, 200)), [5, 6]], SamplingParams(max_tokens=4, ignore_eos=True))
+    print(f"tiny {dtype}: {time.time() - t:.0f} s", flush=True)
+    del e
+t = time.time()
+e = Engine.from_pretrained(ensure_shape_model("qwen3.5-35b-a3b", data), load_format="dummy", device="cuda",
+                           dtype="bfloat16", num_pages=2048, num_state_slots=8, max_num_seqs=2)
+e.generate([list(range(1, 300))], SamplingParams(max_tokens=4, ignore_eos=True))
+print(f"35B-A3B shape: {time.time() - t:.0f} s", flush=True)
+PYEOF
+  local rc=$?
+  (cd "$FLASHINFER_WORKSPACE_BASE" 2>/dev/null && find . -name '*.so' | tar czf "$OUT/flashinfer_so.tgz" -T -)
+  # Everything after depends on it; a failure here would otherwise reappear as JIT builds and
+  # timeouts in every later step.
+  [ $rc -eq 0 ] || { stamp "warm-up failed: stopping (see 0_warmup.txt)"; tail -n 5 "$OUT/0_warmup.txt"; exit 1; }
+}
+step_1() {
+  # tests/engine and tests/kernels hold every `gpu` test; tests/api needs packages the GPU image lacks.
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 600 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/engine tests/kernels \
+    > "$OUT/1_gpu_tests.txt" 2>&1
+}
+step_2() {
+  timeout 600 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_gpu_engine.py \
+    -k "tensor_parallel or second_gpu" > "$OUT/2_tp_tests.txt" 2>&1
+}
+BENCH="bench decode --device cuda --batches 1,16 --contexts 1024 --prefill-tokens 0"
+step_3a() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 900 $PY $BENCH --out "$OUT/3_tp1.json" > "$OUT/3_tp1.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_TRITON_GEMV=0 timeout 900 $PY $BENCH --out "$OUT/3_tp1_cublas.json" \
+    > "$OUT/3_tp1_cublas.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_TRITON_GEMV=0 PHLOEM_PDL=0 timeout 900 $PY $BENCH \
+    --out "$OUT/3_tp1_cublas_nopdl.json" > "$OUT/3_tp1_cublas_nopdl.txt" 2>&1
+}
+step_3b() {
+  timeout 900 $PY $BENCH --tp 2 --out "$OUT/3_tp2.json" > "$OUT/3_tp2.txt" 2>&1
+  PHLOEM_ONE_SHOT_ALLREDUCE=1 timeout 900 $PY $BENCH --tp 2 --out "$OUT/3_tp2_one_shot.json" > "$OUT/3_tp2_one_shot.txt" 2>&1
+  timeout 900 $PY $BENCH --tp 2 --ep --out "$OUT/3_tp2_ep.json" > "$OUT/3_tp2_ep.txt" 2>&1
+}
+step_4() {
+  $PY serve --device cuda:0 --dtype bfloat16 --role prefill --pd-peer 127.0.0.1:9555 --port 8200 > "$OUT/4_prefill.log" 2>&1 &
+  local p1=$!
+  $PY serve --device cuda:1 --dtype bfloat16 --role decode --pd-peer 127.0.0.1:9555 --port 8201 > "$OUT/4_decode.log" 2>&1 &
+  local p2=$!
+  CUDA_VISIBLE_DEVICES=0 $PY serve --device cuda --dtype bfloat16 --port 8300 > "$OUT/4_colocated.log" 2>&1 &
+  local p3=$!
+  wait_up 8201 $p1 $p2 && wait_up 8300 $p3 && timeout 600 python3 benchmarks/sweeps/pd_check.py 8201 8300 > "$OUT/4_pd_check.txt" 2>&1
+  kill $p1 $p2 $p3 2>/dev/null; wait $p1 $p2 $p3 2>/dev/null
+}
+step_5() {
+  local wl="--modes sessions --agents 1 --first-turn 50000 --append 800 --turns 6 --output 256 --no-progress"
+  local srv="--shape qwen3.5-35b-a3b --dtype bfloat16 --max-num-batched-tokens 8192"
+  $PY serve $srv --device cuda:0 --role prefill --pd-peer 127.0.0.1:9556 --port 8400 > "$OUT/5_prefill.log" 2>&1 &
+  local p1=$!
+  $PY serve $srv --device cuda:1 --role decode --pd-peer 127.0.0.1:9556 --port 8401 > "$OUT/5_decode.log" 2>&1 &
+  local p2=$!
+  wait_up 8401 $p1 $p2 && timeout 900 $PY bench agentic --base-url http://127.0.0.1:8401 $wl --gpus 2 --out "$OUT/5_pd" > "$OUT/5_pd.txt" 2>&1
+  kill $p1 $p2 2>/dev/null; wait $p1 $p2 2>/dev/null
+  CUDA_VISIBLE_DEVICES=0 $PY serve $srv --device cuda --port 8402 > "$OUT/5_colocated.log" 2>&1 &
+  local p3=$!
+  wait_up 8402 $p3 && timeout 900 $PY bench agentic --base-url http://127.0.0.1:8402 $wl --gpus 1 --out "$OUT/5_colocated" > "$OUT/5_colocated.txt" 2>&1
+  kill $p3 2>/dev/null; wait $p3 2>/dev/null
+}
+step_6() {
+  timeout 300 python3 benchmarks/sweeps/allreduce_bench.py > "$OUT/6_allreduce.txt" 2>&1
+}
+step_7() {
+  # GEMV_TOP=FILE: only the best configurations of an earlier sweep; else the whole grid.
+  local grid=${GEMV_TOP:+--top $GEMV_TOP}
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 600 python3 benchmarks/sweeps/gemv_sweep.py $grid --out "$OUT/7_gemv.json" > "$OUT/7_gemv.txt" 2>&1
+}
+step_8() {
+  local v
+  declare -A envs=([unfused]=PHLOEM_FUSED_DECODE=0 [fused]=PHLOEM_PDL=0 [fused_pdl]=PHLOEM_PDL=1 [cublas]=PHLOEM_TRITON_GEMV=0)
+  for v in ${DECODE_VARIANTS:-unfused fused fused_pdl}; do
+    CUDA_VISIBLE_DEVICES=${GPU:-0} env "${envs[$v]}" timeout 600 $PY $BENCH --out "$OUT/8_$v.json" > "$OUT/8_$v.txt" 2>&1
+  done
+}
+step_11() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 600 $PY bench decode --device cuda --batches 1,4,16,64 --contexts 1024,32768,131072 \
+    --prefill-tokens 50000 --out "$OUT/11_decode.json" > "$OUT/11_decode.txt" 2>&1
+}
+step_12() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 $PY bench decode --device cuda --batches 1 --contexts 1024,32768,131072 \
+    --prefill-tokens 0 --out "$OUT/12_decode_b1.json" > "$OUT/12_decode_b1.txt" 2>&1
+}
+step_13() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 benchmarks/sweeps/moe_token_sweep.py --out "$OUT/13_moe_token.json" \
+    > "$OUT/13_moe_token.txt" 2>&1
+}
+step_15() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 benchmarks/sweeps/decode_attention_bench.py --out "$OUT/15_attn.json" > "$OUT/15_attn.txt" 2>&1
+}
+step_16() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/kernels/test_triton_moe_token.py \
+    tests/kernels/test_triton_fused_linear.py tests/kernels/test_triton_fused_moe.py tests/kernels/test_triton_decode_attention.py \
+    tests/kernels/test_triton_env.py \
+    > "$OUT/16_kernel_tests.txt" 2>&1
+}
+step_17() {
+  local b1="bench decode --device cuda --batches 1 --contexts 1024 --prefill-tokens 0"
+  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_TRITON_DECODE_ATTENTION=0 timeout 300 $PY $b1 --out "$OUT/17_flashinfer.json" \
+    > "$OUT/17_flashinfer.txt" 2>&1
+}
+step_20() {
+  local b1="bench decode --device cuda --batches ${DECODE_BATCHES:-1} --contexts 1024 --prefill-tokens 0 ${DECODE_ARGS:-}" spec name vars
+  for spec in ${DECODE_ENVS:-"default:PHLOEM_PDL=1"}; do
+    name=${spec%%:*} vars=${spec#*:}
+    CUDA_VISIBLE_DEVICES=${GPU:-0} env ${vars//+/ } timeout 300 $PY $b1 --out "$OUT/20_$name.json" > "$OUT/20_$name.txt" 2>&1
+    # (a prefix written by awk, not sed: a value may hold the characters sed would take as its syntax)
+    grep '^| [0-9]' "$OUT/20_$name.txt" | awk -v p="20_$name ($vars): " '{ print p $0 }' >> "$OUT/20_summary.txt"
+  done
+}
+step_21() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/step_trace.py --out "$OUT/21_trace.json" > "$OUT/21_trace.txt" 2>&1
+}
+step_23() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/kernels/test_triton_gdn_decode.py \
+    tests/kernels/test_triton_argmax.py tests/kernels/test_triton_moe_token.py tests/kernels/test_triton_fused_moe.py \
+    tests/engine/test_gpu_engine.py > "$OUT/23_tests.txt" 2>&1  # ~7 min
+}
+step_24() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
+    tests/engine/test_gpu_engine.py > "$OUT/24_engine_tests.txt" 2>&1
+}
+step_25() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
+    tests/kernels/test_triton_decode_attention_prologue.py tests/kernels/test_triton_decode_attention.py \
+    tests/kernels/test_triton_qk_norm_rope.py tests/kernels/test_triton_argmax.py tests/runtime/test_measure_bandwidth.py \
+    > "$OUT/25_kernel_tests.txt" 2>&1
+}
+step_26() {
+  local files=${GPU_TESTS:-"tests/kernels/test_triton_fused_linear.py tests/kernels/test_triton_gemv.py tests/kernels/test_triton_moe_token.py tests/kernels/test_triton_fused_moe.py tests/kernels/test_triton_route_partial.py"}
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu $files \
+    > "$OUT/26_gemv_moe_tests.txt" 2>&1
+}
+step_30() {
+  # Batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (as step 20's $DECODE_ENVS).
+  DECODE_ENVS=${LONG_ENVS:-"default_long:PHLOEM_PDL=1"} DECODE_ARGS="--contexts 32768,131072 --steps 30" step_20
+}
+step_10() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/host_profile.py > "$OUT/10_host.txt" 2>&1
+}
+step_9() {
+  echo; echo "== summary =="
+  cat "$OUT/0_warmup.txt" 2>/dev/null
+  for f in 1_gpu_tests 2_tp_tests; do [ -f "$OUT/$f.txt" ] && echo "$f: $(tail -n 1 "$OUT/$f.txt")"; done
+  for f in 7_gemv 7_gemv_nopdl; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^|' "$OUT/$f.txt" | grep -v '| plain |' ; grep 'plain' "$OUT/$f.txt" | head -n 12; }; done
+  for f in 8_unfused 8_fused 8_fused_pdl 8_cublas; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; head -n 1 "$OUT/$f.txt"; grep '^| 1 \|^| 16 \|launches' "$OUT/$f.txt"; }; done
+  [ -f "$OUT/8_fused.txt" ] && grep -A 26 'launches' "$OUT/8_fused.txt"
+  [ -f "$OUT/11_decode.txt" ] && grep -v Warning "$OUT/11_decode.txt" | grep '^|\|prefill\|launches\|kernels' | head -n 48
+  [ -f "$OUT/12_decode_b1.txt" ] && grep -v Warning "$OUT/12_decode_b1.txt" | grep '^|\|launches\|kernels' | head -n 30
+  [ -f "$OUT/16_kernel_tests.txt" ] && echo "16_kernel_tests: $(tail -n 1 "$OUT/16_kernel_tests.txt")"
+  [ -f "$OUT/20_summary.txt" ] && cat "$OUT/20_summary.txt"
+  for f in 17_flashinfer; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | grep '^|\|launches\|kernels' | head -n 30; }; done
+  for f in 13_moe_token 15_attn; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | tail -n 40; }; done
+  [ -f "$OUT/23_tests.txt" ] && echo "23_tests: $(tail -n 1 "$OUT/23_tests.txt")"
+  [ -f "$OUT/24_engine_tests.txt" ] && echo "24_engine_tests: $(tail -n 1 "$OUT/24_engine_tests.txt")"
+  [ -f "$OUT/26_gemv_moe_tests.txt" ] && { echo "26_gemv_moe_tests: $(tail -n 1 "$OUT/26_gemv_moe_tests.txt")"; grep -E "^(FAILED|ERROR)" "$OUT/26_gemv_moe_tests.txt" | head -n 20; }
+  [ -f "$OUT/25_kernel_tests.txt" ] && { echo "25_kernel_tests: $(tail -n 1 "$OUT/25_kernel_tests.txt")"; grep -E "^(FAILED|ERROR)" "$OUT/25_kernel_tests.txt" | head -n 20; }
+  for f in "$OUT"/20_*.json; do [ -f "$f" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].rsplit('/',1)[-1], 'bw', round(d['bandwidth']/1e12,3), 'host', round(d.get('bandwidth_host_timed',0)/1e12,3), 'after', round(d.get('bandwidth_after_grid',0)/1e12,3), [(r['batch'], round(r['ms_per_step'],3), r['gpu_ms_per_step'] and round(r['gpu_ms_per_step'],3), round(r['roofline_fraction'],3)) for r in d['decode']])" "$f"; done
+  [ -f "$OUT/21_trace.txt" ] && { echo "21_trace:"; grep -v Warning "$OUT/21_trace.txt" | tail -n 30; }
+  [ -f "$OUT/10_host.txt" ] && grep -v Warning "$OUT/10_host.txt" | head -n 40
+  for f in 3_tp1 3_tp1_cublas 3_tp1_cublas_nopdl 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
+  [ -f "$OUT/4_pd_check.txt" ] && echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt")"
+  for f in 5_pd 5_colocated; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| sessions' "$OUT/$f.txt"; }; done
+  [ -f "$OUT/6_allreduce.txt" ] && tail -n 12 "$OUT/6_allreduce.txt"
+}
+
+for s in $STEPS; do
+  if [[ $s == *+* ]]; then
+    a=${s%+*} b=${s#*+}
+    stamp "$a on GPU 0 + $b on GPU 1"
+    GPU=0 "step_$a" & pa=$!
+    GPU=1 "step_$b" & pb=$!
+    wait $pa $pb
+  else
+    stamp "$s"
+    "step_$s"
+  fi
+done
+stamp "done"
