@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from phloem.api.client import AsyncClient
+from phloem.api import AsyncClient
 from phloem.api.schemas import GenerateParams
 
 __all__ = ["AgenticWorkload", "TurnRecord", "default_client_processes", "num_turns", "run_agentic", "run_mode", "summarize"]

@@ -373,7 +373,7 @@ def _serve(config: ServerConfig) -> int:
             run_prefill_worker(config.model, config.engine_config, config.pd)
             return 0
         with startup.phase("imports", "importing torch and the server"):
-            from phloem.api.app import serve
+            from phloem.api.server.app import serve
         serve(config, sock=sock, startup=startup)
     return 0
 
@@ -391,7 +391,7 @@ def _demo_options(args: argparse.Namespace) -> DemoOptions:
 
 
 def _demo(options: DemoOptions) -> int:
-    from phloem.api.client import Client
+    from phloem.api.sdk import Client
     from phloem.cli.demo import run_demo
 
     # The SDK is handed in, so a test can drive the story with a stand-in client.

@@ -73,7 +73,7 @@ class Turn:
     the calls parsed from the output (the tokens stay the source of truth).
     ``num_cached_tokens``: of the tokens before the output, those the prefix cache held.
     ``view``: opaque JSON of a protocol that presents the turn as its own object (the Responses
-    API's request fields, ``api._routes_responses``), stored and forked with the turn.
+    API's request fields, ``api.server.responses``), stored and forked with the turn.
     """
 
     index: int

@@ -18,7 +18,7 @@ holds no call, the agent takes the next call from its script (marked ``scripted`
 report). The loop is the one a real agent runs: with a real model (``phloem serve --model
 DIR``) the calls come from the model's replies (``tool_choice: "required"`` would force one).
 
-Nothing is started: ``--url`` names a running server. Only the SDK (``phloem.api.client``) is
+Nothing is started: ``--url`` names a running server. Only the SDK (``phloem.api``) is
 used; ``--json FILE`` also writes the report as JSON, and ``--keep`` keeps the sessions.
 """
 
@@ -32,7 +32,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from phloem.api.client import AppendResult, AsyncClient, AsyncSession, Client
+from phloem.api import AppendResult, AsyncClient, AsyncSession, Client
 
 SYSTEM = "You are a careful coding agent. Use the tools, read their results, then answer."
 TASK = "The test in test_stats.py fails. Find out why and fix stats.py."

@@ -201,7 +201,7 @@ def _errors(facts: ApiFacts) -> list[str]:
              "Every error is `application/problem+json` (`Problem` above; OpenAI routes use "
              "OpenAI's `{\"error\": ...}` envelope, `OpenAIError`) with one of these stable `code`s. "
              "When each is raised: [docs/api.md](../api.md#errors).", "",
-             "| code | status | title | SDK exception (`phloem.api.client`) |", "|---|---|---|---|"]
+             "| code | status | title | SDK exception (`phloem.api`) |", "|---|---|---|---|"]
     for row in facts.errors:
         lines.append(f"| `{row.code}` | {row.status} | {row.title} | `{row.exception}` |")
     return lines + [""]

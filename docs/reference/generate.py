@@ -7,9 +7,9 @@ the generated tables of ``docs/configuration.md``.
 ``tests/docs/test_reference.py`` runs the second form and fails when the committed files differ.
 
 The OpenAPI document is the one the server serves at ``/schema/openapi.json``: the generator
-builds the real app (``phloem.api.app.create_app``) over the built-in tiny model in a temporary
-data directory, without API keys, and asks Litestar for its schema; nothing is started or
-served. Decision: Litestar fills response schemas with random ``examples`` (polyfactory/Faker:
+builds the real app (``phloem.api.server.app.create_app``) over the built-in tiny model in a
+temporary data directory, without API keys, and asks Litestar for its schema; nothing is
+started or served. Decision: Litestar fills response schemas with random ``examples`` (polyfactory/Faker:
 values that change with those packages' versions and often break the schema's own bounds); they
 are removed, so the output depends only on the code and the Litestar and msgspec versions.
 Keys keep the order Litestar gives (the declaration order of each Struct's fields).
@@ -68,7 +68,7 @@ def build_app_schema() -> tuple[dict[str, Any], dict[str, str], tuple[tuple[str,
     """The app's OpenAPI document (normalized) and its handlers' docstrings."""
     from litestar.serialization import encode_json
 
-    from phloem.api.app import create_app
+    from phloem.api.server.app import create_app
     from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
     from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
@@ -88,7 +88,8 @@ def build_app_schema() -> tuple[dict[str, Any], dict[str, str], tuple[tuple[str,
 
 
 def _struct_docs() -> dict[str, str]:
-    from phloem.api import _openai_schemas, schemas
+    from phloem.api import schemas
+    from phloem.api.server.openai import schemas as _openai_schemas
 
     docs: dict[str, str] = {}
     for module in (schemas, _openai_schemas):
@@ -101,7 +102,7 @@ def _struct_docs() -> dict[str, str]:
 
 def _error_rows() -> tuple[ErrorRow, ...]:
     """Each ``ErrorCode`` with its status and the exception the SDK raises for it."""
-    from phloem.api._errors import error_from_response
+    from phloem.api.sdk._errors import error_from_response
     from phloem.api.schemas import ERROR_STATUS, ErrorCode, make_problem
 
     rows = []

@@ -25,8 +25,8 @@ import httpx
 import pytest
 from litestar.testing import TestClient
 
-from phloem.api.app import create_app
-from phloem.api.client import Client
+from phloem.api import Client
+from phloem.api.server.app import create_app
 from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 

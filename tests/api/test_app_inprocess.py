@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from phloem.api.client import Client
+from phloem.api import Client
 
 
 def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:

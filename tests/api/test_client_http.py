@@ -25,17 +25,17 @@ from litestar.exceptions import WebSocketDisconnect
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
-from phloem.api.client import (
+from phloem.api import (
     APIConnectionError, AsyncClient, AsyncSession, Client, Overloaded, RateLimited, Session,
     SessionNotFound,
 )
-from phloem.api._transport import settle
 from phloem.api.schemas import (
     PROBLEM_CONTENT_TYPE, AppendRequest, AppendResult, CancelMessage, ClientMessage,
     CreateSessionRequest, DeltaEvent, DoneEvent, ErrorCode, ErrorEvent, FinishReason, ForkRequest,
     ForkResult, OffloadRequest, ServerEvent, SessionInfo, SessionList, Turn, TurnList,
     UpdateSessionRequest, Usage, make_problem,
 )
+from phloem.api.sdk._transport import settle
 
 WORDS = ["Hel", "lo", ",", " wor", "ld"]
 

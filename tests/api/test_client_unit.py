@@ -14,9 +14,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from phloem.api import _transport, schemas
-from phloem.api._errors import error_from_event, error_from_response, parse_retry_after
-from phloem.api.client import (
+from phloem.api import schemas
+from phloem.api import (
     Client, ContextLengthExceeded, Forbidden, IdempotencyConflict, InternalError, InvalidRequest,
     NotFound, Overloaded, PayloadTooLarge, PhloemError, RateLimited, Session, SessionBusy,
     SessionNotFound, Unauthorized,
@@ -27,6 +26,8 @@ from phloem.api.schemas import (
     ForkMessage, ForkRequest, GenerateParams, Problem, ServerEvent, SessionInfo, SessionList,
     TurnList, UpdateSessionRequest, Usage, make_problem,
 )
+from phloem.api.sdk import _transport
+from phloem.api.sdk._errors import error_from_event, error_from_response, parse_retry_after
 
 USAGE = Usage(prompt_tokens=12, cached_tokens=8, completion_tokens=3)
 INFO = SessionInfo(id="s1", created_at=1_700_000_000, metadata={"agent": "a"}, status="active",
@@ -264,7 +265,7 @@ def test_docs_examples_decode_with_the_schemas() -> None:
 
 
 def test_client_import_pulls_no_torch() -> None:
-    code = ("import sys, phloem.api.client\n"
+    code = ("import sys, phloem.api\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
             "{'torch', 'triton', 'numpy', 'transformers', 'litestar'})\n"
             "ours = sorted(m for m in sys.modules if m.startswith('phloem.') "

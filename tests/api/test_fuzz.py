@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from phloem.api.app import create_app
+from phloem.api.server.app import create_app
 from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 

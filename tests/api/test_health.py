@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from phloem.api._health import health_body
+from phloem.api.server.health import health_body
 
 
 class _Manager:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from phloem.api._idempotency import IdempotencyStore, Running, StoredResponse
+from phloem.api.server.idempotency import IdempotencyStore, Running, StoredResponse
 
 
 async def _store(store: IdempotencyStore, owner: str, key: str, body: bytes = b"{}") -> None:

@@ -19,9 +19,9 @@ import openai
 import pytest
 from live_servers import ServerProcess
 
-from phloem.api._auth import owner_id
+from phloem.api import Client, SessionNotFound
+from phloem.api.server.auth import owner_id
 from phloem.storage import server_secret
-from phloem.api.client import Client, SessionNotFound
 
 KEY = "logs-test-key-0123456789abcdef"
 GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}

@@ -24,7 +24,7 @@ import httpx
 from live_servers import ServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
-from phloem.api.client import Client
+from phloem.api import Client
 from phloem.runtime import ensure_default_model
 
 GREEDY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}

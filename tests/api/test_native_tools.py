@@ -8,7 +8,7 @@ import uuid
 
 import jsonschema
 
-from phloem.api.client import Client, ToolCall
+from phloem.api import Client, ToolCall
 
 LOOKUP = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}},
           "required": ["id"]}

@@ -9,7 +9,7 @@ from typing import Any
 import openai
 import pytest
 
-from phloem.api.client import Client
+from phloem.api import Client
 
 MODEL = "phloem-tiny-qwen3.5"
 

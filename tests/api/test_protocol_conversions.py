@@ -9,14 +9,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from phloem.api import _anthropic_convert as anthropic
-from phloem.api._anthropic_schemas import MessagesRequest
-from phloem.api._anthropic_stream import MessageEvents
-from phloem.api._errors_http import ApiError
-from phloem.api._responses_input import chat_messages, locate, response_id
-from phloem.api._responses_output import output_items
-from phloem.api._responses_schemas import ResponseCreateRequest, decode_items
-from phloem.api._responses_stream import ResponseEvents
+from phloem.api.server.anthropic import convert as anthropic
+from phloem.api.server.anthropic.schemas import MessagesRequest
+from phloem.api.server.anthropic.stream import MessageEvents
+from phloem.api.server.errors import ApiError
+from phloem.api.server.responses.input import chat_messages, locate, response_id
+from phloem.api.server.responses.output import output_items
+from phloem.api.server.responses.schemas import ResponseCreateRequest, decode_items
+from phloem.api.server.responses.stream import ResponseEvents
 from phloem.sessions import ParsedDelta, ParsedOutput, ParsedToolCall, ToolCallDelta
 
 

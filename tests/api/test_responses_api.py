@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from phloem.api._responses_input import locate
+from phloem.api.server.responses.input import locate
 
 MODEL = "phloem-tiny-qwen3.5"
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},

@@ -18,7 +18,7 @@ import pytest
 from litestar.testing import TestClient
 from transformers import AutoTokenizer
 
-from phloem.api.app import create_app
+from phloem.api.server.app import create_app
 from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 from live_servers import LiveApp, live_app
 
-from phloem.api._responses_input import locate
+from phloem.api.server.responses.input import locate
 from phloem.runtime import ServerConfig, ensure_default_model
 
 MODEL = "phloem-tiny-qwen3.5"

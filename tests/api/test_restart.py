@@ -22,7 +22,7 @@ import pytest
 from live_servers import ServerProcess
 from redis_support import clear_prefix, random_prefix, require_redis
 
-from phloem.api.client import Client, Session
+from phloem.api import Client, Session
 from phloem.engine import Engine, SamplingParams
 from phloem.runtime import ensure_default_model
 from phloem.storage import RedisIndex

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-from phloem.api.client import Client, Session, SessionNotFound
+from phloem.api import Client, Session, SessionNotFound
 
 TOOLS = [{"type": "function", "function": {"name": "run", "description": "Run a shell command",
                                            "parameters": {"type": "object",

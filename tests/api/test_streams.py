@@ -12,7 +12,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from phloem.api.client import Client, Session
+from phloem.api import Client, Session
 
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 

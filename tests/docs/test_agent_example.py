@@ -14,7 +14,7 @@ from typing import Any
 
 from live_servers import ServerProcess
 
-from phloem.api.client import Client
+from phloem.api import Client
 
 AGENT = "docs/examples/agent.py"
 

@@ -223,14 +223,14 @@ def serve(config, sock=None, startup=None):
         sock.close()  # the port `phloem serve` bound for the real server; this one binds it again
     HTTPServer((config.host, config.port), Health).serve_forever()
 
-app = types.ModuleType("phloem.api.app")
+app = types.ModuleType("phloem.api.server.app")
 app.serve = serve
-sys.modules["phloem.api.app"] = app
+sys.modules["phloem.api.server.app"] = app
 """
 
 
 def test_demo_starts_and_stops_its_own_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    # The child `phloem serve` gets a stand-in phloem.api.app through sitecustomize.
+    # The child `phloem serve` gets a stand-in phloem.api.server.app through sitecustomize.
     (tmp_path / "sitecustomize.py").write_text(_FAKE_APP)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     clients: list[FakeClient] = []
@@ -255,13 +255,13 @@ def test_demo_starts_and_stops_its_own_server(monkeypatch: pytest.MonkeyPatch, t
 
 def _server_available() -> bool:
     try:
-        return importlib.util.find_spec("phloem.api.app") is not None
+        return importlib.util.find_spec("phloem.api.server.app") is not None
     except ImportError:
         return False
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _server_available(), reason="phloem.api.app (the server) is not there yet")
+@pytest.mark.skipif(not _server_available(), reason="phloem.api.server.app (the server) is not there yet")
 def test_demo_end_to_end(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "phloem.cli", "demo", "--data-dir", str(tmp_path), "--max-tokens", "4"],

@@ -73,7 +73,7 @@ def test_a_second_server_on_one_data_dir_exits(tmp_path: Path, model_dir: Path) 
 
 
 def test_files_are_private_and_owner_ids_are_keyed(tmp_path: Path, model_dir: Path) -> None:
-    from phloem.api._auth import legacy_owner_id, owner_id
+    from phloem.api.server.auth import legacy_owner_id, owner_id
     from phloem.storage import server_secret
 
     server = ServerProcess(tmp_path, key_args("--model", str(model_dir))).start()
@@ -100,7 +100,7 @@ def test_files_are_private_and_owner_ids_are_keyed(tmp_path: Path, model_dir: Pa
 
 
 def test_sessions_of_former_owner_ids_move_to_their_key(tmp_path: Path, model_dir: Path) -> None:
-    from phloem.api._auth import legacy_owner_id, owner_id
+    from phloem.api.server.auth import legacy_owner_id, owner_id
     from phloem.storage import server_secret
 
     server = ServerProcess(tmp_path, key_args("--model", str(model_dir))).start()

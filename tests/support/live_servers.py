@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from phloem.api.app import KEEP_ALIVE_S, create_app
+from phloem.api.server.app import KEEP_ALIVE_S, create_app
 from phloem.runtime import EngineClient, EngineStats, ServerConfig
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 

@@ -28,8 +28,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from phloem.api._errors_http import ApiError
 from phloem.api.schemas import AppendResult, ErrorCode
+from phloem.api.server.errors import ApiError
 
 __all__ = ["IdempotencyStore", "Running", "StoredResponse", "StoredStream", "fingerprint"]
 

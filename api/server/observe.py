@@ -27,8 +27,8 @@ from collections.abc import Iterable
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from phloem.api._auth import Principal
-from phloem.api._metrics import ApiMetrics
+from phloem.api.server.auth import Principal
+from phloem.api.server.metrics import ApiMetrics
 from phloem.runtime.logs import bind_request_id, log_event
 
 __all__ = ["REQUEST_ID_HEADER", "RequestObserver", "request_id_of"]

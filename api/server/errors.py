@@ -29,11 +29,11 @@ from litestar.exceptions import (
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
 
-from phloem.api._anthropic_schemas import AnthropicError
-from phloem.api._openai_schemas import OpenAIError
 from phloem.api.schemas import (
     ERROR_STATUS, PROBLEM_CONTENT_TYPE, ErrorCode, Problem, make_problem,
 )
+from phloem.api.server.anthropic.schemas import AnthropicError
+from phloem.api.server.openai.schemas import OpenAIError
 from phloem.runtime.logs import current_request_id
 from phloem.sessions import (
     ContextLengthExceeded, GenerationFailed, InvalidInput, Overloaded, SessionBusy, SessionError,

@@ -19,8 +19,8 @@ import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
-from phloem.api._errors_http import ApiError
 from phloem.api.schemas import ErrorCode
+from phloem.api.server.errors import ApiError
 from phloem.sessions import SessionManager
 
 __all__ = ["OwnerLimits"]

@@ -31,8 +31,8 @@ from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Receive, Scope, Send, WebSocketCloseEvent
 
-from phloem.api._errors_http import ApiError
 from phloem.api.schemas import ErrorCode
+from phloem.api.server.errors import ApiError
 
 __all__ = ["RequestGuard", "host_name"]
 

@@ -1,14 +1,17 @@
-"""``AsyncClient``: the asyncio twin of ``phloem.api.client.Client``.
+"""The asyncio SDK: ``AsyncClient``, ``AsyncSessions``, ``AsyncSession`` and ``AsyncStream``.
 
-Every method has the sync method's arguments, return value and errors (documented there), as a
-coroutine; requests are built by the same ``phloem.api._transport`` functions, so both clients
-speak the same contract. Import it from ``phloem.api.client``.
+Every method has the blocking method's arguments, return value and errors (documented in
+``_sync``), as a coroutine. Like ``_sync``, a thin I/O shell over ``_transport`` (requests,
+retry decisions, error mapping and stream events are handled there, once for both clients):
+this module only sends through ``httpx.AsyncClient`` and websockets' asyncio client, and sleeps
+between retries. Neither this module nor ``_sync`` imports the other.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import httpx
@@ -16,13 +19,11 @@ import websockets.exceptions
 from msgspec import UNSET, UnsetType
 from websockets.asyncio.client import ClientConnection, connect
 
-from phloem.api import _transport
-from phloem.api._errors import APIConnectionError, error_from_response
-from phloem.api._stream import AsyncStream, Transport
-from phloem.api._transport import GenerateArg, MessagesArg, ToolsArg
-from phloem.api.schemas import AppendResult, GenerateParams, SessionInfo, Turn
+from phloem.api.schemas import AppendResult, DeltaEvent, GenerateParams, ServerEvent, SessionInfo, Turn
+from phloem.api.sdk import _transport
+from phloem.api.sdk._transport import GenerateArg, MessagesArg, ToolsArg, Transport
 
-__all__ = ["AsyncClient", "AsyncSession", "AsyncSessions"]
+__all__ = ["AsyncClient", "AsyncSession", "AsyncSessions", "AsyncStream"]
 
 T = TypeVar("T")
 
@@ -62,44 +63,33 @@ class AsyncClient:
 
     async def _request(self, call: _transport.Call[Any], *, stream: bool = False) -> httpx.Response:
         """Send ``call`` with retries; return the first successful response (open if streamed)."""
-        attempt = 0
+        retrying = _transport.Retrying(call, self._retry)
         while True:
-            request = self._http.build_request(call.method, call.path, content=call.body,
-                                               params=call.params,
-                                               headers={**self._headers, **call.headers})
+            request = self._http.build_request(**_transport.request_args(call, self._headers))
             try:
                 response = await self._http.send(request, stream=stream)
             except httpx.TransportError as exc:
-                delay = self._retry.delay(call, attempt, None, None)
-                if delay is None:
-                    raise APIConnectionError(f"{call.method} {call.path}: {exc!r}") from exc
+                delay = retrying.after_disconnect(exc)
             else:
                 if response.status_code < 400:
                     return response
                 body = await response.aread()
                 await response.aclose()
-                retry_after = response.headers.get("Retry-After")
-                delay = self._retry.delay(call, attempt, response.status_code, retry_after)
-                if delay is None:
-                    raise error_from_response(response.status_code, body, retry_after)
+                delay = retrying.after_error(response.status_code, body,
+                                             response.headers.get("Retry-After"))
             await asyncio.sleep(delay)
-            attempt += 1
 
     async def _send(self, call: _transport.Call[T]) -> T:
         response = await self._request(call)
         return call.decode(response.content)
 
     async def _connect_ws(self, session_id: str) -> ClientConnection:
-        url = _transport.ws_url(str(self._http.base_url), session_id)
+        url, options = _transport.ws_connect_args(str(self._http.base_url), session_id,
+                                                  self._headers, self._timeout)
         try:
-            return await connect(url, additional_headers=self._headers, user_agent_header=None,
-                                 open_timeout=min(self._timeout, 10.0), max_size=2**24)
-        except websockets.exceptions.InvalidStatus as exc:
-            response = exc.response
-            raise error_from_response(response.status_code, bytes(response.body or b""),
-                                      response.headers.get("Retry-After")) from exc
-        except (OSError, websockets.exceptions.WebSocketException) as exc:
-            raise APIConnectionError(f"WebSocket {url}: {exc!r}") from exc
+            return await connect(url, **options)
+        except _transport.WS_CONNECT_ERRORS as exc:
+            raise _transport.ws_connect_error(url, exc) from exc
 
 
 class AsyncSessions:
@@ -131,9 +121,8 @@ class AsyncSessions:
         while True:
             page = await self._client._send(_transport.list_sessions(page_size, after, parent_id))
             sessions += [AsyncSession(self._client, info) for info in page.sessions]
-            if not page.has_more or not page.sessions:
+            if (after := _transport.next_cursor(page)) is None:
                 return sessions
-            after = page.sessions[-1].id
 
     async def delete(self, session_id: str) -> None:
         """Delete a session (see ``Sessions.delete``)."""
@@ -176,7 +165,8 @@ class AsyncSession:
                   "generate": GenerateParams() if generate is None else generate,
                   "chat_template_kwargs": chat_template_kwargs}
         request = _transport.append_request(fields, transport)
-        return AsyncStream(self._client, self.id, request, transport, idempotency_key)
+        return AsyncStream(self._client, _transport.StreamState(self.id, request, transport,
+                                                                idempotency_key))
 
     async def fork(self, n: int = 1, *, at_turn: int | None = None) -> list[AsyncSession]:
         """Fork ``n`` children (see ``Session.fork``)."""
@@ -212,3 +202,88 @@ class AsyncSession:
     async def delete(self) -> None:
         """Delete the session (see ``Sessions.delete``)."""
         await self._client._send(_transport.delete_session(self.id))
+
+
+class AsyncStream:
+    """The asyncio ``Stream``: ``async with`` / ``async for``; ``cancel`` and ``close`` are
+    coroutines. Same semantics as ``Stream``."""
+
+    def __init__(self, client: AsyncClient, state: _transport.StreamState) -> None:
+        self._client = client
+        self._state = state
+        self._events: AsyncIterator[ServerEvent] | None = None
+        self._response: httpx.Response | None = None
+        self._ws: ClientConnection | None = None
+
+    @property
+    def result(self) -> AppendResult | None:
+        """The committed turn, once the ``done`` event arrived."""
+        return self._state.result
+
+    async def __aenter__(self) -> AsyncStream:
+        await self._start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def __aiter__(self) -> AsyncIterator[DeltaEvent]:
+        if self._state.closed:  # cancelled before it started, or already over
+            return
+        try:
+            async for event in await self._start():
+                delta = self._state.accept(event)
+                if delta is not None:
+                    yield delta
+                elif self._state.result is not None:
+                    return
+        except _transport.STREAM_BROKEN as exc:
+            if (error := self._state.broken(exc)) is not None:
+                raise error from exc
+        else:
+            if (error := self._state.ended()) is not None:
+                raise error
+        finally:
+            await self.close()
+
+    async def cancel(self) -> None:
+        """Stop the generation (see ``Stream.cancel``)."""
+        if self._ws is not None and not self._state.closed:
+            await self._ws.send(_transport.cancel_message())
+        else:
+            await self.close()
+
+    async def close(self) -> None:
+        """Close the connection (cancelling the generation if it still runs)."""
+        self._state.closed = True
+        if self._response is not None:
+            await self._response.aclose()
+        if self._ws is not None:
+            await self._ws.close()
+
+    async def _start(self) -> AsyncIterator[ServerEvent]:
+        if self._events is None:
+            if self._state.transport == "websocket":
+                self._ws = await self._client._connect_ws(self._state.session_id)
+                # See ``Stream._start``: a refused session's error event is read, not lost.
+                with contextlib.suppress(websockets.exceptions.ConnectionClosed):
+                    await self._ws.send(_transport.append_message(self._state.request))
+                self._events = _ws_events(self._ws, self._client._timeout)
+            else:
+                self._response = await self._client._request(self._state.call(), stream=True)
+                self._events = _sse_events(self._response)
+        return self._events
+
+
+async def _ws_events(ws: ClientConnection, timeout: float) -> AsyncIterator[ServerEvent]:
+    while True:
+        async with asyncio.timeout(timeout):
+            frame = await ws.recv()
+        yield _transport.decode_ws_event(frame)
+
+
+async def _sse_events(response: httpx.Response) -> AsyncIterator[ServerEvent]:
+    decoder = _transport.SSEDecoder()
+    async for line in response.aiter_lines():
+        for event in decoder.feed(line):
+            yield event

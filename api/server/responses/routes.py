@@ -1,14 +1,14 @@
 """The OpenAI Responses API as a view of sessions (docs/api.md, "Responses").
 
-- ``POST /v1/responses``: a response is a session turn (``_responses_start``: a new session, an
+- ``POST /v1/responses``: a response is a session turn (``start``: a new session, an
   append at the head, or a fork at an older turn; ``store: false`` leaves nothing behind), with
   function tools, ``instructions``, ``text.format`` (the grammar of ``sessions.structured``) and
-  reasoning items; ``stream: true`` sends the events of ``_responses_stream``.
+  reasoning items; ``stream: true`` sends the events of ``stream``.
 - ``GET /v1/responses/{id}``: the stored response, rebuilt from its turn
-  (``_responses_output.turn_output``); ``DELETE`` forgets it (and its session, once no response of
+  (``output.turn_output``); ``DELETE`` forgets it (and its session, once no response of
   that session is left); ``GET /v1/responses/{id}/input_items`` lists the request's input items.
 
-Response ids name their session and turn (``_responses_input``), so they are as durable as the
+Response ids name their session and turn (``input``), so they are as durable as the
 session (journal and index) and scoped like it: another key's response, a deleted one, or one
 whose generation is still running is 404. Errors use OpenAI's envelope. Generations count
 against the key's quota; a stream sends ``: keep-alive`` comments while idle.
@@ -27,15 +27,15 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import Parameter
 from litestar.response import Stream
 
-from phloem.api._context import ApiContext, named_sse, owner_of, strict_body
-from phloem.api._errors_http import StreamingOperation, classify, openai_errors
-from phloem.api._responses_output import (
+from phloem.api.server.context import ApiContext, named_sse, owner_of, strict_body
+from phloem.api.server.errors import StreamingOperation, classify, openai_errors
+from phloem.api.server.responses.output import (
     output_items, reasoning_tokens, response_object, status_of, usage,
 )
-from phloem.api._responses_plan import echo, plan_response, stored_output
-from phloem.api._responses_schemas import ResponseCreateRequest
-from phloem.api._responses_start import Started, previous_turn, start_response
-from phloem.api._responses_stream import ResponseEvents
+from phloem.api.server.responses.plan import echo, plan_response, stored_output
+from phloem.api.server.responses.schemas import ResponseCreateRequest
+from phloem.api.server.responses.start import Started, previous_turn, start_response
+from phloem.api.server.responses.stream import ResponseEvents
 from phloem.sessions import GenerationResult, ParsedDelta, ParsedOutput, SessionError
 
 __all__ = ["RESPONSES_ROUTES"]

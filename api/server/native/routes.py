@@ -12,7 +12,7 @@ forks count against the key's session quota, generations against its generation 
 An SSE append validates and starts its generation before the response starts, so
 404/409/400/429/503 are plain problem+json responses; once events flow, failures are ``error``
 events. A client that closes the stream cancels the generation, which commits what it generated
-so far; so does a generation that produces nothing for the idle timeout (``_pacing``).
+so far; so does a generation that produces nothing for the idle timeout (``pacing``).
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ from litestar.params import Parameter
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
-from phloem.api import _convert
-from phloem.api._auth import principal_of
-from phloem.api._context import (
-    ApiContext, checked_session_id, error_event, json_response, owner_of, replay, sse_message,
-    strict_body,
-)
-from phloem.api._errors_http import ApiError, StreamingOperation, problems
-from phloem.api._idempotency import Running, StoredResponse, StoredStream
 from phloem.api.schemas import (
     AppendRequest, AppendResult, CreateSessionRequest, ErrorCode, ForkRequest, ForkResult,
     OffloadRequest, SessionInfo, SessionList, TurnList, UpdateSessionRequest,
 )
+from phloem.api.server.auth import principal_of
+from phloem.api.server.context import (
+    ApiContext, checked_session_id, error_event, json_response, owner_of, replay, sse_message,
+    strict_body,
+)
+from phloem.api.server.errors import ApiError, StreamingOperation, problems
+from phloem.api.server.idempotency import Running, StoredResponse, StoredStream
+from phloem.api.server.native import convert
 from phloem.runtime.logs import current_request_id
 from phloem.sessions import KEEP, Generation, SessionError, SessionSnapshot
 
@@ -61,11 +61,11 @@ async def create_session(request: Request[Any, Any, Any], ctx: ApiContext,
     owner = owner_of(request)
 
     async def run() -> StoredResponse:
-        content = _convert.session_input(data.input_ids, data.text, data.messages)
+        content = convert.session_input(data.input_ids, data.text, data.messages)
         with ctx.limits.creating_sessions(owner, 1):
             snap = await ctx.manager.create(owner, metadata=data.metadata, ttl=data.ttl,
-                                            content=content, tools=_convert.tool_specs(data.tools))
-        return json_response(_convert.session_info(snap), 201,
+                                            content=content, tools=convert.tool_specs(data.tools))
+        return json_response(convert.session_info(snap), 201,
                              {"Location": f"/v1/sessions/{snap.session_id}"})
     return await ctx.idempotent(request, run)
 
@@ -94,7 +94,7 @@ async def list_sessions(request: Request[Any, Any, Any], ctx: ApiContext,
         page += part
         has_more = has_more or more
     page.sort(key=lambda s: s.session_id, reverse=True)
-    body = SessionList(sessions=[_convert.session_info(s) for s in page[:limit]],
+    body = SessionList(sessions=[convert.session_info(s) for s in page[:limit]],
                        has_more=has_more or len(page) > limit)
     return Response(msgspec.json.encode(body), media_type="application/json")
 
@@ -104,7 +104,7 @@ async def get_session(request: Request[Any, Any, Any], session_id: str,
                       ctx: ApiContext) -> Response[bytes]:
     """Look a session up."""
     snap = ctx.manager.get(owner_of(request), checked_session_id(session_id))
-    return Response(msgspec.json.encode(_convert.session_info(snap)), media_type="application/json")
+    return Response(msgspec.json.encode(convert.session_info(snap)), media_type="application/json")
 
 
 @patch(_ID, responses=_doc(200, SessionInfo, "The updated session", 400, 401, 404, 413, 422))
@@ -118,7 +118,7 @@ async def update_session(request: Request[Any, Any, Any], session_id: str,
         metadata = KEEP if data.metadata is msgspec.UNSET else data.metadata
         ttl = KEEP if data.ttl is msgspec.UNSET else data.ttl
         snap = await ctx.manager.update(owner_of(request), session_id, metadata=metadata, ttl=ttl)
-        return json_response(_convert.session_info(snap))
+        return json_response(convert.session_info(snap))
     return await ctx.idempotent(request, run)
 
 
@@ -148,7 +148,7 @@ async def fork_session(request: Request[Any, Any, Any], session_id: str, ctx: Ap
         ctx.manager.get(owner, session_id)  # a foreign or unknown parent is 404 before any quota
         with ctx.limits.creating_sessions(owner, data.n):
             children = await ctx.manager.fork(owner, session_id, data.n, data.at_turn)
-        return json_response(ForkResult(sessions=[_convert.session_info(c) for c in children]), 201)
+        return json_response(ForkResult(sessions=[convert.session_info(c) for c in children]), 201)
     return await ctx.idempotent(request, run)
 
 
@@ -157,7 +157,7 @@ async def list_turns(request: Request[Any, Any, Any], session_id: str, ctx: ApiC
                      include_tokens: bool = False) -> Response[bytes]:
     """Every committed turn (``include_tokens=true`` adds their token ids)."""
     turns = ctx.manager.turns(owner_of(request), checked_session_id(session_id), include_tokens)
-    body = TurnList(turns=[_convert.turn(t) for t in turns])
+    body = TurnList(turns=[convert.turn(t) for t in turns])
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
@@ -174,7 +174,7 @@ async def offload_session(request: Request[Any, Any, Any], session_id: str,
 
     async def run() -> StoredResponse:
         snap = await ctx.manager.offload(owner_of(request), session_id, body.tier)
-        return json_response(_convert.session_info(snap), 202)
+        return json_response(convert.session_info(snap), 202)
     return await ctx.idempotent(request, run)
 
 
@@ -189,7 +189,7 @@ async def prefetch_session(request: Request[Any, Any, Any], session_id: str,
 
     async def run() -> StoredResponse:
         snap = await ctx.manager.prefetch(owner_of(request), session_id)
-        return json_response(_convert.session_info(snap), 202)
+        return json_response(convert.session_info(snap), 202)
     return await ctx.idempotent(request, run)
 
 
@@ -216,7 +216,7 @@ async def append(request: Request[Any, Any, Any], session_id: str, ctx: ApiConte
         ctx.spawn(_store_outcome(ctx, owner, key, claim, generation, data.stream))
     if data.stream:
         return ServerSentEvent(_sse_events(ctx, generation))
-    result = _convert.append_result(await generation.result())
+    result = convert.append_result(await generation.result())
     return Response(msgspec.json.encode(result), media_type="application/json")
 
 
@@ -225,8 +225,8 @@ async def _start_append(ctx: ApiContext, owner: str, session_id: str,
     async def start() -> Generation:
         return await ctx.manager.append(
             owner, session_id,
-            _convert.session_input(data.input_ids, data.text, data.messages, data.chat_template_kwargs),
-            _convert.generate_options(data.generate))
+            convert.session_input(data.input_ids, data.text, data.messages, data.chat_template_kwargs),
+            convert.generate_options(data.generate))
     if data.generate is None:
         return await start()
     ctx.manager.get(owner, session_id)  # a foreign or unknown session is 404, not 429
@@ -236,7 +236,7 @@ async def _start_append(ctx: ApiContext, owner: str, session_id: str,
 async def _store_outcome(ctx: ApiContext, owner: str, key: str, claim: Running,
                          generation: Generation, stream: bool) -> None:
     try:
-        result = _convert.append_result(await generation.result())
+        result = convert.append_result(await generation.result())
     except SessionError:
         ctx.idempotency.fail(owner, key, claim)
         return
@@ -255,14 +255,14 @@ async def _sse_events(ctx: ApiContext,
                 continue
             if not delta.text and not delta.token_ids:
                 continue  # it only closes the parsed parts, which the done event carries
-            yield sse_message(_convert.delta_event(delta, seq))
+            yield sse_message(convert.delta_event(delta, seq))
             seq += 1
         try:
-            result = _convert.append_result(await generation.result())
+            result = convert.append_result(await generation.result())
         except SessionError as exc:
             yield sse_message(error_event(exc, seq, current_request_id()))
             return
-        yield sse_message(_convert.done_event(result, seq))
+        yield sse_message(convert.done_event(result, seq))
     finally:
         # The client went away mid-stream: stop, and commit what was generated.
         generation.cancel()

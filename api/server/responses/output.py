@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from phloem.api._responses_input import item_id
+from phloem.api.server.responses.input import item_id
 from phloem.sessions import FinishReason, ParsedOutput, ParsedToolCall, ToolChoice, ToolSpec, Tokenizer, TurnInfo
 from phloem.sessions.output_parser import parse_output
 from phloem.sessions.structured import output_format
@@ -88,7 +88,7 @@ def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int, reasoning:
 def response_object(rid: str, model: str, echo: Mapping[str, Any], status: str,
                     output: list[dict[str, Any]], usage_: dict[str, Any] | None) -> dict[str, Any]:
     """The response object: ``echo`` holds ``created_at`` and the request's fields it repeats
-    (``tools``, ``instructions``, ``text``, ...; ``_responses_plan.echo``)."""
+    (``tools``, ``instructions``, ``text``, ...; ``plan.echo``)."""
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
     return {"id": rid, "object": "response", "status": status, "background": False, "error": None,
             "incomplete_details": incomplete, "model": model, "output": output, "usage": usage_,

@@ -16,17 +16,17 @@ from litestar import Request, Response
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
-from phloem.api._auth import KeyRing, principal_of
-from phloem.api._convert import done_event
-from phloem.api._errors_http import ApiError, classify, malformed_json
-from phloem.api._idempotency import (
-    IdempotencyStore, Running, StoredResponse, StoredStream, fingerprint,
-)
-from phloem.api._limits import OwnerLimits
-from phloem.api._pacing import paced_deltas
 from phloem.api.schemas import (
     AppendResult, DeltaEvent, ErrorCode, ErrorEvent, StreamEvent,
 )
+from phloem.api.server.auth import KeyRing, principal_of
+from phloem.api.server.errors import ApiError, classify, malformed_json
+from phloem.api.server.idempotency import (
+    IdempotencyStore, Running, StoredResponse, StoredStream, fingerprint,
+)
+from phloem.api.server.limits import OwnerLimits
+from phloem.api.server.native.convert import done_event
+from phloem.api.server.pacing import paced_deltas
 from phloem.sessions import Generation, OutputDelta, SessionError, SessionManager
 
 __all__ = [
@@ -105,7 +105,7 @@ class ApiContext:
         return generation
 
     def paced(self, generation: Generation) -> AsyncIterator[OutputDelta | None]:
-        """The generation's deltas with keep-alives and the idle timeout (``_pacing``)."""
+        """The generation's deltas with keep-alives and the idle timeout (``pacing``)."""
         return paced_deltas(generation, self.stream_idle_timeout_s, KEEPALIVE_S)
 
     async def idempotent(self, request: Request[Any, Any, Any],

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from phloem.api._anthropic_schemas import (
+from phloem.api.server.anthropic.schemas import (
     AnthropicMessage, CustomTool, TextBlock, Thinking, ThinkingBlock, ToolChoice as ToolChoiceParam,
     ToolResultBlock, ToolUseBlock,
 )

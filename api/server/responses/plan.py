@@ -2,7 +2,7 @@
 
 The conversation's ``instructions`` (its system message) and ``tools`` are rendered in its first
 turn. A continuation (``previous_response_id``) that leaves them out, or sends the ones in
-effect, continues the session (``_responses_start``): only its new items are rendered. One that
+effect, continues the session (``start``): only its new items are rendered. One that
 sends other instructions or tools cannot reuse those tokens, so the conversation is rendered
 again from its stored items (each earlier response's input items and output, following the
 ``previous_response_id`` chain) under the new ones, as a new session; the prefix cache still
@@ -22,18 +22,18 @@ from typing import Any
 
 import msgspec
 
-from phloem.api._context import ApiContext
-from phloem.api._errors_http import ApiError
-from phloem.api._responses_input import (
+from phloem.api.schemas import ErrorCode
+from phloem.api.server.context import ApiContext
+from phloem.api.server.errors import ApiError
+from phloem.api.server.responses.input import (
     chat_messages, chat_tools, response_format, stored_items, tool_choice,
 )
-from phloem.api._responses_output import turn_output
-from phloem.api._responses_schemas import (
+from phloem.api.server.responses.output import turn_output
+from phloem.api.server.responses.schemas import (
     FormatText, FunctionCallItem, FunctionTool, InputItem, MessageItem, ReasoningItem, ReasoningText,
     ResponseCreateRequest, decode_items,
 )
-from phloem.api._responses_start import Plan, previous_turn
-from phloem.api.schemas import ErrorCode
+from phloem.api.server.responses.start import Plan, previous_turn
 from phloem.sessions import GenerateOptions, ParsedOutput, ToolChoice, TurnInfo
 
 __all__ = ["echo", "plan_response", "stored_output"]

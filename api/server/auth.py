@@ -35,8 +35,8 @@ from litestar.types import (
     ASGIApp, Receive, Scope, Send, WebSocketAcceptEvent, WebSocketCloseEvent, WebSocketSendEvent,
 )
 
-from phloem.api._errors_http import ApiError
 from phloem.api.schemas import ERROR_STATUS, ErrorCode, ErrorEvent
+from phloem.api.server.errors import ApiError
 from phloem.runtime.config import ApiKey
 
 __all__ = ["ANONYMOUS", "AuthMiddleware", "KeyRing", "Principal", "legacy_owner_id", "owner_id",

@@ -6,9 +6,9 @@ found by the engine's radix cache, which ``usage.prompt_tokens_details.cached_to
 Chat output is split into ``content``, ``reasoning_content`` and ``tool_calls``; ``tool_choice``
 ``required`` / a named function and ``response_format`` are enforced by a grammar
 (docs/agents.md). Streams are ``data: <chunk>`` lines and a final ``data: [DONE]``
-(``_openai_stream``); with ``stream_options.include_usage`` a last chunk with empty ``choices``
+(``stream``); with ``stream_options.include_usage`` a last chunk with empty ``choices``
 carries the usage (the others have ``"usage": null``). ``max_completion_tokens`` wins over
-``max_tokens``. Errors use OpenAI's ``{"error": {...}}`` envelope (``_errors_http``); a failure
+``max_tokens``. Errors use OpenAI's ``{"error": {...}}`` envelope (``api.server.errors``); a failure
 after the stream started is sent as one ``data: {"error": ...}`` line before ``[DONE]``.
 Generations count against the API key's quota like session appends (``n`` each); a stream sends
 ``: keep-alive`` comments while idle and is cancelled (finish ``stop``) after the idle timeout.
@@ -28,15 +28,15 @@ from litestar import Request, Response, get, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
-from phloem.api import _convert
-from phloem.api._context import ApiContext, owner_of, strict_body
-from phloem.api._errors_http import ApiError, StreamingOperation, openai_errors
-from phloem.api._openai_output import (
+from phloem.api.schemas import ErrorCode
+from phloem.api.server.context import ApiContext, owner_of, strict_body
+from phloem.api.server.errors import ApiError, StreamingOperation, openai_errors
+from phloem.api.server.native import convert
+from phloem.api.server.openai.output import (
     TokenTexts, chat_delta, chat_logprobs, chat_message, completion_logprobs, finish_reason, usage,
 )
-from phloem.api._openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIMessage
-from phloem.api._openai_stream import ChoiceShape, stream_lines
-from phloem.api.schemas import ErrorCode
+from phloem.api.server.openai.schemas import ChatCompletionRequest, CompletionRequest, OpenAIMessage
+from phloem.api.server.openai.stream import ChoiceShape, stream_lines
 from phloem.sessions import (
     GenerateOptions, Generation, GenerationResult, Message, OutputDelta, SessionError, ToolSpec,
 )
@@ -52,7 +52,7 @@ def _options(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | 
         top_k=body.top_k, seed=body.seed,
         stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0, logit_bias=_convert.logit_bias(body.logit_bias),
+        repetition_penalty=body.repetition_penalty or 1.0, logit_bias=convert.logit_bias(body.logit_bias),
         min_tokens=body.min_tokens, logprobs=_num_logprobs(body))
 
 
@@ -64,8 +64,8 @@ def _num_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None
 
 def _chat_options(body: ChatCompletionRequest) -> GenerateOptions:
     options = _options(body, body.max_completion_tokens or body.max_tokens)
-    return replace(options, response_format=_convert.response_format(body.response_format),
-                   tool_choice=_convert.tool_choice(body.tool_choice or "auto"),
+    return replace(options, response_format=convert.response_format(body.response_format),
+                   tool_choice=convert.tool_choice(body.tool_choice or "auto"),
                    parallel_tool_calls=body.parallel_tool_calls is not False)
 
 
@@ -155,7 +155,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     """OpenAI chat completions (the chat template renders the whole conversation)."""
     data = await strict_body(request, ChatCompletionRequest)
     ctx.check_model(data.model)
-    tools = _convert.tool_specs(data.tools)
+    tools = convert.tool_specs(data.tools)
     prompt = await ctx.manager.prompt_ids(owner_of(request), messages=[_message(m) for m in data.messages],
                                           tools=tools, template_kwargs=data.chat_template_kwargs)
     generations = await _start(ctx, request, prompt, _chat_options(data), data.n, tools)

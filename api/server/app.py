@@ -1,25 +1,25 @@
 """The Litestar application (``create_app``) and ``phloem serve`` (``serve``).
 
-Routes: the native sessions API (``_routes_sessions``, ``_ws``), the OpenAI-compatible routes
-(``_routes_openai``; the Responses API, a view of sessions: ``_routes_responses``), Anthropic's
-Messages API (``_routes_anthropic``), ``GET /health``, ``GET /metrics`` (Prometheus, ``_metrics``) and Litestar's
-OpenAPI schema (``/schema``, JSON at ``/schema/openapi.json``). Every error, the framework's
-included, goes through ``_errors_http.exception_handler``. Every request and socket passes
-``_observe.RequestObserver`` (request id, one log line, HTTP metrics), which wraps the whole
+Routes: the native sessions API (``native.routes``, ``native.ws``), the OpenAI-compatible routes
+(``openai.routes``; the Responses API, a view of sessions: ``responses.routes``), Anthropic's
+Messages API (``anthropic.routes``), ``GET /health``, ``GET /metrics`` (Prometheus,
+``metrics``) and Litestar's OpenAPI schema (``/schema``, JSON at ``/schema/openapi.json``).
+Every error, the framework's included, goes through ``errors.exception_handler``. Every request and socket passes
+``observe.RequestObserver`` (request id, one log line, HTTP metrics), which wraps the whole
 handler so that even unrouted requests are seen.
 
-Every route under ``/v1/`` is authenticated by ``_auth.AuthMiddleware`` when API keys are
+Every route under ``/v1/`` is authenticated by ``auth.AuthMiddleware`` when API keys are
 configured (``/health`` and the schema stay public); ``/metrics`` then needs an admin key, since
-its counters (cached tokens, requests by route) sum up every key's traffic. ``_guard`` refuses
+its counters (cached tokens, requests by route) sum up every key's traffic. ``guard`` refuses
 foreign ``Host`` / ``Origin`` names and non-JSON bodies before that (docs/api.md, "Security
 model"); the interactive ``/schema`` pages are served only with ``ServerConfig.docs_ui``
 (they load scripts from a CDN). Limits (docs/api.md,
 "Limits"): bodies larger than ``ServerConfig.max_body_bytes`` are 413 ``payload_too_large`` (Litestar's
 ``request_max_body_size``, whether or not the request announces its length), and WebSocket
 frames are limited to the same size by uvicorn (``ws_max_size``: the socket closes with 1009);
-per-key quotas are ``_limits``; the server-wide limit on generations is the sessions layer's
+per-key quotas are ``limits``; the server-wide limit on generations is the sessions layer's
 admission (``max_num_generations``, 503); the context window is the engine's ``max_model_len``
-(``max_context_len``, 400); idle streams are cancelled (``_pacing``).
+(``max_context_len``, 400); idle streams are cancelled (``pacing``).
 
 Logs: ``serve`` logs to stderr in ``config.log_format`` at ``config.log_level``
 (``runtime.logs``); uvicorn's loggers go through the same handler, and its access log is off
@@ -52,22 +52,22 @@ from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 
 from phloem import __version__
-from phloem.api._auth import AuthMiddleware, KeyRing, principal_of
-from phloem.api._context import ApiContext
-from phloem.api._errors_http import ApiError, error_response, exception_handler, problems
-from phloem.api._guard import RequestGuard
-from phloem.api._health import health_body
-from phloem.api._idempotency import IdempotencyStore
-from phloem.api._limits import OwnerLimits
-from phloem.api._metrics import METRICS_CONTENT_TYPE, ApiMetrics
-from phloem.api._observe import RequestObserver
-from phloem.api._routes_anthropic import ANTHROPIC_ROUTES
-from phloem.api._routes_openai import OPENAI_ROUTES
-from phloem.api._routes_responses import RESPONSES_ROUTES
-from phloem.api._routes_sessions import SESSION_ROUTES
-from phloem.api._server_protocol import guarded_http_protocol
-from phloem.api._ws import session_socket
 from phloem.api.schemas import ErrorCode
+from phloem.api.server.anthropic.routes import ANTHROPIC_ROUTES
+from phloem.api.server.auth import AuthMiddleware, KeyRing, principal_of
+from phloem.api.server.context import ApiContext
+from phloem.api.server.errors import ApiError, error_response, exception_handler, problems
+from phloem.api.server.guard import RequestGuard
+from phloem.api.server.health import health_body
+from phloem.api.server.idempotency import IdempotencyStore
+from phloem.api.server.limits import OwnerLimits
+from phloem.api.server.metrics import METRICS_CONTENT_TYPE, ApiMetrics
+from phloem.api.server.native.routes import SESSION_ROUTES
+from phloem.api.server.native.ws import session_socket
+from phloem.api.server.observe import RequestObserver
+from phloem.api.server.openai.routes import OPENAI_ROUTES
+from phloem.api.server.protocol import guarded_http_protocol
+from phloem.api.server.responses.routes import RESPONSES_ROUTES
 from phloem.runtime import EngineClient, EngineConfig, ServerConfig
 from phloem.runtime.config import DEFAULT_KEEPALIVE_S
 from phloem.runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model

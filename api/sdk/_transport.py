@@ -1,7 +1,13 @@
-"""What the sync and async SDK share: request descriptions, retry timing, SSE framing.
+"""The SDK without I/O: what ``Client`` and ``AsyncClient`` share, written once.
 
 Every SDK method builds a ``Call`` here (route, validated body, headers, result type); the
-``Client`` and ``AsyncClient`` only send it, so both speak exactly the same wire contract.
+``Client`` (``_sync``) and ``AsyncClient`` (``_async``) only send it, so both speak exactly the
+same wire contract. The same goes for everything that is not I/O: retry decisions and error
+mapping (``Retrying``), WebSocket connect options and failures, SSE and WebSocket decoding, and
+what a stream does with each event (``StreamState``). The two clients are thin I/O shells over
+this module, one over ``httpx.Client`` and websockets' sync client, the other over
+``httpx.AsyncClient`` and its asyncio client; neither imports the other. Why not a sync wrapper
+around the async client: docs/decisions.md ("The sync SDK client ...").
 
 Retry policy (docs/api.md, "Retries"): a call is retried at most ``max_retries`` times when the
 server answers 408, 429, 502, 503 or 504 or the connection fails, and only if it is safe to
@@ -18,25 +24,30 @@ import random
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, Literal, TypeVar, cast
 from urllib.parse import quote
 
 import httpx
 import msgspec
+import websockets.exceptions
 
-from phloem.api._errors import InvalidRequest, error_from_event, parse_retry_after
 from phloem.api.schemas import (
     AppendMessage, AppendRequest, AppendResult, CancelMessage, ChatMessage, CreateSessionRequest,
     DeltaEvent, DoneEvent, ErrorEvent, ForkRequest, ForkResult, GenerateParams, OffloadRequest,
     ServerEvent, SessionInfo, SessionList, StreamEvent, Tool, TurnList, UpdateSessionRequest,
 )
+from phloem.api.sdk._errors import (
+    APIConnectionError, InvalidRequest, PhloemError, error_from_event, error_from_response,
+    parse_retry_after,
+)
 
 __all__ = [
-    "MAX_RETRY_DELAY", "USER_AGENT", "Call", "GenerateArg", "MessagesArg", "RetryPolicy",
-    "SSEDecoder", "ToolsArg", "append", "append_message", "append_request", "base_headers",
-    "cancel_message", "create_session", "decode_ws_event", "delete_session", "fork",
-    "get_session", "http_timeout", "list_sessions", "offload", "prefetch", "settle", "turns",
-    "update_session", "ws_url",
+    "MAX_RETRY_DELAY", "STREAM_BROKEN", "USER_AGENT", "WS_CONNECT_ERRORS", "Call", "GenerateArg",
+    "MessagesArg", "RetryPolicy", "Retrying", "SSEDecoder", "StreamState", "ToolsArg", "Transport",
+    "append", "append_message", "append_request", "base_headers", "cancel_message",
+    "create_session", "decode_ws_event", "delete_session", "fork", "get_session", "http_timeout",
+    "list_sessions", "next_cursor", "offload", "prefetch", "request_args", "settle", "turns",
+    "update_session", "ws_connect_args", "ws_connect_error", "ws_url",
 ]
 
 T = TypeVar("T")
@@ -44,6 +55,7 @@ MessagesArg = Sequence[ChatMessage | Mapping[str, Any]]
 GenerateArg = GenerateParams | Mapping[str, Any]
 ToolsArg = Sequence[Tool | Mapping[str, Any]]
 S = TypeVar("S")
+Transport = Literal["sse", "websocket"]
 
 MAX_RETRY_DELAY = 60.0
 try:
@@ -51,6 +63,10 @@ try:
 except importlib.metadata.PackageNotFoundError:
     USER_AGENT = "phloem-python"
 _RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
+WS_CONNECT_ERRORS = (OSError, websockets.exceptions.WebSocketException)
+# What breaks a stream once its events flow (then nothing is retried).
+STREAM_BROKEN = (httpx.TransportError, httpx.StreamClosed, TimeoutError,
+                 websockets.exceptions.ConnectionClosed)
 _encoder = msgspec.json.Encoder()
 _server_event_decoder = msgspec.json.Decoder(ServerEvent)
 
@@ -96,6 +112,13 @@ def http_timeout(timeout: float) -> httpx.Timeout:
     return httpx.Timeout(timeout, connect=min(timeout, 10.0))
 
 
+def request_args(call: Call[Any], headers: Mapping[str, str]) -> dict[str, Any]:
+    """The ``build_request`` arguments of ``call`` (the same for ``httpx.Client`` and
+    ``httpx.AsyncClient``), with the client's ``headers`` under the call's own."""
+    return {"method": call.method, "url": call.path, "content": call.body, "params": call.params,
+            "headers": {**headers, **call.headers}}
+
+
 def _validated(kind: type[S], fields: Mapping[str, Any]) -> S:
     """Build ``kind`` from ``fields`` (dicts or Structs) with every wire constraint checked.
 
@@ -130,6 +153,11 @@ def list_sessions(limit: int, after: str | None, parent_id: str | None) -> Call[
     params: dict[str, str | int] = {"limit": limit}
     params.update({k: v for k, v in (("after", after), ("parent_id", parent_id)) if v is not None})
     return Call("GET", "/v1/sessions", SessionList, params=params)
+
+
+def next_cursor(page: SessionList) -> str | None:
+    """The ``after`` of the page that follows ``page``, or None when it is the last."""
+    return page.sessions[-1].id if page.has_more and page.sessions else None
 
 
 def update_session(session_id: str, fields: Mapping[str, Any]) -> Call[SessionInfo]:
@@ -217,6 +245,43 @@ class RetryPolicy:
         return min(0.5 * 2.0**attempt, 8.0) * random.uniform(0.75, 1.25)
 
 
+class Retrying:
+    """The attempts of one call: after each failure, how long to wait before the next, or what
+    to raise. The clients' send loops only do the I/O (send, read the error body, sleep)."""
+
+    def __init__(self, call: Call[Any], policy: RetryPolicy) -> None:
+        self._call = call
+        self._policy = policy
+        self._attempt = 0
+
+    def after_disconnect(self, exc: Exception) -> float:
+        """Seconds to wait after the request failed to reach the server.
+
+        Raises:
+            APIConnectionError: The failure is final.
+        """
+        delay = self._next_delay(None, None)
+        if delay is None:
+            raise APIConnectionError(f"{self._call.method} {self._call.path}: {exc!r}") from exc
+        return delay
+
+    def after_error(self, status: int, body: bytes, retry_after: str | None) -> float:
+        """Seconds to wait after an error response (``status`` >= 400).
+
+        Raises:
+            PhloemError: The failure is final (the exception of the body's code).
+        """
+        delay = self._next_delay(status, retry_after)
+        if delay is None:
+            raise error_from_response(status, body, retry_after)
+        return delay
+
+    def _next_delay(self, status: int | None, retry_after: str | None) -> float | None:
+        delay = self._policy.delay(self._call, self._attempt, status, retry_after)
+        self._attempt += 1
+        return delay
+
+
 def append_message(request: AppendRequest) -> str:
     """The WebSocket ``append`` message (a text frame) of an already validated request."""
     message = AppendMessage(input_ids=request.input_ids, messages=request.messages,
@@ -242,6 +307,25 @@ def ws_url(base_url: str, session_id: str) -> str:
     if not sep or ws_scheme is None:
         raise ValueError(f"expected an http:// or https:// base_url, got {base_url!r}")
     return f"{ws_scheme}://{rest}{_session_path(session_id, '/ws')}"
+
+
+def ws_connect_args(base_url: str, session_id: str, headers: Mapping[str, str],
+                    timeout: float) -> tuple[str, dict[str, Any]]:
+    """The URL and the ``connect`` options (sync and asyncio clients alike) of a session's
+    WebSocket; the user agent is in ``headers``."""
+    options = {"additional_headers": dict(headers), "user_agent_header": None,
+               "open_timeout": min(timeout, 10.0), "max_size": 2**24}
+    return ws_url(base_url, session_id), options
+
+
+def ws_connect_error(url: str, exc: Exception) -> PhloemError:
+    """The SDK exception for a failed WebSocket connect (one of ``WS_CONNECT_ERRORS``): the
+    error of the server's answer when it refused the upgrade, else ``APIConnectionError``."""
+    if isinstance(exc, websockets.exceptions.InvalidStatus):
+        response = exc.response
+        return error_from_response(response.status_code, bytes(response.body or b""),
+                                   response.headers.get("Retry-After"))
+    return APIConnectionError(f"WebSocket {url}: {exc!r}")
 
 
 def settle(event: ServerEvent) -> DeltaEvent | AppendResult | None:
@@ -286,3 +370,58 @@ class SSEDecoder:
         # An event with empty data (Litestar sends ``data:`` after a comment) carries nothing.
         if data.strip():
             yield self._decoder.decode(data)
+
+
+class StreamState:
+    """A stream's state and event handling, shared by ``Stream`` and ``AsyncStream``.
+
+    The streams only move bytes: they open the SSE response or the WebSocket, feed each decoded
+    event to ``accept`` and yield the deltas it returns, and report how iteration ended to
+    ``broken`` or ``ended``.
+
+    Attributes:
+        session_id: The session the stream appends to.
+        request: The validated append request.
+        transport: ``"sse"`` or ``"websocket"``.
+        idempotency_key: The SSE request's key, if the caller gave one.
+        closed: Whether the stream was closed (by the caller, or at its end).
+        result: The committed turn, once the ``done`` event arrived.
+    """
+
+    def __init__(self, session_id: str, request: AppendRequest, transport: Transport,
+                 idempotency_key: str | None) -> None:
+        self.session_id = session_id
+        self.request = request
+        self.transport = transport
+        self.idempotency_key = idempotency_key
+        self.closed = False
+        self.result: AppendResult | None = None
+
+    def call(self) -> Call[AppendResult]:
+        """The SSE request of the stream."""
+        return append(self.session_id, self.request, self.idempotency_key)
+
+    def accept(self, event: ServerEvent) -> DeltaEvent | None:
+        """Take one event: the delta to yield, or None (then ``result`` is set if it was the
+        ``done`` event, and iteration ends).
+
+        Raises:
+            PhloemError: The event is an ``error``.
+        """
+        item = settle(event)
+        if isinstance(item, DeltaEvent):
+            return item
+        if item is not None:
+            self.result = item
+        return None
+
+    def broken(self, exc: BaseException) -> APIConnectionError | None:
+        """The error to raise when the connection broke (one of ``STREAM_BROKEN``), or None when
+        the stream was closed on purpose."""
+        return None if self.closed else APIConnectionError(f"the stream broke: {exc!r}")
+
+    def ended(self) -> APIConnectionError | None:
+        """The error to raise when the events ran out before ``done``, or None when the stream
+        was closed on purpose."""
+        return None if self.closed else APIConnectionError(
+            "the stream ended before its `done` event")

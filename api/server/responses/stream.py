@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phloem.api._responses_output import call_item, message_item, reasoning_item
+from phloem.api.server.responses.output import call_item, message_item, reasoning_item
 from phloem.sessions import ParsedDelta
 
 __all__ = ["ResponseEvents"]

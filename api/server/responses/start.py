@@ -15,7 +15,7 @@ stateless completion (the prefix cache still applies), and a continuation runs o
 fork that is deleted once the generation settles. The request's fields are stored with the turn
 (``Turn.view``), so ``GET /v1/responses/{id}`` can answer after a restart, as any turn can.
 Which of these a request takes (and when a conversation is rendered again instead) is decided
-by ``_responses_plan``.
+by ``plan``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from phloem.api._context import ApiContext
-from phloem.api._errors_http import ApiError
-from phloem.api._responses_input import locate, response_id, temporary_response_id
 from phloem.api.schemas import ErrorCode
+from phloem.api.server.context import ApiContext
+from phloem.api.server.errors import ApiError
+from phloem.api.server.responses.input import locate, response_id, temporary_response_id
 from phloem.sessions import (
     GenerateOptions, Generation, Message, SessionBusy, SessionError, SessionInput, SessionNotFound,
     ToolSpec, TurnInfo,

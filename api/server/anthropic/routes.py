@@ -6,10 +6,10 @@ cache (the caller's namespace), and ``usage.cache_read_input_tokens`` says how m
 tokens came from it. Nothing is stored, so there is nothing to continue but the messages: a
 ``tool_result`` simply extends the previous prompt. (The stateful, session-backed protocol is
 the Responses API.) Tools, ``tool_choice`` (forced by the grammar), ``system``,
-``stop_sequences`` and ``thinking`` are mapped as ``_anthropic_convert`` says; ``stream: true``
-sends the events of ``_anthropic_stream``. Errors use Anthropic's envelope
-(``{"type": "error", "error": {"type", "message"}}``, ``_errors_http``); the key may come as
-``x-api-key`` (``_auth``). Generations count against the key's quota.
+``stop_sequences`` and ``thinking`` are mapped as ``convert`` says; ``stream: true``
+sends the events of ``stream``. Errors use Anthropic's envelope
+(``{"type": "error", "error": {"type", "message"}}``, ``api.server.errors``); the key may come as
+``x-api-key`` (``api.server.auth``). Generations count against the key's quota.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from litestar import Request, Response, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
-from phloem.api import _anthropic_convert as convert
-from phloem.api._anthropic_schemas import CountTokensRequest, MessagesRequest
-from phloem.api._anthropic_stream import MessageEvents
-from phloem.api._context import ApiContext, named_sse as sse, owner_of, strict_body
-from phloem.api._errors_http import (
+from phloem.api.schemas import ErrorCode
+from phloem.api.server.anthropic import convert
+from phloem.api.server.anthropic.schemas import CountTokensRequest, MessagesRequest
+from phloem.api.server.anthropic.stream import MessageEvents
+from phloem.api.server.context import ApiContext, named_sse as sse, owner_of, strict_body
+from phloem.api.server.errors import (
     ApiError, StreamingOperation, anthropic_error_type, anthropic_errors, classify,
 )
-from phloem.api.schemas import ErrorCode
 from phloem.sessions import (
     GenerateOptions, Generation, GenerationResult, ParsedDelta, ParsedOutput, SessionError,
 )

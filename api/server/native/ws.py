@@ -11,7 +11,7 @@ for the caller's key (at the handshake, or deleted later): one ``error`` event, 
 ``4404`` (``AuthMiddleware`` refuses a bad key the same way with ``4401``). ``cancel`` stops this
 connection's generation, waits for its ``done`` (the partial output is committed) and then
 answers ``cancelled``. A client that closes the socket cancels its generation the same way, and
-so does a generation that produces nothing for the idle timeout (``_pacing``). A socket with no
+so does a generation that produces nothing for the idle timeout (``pacing``). A socket with no
 generation running that receives nothing for the idle timeout is closed with 1000.
 """
 
@@ -25,13 +25,13 @@ from typing import Any
 import msgspec
 from litestar import WebSocket, websocket
 
-from phloem.api import _convert
-from phloem.api._context import ApiContext, checked_session_id, error_event, owner_of
-from phloem.api._errors_http import ApiError, classify, malformed_json
 from phloem.api.schemas import (
     ERROR_STATUS, AppendMessage, CancelledEvent, CancelMessage, ClientMessage, ErrorCode,
     ErrorEvent, ForkedEvent, ForkMessage, ServerEvent,
 )
+from phloem.api.server.context import ApiContext, checked_session_id, error_event, owner_of
+from phloem.api.server.errors import ApiError, classify, malformed_json
+from phloem.api.server.native import convert
 from phloem.sessions import Generation, SessionError, SessionNotFound
 
 __all__ = ["session_socket"]
@@ -126,9 +126,9 @@ class _Connection:
         async def start() -> Generation:
             return await self._ctx.manager.append(
                 self._owner, self._session_id,
-                _convert.session_input(message.input_ids, message.text, message.messages,
+                convert.session_input(message.input_ids, message.text, message.messages,
                                        message.chat_template_kwargs),
-                _convert.generate_options(message.generate))
+                convert.generate_options(message.generate))
         if message.generate is None:
             generation = await start()
         else:
@@ -141,16 +141,16 @@ class _Connection:
             async for delta in self._ctx.paced(generation):
                 # A delta that only closes the parsed parts carries no text for this protocol.
                 if delta is not None and (delta.text or delta.token_ids):
-                    await self._send(_convert.delta_event(delta, 0, request_id))
+                    await self._send(convert.delta_event(delta, 0, request_id))
             try:
-                result = _convert.append_result(await generation.result())
+                result = convert.append_result(await generation.result())
             except SessionNotFound as exc:
                 await self._fatal(exc, request_id)
                 return
             except SessionError as exc:
                 await self._send(error_event(exc, 0, request_id))
                 return
-            await self._send(_convert.done_event(result, 0, request_id))
+            await self._send(convert.done_event(result, 0, request_id))
         except _Closed:
             generation.cancel()
         finally:
@@ -171,7 +171,7 @@ class _Connection:
             children = await self._ctx.manager.fork(self._owner, self._session_id, message.n,
                                                     message.at_turn)
         await self._send(ForkedEvent(sequence_number=0, request_id=message.request_id,
-                                     sessions=[_convert.session_info(c) for c in children]))
+                                     sessions=[convert.session_info(c) for c in children]))
 
     async def _error(self, code: ErrorCode, message: str, request_id: str | None) -> None:
         await self._send(ErrorEvent(sequence_number=0, code=code.value, message=message,

@@ -17,9 +17,9 @@ from typing import Any
 
 import msgspec
 
-from phloem.api._context import ApiContext
-from phloem.api._errors_http import classify
-from phloem.api._openai_output import finish_reason, usage
+from phloem.api.server.context import ApiContext
+from phloem.api.server.errors import classify
+from phloem.api.server.openai.output import finish_reason, usage
 from phloem.sessions import Generation, GenerationResult, OutputDelta, SessionError
 
 __all__ = ["ChoiceShape", "stream_lines"]

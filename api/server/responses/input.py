@@ -22,12 +22,12 @@ from typing import Any
 
 import msgspec
 
-from phloem.api._errors_http import ApiError
-from phloem.api._responses_schemas import (
+from phloem.api.schemas import ErrorCode
+from phloem.api.server.errors import ApiError
+from phloem.api.server.responses.schemas import (
     FormatJsonObject, FormatJsonSchema, FunctionCallItem, FunctionCallOutputItem, FunctionChoice,
     FunctionTool, InputItem, MessageItem, ReasoningItem, ResponseCreateRequest,
 )
-from phloem.api.schemas import ErrorCode
 from phloem.sessions import Message, ResponseFormat, ToolChoice, ToolSpec
 
 __all__ = ["chat_messages", "chat_tools", "item_id", "locate", "response_format", "response_id",
