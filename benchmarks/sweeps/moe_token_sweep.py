@@ -9,9 +9,9 @@ bf16, top-8 + shared). Every timing is a CUDA graph of ``LAYERS`` calls on disti
 the whole block). Every configuration is checked against the torch reference before it is timed.
 
     1. ``moe_token``'s gate/up per configuration (block_n, warps, programs per SM), ids given,
-       against the sixth session's (``fused_moe._gate_up_kernel``), and the down + sum stage;
+       against the routed-experts composition (``fused_moe._gate_up_kernel``), and the down + sum stage;
     2. the block after the attention, end to end (norm + router + routing + experts):
-       ``add_rms_norm_router`` + the sixth session's routed kernels (1152 gate/up programs, each
+       ``add_rms_norm_router`` + the routed-experts kernels (1152 gate/up programs, each
        routing its own slot) against ``fused_moe_token_routed`` with the best few gate/up
        configurations and the shipped default; the fastest is printed as a ``MoeTokenConfig``,
        the value to ship as ``moe_token.DEFAULT_CONFIG``.
@@ -84,7 +84,7 @@ def gate_up_grid(quick: bool) -> list[tuple[int, int, int]]:
 
 
 def sweep_gate_up(layers: list[dict], quick: bool) -> list[dict]:
-    """``moe_token``'s gate/up per configuration with the ids given, and the sixth session's."""
+    """``moe_token``'s gate/up per configuration with the ids given, and the routed-experts composition's."""
     l0 = layers[0]
     want = reference(l0["x"].float(), l0["wgu"].float(), l0["wd"].float(), l0["w"].float(), l0["ids"])
     rows = []
@@ -108,7 +108,7 @@ def _best(rows: list[dict], n: int) -> list[tuple]:
 
 
 def time_blocks(layers: list[dict], gate_up_rows: list[dict]) -> tuple[list[dict], moe_token.MoeTokenConfig]:
-    """Norm + router + routing + experts of one token: the sixth session's routed kernels (1152
+    """Norm + router + routing + experts of one token: the routed-experts kernels (1152
     gate/up programs, each routing its slot) against ``fused_moe_token_routed``. Returns the rows
     and the fastest configuration."""
     nbytes = EXPERT_BYTES + E * H * 2
@@ -132,7 +132,7 @@ def time_blocks(layers: list[dict], gate_up_rows: list[dict]) -> tuple[list[dict
     logits, normed, _ = gemv.add_rms_norm_router(l0["x"], l0["res"], l0["nw"], 1e-6, l0["router"])
     want = reference_routed(normed.float(), logits.float(), l0["wgu"].float(), l0["wd"].float(), TOP_K, True)
     check(old_block(l0), want, "old block", strict=False)
-    rows = [_row("block", "router + fused_moe routed (sixth session)", None, graph_us(lambda: [old_block(ly) for ly in layers], LAYERS), nbytes)]
+    rows = [_row("block", "router + fused_moe routed (routed)", None, graph_us(lambda: [old_block(ly) for ly in layers], LAYERS), nbytes)]
     best = (float("inf"), moe_token.DEFAULT_CONFIG)
     for c in sorted({moe_token.DEFAULT_CONFIG, *(moe_token.MoeTokenConfig(*g) for g in _best(gate_up_rows, 3))}):
         check(new_block(l0, c), want, c, strict=False)
