@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from phloem.runtime.env import kernel_config, read_env
+from phloem.runtime.env import kernel_config, read_env, use_nccl_defaults
 from phloem.runtime.model_shapes import SHAPES
 from phloem.runtime.preflight import best_device, check_device, check_model_folder
 
@@ -227,6 +227,7 @@ def _decode(args: argparse.Namespace) -> int:
                      dict(shape="tiny", contexts=(256, 1024), prefill_tokens=512))
     from phloem.benchmarks.report import bench_decode
 
+    use_nccl_defaults()  # before --tp spawns its ranks
     sys.stdout.write(bench_decode(args.shape, args.model, device, args.batches, args.contexts,
                                   args.prefill_tokens, args.steps, args.out, grammar=args.grammar, tokenizer=args.tokenizer,
                                   served=args.served, tensor_parallel_size=args.tp, expert_parallel=args.ep,
@@ -239,6 +240,7 @@ def _long_context(args: argparse.Namespace) -> int:
                      dict(shape="tiny", contexts=(2048, 8192)))
     from phloem.benchmarks.report import bench_decode
 
+    use_nccl_defaults()  # before --tp spawns its ranks
     sys.stdout.write(bench_decode(args.shape, args.model, device, (1,), args.contexts, 0, args.steps, args.out,
                                   max_num_seqs=1, tensor_parallel_size=args.tp, expert_parallel=args.ep, kernels=kernel_config(),
                                   show_progress=show_progress(args)) + "\n")  # fmt: skip

@@ -13,12 +13,13 @@ graph both ways and prints µs per call. Prints a table last.
 from __future__ import annotations
 
 import argparse
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from phloem.runtime.env import use_nccl_defaults
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 HIDDEN = 2048
@@ -122,7 +123,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
     args = parser.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    use_nccl_defaults()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29611
