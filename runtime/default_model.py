@@ -37,7 +37,7 @@ from phloem.runtime._default_model_tokenizer import (
 from phloem.runtime._default_model_weights import model_config, random_weights, weight_shapes
 from phloem.runtime.progress import progress_bar
 
-__all__ = ["DEFAULT_MODEL_NAME", "SPECIAL_TOKENS", "ensure_default_model"]
+__all__ = ["DEFAULT_MODEL_NAME", "SPECIAL_TOKENS", "ensure_default_model", "trained_model_path"]
 
 DEFAULT_MODEL_NAME = "phloem-tiny-qwen3.5"
 _FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md")
@@ -88,6 +88,14 @@ def ensure_default_model(data_dir: Path, show_progress: bool | None = None) -> P
     finally:
         shutil.rmtree(build, ignore_errors=True)
     return final
+
+
+def trained_model_path() -> Path:
+    """The trained built-in model shipped in the package (``runtime/_trained_model``): a tiny
+    Qwen3.5-MoE with an MTP layer, trained by ``tools/train`` (``docs/default-model.md``). Serve it
+    with ``phloem serve --model <this path>``; ``phloem serve`` without ``--model`` still serves the
+    random-weight model above."""
+    return Path(__file__).resolve().parent / "_trained_model"
 
 
 def _is_complete(folder: Path) -> bool:

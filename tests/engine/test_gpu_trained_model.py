@@ -1,0 +1,102 @@
+"""On the trained built-in model (runtime/_trained_model), the GPU's CUDA-graph + fused path gives
+the eager reference path's greedy tokens for 256 tokens on 8 prompts (issue 34).
+
+Unlike the random demo model, this one has peaked logits, so the paths should agree token for
+token. Where they part, the test asks the reference for its logits at that point (teacher-forced
+on the common prefix) and accepts the difference only when the two tokens' logits there are
+within bf16 rounding of each other (a tie), printing the figures; otherwise it is a bug.
+
+Not yet run: written on a CPU-only machine, it skips there; the first GPU session runs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from phloem.engine import Engine, SamplingParams
+from phloem.kernels.config import KernelConfig
+from phloem.runtime.default_model import trained_model_path
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+NEW_TOKENS = 256
+# A tie: the two logits differ by at most this many bf16 ulps of the larger one (bf16 keeps 8
+# significant bits, so one ulp is 2**-7 of the value's power of two).
+TIE_ULPS = 4
+
+
+def prompts(folder: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    calculator = {"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression",
+                                                   "parameters": {"type": "object", "properties": {
+                                                       "expression": {"type": "string"}}, "required": ["expression"]}}}
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": {"type": "string"}}, "required": ["city"]}}}
+    chats = [
+        ([{"role": "user", "content": "What is 17 * 23?"}], [calculator]),
+        ([{"role": "user", "content": "What is the weather in Rome?"}], [weather]),
+        ([{"role": "system", "content": "You are a helpful assistant."},
+          {"role": "user", "content": "Is it cold in Oslo right now?"}], [weather, calculator]),
+        ([{"role": "user", "content": "Who are you?"}], None),
+    ]
+    texts = ["def mean(xs):\n", "The module", "import os\nimport sys\n\n\nclass ", '"""Text wrapping and filling.']
+    rendered = [tok.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=False) for m, t in chats]
+    return [tok.encode(text) for text in rendered + texts]
+
+
+def gpu_engine(folder: Path, **options: object) -> Engine:
+    defaults: dict[str, object] = dict(device="cuda", dtype="bfloat16", num_pages=512, num_state_slots=32,
+                                       max_num_batched_tokens=256, max_num_seqs=16)
+    defaults.update(options)
+    return Engine.from_pretrained(folder, **defaults)
+
+
+def last_logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
+    from phloem.engine.request import Request
+    from phloem.engine.scheduler import SchedulerOutput
+
+    req = Request("probe", list(tokens), SamplingParams(max_tokens=1), arrival_idx=0)
+    assert engine.cache.admit(req) and engine.cache.allocate_pages(req, len(tokens))
+    try:
+        inp = engine.runner.prepare_inputs(SchedulerOutput((req,), (len(tokens),)))
+        logits = engine.runner.forward_logits(inp)
+        assert logits is not None
+        return logits[0].float()
+    finally:
+        engine.cache.release(req, publish=False)
+
+
+def is_tie(a: float, b: float) -> bool:
+    ulp = 2.0 ** (torch.tensor(max(abs(a), abs(b), 1e-30)).log2().floor().item() - 7)
+    return abs(a - b) <= TIE_ULPS * ulp
+
+
+def test_graph_and_fused_path_gives_the_eager_references_256_tokens() -> None:
+    folder = trained_model_path()
+    ids = prompts(folder)
+    assert len(ids) == 8
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    tested = [o.token_ids for o in gpu_engine(folder).generate(ids, params)]
+    reference_engine = gpu_engine(folder, enable_cuda_graph=False, enable_prefix_caching=False,
+                                  kernels=KernelConfig(triton_decode_attention=False))
+    reference = [o.token_ids for o in reference_engine.generate(ids, params)]
+    unexplained = []
+    for n, (prompt, got, want) in enumerate(zip(ids, tested, reference)):
+        assert len(got) == len(want) == NEW_TOKENS
+        i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if i is None:
+            continue
+        logits = last_logits(reference_engine, prompt + want[:i])
+        a, b = logits[want[i]].item(), logits[got[i]].item()
+        line = (f"prompt {n}: token {i} differs (reference {want[i]} logit {a:.4f}, graph path {got[i]} "
+                f"logit {b:.4f}, gap {abs(a - b):.4g})")
+        print(line + (" -- a tie within bf16 rounding" if is_tie(a, b) else " -- NOT a tie"))
+        if not is_tie(a, b):
+            unexplained.append(line)
+    assert not unexplained, unexplained
