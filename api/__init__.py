@@ -12,19 +12,5 @@ May import: ``phloem.sessions``, ``phloem.runtime`` (the server only). The SDK i
 wire schemas (import-linter contracts in pyproject.toml).
 """
 
-from phloem.api.sdk import (
-    APIConnectionError, AppendResult, AsyncClient, AsyncSession, AsyncSessions, AsyncStream,
-    ChatMessage, Client, ContextLengthExceeded, DeltaEvent, Forbidden, FunctionCall,
-    GenerateParams, IdempotencyConflict, InternalError, InvalidRequest, NotFound, Overloaded,
-    PayloadTooLarge, PhloemError, RateLimited, Session, SessionBusy, SessionInfo, SessionNotFound,
-    Sessions, Stream, TokenLogprobs, ToolCall, Turn, Unauthorized,
-)
-
-__all__ = [
-    "APIConnectionError", "AppendResult", "AsyncClient", "AsyncSession", "AsyncSessions",
-    "AsyncStream", "ChatMessage", "Client", "ContextLengthExceeded", "DeltaEvent", "Forbidden",
-    "FunctionCall", "GenerateParams", "IdempotencyConflict", "InternalError", "InvalidRequest",
-    "NotFound", "Overloaded", "PayloadTooLarge", "PhloemError", "RateLimited", "Session",
-    "SessionBusy", "SessionInfo", "SessionNotFound", "Sessions", "Stream", "TokenLogprobs",
-    "ToolCall", "Turn", "Unauthorized",
-]
+from phloem.api.sdk import *  # noqa: F403  (the SDK's names are this package's)
+from phloem.api.sdk import __all__ as __all__

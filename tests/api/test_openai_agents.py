@@ -18,11 +18,10 @@ import jsonschema
 import openai
 import pytest
 import torch
+from probe import next_token_logits
 from pydantic import BaseModel, Field
 
-from phloem.engine import Engine, SamplingParams
-from phloem.engine.request import Request
-from phloem.engine.scheduler import SchedulerOutput
+from phloem.engine import Engine
 from phloem.runtime import ensure_default_model
 from phloem.sessions import Tokenizer
 
@@ -169,14 +168,7 @@ def engine(server: Any) -> Engine:
 
 def log_softmax_after(engine: Engine, tokens: list[int]) -> torch.Tensor:
     """The engine's next-token log-probabilities after ``tokens`` (one fresh forward)."""
-    req = Request("probe", list(tokens), SamplingParams(max_tokens=1), arrival_idx=0)
-    assert engine.cache.admit(req) and engine.cache.allocate_pages(req, len(tokens))
-    try:
-        logits = engine.runner.forward_logits(engine.runner.prepare_inputs(SchedulerOutput((req,), (len(tokens),))))
-        assert logits is not None
-        return logits[0].float().log_softmax(-1)
-    finally:
-        engine.cache.release(req, publish=False)
+    return next_token_logits(engine, tokens).float().log_softmax(-1)
 
 
 def test_logprobs_are_the_engines_log_softmax(oai: openai.OpenAI, engine: Engine, server: Any) -> None:

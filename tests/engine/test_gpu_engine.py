@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from probe import next_token_logits
 
 from phloem.engine import Engine, SamplingParams
 from phloem.kernels.config import KernelConfig
@@ -180,7 +181,7 @@ def assert_follows(reference: Engine, prompts: list[list[int]], outputs: list[li
     compared = 0
     for prompt, out in zip(prompts, outputs):
         for i, tok in enumerate(out):
-            logits = _last_logits(reference, prompt + out[:i])
+            logits = next_token_logits(reference, prompt + out[:i])
             compared += 1
             if tok == int(logits.argmax()):
                 continue
@@ -188,21 +189,6 @@ def assert_follows(reference: Engine, prompts: list[list[int]], outputs: list[li
             assert tok in top, f"token {i} of prompt len {len(prompt)}: {tok} not in the reference's top-{TOP_K} {top}"
             break
     return compared
-
-
-def _last_logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
-    from phloem.engine.request import Request
-    from phloem.engine.scheduler import SchedulerOutput
-
-    req = Request("probe", list(tokens), SamplingParams(max_tokens=1), arrival_idx=0)
-    assert engine.cache.admit(req) and engine.cache.allocate_pages(req, len(tokens))
-    try:
-        inp = engine.runner.prepare_inputs(SchedulerOutput((req,), (len(tokens),)))
-        logits = engine.runner.forward_logits(inp)
-        assert logits is not None
-        return logits[0]
-    finally:
-        engine.cache.release(req, publish=False)
 
 
 def test_prefix_hits_under_graphs_follow_fresh(model_dir: Path) -> None:

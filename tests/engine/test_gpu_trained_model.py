@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from probe import next_token_logits
 
 from phloem.engine import Engine, SamplingParams
 from phloem.kernels.config import KernelConfig
@@ -57,21 +58,6 @@ def gpu_engine(folder: Path, **options: object) -> Engine:
     return Engine.from_pretrained(folder, **defaults)
 
 
-def last_logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
-    from phloem.engine.request import Request
-    from phloem.engine.scheduler import SchedulerOutput
-
-    req = Request("probe", list(tokens), SamplingParams(max_tokens=1), arrival_idx=0)
-    assert engine.cache.admit(req) and engine.cache.allocate_pages(req, len(tokens))
-    try:
-        inp = engine.runner.prepare_inputs(SchedulerOutput((req,), (len(tokens),)))
-        logits = engine.runner.forward_logits(inp)
-        assert logits is not None
-        return logits[0].float()
-    finally:
-        engine.cache.release(req, publish=False)
-
-
 def is_tie(a: float, b: float) -> bool:
     ulp = 2.0 ** (torch.tensor(max(abs(a), abs(b), 1e-30)).log2().floor().item() - 7)
     return abs(a - b) <= TIE_ULPS * ulp
@@ -92,7 +78,7 @@ def test_graph_and_fused_path_gives_the_eager_references_256_tokens() -> None:
         i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if i is None:
             continue
-        logits = last_logits(reference_engine, prompt + want[:i])
+        logits = next_token_logits(reference_engine, prompt + want[:i]).float()
         a, b = logits[want[i]].item(), logits[got[i]].item()
         line = (f"prompt {n}: token {i} differs (reference {want[i]} logit {a:.4f}, graph path {got[i]} "
                 f"logit {b:.4f}, gap {abs(a - b):.4g})")
