@@ -165,7 +165,7 @@ _SMALL_MOE_TOKENS = 256
 
 def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> KernelOps:
     from phloem.kernels.attention import triton_qk_norm_rope
-    from phloem.kernels.gdn import triton_conv1d, triton_gates
+    from phloem.kernels.gdn import triton_conv1d, triton_conv1d_varlen, triton_gates
     from phloem.kernels.gdn import triton_decode as triton_gdn
     from phloem.kernels.linear import triton_gemv
     from phloem.kernels.moe import triton_decode as triton_moe
@@ -237,6 +237,7 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
         qk_norm_rope_gate=bind(triton_qk_norm_rope.qk_norm_rope_gate),
         qk_norm_rope_gate_store=bind(triton_qk_norm_rope.qk_norm_rope_gate_store),
         causal_conv1d_update=bind(triton_conv1d.causal_conv1d_update),
+        causal_conv1d_varlen=triton_conv1d_varlen.causal_conv1d_varlen,
         recurrent_gated_delta_rule=bind(triton_gdn.recurrent_gated_delta_rule),
         recurrent_gated_delta_rule_with_gates=bind(triton_gdn.recurrent_gated_delta_rule_with_gates),
         moe_route=bind(triton_route.moe_route),

@@ -14,6 +14,12 @@ import torch
 
 __all__ = ["chunk_gated_delta_rule"]
 
+# The step's ``query_start_loc`` and its int64 copy: every GDN layer of a step passes the same
+# tensor, and fla memoizes its chunk indices by argument identity (``fla.utils.tensor_cache``), so
+# one int64 object per step computes them, and syncs with the device for them, once per step, not
+# once per layer.
+_last_starts: tuple[torch.Tensor, torch.Tensor] | None = None
+
 
 def chunk_gated_delta_rule(
     q: torch.Tensor,  # [T, Hk, Dk]
@@ -30,6 +36,9 @@ def chunk_gated_delta_rule(
 ) -> torch.Tensor:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
+    global _last_starts
+    if _last_starts is None or _last_starts[0] is not query_start_loc:
+        _last_starts = (query_start_loc, query_start_loc.long())
     initial = torch.where(has_initial_state[:, None, None, None], ssm_states[read_slots], 0.0)
     out, final = fla_chunk(
         q[None],
@@ -41,7 +50,7 @@ def chunk_gated_delta_rule(
         initial_state=initial,
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=query_start_loc.long(),
+        cu_seqlens=_last_starts[1],
         chunk_size=chunk_size,
     )
     ssm_states[write_slots] = final.float()

@@ -33,7 +33,8 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tu
     num_pairs = flat.numel()
     num_blocks = triton.cdiv(num_pairs, block_m) + num_experts
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not ``torch.bincount``: on CUDA it reads the largest id on the host (a device sync per MoE layer).
+    counts = torch.zeros(num_experts, dtype=flat.dtype, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block_m - 1) // block_m
     block_end = torch.cumsum(blocks, 0)
     pair_start = torch.cumsum(counts, 0) - counts

@@ -87,3 +87,20 @@ def test_step_roles_reads_layers_without_a_router_launch() -> None:
     assert len(roles["out_proj_route"]) == 1 and len(roles["o_proj_route"]) == 1
     assert len(roles["router"]) == len(roles["out_proj"]) == 1
     assert len(roles["gate_up"]) == len(roles["down"]) == 3 and len(roles["tail"]) == 3
+
+
+def test_mixed_step_sweep_runs_mixed_steps_on_cpu() -> None:
+    """The tiny shape on CPU: turn 2's appends arrive while others decode, so some steps are mixed."""
+    out = subprocess.run(
+        ["python3", str(BENCH / "mixed_step.py"), "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+         "--agents", "3", "--context", "96", "--append", "24", "--output", "8", "--stagger", "2", "--no-profile"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    kinds = {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if line.startswith(("decode ", "mixed "))}
+    assert kinds.get("mixed", 0) > 0 and kinds.get("decode", 0) > 0, out
+
+
+def test_prefill_attention_bench_counts_causal_flops() -> None:
+    module = runpy.run_path(str(BENCH / "prefill_attention_bench.py"), run_name="prefill_attention_bench")
+    # One chunk of 2 tokens over 3 earlier ones: the two queries see 4 and 5 keys.
+    assert module["flops"]([2], [5]) == 4 * module["HQ"] * module["D"] * 9

@@ -1,0 +1,104 @@
+"""FlashInfer's paged prefill attention for the steps an agent server runs: a tool result's chunk
+(hundreds of tokens) over a long history, beside a batch of decode rows, and a first turn's 8K
+chunks, at the 35B-A3B attention shape (16 query heads, 2 KV heads, head_dim 256, pages of 16).
+
+    python3 benchmarks/sweeps/prefill_attention_bench.py
+
+For each case: FlashInfer's ``auto`` backend (FA3 on Hopper) and ``fa2`` (which splits long KV
+over CTAs), the whole step in one prefill call, and with ``--split`` the decode rows in the decode
+wrapper and the chunk alone in the prefill wrapper. Device µs per call (CUDA events, mean of
+``--repeats`` after warm-ups) and the fraction of the bf16 matmul peak the FLOPs reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+HQ, HKV, D, PAGE = 16, 2, 256, 16
+
+
+def _time(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return 1000 * start.elapsed_time(end) / repeats
+
+
+def _layout(query_lens: list[int], kv_lens: list[int], device: torch.device):
+    pages = [(n + PAGE - 1) // PAGE for n in kv_lens]
+    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
+    indices = torch.arange(int(indptr[-1]), dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+    qo = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return qo, indptr, indices, last, int(indptr[-1])
+
+
+def prefill_us(backend: str, query_lens: list[int], kv_lens: list[int], repeats: int) -> float:
+    import flashinfer
+
+    device = torch.device("cuda")
+    qo, indptr, indices, last, num_pages = _layout(query_lens, kv_lens, device)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+    wrapper.plan(qo, indptr, indices, last, HQ, HKV, D, PAGE, causal=True, q_data_type=torch.bfloat16,
+                 kv_data_type=torch.bfloat16, sm_scale=D**-0.5)
+    q = torch.randn(sum(query_lens), HQ, D, dtype=torch.bfloat16, device=device)
+    kv = torch.randn(num_pages, 2, PAGE, HKV, D, dtype=torch.bfloat16, device=device)
+    return _time(lambda: wrapper.run(q, kv), repeats)
+
+
+def decode_us(batch: int, kv_len: int, repeats: int) -> float:
+    import flashinfer
+
+    device = torch.device("cuda")
+    _, indptr, indices, last, num_pages = _layout([1] * batch, [kv_len] * batch, device)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                 sm_scale=D**-0.5)
+    q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device=device)
+    kv = torch.randn(num_pages, 2, PAGE, HKV, D, dtype=torch.bfloat16, device=device)
+    return _time(lambda: wrapper.run(q, kv), repeats)
+
+
+def flops(query_lens: list[int], kv_lens: list[int]) -> float:
+    # Causal: query i of a chunk of n over a history of L - n attends to L - n + i + 1 keys.
+    keys = sum(q * (kv - q) + q * (q + 1) / 2 for q, kv in zip(query_lens, kv_lens))
+    return 4 * HQ * D * keys
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--decodes", type=int, default=15)
+    args = parser.parse_args()
+    cases = []
+    for context in (32768, 57344):
+        for chunk in (800, 2048):
+            cases.append((f"{chunk} @ {context // 1024}K + {args.decodes} decodes",
+                          [chunk] + [1] * args.decodes, [context] + [context] * args.decodes))
+            cases.append((f"{chunk} @ {context // 1024}K alone", [chunk], [context]))
+    cases.append(("8192 @ 8K (first chunk)", [8192], [8192]))
+    cases.append(("8192 @ 48K (late chunk)", [8192], [49152]))
+    peak = 790e12
+    print(f"{'case':<30}{'auto µs':>10}{'fa2 µs':>10}{'decode µs':>11}{'auto %':>8}{'fa2 %':>8}")
+    for name, qs, kvs in cases:
+        auto = prefill_us("auto", qs, kvs, args.repeats)
+        fa2 = prefill_us("fa2", qs, kvs, args.repeats)
+        dec = decode_us(len(qs) - 1, kvs[-1], args.repeats) if len(qs) > 1 else 0.0
+        f = flops(qs, kvs)
+        print(f"{name:<30}{auto:>10.0f}{fa2:>10.0f}{dec:>11.0f}{100 * f / (auto * 1e-6) / peak:>7.0f}%"
+              f"{100 * f / (fa2 * 1e-6) / peak:>7.0f}%", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
