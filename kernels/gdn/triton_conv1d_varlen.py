@@ -10,8 +10,8 @@ sequence ``i`` at rows ``query_start_loc[i] : query_start_loc[i+1]``), ``weight`
 Two launches and a scatter, none of which waits for the host:
 
 1. **Outputs**, one program per (block of ``BT`` tokens, block of ``BD`` channels), tokens of any
-   sequences: each token finds its sequence in ``query_start_loc`` (a vector compare, B ≤ a few
-   hundred), and tap ``j`` of its window reads input position ``p - (K-1) + j`` of its sequence:
+   sequences: each token finds its sequence by a binary search of ``query_start_loc``, and tap
+   ``j`` of its window reads input position ``p - (K-1) + j`` of its sequence:
    ``x`` where that is ≥ 0, else the sequence's initial state column (zero without one)::
 
        window of token p:  | state[K-1+q] for q < 0 ... | x[start + q] for q >= 0 |   (q = p-K+1 .. p)
@@ -43,11 +43,11 @@ _BT = 32
 _MAX_BD = 128
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "B", "SEARCH_STEPS"])
 def _conv_varlen_kernel(
     x, weight, bias, conv_states, query_start_loc, read_slots, has_initial_state, o,
-    s_xt, s_wd, s_sn, s_sd, T, D, B,
-    K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BB: tl.constexpr, HAS_BIAS: tl.constexpr,
+    s_xt, s_wd, s_sn, s_sd, T, D, B, SEARCH_STEPS,
+    K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
@@ -58,11 +58,19 @@ def _conv_varlen_kernel(
     o_d = i_d * BD + tl.arange(0, BD)
     m_t = o_t < T
     m_d = o_d < D
-    # The sequence of each token: how many sequence starts after the first are at or before it.
-    o_b = tl.arange(0, BB)
-    b_starts = tl.load(query_start_loc + 1 + o_b, mask=o_b < B, other=2**31 - 1).to(tl.int64)
-    i_seq = tl.sum((b_starts[None, :] <= o_t[:, None]).to(tl.int32), 1)
-    i_seq = tl.minimum(i_seq, B - 1)
+    # The sequence of each token: the last one starting at or before it (a binary search over
+    # query_start_loc, SEARCH_STEPS = bit length of B halvings; the step's batch size is a runtime
+    # value, so a new batch size compiles nothing).
+    lo = tl.zeros((BT,), dtype=tl.int32)
+    hi = tl.zeros((BT,), dtype=tl.int32) + (B - 1)
+    for _ in range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi + 1) // 2
+        start_mid = tl.load(query_start_loc + mid, mask=m_t & active, other=0).to(tl.int64)
+        right = start_mid <= o_t
+        lo = tl.where(active & right, mid, lo)
+        hi = tl.where(active & ~right, mid - 1, hi)
+    i_seq = lo
     b_start = tl.load(query_start_loc + i_seq, mask=m_t, other=0).to(tl.int64)
     b_slot = tl.load(read_slots + i_seq, mask=m_t, other=0).to(tl.int64)
     b_has = tl.load(has_initial_state + i_seq, mask=m_t, other=0) != 0
@@ -145,7 +153,7 @@ def causal_conv1d_varlen(
     _conv_varlen_kernel[(triton.cdiv(num_tokens, _BT), triton.cdiv(dim, block_d))](
         x, weight, bias, conv_states, query_start_loc, read_slots, has_initial_state, out,
         x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), num_tokens, dim, num_seqs,
-        K=kernel_size, BT=_BT, BD=block_d, BB=triton.next_power_of_2(num_seqs), HAS_BIAS=bias is not None,
+        max(1, num_seqs.bit_length()), K=kernel_size, BT=_BT, BD=block_d, HAS_BIAS=bias is not None,
     )  # fmt: skip
     new_states = torch.empty((num_seqs, dim, kernel_size - 1), dtype=conv_states.dtype, device=x.device)
     _final_state_kernel[(num_seqs, triton.cdiv(dim, block_d))](
