@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
-__all__ = ["causal_conv1d_update"]
+__all__ = ["causal_conv1d_update", "conv_operands"]
 
 _MAX_BD = 256
 
@@ -94,6 +94,23 @@ def causal_conv1d_update_kernel(
     tl.store(conv_states + i_write * s_sn + o_s, b_new.to(conv_states.dtype.element_ty), mask=m_s)
 
 
+def conv_operands(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x`` ``[rows, D]``, ``weight`` ``[D, K]`` and ``bias`` with unit last strides, after checking
+    the shapes against ``conv_states`` ``[num_slots, D, K-1]`` (unit last stride: written in place)."""
+    dim, kernel_size = x.shape[1], weight.shape[1]
+    if kernel_size < 2 or weight.shape[0] != dim:
+        raise ValueError(f"weight must be [{dim}, K] with K >= 2, got {tuple(weight.shape)}")
+    if conv_states.shape[1:] != (dim, kernel_size - 1) or conv_states.stride(-1) != 1:
+        raise ValueError(
+            f"conv_states must be [num_slots, {dim}, {kernel_size - 1}] with unit last stride, "
+            f"got shape {tuple(conv_states.shape)} strides {conv_states.stride()}"
+        )
+    x, weight = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, weight))
+    return x, weight, None if bias is None else bias.contiguous()
+
+
 def causal_conv1d_update(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -107,16 +124,7 @@ def causal_conv1d_update(
     under programmatic dependent launch, ``kernels/common/pdl.py``)."""
     num_seqs, dim = x.shape
     kernel_size = weight.shape[1]
-    if kernel_size < 2 or weight.shape[0] != dim:
-        raise ValueError(f"weight must be [{dim}, K] with K >= 2, got {tuple(weight.shape)}")
-    if conv_states.shape[1:] != (dim, kernel_size - 1) or conv_states.stride(-1) != 1:
-        raise ValueError(
-            f"conv_states must be [num_slots, {dim}, {kernel_size - 1}] with unit last stride, "
-            f"got shape {tuple(conv_states.shape)} strides {conv_states.stride()}"
-        )
-    x, weight = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, weight))
-    if bias is not None:
-        bias = bias.contiguous()
+    x, weight, bias = conv_operands(x, weight, bias, conv_states)
     out = torch.empty((num_seqs, dim), dtype=x.dtype, device=x.device)
     if num_seqs == 0:
         return out

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from phloem.kernels.gdn.triton_conv1d import conv_operands
+
 __all__ = ["causal_conv1d_varlen"]
 
 _BT = 32
@@ -135,16 +137,7 @@ def causal_conv1d_varlen(
     num_tokens, dim = x.shape
     kernel_size = weight.shape[1]
     num_seqs = read_slots.shape[0]
-    if kernel_size < 2 or weight.shape[0] != dim:
-        raise ValueError(f"weight must be [{dim}, K] with K >= 2, got {tuple(weight.shape)}")
-    if conv_states.shape[1:] != (dim, kernel_size - 1) or conv_states.stride(-1) != 1:
-        raise ValueError(
-            f"conv_states must be [num_slots, {dim}, {kernel_size - 1}] with unit last stride, "
-            f"got shape {tuple(conv_states.shape)} strides {conv_states.stride()}"
-        )
-    x, weight = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, weight))
-    if bias is not None:
-        bias = bias.contiguous()
+    x, weight, bias = conv_operands(x, weight, bias, conv_states)
     out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
