@@ -32,7 +32,7 @@ def _time(fn, repeats: int) -> float:
     return 1000 * start.elapsed_time(end) / repeats
 
 
-def _layout(query_lens: list[int], kv_lens: list[int], device: torch.device):
+def _layout(query_lens: list[int], kv_lens: list[int]):
     pages = [(n + PAGE - 1) // PAGE for n in kv_lens]
     indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
     indices = torch.arange(int(indptr[-1]), dtype=torch.int32)
@@ -45,7 +45,7 @@ def prefill_us(backend: str, query_lens: list[int], kv_lens: list[int], repeats:
     import flashinfer
 
     device = torch.device("cuda")
-    qo, indptr, indices, last, num_pages = _layout(query_lens, kv_lens, device)
+    qo, indptr, indices, last, num_pages = _layout(query_lens, kv_lens)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
     wrapper.plan(qo, indptr, indices, last, HQ, HKV, D, PAGE, causal=True, q_data_type=torch.bfloat16,
@@ -59,7 +59,7 @@ def decode_us(batch: int, kv_len: int, repeats: int) -> float:
     import flashinfer
 
     device = torch.device("cuda")
-    _, indptr, indices, last, num_pages = _layout([1] * batch, [kv_len] * batch, device)
+    _, indptr, indices, last, num_pages = _layout([1] * batch, [kv_len] * batch)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
     wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
