@@ -49,6 +49,11 @@
 #       the QK-norm kernel (its row code now shared), argmax, the copy-bandwidth timers
 #   30  batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (step 20's summary)
 #   10  where the host's time goes in batch-1 async decode steps (benchmarks/sweeps/host_profile.py, cProfile)
+#   31  the served mixed step (issue 28): FlashInfer's FA3 against its split-KV fa2 prefill for a tool
+#       result's chunk over a long history (benchmarks/sweeps/prefill_attention_bench.py), then the
+#       mixed-step profile of 16 agents at 32K (benchmarks/sweeps/mixed_step.py); run after step 0
+#   32  the concurrency token tests: random-weight logits bound and the trained model's tokens at 4
+#       and 16 requests (tests/engine/test_gpu_concurrency.py, test_gpu_trained_model.py); after step 0
 #   9   the summary table
 # A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0). The PHLOEM_*
 # kernel variables a step sets are read by `phloem bench decode` into its KernelConfig (runtime/env.py).
@@ -223,6 +228,14 @@ step_30() {
   # Batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (as step 20's $DECODE_ENVS).
   DECODE_ENVS=${LONG_ENVS:-"default_long:PHLOEM_PDL=1"} DECODE_ARGS="--contexts 32768,131072 --steps 30" step_20
 }
+step_31() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/prefill_attention_bench.py > "$OUT/31_prefill_attn.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/mixed_step.py > "$OUT/31_mixed_step.txt" 2>&1
+}
+step_32() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -s \
+    tests/engine/test_gpu_concurrency.py tests/engine/test_gpu_trained_model.py > "$OUT/32_concurrency_tests.txt" 2>&1
+}
 step_10() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/host_profile.py > "$OUT/10_host.txt" 2>&1
 }
@@ -246,6 +259,9 @@ step_9() {
   for f in "$OUT"/20_*.json; do [ -f "$f" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].rsplit('/',1)[-1], 'bw', round(d['bandwidth']/1e12,3), 'host', round(d.get('bandwidth_host_timed',0)/1e12,3), 'after', round(d.get('bandwidth_after_grid',0)/1e12,3), [(r['batch'], round(r['ms_per_step'],3), r['gpu_ms_per_step'] and round(r['gpu_ms_per_step'],3), round(r['roofline_fraction'],3)) for r in d['decode']])" "$f"; done
   [ -f "$OUT/21_trace.txt" ] && { echo "21_trace:"; grep -v Warning "$OUT/21_trace.txt" | tail -n 30; }
   [ -f "$OUT/10_host.txt" ] && grep -v Warning "$OUT/10_host.txt" | head -n 40
+  [ -f "$OUT/31_prefill_attn.txt" ] && grep -v Warning "$OUT/31_prefill_attn.txt" | tail -n 12
+  [ -f "$OUT/31_mixed_step.txt" ] && grep -v Warning "$OUT/31_mixed_step.txt" | grep -v '^  ' | head -n 45
+  [ -f "$OUT/32_concurrency_tests.txt" ] && { echo "32: $(tail -n 1 "$OUT/32_concurrency_tests.txt")"; grep -E "differs|^FAILED" "$OUT/32_concurrency_tests.txt" | head -n 12; }
   for f in 3_tp1 3_tp1_cublas 3_tp1_cublas_nopdl 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
   [ -f "$OUT/4_pd_check.txt" ] && echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt")"
   for f in 5_pd 5_colocated; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| sessions' "$OUT/$f.txt"; }; done
