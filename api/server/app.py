@@ -182,8 +182,8 @@ def serve(config: ServerConfig, sock: socket.socket | None = None, startup: Star
     takes it first), so that no second server loads the same sessions.
 
     Args:
-        config: The server config; ``model`` None serves the built-in demo model (random
-            weights), created under ``data_dir`` if needed.
+        config: The server config; ``model`` None serves the trained built-in model from the
+            package (``runtime.builtin_model``).
         sock: The bound socket to serve (``runtime.preflight.bind_port``, so a taken port is
             found before the model loads); None: uvicorn binds ``host:port`` itself.
         startup: The start-up's phase log, begun by the caller; None: begun here.
