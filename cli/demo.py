@@ -112,6 +112,10 @@ def run_demo(options: DemoOptions, client_class: Callable[..., Any], out: TextIO
 def run_story(client: Any, max_tokens: int) -> list[DemoRow]:
     """Create a session, 3 turns, fork into 2 branches, one turn each; then delete them.
 
+    A turn appends the workspace's answers to the previous reply's tool calls, or its own user
+    message of ``TURNS`` when there were none; each branch appends the answers to turn 3's
+    calls (a call is never left unanswered) and then its message of ``BRANCHES``.
+
     Args:
         client: An SDK ``Client`` (``client.sessions.create``, ``Session.append/fork/delete``).
         max_tokens: Tokens per generation (greedy).
