@@ -91,7 +91,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
                         help="time each point again with every request under a JSON-schema grammar")
     decode.add_argument("--tokenizer", metavar="DIR", type=Path,
                         help="with --grammar: the model folder whose tokenizer the grammar is compiled against "
-                             "(default: the model's, or the built-in model's for a dummy shape)")
+                             "(default: the model's, or the random-weight tiny model's for a dummy shape)")
     decode.set_defaults(configure=_checked, run=_decode)
 
     long = _kind(kinds, "long-context", "batch-1 decode at long contexts with roofline fractions")
@@ -102,7 +102,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     long.set_defaults(configure=_checked, run=_long_context)
 
     prefix = _kind(kinds, "prefix-cache", "multi-turn conversation with the prefix cache on vs off")
-    prefix.add_argument("--model", metavar="DIR", type=Path, help="model folder (default: the built-in tiny model)")
+    prefix.add_argument("--model", metavar="DIR", type=Path, help="model folder (default: the random-weight tiny model)")
     _conversation_args(prefix, {"--turns": 12, "--first-turn": 2000, "--append": 80, "--output": 16}, record=False)
     prefix.add_argument("--namespace", metavar="NAME",
                         help="run as one tenant of the partitioned cache, to measure its cost (default: none, the shared namespace)")
@@ -132,7 +132,8 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     _workload_args(trie)
     trie.add_argument("--duration", metavar="SECONDS", type=float, default=20.0,
                       help="seconds trie admits new traces (default: %(default)s)")
-    trie.add_argument("--tokenizer", metavar="DIR", help="the server's tokenizer folder (default: the built-in model's)")
+    trie.add_argument("--tokenizer", metavar="DIR", help="the server's tokenizer folder (default: that of the model the server "
+                                                                "started here serves, else the built-in model's)")
     trie.add_argument("--server-arg", metavar="ARG", action="append", default=[],
                       help="extra `phloem serve` argument, repeatable (default: none)")
     trie.add_argument("--out", metavar="DIR", type=Path, default=Path("bench-trie"),

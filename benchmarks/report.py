@@ -82,7 +82,7 @@ def bench_decode(
     ``progress`` gets one line per grid point; ``engine_options["show_progress"]`` (False: never)
     also governs the progress bars of loading and of the grid (``runtime.progress``). With
     ``grammar`` each point is timed again under ``BENCH_SCHEMA``; its grammar is compiled
-    against ``tokenizer`` (a model folder), else the model's own, else the built-in model's.
+    against ``tokenizer`` (a model folder), else the model's own, else the random-weight tiny model's.
     With ``served`` each point is also timed on the served path (``benchmarks.served``).
     """
     dev = torch.device(device)
@@ -152,8 +152,9 @@ def bench_decode(
 
 
 def _grammar_backend(engine: Engine, tokenizer: Path | None) -> GrammarBackend:
-    """A grammar backend over ``tokenizer``'s folder, or the built-in model's (dummy shapes have
-    none: its small vocabulary makes the host's mask work cheaper than a real tokenizer's)."""
+    """A grammar backend over ``tokenizer``'s folder, or the random-weight tiny model's (dummy
+    shapes have none: its small vocabulary makes the host's mask work cheaper than a real
+    tokenizer's)."""
     from phloem.runtime.default_model import ensure_default_model
 
     folder = tokenizer or ensure_default_model(Path(tempfile.mkdtemp(prefix="phloem-bench-")), False)

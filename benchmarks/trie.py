@@ -204,7 +204,8 @@ def run_trie_bench(
         duration_s: How long trie admits new traces.
         base_url: A running server; without it one ``phloem serve`` is started on a free port.
         server_args: Extra ``phloem serve`` arguments for the server started here.
-        tokenizer: The server's tokenizer folder; default: the built-in model's.
+        tokenizer: The server's tokenizer folder; default: that of the model the server started
+            here serves (``_served_tokenizer``), or the built-in model's for ``base_url``.
         out_dir: Where the workload file, ``trie.json`` and the harness's output go (a temporary
             folder when None).
 
@@ -215,8 +216,6 @@ def run_trie_bench(
         ValueError: ``wl`` forks.
         RuntimeError: The harness or the server failed.
     """
-    from phloem.runtime.default_model import ensure_default_model
-
     trie_workload_rows(wl)
     with tempfile.TemporaryDirectory(prefix="phloem-bench-trie-") as scratch:
         out = Path(out_dir or scratch)
@@ -228,7 +227,7 @@ def run_trie_bench(
                 _wait(server)
             url = base_url or server.url  # type: ignore[union-attr]
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-            tok = tokenizer or _served_model(server_args) or ensure_default_model(Path(scratch))
+            tok = tokenizer or _served_tokenizer(server_args, Path(scratch))
             report = run_trie(url, model, tok, workload, wl.agents, duration_s, wl.seed)
             _, ours = run_agentic(wl, ("sessions", "stateless"), base_url=url)
         finally:
@@ -278,6 +277,21 @@ def _wait(server: _Server) -> None:
     except (RuntimeError, TimeoutError) as exc:
         log = Path(server.log.name).read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{exc}; its log ends with:\n{log}") from exc
+
+
+def _served_tokenizer(server_args: tuple[str, ...], scratch: Path) -> Path | str:
+    """The tokenizer folder of ``phloem serve SERVER_ARGS``: its ``--model``; for a ``--shape``
+    (dummy weights) the random-weight tiny model's, whose tokenizer shapes carry; else the
+    built-in default model's."""
+    from phloem.runtime.builtin_model import trained_model_path
+    from phloem.runtime.default_model import ensure_default_model
+
+    model = _served_model(server_args)
+    if model is not None:
+        return model
+    if any(arg == "--shape" or arg.startswith("--shape=") for arg in server_args):
+        return ensure_default_model(scratch)
+    return trained_model_path()
 
 
 def _served_model(server_args: tuple[str, ...]) -> str | None:

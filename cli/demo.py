@@ -1,9 +1,16 @@
-"""``phloem demo``: a scripted agent conversation against a server, with a token report.
+"""``phloem demo``: an agent conversation against a server, with a token report.
 
-The story: create a session with a system prompt, run 3 turns of append + generate, fork it into
-2 branches, generate once in each, then delete the sessions. The report shows, per generation,
-the prompt, cached and completion tokens, so the prefix cache is visible: every turn after the
-first, and both branches, find their history cached.
+The story: create a session with a system prompt and three tools, run 3 turns of append +
+generate, fork it into 2 branches, generate once in each, then delete the sessions. The report
+shows, per generation, the prompt, cached and completion tokens, so the prefix cache is
+visible: every turn after the first, and both branches, find their history cached.
+
+The agent fixes a failing test in a make-believe workspace (``cli.demo_workspace``), the task
+the trained built-in model was trained on: the first turn gives it the task; each later turn
+gives it the workspace's answers to the tool calls it wrote, or, when it wrote none (a model
+that writes noise, or too few ``--max-tokens`` for a whole call), the next user message of
+``TURNS``; each branch asks it to try one candidate fix. So the calls in the report are the
+model's own, and the story runs to its end whatever the model writes.
 
 The SDK client class is passed in by ``cli.main``; anything with the SDK's ``Client`` shape
 works, which is how the tests drive it.
@@ -17,23 +24,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["DemoOptions", "DemoRow", "format_report", "run_demo", "run_story"]
+from phloem.cli.demo_workspace import FIXES, SYSTEM_PROMPT, TASK, TOOLS, call_text, tool_result
 
-SYSTEM_PROMPT = "You are a careful agent. You plan, call tools, and check their results."
+__all__ = ["BRANCHES", "DEFAULT_MAX_TOKENS", "SYSTEM_PROMPT", "TURNS", "DemoOptions", "DemoRow",
+           "format_report", "run_demo", "run_story"]
+
+# A tool call takes 26-44 of the built-in model's tokens: room for one whole call.
+DEFAULT_MAX_TOKENS = 64
+# The user's messages: the task, then what turns 2 and 3 say when the last reply held no call.
 TURNS = (
-    "List the files in the project and tell me which one holds the tests.",
-    "Run the failing test and summarise the error.",
-    "Propose a one-line fix for the off-by-one error in the loop.",
+    TASK,
+    "Start by listing the files in the workspace.",
+    "Read test_stats.py, then propose a fix for stats.py.",
 )
-BRANCHES = (
-    "Branch A: apply the fix and run the whole test suite.",
-    "Branch B: write a new test that covers the empty input first.",
-)
+# What each branch asks: run the tests with one candidate fix.
+BRANCHES = tuple(f"Run the tests with this fix:\n{fix}" for fix in FIXES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +52,7 @@ class DemoOptions:
 
     base_url: str | None = None
     api_key: str | None = None
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     model: str | None = None
     data_dir: Path | None = None
     startup_timeout_s: float = 120.0
@@ -56,7 +66,11 @@ class DemoOptions:
 
 @dataclass(frozen=True, slots=True)
 class DemoRow:
-    """One generation of the story and its usage."""
+    """One generation of the story and its usage.
+
+    ``prompt_input`` is what was appended before it, in short; ``calls`` the tool calls the
+    model wrote (``name({...})``), answered by the workspace in the next turn.
+    """
 
     step: str
     session_id: str
@@ -65,6 +79,8 @@ class DemoRow:
     completion_tokens: int
     finish_reason: str | None
     text: str
+    prompt_input: str = ""
+    calls: tuple[str, ...] = ()
 
 
 def run_demo(options: DemoOptions, client_class: Callable[..., Any], out: TextIO) -> int:
@@ -88,12 +104,17 @@ def run_demo(options: DemoOptions, client_class: Callable[..., Any], out: TextIO
         return 1
     out.write(format_report(rows))
     if options.base_url is None and options.model is None:
-        out.write("NOTE: the built-in model's weights are random, so its text is gibberish.\n")
+        out.write("NOTE: the built-in model is a 4M-parameter test model: its tool calls are its own, "
+                  "their arguments often wrong.\n")
     return 0
 
 
 def run_story(client: Any, max_tokens: int) -> list[DemoRow]:
     """Create a session, 3 turns, fork into 2 branches, one turn each; then delete them.
+
+    A turn appends the workspace's answers to the previous reply's tool calls, or its own user
+    message of ``TURNS`` when there were none; each branch appends the answers to turn 3's
+    calls (a call is never left unanswered) and then its message of ``BRANCHES``.
 
     Args:
         client: An SDK ``Client`` (``client.sessions.create``, ``Session.append/fork/delete``).
@@ -103,52 +124,86 @@ def run_story(client: Any, max_tokens: int) -> list[DemoRow]:
         One row per generation, in order.
     """
     generate = {"max_tokens": max_tokens, "temperature": 0.0}
-    root = client.sessions.create(messages=[{"role": "system", "content": SYSTEM_PROMPT}])
+    root = client.sessions.create(messages=[{"role": "system", "content": SYSTEM_PROMPT}], tools=TOOLS)
     created = [root]
     rows: list[DemoRow] = []
     try:
+        pending: list[dict[str, str]] = []  # the workspace's answers to the last reply's calls
         for i, text in enumerate(TURNS):
-            result = root.append(messages=[{"role": "user", "content": text}], generate=generate)
-            rows.append(_row(f"turn {i + 1}", root.id, result))
+            messages = pending or [_user(text)]
+            result = root.append(messages=messages, generate=generate)
+            rows.append(_row(f"turn {i + 1}", root.id, result, messages))
+            pending = _answers(result)
         branches = root.fork(len(BRANCHES))
         created += branches
         for name, branch, text in zip("AB", branches, BRANCHES):
-            result = branch.append(messages=[{"role": "user", "content": text}], generate=generate)
-            rows.append(_row(f"branch {name}", branch.id, result))
+            messages = [*pending, _user(text)]
+            result = branch.append(messages=messages, generate=generate)
+            rows.append(_row(f"branch {name}", branch.id, result, messages))
     finally:
         for session in reversed(created):
             session.delete()
     return rows
 
 
-def _row(step: str, session_id: str, result: Any) -> DemoRow:
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def _answers(result: Any) -> list[dict[str, str]]:
+    """The workspace's answer to each tool call of ``result``, as tool messages."""
+    return [{"role": "tool", "tool_call_id": call.id, "content": tool_result(call)}
+            for call in result.tool_calls or ()]
+
+
+def _row(step: str, session_id: str, result: Any, messages: Sequence[dict[str, str]]) -> DemoRow:
     usage = result.usage
     return DemoRow(
         step, session_id, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
-        result.finish_reason, result.text,
+        result.finish_reason, result.text, _describe(messages),
+        tuple(call_text(call) for call in result.tool_calls or ()),
     )
 
 
+def _describe(messages: Sequence[dict[str, str]]) -> str:
+    """The appended messages in a few words: the last user message, else the tool results."""
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if users:
+        return "user: " + " ".join(users[-1].split())
+    return "tool: " + " | ".join(" ".join(m["content"].split()) for m in messages)
+
+
 def format_report(rows: list[DemoRow]) -> str:
-    """A fixed-width table of the rows and a cache summary line.
+    """A fixed-width table of the rows and a cache summary line (and a count of the model's
+    tool calls, when it wrote any).
 
     A session is shown by the last 8 characters of its id: ids begin with their creation time
     (``sess_`` + milliseconds), so a branch and its parent share the first ones; the random end
-    tells them apart.
+    tells them apart. ``input`` is what the step appended; ``output`` the tool calls the model
+    wrote (``→ name({...})``), or its text when it wrote none.
     """
-    header = f"{'step':<10} {'session':<10} {'prompt':>7} {'cached':>7} {'completion':>10}  {'finish':<7} output"
-    lines = [header, "-" * len(header)]
+    header = (f"{'step':<10} {'session':<10} {'prompt':>7} {'cached':>7} {'completion':>10}  "
+              f"{'finish':<7} {'input':<22} output")
+    lines = [header, "-" * (len(header) + 42)]
     for r in rows:
-        output = repr(r.text[:28] + ("…" if len(r.text) > 28 else ""))
+        output = "→ " + "; ".join(r.calls) if r.calls else repr(r.text)
         lines.append(
             f"{r.step:<10} {'…' + r.session_id[-8:]:<10} {r.prompt_tokens:>7} {r.cached_tokens:>7} "
-            f"{r.completion_tokens:>10}  {r.finish_reason or '-':<7} {output}"
+            f"{r.completion_tokens:>10}  {r.finish_reason or '-':<7} {_cut(r.prompt_input, 22):<22} "
+            f"{_cut(output, 48)}"
         )
     prompt = sum(r.prompt_tokens for r in rows)
     cached = sum(r.cached_tokens for r in rows)
     share = f"{100 * cached / prompt:.0f}%" if prompt else "-"
     lines.append(f"prompt tokens {prompt}, of which {cached} came from the prefix cache ({share})")
+    calls = sum(len(r.calls) for r in rows)
+    if calls:
+        lines.append(f"tool calls written by the model: {calls} (a make-believe workspace answers them)")
     return "\n".join(lines) + "\n"
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 @contextlib.contextmanager

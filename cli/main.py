@@ -20,7 +20,7 @@ from pathlib import Path
 
 from phloem.benchmarks.cli import add_bench_commands
 from phloem.cli.hardening import add_hardening_flags, hardening_config
-from phloem.cli.demo import DemoOptions
+from phloem.cli.demo import DEFAULT_MAX_TOKENS, DemoOptions
 from phloem.engine.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from phloem.runtime.config import (
     DTYPES, LOG_FORMATS, LOG_LEVELS, ApiKey, ServerConfig, default_data_dir, parse_api_key, read_api_keys_file,
@@ -36,7 +36,7 @@ __all__ = ["build_parser", "main"]
 
 _SERVE_EXAMPLES = """\
 examples:
-  phloem serve                                  # the built-in tiny model (random weights)
+  phloem serve                                  # the built-in tiny model (trained, 4M parameters)
   phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --dtype bfloat16
   phloem serve --port 9000 --redis-url redis://localhost:6379/0
   phloem serve --model ~/models/Qwen3.5-35B-A3B --device cuda --tp 2   # GPUs 0 and 1
@@ -80,7 +80,7 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
     )
     serve.add_argument("--model", metavar="DIR", default=env.model,
                        help="Hugging Face model folder (default: $PHLOEM_MODEL, else the built-in "
-                            "tiny model with RANDOM weights, created in the data dir)")
+                            "tiny model, trained, shipped with phloem)")
     serve.add_argument("--host", default=_pick(env.host, defaults["host"]),
                        help="bind address (default: %(default)s)")
     serve.add_argument("--port", type=int, default=_pick(env.port, defaults["port"]),
@@ -133,7 +133,9 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
     demo.add_argument("--base-url", metavar="URL",
                       help="a running server; without it one is started on a free loopback port")
     demo.add_argument("--api-key", default=env.api_key, help="API key (default: $PHLOEM_API_KEY)")
-    demo.add_argument("--max-tokens", type=int, default=16, help="tokens per generation (default: %(default)s)")
+    demo.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                      help="tokens per generation; a tool call takes 26-44 of the built-in model's "
+                           "(default: %(default)s)")
     demo.add_argument("--model", metavar="DIR", default=env.model,
                       help="model of the server it starts (default: the built-in tiny model)")
     _add_data_dir(demo, env)
@@ -359,13 +361,13 @@ def _serve(config: ServerConfig) -> int:
                 logging.getLogger("phloem.cli.main").error("phloem serve: --data-dir: %s", exc)
                 return 2
         if config.model is None:
-            from phloem.runtime.default_model import ensure_default_model
+            from phloem.runtime.builtin_model import DEFAULT_MODEL_NAME, trained_model_path
 
-            with startup.phase("demo_model", f"building the built-in demo model in {config.models_dir}"):
-                folder = ensure_default_model(config.data_dir, config.engine_config.load.show_progress)
+            folder = trained_model_path()
             logging.getLogger("phloem.cli.main").warning(
-                "phloem: no --model given; serving the built-in demo model at %s. ITS WEIGHTS ARE "
-                "RANDOM: the text it generates is gibberish (use --model DIR for a real model)", folder)
+                "phloem: no --model given; serving the built-in model %s from %s: a 4M-parameter "
+                "test model that writes tool calls but knows nothing (use --model DIR for a real "
+                "model)", DEFAULT_MODEL_NAME, folder)
             config = dataclasses.replace(config, model=str(folder))
         if config.pd.role == "prefill":
             from phloem.runtime.pd.prefill import run_prefill_worker

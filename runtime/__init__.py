@@ -3,7 +3,8 @@
 Role: run one ``Engine`` on its own thread (``EngineLoop``) and give the asyncio API an
 ``EngineClient`` that never blocks the event loop; ``ServerConfig`` and the ``PHLOEM_*``
 environment (``env``, also the process's NCCL defaults) it is built from; preflight checks; the
-built-in demo model and the benchmark shapes (``model_shapes``); the prefill/decode instances
+built-in models (the trained default, ``builtin_model``; the random-weight one for tests,
+``default_model``) and the benchmark shapes (``model_shapes``); the prefill/decode instances
 (``runtime.pd``). The ``phloem`` command that wires it all is ``phloem.cli``.
 
 May import: the engine's public API only (``phloem.engine``, ``phloem.engine.config``,

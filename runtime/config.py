@@ -152,8 +152,8 @@ class ServerConfig:
     Args:
         host: bind address.
         port: TCP port (0: any free port).
-        model: Hugging Face model folder; ``None`` means the built-in demo model with random
-            weights (``runtime.default_model.ensure_default_model(data_dir)``).
+        model: Hugging Face model folder; ``None`` means the trained built-in model, served
+            from the package (``runtime.builtin_model.trained_model_path()``).
         data_dir: models, spilled sessions and the embedded index live here.
         redis_url: ``redis://``, ``rediss://`` or ``unix://`` URL of the session index;
             ``None`` uses the embedded SQLite index in ``data_dir``.
@@ -343,5 +343,5 @@ class ServerConfig:
 
     @property
     def models_dir(self) -> Path:
-        """Where downloaded and built-in models live: ``data_dir / "models"``."""
+        """Where downloaded models and the random-weight test model live: ``data_dir / "models"``."""
         return self.data_dir / "models"

@@ -1,9 +1,12 @@
-"""The built-in demo model: a tiny ``Qwen3_5MoeForCausalLM`` with RANDOM weights, built on first use.
+"""The random-weight tiny model: a ``Qwen3_5MoeForCausalLM`` with RANDOM weights, built on first use.
 
-``phloem serve`` without ``--model`` serves it, so the whole stack (sessions, cache, fork, API)
-runs anywhere in seconds with nothing to download. Its output is gibberish by construction.
+Tests and benchmarks that need a model whose output is noise (generations that run to
+``max_tokens`` instead of stopping at the end of a turn, any vocabulary id as likely as another)
+ask for it by calling ``ensure_default_model``; the benchmark shapes use its tokenizer
+(``runtime.model_shapes``). ``phloem serve`` without ``--model`` serves the trained built-in
+model instead (``runtime.builtin_model``). Its output is gibberish by construction.
 
-    data_dir/models/phloem-tiny-qwen3.5/
+    data_dir/models/phloem-tiny-qwen3.5-random/
         config.json            real architecture, tiny shapes (``runtime._default_model_weights``)
         model.safetensors      fp32, Hugging Face names, per-expert layout, seeded (same module)
         tokenizer.json         byte-level BPE trained on ``runtime/_corpus.txt``
@@ -35,17 +38,20 @@ from phloem.runtime._default_model_tokenizer import (
     CHAT_TEMPLATE, SPECIAL_TOKENS, TARGET_VOCAB, tokenizer_config, train_tokenizer,
 )
 from phloem.runtime._default_model_weights import model_config, random_weights, weight_shapes
+from phloem.runtime.builtin_model import DEFAULT_MODEL_NAME, trained_model_path
 from phloem.runtime.progress import progress_bar
 
-__all__ = ["DEFAULT_MODEL_NAME", "SPECIAL_TOKENS", "ensure_default_model", "trained_model_path"]
+# DEFAULT_MODEL_NAME and trained_model_path (the trained model's) are re-exported for old imports.
+__all__ = ["DEFAULT_MODEL_NAME", "RANDOM_MODEL_NAME", "SPECIAL_TOKENS", "ensure_default_model",
+           "trained_model_path"]
 
-DEFAULT_MODEL_NAME = "phloem-tiny-qwen3.5"
+RANDOM_MODEL_NAME = "phloem-tiny-qwen3.5-random"
 _FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md")
 
-_README = """# phloem-tiny-qwen3.5
+_README = """# phloem-tiny-qwen3.5-random
 
-**The weights of this model are random.** It generates gibberish. It exists so that `phloem serve`
-and `phloem demo` run anywhere without a download: the architecture (`Qwen3_5MoeForCausalLM`:
+**The weights of this model are random.** It generates gibberish. It exists for the tests and
+benchmarks that need a model whose output is noise, with nothing to download: the architecture (`Qwen3_5MoeForCausalLM`:
 3 Gated-DeltaNet layers + 1 gated full-attention layer, 8 experts top-2 + a shared expert) is real,
 only tiny, so sessions, the prefix cache, forks and the API behave exactly as with a real model.
 
@@ -53,15 +59,16 @@ The tokenizer is a byte-level BPE trained on a few KB of English (any text round
 ChatML special tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (end of turn, the EOS).
 
 Built by `phloem.runtime.default_model.ensure_default_model`; delete this folder to rebuild it.
-Serve a real model with `phloem serve --model /path/to/hf-folder`.
+`phloem serve` without `--model` serves the trained built-in model instead.
 """
 
 
 def ensure_default_model(data_dir: Path, show_progress: bool | None = None) -> Path:
-    """Return the demo model folder under ``data_dir``, building it on first use.
+    """Return the random-weight model folder under ``data_dir``, building it on first use.
 
     Args:
-        data_dir: The Phloem data directory; the model goes to ``data_dir/models/phloem-tiny-qwen3.5``.
+        data_dir: The Phloem data directory; the model goes to
+            ``data_dir/models/phloem-tiny-qwen3.5-random``.
         show_progress: A progress bar while building: False never, None when stderr is a
             terminal (``runtime.progress``).
 
@@ -71,11 +78,11 @@ def ensure_default_model(data_dir: Path, show_progress: bool | None = None) -> P
     Raises:
         OSError: ``data_dir`` is not writable, or a non-model folder occupies the name.
     """
-    final = Path(data_dir).expanduser() / "models" / DEFAULT_MODEL_NAME
+    final = Path(data_dir).expanduser() / "models" / RANDOM_MODEL_NAME
     if _is_complete(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    build = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=final.parent))
+    build = Path(tempfile.mkdtemp(prefix=f".{RANDOM_MODEL_NAME}.", dir=final.parent))
     try:
         _build(build, show_progress)
         try:
@@ -88,14 +95,6 @@ def ensure_default_model(data_dir: Path, show_progress: bool | None = None) -> P
     finally:
         shutil.rmtree(build, ignore_errors=True)
     return final
-
-
-def trained_model_path() -> Path:
-    """The trained built-in model shipped in the package (``runtime/_trained_model``): a tiny
-    Qwen3.5-MoE with an MTP layer, trained by ``tools/train`` (``docs/default-model.md``). Serve it
-    with ``phloem serve --model <this path>``; ``phloem serve`` without ``--model`` still serves the
-    random-weight model above."""
-    return Path(__file__).resolve().parent / "_trained_model"
 
 
 def _is_complete(folder: Path) -> bool:

@@ -48,7 +48,7 @@ class EnvVar:
 
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("PHLOEM_DATA_DIR", "path", "~/.phloem", "data directory (models, spilled sessions, index)"),
-    EnvVar("PHLOEM_MODEL", "path", "built-in demo model", "model folder served by `phloem serve`"),
+    EnvVar("PHLOEM_MODEL", "path", "built-in trained model", "model folder served by `phloem serve`"),
     EnvVar("PHLOEM_HOST", "str", "127.0.0.1", "bind address of `phloem serve`"),
     EnvVar("PHLOEM_PORT", "int", "8000", "port of `phloem serve`"),
     EnvVar("PHLOEM_REDIS_URL", "str", "embedded SQLite index", "Redis URL of the session index"),

@@ -32,7 +32,7 @@ def check_model_folder(model: str | Path | None, flag: str = "--model") -> None:
     """A model folder must exist and hold a readable ``config.json``.
 
     Args:
-        model: The folder; None (the built-in demo model) passes.
+        model: The folder; None (the built-in model) passes.
         flag: The flag (or variable) that gave it, named in the message.
 
     Raises:
@@ -43,7 +43,7 @@ def check_model_folder(model: str | Path | None, flag: str = "--model") -> None:
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"{flag}: no such folder {str(model)!r}; give a Hugging Face model folder "
-                         "(with config.json and *.safetensors), or leave it out for the built-in demo model")
+                         "(with config.json and *.safetensors), or leave it out for the built-in model")
     if not path.is_dir():
         raise ValueError(f"{flag}: expected a model folder, got the file {str(model)!r}")
     config = path / "config.json"

@@ -2,7 +2,7 @@
 
 Both formats wrap each call in ``<tool_call>`` ... ``</tool_call>``; what is inside differs:
 
-- ``hermes`` (Qwen3, Qwen3-Next, the built-in demo model): one JSON object::
+- ``hermes`` (Qwen3, Qwen3-Next, the built-in models): one JSON object::
 
       <tool_call>
       {"name": "get_weather", "arguments": {"city": "Paris"}}

@@ -40,7 +40,6 @@ import dataclasses
 import logging
 import signal
 import socket
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -70,7 +69,8 @@ from phloem.api.server.protocol import guarded_http_protocol
 from phloem.api.server.responses.routes import RESPONSES_ROUTES
 from phloem.runtime import EngineClient, EngineConfig, ServerConfig
 from phloem.runtime.config import DEFAULT_KEEPALIVE_S
-from phloem.runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from phloem.runtime.builtin_model import DEFAULT_MODEL_NAME, served_model_name, trained_model_path
+from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.runtime.logs import adopt_library_loggers, stderr_logging
 from phloem.runtime.pd.decode import engine_client_for
 from phloem.runtime.startup import StartupLog
@@ -97,9 +97,11 @@ def create_app(config: ServerConfig, engine_client: EngineClient,
     Returns:
         The Litestar app.
     """
-    model_id = Path(config.model).name if config.model else DEFAULT_MODEL_NAME
+    model_id = served_model_name(config.model) if config.model else DEFAULT_MODEL_NAME
     if model_id == DEFAULT_MODEL_NAME:
-        owned_by = "phloem (built-in demo model with RANDOM weights: its output is gibberish)"
+        owned_by = "phloem (built-in 4M-parameter test model: it writes tool calls, it knows nothing)"
+    elif model_id == RANDOM_MODEL_NAME:
+        owned_by = "phloem (built-in test model with RANDOM weights: its output is gibberish)"
     elif config.engine_config.load.load_format == "dummy":
         owned_by = "phloem (DUMMY random weights of this shape, for benchmarks: its output is gibberish)"
     else:
@@ -180,8 +182,8 @@ def serve(config: ServerConfig, sock: socket.socket | None = None, startup: Star
     takes it first), so that no second server loads the same sessions.
 
     Args:
-        config: The server config; ``model`` None serves the built-in demo model (random
-            weights), created under ``data_dir`` if needed.
+        config: The server config; ``model`` None serves the trained built-in model from the
+            package (``runtime.builtin_model``).
         sock: The bound socket to serve (``runtime.preflight.bind_port``, so a taken port is
             found before the model loads); None: uvicorn binds ``host:port`` itself.
         startup: The start-up's phase log, begun by the caller; None: begun here.
@@ -197,9 +199,7 @@ def serve(config: ServerConfig, sock: socket.socket | None = None, startup: Star
 def _serve(config: ServerConfig, sock: socket.socket | None, startup: StartupLog) -> None:
     adopt_library_loggers()  # transformers, imported by now, logs through our handler too
     if config.model is None:
-        with startup.phase("demo_model", f"building the built-in demo model in {config.models_dir}"):
-            folder = ensure_default_model(config.data_dir, config.engine_config.load.show_progress)
-        config = dataclasses.replace(config, model=str(folder))
+        config = dataclasses.replace(config, model=str(trained_model_path()))
     assert config.model is not None
     config.data_dir.mkdir(parents=True, exist_ok=True)
     load = config.engine_config.load

@@ -12,13 +12,14 @@ streams its verdict over the WebSocket, and the first branch whose tests pass wi
 
 The server parses the model's tool calls out of each reply (``result.tool_calls``: typed
 ``ToolCall`` objects with an id, a name and JSON arguments), so the agent never reads the
-model's tool-call markup itself. NOTE: the built-in model of ``phloem serve`` has RANDOM
-weights: left to choose (``tool_choice: auto``) it practically never calls a tool. When a reply
-holds no call, the agent takes the next call from its script (marked ``scripted`` in the
-report). The loop is the one a real agent runs: with a real model (``phloem serve --model
-DIR``) the calls come from the model's replies (``tool_choice: "required"`` would force one).
-The trained built-in model (``docs/default-model.md``) writes its own calls: serve it with
-``--model`` and run this with ``--max-tokens 64`` (a call takes 26-37 of its tokens).
+model's tool-call markup itself. The calls come from the model's replies (``tool_choice:
+auto``): the built-in model of ``phloem serve`` (``docs/default-model.md``) was trained on this
+very task and writes ``list_files`` and ``read_file`` calls of its own, often with arguments of
+its own too (a call takes 26-44 of its tokens: keep ``--max-tokens`` at 64 or more). When a
+reply holds no call (a model that never calls tools, or a call cut short by ``--max-tokens``),
+the agent takes the next call from its script, marked ``scripted`` in the report, so the story
+always reaches the fork. A branch wins when a ``run_tests`` call it made passes; the fix tested
+is the one in the call, which a model may have rewritten.
 
 Nothing is started: ``--url`` names a running server. Only the SDK (``phloem.api``) is
 used; ``--json FILE`` also writes the report as JSON, and ``--keep`` keeps the sessions.
@@ -54,7 +55,7 @@ TOOLS = [
                                       "parameters": {"type": "object",
                                                      "properties": {"fix": {"type": "string"}}}}},
 ]
-# What the agent does when the model proposes no call (always, with random weights).
+# What the agent does when the model proposes no call.
 SCRIPT = [{"name": "list_files", "arguments": {}},
           {"name": "read_file", "arguments": {"path": "stats.py"}}]
 
@@ -71,6 +72,8 @@ class Step:
     num_tokens: int
     text: str
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    # Calls the model wrote in a reply the story ends on (before the fork, a branch's last): not run.
+    unanswered: list[dict[str, Any]] = field(default_factory=list)
 
 
 def parse_tool_calls(result: AppendResult) -> list[dict[str, Any]]:
@@ -125,9 +128,10 @@ def tool_messages(calls: list[dict[str, Any]], turn: int) -> list[dict[str, Any]
 
 
 def step(session_id: str, result: AppendResult, calls: list[dict[str, Any]]) -> Step:
+    """The report's row for ``result``; ``calls`` are the ones run (none: the story ends here)."""
     u = result.usage
     return Step(session_id, result.turn, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
-                result.num_tokens, result.text, calls)
+                result.num_tokens, result.text, calls, [] if calls else parse_tool_calls(result))
 
 
 async def explore(session: AsyncSession, fix: str, generate: dict[str, Any]) -> dict[str, Any]:
@@ -137,13 +141,17 @@ async def explore(session: AsyncSession, fix: str, generate: dict[str, Any]) -> 
         generate=generate)
     calls = next_calls(first, {"name": "run_tests", "arguments": {"fix": fix}})
     results = tool_messages(calls, first.turn)
+    # The verdict is the last run_tests call's: a model may have called another tool instead.
+    tested = [(c, r["content"]) for c, r in zip(calls, results) if c["name"] == "run_tests"]
+    verdict = tested[-1][1] if tested else "not run (no run_tests call)"
     deltas = []
     async with session.stream(messages=results, generate=generate, transport="websocket") as stream:
         async for delta in stream:
             deltas.append(delta.text)
     assert stream.result is not None
-    return {"session_id": session.id, "fix": fix.strip(), "tests": results[-1]["content"],
-            "passed": results[-1]["content"] == "1 passed", "streamed_text": "".join(deltas),
+    return {"session_id": session.id, "fix": fix.strip(), "tests": verdict,
+            "tested_fix": str(tested[-1][0]["arguments"].get("fix", "")).strip() if tested else None,
+            "passed": verdict == "1 passed", "streamed_text": "".join(deltas),
             "steps": [asdict(step(session.id, first, calls)),
                       asdict(step(session.id, stream.result, []))]}
 
@@ -190,6 +198,8 @@ def print_report(report: dict[str, Any]) -> None:
     def row(s: dict[str, Any], label: str) -> None:
         calls = ", ".join(f"{c['name']}({json.dumps(c['arguments'])})"
                           + (" [scripted]" if c["scripted"] else "") for c in s["tool_calls"])
+        calls = calls or ", ".join(f"{c['name']}({json.dumps(c['arguments'])}) [not run]"
+                                   for c in s["unanswered"])
         print(f"{label:<10} turn {s['turn']:<2} prompt {s['prompt_tokens']:>5}  cached "
               f"{s['cached_tokens']:>5}  completion {s['completion_tokens']:>3}  "
               f"{('→ ' + calls) if calls else repr(s['text'][:40])}")
@@ -202,7 +212,8 @@ def print_report(report: dict[str, Any]) -> None:
     for k, b in enumerate(fork["branches"]):
         for s in b["steps"]:
             row(s, f"branch {'ABCDEFGH'[k]}")
-        print(f"           fix {b['fix']!r}: {b['tests']}")
+        tried = "" if b["tested_fix"] in (None, b["fix"]) else f", the model tested {b['tested_fix']!r}"
+        print(f"           proposed {b['fix']!r}{tried}: {b['tests'].splitlines()[0]}")
     print(f"winner: {report['winner']}" + ("" if report["kept"] else " (sessions deleted)"))
 
 
@@ -214,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="a running server (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("PHLOEM_API_KEY"),
                         help="API key (default: $PHLOEM_API_KEY)")
-    parser.add_argument("--max-tokens", type=int, default=24, help="tokens per generation (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per generation (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     parser.add_argument("--keep", action="store_true", help="keep the sessions (default: delete them)")
     args = parser.parse_args(argv)

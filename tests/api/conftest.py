@@ -1,12 +1,16 @@
 """Fixtures for the server tests.
 
 ``server``: a REAL ``phloem serve`` process (``python3 -m phloem.cli serve``) on a free
-loopback port, serving the built-in tiny model (random weights) from a temporary data dir; it
-is started once for the test session and terminated at the end.
+loopback port, serving its default model (the trained built-in one, ``DEFAULT_MODEL_NAME``)
+from a temporary data dir; it is started once for the test session and terminated at the end.
 
-``app_client``: the same app in process (``create_app`` + Litestar's ``TestClient``) over its
-own engine, with an admission limit of one generation (to reach 503), for tests that need
-``websocket_connect`` in process or a config the CLI does not expose.
+``app_client``: the same app and model in process (``create_app`` + Litestar's ``TestClient``)
+over its own engine, with an admission limit of one generation (to reach 503), for tests that
+need ``websocket_connect`` in process or a config the CLI does not expose.
+
+``random_server``: the same as ``server`` with the random-weight model (``--model``), started
+only for the tests that ask for it. ``data_dir`` holds that model (``ensure_default_model``),
+built once, for every test that serves it explicitly: they address it as ``RANDOM_MODEL_NAME``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from litestar.testing import TestClient
 from phloem.api import Client
 from phloem.api.server.app import create_app
 from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
+from phloem.runtime.builtin_model import trained_model_path
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
 
@@ -47,18 +52,16 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("phloem-server")
-    ensure_default_model(folder)  # built once here, found by the server
+    ensure_default_model(folder)  # the random model, built once here for the tests that serve it
     return folder
 
 
-@pytest.fixture(scope="session")
-def server(data_dir: Path) -> Iterator[Server]:
+def _serve(data_dir: Path, log: Path, args: list[str]) -> Iterator[Server]:
     port = _free_port()
-    log = data_dir / "server.log"
     # One intra-op thread: the tiny model gains nothing from more on the 2-core CI machine.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "phloem.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(port), "--data-dir", str(data_dir)]
+               "--port", str(port), "--data-dir", str(data_dir), *args]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
@@ -85,6 +88,19 @@ def server(data_dir: Path) -> Iterator[Server]:
             process.wait()
 
 
+@pytest.fixture(scope="session")
+def server(data_dir: Path) -> Iterator[Server]:
+    yield from _serve(data_dir, data_dir / "server.log", [])
+
+
+@pytest.fixture(scope="session")
+def random_server(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``phloem serve --model`` the random-weight model (``RANDOM_MODEL_NAME``), for the tests
+    that need spread-out next-token probabilities (samples that differ); its own data dir."""
+    folder = tmp_path_factory.mktemp("phloem-random-server")
+    yield from _serve(folder, folder / "server.log", ["--model", str(ensure_default_model(data_dir))])
+
+
 @pytest.fixture
 def client(server: Server) -> Iterator[Client]:
     with Client(server.base_url, timeout=60) as sdk:
@@ -95,7 +111,7 @@ def client(server: Server) -> Iterator[Client]:
 def app_client(tmp_path_factory: pytest.TempPathFactory,
                data_dir: Path) -> Iterator[TestClient]:  # type: ignore[type-arg]
     folder = tmp_path_factory.mktemp("phloem-inprocess")
-    model = ensure_default_model(data_dir)  # the server's copy; sessions live in `folder`
+    model = trained_model_path()  # the server's model; sessions live in `folder`
     engine = EngineClient.from_pretrained(model)
     engine.start()
     config = ServerConfig(model=str(model), data_dir=folder, max_body_bytes=1 << 20)

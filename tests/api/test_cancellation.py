@@ -18,6 +18,7 @@ from live_servers import LiveApp, live_app
 from websockets.sync.client import connect
 
 from phloem.runtime import EngineStats, ServerConfig, ensure_default_model
+from phloem.runtime.default_model import RANDOM_MODEL_NAME
 
 LONG = {"max_tokens": 4000, "temperature": 0, "ignore_eos": True}
 
@@ -98,7 +99,7 @@ def test_websocket_client_disconnect_cancels_and_releases(app: LiveApp, http: ht
 
 def test_openai_stream_disconnect_cancels_and_releases(app: LiveApp, http: httpx.Client) -> None:
     app.wait_idle()
-    body = {"model": "phloem-tiny-qwen3.5", "prompt": "once upon", "max_tokens": 4000,
+    body = {"model": RANDOM_MODEL_NAME, "prompt": "once upon", "max_tokens": 4000,
             "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as stream:
         data = (line for line in stream.iter_lines() if line.startswith("data:"))

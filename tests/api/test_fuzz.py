@@ -32,9 +32,10 @@ from schemathesis.specs.openapi.checks import (
 
 from phloem.api.server.app import create_app
 from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
+from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
-MODEL = "phloem-tiny-qwen3.5"
+MODEL = RANDOM_MODEL_NAME  # the model the app below serves
 NUM_POSITIVE = 70
 NUM_NEGATIVE = 12
 MAX_TOKENS = 3

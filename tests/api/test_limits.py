@@ -25,6 +25,7 @@ from websockets.sync.client import connect
 
 from phloem.engine import EngineConfig, SchedulerConfig
 from phloem.runtime import ServerConfig, ensure_default_model
+from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.runtime.config import ApiKey
 
 ALICE, BOB, CAROL = "alice-key-0123456789", "bob-key-0123456789ab", "carol-key-0123456789"
@@ -142,7 +143,7 @@ def test_generations_per_key_are_429_and_global_overload_is_503(app: LiveApp) ->
         assert over.headers["retry-after"] == "3"
         # Input without generation is not a generation: it commits.
         assert alice.post(f"/v1/sessions/{other}/append", json={"text": "x"}).status_code == 200
-        chat = alice.post("/v1/chat/completions", json={"model": "phloem-tiny-qwen3.5", "messages": [
+        chat = alice.post("/v1/chat/completions", json={"model": RANDOM_MODEL_NAME, "messages": [
             {"role": "user", "content": "x"}], "max_tokens": 1})
         assert chat.status_code == 429 and chat.json()["error"]["code"] == "rate_limited"
         with connect(f"{app.ws_url}/v1/sessions/{other}/ws",
@@ -195,7 +196,7 @@ def test_idle_websocket_generation_is_cancelled_then_the_socket_closes(app: Live
 
 def test_idle_openai_stream_is_cancelled(app: LiveApp) -> None:
     with busy_engine(app), http(app, BOB) as bob:
-        body = {"model": "phloem-tiny-qwen3.5", "messages": [{"role": "user", "content": "q"}],
+        body = {"model": RANDOM_MODEL_NAME, "messages": [{"role": "user", "content": "q"}],
                 "max_tokens": 2, "stream": True}
         with bob.stream("POST", "/v1/chat/completions", json=body) as stream:
             lines = [line for line in stream.iter_lines() if line.startswith("data:")]

@@ -25,7 +25,7 @@ from live_servers import ServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
 from phloem.api import Client
-from phloem.runtime import ensure_default_model
+from phloem.runtime.builtin_model import trained_model_path
 
 GREEDY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 KEY = "metrics-test-key-0123456789"
@@ -62,7 +62,7 @@ def segment_bytes(model_dir: Path, num_tokens: int) -> int:
 
 
 def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
-    model_dir = ensure_default_model(tmp_path)
+    model_dir = trained_model_path()  # what the server below serves: no --model
     rng = random.Random(11)
 
     def tokens(n: int) -> list[int]:

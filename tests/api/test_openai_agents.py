@@ -22,7 +22,8 @@ from probe import next_token_logits
 from pydantic import BaseModel, Field
 
 from phloem.engine import Engine
-from phloem.runtime import ensure_default_model
+from phloem.runtime.builtin_model import trained_model_path
+from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.sessions import Tokenizer
 
 MODEL = "phloem-tiny-qwen3.5"
@@ -115,7 +116,7 @@ def test_parse_returns_a_pydantic_object(oai: openai.OpenAI, server: Any) -> Non
 
     # Any object: random weights would write one endless key, so a bias favours closing quotes
     # and braces (the grammar still decides which tokens may come).
-    tokenizer = Tokenizer.from_pretrained(ensure_default_model(server.data_dir))
+    tokenizer = Tokenizer.from_pretrained(trained_model_path())
     bias = {str(t): 30 for t in tokenizer.encode('"') + tokenizer.encode("}")}
     json_object = oai.chat.completions.create(model=MODEL, messages=ask(), temperature=0, max_tokens=300,
                                               response_format={"type": "json_object"}, logit_bias=bias)
@@ -127,10 +128,18 @@ def scrape(base_url: str, name: str) -> float:
     return float(next(line.split()[-1] for line in lines if line.startswith(name + " ")))
 
 
-def test_n_choices_share_the_prompt_pages(oai: openai.OpenAI, server: Any) -> None:
-    cached_before = scrape(server.base_url, "phloem_cached_tokens_total")
-    out = oai.chat.completions.create(model=MODEL, messages=ask(), n=3, temperature=1.0, max_tokens=6,
-                                      extra_body={"ignore_eos": True})
+@pytest.fixture
+def random_oai(random_server: Any) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{random_server.base_url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def test_n_choices_share_the_prompt_pages(random_oai: openai.OpenAI, random_server: Any) -> None:
+    """Served by the random-weight model: the trained one is so sure of its next tokens that
+    independent draws of a few tokens often coincide."""
+    cached_before = scrape(random_server.base_url, "phloem_cached_tokens_total")
+    out = random_oai.chat.completions.create(model=RANDOM_MODEL_NAME, messages=ask(), n=3, temperature=1.0,
+                                             max_tokens=6, extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert len({c.message.content for c in out.choices}) > 1  # independent draws
     usage = out.usage
@@ -139,20 +148,20 @@ def test_n_choices_share_the_prompt_pages(oai: openai.OpenAI, server: Any) -> No
     assert details is not None and details.cached_tokens == 0
     # Each choice took all but the last prompt token from the one shared prefill.
     assert details.model_extra == {"shared_tokens": usage.prompt_tokens - 1}
-    assert scrape(server.base_url, "phloem_cached_tokens_total") - cached_before == 3 * (usage.prompt_tokens - 1)
+    assert scrape(random_server.base_url, "phloem_cached_tokens_total") - cached_before == 3 * (usage.prompt_tokens - 1)
 
     messages = ask()
 
     def seeded() -> list[str | None]:
-        out = oai.chat.completions.create(model=MODEL, messages=messages, n=2, temperature=1.0, seed=11,
-                                          max_tokens=6, extra_body={"ignore_eos": True})
+        out = random_oai.chat.completions.create(model=RANDOM_MODEL_NAME, messages=messages, n=2, temperature=1.0,
+                                                 seed=11, max_tokens=6, extra_body={"ignore_eos": True})
         return [c.message.content for c in out.choices]
 
     choices = seeded()
     assert choices == seeded() and choices[0] != choices[1]  # choice i draws from seed + i
 
-    streamed = list(oai.chat.completions.create(model=MODEL, messages=ask(), n=2, temperature=0, max_tokens=4,
-                                                stream=True, extra_body={"ignore_eos": True}))
+    streamed = list(random_oai.chat.completions.create(model=RANDOM_MODEL_NAME, messages=ask(), n=2, temperature=0,
+                                                       max_tokens=4, stream=True, extra_body={"ignore_eos": True}))
     text = {0: "", 1: ""}
     for chunk in streamed:
         for c in chunk.choices:
@@ -163,7 +172,7 @@ def test_n_choices_share_the_prompt_pages(oai: openai.OpenAI, server: Any) -> No
 @pytest.fixture(scope="module")
 def engine(server: Any) -> Engine:
     """The served model, loaded again in this process: the reference for log-probabilities."""
-    return Engine.from_pretrained(ensure_default_model(server.data_dir), num_pages=64, num_state_slots=4)
+    return Engine.from_pretrained(trained_model_path(), num_pages=64, num_state_slots=4)
 
 
 def log_softmax_after(engine: Engine, tokens: list[int]) -> torch.Tensor:
@@ -177,7 +186,7 @@ def test_logprobs_are_the_engines_log_softmax(oai: openai.OpenAI, engine: Engine
                                       logprobs=True, top_logprobs=5, extra_body={"ignore_eos": True})
     content = out.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 5
-    tokenizer = Tokenizer.from_pretrained(ensure_default_model(server.data_dir))
+    tokenizer = Tokenizer.from_pretrained(trained_model_path())
     tokens = tokenizer.render_messages(messages, add_generation_prompt=True)
     for entry in content:
         expected = log_softmax_after(engine, tokens)

@@ -20,9 +20,10 @@ def oai(server: Any) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def test_models_say_the_weights_are_random(oai: openai.OpenAI) -> None:
+def test_models_say_what_the_built_in_model_is(oai: openai.OpenAI) -> None:
     [model] = oai.models.list().data
-    assert model.id == MODEL and "RANDOM" in model.owned_by
+    assert model.id == MODEL and "built-in 4M-parameter test model" in model.owned_by
+    assert "RANDOM" not in model.owned_by
 
 
 def test_chat_completions_stream_and_not(oai: openai.OpenAI) -> None:

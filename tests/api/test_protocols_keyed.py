@@ -15,10 +15,11 @@ import pytest
 from live_servers import ServerProcess
 
 from phloem.runtime import ensure_default_model
+from phloem.runtime.default_model import RANDOM_MODEL_NAME
 
 ALICE = "alice-responses-key-0123456"
 BOB = "bob-responses-key-78901234"
-MODEL = "phloem-tiny-qwen3.5"
+MODEL = RANDOM_MODEL_NAME  # the model the server below serves
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,10 @@ from transformers import AutoTokenizer
 
 from phloem.api.server.app import create_app
 from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
+from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
-MODEL = "phloem-tiny-qwen3.5"
+MODEL = RANDOM_MODEL_NAME  # the model the app below serves
 THINKING_TEMPLATE = (
     "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|im_end|>\\n' }}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"

@@ -26,8 +26,9 @@ from live_servers import LiveApp, live_app
 
 from phloem.api.server.responses.input import locate
 from phloem.runtime import ServerConfig, ensure_default_model
+from phloem.runtime.default_model import RANDOM_MODEL_NAME
 
-MODEL = "phloem-tiny-qwen3.5"
+MODEL = RANDOM_MODEL_NAME  # the model the app below serves
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

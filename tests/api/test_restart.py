@@ -24,7 +24,7 @@ from redis_support import clear_prefix, random_prefix, require_redis
 
 from phloem.api import Client, Session
 from phloem.engine import Engine, SamplingParams
-from phloem.runtime import ensure_default_model
+from phloem.runtime.builtin_model import trained_model_path
 from phloem.storage import RedisIndex
 
 NUM_SESSIONS = 20
@@ -63,7 +63,7 @@ def history(session: Session) -> list[int]:
 
 def test_kill_9_then_restart_keeps_and_resumes_every_session(tmp_path: Path,
                                                              index_flags: dict[str, Any]) -> None:
-    model_dir = ensure_default_model(tmp_path)
+    model_dir = trained_model_path()  # what the servers below serve: no --model
     first = ServerProcess(tmp_path, index_flags["args"], dict(index_flags["env"])).start()
     try:
         with Client(first.base_url, timeout=60) as client:

@@ -69,3 +69,16 @@ def test_agent_example_tool_calls_and_forks(docs_server: ServerProcess, run_scri
             assert branch["streamed_text"] == branch["steps"][-1]["text"]
             child.delete()
         root.delete()
+
+
+def test_agent_example_calls_tools_of_the_built_in_model_s_own(docs_server: ServerProcess, run_script: Any,
+                                                               tmp_path: Path) -> None:
+    """With the default ``--max-tokens``, the trained built-in model (the docs server's default)
+    writes the root's tool calls itself: nothing is scripted (greedy, so the same every run)."""
+    report_path = tmp_path / "report.json"
+    done = run_script([sys.executable, AGENT, "--url", docs_server.base_url, "--json", str(report_path)])
+    report = json.loads(report_path.read_text())
+    calls = [c for s in report["steps"] for c in s["tool_calls"]]
+    assert [c["name"] for c in calls] == ["list_files", "read_file"], done.stdout
+    assert not any(c["scripted"] for c in calls) and "[scripted]" not in done.stdout.split("fork:")[0]
+    assert all(c["id"] for c in calls)  # the server's ids for the calls it parsed

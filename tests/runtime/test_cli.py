@@ -15,7 +15,9 @@ import pytest
 
 from phloem.kernels.config import KernelConfig
 from phloem.runtime import ServerConfig
+from phloem.runtime.builtin_model import DEFAULT_MODEL_NAME, trained_model_path
 from phloem.cli.demo import BRANCHES, TURNS, DemoOptions, DemoRow, format_report, run_demo, run_story
+from phloem.cli.demo_workspace import TOOLS
 from phloem.cli.main import build_parser, main
 
 
@@ -67,15 +69,18 @@ def test_bench_without_a_kind_is_a_usage_error() -> None:
     assert info.value.code == 2
 
 
-def test_serve_without_model_builds_the_demo_model(
+def test_serve_without_model_serves_the_trained_built_in_model(
     served: list[ServerConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["serve", "--data-dir", str(tmp_path), "--port", "0"]) == 0
     (config,) = served
-    assert config.model == str(tmp_path / "models" / "phloem-tiny-qwen3.5")
-    assert (Path(config.model) / "config.json").is_file()
+    # Served in place from the package: nothing is built or copied into the data dir.
+    assert config.model == str(trained_model_path())
+    assert (Path(config.model) / "model.safetensors").is_file()
+    assert not (tmp_path / "models").exists()
     assert (config.port, config.host, config.data_dir) == (0, "127.0.0.1", tmp_path)
-    assert "RANDOM" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"built-in model {DEFAULT_MODEL_NAME}" in err and "RANDOM" not in err
 
 
 def configured(argv: list[str]) -> Any:
@@ -124,18 +129,26 @@ def test_demo_rejects_a_bad_value_naming_it(capsys: pytest.CaptureFixture[str]) 
     assert info.value.code == 2 and "max_tokens: expected" in capsys.readouterr().err
 
 
+def fake_call(name: str, arguments: str = "{}") -> Any:
+    """A parsed tool call as the SDK returns it (``ToolCall``: id, function name and arguments)."""
+    function = types.SimpleNamespace(name=name, arguments=arguments)
+    return types.SimpleNamespace(id=f"call_{name}", function=function, type="function")
+
+
 class FakeSession:
     def __init__(self, client: FakeClient, sid: str, num_tokens: int) -> None:
         self.client, self.id, self.num_tokens = client, sid, num_tokens
 
     def append(self, *, messages: list[dict[str, str]], generate: dict[str, Any]) -> Any:
+        self.client.appended.append((self.id, messages))
         prompt = self.num_tokens + 10 * len(messages)
         cached = self.num_tokens  # everything the session held is in the cache
         self.num_tokens = prompt + generate["max_tokens"]
         usage = types.SimpleNamespace(
             prompt_tokens=prompt, cached_tokens=cached, completion_tokens=generate["max_tokens"]
         )
-        return types.SimpleNamespace(usage=usage, finish_reason="length", text="gibberish " * 5)
+        calls = self.client.calls.pop(0) if self.client.calls else None
+        return types.SimpleNamespace(usage=usage, finish_reason="length", text="gibberish " * 5, tool_calls=calls)
 
     def fork(self, n: int) -> list[FakeSession]:
         return [self.client.new_session(self.num_tokens) for _ in range(n)]
@@ -145,17 +158,24 @@ class FakeSession:
 
 
 class FakeClient:
+    """Stands in for the SDK ``Client``; ``calls`` are the tool calls of the next replies, in
+    order (None: a reply without one)."""
+
     def __init__(self, base_url: str, api_key: str | None = None) -> None:
         self.base_url, self.api_key = base_url, api_key
         self.sessions = self
         self.created: list[str] = []
         self.deleted: list[str] = []
+        self.appended: list[tuple[str, list[dict[str, str]]]] = []
+        self.calls: list[list[Any] | None] = []
+        self.tools: list[Any] | None = None
 
     def new_session(self, num_tokens: int) -> FakeSession:
         self.created.append(f"s{len(self.created):07d}")
         return FakeSession(self, self.created[-1], num_tokens)
 
-    def create(self, *, messages: list[dict[str, str]]) -> FakeSession:
+    def create(self, *, messages: list[dict[str, str]], tools: list[Any] | None = None) -> FakeSession:
+        self.tools = tools
         return self.new_session(10 * len(messages))
 
     def __enter__(self) -> FakeClient:
@@ -172,8 +192,32 @@ def test_demo_story_runs_turns_then_branches_and_cleans_up() -> None:
     assert len(TURNS) == 3 and len(BRANCHES) == 2
     assert rows[0].cached_tokens == 10 and rows[3].cached_tokens == rows[4].cached_tokens
     assert sorted(client.deleted) == client.created and len(client.created) == 3
+    assert client.tools == TOOLS
+    # No reply held a call: every step appended its scripted user message.
+    assert [m for _, m in client.appended] == [[{"role": "user", "content": t}] for t in TURNS + BRANCHES]
     report = format_report(rows)
     assert "branch B" in report and f"of which {sum(r.cached_tokens for r in rows)} came" in report
+    assert "tool calls" not in report
+
+
+def test_demo_story_answers_the_model_s_tool_calls() -> None:
+    """A reply's calls are answered by the workspace in the next step (a bad call gets an error
+    string); a reply without a call gets the next scripted user message."""
+    client = FakeClient("http://x")
+    client.calls = [[fake_call("list_files")], None,
+                    [fake_call("run_tests", '{"fix": "    return sum(xs) / len(xs)"}'), fake_call("rm", "[1]")]]
+    rows = run_story(client, max_tokens=4)
+    sent = [m for _, m in client.appended]
+    assert sent[1] == [{"role": "tool", "tool_call_id": "call_list_files", "content": "stats.py\ntest_stats.py"}]
+    assert sent[2] == [{"role": "user", "content": TURNS[2]}]
+    answers = [{"role": "tool", "tool_call_id": "call_run_tests", "content": "1 passed"},
+               {"role": "tool", "tool_call_id": "call_rm", "content": "error: unknown tool 'rm'"}]
+    assert sent[3][:2] == sent[4][:2] == answers
+    assert [sent[3][2:], sent[4][2:]] == [[{"role": "user", "content": text}] for text in BRANCHES]
+    assert rows[0].calls == ("list_files({})",) and rows[1].calls == ()
+    assert rows[2].calls == ('run_tests({"fix": "    return sum(xs) / len(xs)"})', "rm({})")
+    report = format_report(rows)
+    assert "→ list_files({})" in report and "tool calls written by the model: 3" in report
 
 
 def test_demo_table_tells_sessions_apart() -> None:
@@ -263,12 +307,17 @@ def _server_available() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _server_available(), reason="phloem.api.server.app (the server) is not there yet")
 def test_demo_end_to_end(tmp_path: Path) -> None:
+    """The default demo: the trained built-in model writes its own tool calls (greedy, so the
+    first one is the same every time: ``list_files``, as the corpus taught it)."""
     result = subprocess.run(
-        [sys.executable, "-m", "phloem.cli", "demo", "--data-dir", str(tmp_path), "--max-tokens", "4"],
+        [sys.executable, "-m", "phloem.cli", "demo", "--data-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "branch B" in result.stdout and "random" in result.stdout
+    assert "branch B" in result.stdout and "built-in model is a 4M-parameter test model" in result.stdout
+    turn_1 = next(line for line in result.stdout.splitlines() if line.startswith("turn 1"))
+    assert turn_1.endswith("→ list_files({})"), result.stdout
+    assert "tool calls written by the model: " in result.stdout
 
 
 def test_serve_shape_serves_dummy_weights_with_the_demo_tokenizer(served: list[ServerConfig], tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The built-in demo model: built once, atomically and deterministically; read by Phloem and by HF."""
+"""The random-weight test model: built once, atomically and deterministically; read by Phloem and by HF."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tokenizers import Tokenizer  # noqa: E402
 from phloem.engine import Engine, SamplingParams  # noqa: E402
 from phloem.engine import CacheConfig, EngineConfig  # noqa: E402
 from phloem.runtime import EngineClient, ensure_default_model  # noqa: E402
-from phloem.runtime.default_model import DEFAULT_MODEL_NAME, SPECIAL_TOKENS  # noqa: E402
+from phloem.runtime.default_model import RANDOM_MODEL_NAME, SPECIAL_TOKENS  # noqa: E402
 
 TEXTS = [
     "An agent calls a tool, reads the result, and decides what to do next.",
@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_layout_and_config(model_dir: Path) -> None:
-    assert model_dir.name == DEFAULT_MODEL_NAME and model_dir.parent.name == "models"
+    assert model_dir.name == RANDOM_MODEL_NAME and model_dir.parent.name == "models"
     names = sorted(p.name for p in model_dir.iterdir())
     assert names == ["README.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert "random" in (model_dir / "README.md").read_text().lower()
@@ -60,7 +60,7 @@ def test_idempotent_and_leaves_no_temporary_folders(model_dir: Path) -> None:
     before = {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()}
     assert ensure_default_model(model_dir.parent.parent) == model_dir
     assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == before
-    assert [p.name for p in model_dir.parent.iterdir()] == [DEFAULT_MODEL_NAME]
+    assert [p.name for p in model_dir.parent.iterdir()] == [RANDOM_MODEL_NAME]
 
 
 def test_deterministic_and_safe_under_a_race(model_dir: Path, tmp_path: Path) -> None:
@@ -72,7 +72,7 @@ def test_deterministic_and_safe_under_a_race(model_dir: Path, tmp_path: Path) ->
         t.join()
     assert len(set(results)) == 1
     (other,) = set(results)
-    assert [p.name for p in other.parent.iterdir()] == [DEFAULT_MODEL_NAME]
+    assert [p.name for p in other.parent.iterdir()] == [RANDOM_MODEL_NAME]
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (other / name).read_bytes() == (model_dir / name).read_bytes(), name
 
@@ -135,9 +135,9 @@ def test_special_tokens_and_chat_template(model_dir: Path) -> None:
 
 
 def test_a_foreign_folder_in_the_way_is_reported(tmp_path: Path) -> None:
-    squatter = tmp_path / "models" / DEFAULT_MODEL_NAME
+    squatter = tmp_path / "models" / RANDOM_MODEL_NAME
     squatter.mkdir(parents=True)
     (squatter / "notes.txt").write_text("not a model")
     with pytest.raises(OSError, match="not a complete demo model"):
         ensure_default_model(tmp_path)
-    assert sorted(p.name for p in squatter.parent.iterdir()) == [DEFAULT_MODEL_NAME]
+    assert sorted(p.name for p in squatter.parent.iterdir()) == [RANDOM_MODEL_NAME]

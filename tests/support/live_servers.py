@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -127,7 +128,10 @@ class LiveApp:
 @contextlib.contextmanager
 def live_app(model: Path, config: ServerConfig) -> Iterator[LiveApp]:
     """Serve ``create_app(config, ...)`` on ``127.0.0.1:<free port>`` until the block ends (the
-    engine and the sessions layer configured as ``phloem serve`` would from ``config``)."""
+    engine and the sessions layer configured as ``phloem serve`` would from ``config``).
+    ``config.model``, when None, becomes ``model``, so the API names the model it serves."""
+    if config.model is None:
+        config = dataclasses.replace(config, model=str(model))
     engine = EngineClient.from_pretrained(model, config.engine_config)
     engine.start()
     sessions = SessionConfig(data_dir=config.data_dir, model_fingerprint=model_fingerprint(model),
