@@ -124,7 +124,7 @@ class CudaGraphRunner:
         return ForwardBatch(
             input_ids=input_ids[:bs],
             positions=positions[:bs],
-            query_start_loc=torch.arange(bs + 1, dtype=torch.int32, device=dev),
+            query_start_loc=torch.arange(bs + 1, dtype=torch.int64, device=dev),
             seq_lens=seq_lens[:bs],
             # Only the torch reference reads the page table; FlashInfer has its own buffers.
             page_table=torch.zeros((bs, 1), dtype=torch.int32, device=dev),

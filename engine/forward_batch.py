@@ -30,7 +30,10 @@ import torch
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths
+    # [B + 1] int64, cumulative query lengths: int64 as fla's varlen kernels take it, so the one
+    # tensor of a step is theirs as is (fla memoizes its chunk indices by tensor identity: computed,
+    # with a device sync, once a step rather than once a GDN layer).
+    query_start_loc: torch.Tensor
     seq_lens: torch.Tensor  # [B] int32, KV length of each request after this step
     page_table: torch.Tensor  # [B, max_pages] int32
     slot_mapping: torch.Tensor  # [T] int64

@@ -226,7 +226,7 @@ class ModelRunner:
         return ForwardBatch(
             input_ids=to_dev(inp.input_ids, torch.int64),
             positions=to_dev(inp.positions, torch.int64),
-            query_start_loc=to_dev(inp.query_start_loc, torch.int32),
+            query_start_loc=to_dev(inp.query_start_loc, torch.int64),
             seq_lens=to_dev(inp.seq_lens, torch.int32),
             page_table=to_device(table, dev),
             slot_mapping=to_dev(inp.slot_mapping, torch.int64),

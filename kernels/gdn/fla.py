@@ -14,12 +14,6 @@ import torch
 
 __all__ = ["chunk_gated_delta_rule"]
 
-# The step's ``query_start_loc`` and its int64 copy: every GDN layer of a step passes the same
-# tensor, and fla memoizes its chunk indices by argument identity (``fla.utils.tensor_cache``), so
-# one int64 object per step computes them, and syncs with the device for them, once per step, not
-# once per layer.
-_last_starts: tuple[torch.Tensor, torch.Tensor] | None = None
-
 
 def chunk_gated_delta_rule(
     q: torch.Tensor,  # [T, Hk, Dk]
@@ -28,7 +22,7 @@ def chunk_gated_delta_rule(
     g: torch.Tensor,  # [T, Hv] log decay, fp32
     beta: torch.Tensor,  # [T, Hv]
     ssm_states: torch.Tensor,  # [num_slots, Hv, Dk, Dv] fp32
-    query_start_loc: torch.Tensor,  # [B + 1] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int64 (int32 works, at a copy a call)
     read_slots: torch.Tensor,  # [B]
     write_slots: torch.Tensor,  # [B]
     has_initial_state: torch.Tensor,  # [B] bool
@@ -36,9 +30,6 @@ def chunk_gated_delta_rule(
 ) -> torch.Tensor:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-    global _last_starts
-    if _last_starts is None or _last_starts[0] is not query_start_loc:
-        _last_starts = (query_start_loc, query_start_loc.long())
     initial = torch.where(has_initial_state[:, None, None, None], ssm_states[read_slots], 0.0)
     out, final = fla_chunk(
         q[None],
@@ -50,7 +41,10 @@ def chunk_gated_delta_rule(
         initial_state=initial,
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=_last_starts[1],
+        # The engine's int64 tensor passes through as the same object every GDN layer of a step,
+        # so fla's identity-keyed cache (``fla.utils.tensor_cache``) builds the chunk indices once
+        # a step; an int32 one would be a new copy, and a device sync, every layer.
+        cu_seqlens=query_start_loc.long(),
         chunk_size=chunk_size,
     )
     ssm_states[write_slots] = final.float()
