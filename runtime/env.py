@@ -73,7 +73,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("PHLOEM_TRITON_DECODE_ATTENTION", "bool", "1",
            "`KernelConfig.triton_decode_attention`: pure-decode steps of fp16/bf16 models run the split-KV "
            "Triton kernel of `kernels/attention/triton_decode.py` (with the attention prologue inside it); "
-           "off: FlashInfer's decode wrapper. Prefill and mixed steps always run FlashInfer"),
+           "off: FlashInfer's decode wrapper. Both serve the decode rows of mixed steps too; prefill chunks "
+           "always run FlashInfer's prefill"),
     EnvVar("PHLOEM_FUSED_DECODE", "bool", "1",
            "`KernelConfig.fused_decode`: a one-token decode step (TP=1) calls the fused projections of "
            "`kernels/linear/reference.py` and folds each MoE router into the projection before it "

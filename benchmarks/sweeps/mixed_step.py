@@ -3,6 +3,7 @@ workload's steady state, through the engine's own request path (admission, prefi
 checkpoint restore, chunked prefill, finishing), not injected requests.
 
     python3 benchmarks/sweeps/mixed_step.py --shape qwen3.5-35b-a3b --agents 16 --context 32768 --append 800
+    python3 benchmarks/sweeps/mixed_step.py --attention one-call --attention split   # one engine each
     python3 benchmarks/sweeps/mixed_step.py --shape tiny --device cpu --dtype float32 --agents 4 --context 256 --append 32
 
 Turn 1 prefills ``agents`` prompts of ``context`` tokens (one token out each; the prefix cache
@@ -11,6 +12,8 @@ every ``--stagger`` steps while the others decode ``--output`` tokens, so most t
 run as mixed steps beside a full decode batch. Prints the wall time of each step kind (decode,
 mixed, prefill), the same append prefilled alone, and the device kernels and host ops of a few
 mixed steps (torch profiler): the numbers that say why a mixed step costs what it does.
+``--attention one-call`` runs a mixed step's decode rows inside the prefill call instead of through
+the decode kernel (``kernels.attention.flashinfer.MixedPlan``, the default ``split``).
 """
 
 from __future__ import annotations
@@ -33,15 +36,18 @@ from phloem.engine.config import EngineConfig, SchedulerConfig
 from phloem.runtime.model_shapes import SHAPES, write_shape
 
 
-def build_engine(args: argparse.Namespace, folder: Path) -> Engine:
+def build_engine(args: argparse.Namespace, folder: Path, attention: str) -> Engine:
     write_shape(args.shape, folder)
     config = dict(SHAPES[args.shape])
     if args.layers:
         config["num_hidden_layers"] = args.layers
         (folder / "config.json").write_text(json.dumps(config))
     scheduler = SchedulerConfig(max_num_seqs=max(16, args.agents))
-    return Engine.from_pretrained(folder, EngineConfig(scheduler=scheduler), load_format="dummy", device=args.device,
-                                  dtype=args.dtype)
+    engine = Engine.from_pretrained(folder, EngineConfig(scheduler=scheduler), load_format="dummy",
+                                    device=args.device, dtype=args.dtype)
+    if engine.runner.attn is not None:
+        engine.runner.attn.split_mixed = attention == "split"
+    return engine
 
 
 def sync(engine: Engine) -> None:
@@ -173,12 +179,23 @@ def main() -> int:
     parser.add_argument("--stagger", type=int, default=4, help="engine steps between two arrivals")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--attention", action="append", choices=("split", "one-call"),
+                        help="a mixed step's attention (default split); repeat to run one engine after another")
     args = parser.parse_args()
+    for choice in args.attention or ["split"]:
+        print(f"\n== mixed-step attention: {choice} ==", flush=True)
+        run_one(args, choice)
+    return 0
+
+
+def run_one(args: argparse.Namespace, attention: str) -> None:
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
-        engine = build_engine(args, Path(tmp))
-        engine.generate([[rng.randrange(10, 100) for _ in range(args.append + 64)]],
-                        SamplingParams(max_tokens=4, ignore_eos=True))  # compile / warm every path once
+        engine = build_engine(args, Path(tmp), attention)
+        # Compile / warm every path once: a fresh prefill, then a short chunk over its history.
+        warm = [rng.randrange(10, 100) for _ in range(min(args.context, 4096) + args.append + 64)]
+        for prompt in (warm, warm + [11] * 32):
+            engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
         log = StepLog(engine)
         histories = turn1(engine, args, rng)
         log.rows.clear()
@@ -188,7 +205,7 @@ def main() -> int:
         print(f"\none append of {args.append} tokens at {args.context} context, alone: "
               f"{', '.join(f'{ms:.1f}' for ms in alone)} ms")
         print_profile(prof, args.top)
-    return 0
+        engine.close()
 
 
 if __name__ == "__main__":

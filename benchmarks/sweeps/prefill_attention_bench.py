@@ -5,9 +5,11 @@ chunks, at the 35B-A3B attention shape (16 query heads, 2 KV heads, head_dim 256
     python3 benchmarks/sweeps/prefill_attention_bench.py
 
 For each case: FlashInfer's ``auto`` backend (FA3 on Hopper) and ``fa2`` (which splits long KV
-over CTAs), the whole step in one prefill call, and with ``--split`` the decode rows in the decode
-wrapper and the chunk alone in the prefill wrapper. Device µs per call (CUDA events, mean of
-``--repeats`` after warm-ups) and the fraction of the bf16 matmul peak the FLOPs reach.
+over CTAs), the whole step in one prefill call; the decode rows alone in the decode wrapper; and
+for a chunk alone, FA3 with the history split by hand into ``--segments`` non-causal requests
+(the chunk's queries repeated) plus the causal tail, merged by their log-sum-exps
+(``flashinfer.merge_states``). Device µs per call (CUDA events, mean of ``--repeats`` after
+warm-ups) and the fraction of the bf16 matmul peak the FLOPs reach.
 """
 
 from __future__ import annotations
@@ -55,6 +57,50 @@ def prefill_us(backend: str, query_lens: list[int], kv_lens: list[int], repeats:
     return _time(lambda: wrapper.run(q, kv), repeats)
 
 
+def fa3_split_us(query_len: int, kv_len: int, segments: int, repeats: int) -> tuple[float, float]:
+    """One chunk of ``query_len`` over ``kv_len`` keys: history pages in ``segments`` non-causal
+    FA3 requests, the page-aligned tail with the chunk causal, then one merge of the states.
+    Returns µs per call and the largest difference from one causal FA3 call over the same pages."""
+    import flashinfer
+
+    device = torch.device("cuda")
+    hist_pages = (kv_len - query_len) // PAGE
+    tail = kv_len - hist_pages * PAGE
+    per = [(hist_pages + segments - 1 - s) // segments for s in range(segments)]
+    num_pages = hist_pages + (tail + PAGE - 1) // PAGE
+    kv = torch.randn(num_pages, 2, PAGE, HKV, D, dtype=torch.bfloat16, device=device)
+    q = torch.randn(query_len, HQ, D, dtype=torch.bfloat16, device=device)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    common = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=D**-0.5)
+    hist = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa3")
+    kv_indptr = torch.tensor([0, *torch.tensor(per).cumsum(0).tolist()], dtype=torch.int32)
+    qo_indptr = torch.arange(segments + 1, dtype=torch.int32) * query_len
+    hist.plan(qo_indptr, kv_indptr, torch.arange(hist_pages, dtype=torch.int32),
+              torch.full((segments,), PAGE, dtype=torch.int32), HQ, HKV, D, PAGE, causal=False, **common)
+    workspace2 = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    own = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace2, "NHD", backend="fa3")
+    tail_pages = num_pages - hist_pages
+    own.plan(torch.tensor([0, query_len], dtype=torch.int32), torch.tensor([0, tail_pages], dtype=torch.int32),
+             torch.arange(hist_pages, num_pages, dtype=torch.int32),
+             torch.tensor([tail - (tail_pages - 1) * PAGE], dtype=torch.int32), HQ, HKV, D, PAGE, causal=True,
+             **common)
+    q_rep = q.repeat(segments, 1, 1)
+
+    def step() -> torch.Tensor:
+        v_h, s_h = hist.run(q_rep, kv, return_lse=True)
+        v_t, s_t = own.run(q, kv, return_lse=True)
+        v = torch.cat([v_h.view(segments, query_len, HQ, D).transpose(0, 1), v_t.unsqueeze(1)], dim=1)
+        s = torch.cat([s_h.view(segments, query_len, HQ).transpose(0, 1), s_t.unsqueeze(1)], dim=1)
+        return flashinfer.merge_states(v.contiguous(), s.contiguous())[0]
+
+    full = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty_like(workspace), "NHD", backend="fa3")
+    full.plan(torch.tensor([0, query_len], dtype=torch.int32), torch.tensor([0, num_pages], dtype=torch.int32),
+              torch.arange(num_pages, dtype=torch.int32), torch.tensor([tail - (tail_pages - 1) * PAGE], dtype=torch.int32),
+              HQ, HKV, D, PAGE, causal=True, **common)
+    err = float((step().float() - full.run(q, kv).float()).abs().max())
+    return _time(step, repeats), err
+
+
 def decode_us(batch: int, kv_len: int, repeats: int) -> float:
     import flashinfer
 
@@ -79,6 +125,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--decodes", type=int, default=15)
+    parser.add_argument("--segments", type=int, default=4, help="history segments of the hand-split FA3")
     args = parser.parse_args()
     cases = []
     for context in (32768, 57344):
@@ -89,14 +136,21 @@ def main() -> int:
     cases.append(("8192 @ 8K (first chunk)", [8192], [8192]))
     cases.append(("8192 @ 48K (late chunk)", [8192], [49152]))
     peak = 790e12
-    print(f"{'case':<30}{'auto µs':>10}{'fa2 µs':>10}{'decode µs':>11}{'auto %':>8}{'fa2 %':>8}")
+    print(f"{'case':<30}{'auto µs':>10}{'fa2 µs':>10}{'fa3 split µs':>14}{'decode µs':>11}{'auto %':>8}"
+          f"{'fa2 %':>8}{'split %':>9}")
     for name, qs, kvs in cases:
         auto = prefill_us("auto", qs, kvs, args.repeats)
         fa2 = prefill_us("fa2", qs, kvs, args.repeats)
         dec = decode_us(len(qs) - 1, kvs[-1], args.repeats) if len(qs) > 1 else 0.0
+        split, err = fa3_split_us(qs[0], kvs[0], args.segments, args.repeats) if len(qs) == 1 and kvs[0] > qs[0] \
+            else (0.0, 0.0)
         f = flops(qs, kvs)
-        print(f"{name:<30}{auto:>10.0f}{fa2:>10.0f}{dec:>11.0f}{100 * f / (auto * 1e-6) / peak:>7.0f}%"
-              f"{100 * f / (fa2 * 1e-6) / peak:>7.0f}%", flush=True)
+
+        def pct(us: float) -> str:
+            return f"{100 * f / (us * 1e-6) / peak:.0f}%" if us else "-"
+
+        print(f"{name:<30}{auto:>10.0f}{fa2:>10.0f}{split:>14.0f}{dec:>11.0f}{pct(auto):>8}{pct(fa2):>8}"
+              f"{pct(split):>9}" + (f"  (split max |diff| {err:.2g})" if split else ""), flush=True)
     return 0
 
 

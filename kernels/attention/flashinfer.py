@@ -6,7 +6,13 @@ indptr/indices/last-page lengths) and every attention layer then runs the same p
 
 Pure-decode steps use the decode wrapper (tensor cores on: GQA 16:2 gives 8 query heads per KV
 head); any step with a multi-token query uses the prefill wrapper with a causal mask, which also
-covers chunked prefill over a cached history. For CUDA-graph capture a decode wrapper is built
+covers chunked prefill over a cached history. A mixed step (the scheduler puts its one-token decode
+rows first, then the prefill chunks) runs as two calls (``MixedPlan``): the decode rows through the
+decode kernel, the chunks through the prefill wrapper. In one prefill call each decode row takes a
+128-row query tile of its own for one row's work and walks its whole history in that one CTA
+(FlashInfer's FA3 prefill does not split KV), so a batch of decode rows beside a tool result's
+chunk over a long history cost the layer several times the chunk's own attention; split, it costs
+the chunk plus a decode step's attention (docs/decisions.md). For CUDA-graph capture a decode wrapper is built
 per batch size with fixed index buffers (``use_cuda_graph=True``); ``plan`` then refills those
 buffers in place before each replay.
 
@@ -30,6 +36,7 @@ Its attention layers hand their prologue (QK norm, RoPE, gate, KV write) to the 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +48,7 @@ import torch
 from phloem.kernels.config import KernelConfig
 
 __all__ = [
-    "MAX_GRAPH_PAGES", "FlashInferAttention", "FlashInferPlan", "TritonDecodePlan", "fill_page_lists",
+    "MAX_GRAPH_PAGES", "FlashInferAttention", "FlashInferPlan", "MixedPlan", "TritonDecodePlan", "fill_page_lists",
     "flashinfer_available", "page_indices",
 ]
 
@@ -111,6 +118,21 @@ class TritonDecodePlan:
         )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class MixedPlan:
+    """A mixed step's attention in two calls: its first ``num_decode`` rows (one token each) through
+    ``decode``, the other rows (the prefill chunks) through ``prefill``."""
+
+    num_decode: int
+    decode: FlashInferPlan | TritonDecodePlan
+    prefill: FlashInferPlan
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[T, Hq, D]``, ``kv_cache`` ``[pages, 2, page_size, Hkv, D]`` -> ``[T, Hq, D]``."""
+        n = self.num_decode
+        return torch.cat([self.decode.run(q[:n], kv_cache), self.prefill.run(q[n:], kv_cache)])
+
+
 def page_indices(
     page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size: int, pin: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,6 +195,9 @@ class FlashInferAttention:
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         self._graph_wrappers: dict[int, Any] = {}
         self._staged: torch.cuda.Event | None = None  # recorded after the last plan's copies
+        # Mixed steps' decode rows through the decode kernel (``MixedPlan``); off: every row in
+        # the one prefill call (the comparison of benchmarks/sweeps/mixed_step.py).
+        self.split_mixed = True
         self.triton_decode = config.triton_decode_attention
         self.prologue = self.triton_decode
         self.pdl = False
@@ -187,7 +212,7 @@ class FlashInferAttention:
         seq_lens: Sequence[int],
         page_ids: Sequence[Sequence[int]],
         graph_batch_size: int | None = None,
-    ) -> FlashInferPlan | TritonDecodePlan:
+    ) -> FlashInferPlan | TritonDecodePlan | MixedPlan:
         """Plan one step. ``graph_batch_size`` selects the fixed buffers of a captured graph."""
         if self._staged is not None:
             self._staged.synchronize()  # the previous plan's pinned buffer has been copied
@@ -202,7 +227,16 @@ class FlashInferAttention:
         seq_lens: Sequence[int],
         page_ids: Sequence[Sequence[int]],
         graph_batch_size: int | None,
-    ) -> FlashInferPlan | TritonDecodePlan:
+    ) -> FlashInferPlan | TritonDecodePlan | MixedPlan:
+        num_decode = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+        if self.split_mixed and 0 < num_decode < len(query_lens):
+            assert graph_batch_size is None, "only decode steps are captured"
+            decode = self._plan(query_lens[:num_decode], seq_lens[:num_decode], page_ids[:num_decode], None)
+            prefill = self._plan(query_lens[num_decode:], seq_lens[num_decode:], page_ids[num_decode:], None)
+            assert isinstance(prefill, FlashInferPlan) and not isinstance(decode, MixedPlan)
+            if isinstance(decode, TritonDecodePlan):
+                decode = dataclasses.replace(decode, prologue=False)  # the layer runs the prologue first
+            return MixedPlan(num_decode, decode, prefill)
         indptr, indices, last = page_indices(page_ids, seq_lens, self.page_size, pin=True)
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5)
         if all(n == 1 for n in query_lens) and self.triton_decode:
