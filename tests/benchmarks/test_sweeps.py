@@ -104,3 +104,10 @@ def test_prefill_attention_bench_counts_causal_flops() -> None:
     module = runpy.run_path(str(BENCH / "prefill_attention_bench.py"), run_name="prefill_attention_bench")
     # One chunk of 2 tokens over 3 earlier ones: the two queries see 4 and 5 keys.
     assert module["flops"]([2], [5]) == 4 * module["HQ"] * module["D"] * 9
+
+
+def test_gdn_host_sweep_builds_a_mixed_steps_inputs() -> None:
+    module = runpy.run_path(str(BENCH / "gdn_host.py"), run_name="gdn_host")
+    args = module["inputs"](3, 10, __import__("torch").device("cpu"))
+    assert args["query_start_loc"].tolist() == [0, 1, 2, 3, 13] and args["q"].shape == (13, 16, 128)
+    assert callable(module["public"])
