@@ -18,6 +18,11 @@ __all__ = ["check_logit_bias", "check_outputs", "check_prompt", "grammar_matcher
 
 
 def _bad_ids(ids: list[int], vocab: int) -> list[int]:
+    """The ids that are not ints (bools included) in ``[0, vocab)``. Every turn of an agent's
+    conversation re-sends its whole history to the engine loop's thread, so a prompt of plain ints
+    is passed by a type set and its min/max (C loops); only a failing one is walked id by id."""
+    if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab:
+        return []
     return [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
 
 

@@ -69,8 +69,9 @@ def test_stop_tokens_eos_and_ignore_eos() -> None:
 
 @pytest.mark.parametrize(
     ("prompt", "field"),
-    [([], "prompt_token_ids"), ([1, VOCAB], "prompt_token_ids"), ([-1], "prompt_token_ids"), ([1] * 512, "prompt_token_ids")],
-    ids=["empty", "out-of-vocab", "negative", "over-context"],
+    [([], "prompt_token_ids"), ([1, VOCAB], "prompt_token_ids"), ([-1], "prompt_token_ids"), ([1] * 512, "prompt_token_ids"),
+     ([1, True, 2], r"prompt_token_ids: .*got \[True\]"), ([3, 2.0], r"prompt_token_ids: .*got \[2\.0\]")],
+    ids=["empty", "out-of-vocab", "negative", "over-context", "bool", "float"],
 )
 def test_bad_prompts_raise_and_engine_keeps_serving(prompt: list[int], field: str) -> None:
     engine = make_engine()
