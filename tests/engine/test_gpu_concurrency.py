@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from logits_recorder import LogitsRecorder
 
 from phloem.engine import Engine, SamplingParams
 from phloem.runtime.model_shapes import SHAPES, ensure_shape_model
@@ -96,23 +97,6 @@ def test_async_scheduling_gives_the_synchronous_tokens_bitwise(engine: Engine, n
         results.append((first, second))
     assert all(0 <= t < vocab for part in results[1] for toks in part for t in toks)
     assert results[1] == results[0]
-
-
-class LogitsRecorder:
-    """Records the logits each sampled row of each request had, keyed by its params object."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import phloem.engine.model_runner as model_runner
-
-        self.rows: dict[int, list[torch.Tensor]] = {}
-        sample = model_runner.sample
-
-        def recording(logits, params, *args):  # type: ignore[no-untyped-def]
-            for row, p in zip(logits, params):
-                self.rows.setdefault(id(p), []).append(row.float().cpu())
-            return sample(logits, params, *args)
-
-        monkeypatch.setattr(model_runner, "sample", recording)
 
 
 @pytest.mark.parametrize("n", [4, 16])

@@ -49,11 +49,13 @@
 #       the QK-norm kernel (its row code now shared), argmax, the copy-bandwidth timers
 #   30  batch-1 decode at 32K and 128K once per environment in $LONG_ENVS (step 20's summary)
 #   10  where the host's time goes in batch-1 async decode steps (benchmarks/sweeps/host_profile.py, cProfile)
-#   31  the served mixed step (issue 28): FlashInfer's FA3 against its split-KV fa2 prefill for a tool
-#       result's chunk over a long history (benchmarks/sweeps/prefill_attention_bench.py), then the
-#       mixed-step profile of 16 agents at 32K (benchmarks/sweeps/mixed_step.py); run after step 0
-#   32  the concurrency token tests: random-weight logits bound and the trained model's tokens at 4
-#       and 16 requests (tests/engine/test_gpu_concurrency.py, test_gpu_trained_model.py); after step 0
+#   31  the served mixed step (issue 28): the GDN prefill call's host time (benchmarks/sweeps/gdn_host.py),
+#       FlashInfer's FA3 / fa2 / hand-split prefill for a tool result's chunk over a long history
+#       (benchmarks/sweeps/prefill_attention_bench.py), then mixed steps of 16 agents at 57K with the
+#       decode rows in the prefill call and split out (benchmarks/sweeps/mixed_step.py); after step 0
+#   32  the concurrency and switch token tests: random-weight logits bound, the trained model's tokens
+#       at 4 and 16 requests, every kernel switch at the real shape (tests/engine/test_gpu_concurrency.py,
+#       test_gpu_trained_model.py, test_gpu_switches.py); after step 0
 #   9   the summary table
 # A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0). The PHLOEM_*
 # kernel variables a step sets are read by `phloem bench decode` into its KernelConfig (runtime/env.py).
@@ -85,7 +87,8 @@ from phloem.engine import Engine, SamplingParams
 from phloem.runtime.default_model import ensure_default_model
 from phloem.runtime.model_shapes import ensure_shape_model
 import os
-data = os.environ["PHLOEM_DATA_DIR"]
+from pathlib import Path
+data = Path(os.environ["PHLOEM_DATA_DIR"])
 tiny = ensure_default_model(data)
 for dtype in ("bfloat16", "float32"):
     t = time.time()
@@ -229,12 +232,15 @@ step_30() {
   DECODE_ENVS=${LONG_ENVS:-"default_long:PHLOEM_PDL=1"} DECODE_ARGS="--contexts 32768,131072 --steps 30" step_20
 }
 step_31() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 120 python3 benchmarks/sweeps/gdn_host.py > "$OUT/31_gdn_host.txt" 2>&1
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/prefill_attention_bench.py > "$OUT/31_prefill_attn.txt" 2>&1
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/mixed_step.py > "$OUT/31_mixed_step.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 benchmarks/sweeps/mixed_step.py --context 57344 \
+    --attention one-call --attention split > "$OUT/31_mixed_step.txt" 2>&1
 }
 step_32() {
-  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -s \
-    tests/engine/test_gpu_concurrency.py tests/engine/test_gpu_trained_model.py > "$OUT/32_concurrency_tests.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 500 python3 -m pytest -q -p no:cacheprovider -rfE -s \
+    tests/engine/test_gpu_concurrency.py tests/engine/test_gpu_trained_model.py tests/engine/test_gpu_switches.py \
+    > "$OUT/32_concurrency_tests.txt" 2>&1
 }
 step_10() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/host_profile.py > "$OUT/10_host.txt" 2>&1
@@ -259,6 +265,7 @@ step_9() {
   for f in "$OUT"/20_*.json; do [ -f "$f" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].rsplit('/',1)[-1], 'bw', round(d['bandwidth']/1e12,3), 'host', round(d.get('bandwidth_host_timed',0)/1e12,3), 'after', round(d.get('bandwidth_after_grid',0)/1e12,3), [(r['batch'], round(r['ms_per_step'],3), r['gpu_ms_per_step'] and round(r['gpu_ms_per_step'],3), round(r['roofline_fraction'],3)) for r in d['decode']])" "$f"; done
   [ -f "$OUT/21_trace.txt" ] && { echo "21_trace:"; grep -v Warning "$OUT/21_trace.txt" | tail -n 30; }
   [ -f "$OUT/10_host.txt" ] && grep -v Warning "$OUT/10_host.txt" | head -n 40
+  [ -f "$OUT/31_gdn_host.txt" ] && grep -v Warning "$OUT/31_gdn_host.txt" | head -n 5
   [ -f "$OUT/31_prefill_attn.txt" ] && grep -v Warning "$OUT/31_prefill_attn.txt" | tail -n 12
   [ -f "$OUT/31_mixed_step.txt" ] && grep -v Warning "$OUT/31_mixed_step.txt" | grep -v '^  ' | head -n 45
   [ -f "$OUT/32_concurrency_tests.txt" ] && { echo "32: $(tail -n 1 "$OUT/32_concurrency_tests.txt")"; grep -E "differs|^FAILED" "$OUT/32_concurrency_tests.txt" | head -n 12; }
