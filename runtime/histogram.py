@@ -13,9 +13,14 @@ from dataclasses import dataclass
 
 __all__ = ["STEP_KINDS", "STEP_SECONDS_BOUNDS", "Histogram", "HistogramSnapshot"]
 
-STEP_SECONDS_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_SECONDS_BOUNDS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25,
+    0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 """Upper bounds (seconds) of the engine-step histogram: a CUDA-graph decode step (~ms) up to a
-long chunked prefill on CPU (seconds)."""
+long chunked prefill on CPU (seconds); finer where GPU decode steps (7.5–25 ms) and a tool
+result's mixed step (50–250 ms) fall, so their distributions can be told from a first turn's
+8K-token chunks."""
 STEP_KINDS = ("decode", "mixed", "prefill")
 """Kinds of engine step timed apart: one token per request, prompts only, or both in one step."""
 
