@@ -12,7 +12,7 @@ the GPU image pins) directly: the L2 norms, the chunk indices, ``chunk_gated_del
 The public function wraps those in a backend dispatch behind ``torch.compiler.disable``, an
 autograd Function and an input guard, a third of the call's host time at a mixed step's shape
 (``benchmarks/sweeps/gdn_host.py`` compares the two, and their outputs bit for bit); a mixed step
-runs this once per GDN layer and is host-bound (docs/decisions.md).
+runs this once per GDN layer (docs/decisions.md).
 """
 
 from __future__ import annotations
