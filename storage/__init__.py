@@ -2,12 +2,18 @@
 
 Role: store and find spilled session segments (KV pages of the full-attention layers plus the GDN
 head checkpoint). A leaf package: it imports nothing of ours.
+
+The tiers that need torch, safetensors or redis (``DiskStore``, ``HostPool``, ``RedisIndex``, the
+segment types) load on first use (``__getattr__``), so ``phloem serve`` can lock its data
+directory and answer a usage error before torch is imported (seconds).
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .data_dir import DataDirInUse, DataDirLock, lock_data_dir, server_secret
-from .disk import FORMAT_VERSION, DiskStore
 from .errors import (
     CorruptRecord,
     CorruptSegment,
@@ -16,12 +22,30 @@ from .errors import (
     StorageFull,
     StorageUnavailable,
 )
-from .host_pool import HostPool
 from .index import RebuildReport, SessionIndex, SQLiteIndex
 from .journal import SessionJournal
 from .record import TIERS, SessionRecord, Tier
-from .redis_index import RedisIndex
-from .segment import TENSOR_NAMES, Segment, SegmentLayout, SegmentMeta, hash_token_ids
+
+if TYPE_CHECKING:
+    from .disk import FORMAT_VERSION, DiskStore
+    from .host_pool import HostPool
+    from .redis_index import RedisIndex
+    from .segment import TENSOR_NAMES, Segment, SegmentLayout, SegmentMeta, hash_token_ids
+
+_LAZY = {
+    "FORMAT_VERSION": "disk", "DiskStore": "disk", "HostPool": "host_pool", "RedisIndex": "redis_index",
+    "TENSOR_NAMES": "segment", "Segment": "segment", "SegmentLayout": "segment", "SegmentMeta": "segment",
+    "hash_token_ids": "segment",
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "FORMAT_VERSION",
