@@ -12,9 +12,10 @@ decode kernel, the chunks through the prefill wrapper. In one prefill call each 
 128-row query tile of its own for one row's work and walks its whole history in that one CTA
 (FlashInfer's FA3 prefill does not split KV), so a batch of decode rows beside a tool result's
 chunk over a long history cost the layer several times the chunk's own attention; split, it costs
-the chunk plus a decode step's attention (docs/decisions.md). For CUDA-graph capture a decode wrapper is built
-per batch size with fixed index buffers (``use_cuda_graph=True``); ``plan`` then refills those
-buffers in place before each replay.
+the chunk plus a decode step's attention (docs/decisions.md).
+
+For CUDA-graph capture a decode wrapper is built per batch size with fixed index buffers
+(``use_cuda_graph=True``); ``plan`` then refills those buffers in place before each replay.
 
 FlashInfer's ``plan`` fills a pinned host buffer and queues its copy to the device; the next
 ``plan`` rewrites that buffer. The page indices of a captured graph's wrapper reach the device by a

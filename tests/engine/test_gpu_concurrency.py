@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from logits_recorder import LogitsRecorder
+from logits_recorder import LogitsRecorder, assert_logits_follow
 
 from phloem.engine import Engine, SamplingParams
 from phloem.runtime.model_shapes import SHAPES, ensure_shape_model
@@ -107,16 +107,10 @@ def test_batched_logits_follow_each_request_alone(engine: Engine, n: int, monkey
     alone_params = [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True) for p in params]
     alone = [run(engine, [prompt], [q], pipelined=True)[0] for prompt, q in zip(prompts, alone_params)]
     alone_rows = {id(p): recorder.rows[id(q)] for p, q in zip(params, alone_params)}
-    compared = 0
-    for p, got, want in zip(params, batched, alone):
-        # A queued step may sample a request once past its end (the id is dropped): not compared.
-        rows = zip(recorder.rows[id(p)][: len(got)], alone_rows[id(p)][: len(want)])
-        for i, (a, b) in enumerate(rows):
-            rel = float((a - b).norm() / b.norm())
-            assert rel <= REL_TOL, f"step {i}: batched logits {rel:.3f} away from the request alone"
-            compared += 1
-            if got[i] != want[i]:
-                break  # the greedy paths part here: later rows read different histories
+    # A queued step may sample a request once past its end (the id is dropped): not compared.
+    got_rows = [recorder.rows[id(p)][: len(got)] for p, got in zip(params, batched)]
+    want_rows = [alone_rows[id(p)][: len(want)] for p, want in zip(params, alone)]
+    compared = assert_logits_follow(batched, alone, got_rows, want_rows, REL_TOL, "the request alone")
     assert compared >= n
 
 

@@ -1,4 +1,4 @@
-"""Records the logits the engine sampled from, per request, for tests that compare two runs."""
+"""Records the logits the engine sampled from, per request, and compares two runs' records."""
 
 from __future__ import annotations
 
@@ -21,3 +21,21 @@ class LogitsRecorder:
             return sample(logits, params, *args)
 
         monkeypatch.setattr(model_runner, "sample", recording)
+
+
+def assert_logits_follow(
+    got_tokens: list[list[int]], want_tokens: list[list[int]], got_rows: list[list[torch.Tensor]],
+    want_rows: list[list[torch.Tensor]], rel_tol: float, what: str,
+) -> int:
+    """Per request, each sampled row's logits within ``rel_tol`` (``||a - b|| / ||b||``) of the
+    wanted run's, up to and including the step where the two greedy paths part (later rows read
+    different histories). Returns the number of rows compared."""
+    compared = 0
+    for r, (got, want, a_rows, b_rows) in enumerate(zip(got_tokens, want_tokens, got_rows, want_rows, strict=True)):
+        for i, (a, b) in enumerate(zip(a_rows, b_rows)):
+            rel = float((a - b).norm() / b.norm())
+            assert rel <= rel_tol, f"request {r} step {i}: logits {rel:.3f} away from {what}"
+            compared += 1
+            if got[i] != want[i]:
+                break
+    return compared
