@@ -15,7 +15,9 @@ tensor cores:
     out[t]    = Σ_j part[t, j]                                   (fp32, one torch sum)
 
 The block layout is built on the device without a host sync: ``num_blocks`` is the upper bound
-``cdiv(T·k, BLOCK_M) + E`` and programs of unused blocks return at once.
+``cdiv(T·k, BLOCK_M) + E`` and programs of unused blocks return at once. ``sort_by_expert`` builds
+it in torch (the reference of the layout); ``fused_moe_grouped`` builds it in one Triton launch
+(``kernels.moe.triton_sort``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from phloem.kernels.moe.triton_sort import sort_by_expert_triton
 
 __all__ = ["fused_moe_grouped", "sort_by_expert"]
 
@@ -127,7 +131,7 @@ def fused_moe_grouped(
     num_experts, top_k, inter = w_down.shape[0], topk_ids.shape[1], w_down.shape[2]
     assert w_gate_up.shape[1:] == (2 * inter, hidden) and w_down.shape[1:] == (hidden, inter), "expert shapes"
     x, tw = x.contiguous(), topk_weights.contiguous()
-    rows, block_e = sort_by_expert(topk_ids, num_experts, block_m)
+    rows, block_e = sort_by_expert_triton(topk_ids, num_experts, block_m)
     num_blocks = block_e.numel()
     act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
     part = torch.empty((num_tokens * top_k, hidden), dtype=torch.float32, device=x.device)

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 from phloem.kernels.moe.reference import fused_moe as reference  # noqa: E402
 from phloem.kernels.moe.reference import moe_route, moe_route_shared  # noqa: E402
 from phloem.kernels.moe.triton_grouped import fused_moe_grouped, sort_by_expert  # noqa: E402
+from phloem.kernels.moe.triton_sort import sort_by_expert_triton  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -43,6 +44,23 @@ def test_sort_by_expert_blocks_hold_one_expert_each_and_every_pair_once() -> Non
             assert members.numel() > 0 and (ids.flatten()[members] == e).all()
     # Expert 3 has 4 pairs: two full blocks; experts 0 (3 pairs): two blocks, one padded; 4: none.
     assert block_e.tolist()[:6] == [0, 0, 1, 2, 3, 3]
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m"),
+                         [(5, 2, 5, 2), (37, 3, 6, 16), (300, 9, 257, 64), (3, 2, 16, 64), (1200, 9, 257, 64)])
+def test_triton_layout_holds_the_reference_blocks(tokens: int, top_k: int, experts: int, block_m: int) -> None:
+    """The one-launch layout: the reference's blocks and, for each expert, the same pairs, in the
+    same places but for their order among that expert's rows (the atomics' order on a GPU)."""
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen).to(DEVICE)
+    want_rows, want_e = sort_by_expert(ids, experts, block_m)
+    rows, block_e = sort_by_expert_triton(ids, experts, block_m)
+    assert torch.equal(block_e, want_e)
+    assert torch.equal(rows >= 0, want_rows >= 0)  # each expert's rows fill its blocks from the front
+    per_block = block_e.repeat_interleave(block_m)
+    for e in range(experts):
+        mine = per_block == e
+        assert sorted(rows[mine].tolist()) == sorted(want_rows[mine].tolist()), f"expert {e}"
 
 
 @pytest.mark.parametrize(

@@ -120,6 +120,13 @@ def moe_grouped_prefill() -> None:
                      | {"p_part": "*fp32"}, tiles)
 
 
+def moe_sort() -> None:
+    from phloem.kernels.moe.triton_sort import _sort_kernel
+
+    compile_for_h200(_sort_kernel, _all("p_ids p_rows p_block_e", "*i64") | {"p_next": "*i32"},
+                     {"E": 257, "E_PAD": 512, "BLOCK_M": 64, "CHUNK": 1024})
+
+
 def moe_route(shared: bool) -> None:
     from phloem.kernels.moe.triton_route import moe_route_kernel
 
@@ -214,6 +221,7 @@ CASES: dict[str, Callable[[], None]] = {
     "causal_conv1d_update": conv1d_update,
     "fused_moe (decode: gate_up, routed gate_up, down_sum)": fused_moe_decode,
     "fused_moe_grouped (prefill: gate_up, down)": moe_grouped_prefill,
+    "sort_by_expert_triton (the grouped MoE's block layout)": moe_sort,
     "moe_token (one token's gate_up, ids given / routed / from the router partial)": moe_token,
     "paged_decode_attention (split, direct, with the prologue, merge)": decode_attention,
     "argmax (partial, final)": argmax,
