@@ -50,6 +50,7 @@ from phloem.engine.transfer import pool_side
 from phloem.engine.transfer.pool_side import TransferReservation, TransferSource
 from phloem.engine.transfer.prefix_export import PrefixState, export_prefix, import_prefix
 from phloem.engine.warmup import WarmupReport, warm_up
+from phloem.kernels.dispatch import kernel_backend
 
 __all__ = ["Engine"]
 
@@ -95,7 +96,8 @@ class Engine:
         )
         self.scheduler = Scheduler(scheduler_config, self.cache, finalize=tree is not None)
         graphs = None
-        if runner_config.enable_cuda_graph and self.runner.attn is not None:
+        capturable = kernel_backend(device, config.kernels) == "triton"  # the torch ops read values on the host
+        if runner_config.enable_cuda_graph and self.runner.attn is not None and capturable:
             # One page and one slot absorb the writes of a graph bucket's padding rows.
             pad_page, pad_slot = self.page_pool.allocate(1), self.slot_pool.allocate()
             assert pad_page is not None and pad_slot is not None, "pools too small for CUDA-graph padding"
@@ -111,10 +113,8 @@ class Engine:
         self._ids = itertools.count()
         self._outputs = StepOutputs(model_config, self.scheduler, self.cache, self.max_model_len, self._requests)
         self.async_scheduling = scheduler_config.async_scheduling
-        # A decode step queued on the device behind the one being collected (async scheduling),
-        # and outputs of a step collected outside ``step`` (by ``drain``), returned by the next.
-        self._queued: LaunchedStep | None = None
-        self._pending: list[RequestOutput] = []
+        self._queued: LaunchedStep | None = None  # a decode step queued behind the one collected
+        self._pending: list[RequestOutput] = []  # outputs collected by ``drain``, for the next step
         self.num_pipelined_steps = 0  # steps queued behind the step being collected
         self.last_step_kind = "decode"  # ``SchedulerOutput.kind`` of the step ``step`` collected
 

@@ -65,8 +65,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "on: no progress bars (as `--no-progress`); off: bars when stderr is a terminal"),
     EnvVar("PHLOEM_KERNELS", "auto | torch | triton", "auto",
            "`KernelConfig.backend`: `torch` or `triton` forces the kernel backend; `auto` picks Triton on a "
-           "CUDA device when `triton` imports, else the torch references. Forcing Triton off CUDA needs "
-           "`TRITON_INTERPRET=1` (tests only)"),
+           "CUDA device when `triton` imports, else the torch references (which run without CUDA graphs: they "
+           "read values on the host). Forcing Triton off CUDA needs `TRITON_INTERPRET=1` (tests only)"),
     EnvVar("PHLOEM_TRITON_GEMV", "bool", "1",
            "`KernelConfig.triton_gemv`: one-token `linear` calls (the LM head, the unfused projections) run "
            "the Triton GEMV of `kernels/linear/triton_gemv.py`; off: cuBLAS"),

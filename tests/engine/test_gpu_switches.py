@@ -50,8 +50,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def turns(engine: Engine) -> list[tuple[SamplingParams, list[int]]]:
-    """Runs the requests; returns each one's params (the recorder's key) and tokens, in order."""
+def turns(engine: Engine, given: list[list[int]] | None = None) -> list[tuple[SamplingParams, list[int]]]:
+    """Runs the requests; returns each one's params (the recorder's key) and tokens, in order.
+
+    The second turns' prompts hold the first turns' outputs: ``given`` (another run's tokens, in
+    the same order) puts that run's there, so both runs send the same prompts even where their
+    greedy paths parted (the cache then holds a shorter prefix of them, another path it tests)."""
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
 
@@ -86,6 +90,8 @@ def turns(engine: Engine) -> list[tuple[SamplingParams, list[int]]]:
     (first,) = run([alone], [16])
     batch = [ids(5000), ids(40), ids(1200)]
     outs = run(batch, [12, 20, 8])
+    if given is not None:
+        first, outs = given[0], given[1:4]
     run([alone + first + ids(7)], [8])
     # The short request decodes while the long ones' second turns arrive: mixed steps.
     kinds.clear()
@@ -97,18 +103,22 @@ def turns(engine: Engine) -> list[tuple[SamplingParams, list[int]]]:
 Run = tuple[list[list[int]], list[list[torch.Tensor]]]
 
 
-def recorded(model_dir: Path, kernels: KernelConfig, monkeypatch: pytest.MonkeyPatch, split_mixed: bool = True) -> Run:
-    """Each request's tokens and the logits rows it sampled from under ``kernels``, with graphs and
-    async scheduling on (the served defaults)."""
+def recorded(model_dir: Path, kernels: KernelConfig, monkeypatch: pytest.MonkeyPatch, split_mixed: bool = True,
+             given: list[list[int]] | None = None) -> Run:
+    """Each request's tokens and the logits rows it sampled from under ``kernels``, with async
+    scheduling on and graphs where the op table allows them (the served defaults); ``given``:
+    ``turns``'."""
     with monkeypatch.context() as m:
         recorder = LogitsRecorder(m)
         config = EngineConfig(cache=CacheConfig(num_pages=4096, num_state_slots=32),
                               scheduler=SchedulerConfig(max_num_seqs=4), kernels=kernels)
         engine = Engine.from_pretrained(model_dir, config, load_format="dummy", device="cuda", dtype="bfloat16")
         try:
-            assert engine.runner.graphs is not None and engine.async_scheduling and engine.runner.attn is not None
+            graphs = kernels.backend != "torch"  # the reference ops run eagerly (Engine)
+            assert (engine.runner.graphs is not None) == graphs and engine.async_scheduling
+            assert engine.runner.attn is not None
             engine.runner.attn.split_mixed = split_mixed
-            seen = turns(engine)
+            seen = turns(engine, given)
         finally:
             engine.close()
     # A queued step may sample a request once past its end (the id is dropped): not compared.
@@ -125,7 +135,7 @@ def test_pdl_off_gives_the_default_tokens_bitwise(model_dir: Path, default_run: 
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Programmatic dependent launch changes when kernels start, not what they compute."""
     want_tokens, _ = default_run
-    got_tokens, _ = recorded(model_dir, KernelConfig(pdl=False), monkeypatch)
+    got_tokens, _ = recorded(model_dir, KernelConfig(pdl=False), monkeypatch, given=want_tokens)
     assert got_tokens == want_tokens
 
 
@@ -134,8 +144,8 @@ def test_each_switch_follows_the_default(model_dir: Path, default_run: Run, swit
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     want_tokens, want_rows = default_run
     if switch in SWITCHES:
-        got_tokens, got_rows = recorded(model_dir, SWITCHES[switch], monkeypatch)
+        got_tokens, got_rows = recorded(model_dir, SWITCHES[switch], monkeypatch, given=want_tokens)
     else:
-        got_tokens, got_rows = recorded(model_dir, KernelConfig(), monkeypatch, split_mixed=False)
+        got_tokens, got_rows = recorded(model_dir, KernelConfig(), monkeypatch, split_mixed=False, given=want_tokens)
     compared = assert_logits_follow(got_tokens, want_tokens, got_rows, want_rows, REL_TOL, f"the default's ({switch})")
     assert compared >= len(want_tokens)
