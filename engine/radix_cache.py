@@ -228,7 +228,7 @@ class RadixCache:
                 child = node.children.get((None, tokens[pos]))
             if child is None:
                 child = self._add_leaf(node, tokens[pos:], pages, namespace)
-            common = _common_prefix(child.key, tokens[pos:])
+            common = _common_prefix(child.key, tokens, pos)
             if common < len(child.key):
                 child = self._split(child, common)
             first_page = child.start // ps
@@ -381,9 +381,18 @@ def _deepest_usable(path: list[RadixNode], max_tokens: int, namespace: str | Non
     return []
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
+def _common_prefix(key: list[int], tokens: list[int], start: int) -> int:
+    """The length of the common prefix of ``key`` and ``tokens[start:]``, compared a block at a time
+    (list slices compare in C: a turn's whole history is matched again on every insert)."""
+    n = min(len(key), len(tokens) - start)
+    if key[:n] == tokens[start : start + n]:
+        return n
     i = 0
-    while i < n and a[i] == b[i]:
+    while i < n:
+        j = min(i + 1024, n)
+        if key[i:j] != tokens[start + i : start + j]:
+            break
+        i = j
+    while i < n and key[i] == tokens[start + i]:
         i += 1
     return i

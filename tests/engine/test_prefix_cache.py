@@ -171,3 +171,21 @@ def test_prefill_only_request_publishes_its_prompt_and_samples_nothing() -> None
     nxt = engine.generate([prompt + [5]], SamplingParams(max_tokens=4))[0]
     assert nxt.num_cached_tokens == len(prompt) and nxt.token_ids == expected(prompt + [5], 4)
     assert_pools_empty(engine)
+
+
+def test_common_prefix_matches_the_element_walk() -> None:
+    """The block-wise comparison the tree's insert uses, against the element-by-element walk."""
+    import random
+
+    from phloem.engine.radix_cache import _common_prefix
+
+    rng = random.Random(0)
+    for _ in range(500):
+        key = [rng.randrange(3) for _ in range(rng.randrange(0, 3000))]
+        start = rng.randrange(0, 40)
+        tokens = [rng.randrange(3) for _ in range(start)] + key[: rng.randrange(0, len(key) + 1)]
+        tokens += [rng.randrange(3) for _ in range(rng.randrange(0, 2000))]
+        want = 0
+        while want < min(len(key), len(tokens) - start) and key[want] == tokens[start + want]:
+            want += 1
+        assert _common_prefix(key, tokens, start) == want
