@@ -19,7 +19,10 @@ the decode kernel (``kernels.attention.flashinfer.MixedPlan``, the default ``spl
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import random
 import statistics
 import sys
@@ -166,6 +169,17 @@ def print_profile(prof: Any, top: int) -> None:
         print(f"{e.key[:70]:<72}{e.self_cpu_time_total / 1e3:>9.2f}{e.count:>7}")
 
 
+def print_host_profile(host: cProfile.Profile, top: int) -> None:
+    """Functions by own time, then by cumulative time (turn 2: decode and mixed steps together)."""
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(host, stream=out).sort_stats(order).print_stats(top)
+        lines = out.getvalue().splitlines()
+        start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+        print(f"\nhost time by {order} (cProfile, a second round of turn 2):")
+        print("\n".join(lines[start:]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen3.5-35b-a3b", choices=sorted(SHAPES))
@@ -179,6 +193,8 @@ def main() -> int:
     parser.add_argument("--stagger", type=int, default=4, help="engine steps between two arrivals")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--cprofile", action="store_true",
+                        help="also print where the host's time goes in turn 2 (cProfile, by function)")
     parser.add_argument("--attention", action="append", choices=("split", "one-call"),
                         help="a mixed step's attention (default split); repeat to run one engine after another")
     args = parser.parse_args()
@@ -205,6 +221,14 @@ def run_one(args: argparse.Namespace, attention: str) -> None:
         print(f"\none append of {args.append} tokens at {args.context} context, alone: "
               f"{', '.join(f'{ms:.1f}' for ms in alone)} ms")
         print_profile(prof, args.top)
+        if args.cprofile:
+            # A second round of the same arrivals under cProfile (which slows the host), apart
+            # from the timed one.
+            host = cProfile.Profile()
+            host.enable()
+            turn2(engine, log, histories, args, rng, profile_last=False)
+            host.disable()
+            print_host_profile(host, args.top)
         engine.close()
 
 

@@ -3,8 +3,9 @@
 #   source tools/gpu/setup.sh
 # Installs the carried wheels (.whl/, from ../shared/gpu/fetch-wheels.sh) into /tmp/site, makes
 # this checkout importable as `phloem` (/tmp/pkg/phloem -> here), and restores the kernel caches
-# an earlier machine packed (.gpu-cache/*.tgz: FlashInfer's JIT builds, Triton's cache), so a fresh
-# machine does not compile them again. `pack_caches DIR` writes them back out.
+# an earlier machine packed (.gpu-cache/: FlashInfer's JIT-built libraries, installed as its AOT
+# modules so they load without a build check; Triton's cache), so a fresh machine does not compile
+# them again. `pack_caches DIR` writes them out: copy DIR's .tgz files into .gpu-cache/ and carry it.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -12,9 +13,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/phloem
 export PYTHONPATH=/tmp/pkg:/tmp/site:$PWD
 export PATH=/tmp/site/bin:$PATH
-for f in .gpu-cache/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C / 2>/dev/null; done
+FI_AOT=/tmp/site/flashinfer/data/aot
+if [ -f .gpu-cache/flashinfer_ops.tgz ]; then mkdir -p $FI_AOT && tar xzf .gpu-cache/flashinfer_ops.tgz -C $FI_AOT; fi
+if [ -f .gpu-cache/triton_cache.tgz ]; then tar xzf .gpu-cache/triton_cache.tgz -C /; fi
 pack_caches() {
-  tar czf "$1/flashinfer_cache.tgz" -C / root/.cache/flashinfer 2>/dev/null
+  # cached_ops/NAME/NAME.so -> NAME/NAME.so under FlashInfer's AOT directory when restored.
+  (cd /root/.cache/flashinfer/*/*/cached_ops 2>/dev/null && ls -d */ | while read -r d; do
+     [ -f "$d${d%/}.so" ] && echo "$d${d%/}.so"; done | tar czf "$1/flashinfer_ops.tgz" -T -)
   tar czf "$1/triton_cache.tgz" -C / root/.triton/cache 2>/dev/null
   ls -la "$1"/*.tgz
 }
