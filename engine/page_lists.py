@@ -2,8 +2,8 @@
 
 Every attention plan (a captured decode step's page lists, FlashInfer's plan) copies each
 request's page ids into an int32 array, every step. From Python lists that is a conversion per
-element: batch 16 at 57K tokens of context is 57K page ids, ~1.3 ms of host time a step, which
-a synchronous step adds to the device's and an async one must hide behind it. A mirror is
+element (batch 16 at 57K tokens of context: 57K page ids a step; docs/decisions.md has the cost),
+which a synchronous step adds to the device's and an async one must hide behind it. A mirror is
 converted once and then only grows by the pages a request gained.
 
 Invariant this relies on (``engine.cache_manager``): a request's ``page_ids`` list is only ever

@@ -91,7 +91,7 @@ class Request:
     @functools.cached_property
     def prompt_token_ids(self) -> list[int]:
         """The prompt, copied once: every step's ``RequestOutput`` shares this list (a copy per
-        step of a 50K-token prompt costs ~0.2 ms, per request)."""
+        step would copy an agent's whole history, per request)."""
         return self.all_token_ids[: self.num_prompt_tokens]
 
     @property
