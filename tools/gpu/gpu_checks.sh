@@ -13,7 +13,8 @@
 #       35B-A3B shape (head_dim 256) prefill + decode; then FlashInfer's built modules are packed
 #       into OUT/flashinfer_so.tgz (a later machine can start from them)
 #   1   single-GPU tests (pytest -m gpu), incl. async scheduling against sync, bitwise, and the
-#       fused KV-write prologue and in-kernel GDN gates at the 35B-A3B shapes
+#       fused KV-write prologue and in-kernel GDN gates at the 35B-A3B shapes; more than one call's
+#       600 s: 1a runs tests/kernels (~4 min with carried caches), 1b tests/engine
 #   2   TP=2 tests (graphs on both ranks, a resume from a gathered export; the cuda:1 engine test)
 #   3a  decode bench TP=1, batch 1 and 16 at 1K context (each point timed with async scheduling
 #       and again without it: the "sync ms/step" column), with the defaults; again with cuBLAS
@@ -112,6 +113,14 @@ step_1() {
   # tests/engine and tests/kernels hold every `gpu` test; tests/api needs packages the GPU image lacks.
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 600 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/engine tests/kernels \
     > "$OUT/1_gpu_tests.txt" 2>&1
+}
+step_1a() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 580 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/kernels \
+    > "$OUT/1a_gpu_tests.txt" 2>&1
+}
+step_1b() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 580 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/engine \
+    > "$OUT/1b_gpu_tests.txt" 2>&1
 }
 step_2() {
   timeout 600 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_gpu_engine.py \
@@ -248,7 +257,7 @@ step_10() {
 step_9() {
   echo; echo "== summary =="
   cat "$OUT/0_warmup.txt" 2>/dev/null
-  for f in 1_gpu_tests 2_tp_tests; do [ -f "$OUT/$f.txt" ] && echo "$f: $(tail -n 1 "$OUT/$f.txt")"; done
+  for f in 1_gpu_tests 1a_gpu_tests 1b_gpu_tests 2_tp_tests; do [ -f "$OUT/$f.txt" ] && echo "$f: $(tail -n 1 "$OUT/$f.txt")"; done
   for f in 7_gemv 7_gemv_nopdl; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^|' "$OUT/$f.txt" | grep -v '| plain |' ; grep 'plain' "$OUT/$f.txt" | head -n 12; }; done
   for f in 8_unfused 8_fused 8_fused_pdl 8_cublas; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; head -n 1 "$OUT/$f.txt"; grep '^| 1 \|^| 16 \|launches' "$OUT/$f.txt"; }; done
   [ -f "$OUT/8_fused.txt" ] && grep -A 26 'launches' "$OUT/8_fused.txt"
