@@ -304,11 +304,15 @@ class RunnerConfig:
             ``"torch"``.
         enable_cuda_graph: capture decode steps as CUDA graphs (CUDA + FlashInfer + the Triton kernels only).
         max_graph_batch_size: the largest captured decode batch; bigger ones run eagerly.
+        prefill_graph_tokens: with ``enable_cuda_graph``, prefill and mixed steps of up to this many
+            tokens replay piecewise CUDA graphs (all but the attention and the GDN recurrence,
+            ``engine.prefill_graph``; tensor parallelism runs them eagerly); 0: always eagerly.
     """
 
     attention_backend: str = "auto"
     enable_cuda_graph: bool = True
     max_graph_batch_size: int = 64
+    prefill_graph_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "flashinfer", "torch"):
@@ -317,6 +321,8 @@ class RunnerConfig:
             )
         if self.max_graph_batch_size <= 0:
             raise ValueError(f"max_graph_batch_size: expected > 0, got {self.max_graph_batch_size}")
+        if not 0 <= self.prefill_graph_tokens <= 8192:
+            raise ValueError(f"prefill_graph_tokens: expected 0 to 8192, got {self.prefill_graph_tokens}")
 
 
 MAX_TP_SIZE = 8

@@ -76,9 +76,7 @@ class Engine:
         self.config = config
         self.grammar = grammar
         self.model_config = model_config
-        self.device = device
-        self.dtype = dtype
-        self.workers = workers
+        self.device, self.dtype, self.workers = device, dtype, workers
         tp = workers.group if workers is not None else TPGroup.single(device)
         sink = workers.send if workers is not None else None
         self.runner, plan = build_runner(model_config, model, cache_config, runner_config, tp, dtype, sink,
@@ -106,7 +104,9 @@ class Engine:
         if workers is not None:
             workers.start(graphs)  # the workers capture the same buckets alongside rank 0
         if graphs is not None:
-            self.runner.enable_cuda_graphs(*graphs, show_progress=config.load.show_progress)
+            prefill = min(runner_config.prefill_graph_tokens, scheduler_config.max_num_batched_tokens)
+            prefill = prefill if workers is None else 0
+            self.runner.enable_cuda_graphs(*graphs, show_progress=config.load.show_progress, prefill_tokens=prefill)
         limit = model_config.max_position_embeddings
         self.max_model_len = min(scheduler_config.max_model_len or limit, limit)
         self._requests: dict[str, Request] = {}

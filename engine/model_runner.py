@@ -42,6 +42,7 @@ from phloem.engine.logits_processors import StepLogprobs, StepProcessing
 from phloem.engine.memory import PoolPlan, allocate_caches, plan_pools
 from phloem.engine.page_lists import PageListMirror
 from phloem.engine.parallel.group import TPGroup
+from phloem.engine.prefill_graph import PrefillGraphRunner
 from phloem.engine.request import Request, TokenLogprob
 from phloem.engine.sampler import sample
 from phloem.engine.scheduler import SchedulerOutput
@@ -132,6 +133,7 @@ class ModelRunner:
         self.device = device
         self.attn = attn
         self.graphs: CudaGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
         # Each request's page ids as an array, grown step by step (``engine.page_lists``).
         self.page_mirror = PageListMirror()
         self.default_generator = torch.Generator(device=device)
@@ -144,13 +146,20 @@ class ModelRunner:
         self.layer_hook: StepLayerHook | None = None
 
     def enable_cuda_graphs(
-        self, max_batch_size: int, pad_page: int, pad_slot: int, show_progress: bool | None = None
-    ) -> None:
+        self, max_batch_size: int, pad_page: int, pad_slot: int, show_progress: bool | None = None,
+        prefill_tokens: int = 0,
+    ) -> None:  # fmt: skip
+        """Capture the decode graphs and, with ``prefill_tokens`` (TP=1 only), the piecewise graphs
+        of other steps up to that many tokens (``engine.prefill_graph``)."""
         assert self.attn is not None, "CUDA graphs need the FlashInfer attention backend"
         self.graphs = CudaGraphRunner(
             self.model, self.caches, self.attn, max_batch_size, pad_page, pad_slot, self.page_mirror  # type: ignore[arg-type]
         )
         self.graphs.capture(show_progress)
+        if prefill_tokens > 0:
+            assert self.tp.size == 1, "prefill graphs run at TP=1"
+            self.prefill_graphs = PrefillGraphRunner(self.model, self.caches, prefill_tokens, pad_page * self.page_size)  # type: ignore[arg-type]
+            self.prefill_graphs.capture(show_progress)
 
     def read_state(self, pages: list[int], slot: int) -> StateTensors:
         """The whole (TP=1 layout) KV of ``pages`` and GDN state of ``slot``, on rank 0's device."""
@@ -269,6 +278,8 @@ class ModelRunner:
         # Models without a layer loop (test doubles) need not take the hook: passed only when set.
         if hooked:
             hidden = self.model.forward(batch, self.caches, on_attn_layer)
+        elif self.prefill_graphs is not None and not inp.is_decode and self.prefill_graphs.covers(batch.num_tokens):
+            hidden = self.prefill_graphs.run(batch)
         else:
             hidden = self.model.forward(batch, self.caches)
         if not inp.sample_rows:

@@ -4,6 +4,7 @@ checkpoint restore, chunked prefill, finishing), not injected requests.
 
     python3 benchmarks/sweeps/mixed_step.py --shape qwen3.5-35b-a3b --agents 16 --context 32768 --append 800
     python3 benchmarks/sweeps/mixed_step.py --attention one-call --attention split   # one engine each
+    python3 benchmarks/sweeps/mixed_step.py --prefill-graph-tokens 0   # mixed steps without graphs
     python3 benchmarks/sweeps/mixed_step.py --shape tiny --device cpu --dtype float32 --agents 4 --context 256 --append 32
 
 Turn 1 prefills ``agents`` prompts of ``context`` tokens (one token out each; the prefix cache
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 
 from phloem.engine import Engine, SamplingParams
-from phloem.engine.config import EngineConfig, SchedulerConfig
+from phloem.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from phloem.runtime.model_shapes import SHAPES, write_shape
 
 
@@ -46,7 +47,8 @@ def build_engine(args: argparse.Namespace, folder: Path, attention: str) -> Engi
         config["num_hidden_layers"] = args.layers
         (folder / "config.json").write_text(json.dumps(config))
     scheduler = SchedulerConfig(max_num_seqs=max(16, args.agents))
-    engine = Engine.from_pretrained(folder, EngineConfig(scheduler=scheduler), load_format="dummy",
+    runner = RunnerConfig(prefill_graph_tokens=args.prefill_graph_tokens)
+    engine = Engine.from_pretrained(folder, EngineConfig(scheduler=scheduler, runner=runner), load_format="dummy",
                                     device=args.device, dtype=args.dtype)
     if engine.runner.attn is not None:
         engine.runner.attn.split_mixed = attention == "split"
@@ -195,6 +197,8 @@ def main() -> int:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--cprofile", action="store_true",
                         help="also print where the host's time goes in turn 2 (cProfile, by function)")
+    parser.add_argument("--prefill-graph-tokens", type=int, default=RunnerConfig().prefill_graph_tokens,
+                        help="RunnerConfig.prefill_graph_tokens (0: mixed steps eagerly)")
     parser.add_argument("--attention", action="append", choices=("split", "one-call"),
                         help="a mixed step's attention (default split); repeat to run one engine after another")
     args = parser.parse_args()

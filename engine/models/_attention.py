@@ -70,9 +70,26 @@ class GatedAttention(nn.Module):
         self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, inv_freq: torch.Tensor
     ) -> torch.Tensor:
         """``hidden`` ``[T, H]``, ``kv_cache`` ``[pages, 2, page_size, Hkv, D]`` -> ``[T, H]``."""
-        out, gate = self._attend(self.qkv_proj(hidden), batch, kv_cache, inv_freq)
-        result: torch.Tensor = self.o_proj(out * torch.sigmoid(gate))
+        mix = self.prepare(hidden, batch, kv_cache, inv_freq)
+        result: torch.Tensor = self.o_proj(self.attend(mix, batch, kv_cache, inv_freq))
         return result
+
+    def prepare(
+        self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """The step's part before the attention, per token: ``qkv_proj``, then (unless the decode
+        attention's prologue does it in its own launch) QK-norm, RoPE, the gate split and the KV
+        write. Returns ``(query [T, Hq, D], gate [T, Hq * D])``, or with the prologue the raw
+        ``(q_gate, key, value)``; ``attend`` takes either."""
+        return self._prepare(self.qkv_proj(hidden), batch, kv_cache, inv_freq)
+
+    def attend(
+        self, mix: tuple[torch.Tensor, ...], batch: ForwardBatch, kv_cache: torch.Tensor, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
+        """``prepare``'s tensors -> the gated attention output ``[T, Hq * D]`` (``o_proj``'s input):
+        the part of the step that reads the requests' KV lengths and pages."""
+        out, gate = self._attend(mix, batch, kv_cache, inv_freq)
+        return out * torch.sigmoid(gate)
 
     def forward_decode(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
@@ -84,16 +101,15 @@ class GatedAttention(nn.Module):
         ``route`` (``SparseMoe.decode_route``) ``o_proj`` also adds the residual and the router's
         partial logits, and both are the residual sum."""
         qkv, residual = self.ops.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight)
-        out, gate = self._attend(qkv, batch, kv_cache, inv_freq)
+        out, gate = self._attend(self._prepare(qkv, batch, kv_cache, inv_freq), batch, kv_cache, inv_freq)
         if route is not None:
             s = self.ops.sigmoid_gate_linear_route(out, gate, self.o_proj.weight, residual, *route)
             return s, s
         return self.ops.sigmoid_gate_linear(out, gate, self.o_proj.weight), residual
 
-    def _attend(
+    def _prepare(
         self, qkv: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, inv_freq: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The projected ``qkv`` ``[T, *]`` -> attention output and its gate, both ``[T, Hq * D]``."""
+    ) -> tuple[torch.Tensor, ...]:
         num_tokens = qkv.shape[0]
         q_gate, key, value = torch.split(qkv, self.proj_sizes, dim=-1)
         q_gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)
@@ -101,17 +117,28 @@ class GatedAttention(nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         meta = batch.attn_metadata
         if isinstance(meta, TritonDecodePlan) and meta.prologue:
-            # The prologue below inside the decode attention's split launch (one launch, not two).
-            out, gate = meta.run_prologue(
-                q_gate, key, value, self.q_norm.weight, self.k_norm.weight, batch.positions, inv_freq, self.eps,
-                kv_cache, batch.slot_mapping,
-            )  # fmt: skip
-            return out.reshape(num_tokens, self.num_heads * self.head_dim), gate
+            return q_gate, key, value  # the prologue runs inside the decode attention's split launch
         # QK-RMSNorm + partial RoPE + output-gate split + the KV-cache write, one fused op on GPU.
         query, gate = self.ops.qk_norm_rope_gate_store(
             q_gate, key, value, self.q_norm.weight, self.k_norm.weight, batch.positions, inv_freq, self.eps,
             kv_cache, batch.slot_mapping,
         )
+        return query, gate
+
+    def _attend(
+        self, mix: tuple[torch.Tensor, ...], batch: ForwardBatch, kv_cache: torch.Tensor, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prepare``'s tensors -> attention output and its gate, both ``[T, Hq * D]``."""
+        num_tokens = mix[0].shape[0]
+        meta = batch.attn_metadata
+        if len(mix) == 3:
+            # The prologue (``_prepare``) inside the decode attention's split launch (one launch, not two).
+            out, gate = meta.run_prologue(
+                *mix, self.q_norm.weight, self.k_norm.weight, batch.positions, inv_freq, self.eps,
+                kv_cache, batch.slot_mapping,
+            )  # fmt: skip
+            return out.reshape(num_tokens, self.num_heads * self.head_dim), gate
+        query, gate = mix
         if meta is not None:
             out = meta.run(query, kv_cache)  # [T, Hq, D]
         else:

@@ -86,7 +86,15 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """``hidden`` ``[T, H]``; ``conv_states`` ``[slots, conv_dim, K-1]``,
         ``ssm_states`` ``[slots, Hv, Dk, Dv]`` fp32 -> ``[T, H]``."""
-        mixed_qkv, z, b, a = torch.split(self.in_proj(hidden), self.proj_sizes, dim=-1)
+        proj = self.in_proj(hidden)
+        return self.finish(self.mix(proj, batch, conv_states, ssm_states), proj)
+
+    def mix(
+        self, proj: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor, ssm_states: torch.Tensor
+    ) -> torch.Tensor:
+        """``in_proj``'s output ``[T, *]`` -> the delta rule's output ``[T, Hv, Dv]``: the conv and the
+        recurrence, the part of the step that reads and writes the requests' state slots."""
+        mixed_qkv, _, b, a = torch.split(proj, self.proj_sizes, dim=-1)
         if batch.is_decode:
             mixed_qkv = self.ops.causal_conv1d_update(
                 mixed_qkv, self.conv_weight, None, conv_states, batch.read_slots, batch.write_slots
@@ -95,10 +103,15 @@ class GatedDeltaNet(nn.Module):
             mixed_qkv = self.ops.causal_conv1d_varlen(
                 mixed_qkv, self.conv_weight, None, conv_states, batch.query_start_loc,
                 batch.read_slots, batch.write_slots, batch.has_initial_state,
-            )
-        out = self._mix(mixed_qkv, a, b, batch, ssm_states)
-        out = self.norm(out, self._heads(z))
-        result: torch.Tensor = self.out_proj(out.reshape(hidden.shape[0], self.value_dim))
+            )  # fmt: skip
+        return self._mix(mixed_qkv, a, b, batch, ssm_states)
+
+    def finish(self, core: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+        """``mix``'s output and ``in_proj``'s (for the gate ``z``) -> ``[T, H]``: the gated norm and
+        ``out_proj``."""
+        z = torch.split(proj, self.proj_sizes, dim=-1)[1]
+        out = self.norm(core, self._heads(z))
+        result: torch.Tensor = self.out_proj(out.reshape(core.shape[0], self.value_dim))
         return result
 
     def forward_decode(

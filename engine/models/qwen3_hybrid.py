@@ -73,13 +73,50 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fuse_decode and batch.is_decode and hidden.shape[0] == 1:
             return self._forward_decode(hidden, residual, batch, caches, inv_freq)
+        mix, residual = self.mixer_in(hidden, residual, batch, caches, inv_freq)
+        return self.mixer_out(mix, self.mixer_core(mix, batch, caches, inv_freq), residual)
+
+    # ``forward`` in three parts. ``mixer_in`` and ``mixer_out`` compute each token apart and read
+    # of the step only its tokens' positions and KV slots; ``mixer_core`` is what reads the requests
+    # (their KV lengths and pages, their GDN state slots). ``engine.prefill_graph`` captures the
+    # first two as CUDA graphs per token count and runs the core eagerly between them.
+
+    def mixer_in(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, caches: ModelCaches,
+        inv_freq: torch.Tensor,
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:  # fmt: skip
+        """The input norm and the mixer's projections (for attention also the KV write):
+        ``(mix, residual)``."""
         normed, residual = self.input_layernorm.forward_residual(hidden, residual)
         if self.is_full_attention:
-            hidden = self.self_attn(normed, batch, caches.kv[self.cache_idx], inv_freq)
+            return self.self_attn.prepare(normed, batch, caches.kv[self.cache_idx], inv_freq), residual
+        return (self.linear_attn.in_proj(normed),), residual
+
+    def mixer_core(
+        self, mix: tuple[torch.Tensor, ...], batch: ForwardBatch, caches: ModelCaches, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
+        """``mixer_in``'s tensors -> the mixer's output before its output projection: the gated
+        attention output ``[T, Hq * D]`` or the delta rule's ``[T, Hv, Dv]``."""
+        if self.is_full_attention:
+            return self.self_attn.attend(mix, batch, caches.kv[self.cache_idx], inv_freq)
+        return self.linear_attn.mix(mix[0], batch, caches.conv[self.cache_idx], caches.ssm[self.cache_idx])
+
+    def mixer_out(
+        self, mix: tuple[torch.Tensor, ...], core: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output projection, the post-attention norm and the MLP: ``(hidden, residual)``."""
+        if self.is_full_attention:
+            hidden = self.self_attn.o_proj(core)
         else:
-            hidden = self.linear_attn(normed, batch, caches.conv[self.cache_idx], caches.ssm[self.cache_idx])
+            hidden = self.linear_attn.finish(core, mix[0])
         normed, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
         return self.mlp(normed), residual
+
+    def core_shape(self) -> tuple[int, ...]:
+        """``mixer_core``'s output shape per token."""
+        if self.is_full_attention:
+            return (self.self_attn.num_heads * self.self_attn.head_dim,)
+        return (self.linear_attn.num_v_heads, self.linear_attn.value_head_dim)
 
     def _forward_decode(
         self,

@@ -12,6 +12,8 @@ hold on them:
   (requests finish and pages change between steps) and for their second turns (prefix hits);
 - a request's logits in a batch stay close to the same request's alone, up to where the two
   greedy paths part (and there the batched token is among the lone run's top 5);
+- mixed and prefill steps replayed from the piecewise prefill graphs give logits close to the same
+  steps run eagerly (the graphs pad to token buckets, which changes the GEMMs' shapes);
 - the sessions layer over the engine loop, with 16 sessions that start at different times,
   append while others decode, fork, and cancel, finishes every turn with ids in the vocabulary
   and no failed step.
@@ -58,7 +60,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(model_dir: Path) -> Iterator[Engine]:
     engine = Engine.from_pretrained(model_dir, load_format="dummy", device="cuda", dtype="bfloat16")
     assert engine.runner.graphs is not None and engine.runner.attn is not None and engine.runner.attn.triton_decode
-    assert engine.async_scheduling
+    assert engine.async_scheduling and engine.runner.prefill_graphs is not None
     yield engine
     engine.close()
 
@@ -112,6 +114,34 @@ def test_batched_logits_follow_each_request_alone(engine: Engine, n: int, monkey
     want_rows = [alone_rows[id(p)][: len(want)] for p, want in zip(params, alone)]
     compared = assert_logits_follow(batched, alone, got_rows, want_rows, REL_TOL, "the request alone")
     assert compared >= n
+
+
+def test_prefill_graphs_follow_the_eager_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same batch (chunked prefills beside decode rows, then second turns over prefix hits) with
+    the piecewise prefill graphs and with every non-decode step eager."""
+    prompts, params = mixed_batch(16, engine.model_config.vocab_size, seed=7)
+    recorder = LogitsRecorder(monkeypatch)
+    runs: list[int] = []
+    graphs = engine.runner.prefill_graphs
+    assert graphs is not None
+    replay = graphs.run
+
+    def counted(batch):  # type: ignore[no-untyped-def]
+        runs.append(batch.num_tokens)
+        return replay(batch)
+
+    monkeypatch.setattr(graphs, "run", counted)
+    graphed = run(engine, prompts, params, pipelined=True)
+    eager_params = [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True) for p in params]
+    engine.runner.prefill_graphs = None
+    try:
+        eager = run(engine, prompts, eager_params, pipelined=True)
+    finally:
+        engine.runner.prefill_graphs = graphs
+    assert len(runs) >= 4
+    got_rows = [recorder.rows[id(p)][: len(t)] for p, t in zip(params, graphed)]
+    want_rows = [recorder.rows[id(q)][: len(t)] for q, t in zip(eager_params, eager)]
+    assert assert_logits_follow(graphed, eager, got_rows, want_rows, REL_TOL, "the eager steps") >= 16
 
 
 def test_sixteen_sessions_on_the_engine_loop(engine: Engine, model_dir: Path, tmp_path: Path) -> None:

@@ -61,6 +61,8 @@ def gpu_engine(path: Path, **options: object) -> Engine:
 def test_backends_in_use(model_dir: Path) -> None:
     engine = gpu_engine(model_dir)
     assert engine.runner.attn is not None and engine.runner.graphs is not None
+    # Non-decode steps replay piecewise graphs up to the step budget (test_cuda_graph_follows_eager).
+    assert engine.runner.prefill_graphs is not None and engine.runner.prefill_graphs.max_tokens == 128
     assert engine.runner.model.model.layers[0].linear_attn.ops.backend == "triton"  # type: ignore[attr-defined]
 
 
