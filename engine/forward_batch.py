@@ -35,7 +35,7 @@ class ForwardBatch:
     # with a device sync, once a step rather than once a GDN layer).
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor  # [B] int32, KV length of each request after this step
-    page_table: torch.Tensor  # [B, max_pages] int32
+    page_table: torch.Tensor  # [B, max_pages] int32; read by the torch reference only ([B, 1] zeros beside a FlashInfer plan)
     slot_mapping: torch.Tensor  # [T] int64
     read_slots: torch.Tensor  # [B] int64
     write_slots: torch.Tensor  # [B] int64

@@ -225,13 +225,16 @@ class ModelRunner:
         def to_dev(values: list[int] | list[bool], dtype: torch.dtype) -> torch.Tensor:
             return to_device(torch.tensor(values, dtype=dtype), dev)
 
-        max_pages = max(len(p) for p in inp.page_ids)
-        table = torch.zeros((len(inp.page_ids), max_pages), dtype=torch.int32)
-        for i, p in enumerate(inp.page_ids):
-            table[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
         plan = None
         if self.attn is not None:
             plan = self.attn.plan(inp.query_lens, inp.seq_lens, self.page_mirror.arrays(inp.page_ids))
+            # FlashInfer reads its plan's page lists; only the torch reference reads the table (at a
+            # long context its rows are thousands of pages: milliseconds of host time a step).
+            table = torch.zeros((len(inp.page_ids), 1), dtype=torch.int32)
+        else:
+            table = torch.zeros((len(inp.page_ids), max(len(p) for p in inp.page_ids)), dtype=torch.int32)
+            for i, p in enumerate(inp.page_ids):
+                table[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
         return ForwardBatch(
             input_ids=to_dev(inp.input_ids, torch.int64),
             positions=to_dev(inp.positions, torch.int64),
