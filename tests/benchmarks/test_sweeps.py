@@ -13,7 +13,7 @@ GPU_TOOLS = ROOT / "tools" / "gpu"
 
 
 def test_gpu_scripts_parse() -> None:
-    for script in ("gpu_checks.sh", "gpu_lease.sh"):
+    for script in sorted(p.name for p in GPU_TOOLS.glob("*.sh")):
         subprocess.run(["bash", "-n", str(GPU_TOOLS / script)], check=True)
 
 

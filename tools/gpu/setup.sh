@@ -1,7 +1,7 @@
 #!/bin/bash
 # Source at the start of every device call, from the repository root:
 #   source tools/gpu/setup.sh
-# Installs the carried wheels (.whl/, from ../shared/gpu/fetch-wheels.sh) into /tmp/site, makes
+# Installs the carried wheels (.whl/, from tools/gpu/fetch_wheels.sh) into /tmp/site, makes
 # this checkout importable as `phloem` (/tmp/pkg/phloem -> here), and restores the kernel caches
 # an earlier machine packed (.gpu-cache/: FlashInfer's JIT-built libraries, installed as its AOT
 # modules so they load without a build check; Triton's cache), so a fresh machine does not compile
