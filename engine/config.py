@@ -302,7 +302,8 @@ class RunnerConfig:
         attention_backend: ``"auto"`` (FlashInfer on CUDA when importable and the model runs in
             fp16 / bf16, the only dtypes FlashInfer builds; else torch), ``"flashinfer"`` or
             ``"torch"``.
-        enable_cuda_graph: capture decode steps as CUDA graphs (CUDA + FlashInfer + the Triton kernels only).
+        enable_cuda_graph: capture decode steps as CUDA graphs, and other steps piecewise
+            (``prefill_graph_tokens``); CUDA + FlashInfer + the Triton kernels only.
         max_graph_batch_size: the largest captured decode batch; bigger ones run eagerly.
         prefill_graph_tokens: with ``enable_cuda_graph``, prefill and mixed steps of up to this many
             tokens replay piecewise CUDA graphs (all but the attention and the GDN recurrence,
