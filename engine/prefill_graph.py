@@ -28,7 +28,7 @@ never reaches a real token (its ids and positions are whatever an earlier step l
 Decode steps keep their own graphs (``engine.cuda_graph``); a step over ``max_tokens`` tokens
 (a long first turn's chunks: the device bounds those) runs eagerly. Tensor parallelism is not
 covered (the engine builds this only at TP=1). On CPU (tests) the pieces run as plain calls in
-the same order over the same buffers (``capture=False``), which checks everything but the capture.
+the same order over the same buffers (``use_graphs=False``), which checks everything but the capture.
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ class PrefillGraphRunner:
     rows write."""
 
     def __init__(
-        self, model: torch.nn.Module, caches: ModelCaches, max_tokens: int, pad_slot: int, capture: bool = True
+        self, model: torch.nn.Module, caches: ModelCaches, max_tokens: int, pad_slot: int, use_graphs: bool = True
     ) -> None:
         self.model, self.caches = model, caches
         self.layers = list(model.model.layers)
         self.max_tokens, self.pad_slot = max_tokens, pad_slot
         self.buckets = prefill_buckets(max_tokens)
-        self.use_graphs = capture
+        self.use_graphs = use_graphs
         weight = model.model.embed_tokens.weight
         dev, dtype, n = weight.device, weight.dtype, max_tokens
         self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -73,7 +73,7 @@ class PrefillGraphRunner:
         self.residual = torch.zeros(n, weight.shape[1], dtype=dtype, device=dev)
         self.final = torch.zeros(n, weight.shape[1], dtype=dtype, device=dev)
         # Per layer kind (True: full attention): its core's output; its mixer tensors once a first
-        # pass has shown their shapes (``_allocate``).
+        # pass has shown their shapes (``_mix_buffers``).
         self.core = {layer.is_full_attention: torch.zeros(n, *layer.core_shape(), dtype=dtype, device=dev)
                      for layer in self.layers}  # fmt: skip
         self.mix: dict[bool, list[torch.Tensor]] = {}

@@ -36,7 +36,7 @@ def engine(path: Path, max_tokens: int) -> tuple[Engine, list[int]]:
     if max_tokens:
         pad = eng.page_pool.allocate(1)
         assert pad is not None
-        runner = PrefillGraphRunner(eng.runner.model, eng.runner.caches, max_tokens, pad[0] * PAGE, capture=False)  # type: ignore[arg-type]
+        runner = PrefillGraphRunner(eng.runner.model, eng.runner.caches, max_tokens, pad[0] * PAGE, use_graphs=False)  # type: ignore[arg-type]
         runner.capture()
         run = runner.run
 
