@@ -87,7 +87,8 @@ def test_warm_up_on_a_gpu_leaves_the_tokens_and_the_graphs_alone(tmp_path: Path)
     from phloem.runtime.default_model import ensure_default_model
 
     path = ensure_default_model(tmp_path)
-    options = dict(device="cuda", dtype="bfloat16", num_pages=512, num_state_slots=32, max_num_seqs=16)
+    # Pages for the prefix round's prompt of 1.5 default step budgets (8,192 on CUDA) plus 19.
+    options = dict(device="cuda", dtype="bfloat16", num_pages=4096, num_state_slots=32, max_num_seqs=16)
     fresh, warmed = Engine.from_pretrained(path, **options), Engine.from_pretrained(path, **options)
     report = warmed.warm_up(show_progress=False)
     assert report.num_requests == 8 and warmed.cache_stats() == fresh.cache_stats()

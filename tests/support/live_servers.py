@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 import uvicorn
 
 from phloem.api.server.app import KEEP_ALIVE_S, create_app
@@ -37,6 +39,14 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _release_gpu_memory() -> None:
+    """Hand back the GPU memory this test process keeps cached after its earlier tests' engines
+    (the caching allocator holds it, and a server child would find the GPU full)."""
+    if torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @dataclass
@@ -56,6 +66,7 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 120.0) -> ServerProcess:
         """Start the process and wait until ``/health`` answers 200."""
+        _release_gpu_memory()
         self.log = self.log or self.data_dir / f"server-{self.port}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}
         command = [sys.executable, "-m", "phloem.cli", "serve", "--host", "127.0.0.1",
