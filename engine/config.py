@@ -306,7 +306,7 @@ class RunnerConfig:
             (``prefill_graph_tokens``); CUDA + FlashInfer + the Triton kernels only.
         max_graph_batch_size: the largest captured decode batch; bigger ones run eagerly.
         prefill_graph_tokens: with ``enable_cuda_graph``, prefill and mixed steps of up to this many
-            tokens replay piecewise CUDA graphs (all but the attention and the GDN recurrence,
+            tokens replay piecewise CUDA graphs (all but the full-attention layers' attention,
             ``engine.prefill_graph``; tensor parallelism runs them eagerly); 0: always eagerly.
     """
 

@@ -45,6 +45,9 @@ class ForwardBatch:
     is_decode: bool  # every request has exactly one new token
     # Backend-specific attention plan (e.g. FlashInfer wrappers); None for the torch reference.
     attn_metadata: Any = None
+    # fla's chunk indices and offsets for the GDN layers, built on the device for a layout of fixed
+    # shape (``kernels.gdn.chunk_indices``; ``engine.prefill_graph``); None: fla builds them.
+    gdn_chunks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

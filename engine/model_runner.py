@@ -158,7 +158,9 @@ class ModelRunner:
         self.graphs.capture(show_progress)
         if prefill_tokens > 0:
             assert self.tp.size == 1, "prefill graphs run at TP=1"
-            self.prefill_graphs = PrefillGraphRunner(self.model, self.caches, prefill_tokens, pad_page * self.page_size)  # type: ignore[arg-type]
+            self.prefill_graphs = PrefillGraphRunner(
+                self.model, self.caches, prefill_tokens, pad_page * self.page_size, pad_slot  # type: ignore[arg-type]
+            )
             self.prefill_graphs.capture(show_progress)
 
     def read_state(self, pages: list[int], slot: int) -> StateTensors:
@@ -281,7 +283,7 @@ class ModelRunner:
         # Models without a layer loop (test doubles) need not take the hook: passed only when set.
         if hooked:
             hidden = self.model.forward(batch, self.caches, on_attn_layer)
-        elif self.prefill_graphs is not None and not inp.is_decode and self.prefill_graphs.covers(batch.num_tokens):
+        elif self.prefill_graphs is not None and not inp.is_decode and self.prefill_graphs.covers(batch):
             hidden = self.prefill_graphs.run(batch)
         else:
             hidden = self.model.forward(batch, self.caches)

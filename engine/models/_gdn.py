@@ -159,6 +159,6 @@ class GatedDeltaNet(nn.Module):
         g, beta = self.ops.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
         out = self.ops.chunk_gated_delta_rule(
             query, key, value, g, beta, ssm_states, batch.query_start_loc,
-            batch.read_slots, batch.write_slots, batch.has_initial_state,
+            batch.read_slots, batch.write_slots, batch.has_initial_state, chunks=batch.gdn_chunks,
         )  # [T, Hv, Dv]
         return out

@@ -47,7 +47,8 @@ def causal_conv1d_varlen(
     for i in range(len(starts) - 1):
         start, end = starts[i], starts[i + 1]
         window = torch.cat((initial[i].to(x.dtype), x[start:end].T), dim=-1)  # [D, K-1+L]
-        out[start:end] = _conv_silu(window[None], weight, bias)[0].T.to(x.dtype)
+        if end > start:  # an empty sequence passes its state through
+            out[start:end] = _conv_silu(window[None], weight, bias)[0].T.to(x.dtype)
         conv_states[write_slots[i]] = window[:, window.shape[-1] - state_len :].to(conv_states.dtype)
     return out
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from phloem.kernels.gdn.chunk_indices import CHUNK_SIZE
+
 __all__ = [
     "chunk_gated_delta_rule", "gdn_gates", "naive_recurrent_gated_delta_rule", "recurrent_gated_delta_rule",
     "recurrent_gated_delta_rule_with_gates",
@@ -97,9 +99,12 @@ def chunk_gated_delta_rule(
     read_slots: torch.Tensor,
     write_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
+    chunks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Varlen prefill: ``[T, Hv, Dv]`` in ``v.dtype``; final states go to ``ssm_states[write_slots]``."""
+    """Varlen prefill: ``[T, Hv, Dv]`` in ``v.dtype``; final states go to ``ssm_states[write_slots]``.
+    ``chunks`` (device-built chunk indices for fla's kernels, ``kernels.gdn.chunk_indices``) is
+    not needed here: the lengths are read on the host."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, torch.float32)
     q = q * q.shape[-1] ** -0.5

@@ -17,7 +17,7 @@ from logits_recorder import LogitsRecorder
 
 from phloem.engine import Engine, SamplingParams
 from phloem.engine.config import RunnerConfig
-from phloem.engine.prefill_graph import PrefillGraphRunner, prefill_buckets
+from phloem.engine.prefill_graph import PrefillGraphRunner, prefill_buckets, seq_tiers
 
 PAGE = 16
 PROMPTS = [[(s * 131 + i * 17) % 256 for i in range(n)] for s, n in enumerate([5, 23, 40, 61, 2])]
@@ -34,9 +34,10 @@ def engine(path: Path, max_tokens: int) -> tuple[Engine, list[int]]:
     eng = Engine.from_pretrained(path, num_pages=96, num_state_slots=24, page_size=PAGE, max_num_batched_tokens=48)
     runs: list[int] = []
     if max_tokens:
-        pad = eng.page_pool.allocate(1)
-        assert pad is not None
-        runner = PrefillGraphRunner(eng.runner.model, eng.runner.caches, max_tokens, pad[0] * PAGE, use_graphs=False)  # type: ignore[arg-type]
+        pad, pad_state = eng.page_pool.allocate(1), eng.slot_pool.allocate()
+        assert pad is not None and pad_state is not None
+        runner = PrefillGraphRunner(eng.runner.model, eng.runner.caches, max_tokens, pad[0] * PAGE, pad_state,  # type: ignore[arg-type]
+                                    use_graphs=False)
         runner.capture()
         run = runner.run
 
@@ -84,6 +85,7 @@ def test_a_step_over_the_largest_bucket_runs_eagerly(path: Path) -> None:
 
 def test_buckets_and_config() -> None:
     assert prefill_buckets(2048)[-1] == 2048 and prefill_buckets(100) == [16, 32, 64, 100]
+    assert seq_tiers(16) == [4, 16] and seq_tiers(64) == [4, 24, 64] and seq_tiers(72) == seq_tiers(2048) == [4, 24, 72]
     assert RunnerConfig().prefill_graph_tokens == 2048
     with pytest.raises(ValueError, match="prefill_graph_tokens"):
         RunnerConfig(prefill_graph_tokens=-1)

@@ -50,6 +50,8 @@ CASES = {
     "K2": ([1, 9, 2], 20, 2),
     "K3": ([5, 1], 12, 3),
     "many_seqs": ([1] * 20 + [7, 3] + [1] * 15, 8, 4),
+    # The prefill graphs' static layout: empty sequences pass their state through.
+    "empty_seqs": ([0, 5, 0, 0, 1, 3, 0], 16, 4),
 }
 
 
