@@ -22,11 +22,12 @@ import torch
 
 from phloem.runtime.env import use_nccl_defaults
 
-# `python3 -m pytest` puts the checkout on sys.path, where its top-level folders would shadow PyPI
-# packages of the same names (transformers imports Hugging Face's `kernels` when it is installed):
-# the tests reach the project only as the installed `phloem` package.
+# `python3 -m pytest` puts the checkout first on sys.path, where its top-level folders would shadow
+# PyPI packages of the same names (transformers imports Hugging Face's `kernels` when it is
+# installed). It goes last instead: the project is imported as the installed `phloem` package, and
+# the processes the tests spawn still import `tests` from the checkout.
 _CHECKOUT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _CHECKOUT]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _CHECKOUT] + [str(_CHECKOUT)]
 
 # transformers must take its torch fallbacks, never flash-linear-attention kernels (GPU-only
 # Triton code). On a GPU machine fla stays importable for the engine's own GPU tests; the tests

@@ -8,7 +8,8 @@ Torch references::
 
 Faster versions of them::
 
-    fla             chunk_gated_delta_rule through fla-core (CUDA images that have it)
+    fla             chunk_gated_delta_rule through fla-core (CUDA images that have it);
+                    chunk_indices builds its chunk indices on the device for CUDA graphs
     triton_decode   recurrent_gated_delta_rule(_with_gates)
     triton_gates    gdn_gates
     triton_conv1d   causal_conv1d_update

@@ -31,6 +31,7 @@ ROUTER_OPS = ("add_rms_norm_linear", "add_rms_norm_conv_linear", "gated_rms_norm
               "add_rms_norm_router", "fused_moe_token_routed")  # fmt: skip
 
 
+@pytest.mark.slow  # the whole model under the Triton interpreter: minutes a case on one core
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton interpreter (CPU machines)")
 @pytest.mark.parametrize("route_partial", ["1", "0"], ids=["router-in-projection", "router-launch"])
 def test_the_triton_op_table_gives_the_reference_tokens(
