@@ -88,6 +88,7 @@ class PrefillGraphRunner:
         self.has_gdn = len(self.attn_layers) < len(self.layers)
         self.max_tokens, self.pad_slot, self.pad_state_slot = max_tokens, pad_slot, pad_state_slot
         self.buckets = prefill_buckets(max_tokens)
+        self.tiers = {bs: seq_tiers(bs) for bs in self.buckets}
         self.use_graphs = use_graphs
         weight = model.model.embed_tokens.weight
         dev, dtype, n = weight.device, weight.dtype, max_tokens
@@ -160,9 +161,7 @@ class PrefillGraphRunner:
             mix = tuple(b[:bs] for b in self.mix)
             hidden, residual = layers[start].mixer_out(mix, self.core[:bs], self.residual[:bs])
         for layer in layers[start + 1 : end]:
-            mix, residual = layer.mixer_in(hidden, residual, batch, self.caches, inv_freq)
-            core = layer.mixer_core(mix, batch, self.caches, inv_freq)
-            hidden, residual = layer.mixer_out(mix, core, residual)
+            hidden, residual = layer(hidden, residual, batch, self.caches, inv_freq)
         if end == len(layers):
             out, _ = model.model.norm.forward_residual(hidden, residual)
             self.final[:bs].copy_(out)
@@ -181,7 +180,7 @@ class PrefillGraphRunner:
     def capture(self, show_progress: bool | None = None) -> None:
         """Run every graph's body once (largest bucket first; Triton compiles and autotunes), then
         capture them, one memory pool for all."""
-        keys = [(bs, tier) for bs in reversed(self.buckets) for tier in reversed(seq_tiers(bs))]
+        keys = [(bs, tier) for bs in reversed(self.buckets) for tier in reversed(self.tiers[bs])]
         side = torch.cuda.Stream() if self.use_graphs else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
@@ -213,7 +212,7 @@ class PrefillGraphRunner:
         valid until the next ``run``)."""
         n = batch.num_tokens
         bs = self.bucket(n)
-        tier = next(c for c in seq_tiers(bs) if c >= batch.num_seqs)
+        tier = next(c for c in self.tiers[bs] if c >= batch.num_seqs)
         self.ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.slots[:n].copy_(batch.slot_mapping)

@@ -78,8 +78,9 @@ class DecoderLayer(nn.Module):
 
     # ``forward`` in three parts. ``mixer_in`` and ``mixer_out`` compute each token apart and read
     # of the step only its tokens' positions and KV slots; ``mixer_core`` is what reads the requests
-    # (their KV lengths and pages, their GDN state slots). ``engine.prefill_graph`` captures the
-    # first two as CUDA graphs per token count and runs the core eagerly between them.
+    # (their KV lengths and pages, their GDN state slots). ``engine.prefill_graph`` captures all
+    # but the full-attention layers' cores as CUDA graphs (GDN layers whole, over a static layout
+    # of sequences) and runs those cores eagerly between them.
 
     def mixer_in(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, caches: ModelCaches,
