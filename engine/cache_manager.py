@@ -169,26 +169,56 @@ class CacheManager:
     def maybe_checkpoint(self, req: Request) -> None:
         """After a step: publish a checkpoint if ``req`` just reached a multiple of the interval, or
         the end of its prompt (``checkpoint_prompt_end``; not for prefill-only requests, which
-        publish there when they finish)."""
+        publish there when they finish). The request continues in a new slot: the one reserved
+        for it (``reserve_checkpoint``), else a free one."""
         n = req.num_computed_tokens
+        reserved, req.checkpoint_reservation = req.checkpoint_reservation, None
         if not self.checkpoint_due(req, n, req.num_tokens):
+            assert reserved is None, f"request {req.request_id}: a reserved checkpoint is not due"
             return
-        new_slot = self.allocate_slot()
-        if new_slot is None:
-            return  # no slot to keep computing into: skip this checkpoint, nothing is lost
-        tail = None
-        if n % self.page_size:
-            copy = self.allocate_page_list(1)
-            if copy is None:
-                self.slot_pool.free(new_slot)
-                return
-            tail = copy[0]
+        if reserved is not None:
+            new_slot, tail = reserved
+        else:
+            new_slot = self.allocate_slot()
+            if new_slot is None:
+                return  # no slot to keep computing into: skip this checkpoint, nothing is lost
+            tail = None
+            if n % self.page_size:
+                copy = self.allocate_page_list(1)
+                if copy is None:
+                    self.slot_pool.free(new_slot)
+                    return
+                tail = copy[0]
+        if tail is not None:
             self.copy_page(req.page_ids[n // self.page_size], tail)
         periodic = not self._at_prompt_end(req, n)
         node = self._publish(req, final=False, tail_copy=tail, periodic=periodic)
         assert node.checkpoint is not None
         req.read_slot = node.checkpoint.slot
         req.write_slot = new_slot
+
+    def reserve_checkpoint(self, req: Request, num_computed: int) -> bool:
+        """Set aside the slot and tail page of the checkpoint ``maybe_checkpoint`` publishes once
+        ``req`` has computed ``num_computed`` tokens, for a step queued before that one is
+        collected (``engine.step_pipeline``); False (taking nothing) when the pools are short.
+
+        That step writes the new slot, and its KV of position ``num_computed`` lands in the
+        partial page before the tail copy is taken: the copy then holds one position past the
+        checkpoint, which whoever resumes from it writes before reading.
+        """
+        assert req.checkpoint_reservation is None, f"request {req.request_id} already holds a reservation"
+        slot = self.allocate_slot()
+        if slot is None:
+            return False
+        tail: int | None = None
+        if num_computed % self.page_size:
+            copy = self.allocate_page_list(1)
+            if copy is None:
+                self.slot_pool.free(slot)
+                return False
+            tail = copy[0]
+        req.checkpoint_reservation = (slot, tail)
+        return True
 
     def checkpoint_due(self, req: Request, num_computed: int, num_tokens: int) -> bool:
         """Whether ``maybe_checkpoint`` publishes once ``req`` has computed ``num_computed`` of
@@ -199,6 +229,14 @@ class CacheManager:
             return False
         periodic = every > 0 and n % every == 0 and n < num_tokens
         return periodic or self._at_prompt_end(req, n)
+
+    def checkpoints_at_end(self, req: Request) -> bool:
+        """Whether a checkpoint is published once ``req`` has computed all its tokens: where a
+        generating request's prompt ends (``checkpoint_prompt_end``), or a prefill-only request's
+        on release."""
+        if self.tree is None or req.num_tokens != req.num_prompt_tokens:
+            return False
+        return req.prefill_only or self.checkpoint_prompt_end
 
     def _at_prompt_end(self, req: Request, n: int) -> bool:
         return self.checkpoint_prompt_end and n == req.num_prompt_tokens and not req.prefill_only
@@ -214,6 +252,12 @@ class CacheManager:
             if req.write_slot is not None:
                 self.slot_pool.free(req.write_slot)
         self._unlock(req)
+        if req.checkpoint_reservation is not None:
+            slot, tail = req.checkpoint_reservation
+            self.slot_pool.free(slot)
+            if tail is not None:
+                self.page_pool.free([tail])
+            req.checkpoint_reservation = None
         req.page_ids = []
         req.num_shared_pages = 0
         req.write_slot = None

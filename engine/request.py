@@ -71,6 +71,9 @@ class Request:
     read_slot: int | None = None
     write_slot: int | None = None
     has_state: bool = False
+    # (slot, tail page or None) set aside for the prompt-end checkpoint of a step not collected
+    # yet, which a step queued behind it already writes into (``CacheManager.reserve_checkpoint``).
+    checkpoint_reservation: tuple[int, int | None] | None = None
     generator: torch.Generator | None = None
     # While waiting: its tokens past the cached prefix when the scheduler first looked (its size
     # class; ``engine.scheduler``). Reset when it is preempted.

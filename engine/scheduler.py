@@ -22,7 +22,13 @@ pools, and it waits again with its tokens intact. Preemption never corrupts: wha
 recomputed gives the same state.
 
 Prefill chunks are cut at multiples of ``checkpoint_interval`` so that each periodic checkpoint
-is the final state of a step (no kernel has to emit intermediate states).
+is the final state of a step (no kernel has to emit intermediate states). One exception: the
+last chunk of a request that resumed from the cache, where a checkpoint is published at the end
+anyway (``CacheManager.checkpoints_at_end``). That is an agent's next turn, whose new tokens (a
+tool result) are the conversation's own: a checkpoint inside them would serve only a fork that
+diverges inside them, while the cut would run the turn in two steps, each one reading every
+expert's weights beside the decode batch. A fresh prompt keeps its periodic checkpoints, which
+other prompts sharing part of it (a system prompt) resume from.
 """
 
 from __future__ import annotations
@@ -174,7 +180,8 @@ class Scheduler:
         start = req.num_computed_tokens
         n = min(req.num_tokens - start, budget)
         every = self.cache.checkpoint_interval
-        if every > 0:
+        resumed_turn = req.num_cached_tokens > 0 and self.cache.checkpoints_at_end(req)
+        if every > 0 and not (resumed_turn and start + n == req.num_tokens):
             n = min(n, (start // every + 1) * every - start)
         return n
 

@@ -1,8 +1,9 @@
 """Async scheduling: queue decode step N+1 on the device before reading step N's sampled ids.
 
 A synchronous step leaves the device idle while the host reads the sampled ids, updates the
-requests, schedules and prepares the next step (a sizeable fraction of a batch-1 decode step). In the steady state of decoding, step N+1 is known before step N's ids are: the same
-requests, each one position further, with step N's sampled ids as input. ``next_decode_step``
+requests, schedules and prepares the next step (a sizeable fraction of a batch-1 decode step).
+In the steady state of decoding, step N+1 is known before step N's ids are: the same requests,
+each one position further, with step N's sampled ids as input. ``next_decode_step``
 builds that step from the requests' counters (before step N's update), and the runner takes its
 input ids straight from step N's sampled-id tensor on the device (``ModelRunner.launch``), so the
 host prepares and queues step N+1 while the device runs step N, then reads step N's ids.
@@ -18,13 +19,19 @@ compute. Its memory is released at once (a later step reuses it only in device o
 Step N+1 is queued only when it is the step the scheduler would have chosen and the bookkeeping
 after step N cannot change it:
 
-- step N was a decode step (one token per request) that sampled every request still running,
-  and no request is waiting (an admission would change the batch);
-- no request reaches a checkpoint after step N (a periodic or prompt-end checkpoint hands the
-  request's write slot to the cache, and step N+1 would write into it);
+- every request of step N that goes on was sampled by it: a decode row, or a prefill row that
+  computes the rest of its prompt (a prefill, a tool result beside the decode batch); no
+  request is waiting (an admission would change the batch);
 - no request is a prefill-only one, and every request gets the page for its next position
   without preemption (eviction from the cache is fine: only unlocked nodes go);
+- a request whose prompt ends at step N (its prompt-end checkpoint hands its write slot to the
+  cache when step N is collected) gets the slot it continues in, and the page the checkpoint's
+  tail copy goes to, now (``CacheManager.reserve_checkpoint``): step N+1 reads the state from the
+  slot being handed over and writes the new one;
 - the runner has no per-step layer hook (disaggregated prefill).
+
+Step N+1's rows are the running requests in arrival order, the order the scheduler gives a
+decode batch (a tool result's row, last in step N, takes its place among them).
 
 A request whose next logits depend on the token step N samples (``SamplingParams.reads_last_token``:
 a grammar's mask for step N+1 is computed from token N on the host, the penalties and
@@ -40,10 +47,10 @@ Under tensor parallelism the queued step's plan goes to the worker ranks at once
 ``device_ids``, and every rank receives the ids from rank 0's device by a broadcast queued just
 before the forward (``engine.step_plan``): no rank waits on the host for them.
 
-Anything else (a new request, a prefill, a preemption, a checkpoint, an abort) runs the
-synchronous path for one step. The engine drains the queued step before any call that reads or
-changes request memory between steps (abort, export/import, transfers), so those see the same
-state as without pipelining. The tokens are the same as the synchronous path's: the same forward
+Anything else (a new request, a prefill chunk that does not end its prompt, a preemption, an
+abort) runs the synchronous path for one step. The engine drains the queued step before any call
+that reads or changes request memory between steps (abort, export/import, transfers), so those
+see the same state as without pipelining. The tokens are the same as the synchronous path's: the same forward
 on the same inputs, the same sampling draws in the same order.
 """
 
@@ -67,11 +74,11 @@ def next_decode_step(
     """The decode step that follows ``step`` (launched, not yet collected), with its device input
     ids, or None when it cannot be queued now (the module docstring lists when).
 
-    May allocate each request the page of its next position (kept either way: the synchronous
-    path would allocate the same page next step).
+    May allocate each request the page of its next position, and the slot and tail page of a
+    prompt-end checkpoint (kept either way: the synchronous path would allocate the same next step).
     """
     tokens, reqs = step.tokens, step.sampled
-    if tokens is None or scheduler.waiting or any(n != 1 for n in step.sched.num_new_tokens):
+    if tokens is None or scheduler.waiting:
         return None
     sampled = set(map(id, reqs))
     # Rows not sampled are finalize steps: those requests leave when the step is collected.
@@ -80,45 +87,51 @@ def next_decode_step(
     in_step = set(map(id, step.sched.requests))
     if any(id(r) not in in_step for r in scheduler.running):
         return None
+    num_new = {id(r): n for r, n in zip(step.sched.requests, step.sched.num_new_tokens)}
+    # Counters are still those before ``step``: it computes positions up to computed_after - 1.
+    computed_after = {id(r): r.num_computed_tokens + num_new[id(r)] for r in reqs}
     for req in reqs:
-        # Counters are still those before ``step``: it computes position num_computed_tokens.
-        computed_after = req.num_computed_tokens + 1
         if (
             req.status is not RequestStatus.RUNNING
             or req.finalizing
             or req.prefill_only
-            or computed_after != req.num_tokens
-            or cache.checkpoint_due(req, computed_after, req.num_tokens)
+            or computed_after[id(req)] != req.num_tokens
         ):
             return None
+    rows = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_idx)
     if not scheduler.finalize:
         # No finalize step to run: leave out the requests that ``step``'s token finishes.
-        keep = [i for i, r in enumerate(reqs) if not r.reaches_length(max_model_len, ahead=1)]
-        if len(keep) < len(reqs):
-            if not keep:
-                return None
-            tokens = tokens[to_device(torch.tensor(keep), tokens.device)]
-            reqs = tuple(reqs[i] for i in keep)
-    for req in reqs:
-        if not cache.allocate_pages(req, 2):  # positions up to the one after ``step``'s token
+        rows = [i for i in rows if not reqs[i].reaches_length(max_model_len, ahead=1)]
+        if not rows:
             return None
+    for i in rows:
+        req = reqs[i]
+        # Pages up to the position after ``step``'s token.
+        if not cache.allocate_pages(req, num_new[id(req)] + 1):
+            return None
+        after = computed_after[id(req)]
+        if cache.checkpoint_due(req, after, req.num_tokens) and not cache.reserve_checkpoint(req, after):
+            return None
+    if rows != list(range(len(reqs))):
+        tokens = tokens[to_device(torch.tensor(rows), tokens.device)]
+    queued = [reqs[i] for i in rows]
     ps = cache.page_size
-    positions = [r.num_computed_tokens + 1 for r in reqs]
-    slots = [r.write_slot for r in reqs]
-    assert all(s is not None for s in slots)
-    n = len(reqs)
+    positions = [computed_after[id(r)] for r in queued]
+    read_slots = [r.write_slot for r in queued]
+    write_slots = [r.checkpoint_reservation[0] if r.checkpoint_reservation else r.write_slot for r in queued]
+    assert all(s is not None for s in read_slots)
+    n = len(queued)
     inputs = StepInputs(
         input_ids=[0] * n,  # placeholders: the ids come from ``tokens`` on the device
         positions=positions,
-        slot_mapping=[r.page_ids[p // ps] * ps + p % ps for r, p in zip(reqs, positions)],
+        slot_mapping=[r.page_ids[p // ps] * ps + p % ps for r, p in zip(queued, positions)],
         query_start_loc=list(range(n + 1)),
         seq_lens=[p + 1 for p in positions],
-        read_slots=slots,  # type: ignore[arg-type]
-        write_slots=slots,  # type: ignore[arg-type]
+        read_slots=read_slots,  # type: ignore[arg-type]
+        write_slots=write_slots,  # type: ignore[arg-type]
         has_state=[True] * n,
         query_lens=(1,) * n,
-        page_ids=[r.page_ids for r in reqs],
+        page_ids=[r.page_ids for r in queued],
         sample_rows=list(range(n)),
     )
-    return SchedulerOutput(reqs, (1,) * n), inputs, tokens
-
+    return SchedulerOutput(tuple(queued), (1,) * n), inputs, tokens

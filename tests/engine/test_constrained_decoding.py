@@ -49,13 +49,13 @@ def test_grammar_steps_are_queued_ahead_and_plain_requests_are_unchanged(model_d
     engine = make(model_dir)
     plain = SamplingParams(max_tokens=12, ignore_eos=True)
     alone = engine.generate([[5, 6, 7]], plain)[0]
-    assert engine.num_pipelined_steps == 11  # every decode step after the first
+    assert engine.num_pipelined_steps == 12  # every decode step (11) and the turn-end finalize
     before = engine.num_pipelined_steps
     mixed = engine.generate([[5, 6, 7], [9, 10]], [plain, SamplingParams(max_tokens=300, grammar=GRAMMAR)])
     assert mixed[0].token_ids == alone.token_ids
     # Every decode step is queued ahead (its sampling waits for the tokens before) except the
-    # first and the one after the plain request finished; the turn-end finalize step is too.
-    assert engine.num_pipelined_steps - before == len(mixed[1].token_ids) - 2
+    # one after the plain request finished; the turn-end finalize step is too.
+    assert engine.num_pipelined_steps - before == len(mixed[1].token_ids) - 1
 
 
 def test_penalties_and_min_tokens_give_the_synchronous_tokens_under_async_scheduling(model_dir: Path) -> None:

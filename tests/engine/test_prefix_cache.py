@@ -80,6 +80,29 @@ def test_periodic_checkpoints_serve_a_shared_prefix() -> None:
     assert_pools_empty(engine)
 
 
+def test_a_resumed_turn_crossing_an_interval_runs_in_one_step() -> None:
+    """An agent's next turn resumes from its cached conversation; its new tokens cross a multiple
+    of the interval but are not cut there (``engine.scheduler``): one prefill step, and the
+    prompt-end checkpoint stands in for the periodic one. A fresh prompt is still cut."""
+    engine = make_engine(budget=64, interval=8)
+    first = [5, 6, 7, 8, 9]
+    conv = first + engine.generate([first], SamplingParams(max_tokens=2))[0].token_ids  # 7 tokens
+    turn = conv + [3, 1, 4, 1, 5, 9]  # new tokens at positions 7..12, across 8
+    before = engine.runner.model.num_forwards
+    out = engine.generate([turn], SamplingParams(max_tokens=1))[0]
+    assert out.num_cached_tokens == len(conv) and out.token_ids == expected(turn, 1)
+    assert engine.runner.model.num_forwards - before == 2, "one prefill step and the turn-end finalize"
+    # No checkpoint at 8: a prompt diverging at 9 resumes from the previous turn's end.
+    probe = engine.generate([turn[:9] + [2]], SamplingParams(max_tokens=3))[0]
+    assert probe.num_cached_tokens == len(conv) and probe.token_ids == expected(turn[:9] + [2], 3)
+    nxt = engine.generate([turn + out.token_ids + [6]], SamplingParams(max_tokens=3))[0]
+    assert nxt.num_cached_tokens == len(turn) + 1 and nxt.token_ids == expected(turn + out.token_ids + [6], 3)
+    before = engine.runner.model.num_forwards
+    engine.generate([list(range(30, 43))], SamplingParams(max_tokens=1))  # fresh, 13 tokens
+    assert engine.runner.model.num_forwards - before == 3, "cut at 8, the rest, the finalize"
+    assert_pools_empty(engine)
+
+
 def test_concurrent_requests_sharing_a_prefix_publish_once() -> None:
     engine = make_engine(budget=64, interval=8)
     shared = list(range(40, 64))

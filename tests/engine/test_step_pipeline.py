@@ -27,7 +27,7 @@ def run_both(make: Callable[[bool], Engine], work: Callable[[Engine], object]) -
 
 
 @pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "cache"])
-def test_one_request_queues_every_decode_step_after_the_first(caching: bool) -> None:
+def test_one_request_queues_every_decode_step(caching: bool) -> None:
     prompt, m = [1, 2, 3, 4, 5], 12
 
     def work(engine: Engine) -> object:
@@ -38,8 +38,9 @@ def test_one_request_queues_every_decode_step_after_the_first(caching: bool) -> 
     assert ids == expected(prompt, m) and reason == "length"
     # Prefill, then m - 1 decode forwards (+1 turn-end finalize with the cache): no extra work.
     assert forwards == m + int(caching)
-    # Every decode step but the first (it follows the prefill) is queued, and so is the finalize.
-    assert engine.num_pipelined_steps == m - 2 + int(caching)
+    # Every decode step is queued (the first behind the prefill that ends the prompt), and so is
+    # the finalize.
+    assert engine.num_pipelined_steps == m - 1 + int(caching)
     assert_pools_empty(engine)
 
 
@@ -82,6 +83,45 @@ def test_a_prompt_end_checkpoint_is_not_overwritten_by_the_queued_step() -> None
     assert second == expected(prompt + first[:10] + [3], 5)
     assert cached == len(prompt), "resumed from the prompt-end checkpoint"
     assert engine.num_pipelined_steps > 0
+    assert_pools_empty(engine)
+
+
+@pytest.mark.parametrize("append", [3, 5], ids=["tail-copy", "page-aligned"])
+def test_the_step_after_a_tool_result_is_queued(append: int) -> None:
+    """An agent's tool result prefilled beside a decoding request (a mixed step that ends its
+    prompt) is followed by a queued decode step: it reads the state the prompt-end checkpoint
+    takes over and writes a slot set aside for it (with a tail-page copy when the prompt ends
+    mid-page). The checkpoint holds: the next turn resumes from it."""
+    first, second = [1, 2, 3, 4, 5], [20, 21, 22, 23, 24, 25, 26, 27]
+
+    def work(engine: Engine) -> object:
+        earlier = engine.generate([second], SamplingParams(max_tokens=3))[0]
+        turn = second + earlier.token_ids + [9] * append  # the tool result, over the cached turn
+        decoding = engine.add_request(first, SamplingParams(max_tokens=30))
+        tokens: dict[str, list[int]] = {decoding: []}
+        for _ in range(4):
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        appended = engine.add_request(turn, SamplingParams(max_tokens=10))
+        tokens[appended] = []
+        kinds, queued_after = [], []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            kinds.append(engine.last_step_kind)
+            queued_after.append(engine._queued is not None)
+        mixed = kinds.index("mixed")
+        if engine.async_scheduling:
+            assert queued_after[mixed], "the decode step after the tool result is queued"
+        nxt = engine.generate([turn + tokens[appended] + [5]], SamplingParams(max_tokens=4))[0]
+        return tokens[decoding], tokens[appended], nxt.token_ids, nxt.num_cached_tokens, (turn, first)
+
+    (decoded, answered, nxt, cached, (turn, first_prompt)), engine = run_both(
+        lambda a: make_engine(async_scheduling=a), work)
+    assert decoded == expected(first_prompt, 30)
+    assert answered == expected(turn, 10)
+    assert nxt == expected(turn + answered + [5], 4)
+    assert cached == len(turn) + len(answered), "the turn-end checkpoint after the prompt-end one"
     assert_pools_empty(engine)
 
 

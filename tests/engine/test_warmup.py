@@ -87,8 +87,10 @@ def test_warm_up_on_a_gpu_leaves_the_tokens_and_the_graphs_alone(tmp_path: Path)
     from phloem.runtime.default_model import ensure_default_model
 
     path = ensure_default_model(tmp_path)
-    # Pages for the prefix round's prompt of 1.5 default step budgets (8,192 on CUDA) plus 19.
-    options = dict(device="cuda", dtype="bfloat16", num_pages=4096, num_state_slots=32, max_num_seqs=16)
+    # The chunked round's prompt is 1.5 step budgets; with the prefix round's 16 tokens and output it
+    # must fit the built-in model's 8,192-token window, which the CUDA default budget (8,192) does not.
+    options = dict(device="cuda", dtype="bfloat16", num_pages=4096, num_state_slots=32, max_num_seqs=16,
+                   max_num_batched_tokens=4096)
     fresh, warmed = Engine.from_pretrained(path, **options), Engine.from_pretrained(path, **options)
     report = warmed.warm_up(show_progress=False)
     assert report.num_requests == 8 and warmed.cache_stats() == fresh.cache_stats()
