@@ -205,8 +205,10 @@ class CacheConfig:
         cpu_pool_bytes: the pool budget on CPU, where "free memory" is not a useful signal.
         enable_prefix_caching: keep finished prefixes (KV pages + GDN checkpoints) in the radix cache.
         checkpoint_interval: also checkpoint every this many tokens of a long prefill (a multiple
-            of ``page_size``; 0 disables). A checkpoint of Qwen3.5-35B-A3B weighs ~61 MiB, about
-            3,000 tokens of KV, so the default keeps them sparse.
+            of ``page_size``; 0 disables), except inside the last chunk of a turn resumed from
+            the cache, which ends at a prompt-end checkpoint (``engine.scheduler``). A checkpoint
+            of Qwen3.5-35B-A3B weighs ~61 MiB, about 3,000 tokens of KV, so the default keeps
+            them sparse.
         checkpoint_prompt_end: also checkpoint where a generating request's prompt ends (a copy
             of its partial last page goes with it). A client that resends that prompt with a
             different continuation then reuses all of it: a stateless chat client whose chat
