@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
-from agents import (
-    Agent, ModelSettings, OpenAIResponsesModel, RunContextWrapper, Runner, StopAtTools,
-    function_tool, set_tracing_disabled,
-)
 from openai import AsyncOpenAI
+
+if TYPE_CHECKING:  # the SDK is imported in the tests: 1.5 s that every collection would pay
+    from agents import Agent, RunContextWrapper
+
+pytestmark = pytest.mark.slow  # the session's phloem serve process
 
 MODEL = "phloem-tiny-qwen3.5"
 
 
 def weather_agent(client: AsyncOpenAI, calls: list[str]) -> Agent[Any]:
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, StopAtTools, function_tool
+
     def step(name: str, after: str | None) -> Any:
         def enabled(ctx: RunContextWrapper[Any], agent: Agent[Any]) -> bool:
             return name not in calls and (after is None or after in calls)
@@ -51,6 +54,8 @@ def weather_agent(client: AsyncOpenAI, calls: list[str]) -> Agent[Any]:
 
 @pytest.mark.parametrize("server_side_history", [False, True], ids=["full-history", "previous-response-id"])
 def test_an_agent_runs_a_two_tool_task(server: Any, server_side_history: bool) -> None:
+    from agents import Runner, set_tracing_disabled
+
     set_tracing_disabled(True)
     calls: list[str] = []
 

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import httpx
 import jsonschema
 import pytest
+
+if TYPE_CHECKING:  # the client is imported in the tests: 2 s that every collection would pay
+    import anthropic
+
+pytestmark = pytest.mark.slow  # the session's phloem serve process
 
 MODEL = "phloem-tiny-qwen3.5"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
@@ -24,6 +28,8 @@ TOOLS: Any = [{"name": "get_weather", "description": "Forecast", "input_schema":
 
 @pytest.fixture
 def claude(server: Any) -> Iterator[anthropic.Anthropic]:
+    import anthropic
+
     with anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0) as client:
         yield client
 
@@ -92,6 +98,8 @@ def test_text_stop_sequences_and_thinking(claude: anthropic.Anthropic) -> None:
 
 
 def test_errors_use_anthropics_envelope(claude: anthropic.Anthropic, server: Any) -> None:
+    import anthropic
+
     with pytest.raises(anthropic.NotFoundError) as missing:
         claude.messages.create(model="claude-nope", max_tokens=3, messages=ask())
     assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]

@@ -8,7 +8,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from phloem.api import Client
+
+pytestmark = pytest.mark.slow  # an engine and app in process
 
 
 def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:

@@ -17,6 +17,8 @@ from websockets.sync.client import connect
 
 from phloem.runtime import ensure_default_model
 
+pytestmark = pytest.mark.slow  # phloem serve processes of its own
+
 ALICE = "alice-key-from-the-file-0123"
 BOB = "bob-key-from-the-flag-456789"
 ADMIN = "root-key-admin-abcdefghijkl"

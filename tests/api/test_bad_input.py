@@ -13,6 +13,8 @@ import pytest
 
 from phloem.api.schemas import PROBLEM_CONTENT_TYPE
 
+pytestmark = pytest.mark.slow  # the session's phloem serve process
+
 
 @pytest.fixture
 def http(server: Any) -> Iterator[httpx.Client]:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from phloem.benchmarks.agentic import AgenticWorkload, run_agentic
+
+pytestmark = pytest.mark.slow  # real servers on loopback, scaled-down agentic load
 
 APPEND = 24
 

@@ -33,6 +33,7 @@ def test_bad_input_is_refused_with_a_clear_error() -> None:
         parse_trie_output("Traceback (most recent call last): ...")
 
 
+@pytest.mark.slow  # a phloem serve process
 def test_trie_against_a_real_server(tmp_path: Path) -> None:
     report, data = run_trie_bench(WL, duration_s=3.0, out_dir=str(tmp_path))
     m = data["trie"]["metrics"]  # type: ignore[index]

@@ -20,6 +20,8 @@ from websockets.sync.client import connect
 from phloem.runtime import EngineStats, ServerConfig, ensure_default_model
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
 
+pytestmark = pytest.mark.slow  # an engine and app in process
+
 LONG = {"max_tokens": 4000, "temperature": 0, "ignore_eos": True}
 
 

@@ -245,6 +245,7 @@ def test_problem_json_raises_typed_error(client: Client, toy: Toy) -> None:
     assert len(toy.log) == 1  # a 404 is final
 
 
+@pytest.mark.slow  # backs off between retries
 def test_connection_errors_are_retried_then_raised() -> None:
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
@@ -309,6 +310,7 @@ def test_websocket_fatal_error_event_raises(client: Client, delay: float) -> Non
     assert err.value.status is None
 
 
+@pytest.mark.slow
 def test_async_client(server: tuple[str, Toy], toy: Toy) -> None:
     async def main() -> None:
         toy.fail("/v1/sessions", ErrorCode.OVERLOADED, "0")
@@ -345,6 +347,7 @@ def test_async_client(server: tuple[str, Toy], toy: Toy) -> None:
     assert set(toy.auth) == {"Bearer k"} and len(toy.auth) == len(toy.log) + 2  # 2 WebSockets
 
 
+@pytest.mark.slow
 def test_every_session_method(client: Client, toy: Toy) -> None:
     session = client.sessions.create(text="You are terse.", ttl=5)
     assert session.update(metadata={"phase": "plan"}).metadata == {"phase": "plan"}

@@ -17,6 +17,8 @@ from live_servers import ServerProcess
 
 from phloem.runtime import ensure_default_model
 
+pytestmark = pytest.mark.slow  # phloem serve processes of its own
+
 KEY, OTHER = "faults-key-0123456789abcdef", "faults-other-key-0123456789"
 NUM_WORKERS = 6
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}

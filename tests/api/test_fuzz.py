@@ -35,6 +35,8 @@ from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
+pytestmark = pytest.mark.slow  # a schemathesis run over the whole API
+
 MODEL = RANDOM_MODEL_NAME  # the model the app below serves
 NUM_POSITIVE = 70
 NUM_NEGATIVE = 12

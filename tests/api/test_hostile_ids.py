@@ -13,6 +13,8 @@ import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+pytestmark = pytest.mark.slow  # the session's phloem serve process
+
 HOSTILE = ["../x", "..%2Fx", "%2e%2e", "%2e%2e%2f%2e%2e%2fetc%2fpasswd", "%00", "a%00b", "x" * 10240,
            "sess_%2F..%2F..", "%252e%252e", "~root", "C:%5Cwindows", "%ff%fe", "sess_x%0d%0aX-Evil:%201"]
 ROUTES = [("GET", "{id}", None), ("DELETE", "{id}", None), ("PATCH", "{id}", {"ttl": 1}),

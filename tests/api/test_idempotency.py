@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # the session's phloem serve process
+
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 

@@ -28,6 +28,8 @@ from phloem.runtime import ServerConfig, ensure_default_model
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.runtime.config import ApiKey
 
+pytestmark = pytest.mark.slow  # an engine and app in process
+
 ALICE, BOB, CAROL = "alice-key-0123456789", "bob-key-0123456789ab", "carol-key-0123456789"
 MAX_SESSIONS = 3
 IDLE_S = 2.0

@@ -23,6 +23,8 @@ from live_servers import ServerProcess
 
 from phloem.runtime import ensure_default_model
 
+pytestmark = pytest.mark.slow  # phloem serve processes of its own
+
 NUM_AGENTS = 200
 NUM_TURNS = 3
 KEYS = [f"load-key-{i}-0123456789abcdef" for i in range(4)]

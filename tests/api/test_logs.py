@@ -23,6 +23,8 @@ from phloem.api import Client, SessionNotFound
 from phloem.api.server.auth import owner_id
 from phloem.storage import server_secret
 
+pytestmark = pytest.mark.slow  # phloem serve processes of its own
+
 KEY = "logs-test-key-0123456789abcdef"
 GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
 

@@ -23,9 +23,12 @@ from typing import Any
 import httpx
 from live_servers import ServerProcess
 from prometheus_client.parser import text_string_to_metric_families
+import pytest
 
 from phloem.api import Client
 from phloem.runtime.builtin_model import trained_model_path
+
+pytestmark = pytest.mark.slow  # phloem serve processes of its own
 
 GREEDY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 KEY = "metrics-test-key-0123456789"

@@ -7,8 +7,11 @@ import json
 import uuid
 
 import jsonschema
+import pytest
 
 from phloem.api import Client, ToolCall
+
+pytestmark = pytest.mark.slow  # the session's phloem serve process
 
 LOOKUP = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}},
           "required": ["id"]}

@@ -26,6 +26,8 @@ from phloem.runtime.builtin_model import trained_model_path
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.sessions import Tokenizer
 
+pytestmark = pytest.mark.slow  # the session's phloem serve process
+
 MODEL = "phloem-tiny-qwen3.5"
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},

@@ -11,6 +11,8 @@ import pytest
 
 from phloem.api import Client
 
+pytestmark = pytest.mark.slow  # the session's phloem serve process
+
 MODEL = "phloem-tiny-qwen3.5"
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import anthropic
 import httpx
 import openai
 import pytest
@@ -16,6 +15,8 @@ from live_servers import ServerProcess
 
 from phloem.runtime import ensure_default_model
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
+
+pytestmark = pytest.mark.slow  # phloem serve processes of its own
 
 ALICE = "alice-responses-key-0123456"
 BOB = "bob-responses-key-78901234"
@@ -48,6 +49,8 @@ def test_another_keys_response_is_404_everywhere(keyed: ServerProcess) -> None:
 
 
 def test_anthropic_keys_come_as_x_api_key_or_bearer(keyed: ServerProcess) -> None:
+    import anthropic  # here, not at the top: 2 s that every collection would pay
+
     messages = [{"role": "user", "content": "hello"}]
     with anthropic.Anthropic(base_url=keyed.base_url, api_key=ALICE, max_retries=0) as claude:
         reply = claude.messages.create(model=MODEL, max_tokens=3, messages=messages)  # type: ignore[arg-type]

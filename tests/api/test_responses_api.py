@@ -20,6 +20,8 @@ import pytest
 
 from phloem.api.server.responses.input import locate
 
+pytestmark = pytest.mark.slow  # the session's phloem serve process
+
 MODEL = "phloem-tiny-qwen3.5"
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},

@@ -23,6 +23,8 @@ from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
+pytestmark = pytest.mark.slow  # an engine and app in process
+
 MODEL = RANDOM_MODEL_NAME  # the model the app below serves
 THINKING_TEMPLATE = (
     "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|im_end|>\\n' }}"

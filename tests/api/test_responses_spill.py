@@ -28,6 +28,8 @@ from phloem.api.server.responses.input import locate
 from phloem.runtime import ServerConfig, ensure_default_model
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
 
+pytestmark = pytest.mark.slow  # an engine and app in process
+
 MODEL = RANDOM_MODEL_NAME  # the model the app below serves
 
 

@@ -27,6 +27,8 @@ from phloem.engine import Engine, SamplingParams
 from phloem.runtime.builtin_model import trained_model_path
 from phloem.storage import RedisIndex
 
+pytestmark = pytest.mark.slow  # phloem serve processes of its own
+
 NUM_SESSIONS = 20
 GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
 

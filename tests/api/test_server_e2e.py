@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 from phloem.api import Client, Session, SessionNotFound
+
+pytestmark = pytest.mark.slow  # the session's phloem serve process
 
 TOOLS = [{"type": "function", "function": {"name": "run", "description": "Run a shell command",
                                            "parameters": {"type": "object",

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import httpx
 from live_servers import ServerProcess
+import pytest
 
 from phloem.runtime.model_shapes import SHAPES
+
+pytestmark = pytest.mark.slow  # phloem serve processes of its own
 
 
 def test_a_shape_server_says_its_weights_are_dummy_and_serves_token_prompts(tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ from websockets.sync.client import connect
 
 from phloem.api import Client, Session
 
+pytestmark = pytest.mark.slow  # the session's phloem serve process
+
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 

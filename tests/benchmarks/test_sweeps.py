@@ -7,6 +7,8 @@ import runpy
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[2]
 BENCH = ROOT / "benchmarks" / "sweeps"
 GPU_TOOLS = ROOT / "tools" / "gpu"
@@ -89,6 +91,7 @@ def test_step_roles_reads_layers_without_a_router_launch() -> None:
     assert len(roles["gate_up"]) == len(roles["down"]) == 3 and len(roles["tail"]) == 3
 
 
+@pytest.mark.slow  # runs the sweep's model steps
 def test_mixed_step_sweep_runs_mixed_steps_on_cpu() -> None:
     """The tiny shape on CPU: turn 2's appends arrive while others decode, so some steps are mixed."""
     out = subprocess.run(

@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from live_servers import ServerProcess
+import pytest
 
 from phloem.api import Client
+
+pytestmark = pytest.mark.slow  # runs the example against the docs' phloem serve process
 
 AGENT = "docs/examples/agent.py"
 

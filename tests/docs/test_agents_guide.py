@@ -28,6 +28,7 @@ def test_the_guide_shows_every_client() -> None:
     assert [k for k in shown if any(k in b for b in BLOCKS)] == list(shown)
 
 
+@pytest.mark.slow  # the docs' phloem serve process
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_agents_guide_example_runs(index: int, docs_server: ServerProcess, run_script: Any, tmp_path: Path) -> None:
     script = tmp_path / f"agents_example_{index}.py"

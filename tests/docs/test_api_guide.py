@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from live_servers import ServerProcess
+import pytest
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 URL = "http://127.0.0.1:8000"
@@ -25,6 +26,7 @@ def test_every_generation_of_the_example_is_bounded() -> None:
     assert calls and all("max_tokens" in call for call in calls), calls
 
 
+@pytest.mark.slow  # the docs' phloem serve process
 def test_the_sdk_example_runs(docs_server: ServerProcess, run_script: Any, tmp_path: Path) -> None:
     script = tmp_path / "api_sdk_example.py"
     script.write_text(sdk_example().replace(URL, docs_server.base_url), encoding="utf-8")

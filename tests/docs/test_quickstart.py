@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from live_servers import ServerProcess
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "quickstart.md"
@@ -26,6 +27,7 @@ def _blocks(text: str, marked: bool) -> list[str]:
     return re.findall(prefix + r"```bash\n(.*?)```", text, re.S)
 
 
+@pytest.mark.slow  # the docs' phloem serve process
 def test_quickstart_commands_run_against_a_real_server(docs_server: ServerProcess,
                                                        run_script: Any) -> None:
     text = PAGE.read_text(encoding="utf-8")

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # generate.py in a process; the docs' phloem serve process
+
 REPO = Path(__file__).resolve().parents[2]
 REGENERATE = "python3 docs/reference/generate.py"
 COMMITTED = {

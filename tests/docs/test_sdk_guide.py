@@ -25,6 +25,7 @@ def test_the_guide_has_runnable_examples() -> None:
     assert all(URL in block for block in BLOCKS)
 
 
+@pytest.mark.slow  # the docs' phloem serve process
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_sdk_guide_example_runs(index: int, docs_server: ServerProcess, run_script: Any,
                                 tmp_path: Path) -> None:

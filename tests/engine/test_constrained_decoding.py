@@ -29,6 +29,7 @@ def make(model_dir: Path, **options: object) -> Engine:
     return Engine.from_pretrained(model_dir, num_pages=128, num_state_slots=12, **options)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # three grammar-constrained generations to a JSON end
 def test_outputs_follow_the_schema_and_stop_at_its_end(model_dir: Path) -> None:
     engine = make(model_dir)
     tokenizer = Tokenizer.from_pretrained(model_dir)

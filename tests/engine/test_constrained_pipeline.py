@@ -83,6 +83,7 @@ def check_grammar_outputs(tokenizer: Tokenizer, params: list[SamplingParams], re
             jsonschema.validate(json.loads(call.arguments), schema)
 
 
+@pytest.mark.slow  # several engines, compared step by step
 @pytest.mark.parametrize("caching", [True, False], ids=["cache", "no-cache"])
 def test_mixed_constrained_batch_gives_the_synchronous_tokens(model_dir: Path, tokenizer: Tokenizer, caching: bool) -> None:
     """Without the prefix cache a request that its grammar ends at step N is a row of the queued
@@ -124,6 +125,7 @@ def test_constrained_steps_under_cuda_graphs_give_the_synchronous_tokens(model_d
     check_grammar_outputs(tokenizer, params, outs[True])
 
 
+@pytest.mark.slow  # several engines, compared step by step
 def test_logprobs_of_constrained_requests_match_the_synchronous_engine(model_dir: Path, tokenizer: Tokenizer) -> None:
     """Tokens and alternatives equal; the values to fp32 rounding: a step queued ahead still
     projects the row of a request the step before finished (its token is dropped), and the LM
@@ -183,6 +185,7 @@ class StepLog:
         return next(i for i, (k, s) in enumerate(self.events) if k == kind and s is sched)
 
 
+@pytest.mark.slow  # several engines, compared step by step
 def test_a_constrained_step_is_queued_before_the_step_ahead_is_read(model_dir: Path, tokenizer: Tokenizer) -> None:
     """For each constrained step S queued behind step P: S's forward is launched, then P's ids are
     read (the host sync), then S's sampling is queued, then S is read."""
@@ -204,6 +207,7 @@ def test_a_constrained_step_is_queued_before_the_step_ahead_is_read(model_dir: P
         assert log.find("collect", sched) > i + 2
 
 
+@pytest.mark.slow  # several engines, compared step by step
 def test_a_grammar_that_ends_inside_the_queued_step_stops_as_before(model_dir: Path, tokenizer: Tokenizer) -> None:
     """A stop token the grammar allows ends the request before its grammar does; a request whose
     grammar ends at step N while step N+1 is queued; both finish with the tokens and reasons of
@@ -265,6 +269,7 @@ def run_until_rejected(engine: Engine, tokenizer: Tokenizer) -> tuple[int, list[
     return reported, req.output_token_ids
 
 
+@pytest.mark.slow  # several engines, compared step by step
 def test_a_token_the_grammar_rejects_fails_the_step_as_before(model_dir: Path, tokenizer: Tokenizer) -> None:
     results = {}
     for pipelined in (False, True):
@@ -280,6 +285,7 @@ def test_a_token_the_grammar_rejects_fails_the_step_as_before(model_dir: Path, t
     assert len(tokens) == 6  # the refused token was appended before its matcher refused it
 
 
+@pytest.mark.slow  # several engines, compared step by step
 def test_aborting_a_constrained_request_while_its_step_is_queued(model_dir: Path, tokenizer: Tokenizer) -> None:
     engine = make(model_dir, True)
     params = [SamplingParams(max_tokens=200, grammar=g) for g in (JSON, TOOL_CALL, REGEX)]

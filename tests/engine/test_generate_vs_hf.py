@@ -30,6 +30,7 @@ def assert_pools_empty(engine: Engine) -> None:
     assert engine.slot_pool.num_free_slots == engine.slot_pool.num_slots
 
 
+@pytest.mark.slow  # transformers' generate beside the engine
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_32_tokens_match_transformers(
     arch: str, tiny_checkpoint: Callable[..., Path], hf_model: Callable[..., torch.nn.Module]
@@ -46,6 +47,7 @@ def test_greedy_32_tokens_match_transformers(
     assert_pools_empty(engine)
 
 
+@pytest.mark.slow  # nine generations
 def test_batched_eight_requests_equal_each_alone(tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
     gen = torch.Generator().manual_seed(0)

@@ -119,6 +119,7 @@ def test_a_malformed_header_is_refused(link: tuple[TorchDistTransport, TorchDist
     work.wait()
 
 
+@pytest.mark.slow  # waits out a connect timeout
 def test_connecting_to_nobody_fails_clearly() -> None:
     listener = PrefillListener("127.0.0.1", 0, connect_timeout_s=1)
     port = listener.port

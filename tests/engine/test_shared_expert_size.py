@@ -25,6 +25,7 @@ def moe_blocks(engine: Engine) -> list[SparseMoe]:
     return [m for m in engine.runner.model.modules() if isinstance(m, SparseMoe)]
 
 
+@pytest.mark.slow  # transformers beside the engine
 @pytest.mark.parametrize("arch", ARCHS)
 def test_other_shared_expert_size_matches_transformers(
     arch: str, tiny_checkpoint: Callable[..., Path], hf_model: Callable[..., torch.nn.Module]

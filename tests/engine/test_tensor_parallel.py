@@ -74,12 +74,14 @@ def both(
     return [o.token_ids for o in ref]
 
 
+@pytest.mark.slow  # two-rank tensor-parallel process group
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_prefill_decode_and_chunked_prefill(arch: str, engines: dict[str, tuple[Engine, Engine]]) -> None:
     lengths = [1, 7, 16, 17, 45, 70]  # 45 and 70 are prefilled in chunks of 32
     both(engines[arch], [tokens(n, 40 + n) for n in lengths], SamplingParams(max_tokens=12))
 
 
+@pytest.mark.slow  # two-rank tensor-parallel process group
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefix_hit_multi_turn_then_fork(arch: str, engines: dict[str, tuple[Engine, Engine]]) -> None:
     pair = engines[arch]
@@ -119,6 +121,7 @@ def clear(pair: tuple[Engine, Engine]) -> None:
         assert engine.page_pool.num_free_pages == engine.page_pool.num_pages
 
 
+@pytest.mark.slow  # two-rank tensor-parallel process group
 @pytest.mark.parametrize("arch", ARCHS)
 def test_spill_and_resume_move_between_tp_sizes(arch: str, engines: dict[str, tuple[Engine, Engine]]) -> None:
     """A TP=2 export equals the TP=1 one (the TP=1 layout), and each engine resumes from the
@@ -144,11 +147,13 @@ def test_spill_and_resume_move_between_tp_sizes(arch: str, engines: dict[str, tu
     assert pair[1].slot_pool.num_free_slots == pair[1].slot_pool.num_slots
 
 
+@pytest.mark.slow  # two-rank tensor-parallel process group
 def test_seeded_sampling_matches(engines: dict[str, tuple[Engine, Engine]]) -> None:
     params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.95, seed=7)
     both(engines["Qwen3_5MoeForCausalLM"], [tokens(9, 3), tokens(21, 4)], params)
 
 
+@pytest.mark.slow  # two-rank tensor-parallel process group
 def test_async_scheduling_under_tp2_gives_synchronous_tp1_tokens(engines: dict[str, tuple[Engine, Engine]]) -> None:
     """TP=2 queues decode steps whose ids every rank receives by broadcast from rank 0's device."""
     tp1, tp2 = engines["Qwen3_5MoeForCausalLM"]
@@ -162,6 +167,7 @@ def test_async_scheduling_under_tp2_gives_synchronous_tp1_tokens(engines: dict[s
     assert tp2.num_pipelined_steps > queued
 
 
+@pytest.mark.slow  # two-rank tensor-parallel process group
 def test_engine_client_runs_a_tp_engine_and_stops_its_workers(tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
     prompt = tokens(20, 5)
@@ -307,6 +313,7 @@ def ep_engines(tiny_checkpoint: Callable[..., Path], engines: dict[str, tuple[En
         assert_stopped(ep)
 
 
+@pytest.mark.slow  # two-rank tensor-parallel process group
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_expert_parallel_follows_tp1(arch: str, ep_engines: dict[str, tuple[Engine, Engine]]) -> None:
     """Batched and chunked prefill, decode, a multi-turn prefix hit, a fork and a resume."""
@@ -380,6 +387,7 @@ def test_step_plan_round_trips() -> None:
         assert decode_plan(encode_plan(plan)) == plan
 
 
+@pytest.mark.slow  # two-rank tensor-parallel process group
 def test_a_bad_checkpoint_fails_on_every_rank_and_leaves_no_process(
     tiny_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
@@ -428,6 +436,7 @@ def odd_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.mark.slow  # two-rank tensor-parallel process group
 def test_replicated_kv_head_padded_vocab_tied_embeddings(odd_checkpoint: Path) -> None:
     prompts = [[t % 251 for t in tokens(n, n)] for n in (3, 18, 50)]
     params = SamplingParams(max_tokens=10)

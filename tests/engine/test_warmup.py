@@ -34,6 +34,7 @@ def step_shapes(engine: Engine) -> list[tuple[int, int]]:
     return shapes
 
 
+@pytest.mark.slow  # warms up an engine beside a fresh one
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["cache", "no-cache"])
 def test_warm_up_leaves_the_engine_as_a_fresh_one(prefix_caching: bool, tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint("Qwen3_5MoeForCausalLM")

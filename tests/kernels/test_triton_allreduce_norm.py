@@ -74,6 +74,7 @@ def _rank(rank: int, world: int, dtype: torch.dtype, iters: int, data: list, fla
         queue.put((rank, repr(exc), None))  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # ranks in processes, under the Triton interpreter
 @pytest.mark.parametrize(("world", "dtype"), [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
 def test_ranks_agree_with_the_reference_and_each_other(world: int, dtype: torch.dtype) -> None:
     iters = 12
@@ -146,6 +147,7 @@ def _group_rank(rank: int, port: int, data: list, queue: object) -> None:
         queue.put((rank, repr(exc), None, None))  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # ranks in processes, under the Triton interpreter
 def test_tp_group_takes_the_one_shot_kernel_for_calls_that_fit() -> None:
     """``TPGroup.all_reduce_add_rms_norm`` over a gloo group with one-shot buffers attached (CPU
     shared memory standing in for the IPC-mapped GPU buffers): the self-check passes, calls of at

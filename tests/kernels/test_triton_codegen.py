@@ -22,6 +22,8 @@ SCRIPT = Path(__file__).parents[1] / "support" / "triton_codegen.py"
 sys.path.insert(0, str(SCRIPT.parent))
 from triton_codegen import CASES  # noqa: E402
 
+pytestmark = pytest.mark.slow  # compiles every kernel twice, in processes
+
 
 @pytest.fixture(scope="module", params=["plain", "pdl"])
 def results(request: pytest.FixtureRequest) -> dict[str, str]:

@@ -48,6 +48,7 @@ def _shared_layout(experts: int, top_k: int, gen: torch.Generator, dtype: torch.
     return moe_route_shared(torch.randn(1, experts, generator=gen).to(DEVICE, dtype), top_k, True)
 
 
+@pytest.mark.slow  # the Triton interpreter
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize(("experts", "top_k", "hidden", "inter"), [(9, 3, 40, 24), (17, 4, 64, 32)], ids=["odd-dims", "pow2"])
 def test_shared_layout_matches_reference(assert_close, layout: str, experts: int, top_k: int, hidden: int, inter: int) -> None:
@@ -59,7 +60,9 @@ def test_shared_layout_matches_reference(assert_close, layout: str, experts: int
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize(
-    "ids", [[[3, 1, 3, 5]], [[0]], [[8, 2, 0, 7, 1]]], ids=["repeated-and-last-not-shared", "one-slot", "last-expert-not-last"]
+    "ids",
+    [pytest.param([[3, 1, 3, 5]], marks=pytest.mark.slow), [[0]], pytest.param([[8, 2, 0, 7, 1]], marks=pytest.mark.slow)],
+    ids=["repeated-and-last-not-shared", "one-slot", "last-expert-not-last"],
 )
 def test_any_ids_match_reference(assert_close, layout: str, ids: list[list[int]]) -> None:
     """Where the last slot is not the last expert, the tile loaded early for it is replaced."""
@@ -70,6 +73,7 @@ def test_any_ids_match_reference(assert_close, layout: str, ids: list[list[int]]
     assert_close(got, reference(x, w_gate_up, w_down, weights, topk_ids), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow  # the Triton interpreter
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize(("experts", "top_k", "renormalize"), [(8, 2, True), (12, 4, False), (5, 5, True)],
                          ids=["renorm", "no-renorm", "every-expert"])  # fmt: skip
@@ -89,6 +93,7 @@ def test_routed_rejects_bad_logits() -> None:
         fused_moe.fused_moe_token_routed(x, torch.randn(1, 7, device=DEVICE), w_gate_up, w_down, 2, True)
 
 
+@pytest.mark.slow  # the Triton interpreter: the batched kernels
 def test_one_token_goes_to_the_token_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """``fused_moe`` with one token takes ``moe_token``; with two, the batched kernels."""
     x, w_gate_up, w_down, gen = _experts(9, 32, 16, torch.float32, seed=4)

@@ -52,6 +52,7 @@ def _u(s: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
     return ((s.double() * (1.0 + t["post_w"].double())) @ t["router_t"].double())[0]
 
 
+@pytest.mark.slow  # the Triton interpreter
 @pytest.mark.parametrize("prologue", ["gated", "sigmoid"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_projection_adds_the_residual_and_the_routers_terms(prologue: str, dtype: torch.dtype, assert_close) -> None:
@@ -99,6 +100,7 @@ def test_the_logits_are_the_routers_to_one_rounding(assert_close) -> None:
     assert_close(route_partial.route_logits(acc, rstd, torch.float32), logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # the Triton interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_experts_read_the_accumulator_and_zero_it(dtype: torch.dtype, assert_close) -> None:
     hidden, experts, inter, top_k = 64, 8, 32, 3

@@ -42,6 +42,7 @@ def test_console_script_help_runs_without_torch() -> None:
     assert subprocess.run([sys.executable, "-c", check], timeout=60).returncode == 0
 
 
+@pytest.mark.slow  # times decode steps of a model
 def test_bench_decode_runs_on_cpu_with_the_tiny_shape(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "decode", "--shape", "tiny", "--device", "cpu", "--batches", "1,2", "--contexts", "64",
             "--prefill-tokens", "128", "--steps", "2"]  # fmt: skip
@@ -54,6 +55,7 @@ def test_bench_decode_runs_on_cpu_with_the_tiny_shape(capsys: pytest.CaptureFixt
     assert "kernels torch, async_scheduling True, triton_gemv False, fused_decode True, pdl False" in out
 
 
+@pytest.mark.slow  # times decode steps of a model
 def test_bench_decode_times_a_json_schema_grammar(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "decode", "--shape", "tiny", "--device", "cpu", "--batches", "1,3", "--contexts", "64",
             "--prefill-tokens", "0", "--steps", "3", "--grammar", "--no-progress"]  # fmt: skip

@@ -66,6 +66,7 @@ def test_the_runtime_sets_nccl_defaults_before_it_builds_an_engine(
     assert seen == ["0"]
 
 
+@pytest.mark.slow  # two-rank tensor-parallel process group
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/environ")
 def test_tensor_parallel_workers_start_with_this_process_nccl_settings(
     tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch

@@ -121,6 +121,7 @@ async def both(ref: EngineClient, client: EngineClient, prompt: list[int],
     return got
 
 
+@pytest.mark.slow  # a prefill process or a prefill-decode pair of engines
 def test_fresh_requests_equal_one_process(model: Path, prefill_port: int) -> None:
     async def main() -> None:
         async with pair(model, prefill_port) as (ref, client):
@@ -143,6 +144,7 @@ def test_fresh_requests_equal_one_process(model: Path, prefill_port: int) -> Non
     asyncio.run(main())
 
 
+@pytest.mark.slow  # a prefill process or a prefill-decode pair of engines
 def test_requests_with_processed_logits_prefill_on_the_decode_side(model: Path, prefill_port: int) -> None:
     """The prefill instance samples plain tokens only: penalties, a bias and logprobs stay local."""
     async def main() -> None:
@@ -156,6 +158,7 @@ def test_requests_with_processed_logits_prefill_on_the_decode_side(model: Path, 
     asyncio.run(main())
 
 
+@pytest.mark.slow  # a prefill process or a prefill-decode pair of engines
 @pytest.mark.parametrize("local", [0, 16], ids=["all-remote", "later-turns-local"])
 def test_multi_turn_and_forks_equal_one_process(model: Path, prefill_port: int, local: int) -> None:
     async def main() -> None:
@@ -191,6 +194,7 @@ def test_declines_only_when_the_decode_side_is_the_cheaper_side() -> None:
     assert not declines(num_tokens=100, held_len=50, num_cached=0)  # 50 wasted vs 50 local: a tie
 
 
+@pytest.mark.slow  # a prefill process or a prefill-decode pair of engines
 @pytest.mark.parametrize("local", [0, 4], ids=["never-local", "local-allowed"])
 def test_a_prefill_side_that_lost_the_conversation_declines_it(model: Path, local: int) -> None:
     """The prefill side's cache is emptied between turns (as after an eviction, a restart or a
@@ -226,6 +230,7 @@ def test_a_prefill_side_that_lost_the_conversation_declines_it(model: Path, loca
         engine.page_pool.num_pages, engine.slot_pool.num_slots)
 
 
+@pytest.mark.slow  # a prefill process or a prefill-decode pair of engines
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_tensor_parallel_on_either_side_equals_one_process(model: Path, side: str) -> None:
     """TP=2 on the prefill side (its KV gathered from both ranks and sent once the prompt is
@@ -263,6 +268,7 @@ def test_tensor_parallel_on_either_side_equals_one_process(model: Path, side: st
         prefill_engine.close()
 
 
+@pytest.mark.slow  # a prefill process or a prefill-decode pair of engines
 def test_a_consumer_leaving_or_aborting_mid_transfer_releases_everything(model: Path, prefill_port: int) -> None:
     async def main() -> None:
         async with pair(model, prefill_port) as (ref, client):
@@ -295,6 +301,7 @@ def run_script(*args: str) -> subprocess.Popen[str]:
                             env={**os.environ, "PYTHONPATH": path})
 
 
+@pytest.mark.slow  # a prefill process or a prefill-decode pair of engines
 @pytest.mark.parametrize("retry_local", [False, True], ids=["fails-cleanly", "retried-locally"])
 def test_prefill_peer_dying_mid_transfer(model: Path, retry_local: bool) -> None:
     phase = "before-done" if retry_local else "mid-kv"
@@ -323,6 +330,7 @@ def test_prefill_peer_dying_mid_transfer(model: Path, retry_local: bool) -> None
         assert peer.wait(10) != 0
 
 
+@pytest.mark.slow  # a prefill process or a prefill-decode pair of engines
 def test_decode_peer_dying_mid_prefill_leaves_the_prefill_side_clean(model: Path) -> None:
     worker = PrefillWorker(Engine.from_pretrained(model, CONFIG), PDConfig(role="prefill", peer="127.0.0.1:0"))
     with serving(worker) as listener:
@@ -349,6 +357,7 @@ def test_decode_peer_dying_mid_prefill_leaves_the_prefill_side_clean(model: Path
         assert worker.num_served == 1
 
 
+@pytest.mark.slow  # a prefill process or a prefill-decode pair of engines
 def test_prefill_process_killed_then_requests_run_on_the_decode_side(model: Path) -> None:
     proc, port = spawn_prefill(model)
 
@@ -471,6 +480,7 @@ async def _collect(client, prompt: list[int], params: SamplingParams) -> list[in
     return list(items[-1].token_ids)
 
 
+@pytest.mark.slow  # a prefill process or a prefill-decode pair of engines
 @pytest.mark.parametrize("seed", FUZZ_SEEDS)
 def test_random_conversations_equal_one_process(model: Path, seed: int) -> None:
     rng = random.Random(seed)

@@ -67,6 +67,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow  # a prefill process
 def test_serve_role_prefill_serves_a_decode_instance(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     model = tiny_checkpoint("Qwen3_5MoeForCausalLM")
     peer = f"127.0.0.1:{free_port()}"

@@ -13,6 +13,8 @@ import asyncio
 import multiprocessing
 from pathlib import Path
 
+import pytest
+
 from phloem.engine import Engine
 from phloem.runtime import EngineClient, ensure_default_model
 from phloem.engine import EngineConfig
@@ -20,6 +22,8 @@ from phloem.runtime.pd.decode import PDEngineClient
 from phloem.runtime.pd.prefill import run_prefill_worker
 from phloem.runtime.pd.roles import PDConfig
 from phloem.sessions import GenerateOptions, SessionConfig, SessionInput, SessionManager, Tokenizer, model_fingerprint
+
+pytestmark = pytest.mark.slow  # a prefill process
 
 OWNER = "key-1"
 

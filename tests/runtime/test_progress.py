@@ -83,6 +83,7 @@ def test_a_bar_on_a_terminal_unless_disabled(terminal: Callable[[], str]) -> Non
     assert "counting" in text and "0/4" in text and "quiet" not in text
 
 
+@pytest.mark.slow  # builds and loads the demo model
 def test_demo_model_build_and_weight_loading_draw_bars(terminal: Callable[[], str], tmp_path: Path) -> None:
     assert terminal() == ""
     folder = ensure_default_model(tmp_path / "quiet", show_progress=False)

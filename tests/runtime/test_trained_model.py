@@ -45,6 +45,7 @@ def test_checkpoint_holds_the_mtp_layer_in_the_qwen_layout(folder: Path) -> None
     assert not any(n.startswith("mtp.") and ("embed_tokens" in n or "lm_head" in n) for n in names)
 
 
+@pytest.mark.slow  # loads the trained model in transformers
 def test_greedy_tokens_equal_transformers_on_cpu_fp32(folder: Path, hf: torch.nn.Module) -> None:
     from transformers import AutoTokenizer
 

@@ -12,6 +12,8 @@ from live_servers import ServerProcess
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
+pytestmark = pytest.mark.slow  # phloem serve processes of its own
+
 
 @pytest.fixture(scope="module")
 def keyless(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ServerProcess]:

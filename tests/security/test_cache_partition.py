@@ -14,8 +14,11 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 from tenants import SYSTEM, Tenants
 from transformers import AutoTokenizer
+
+pytestmark = pytest.mark.slow  # the suite's phloem serve process (`tenants`)
 
 GREEDY = {"max_tokens": 1, "temperature": 0, "ignore_eos": True}
 

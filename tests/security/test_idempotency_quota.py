@@ -11,7 +11,10 @@ from pathlib import Path
 
 import httpx
 from live_servers import ServerProcess
+import pytest
 from tenants import ALICE, BOB, auth, key_args
+
+pytestmark = pytest.mark.slow  # phloem serve processes of its own
 
 QUOTA = 8
 

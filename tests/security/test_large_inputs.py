@@ -15,7 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 from tenants import BOB, Tenants, auth
+
+pytestmark = pytest.mark.slow  # the suite's phloem serve process (`tenants`)
 
 LIMIT_S = 0.25
 SEVEN_MB = 7 * 1024 * 1024

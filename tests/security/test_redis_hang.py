@@ -14,10 +14,13 @@ from pathlib import Path
 
 import httpx
 from live_servers import ServerProcess
+import pytest
 from redis_support import TcpProxy, random_prefix, require_redis
 from tenants import ALICE, auth, key_args
 
 from phloem.storage import RedisIndex
+
+pytestmark = pytest.mark.slow  # phloem serve processes of its own
 
 
 def _wait_for(condition, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]

@@ -21,12 +21,14 @@ from pathlib import Path
 
 import httpx
 from live_servers import ServerProcess
+import pytest
 from tenants import ALICE, auth, key_args
 
 # The modules of keyed owner ids are imported inside the tests that use them, so that every other
 # test of this file also runs (and fails) against a server without them.
 
 
+@pytest.mark.slow  # a phloem serve process
 def test_an_unwritable_data_dir_degrades_health_and_hides_paths(tmp_path: Path, model_dir: Path) -> None:
     server = ServerProcess(tmp_path, key_args("--model", str(model_dir))).start()
     journal = tmp_path / "sessions"
@@ -61,6 +63,7 @@ def test_an_unusable_data_dir_is_a_usage_error(tmp_path: Path, model_dir: Path) 
     assert "Traceback" not in done.stderr and "--data-dir" in done.stderr
 
 
+@pytest.mark.slow  # a phloem serve process
 def test_a_second_server_on_one_data_dir_exits(tmp_path: Path, model_dir: Path) -> None:
     first = ServerProcess(tmp_path, ("--model", str(model_dir))).start()
     try:
@@ -72,6 +75,7 @@ def test_a_second_server_on_one_data_dir_exits(tmp_path: Path, model_dir: Path) 
         first.stop()
 
 
+@pytest.mark.slow  # a phloem serve process
 def test_files_are_private_and_owner_ids_are_keyed(tmp_path: Path, model_dir: Path) -> None:
     from phloem.api.server.auth import legacy_owner_id, owner_id
     from phloem.storage import server_secret
@@ -99,6 +103,7 @@ def test_files_are_private_and_owner_ids_are_keyed(tmp_path: Path, model_dir: Pa
     assert record["owner"] == owner_id(ALICE, server_secret(tmp_path)) != legacy_owner_id(ALICE)
 
 
+@pytest.mark.slow  # phloem serve processes
 def test_sessions_of_former_owner_ids_move_to_their_key(tmp_path: Path, model_dir: Path) -> None:
     from phloem.api.server.auth import legacy_owner_id, owner_id
     from phloem.storage import server_secret
@@ -122,6 +127,7 @@ def test_sessions_of_former_owner_ids_move_to_their_key(tmp_path: Path, model_di
     assert json.loads(path.read_text())["owner"] == owner_id(ALICE, server_secret(tmp_path))
 
 
+@pytest.mark.slow  # a phloem serve process
 def test_slow_request_heads_and_excess_connections_are_closed(tmp_path: Path, model_dir: Path) -> None:
     server = ServerProcess(tmp_path, key_args("--model", str(model_dir), "--header-timeout", "1",
                                               "--max-connections", "6")).start()

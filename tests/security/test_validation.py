@@ -10,6 +10,8 @@ import httpx
 import pytest
 from tenants import ALICE, BOB, Tenants, auth
 
+pytestmark = pytest.mark.slow  # the suite's phloem serve process (`tenants`)
+
 
 
 def _nested(depth: int) -> str:

@@ -147,6 +147,7 @@ def test_context_window(make_manager: ManagerFactory) -> None:
     run(make_manager, body)
 
 
+@pytest.mark.slow  # prefills a whole context window
 def test_max_tokens_is_clamped_to_the_window(make_manager: ManagerFactory) -> None:
     async def body(m: SessionManager) -> None:
         s = await m.create(OWNER, content=SessionInput(input_ids=(9,) * (m.max_model_len - 3)))
@@ -178,6 +179,7 @@ def test_stop_strings_and_stop_token_ids(make_manager: ManagerFactory) -> None:
     run(make_manager, body)
 
 
+@pytest.mark.slow  # waits out a TTL
 def test_ttl_unpins_and_patch(make_manager: ManagerFactory) -> None:
     async def body(m: SessionManager) -> None:
         s = await m.create(OWNER, content=unique_system(), ttl=0.2, metadata={"a": "1"})

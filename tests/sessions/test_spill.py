@@ -254,6 +254,7 @@ def test_a_failed_spill_leaves_the_session_resident(make_manager: ManagerFactory
     run(make_manager, body, host_budget_bytes=0)
 
 
+@pytest.mark.slow  # a manager restarted over its data dir
 def test_restart_resumes_from_disk_and_rebuilds_an_empty_index(
         make_manager: ManagerFactory, engine: EngineClient, index_config: dict[str, Any],
         tmp_path: Path) -> None:
@@ -349,6 +350,7 @@ def test_the_shutdown_flush_stops_at_its_time_limit(make_manager: ManagerFactory
     assert not list(tmp_path.rglob("*.safetensors")), "no segment was written"
 
 
+@pytest.mark.slow  # two-rank tensor-parallel process group
 def test_a_session_spilled_under_tp2_resumes_under_tp1(
         make_manager: ManagerFactory, engine: EngineClient, model_dir: Path, tokenizer: Tokenizer,
         tmp_path: Path) -> None:
@@ -390,6 +392,7 @@ def test_a_session_spilled_under_tp2_resumes_under_tp1(
     asyncio.run(resume_under_tp1(sid, ids))
 
 
+@pytest.mark.slow  # waits out Redis timeouts
 def test_redis_unreachable_at_start_and_mid_run_degrades_and_resyncs(
         make_manager: ManagerFactory) -> None:
     url, prefix = require_redis(), random_prefix()
@@ -427,7 +430,7 @@ def test_redis_unreachable_at_start_and_mid_run_degrades_and_resyncs(
         index.close()
 
 
-@pytest.mark.parametrize("short_of", ["slots", "pages"])
+@pytest.mark.parametrize("short_of", [pytest.param("slots", marks=pytest.mark.slow), "pages"])
 def test_pinned_sessions_never_block_admission(model_dir: Path, tokenizer: Tokenizer,
                                                tmp_path: Path, short_of: str) -> None:
     # Four sessions pinned for a long TTL hold every slot (or nearly every page) of a small engine.
@@ -464,6 +467,7 @@ def test_pinned_sessions_never_block_admission(model_dir: Path, tokenizer: Token
         asyncio.run(engine.shutdown())
 
 
+@pytest.mark.slow  # two 600-token prefills in 16-token chunks
 def test_waiting_behind_long_prefills_demotes_nobody(model_dir: Path, tokenizer: Tokenizer,
                                                      tmp_path: Path) -> None:
     """Two long first turns in small chunks: the second waits far longer than

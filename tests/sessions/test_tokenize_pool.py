@@ -36,6 +36,7 @@ def test_one_owner_cannot_take_every_worker() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.slow  # tokenizes a 0.9 MB text
 def test_a_long_tokenization_leaves_the_event_loop_free(tokenizer: Tokenizer) -> None:
     text = "The quick brown fox jumps over the lazy dog, 12345 times. " * 15_000  # 0.9 MB
 

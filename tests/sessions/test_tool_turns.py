@@ -11,6 +11,7 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import jsonschema
+import pytest
 from transformers import AutoTokenizer
 
 from phloem.runtime import EngineClient
@@ -26,6 +27,7 @@ LOOKUP = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 
 TOOLS = ({"type": "function", "function": {"name": "lookup", "parameters": LOOKUP}},)
 
 
+@pytest.mark.slow  # a grammar-constrained tool call
 def test_a_forced_call_is_a_turn_that_a_tool_result_continues(make_manager: ManagerFactory, tmp_path: Path) -> None:
     async def first_life(m: SessionManager) -> str:
         system = ({"role": "system", "content": f"run {uuid.uuid4().hex}"}, {"role": "user", "content": "find 7"})
@@ -95,6 +97,7 @@ QWEN35_TEMPLATE = (
 )
 
 
+@pytest.mark.slow  # a grammar-constrained tool call
 def test_a_thinking_xml_template(engine: EngineClient, model_dir: Path, tmp_path: Path) -> None:
     hf = AutoTokenizer.from_pretrained(str(model_dir))
     hf.chat_template = QWEN35_TEMPLATE

@@ -130,6 +130,7 @@ def test_failed_overwrite_keeps_previous_version(
     assert_bit_exact(store.read("sess-A", "seg-1", expect_fingerprint=None), old)
 
 
+@pytest.mark.slow  # a child process writing under a file-size limit
 def test_real_disk_full_mid_write(tmp_path) -> None:
     # A real short write: the child's file-size limit (RLIMIT_FSIZE) makes write(2) fail with
     # EFBIG part-way through the 1 MiB payload, like a full disk would with ENOSPC.

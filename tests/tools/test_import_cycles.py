@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "check_import_cycles.py"
 
@@ -51,6 +53,7 @@ def test_type_checking_imports_are_not_a_cycle(tmp_path: Path) -> None:
     assert _tool().main(["tool", str(root)]) == 0
 
 
+@pytest.mark.slow  # tools/check_import_cycles.py over the product, in a process
 def test_the_product_has_no_import_cycle() -> None:
     result = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout

@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -17,6 +19,7 @@ def _prepare():
     return module
 
 
+@pytest.mark.slow  # writes the corpus twice
 def test_same_arguments_write_the_same_bytes(tmp_path: Path) -> None:
     prepare = _prepare()
     a = prepare.prepare(tmp_path / "a", stdlib_bytes=30_000, transcripts=40, tokenizer=False)
