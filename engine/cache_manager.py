@@ -222,8 +222,8 @@ class CacheManager:
 
     def checkpoint_due(self, req: Request, num_computed: int, num_tokens: int) -> bool:
         """Whether ``maybe_checkpoint`` publishes once ``req`` has computed ``num_computed`` of
-        ``num_tokens`` tokens (the async scheduler asks one step ahead: a step must not be
-        queued into a write slot that the previous step's checkpoint is about to hand over)."""
+        ``num_tokens`` tokens (the async scheduler asks one step ahead: a step queued behind one
+        whose checkpoint hands its write slot over writes a reserved slot, ``reserve_checkpoint``)."""
         n, every = num_computed, self.checkpoint_interval
         if self.tree is None or n == 0:
             return False

@@ -50,8 +50,8 @@ before the forward (``engine.step_plan``): no rank waits on the host for them.
 Anything else (a new request, a prefill chunk that does not end its prompt, a preemption, an
 abort) runs the synchronous path for one step. The engine drains the queued step before any call
 that reads or changes request memory between steps (abort, export/import, transfers), so those
-see the same state as without pipelining. The tokens are the same as the synchronous path's: the same forward
-on the same inputs, the same sampling draws in the same order.
+see the same state as without pipelining. The tokens are the same as the synchronous path's: the
+same forward on the same inputs, the same sampling draws in the same order.
 """
 
 from __future__ import annotations
