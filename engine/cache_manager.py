@@ -176,19 +176,10 @@ class CacheManager:
         if not self.checkpoint_due(req, n, req.num_tokens):
             assert reserved is None, f"request {req.request_id}: a reserved checkpoint is not due"
             return
-        if reserved is not None:
-            new_slot, tail = reserved
-        else:
-            new_slot = self.allocate_slot()
-            if new_slot is None:
-                return  # no slot to keep computing into: skip this checkpoint, nothing is lost
-            tail = None
-            if n % self.page_size:
-                copy = self.allocate_page_list(1)
-                if copy is None:
-                    self.slot_pool.free(new_slot)
-                    return
-                tail = copy[0]
+        memory = reserved if reserved is not None else self._checkpoint_memory(n)
+        if memory is None:
+            return  # no slot to keep computing into: skip this checkpoint, nothing is lost
+        new_slot, tail = memory
         if tail is not None:
             self.copy_page(req.page_ids[n // self.page_size], tail)
         periodic = not self._at_prompt_end(req, n)
@@ -207,18 +198,22 @@ class CacheManager:
         checkpoint, which whoever resumes from it writes before reading.
         """
         assert req.checkpoint_reservation is None, f"request {req.request_id} already holds a reservation"
+        req.checkpoint_reservation = self._checkpoint_memory(num_computed)
+        return req.checkpoint_reservation is not None
+
+    def _checkpoint_memory(self, num_computed: int) -> tuple[int, int | None] | None:
+        """What a checkpoint at ``num_computed`` tokens takes: a free slot for the request to
+        continue in, and a page for the tail copy when it ends mid-page; None taking nothing."""
         slot = self.allocate_slot()
         if slot is None:
-            return False
-        tail: int | None = None
-        if num_computed % self.page_size:
-            copy = self.allocate_page_list(1)
-            if copy is None:
-                self.slot_pool.free(slot)
-                return False
-            tail = copy[0]
-        req.checkpoint_reservation = (slot, tail)
-        return True
+            return None
+        if num_computed % self.page_size == 0:
+            return slot, None
+        copy = self.allocate_page_list(1)
+        if copy is None:
+            self.slot_pool.free(slot)
+            return None
+        return slot, copy[0]
 
     def checkpoint_due(self, req: Request, num_computed: int, num_tokens: int) -> bool:
         """Whether ``maybe_checkpoint`` publishes once ``req`` has computed ``num_computed`` of
