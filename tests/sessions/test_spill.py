@@ -133,6 +133,8 @@ def test_sweeper_spills_idle_sessions_and_demotes_the_oldest_to_disk(
             a, b = ids
             await wait_for(lambda: m.get(OWNER, a).status == "disk")
             assert m.get(OWNER, b).status == "host" and m._spill.host.used_bytes <= budget  # noqa: SLF001
+            # A spill takes its status before its index write lands (``Spiller._let_go``).
+            await wait_for(lambda: all(index_record(m, sid).tier != "gpu" for sid in ids))  # type: ignore[union-attr]
             assert [index_record(m, sid).tier for sid in ids] == ["disk", "host"]  # type: ignore[union-attr]
             await engine.reset_prefix_cache()
             for sid in ids:
