@@ -2,7 +2,8 @@
 
 ``qwen35_35b_a3b`` is exactly transformers' ``Qwen3_5MoeTextConfig()`` defaults (ANCHORS.md:
 34.66 B parameters, 2.946 B active per token). ``tiny`` is a small shape of the same
-architecture for CPU runs of the benchmarks.
+architecture for CPU runs of the benchmarks. Every shape's vocabulary covers the demo
+tokenizer's (1,920 ids), which ``phloem serve --shape`` serves it with, so text prompts work.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _qwen35_moe(**overrides: Any) -> dict[str, Any]:
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3.5-35b-a3b": _qwen35_moe(),
     "tiny": _qwen35_moe(
-        vocab_size=512,
+        vocab_size=2048,
         hidden_size=128,
         num_hidden_layers=4,
         num_attention_heads=4,
@@ -78,9 +79,9 @@ def write_shape(name: str, folder: Path) -> Path:
 def ensure_shape_model(name: str, data_dir: Path) -> Path:
     """A servable folder for shape ``name``: its ``config.json`` and the demo model's tokenizer.
 
-    For ``phloem serve --shape`` (dummy weights). The demo tokenizer's vocabulary is smaller
-    than the shape's, so ids beyond it decode to nothing; benchmarks send token ids and read
-    ``token_ids``, so text does not matter there.
+    For ``phloem serve --shape`` (dummy weights). The demo tokenizer's vocabulary fits in the
+    shape's, so every text prompt encodes to valid ids; sampled ids beyond the tokenizer's
+    decode to nothing (benchmarks send token ids and read ``token_ids``).
 
     Raises:
         ValueError: ``name`` is not a known shape.

@@ -26,5 +26,11 @@ def test_a_shape_server_says_its_weights_are_dummy_and_serves_token_prompts(tmp_
         # The first prompt plus a token of our own: its prompt-end checkpoint serves all 4 tokens.
         again = httpx.post(f"{server.base_url}/v1/completions", json=body | {"prompt": [5, 6, 7, 8, 9]}, timeout=60).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
+        # Text goes through the demo tokenizer, whose ids fit in the shape's vocabulary.
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there, how are you today?"}],
+                "max_tokens": 4, "ignore_eos": True}
+        response = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
     finally:
         server.stop()
