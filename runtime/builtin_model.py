@@ -9,7 +9,7 @@ doing real work with nothing to download; it is a test fixture and a demo, not a
 It is served in place, NOT copied into the data directory: the engine and the tokenizer only
 read the folder, so a copy would buy nothing but 17 MB per data directory and a copy that could
 go stale when the package is upgraded. Sessions saved under one version of the folder are told
-apart from another's by ``sessions.store.model_fingerprint`` (its config and tokenizer).
+apart from another's by ``sessions.tiers.store.model_fingerprint`` (its config and tokenizer).
 
 The API names it ``DEFAULT_MODEL_NAME`` (the folder's own name, ``_trained_model``, says nothing
 to a client), whatever path reaches it. The random-weight model of ``runtime.default_model`` is

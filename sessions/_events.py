@@ -29,17 +29,28 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from phloem.runtime.logs import log_event
 
 if TYPE_CHECKING:
-    from phloem.sessions.generation import Usage
     from phloem.sessions.session import Session
 
 __all__ = ["SessionEvents", "SessionStats", "TierCounts"]
 
 logger = logging.getLogger("phloem.sessions.events")
+
+
+class TokenCounts(Protocol):
+    """The token counts of a finished generation (``sessions.generation.Usage`` has them); a
+    protocol, so the events stay below ``generation`` (no import cycle)."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def cached_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +156,7 @@ class SessionEvents:
         self._counts["resume_failures"] += 1
 
     def generation_finished(self, session_id: str | None, turn: int | None, finish_reason: str,
-                            usage: Usage, duration_s: float) -> None:
+                            usage: TokenCounts, duration_s: float) -> None:
         self._generations[finish_reason] += 1
         self._counts["prompt_tokens"] += usage.prompt_tokens
         self._counts["cached_tokens"] += usage.cached_tokens

@@ -18,9 +18,9 @@ from phloem.sessions.errors import GenerationFailed, InvalidInput
 from phloem.sessions.session import Session
 
 if TYPE_CHECKING:
-    from phloem.sessions._pins import PinKeeper
-    from phloem.sessions.spill import Spiller
-    from phloem.sessions.store import SessionStore
+    from phloem.sessions.tiers._pins import PinKeeper
+    from phloem.sessions.tiers.spill import Spiller
+    from phloem.sessions.tiers.store import SessionStore
 
 __all__ = ["commit_children", "make_children"]
 

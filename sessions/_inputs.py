@@ -6,7 +6,7 @@ Token ids are checked against the model's vocabulary here, and the context windo
 the session may fill the window exactly. ``check_input_size`` applies that arithmetic to the
 fewest tokens the input can become (its length alone) before anything is tokenized, so a
 multi-megabyte text is refused at once. Special-token strings inside messages are plain text
-(``sessions._special_text``).
+(``sessions.text._special_text``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from phloem.sessions.chat import ChatContext, render_append
+from phloem.sessions.text.chat import ChatContext, render_append
 from phloem.sessions.errors import ContextLengthExceeded, InvalidInput
-from phloem.sessions.tokenizer import Message, Tokenizer
+from phloem.sessions.text.tokenizer import Message, Tokenizer
 
 __all__ = ["ResolvedInput", "SessionInput", "check_context", "check_input_size", "check_token_ids",
            "resolve_input"]
@@ -31,7 +31,7 @@ class SessionInput:
         input_ids: Token ids, appended verbatim.
         text: Text, tokenized without added tokens (special-token strings recognised).
         messages: Chat messages, rendered with the chat template as a continuation
-            (``phloem.sessions.chat``).
+            (``phloem.sessions.text.chat``).
         template_kwargs: Extra chat-template variables for ``messages`` (``enable_thinking``).
 
     Raises:

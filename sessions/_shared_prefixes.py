@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from phloem.engine import EngineError
 from phloem.runtime.shared_prefixes import SharedPrefix
 from phloem.sessions.errors import InvalidInput
-from phloem.sessions.tokenizer import Tokenizer
+from phloem.sessions.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from phloem.runtime import EngineClient

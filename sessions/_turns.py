@@ -13,7 +13,7 @@ and settles it:
   output (``finish_reason == "cancelled"``);
 - room in the engine: a session's request first resumes its spilled state
   (``Spiller.resume``); every request may demote pinned sessions when it stalls for room
-  (``Spiller.relieve``, see ``sessions.spill``);
+  (``Spiller.relieve``, see ``sessions.tiers.spill``);
 - ``n`` choices of one completion are ``n`` generations that share one prefill of their prompt
   (``sessions._prefill``) and count ``n`` against the admission limit.
 """
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from phloem.sessions._events import SessionEvents
 from phloem.sessions._inputs import ResolvedInput, check_context, check_token_ids
-from phloem.sessions._pins import PinKeeper
+from phloem.sessions.tiers._pins import PinKeeper
 from phloem.sessions.config import SessionConfig
 from phloem.sessions.errors import Overloaded, SessionBusy, SessionNotFound
 from phloem.sessions._prefill import SharedPrefill
@@ -37,12 +37,12 @@ from phloem.sessions.generation import (
     Usage,
 )
 from phloem.sessions.session import Session, Turn
-from phloem.sessions.store import SessionStore
-from phloem.sessions.tokenizer import Tokenizer
+from phloem.sessions.tiers.store import SessionStore
+from phloem.sessions.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from phloem.runtime import EngineClient
-    from phloem.sessions.spill import Spiller
+    from phloem.sessions.tiers.spill import Spiller
 
 __all__ = ["TurnRunner"]
 

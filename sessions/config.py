@@ -39,7 +39,7 @@ class SessionConfig:
             beyond it, ``Overloaded``.
         retry_after_s: The ``retry_after`` of ``Overloaded``.
         host_budget_bytes: Payload bytes of spilled state kept in host memory; beyond it the
-            least recently used host segments are demoted to disk (``sessions.spill``).
+            least recently used host segments are demoted to disk (``sessions.tiers.spill``).
         idle_to_host_s: Seconds a session stays ``idle`` (unpinned, on the GPU) before the
             sweeper spills it to host memory.
         sweep_interval_s: Seconds between two runs of the spill sweeper (which also probes a
@@ -48,7 +48,7 @@ class SessionConfig:
             full after eviction) before pinned sessions that are not generating are demoted
             to make room (pins never deadlock). Waiting behind other work never demotes.
         tokenize_workers: Threads that tokenize and render inputs off the event loop (0: sized
-            to the machine's CPUs; ``sessions._tokenize_pool``).
+            to the machine's CPUs; ``sessions.text._tokenize_pool``).
         max_tokenizations_per_owner: Tokenizations one owner runs at once (more wait).
         shared_prefixes: Prefixes computed and pinned at start in the prefix cache's shared
             namespace: every owner's requests may hit them (``runtime.shared_prefixes``).

@@ -45,9 +45,9 @@ from phloem.sessions.errors import (
     SessionNotFound,
 )
 from phloem.sessions.options import GenerateOptions
-from phloem.sessions.output_parser import OutputFormat, OutputParser, ParsedDelta, ParsedOutput
+from phloem.sessions.text.output_parser import OutputFormat, OutputParser, ParsedDelta, ParsedOutput
 from phloem.sessions.session import FinishReason
-from phloem.sessions.tokenizer import IncrementalDetokenizer, Tokenizer
+from phloem.sessions.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
     from phloem.runtime import EngineClient
@@ -171,7 +171,7 @@ class Generation:
         max_new_tokens: Room left in the context window (>= 1 with ``options``).
         hooks: Settle, exit, prepare and relieve callbacks (``GenerationHooks``).
         output: How to split the text into reasoning, content and tool calls, and the grammar
-            it must follow (``sessions.structured``); None: plain text.
+            it must follow (``sessions.text.structured``); None: plain text.
         namespace: The prefix-cache namespace of the request: its owner (API key), so that it
             hits only that owner's cached prefixes and shared ones.
     """

@@ -7,10 +7,10 @@ Every operation is scoped by ``owner`` (the API key): a session of another owner
   after its last *generated* token), so input that is appended without a generation (turn 0, an
   append without ``generate``) is recorded but computed by the next generation, whose
   ``cached_tokens`` then reflect it. A generated turn ends with a checkpoint at its very end.
-- **append** turns the input into tokens (``sessions.chat`` for messages), checks the context
+- **append** turns the input into tokens (``sessions.text.chat`` for messages), checks the context
   window, and runs a ``Generation`` from ``token_ids + new`` (or just commits the input). The
   turn (input + output) is committed atomically when it ends: journal first, then memory, then
-  the new head is pinned (``sessions._pins``). One append runs per session at a time; another
+  the new head is pinned (``sessions.tiers._pins``). One append runs per session at a time; another
   one meanwhile is ``SessionBusy``, also for appends without generation.
 - **fork** copies the committed turns ``0..at_turn`` (token ids, turns, chat context) into ``n``
   children and pins their head: in the engine they share the parent's cached prefix
@@ -21,13 +21,13 @@ Every operation is scoped by ``owner`` (the API key): a session of another owner
   one prefill of their prompt, under the same admission limit (``max_num_generations``; beyond
   it, or while closing: ``Overloaded``).
 - **structured output**: a generation's text is split into reasoning, content and tool calls
-  (``sessions.output_parser``: the session's tools, or a completion's), and ``response_format``
-  or a forced ``tool_choice`` becomes a grammar the engine enforces (``sessions.structured``);
+  (``sessions.text.output_parser``: the session's tools, or a completion's), and ``response_format``
+  or a forced ``tool_choice`` becomes a grammar the engine enforces (``sessions.text.structured``);
   the grammar is compiled before the generation starts, so a schema the grammar engine rejects
   is ``InvalidInput`` and never a failed stream.
-- **tiers** (``sessions.spill``): idle sessions are spilled to host memory, then disk, by a
+- **tiers** (``sessions.tiers.spill``): idle sessions are spilled to host memory, then disk, by a
   sweeper, or now by **offload**; an append or **prefetch** resumes them (both methods come
-  from ``sessions._tier_moves``); a fork of a spilled session shares its segment. **start**
+  from ``sessions.tiers._tier_moves``); a fork of a spilled session shares its segment. **start**
   brings back every journaled session (from its disk segment when there is one). The index is
   best effort: ``health`` says when it is degraded.
 """
@@ -46,20 +46,20 @@ from phloem.sessions._forks import commit_children, make_children
 from phloem.sessions._inputs import (
     ResolvedInput, SessionInput, check_context, check_input_size, resolve_input,
 )
-from phloem.sessions._pins import PinKeeper
+from phloem.sessions.tiers._pins import PinKeeper
 from phloem.sessions._shared_prefixes import share_prefixes
-from phloem.sessions._tokenize_pool import TokenizePool
-from phloem.sessions._tier_moves import TierMoves
+from phloem.sessions.text._tokenize_pool import TokenizePool
+from phloem.sessions.tiers._tier_moves import TierMoves
 from phloem.sessions._turns import TurnRunner
 from phloem.sessions.config import KEEP, Keep, SessionConfig
 from phloem.engine import InvalidRequest
 from phloem.sessions.errors import GenerationFailed, InvalidInput, SessionBusy, SessionNotFound
 from phloem.sessions.generation import GenerateOptions, Generation, GenerationOutput
 from phloem.sessions.session import Session, SessionIdGenerator, SessionSnapshot, Turn, TurnInfo
-from phloem.sessions.spill import Spiller
-from phloem.sessions.store import SessionStore
-from phloem.sessions.structured import build_grammar, output_format
-from phloem.sessions.tokenizer import Message, Tokenizer, ToolSpec
+from phloem.sessions.tiers.spill import Spiller
+from phloem.sessions.tiers.store import SessionStore
+from phloem.sessions.text.structured import build_grammar, output_format
+from phloem.sessions.text.tokenizer import Message, Tokenizer, ToolSpec
 
 if TYPE_CHECKING:
     from phloem.runtime import EngineClient
@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 class SessionManager(TierMoves):
     """Creates, finds, appends to, forks and deletes sessions over one engine client.
 
-    ``offload`` and ``prefetch`` come from the ``TierMoves`` mixin (``sessions._tier_moves``).
+    ``offload`` and ``prefetch`` come from the ``TierMoves`` mixin (``sessions.tiers._tier_moves``).
 
     Args:
         engine: A started engine client.

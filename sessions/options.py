@@ -2,7 +2,7 @@
 
 Sampling (temperature, top-p/k, seed, penalties, logit bias), stopping (``max_tokens``,
 ``min_tokens``, stop strings and tokens), what is reported (``logprobs``) and what the output
-must look like (``response_format``, ``tool_choice``: ``sessions.structured``). The engine's
+must look like (``response_format``, ``tool_choice``: ``sessions.text.structured``). The engine's
 ``SamplingParams`` is derived per request (``sampling_params``), once the room left in the
 context window and the grammar are known.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from phloem.engine import GrammarSpec, SamplingParams
 from phloem.sessions.errors import InvalidInput
-from phloem.sessions.structured import ResponseFormat, ToolChoice
+from phloem.sessions.text.structured import ResponseFormat, ToolChoice
 
 __all__ = ["GenerateOptions"]
 

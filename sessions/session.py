@@ -21,23 +21,27 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
-from phloem.sessions.chat import ChatContext
-from phloem.sessions.tokenizer import Message, ToolSpec
-from phloem.sessions.tool_parsers import ParsedToolCall
-
-if TYPE_CHECKING:
-    from phloem.sessions.generation import Generation
-    from phloem.sessions.spill import SpilledSegment
+from phloem.sessions.text.chat import ChatContext
+from phloem.sessions.text.tokenizer import Message, ToolSpec
+from phloem.sessions.text.tool_parsers import ParsedToolCall
 
 __all__ = [
-    "FinishReason", "Session", "SessionIdGenerator", "SessionSnapshot", "SessionStatus", "Turn",
-    "TurnInfo",
+    "FinishReason", "RunningGeneration", "Session", "SessionIdGenerator", "SessionSnapshot",
+    "SessionStatus", "SpillTier", "SpilledSegment", "Turn", "TurnInfo",
 ]
 
 SessionStatus = Literal["active", "idle", "host", "disk"]
 FinishReason = Literal["stop", "length", "cancelled"]
+SpillTier = Literal["host", "disk"]
+
+
+class RunningGeneration(Protocol):
+    """What a session needs of the generation running on it (``sessions.generation.Generation``):
+    a way to stop it. A protocol, so this record stays below ``generation`` (no import cycle)."""
+
+    def cancel(self, *, discard: bool = False) -> None: ...
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
@@ -122,6 +126,31 @@ class SessionSnapshot:
 
 
 @dataclass(eq=False)
+class SpilledSegment:
+    """One spilled head state and the sessions that resume from it (a parent and its forks).
+
+    ``lock`` serialises loading it into the engine and moving it between tiers, so the forks
+    of one parent import it once. Defined here, beside the ``Session`` that holds it, so the
+    record does not depend on ``sessions.tiers`` (which owns and moves these segments).
+
+    Args:
+        segment_id: Unique id (the host pool's key and the disk file's name).
+        owner_id: The session whose disk directory holds the file.
+        num_tokens: The segment covers tokens ``[0, num_tokens)`` of every holder.
+        nbytes: Payload bytes.
+        tier: Where it lives now.
+    """
+
+    segment_id: str
+    owner_id: str
+    num_tokens: int
+    nbytes: int
+    tier: SpillTier
+    holders: set[str] = field(default_factory=set)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(eq=False)
 class Session:
     """A session's state, owned and mutated by ``SessionManager`` only.
 
@@ -148,7 +177,7 @@ class Session:
     pin_epoch: int = 0
     ttl_timer: asyncio.TimerHandle | None = None
     busy: bool = False
-    generation: Generation | None = None
+    generation: RunningGeneration | None = None
     deleted: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     segment: SpilledSegment | None = None

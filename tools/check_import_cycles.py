@@ -8,8 +8,13 @@ and reports every strongly connected component of more than one module. Imports 
 ``if TYPE_CHECKING:`` are left out: they never run, and are the standard way to name a type
 without depending on its module.
 
-Usage: ``python3 tools/check_import_cycles.py [ROOT]`` (ROOT defaults to the repository root).
-Exit 0 when acyclic, 1 with one line per cycle otherwise.
+``--count-type-imports PACKAGE`` (repeatable) counts those ``if TYPE_CHECKING:`` imports too, for
+the modules inside PACKAGE (a dotted name such as ``phloem.sessions``): a package held to be
+acyclic even for type checkers, whose modules name each other's types only downwards. The
+cycles reported for it are those among its own modules with every import counted.
+
+Usage: ``python3 tools/check_import_cycles.py [--count-type-imports PACKAGE]... [ROOT]`` (ROOT
+defaults to the repository root). Exit 0 when acyclic, 1 with one line per cycle otherwise.
 """
 
 from __future__ import annotations
@@ -41,12 +46,13 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _runtime_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Import statements that execute: everything except the bodies of ``if TYPE_CHECKING:``."""
+def _runtime_imports(tree: ast.AST, type_imports: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements that execute: everything except the bodies of ``if TYPE_CHECKING:``
+    (those too with ``type_imports``)."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_imports and isinstance(node, ast.If) and _is_type_checking(node.test):
             stack.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -61,11 +67,13 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
-def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The product modules ``module`` imports when it runs (a package's ``__init__`` included)."""
+def imports_of(module: str, path: Path, modules: dict[str, Path],
+               type_imports: bool = False) -> set[str]:
+    """The product modules ``module`` imports when it runs (a package's ``__init__`` included);
+    with ``type_imports``, also those it imports only for type checkers."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
-    for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+    for node in _runtime_imports(ast.parse(path.read_text(), str(path)), type_imports):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         else:
@@ -126,14 +134,49 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def type_import_cycles(package: str, modules: dict[str, Path]) -> list[list[str]]:
+    """Cycles among ``package``'s own modules, ``if TYPE_CHECKING:`` imports counted."""
+    inner = {name: path for name, path in modules.items() if _inside(name, package)}
+    graph = {name: {m for m in imports_of(name, path, modules, type_imports=True) if m in inner}
+             for name, path in inner.items()}
+    return cycles(graph)
+
+
 def main(argv: list[str]) -> int:
-    root = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parents[1]
+    args, typed = argv[1:], []
+    positional: list[str] = []
+    while args:
+        if args[0] == "--count-type-imports":
+            if len(args) < 2:
+                print("--count-type-imports needs a package name", file=sys.stderr)
+                return 2
+            typed.append(args[1])
+            args = args[2:]
+        else:
+            positional.append(args.pop(0))
+    if len(positional) > 1:
+        print("at most one ROOT", file=sys.stderr)
+        return 2
+    root = Path(positional[0]) if positional else Path(__file__).resolve().parents[1]
     modules = module_files(root)
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     found = cycles(graph)
     for component in found:
         print("import cycle: " + " <-> ".join(component))
     print(f"{len(modules)} modules, {len(found)} import cycles")
+    for package in typed:
+        if not any(_inside(name, package) for name in modules):
+            print(f"--count-type-imports: no module {package}", file=sys.stderr)
+            return 2
+        typed_found = type_import_cycles(package, modules)
+        for component in typed_found:
+            print("import cycle (type imports counted): " + " <-> ".join(component))
+        print(f"{package}: {len(typed_found)} import cycles counting type-only imports")
+        found += typed_found
     return 1 if found else 0
 
 

@@ -20,12 +20,12 @@ from phloem.api.schemas import (
     AppendResult, DeltaEvent, ErrorCode, ErrorEvent, StreamEvent,
 )
 from phloem.api.server.auth import KeyRing, principal_of
+from phloem.api.server.convert import done_event
 from phloem.api.server.errors import ApiError, classify, malformed_json
 from phloem.api.server.idempotency import (
     IdempotencyStore, Running, StoredResponse, StoredStream, fingerprint,
 )
 from phloem.api.server.limits import OwnerLimits
-from phloem.api.server.native.convert import done_event
 from phloem.api.server.pacing import paced_deltas
 from phloem.sessions import Generation, OutputDelta, SessionError, SessionManager
 

@@ -21,7 +21,7 @@ from phloem.engine.grammar import GrammarMatcher
 from phloem.engine.model_runner import LaunchedStep
 from phloem.runtime import ensure_default_model
 from phloem.sessions import Tokenizer
-from phloem.sessions.output_parser import parse_output
+from phloem.sessions.text.output_parser import parse_output
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Incremental chat rendering (``sessions.chat``): only the new messages are rendered, history is
+"""Incremental chat rendering (``sessions.text.chat``): only the new messages are rendered, history is
 never re-tokenized, and the result equals the full render wherever the template is append-only."""
 
 from __future__ import annotations

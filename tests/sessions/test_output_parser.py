@@ -13,9 +13,9 @@ import torch
 
 from phloem.engine.grammar import GrammarBackend, bitmask_width
 from phloem.sessions import InvalidInput, Tokenizer
-from phloem.sessions.output_parser import OutputFormat, OutputParser, ParsedOutput, parse_output
-from phloem.sessions.structured import ResponseFormat, ToolChoice, build_grammar
-from phloem.sessions.tool_parsers import detect_tool_format
+from phloem.sessions.text.output_parser import OutputFormat, OutputParser, ParsedOutput, parse_output
+from phloem.sessions.text.structured import ResponseFormat, ToolChoice, build_grammar
+from phloem.sessions.text.tool_parsers import detect_tool_format
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                             "hot": {"type": "boolean"}, "tags": {"type": "array"}}}

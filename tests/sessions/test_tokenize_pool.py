@@ -11,7 +11,7 @@ import pytest
 
 from phloem.sessions import ContextLengthExceeded, SessionInput, Tokenizer
 from phloem.sessions._inputs import check_input_size
-from phloem.sessions._tokenize_pool import TokenizePool
+from phloem.sessions.text._tokenize_pool import TokenizePool
 
 
 def test_one_owner_cannot_take_every_worker() -> None:

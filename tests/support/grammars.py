@@ -1,14 +1,14 @@
 """Grammars of every kind the engine constrains to, for the constrained-decoding tests: a JSON
 Schema, a regular expression and forced tool calls in both chat-template formats (the structural
-tags ``sessions.structured`` builds), each bounded so that random weights reach its end."""
+tags ``sessions.text.structured`` builds), each bounded so that random weights reach its end."""
 
 from __future__ import annotations
 
 import json
 
 from phloem.engine import GrammarSpec
-from phloem.sessions.output_parser import OutputFormat
-from phloem.sessions.structured import ToolChoice, build_grammar
+from phloem.sessions.text.output_parser import OutputFormat
+from phloem.sessions.text.structured import ToolChoice, build_grammar
 
 __all__ = ["HERMES", "JSON", "REGEX", "SCHEMA", "TOOLS", "TOOL_CALL", "WEATHER", "XML", "XML_CALL"]
 

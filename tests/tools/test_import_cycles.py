@@ -53,7 +53,34 @@ def test_type_checking_imports_are_not_a_cycle(tmp_path: Path) -> None:
     assert _tool().main(["tool", str(root)]) == 0
 
 
+def test_type_checking_imports_count_inside_the_named_package(tmp_path: Path) -> None:
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "one.py": "from phloem.two import T\n",
+        "two.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from phloem.one import U\nT = 1\n",
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from phloem.pkg.b import T\n",
+        "pkg/b.py": "import typing\nif typing.TYPE_CHECKING:\n    from phloem.pkg.a import U\nT = 1\n",
+    })
+    tool = _tool()
+    modules = tool.module_files(root)
+    assert tool.type_import_cycles("phloem.pkg", modules) == [["phloem.pkg.a", "phloem.pkg.b"]]
+    assert tool.main(["tool", str(root)]) == 0
+    # Only the named package's cycles count: the one through phloem.one/two stays allowed.
+    assert tool.main(["tool", "--count-type-imports", "phloem.pkg", str(root)]) == 1
+    (root / "pkg" / "b.py").write_text("T = 1\n")
+    assert tool.main(["tool", "--count-type-imports", "phloem.pkg", str(root)]) == 0
+    assert tool.main(["tool", "--count-type-imports", "phloem.nowhere", str(root)]) == 2
+
+
 @pytest.mark.slow  # tools/check_import_cycles.py over the product, in a process
 def test_the_product_has_no_import_cycle() -> None:
     result = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.slow  # tools/check_import_cycles.py over the product, in a process
+def test_sessions_has_no_import_cycle_counting_type_imports() -> None:
+    result = subprocess.run([sys.executable, str(TOOL), "--count-type-imports", "phloem.sessions"],
+                            capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout

@@ -1,7 +1,7 @@
-"""Wire schemas <-> sessions types: the only place that knows both shapes.
+"""Wire schemas <-> sessions types for the native API: the only place that knows both shapes.
 
-Chat messages and tools become plain dicts for the chat template, with keys whose value is
-None left out (templates test ``message.tool_calls is defined``, not ``is none``).
+The conversions other protocols use too (messages, tools, ``logit_bias``, ``response_format``,
+``tool_choice``, ``done_event``) are ``api.server.convert``'s; these are the native API's own.
 """
 
 from __future__ import annotations
@@ -9,41 +9,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
-
 from phloem.api.schemas import (
-    AppendResult, ChatMessage, DeltaEvent, DoneEvent, FunctionCall, GenerateParams,
-    ResponseFormatParam, SessionInfo, TokenLogprobs, Tool, ToolCall, ToolChoiceParam, TopLogprob,
-    Turn, Usage,
+    AppendResult, ChatMessage, DeltaEvent, FunctionCall, GenerateParams, SessionInfo,
+    TokenLogprobs, ToolCall, TopLogprob, Turn, Usage,
 )
+from phloem.api.server.convert import logit_bias, messages, response_format, tool_choice
 from phloem.sessions import (
-    GenerateOptions, GenerationResult, Message, OutputDelta, ParsedToolCall, ResponseFormat,
-    SessionInput, SessionSnapshot, ToolChoice, ToolSpec, TurnInfo,
+    GenerateOptions, GenerationResult, OutputDelta, ParsedToolCall, SessionInput, SessionSnapshot,
+    TurnInfo,
 )
 
 __all__ = [
-    "append_result", "delta_event", "done_event", "generate_options", "logit_bias", "messages",
-    "response_format", "session_info", "session_input", "tool_calls", "tool_choice", "tool_specs",
-    "turn",
+    "append_result", "delta_event", "generate_options", "session_info", "session_input",
+    "tool_calls", "turn",
 ]
 
 
-def _drop_none(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_none(v) for v in value]
-    return value
 
-
-def messages(items: list[ChatMessage]) -> tuple[Message, ...]:
-    """Chat messages as the template's dicts."""
-    return tuple(_drop_none(msgspec.to_builtins(m)) for m in items)
-
-
-def tool_specs(tools: list[Tool] | None) -> tuple[ToolSpec, ...] | None:
-    """Tool definitions as the template's dicts."""
-    return None if tools is None else tuple(_drop_none(msgspec.to_builtins(t)) for t in tools)
 
 
 def session_input(input_ids: list[int] | None, text: str | None, chat: list[ChatMessage] | None,
@@ -71,26 +53,6 @@ def generate_options(params: GenerateParams | None) -> GenerateOptions | None:
                            response_format=response_format(params.response_format),
                            tool_choice=tool_choice(params.tool_choice),
                            parallel_tool_calls=params.parallel_tool_calls)
-
-
-def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``{"<token id>": bias}`` as ``(token_id, bias)`` pairs (the keys are digits:
-    the wire schema checked them)."""
-    return tuple(sorted((int(k), float(v)) for k, v in (bias or {}).items()))
-
-
-def response_format(value: ResponseFormatParam | None) -> ResponseFormat | None:
-    """The sessions layer's response format for the wire one (``InvalidInput`` without a schema)."""
-    if value is None:
-        return None
-    return ResponseFormat(value.type, value.json_schema.schema if value.json_schema is not None else None)
-
-
-def tool_choice(value: ToolChoiceParam) -> ToolChoice:
-    """The sessions layer's tool choice for the wire one."""
-    if isinstance(value, str):
-        return ToolChoice(value)
-    return ToolChoice("function", value.function.name)
 
 
 def tool_calls(calls: Sequence[ParsedToolCall]) -> list[ToolCall] | None:
@@ -133,14 +95,6 @@ def append_result(r: GenerationResult) -> AppendResult:
                         reasoning_content=parsed.reasoning if parsed is not None else None,
                         tool_calls=tool_calls(parsed.tool_calls) if parsed is not None else None,
                         logprobs=_logprobs(r))
-
-
-def done_event(r: AppendResult, sequence_number: int, request_id: str | None = None) -> DoneEvent:
-    return DoneEvent(sequence_number=sequence_number, turn=r.turn, output_ids=r.output_ids,
-                     text=r.text, finish_reason=r.finish_reason, usage=r.usage,
-                     num_tokens=r.num_tokens, request_id=request_id, content=r.content,
-                     reasoning_content=r.reasoning_content, tool_calls=r.tool_calls,
-                     logprobs=r.logprobs)
 
 
 def delta_event(d: OutputDelta, sequence_number: int, request_id: str | None = None) -> DeltaEvent:

@@ -38,6 +38,7 @@ from phloem.api.server.context import (
 )
 from phloem.api.server.errors import ApiError, StreamingOperation, problems
 from phloem.api.server.idempotency import Running, StoredResponse, StoredStream
+from phloem.api.server.convert import done_event, tool_specs
 from phloem.api.server.native import convert
 from phloem.runtime.logs import current_request_id
 from phloem.sessions import KEEP, Generation, SessionError, SessionSnapshot
@@ -64,7 +65,7 @@ async def create_session(request: Request[Any, Any, Any], ctx: ApiContext,
         content = convert.session_input(data.input_ids, data.text, data.messages)
         with ctx.limits.creating_sessions(owner, 1):
             snap = await ctx.manager.create(owner, metadata=data.metadata, ttl=data.ttl,
-                                            content=content, tools=convert.tool_specs(data.tools))
+                                            content=content, tools=tool_specs(data.tools))
         return json_response(convert.session_info(snap), 201,
                              {"Location": f"/v1/sessions/{snap.session_id}"})
     return await ctx.idempotent(request, run)
@@ -262,7 +263,7 @@ async def _sse_events(ctx: ApiContext,
         except SessionError as exc:
             yield sse_message(error_event(exc, seq, current_request_id()))
             return
-        yield sse_message(convert.done_event(result, seq))
+        yield sse_message(done_event(result, seq))
     finally:
         # The client went away mid-stream: stop, and commit what was generated.
         generation.cancel()

@@ -31,6 +31,7 @@ from phloem.api.schemas import (
 )
 from phloem.api.server.context import ApiContext, checked_session_id, error_event, owner_of
 from phloem.api.server.errors import ApiError, classify, malformed_json
+from phloem.api.server.convert import done_event
 from phloem.api.server.native import convert
 from phloem.sessions import Generation, SessionError, SessionNotFound
 
@@ -150,7 +151,7 @@ class _Connection:
             except SessionError as exc:
                 await self._send(error_event(exc, 0, request_id))
                 return
-            await self._send(convert.done_event(result, 0, request_id))
+            await self._send(done_event(result, 0, request_id))
         except _Closed:
             generation.cancel()
         finally:

@@ -29,9 +29,9 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
 from phloem.api.schemas import ErrorCode
+from phloem.api.server import convert
 from phloem.api.server.context import ApiContext, owner_of, strict_body
 from phloem.api.server.errors import ApiError, StreamingOperation, openai_errors
-from phloem.api.server.native import convert
 from phloem.api.server.openai.output import (
     TokenTexts, chat_delta, chat_logprobs, chat_message, completion_logprobs, finish_reason, usage,
 )

@@ -23,8 +23,8 @@ from typing import Any
 
 from phloem.api.server.responses.input import item_id
 from phloem.sessions import FinishReason, ParsedOutput, ParsedToolCall, ToolChoice, ToolSpec, Tokenizer, TurnInfo
-from phloem.sessions.output_parser import parse_output
-from phloem.sessions.structured import output_format
+from phloem.sessions.text.output_parser import parse_output
+from phloem.sessions.text.structured import output_format
 
 __all__ = ["call_item", "message_item", "output_items", "reasoning_item", "reasoning_tokens",
            "response_object", "status_of", "turn_output", "usage"]

@@ -2,7 +2,7 @@
 
 - ``POST /v1/responses``: a response is a session turn (``start``: a new session, an
   append at the head, or a fork at an older turn; ``store: false`` leaves nothing behind), with
-  function tools, ``instructions``, ``text.format`` (the grammar of ``sessions.structured``) and
+  function tools, ``instructions``, ``text.format`` (the grammar of ``sessions.text.structured``) and
   reasoning items; ``stream: true`` sends the events of ``stream``.
 - ``GET /v1/responses/{id}``: the stored response, rebuilt from its turn
   (``output.turn_output``); ``DELETE`` forgets it (and its session, once no response of

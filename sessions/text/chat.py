@@ -29,7 +29,7 @@ template and tokenizes only that text. The exact rule:
    is re-tokenized. With ``escapes`` (what sessions do), special-token strings inside the
    messages are escaped before rendering and ``new`` is tokenized with
    ``Tokenizer.encode_rendered``: they stay plain text, only the template's own become control
-   tokens (``sessions._special_text``).
+   tokens (``sessions.text._special_text``).
 
 **Opaque content** is raw input (``input_ids``, ``text``), and a generation that did not follow
 a generation prompt (it continued from a closed message: the model may have opened a reply
@@ -51,9 +51,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from phloem.sessions._special_text import SpecialText
+from phloem.sessions.text._special_text import SpecialText
 from phloem.sessions.errors import InvalidInput
-from phloem.sessions.tokenizer import Message, Tokenizer, ToolSpec
+from phloem.sessions.text.tokenizer import Message, Tokenizer, ToolSpec
 
 __all__ = ["ASSISTANT_PLACEHOLDER", "ChatContext", "render_append"]
 

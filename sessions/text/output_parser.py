@@ -13,7 +13,7 @@ and a non-streamed generation of the same text give the same parts::
   begins with ``<think>``; it ends at ``</think>`` (the newlines after it are dropped). An
   unclosed block is all reasoning.
 - Tool calls are parsed only when the request has tools and the template a tool-call format
-  (``sessions.tool_parsers``). A call is reported when its ``</tool_call>`` arrives, as two
+  (``sessions.text.tool_parsers``). A call is reported when its ``</tool_call>`` arrives, as two
   deltas: its id and name (``arguments`` empty), then its arguments. A block that does not
   parse, or is cut off, stays in the content as text. Whitespace before, between and after
   calls is not content (trailing whitespace is held back until non-whitespace text follows).
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from phloem.sessions.tokenizer import ToolSpec
-from phloem.sessions.tool_parsers import (
+from phloem.sessions.text.tokenizer import ToolSpec
+from phloem.sessions.text.tool_parsers import (
     TOOL_CALL_END, TOOL_CALL_START, ParsedToolCall, ToolFormat, parse_call,
 )
 

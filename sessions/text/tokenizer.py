@@ -3,7 +3,7 @@
 ``Tokenizer`` wraps the Hugging Face tokenizer of a model folder (``tokenizer.json`` +
 ``tokenizer_config.json`` with its ``chat_template``). Text is encoded without BOS or any other
 added token, and special-token strings in it (``<|im_start|>``) become those tokens; inside chat
-messages they are plain text (``render_messages``, ``encode_rendered``; ``sessions._special_text``).
+messages they are plain text (``render_messages``, ``encode_rendered``; ``sessions.text._special_text``).
 ``min_tokens`` bounds from below how many tokens a text can become, from its length alone, so an
 input that cannot fit the context window is refused before it is tokenized.
 
@@ -31,7 +31,7 @@ import tokenizers
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from phloem.sessions._special_text import SpecialText
+from phloem.sessions.text._special_text import SpecialText
 from phloem.sessions.errors import InvalidInput
 
 __all__ = ["IncrementalDetokenizer", "Message", "Tokenizer", "ToolSpec"]
@@ -121,7 +121,7 @@ class Tokenizer:
         return -(-num_chars // self._chars_per_token) if self._chars_per_token else 0
 
     def special_text(self) -> SpecialText:
-        """Fresh markers for one chat render (``sessions._special_text``)."""
+        """Fresh markers for one chat render (``sessions.text._special_text``)."""
         return SpecialText(self._special_by_text)
 
     def encode_rendered(self, text: str, escapes: SpecialText) -> list[int]:

@@ -6,7 +6,7 @@ tokens; forks of one parent thus pin the very same node), then the old pin is re
 before old, so the shared prefix is never unpinned in between. The session is ``active``.
 
 A TTL timer (``loop.call_later``) then runs; when it fires, the pin is released and the session
-becomes ``idle`` (evictable; ``sessions.spill`` later moves idle sessions to host and disk). A new
+becomes ``idle`` (evictable; ``sessions.tiers.spill`` later moves idle sessions to host and disk). A new
 turn re-arms it. A timer that fires while a generation runs re-arms itself (the session is ``active``
 and the running request holds the engine's locks anyway); the generation's commit replaces it,
 and if the generation fails, the old timer still unpins later. ``ttl == 0`` unpins right after

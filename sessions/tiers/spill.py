@@ -35,7 +35,7 @@ Policy (DESIGN.md §4, "Pin/TTL")::
   least one), and the request goes on (or is retried once; a second refusal is
   ``Overloaded``). Pinned sessions are what the engine cannot evict; idle ones it evicts by
   itself. A request that only waits for its turn behind other prefills demotes nobody.
-- **Graceful shutdown** (`Spiller.flush`, ``sessions._flush``): host segments, then sessions
+- **Graceful shutdown** (`Spiller.flush`, ``sessions.tiers._flush``): host segments, then sessions
   only on the GPU, are written to disk within ``shutdown_flush_s``, so they resume from disk.
 - **Restart** (`Spiller.recover`): host and GPU state is gone; a journaled session resumes
   from the disk segment its index record names, else from the newest segment in its own
@@ -45,7 +45,7 @@ Policy (DESIGN.md §4, "Pin/TTL")::
 Under tensor parallelism the engine gathers every rank's shard into the TP=1 layout
 (``engine.parallel.state_shards``): segments do not depend on the TP size.
 
-Where segments live and how they move between tiers is ``sessions._segments``; this module is
+Where segments live and how they move between tiers is ``sessions.tiers._segments``; this module is
 the policy. Lock order: ``session.lock`` may be held while taking a ``SpilledSegment.lock``,
 never the reverse (segment-lock holders change other sessions' status without their lock: a
 status write is a plain assignment, and every reader re-checks it under its own lock).
@@ -65,18 +65,18 @@ import torch
 from phloem.engine import EngineError
 from phloem.runtime import PrefixState
 from phloem.sessions._events import SessionEvents
-from phloem.sessions._flush import FlushReport, flush_to_disk
-from phloem.sessions._pins import PinKeeper
-from phloem.sessions._segments import SegmentTiers, SpilledSegment, SpillTier
+from phloem.sessions.tiers._flush import FlushReport, flush_to_disk
+from phloem.sessions.tiers._pins import PinKeeper
+from phloem.sessions.tiers._segments import SegmentTiers
 from phloem.sessions.config import SessionConfig
-from phloem.sessions.session import Session, SessionStatus
-from phloem.sessions.store import SessionStore
+from phloem.sessions.session import Session, SessionStatus, SpilledSegment, SpillTier
+from phloem.sessions.tiers.store import SessionStore
 from phloem.storage import CorruptSegment, HostPool, Segment, SessionRecord, StorageError
 
 if TYPE_CHECKING:
     from phloem.runtime import EngineClient
 
-__all__ = ["SpillTier", "SpilledSegment", "Spiller"]
+__all__ = ["Spiller"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,12 +125,12 @@ class Spiller:
 
     async def flush(self, budget_s: float) -> FlushReport:
         """Stop the sweeper and the moves in flight, then write to disk, within ``budget_s``,
-        the state a restart would lose (``sessions._flush``: host segments, then GPU-only
+        the state a restart would lose (``sessions.tiers._flush``: host segments, then GPU-only
         sessions, most recently used first)."""
         tasks = list(self._tasks)
         self.close()
         await asyncio.gather(*tasks, return_exceptions=True)
-        return await flush_to_disk(self, self._tiers, list(self._sessions.values()), budget_s)
+        return await flush_to_disk(self.spill, self._tiers, list(self._sessions.values()), budget_s)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run a move on its own task, kept until it ends."""

@@ -4,7 +4,7 @@ A request gets a grammar (``engine.GrammarSpec``, an xgrammar structural tag) wh
 
 - ``tool_choice`` is ``required`` (one call or more of any of its tools; exactly one when
   ``parallel_tool_calls`` is false) or names a function (exactly one call of it): the calls
-  are written in the chat template's own tool-call format (``sessions.tool_parsers``), their
+  are written in the chat template's own tool-call format (``sessions.text.tool_parsers``), their
   arguments constrained by each tool's JSON Schema, and nothing else may follow them;
 - else ``response_format`` is ``json_object`` (any JSON object) or ``json_schema`` (that
   schema; ``strict`` or not, it is always enforced).
@@ -26,9 +26,9 @@ from typing import Any, Literal
 
 from phloem.engine import GrammarSpec
 from phloem.sessions.errors import InvalidInput
-from phloem.sessions.output_parser import OutputFormat
-from phloem.sessions.tokenizer import Tokenizer, ToolSpec
-from phloem.sessions.tool_parsers import detect_tool_format
+from phloem.sessions.text.output_parser import OutputFormat
+from phloem.sessions.text.tokenizer import Tokenizer, ToolSpec
+from phloem.sessions.text.tool_parsers import detect_tool_format
 
 __all__ = ["ResponseFormat", "ToolChoice", "build_grammar", "output_format"]
 

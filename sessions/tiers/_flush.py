@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from phloem.runtime.progress import progress_bar
-from phloem.sessions.session import Session
+from phloem.sessions.session import Session, SpillTier
 
 if TYPE_CHECKING:
-    from phloem.sessions._segments import SegmentTiers
-    from phloem.sessions.spill import Spiller
+    from phloem.sessions.tiers._segments import SegmentTiers
 
 __all__ = ["FlushReport", "flush_to_disk"]
 
@@ -47,12 +46,14 @@ class FlushReport:
         return self.num_from_host + self.num_from_gpu
 
 
-async def flush_to_disk(spiller: Spiller, tiers: SegmentTiers, sessions: Iterable[Session],
+async def flush_to_disk(spill: Callable[[Session, SpillTier], Awaitable[bool]],
+                        tiers: SegmentTiers, sessions: Iterable[Session],
                         budget_s: float) -> FlushReport:
     """Write host segments, then GPU-only sessions, to disk within ``budget_s`` seconds.
 
     Args:
-        spiller: Spills a resident session (``Spiller.spill``); its sweeper is stopped.
+        spill: Spills a resident session to a tier (``Spiller.spill``, whose sweeper is
+            stopped); a callback, so this module does not import ``spill`` (which imports it).
         tiers: The segment registry (host segments are demoted through it).
         sessions: The live sessions.
         budget_s: Seconds after which no new write starts.
@@ -79,7 +80,7 @@ async def flush_to_disk(spiller: Spiller, tiers: SegmentTiers, sessions: Iterabl
             if time.monotonic() - t0 >= budget_s:
                 break
             async with session.lock:
-                if _resident(session) and await spiller.spill(session, "disk"):
+                if _resident(session) and await spill(session, "disk"):
                     done_gpu += 1
             advance(1)
     report = FlushReport(done_host, done_gpu, total, time.monotonic() - t0)

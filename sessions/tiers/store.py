@@ -4,7 +4,7 @@ Every change that a caller is told about (create, a committed turn, a patch, a f
 to ``storage.SessionJournal`` (one fsynced JSON file per session under ``data_dir``) *before*
 the in-memory session changes, so an acknowledged turn is never lost and a failed write commits
 nothing. Deletes remove the journal file. Spilled segments live in ``storage.DiskStore`` at
-``data_dir/segments`` (``disk``), which this store owns for ``sessions.spill``.
+``data_dir/segments`` (``disk``), which this store owns for ``sessions.tiers.spill``.
 
 The index (``SQLiteIndex`` at ``data_dir/index.sqlite`` by default, ``RedisIndex`` when
 ``redis_url`` is set) records where each session's state lives: ``gpu`` (``active``/``idle``),
@@ -31,7 +31,7 @@ directory ``<data-dir>``, never its absolute path.
 
 The record's ``data`` is this module's JSON (``_FORMAT``): token ids, turns, chat context,
 metadata, TTL, parent and fork point. At startup ``load`` reads the journal back: sessions of
-the same model fingerprint come back with status ``disk`` (``sessions.spill`` then attaches
+the same model fingerprint come back with status ``disk`` (``sessions.tiers.spill`` then attaches
 their disk segment, if any; else the next append recomputes them from the tokens); records of
 another model are skipped, and left on disk. An empty index (e.g. Redis restarted without
 persistence) is rebuilt from the data directory first (``SessionIndex.rebuild_from``).
@@ -51,7 +51,7 @@ from typing import Any
 
 from phloem.sessions.errors import GenerationFailed
 from phloem.sessions.session import Session, Turn
-from phloem.sessions.tool_parsers import ParsedToolCall
+from phloem.sessions.text.tool_parsers import ParsedToolCall
 from phloem.storage import (
     DiskStore, RedisIndex, SessionIndex, SessionJournal, SessionRecord, SQLiteIndex, StorageError,
     Tier,

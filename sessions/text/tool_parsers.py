@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from phloem.sessions.tokenizer import ToolSpec
+from phloem.sessions.text.tokenizer import ToolSpec
 
 __all__ = [
     "TOOL_CALL_END", "TOOL_CALL_START", "ParsedToolCall", "ToolFormat", "detect_tool_format",

@@ -1,7 +1,7 @@
 """Where spilled segments live: the host pool and the disk store, behind one registry.
 
 ``SegmentTiers`` owns every `SpilledSegment` (a segment plus the sessions that resume from it)
-and the mechanics ``sessions.spill`` builds its policy on: place a new segment (making room in
+and the mechanics ``sessions.tiers.spill`` builds its policy on: place a new segment (making room in
 the host pool by demoting its least recently used segments to disk), demote, load (validated),
 drop, and find each restarted session's disk segment. It never pins, unpins or talks to the
 engine.
@@ -17,45 +17,17 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal
 
 from phloem.sessions._events import SessionEvents
-from phloem.sessions.session import Session
-from phloem.sessions.store import SessionStore
+from phloem.sessions.session import Session, SpilledSegment, SpillTier
+from phloem.sessions.tiers.store import SessionStore
 from phloem.storage import (
     CorruptSegment, HostPool, Segment, SegmentMeta, SessionRecord, StorageError, hash_token_ids,
 )
 
-__all__ = ["SegmentTiers", "SpillTier", "SpilledSegment"]
+__all__ = ["SegmentTiers"]
 
 logger = logging.getLogger(__name__)
-
-SpillTier = Literal["host", "disk"]
-
-
-@dataclass(eq=False)
-class SpilledSegment:
-    """One spilled head state and the sessions that resume from it (a parent and its forks).
-
-    ``lock`` serialises loading it into the engine and moving it between tiers, so the forks
-    of one parent import it once.
-
-    Args:
-        segment_id: Unique id (the host pool's key and the disk file's name).
-        owner_id: The session whose disk directory holds the file.
-        num_tokens: The segment covers tokens ``[0, num_tokens)`` of every holder.
-        nbytes: Payload bytes.
-        tier: Where it lives now.
-    """
-
-    segment_id: str
-    owner_id: str
-    num_tokens: int
-    nbytes: int
-    tier: SpillTier
-    holders: set[str] = field(default_factory=set)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class SegmentTiers:
@@ -181,7 +153,7 @@ class SegmentTiers:
 
     async def recover(self, sessions: list[Session], records: dict[str, SessionRecord]) -> None:
         """Attach each restarted session's disk segment and delete this model's segments that
-        nothing references (see ``sessions.spill``, "Restart")."""
+        nothing references (see ``sessions.tiers.spill``, "Restart")."""
         metas = await asyncio.to_thread(self._scan)
         by_owner: dict[str, list[SegmentMeta]] = {}
         for meta in metas.values():

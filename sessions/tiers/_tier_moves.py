@@ -2,7 +2,7 @@
 
 ``SessionManager`` inherits ``TierMoves``, so ``offload`` and ``prefetch`` are its methods; they
 use its ``_get`` (the owner-scoped look-up) and ``_spill`` (the ``Spiller``). What a move does,
-and the tier policy, are ``sessions.spill``'s. Decision: a mixin rather than a helper object, so
+and the tier policy, are ``sessions.tiers.spill``'s. Decision: a mixin rather than a helper object, so
 the two methods and their docstrings stay on ``SessionManager`` while ``sessions.manager`` keeps
 to the session lifecycle.
 """
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from phloem.sessions.errors import SessionBusy
 
 if TYPE_CHECKING:
-    from phloem.sessions.session import Session, SessionSnapshot
-    from phloem.sessions.spill import Spiller, SpillTier
+    from phloem.sessions.session import Session, SessionSnapshot, SpillTier
+    from phloem.sessions.tiers.spill import Spiller
 
 __all__ = ["TierMoves"]
 
