@@ -5,7 +5,7 @@ One conversation: a long first turn, then ``turns - 1`` turns that append ``appe
 the tokens served from the cache, the tokens actually computed, and wall time. Greedy, with
 ``ignore_eos`` so every turn generates exactly ``output_len`` tokens; outputs with and without the
 cache are checked to be identical. With ``namespace``, the conversation runs as one tenant of a
-partitioned cache (``engine.radix_cache``, "Namespaces"), for the cost of the partition.
+partitioned cache (``engine.cache.radix``, "Namespaces"), for the cost of the partition.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from phloem.engine import Engine
-from phloem.engine.grammar import GrammarBackend
+from phloem.engine.sampling.grammar import GrammarBackend
 from phloem.benchmarks.decode import (
     BENCH_SCHEMA,
     DecodeResult,

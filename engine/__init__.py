@@ -1,11 +1,22 @@
-"""One process's inference core: models, weight loading, KV pages, GDN state slots, scheduler,
-radix cache, model runner, sampler; and two sub-packages:
+"""One process's inference core: the engine, its builder and worker ranks, the scheduler and step
+pipeline, the model runner, the models; and four sub-packages:
 
-- ``engine.parallel``: tensor (and expert) parallelism: the group and its collectives, the
-  sharded layers, the worker ranks an engine with ``tensor_parallel_size > 1`` spawns, the
-  one-shot all-reduce;
+- ``engine.cache``: request memory: the KV page and GDN state-slot pools, the radix prefix cache,
+  the cache manager, pool sizing, the page-list mirrors;
+- ``engine.sampling``: the sampling parameters, the logits processors, the grammar backend, the
+  sampler;
+- ``engine.parallel``: tensor (and expert) parallelism, low level: the group and its
+  collectives, the sharded layers, state shards, the one-shot all-reduce (the worker ranks an
+  engine with ``tensor_parallel_size > 1`` spawns are ``engine.workers``, beside the builder);
 - ``engine.transfer``: moving KV pages and GDN state between engines: prefix export/import
   (session spill), prefill/decode disaggregation's messages, transport and pool side.
+
+Inside the engine a module imports only modules of a lower concept, in this order (top first;
+import-linter's engine layers contract in pyproject.toml checks it)::
+
+    engine, warmup > build > workers > step_pipeline, step_outputs, transfer > model_runner, loader
+    > scheduler, cuda_graph, prefill_graph, request_checks > cache, sampling > request > models
+    > parallel > forward_batch, step_plan, host_copy, overrides, progress_bars > config, errors
 
 Public entry point (outside code relies on exactly this shape)::
 
@@ -39,12 +50,12 @@ from phloem.engine.config import (
 )
 from phloem.engine.errors import CapacityExceeded, CorruptStep, EngineError, InvalidRequest
 from phloem.engine.progress_bars import progress, progress_bar, progress_shown
-from phloem.engine.sampling_params import GrammarSpec, SamplingParams
+from phloem.engine.sampling.params import GrammarSpec, SamplingParams
 
 if TYPE_CHECKING:
-    from phloem.engine.cache_manager import CacheStats
+    from phloem.engine.cache.manager import CacheStats
+    from phloem.engine.cache.radix import RadixNode
     from phloem.engine.engine import Engine
-    from phloem.engine.radix_cache import RadixNode
     from phloem.engine.request import RequestOutput, TokenLogprob
     from phloem.engine.warmup import WarmupReport
 
@@ -56,9 +67,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "CacheStats": "phloem.engine.cache_manager",
+    "CacheStats": "phloem.engine.cache.manager",
     "Engine": "phloem.engine.engine",
-    "RadixNode": "phloem.engine.radix_cache",
+    "RadixNode": "phloem.engine.cache.radix",
     "RequestOutput": "phloem.engine.request",
     "TokenLogprob": "phloem.engine.request",
     "WarmupReport": "phloem.engine.warmup",

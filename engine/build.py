@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from phloem.engine.config import EngineConfig, ModelConfig
-from phloem.engine.grammar import GrammarBackend
 from phloem.engine.loader import load_model
 from phloem.engine.model_runner import CausalLM
 from phloem.engine.parallel.group import check_tp_size
-from phloem.engine.parallel.workers import TPWorkers, WorkerSpec, rank_device
+from phloem.engine.sampling.grammar import GrammarBackend
+from phloem.engine.workers import TPWorkers, WorkerSpec, rank_device
 
 __all__ = ["EngineParts", "bind_cuda_device", "load_parts"]
 

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from phloem.engine.progress_bars import progress
+from phloem.engine.cache.page_lists import PageListMirror
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
-from phloem.engine.page_lists import PageListMirror
+from phloem.engine.progress_bars import progress
 from phloem.engine.step_plan import StepInputs
 from phloem.kernels.attention.flashinfer import MAX_GRAPH_PAGES, FlashInferAttention, fill_page_lists
 

@@ -10,7 +10,7 @@ a decode step's successor is queued on the device before the step's sampled ids 
 (``engine.step_pipeline``): ``step`` then launches one step and collects the one before.
 
 Tensor parallelism (``ParallelConfig.tensor_parallel_size=N``): this process is rank 0 and the
-only one that schedules, keeps the radix cache and samples; ``engine.parallel.workers`` runs ranks
+only one that schedules, keeps the radix cache and samples; ``engine.workers`` runs ranks
 1..N-1 in child processes (``close()`` stops them), each step sent a compact plan before the
 shared forward. Exported prefixes are gathered into the TP=1 layout, so spilled sessions move
 between TP sizes.
@@ -28,28 +28,28 @@ from typing import Any
 import torch
 
 from phloem.engine.build import bind_cuda_device, load_parts
-from phloem.engine.cache_manager import CacheManager, CacheStats
+from phloem.engine.cache.kv_pages import PagePool
+from phloem.engine.cache.manager import CacheManager, CacheStats
+from phloem.engine.cache.radix import RadixCache, RadixNode
+from phloem.engine.cache.state_slots import SlotPool
 from phloem.engine.config import EngineConfig, ModelConfig
 from phloem.engine.errors import CorruptStep, InvalidRequest
-from phloem.engine.grammar import GrammarBackend
-from phloem.engine.kv_pages import PagePool
 from phloem.engine.model_runner import CausalLM, LaunchedStep, build_runner
 from phloem.engine.overrides import apply_overrides
 from phloem.engine.parallel.group import TPGroup
-from phloem.engine.parallel.workers import TPWorkers
-from phloem.engine.radix_cache import RadixCache, RadixNode
 from phloem.engine.request import Request, RequestOutput, RequestStatus
 from phloem.engine.request_checks import check_logit_bias, check_outputs, check_prompt, grammar_matcher
-from phloem.engine.sampler import skip_draws
-from phloem.engine.sampling_params import SamplingParams
+from phloem.engine.sampling.grammar import GrammarBackend
+from phloem.engine.sampling.params import SamplingParams
+from phloem.engine.sampling.sampler import skip_draws
 from phloem.engine.scheduler import Scheduler
-from phloem.engine.state_slots import SlotPool
 from phloem.engine.step_outputs import StepOutputs
 from phloem.engine.step_pipeline import next_decode_step
 from phloem.engine.transfer import pool_side
 from phloem.engine.transfer.pool_side import TransferReservation, TransferSource
 from phloem.engine.transfer.prefix_export import PrefixState, export_prefix, import_prefix
 from phloem.engine.warmup import WarmupReport, warm_up
+from phloem.engine.workers import TPWorkers
 from phloem.kernels.dispatch import kernel_backend
 
 __all__ = ["Engine"]
@@ -216,7 +216,7 @@ class Engine:
         disaggregated prefill's first token): the request continues after them, and a seeded
         request's generator skips the draws they took, so its tokens equal a colocated run's.
         ``namespace``: the prefix-cache namespace (tenant) it matches and publishes in
-        (``engine.radix_cache``); None: the shared one.
+        (``engine.cache.radix``); None: the shared one.
 
         A grammar is compiled on first use, then cached (``EngineClient`` compiles it first).
 

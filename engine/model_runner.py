@@ -34,22 +34,22 @@ from typing import Protocol
 
 import torch
 
+from phloem.engine.cache.memory import PoolPlan, allocate_caches, plan_pools
+from phloem.engine.cache.page_lists import PageListMirror
 from phloem.engine.config import CacheConfig, ModelConfig, RunnerConfig
 from phloem.engine.cuda_graph import CudaGraphRunner
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
 from phloem.engine.host_copy import to_device
-from phloem.engine.logits_processors import StepLogprobs, StepProcessing
-from phloem.engine.memory import PoolPlan, allocate_caches, plan_pools
-from phloem.engine.page_lists import PageListMirror
 from phloem.engine.parallel.group import TPGroup
+from phloem.engine.parallel.state_shards import StateTensors, gather_state, scatter_state, state_shapes
 from phloem.engine.prefill_graph import PrefillGraphRunner
 from phloem.engine.request import Request, TokenLogprob
-from phloem.engine.sampler import sample
+from phloem.engine.sampling.logits_processors import StepLogprobs, StepProcessing
+from phloem.engine.sampling.sampler import sample
 from phloem.engine.scheduler import SchedulerOutput
 from phloem.engine.step_plan import StateMove, StepInputs, StepPlan
-from phloem.engine.parallel.state_shards import StateTensors, gather_state, scatter_state, state_shapes
-from phloem.kernels.config import KernelConfig
 from phloem.kernels.attention.flashinfer import FlashInferAttention, flashinfer_available
+from phloem.kernels.config import KernelConfig
 
 __all__ = [
     "AttnLayerHook", "CausalLM", "LaunchedStep", "ModelRunner", "StepInputs", "StepLayerHook", "StepResult",
@@ -134,7 +134,7 @@ class ModelRunner:
         self.attn = attn
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
-        # Each request's page ids as an array, grown step by step (``engine.page_lists``).
+        # Each request's page ids as an array, grown step by step (``engine.cache.page_lists``).
         self.page_mirror = PageListMirror()
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(0)

@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from phloem.engine.sampling_params import SamplingParams
-
 if TYPE_CHECKING:
-    from phloem.engine.grammar import GrammarMatcher
-    from phloem.engine.logits_processors import PenaltyState
-    from phloem.engine.radix_cache import RadixNode
+    # Types only: a request is the record the cache and the sampling layers work on, so it names
+    # what they attach to it without depending on them (import-linter's engine layers contract).
+    from phloem.engine.cache.radix import RadixNode
+    from phloem.engine.sampling.grammar import GrammarMatcher
+    from phloem.engine.sampling.logits_processors import PenaltyState
+    from phloem.engine.sampling.params import SamplingParams
 
 __all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus", "TokenLogprob"]
 
@@ -78,10 +79,10 @@ class Request:
     # While waiting: its tokens past the cached prefix when the scheduler first looked (its size
     # class; ``engine.scheduler``). Reset when it is preempted.
     num_uncached_hint: int | None = None
-    # Constrained decoding and penalties (``engine.logits_processors``); None for most requests.
+    # Constrained decoding and penalties (``engine.sampling.logits_processors``); None for most requests.
     grammar: GrammarMatcher | None = None
     penalty_state: PenaltyState | None = None
-    # Read by the sampler every step: computed once (``engine.logits_processors``).
+    # Read by the sampler every step: computed once (``engine.sampling.logits_processors``).
     processes_logits: bool = field(init=False)
     # The prefix-cache namespace (tenant) it reads from and publishes to; None: shared.
     namespace: str | None = None

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from phloem.engine.cache.kv_pages import PagePool
 from phloem.engine.errors import CapacityExceeded, InvalidRequest
-from phloem.engine.grammar import GrammarBackend, GrammarMatcher
-from phloem.engine.kv_pages import PagePool
-from phloem.engine.sampling_params import SamplingParams
+from phloem.engine.sampling.grammar import GrammarBackend, GrammarMatcher
+from phloem.engine.sampling.params import SamplingParams
 
 __all__ = ["check_logit_bias", "check_outputs", "check_prompt", "grammar_matcher"]
 

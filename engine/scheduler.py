@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from phloem.engine.cache_manager import CacheManager
+from phloem.engine.cache.manager import CacheManager
 from phloem.engine.config import SchedulerConfig
 from phloem.engine.request import FinishReason, Request, RequestStatus
 

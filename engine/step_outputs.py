@@ -7,7 +7,7 @@ no correct forward produces one, and the engine then drops the step's requests u
 
 from __future__ import annotations
 
-from phloem.engine.cache_manager import CacheManager
+from phloem.engine.cache.manager import CacheManager
 from phloem.engine.config import ModelConfig
 from phloem.engine.errors import CorruptStep
 from phloem.engine.model_runner import LaunchedStep, StepResult

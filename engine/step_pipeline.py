@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import torch
 
-from phloem.engine.cache_manager import CacheManager
+from phloem.engine.cache.manager import CacheManager
 from phloem.engine.host_copy import to_device
 from phloem.engine.model_runner import LaunchedStep
 from phloem.engine.request import RequestStatus

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from phloem.engine.progress_bars import progress_bar
-from phloem.engine.sampling_params import SamplingParams
+from phloem.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from phloem.engine.engine import Engine

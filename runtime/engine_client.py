@@ -189,7 +189,7 @@ class EngineClient:
                 nothing: the one output has ``finish_reason == "prefill"`` (requests that
                 share the prompt then find all of it cached: ``n`` choices of one prompt).
             namespace: The prefix-cache namespace (tenant) it matches and publishes in; None:
-                the shared one (``engine.radix_cache``).
+                the shared one (``engine.cache.radix``).
 
         Yields:
             RequestOutput items, the last one finished.

@@ -1,7 +1,7 @@
 """Operator-declared shared prefixes (``--shared-prefix-file``): the only prefix-cache entries
 every tenant may hit.
 
-The prefix cache is partitioned by API key (``engine.radix_cache``, "Namespaces"): a request
+The prefix cache is partitioned by API key (``engine.cache.radix``, "Namespaces"): a request
 reuses only prefixes its own key computed. An operator who serves many keys with the same system
 prompt declares that prompt shared; the server computes it once at start, in the shared
 namespace, and pins it for its lifetime. A request of any key whose tokens begin with it hits it

@@ -12,7 +12,7 @@ every ``--interval`` tokens inside it), then turns that append ``--append`` toke
 (a branch from an earlier turn boundary, as tree search and retries do). The state-slot pool is
 small (``--slots``), so checkpoints must be evicted:
 
-- ``phloem``: the engine's order (``engine.radix_cache``): periodic checkpoints first, then turn
+- ``phloem``: the engine's order (``engine.cache.radix``): periodic checkpoints first, then turn
   boundaries cheapest first; a pinned head never;
 - ``two-newest``: after every step, each session keeps only the two deepest checkpoints on its
   path (TokenSpeed's rule), and the rest of the tree is evicted as before.
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"
 from toy_model import ToyModel, toy_config  # noqa: E402
 
 from phloem.engine import Engine, SamplingParams  # noqa: E402
+from phloem.engine.cache.radix import RadixCache, RadixNode  # noqa: E402
 from phloem.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from phloem.engine.radix_cache import RadixCache, RadixNode  # noqa: E402
 
 
 @dataclass

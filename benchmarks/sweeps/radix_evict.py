@@ -13,7 +13,7 @@ import itertools
 import random
 import time
 
-from phloem.engine.radix_cache import Checkpoint, RadixCache
+from phloem.engine.cache.radix import Checkpoint, RadixCache
 
 
 def build(sessions: int, turns: int, seed: int = 0) -> tuple[RadixCache, list[int]]:

@@ -2,6 +2,10 @@
 
 All three supported architectures share one hybrid implementation; the loader absorbs their
 checkpoint differences.
+
+May import: ``engine.parallel``, ``engine.forward_batch``, ``engine.config``, ``phloem.kernels``
+(and torch); not the loader, the runner, the cache or the sampling (import-linter's engine layers
+contract checks it).
 """
 
 from __future__ import annotations

@@ -46,12 +46,12 @@ from dataclasses import dataclass
 
 import torch
 
-from phloem.engine.cache_manager import CacheManager
+from phloem.engine.cache.manager import CacheManager
+from phloem.engine.cache.radix import Checkpoint, RadixCache, RadixNode
 from phloem.engine.forward_batch import ModelCaches
 from phloem.engine.model_runner import AttnLayerHook, StepLayerHook
-from phloem.engine.radix_cache import Checkpoint, RadixCache, RadixNode
-from phloem.engine.scheduler import SchedulerOutput
 from phloem.engine.parallel.state_shards import StateTensors
+from phloem.engine.scheduler import SchedulerOutput
 
 # ModelRunner.read_state / write_state / state_shapes: whole (TP=1 layout) state, every rank.
 ReadState = Callable[[list[int], int], StateTensors]

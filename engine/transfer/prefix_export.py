@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from phloem.engine.cache_manager import CacheManager
-from phloem.engine.radix_cache import Checkpoint
+from phloem.engine.cache.manager import CacheManager
+from phloem.engine.cache.radix import Checkpoint
 from phloem.engine.parallel.state_shards import StateTensors
 
 __all__ = ["PrefixState", "export_prefix", "import_prefix"]

@@ -158,7 +158,7 @@ def fill_page_lists(
     ``indices[:nnz]``; e.g. views of a pinned staging buffer); returns ``nnz``.
 
     The page ids go straight into the array, a request's slice at a time. Give each request's ids
-    as an int32 numpy array where the caller can (``engine.page_lists`` keeps them across steps):
+    as an int32 numpy array where the caller can (``engine.cache.page_lists`` keeps them across steps):
     a slice of an array is a memory copy, a slice of a Python list is converted id by id.
 
     Raises:

@@ -17,8 +17,8 @@ from grammars import HERMES, JSON, REGEX, SCHEMA, TOOL_CALL, TOOLS, WEATHER, XML
 from toy_model import assert_pools_empty
 
 from phloem.engine import Engine, SamplingParams
-from phloem.engine.grammar import GrammarMatcher
 from phloem.engine.model_runner import LaunchedStep
+from phloem.engine.sampling.grammar import GrammarMatcher
 from phloem.runtime import ensure_default_model
 from phloem.sessions import Tokenizer
 from phloem.sessions.text.output_parser import parse_output

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from phloem.engine.grammar import GrammarBackend, GrammarMatcher
-from phloem.engine.logits_processors import StepProcessing
 from phloem.engine.request import Request
-from phloem.engine.sampler import sample
-from phloem.engine.sampling_params import GrammarSpec, SamplingParams
+from phloem.engine.sampling.grammar import GrammarBackend, GrammarMatcher
+from phloem.engine.sampling.logits_processors import StepProcessing
+from phloem.engine.sampling.params import GrammarSpec, SamplingParams
+from phloem.engine.sampling.sampler import sample
 from phloem.runtime import ensure_default_model
 
 V = 40
@@ -33,7 +33,7 @@ def known_logits(rows: int) -> torch.Tensor:
 
 
 def reference_penalties(logits: list[float], prompt: list[int], output: list[int], p: SamplingParams) -> list[float]:
-    """The penalty formula (engine.logits_processors), one token at a time."""
+    """The penalty formula (engine.sampling.logits_processors), one token at a time."""
     out = []
     for t, value in enumerate(logits):
         count = output.count(t)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from phloem.engine.page_lists import PageListMirror
+from phloem.engine.cache.page_lists import PageListMirror
 
 
 def test_mirrors_follow_appends_replacements_and_drop_what_is_not_asked_for() -> None:

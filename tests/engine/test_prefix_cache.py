@@ -200,7 +200,7 @@ def test_common_prefix_matches_the_element_walk() -> None:
     """The block-wise comparison the tree's insert uses, against the element-by-element walk."""
     import random
 
-    from phloem.engine.radix_cache import _common_prefix
+    from phloem.engine.cache.radix import _common_prefix
 
     rng = random.Random(0)
     for _ in range(500):

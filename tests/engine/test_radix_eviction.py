@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from phloem.engine.radix_cache import Checkpoint, RadixCache, RadixNode
+from phloem.engine.cache.radix import Checkpoint, RadixCache, RadixNode
 
 
 class ScanCache(RadixCache):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from phloem.engine.sampler import sample
-from phloem.engine.sampling_params import SamplingParams
+from phloem.engine.sampling.params import SamplingParams
+from phloem.engine.sampling.sampler import sample
 
 
 def gen(seed: int) -> torch.Generator:

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 
-from phloem.engine.grammar import GrammarBackend, bitmask_width
+from phloem.engine.sampling.grammar import GrammarBackend, bitmask_width
 from phloem.sessions import InvalidInput, Tokenizer
 from phloem.sessions.text.output_parser import OutputFormat, OutputParser, ParsedOutput, parse_output
 from phloem.sessions.text.structured import ResponseFormat, ToolChoice, build_grammar

@@ -4,7 +4,7 @@ tool calls, log-probabilities and usage, for ``/v1/chat/completions`` and ``/v1/
 - A chat choice's message carries ``content``, ``reasoning_content`` (when the model reasoned)
   and ``tool_calls`` (``sessions.text.output_parser``); its ``finish_reason`` is ``tool_calls`` when
   the model stopped after making calls.
-- Log-probabilities are the model's (``engine.logits_processors``): chat's ``{"content": [{token,
+- Log-probabilities are the model's (``engine.sampling.logits_processors``): chat's ``{"content": [{token,
   logprob, bytes, top_logprobs}]}`` and completions' ``{tokens, token_logprobs, top_logprobs,
   text_offset}``. A token's text is its own decoding (a piece of a multi-byte character decodes
   to U+FFFD; ``bytes`` is that text's UTF-8).

@@ -31,7 +31,9 @@ rather than hanging in a collective. Workers are daemonic and also stopped by a 
 their handle is garbage-collected, so no path leaks a process.
 
 Why this lives in ``engine``: ``Engine.from_pretrained(path, tensor_parallel_size=N)`` must start
-the ranks, and ``engine`` may not import ``runtime``.
+the ranks, and ``engine`` may not import ``runtime``. Why beside ``engine.build`` rather than in
+``engine.parallel``: a worker builds a whole rank (loader, model runner), which sit above the
+parallel layer the models import; ``engine.parallel`` stays low level.
 """
 
 from __future__ import annotations
@@ -48,12 +50,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from phloem.engine.config import CacheConfig, LoadConfig, ModelConfig, RunnerConfig
-from phloem.kernels.config import KernelConfig
 from phloem.engine.errors import EngineError
 from phloem.engine.loader import load_model
 from phloem.engine.model_runner import build_runner
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.step_plan import StepPlan, decode_plan, encode_plan
+from phloem.kernels.config import KernelConfig
 
 __all__ = ["TPWorkers", "WorkerSpec", "rank_device"]
 

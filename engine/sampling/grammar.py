@@ -2,7 +2,7 @@
 
 A request whose ``SamplingParams.grammar`` is set gets a ``GrammarMatcher`` when it is added.
 Each step the sampler asks it for the bitmask of the tokens allowed next (``fill``, on the host,
-while the step's forward runs on the device: ``engine.logits_processors``), and the engine feeds
+while the step's forward runs on the device: ``engine.sampling.logits_processors``), and the engine feeds
 it every sampled token (``accept``). The request finishes once the grammar is complete (its
 matcher accepted a stop token), so a JSON answer ends where its JSON ends.
 
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phloem.engine.errors import InvalidRequest
-from phloem.engine.sampling_params import GrammarSpec
+from phloem.engine.sampling.params import GrammarSpec
 
 if TYPE_CHECKING:
     import xgrammar

@@ -5,7 +5,7 @@ Random draws use the exponential-race form of categorical sampling
 has a seed: the draw then depends only on that request's logits and seed, not on what else is in
 the batch, so the same seed gives the same output whether a request runs alone or batched.
 Greedy rows never touch a generator (temperature 0 ignores the seed). A step whose requests
-change their logits (grammar, penalties, bias, ``min_tokens``: ``engine.logits_processors``)
+change their logits (grammar, penalties, bias, ``min_tokens``: ``engine.sampling.logits_processors``)
 samples from the processed fp32 copy; every other step samples the logits as they come.
 """
 
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from phloem.engine.host_copy import to_device
-from phloem.engine.sampling_params import SamplingParams
+from phloem.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from phloem.engine.logits_processors import StepProcessing
+    from phloem.engine.sampling.logits_processors import StepProcessing
 
 __all__ = ["sample", "skip_draws"]
 

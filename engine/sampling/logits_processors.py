@@ -5,7 +5,7 @@ grammar, penalties, a logit bias, ``min_tokens`` or ``logprobs`` it returns None
 samples exactly as before (no tensor is built). Otherwise ``apply`` returns an fp32 copy of the
 logits with, for the rows concerned and in this order:
 
-1. the grammar's mask: tokens it does not allow next become ``-inf`` (``engine.grammar``; the
+1. the grammar's mask: tokens it does not allow next become ``-inf`` (``engine.sampling.grammar``; the
    bitmask is filled on the host when ``build`` runs, which the runner calls after queueing the
    forward, so the host work overlaps the device's). A finished request's row (one that a step
    queued ahead still samples, its token dropped: ``engine.step_pipeline``) is not masked: its
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from phloem.engine.grammar import GrammarMatcher, bitmask_width, fill_bitmask
 from phloem.engine.host_copy import to_device
 from phloem.engine.request import Request, TokenLogprob
+from phloem.engine.sampling.grammar import GrammarMatcher, bitmask_width, fill_bitmask
 
 __all__ = ["PenaltyState", "StepLogprobs", "StepProcessing"]
 

@@ -6,7 +6,7 @@ element (batch 16 at 57K tokens of context: 57K page ids a step; docs/decisions.
 which a synchronous step adds to the device's and an async one must hide behind it. A mirror is
 converted once and then only grows by the pages a request gained.
 
-Invariant this relies on (``engine.cache_manager``): a request's ``page_ids`` list is only ever
+Invariant this relies on (``engine.cache.manager``): a request's ``page_ids`` list is only ever
 changed in place by appending; any other change (admission, a published prefix swapping in the
 tree's pages, release) assigns a new list. A mirror is therefore keyed by its list's identity
 and holds a reference to the list, so the identity cannot be reused while the mirror lives.

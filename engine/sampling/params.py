@@ -12,7 +12,7 @@ MAX_LOGPROBS = 20
 
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
-    """A constraint on the generated text, compiled by ``engine.grammar`` (xgrammar).
+    """A constraint on the generated text, compiled by ``engine.sampling.grammar`` (xgrammar).
 
     Args:
         kind: ``"json_schema"`` (``source`` is a JSON Schema as JSON text) or ``"structural_tag"``
@@ -109,7 +109,7 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether the sampler changes this request's logits (``engine.logits_processors``)."""
+        """Whether the sampler changes this request's logits (``engine.sampling.logits_processors``)."""
         return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
 
     @property

@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from phloem.engine.kv_pages import PagePool
-from phloem.engine.radix_cache import Checkpoint, RadixCache, RadixNode
+from phloem.engine.cache.kv_pages import PagePool
+from phloem.engine.cache.radix import Checkpoint, RadixCache, RadixNode
+from phloem.engine.cache.state_slots import SlotPool
 from phloem.engine.request import Request
-from phloem.engine.state_slots import SlotPool
 
 __all__ = ["CacheManager", "CacheStats"]
 
@@ -272,7 +272,7 @@ class CacheManager:
             self.page_pool.free(req.page_ids[full + (1 if tail is not None else 0) :])
         else:
             # A new list, never an in-place rewrite: page-id mirrors are keyed by the list
-            # (``engine.page_lists``).
+            # (``engine.cache.page_lists``).
             req.page_ids = tree_pages + req.page_ids[full:]
             req.num_shared_pages = full
             self.tree.lock(node)
