@@ -63,9 +63,10 @@ async def _bench(model_dir: Path, data_dir: Path, prompt_len: int, append_len: i
                  options: EngineConfig | None) -> ResumeReport:
     engine = EngineClient.from_pretrained(model_dir, options)
     engine.start()
-    config = SessionConfig(data_dir=data_dir, model_fingerprint=model_fingerprint(model_dir),
+    config = SessionConfig(data_dir=data_dir,
                            idle_to_host_s=86_400.0)
-    m = SessionManager(engine, Tokenizer.from_pretrained(model_dir), config)
+    m = SessionManager(engine, Tokenizer.from_pretrained(model_dir), config,
+                      model_fingerprint=model_fingerprint(model_dir))
     await m.start()
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size

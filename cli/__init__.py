@@ -1,9 +1,10 @@
 """The ``phloem`` command: the composition root, the top layer.
 
-Role: parse flags and ``PHLOEM_*`` variables into configs and wire the layers together:
-``phloem serve`` (engine, sessions and the HTTP app, ``cli.main``), ``phloem demo`` (the SDK
-against a server, ``cli.demo``) and ``phloem bench`` (``phloem.benchmarks``). ``cli.parsers``
-holds the argparse helpers, ``cli.hardening`` ``serve``'s tenancy flags.
+Role: parse flags and ``PHLOEM_*`` variables into one ``ServerConfig`` (``cli.config``, made
+of each layer's section; the flag table ``cli.options``) and wire the layers together:
+``phloem serve`` (``cli.main``, then the composition root ``cli.compose``: engine client,
+tokenizer, sessions and the HTTP app), ``phloem demo`` (the SDK against a server, ``cli.demo``)
+and ``phloem bench`` (``phloem.benchmarks``). ``cli.parsers`` holds the argparse helpers.
 
 May import: every other package (``phloem.benchmarks``, ``phloem.api``, ``phloem.sessions``,
 ``phloem.runtime``, ``phloem.engine``, ``phloem.storage``); nothing imports it. Heavy imports

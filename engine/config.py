@@ -24,9 +24,12 @@ from typing import Any
 from phloem.kernels.config import KernelConfig
 
 __all__ = [
-    "CacheConfig", "EngineConfig", "KernelConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "RunnerConfig",
+    "DTYPES", "LOAD_FORMATS", "CacheConfig", "EngineConfig", "KernelConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "RunnerConfig",
     "SchedulerConfig", "default_max_num_batched_tokens",
 ]
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+LOAD_FORMATS = ("safetensors", "dummy")
 
 SUPPORTED_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
 
@@ -380,9 +383,9 @@ class LoadConfig:
     show_progress: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.load_format not in ("safetensors", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: expected 'safetensors' or 'dummy', got {self.load_format!r}")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected auto/bfloat16/float16/float32, got {self.dtype!r}")
         kind, _, index = self.device.partition(":")
         if kind not in ("cpu", "cuda") or (index and not index.isdigit()):

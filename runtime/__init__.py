@@ -1,8 +1,8 @@
 """Processes and loops: config, the engine loop thread, the asyncio bridge, the demo model.
 
 Role: run one ``Engine`` on its own thread (``EngineLoop``) and give the asyncio API an
-``EngineClient`` that never blocks the event loop; ``ServerConfig`` and the ``PHLOEM_*``
-environment (``env``, also the process's NCCL defaults) it is built from; preflight checks; the
+``EngineClient`` that never blocks the event loop; the ``PHLOEM_*`` environment (``env``, also
+the process's NCCL defaults); preflight checks; the
 built-in models (the trained default, ``builtin_model``; the random-weight one for tests,
 ``default_model``) and the benchmark shapes (``model_shapes``); the prefill/decode instances
 (``runtime.pd``). The ``phloem`` command that wires it all is ``phloem.cli``.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from phloem.runtime.config import EngineConfig, ServerConfig
+from phloem.engine.config import EngineConfig
 
 if TYPE_CHECKING:
     from phloem.runtime.default_model import ensure_default_model
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from phloem.runtime.engine_loop import EngineLoop
 
 __all__ = [
-    "EngineClient", "EngineConfig", "EngineLoop", "EngineStats", "PrefixState", "ServerConfig",
+    "EngineClient", "EngineConfig", "EngineLoop", "EngineStats", "PrefixState",
     "ensure_default_model",
 ]
 

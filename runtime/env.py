@@ -1,8 +1,10 @@
 """The one place that reads environment variables; every one is spelled ``PHLOEM_<NAME>``.
 
-``VARIABLES`` is the table of them (name, type, default, meaning); ``docs/configuration.md``
-lists exactly that table (``tests/docs/test_configuration.py``). ``read_env`` reads the server's
-and the CLI's (``EnvSettings``), ``kernel_config`` the kernel choices (``KernelConfig``).
+``VARIABLES`` is the table of them (name, type, default, meaning, and where the value goes); each
+variable is spelled once, in its row: ``EnvSettings`` (the server's and the CLI's variables) is
+generated from the rows without a ``kernel_field``, ``read_env`` parses exactly those rows, and
+``kernel_config`` the rows with one (``KernelConfig``). ``docs/configuration.md`` lists exactly
+that table (``tests/docs/test_configuration.py``).
 
 Three variables of other projects are set here (never overridden when already set): by
 ``use_kernel_caches``, so that compiled kernels persist with the data directory, and by
@@ -14,18 +16,19 @@ environment; its tensor-parallel workers and PD links inherit this process's):
     NCCL_NVLS_ENABLE            NCCL's NVLink multicast         0 (off)
 
 The variables only supply defaults: the CLI's flags win, and the config dataclasses never read
-the environment themselves except ``ServerConfig.data_dir``'s default (``default_data_dir``) and
+the environment themselves except ``SessionConfig.data_dir``'s default (``default_data_dir``) and
 ``SessionConfig.redis_prefix``'s (``default_redis_prefix``).
 A value that does not parse raises ``ValueError`` naming the variable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from phloem.kernels.config import KernelConfig
 
@@ -34,30 +37,94 @@ __all__ = ["PREFIX", "VARIABLES", "EnvSettings", "EnvVar", "default_data_dir", "
 
 PREFIX = "PHLOEM_"
 
+EnvType = Literal["str", "int", "path", "bool", "auto | torch | triton"]
+
+
+def _tristate(name: str, value: str) -> bool:
+    if value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}: expected 1/true/yes/on or 0/false/no/off, got {value!r}")
+
+
+def _integer(name: str, value: str) -> int:
+    if not value.strip().isdigit():
+        raise ValueError(f"{name}: expected an integer, got {value!r}")
+    return int(value)
+
+
+def _port(name: str, value: str) -> int:
+    if not value.strip().isdigit():
+        raise ValueError(f"{name}: expected an integer port, got {value!r}")
+    return int(value)
+
+
+def _text(name: str, value: str) -> str:
+    """The value as given (a ``path`` kept as text: ``PHLOEM_MODEL`` names a folder, unexpanded)."""
+    return value
+
+
+def _backend(name: str, value: str) -> str:
+    backend = value.strip().lower() or "auto"
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"{name} must be 'auto', 'torch', 'triton' or unset, got {backend!r}")
+    return backend
+
+
+# How a non-empty value of each type is parsed (the variable's name is passed for the error).
+_PARSERS: dict[str, Callable[[str, str], Any]] = {
+    "str": lambda name, value: value,
+    "int": _integer,
+    "path": lambda name, value: Path(value).expanduser(),
+    "bool": _tristate,
+    "auto | torch | triton": _backend,
+}
+_TYPES: dict[str, Any] = {"str": str, "int": int, "path": Path, "bool": bool}
+
 
 @dataclass(frozen=True, slots=True)
 class EnvVar:
     """One ``PHLOEM_*`` variable: its full name, the type of its value, its default (what applies
-    when it is unset or empty) and what it means."""
+    when it is unset or empty) and what it means; where its value goes: the ``EnvSettings`` field
+    named after it (``PHLOEM_DATA_DIR`` → ``data_dir``), or, with ``kernel_field``, that
+    ``KernelConfig`` field. ``parse`` overrides the type's parser; ``secret`` keeps the value
+    out of ``EnvSettings``' repr."""
 
     name: str
-    type: Literal["str", "int", "path", "bool", "auto | torch | triton"]
+    type: EnvType
     default: str
     help: str
+    kernel_field: str | None = None
+    parse: Callable[[str, str], Any] | None = None
+    secret: bool = False
+
+    @property
+    def field(self) -> str:
+        """The ``EnvSettings`` field (or the ``KernelConfig`` one) the variable sets."""
+        return self.kernel_field or self.name.removeprefix(PREFIX).lower()
+
+    def read(self, env: Mapping[str, str]) -> Any:
+        """The parsed value; None when unset or empty."""
+        value = env.get(self.name) or None
+        if value is None or not value.strip():
+            return None
+        return (self.parse or _PARSERS[self.type])(self.name, value)
 
 
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("PHLOEM_DATA_DIR", "path", "~/.phloem", "data directory (models, spilled sessions, index)"),
-    EnvVar("PHLOEM_MODEL", "path", "built-in trained model", "model folder served by `phloem serve`"),
+    EnvVar("PHLOEM_MODEL", "path", "built-in trained model", "model folder served by `phloem serve`",
+           parse=_text),
     EnvVar("PHLOEM_HOST", "str", "127.0.0.1", "bind address of `phloem serve`"),
-    EnvVar("PHLOEM_PORT", "int", "8000", "port of `phloem serve`"),
+    EnvVar("PHLOEM_PORT", "int", "8000", "port of `phloem serve`", parse=_port),
     EnvVar("PHLOEM_REDIS_URL", "str", "embedded SQLite index", "Redis URL of the session index"),
     EnvVar("PHLOEM_REDIS_PREFIX", "str", "phloem:", "namespace of the index's Redis keys"),
     EnvVar("PHLOEM_DEVICE", "str", "cpu", "torch device of the engine"),
     EnvVar("PHLOEM_DTYPE", "str", "auto", "weight dtype of the engine"),
     EnvVar("PHLOEM_API_KEY", "str", "none",
            "API key: the one `phloem serve` accepts (`KEY` or `KEY:admin`; default of `--api-key`) "
-           "and the one the SDK sends (`phloem demo`)"),
+           "and the one the SDK sends (`phloem demo`)", secret=True),
     EnvVar("PHLOEM_API_KEYS_FILE", "path", "none", "default of `phloem serve --api-keys-file`"),
     EnvVar("PHLOEM_LOG_FORMAT", "str", "text", "`text` or `json`: default of `phloem serve --log-format`"),
     EnvVar("PHLOEM_LOG_LEVEL", "str", "info", "`debug`/`info`/`warning`/`error`: default of `--log-level`"),
@@ -66,105 +133,69 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("PHLOEM_KERNELS", "auto | torch | triton", "auto",
            "`KernelConfig.backend`: `torch` or `triton` forces the kernel backend; `auto` picks Triton on a "
            "CUDA device when `triton` imports, else the torch references (which run without CUDA graphs: they "
-           "read values on the host). Forcing Triton off CUDA needs `TRITON_INTERPRET=1` (tests only)"),
+           "read values on the host). Forcing Triton off CUDA needs `TRITON_INTERPRET=1` (tests only)",
+           kernel_field="backend"),
     EnvVar("PHLOEM_TRITON_GEMV", "bool", "1",
            "`KernelConfig.triton_gemv`: one-token `linear` calls (the LM head, the unfused projections) run "
-           "the Triton GEMV of `kernels/linear/triton_gemv.py`; off: cuBLAS"),
+           "the Triton GEMV of `kernels/linear/triton_gemv.py`; off: cuBLAS", kernel_field="triton_gemv"),
     EnvVar("PHLOEM_TRITON_DECODE_ATTENTION", "bool", "1",
            "`KernelConfig.triton_decode_attention`: pure-decode steps of fp16/bf16 models run the split-KV "
            "Triton kernel of `kernels/attention/triton_decode.py` (with the attention prologue inside it); "
            "off: FlashInfer's decode wrapper. Both serve the decode rows of mixed steps too; prefill chunks "
-           "always run FlashInfer's prefill"),
+           "always run FlashInfer's prefill", kernel_field="triton_decode_attention"),
     EnvVar("PHLOEM_FUSED_DECODE", "bool", "1",
            "`KernelConfig.fused_decode`: a one-token decode step (TP=1) calls the fused projections of "
            "`kernels/linear/reference.py` and folds each MoE router into the projection before it "
-           "(`kernels/moe/route_partial.py`); off: the unfused ops"),
+           "(`kernels/moe/route_partial.py`); off: the unfused ops", kernel_field="fused_decode"),
     EnvVar("PHLOEM_PDL", "bool", "auto (on for sm_90+)",
            "`KernelConfig.pdl`: the decode Triton kernels launch with programmatic dependent launch "
-           "(`kernels/common/pdl.py`; the same results bit for bit); unset: on where the GPU is sm_90 or newer"),
+           "(`kernels/common/pdl.py`; the same results bit for bit); unset: on where the GPU is sm_90 or newer",
+           kernel_field="pdl"),
     EnvVar("PHLOEM_ONE_SHOT_ALLREDUCE", "bool", "0",
            "`KernelConfig.one_shot_allreduce`: tensor parallelism's small all-reduces on GPUs run the "
            "one-shot NVLink all-reduce + add + RMSNorm kernel (`engine/parallel/one_shot_allreduce.py`); off: NCCL, then "
-           "the `add_rms_norm` kernel"),
+           "the `add_rms_norm` kernel", kernel_field="one_shot_allreduce"),
 )
 
-
-@dataclass(frozen=True, slots=True)
-class EnvSettings:
-    """The ``PHLOEM_*`` variables that are set; ``None`` for each one that is not."""
-
-    data_dir: Path | None = None
-    model: str | None = None
-    host: str | None = None
-    port: int | None = None
-    redis_url: str | None = None
-    redis_prefix: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    api_key: str | None = field(default=None, repr=False)
-    api_keys_file: Path | None = None
-    log_format: str | None = None
-    log_level: str | None = None
-    no_progress: bool = False
+_SETTINGS = tuple(v for v in VARIABLES if v.kernel_field is None)
+_KERNEL_VARIABLES = tuple(v for v in VARIABLES if v.kernel_field is not None)
 
 
-def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
-    """Read every ``PHLOEM_*`` variable Phloem knows.
+def _settings_field(var: EnvVar) -> tuple[str, Any, Any]:
+    if var.type == "bool":  # a switch: unset is off
+        return var.field, bool, dataclasses.field(default=False)
+    kind = str if var.parse is _text else _TYPES[var.type]
+    return var.field, kind | None, dataclasses.field(default=None, repr=not var.secret)
+
+
+EnvSettings = dataclasses.make_dataclass(
+    "EnvSettings", [_settings_field(v) for v in _SETTINGS], frozen=True, slots=True)
+EnvSettings.__module__ = __name__
+EnvSettings.__doc__ = """The ``PHLOEM_*`` variables that are set (one field per ``VARIABLES`` row without a
+``kernel_field``, named after it); ``None`` (a switch: False) for each one that is not."""
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> Any:
+    """Read every ``PHLOEM_*`` variable of ``EnvSettings``.
 
     Args:
         environ: The environment to read; ``os.environ`` when None (tests pass a dict).
 
     Returns:
-        The settings; an unset or empty variable is ``None``.
+        The ``EnvSettings``; an unset or empty variable is ``None`` (a switch: False).
 
     Raises:
-        ValueError: ``PHLOEM_PORT`` is not an integer, or ``PHLOEM_NO_PROGRESS`` not a boolean.
+        ValueError: A variable does not parse as its type (``PHLOEM_PORT`` not an integer,
+            ``PHLOEM_NO_PROGRESS`` not a boolean); the message names it.
     """
     env = os.environ if environ is None else environ
-
-    def get(name: str) -> str | None:
-        return env.get(PREFIX + name) or None
-
-    port = get("PORT")
-    if port is not None and not port.strip().isdigit():
-        raise ValueError(f"{PREFIX}PORT: expected an integer port, got {port!r}")
-    data_dir = get("DATA_DIR")
-    keys_file = get("API_KEYS_FILE")
-    return EnvSettings(
-        data_dir=Path(data_dir).expanduser() if data_dir else None,
-        model=get("MODEL"),
-        host=get("HOST"),
-        port=int(port) if port is not None else None,
-        redis_url=get("REDIS_URL"),
-        redis_prefix=get("REDIS_PREFIX"),
-        device=get("DEVICE"),
-        dtype=get("DTYPE"),
-        api_key=get("API_KEY"),
-        api_keys_file=Path(keys_file).expanduser() if keys_file else None,
-        log_format=get("LOG_FORMAT"),
-        log_level=get("LOG_LEVEL"),
-        no_progress=_flag("NO_PROGRESS", get("NO_PROGRESS")),
-    )
-
-
-def _flag(name: str, value: str | None) -> bool:
-    return bool(_tristate(name, value))
-
-
-def _tristate(name: str, value: str | None) -> bool | None:
-    """A boolean variable's value; None when unset or empty."""
-    if value is None or not value.strip():
-        return None
-    if value.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    if value.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{PREFIX}{name}: expected 1/true/yes/on or 0/false/no/off, got {value!r}")
+    values = {v.field: v.read(env) for v in _SETTINGS}
+    return EnvSettings(**{name: value for name, value in values.items() if value is not None})
 
 
 def kernel_config(environ: Mapping[str, str] | None = None) -> KernelConfig:
-    """The kernel choices of the ``PHLOEM_*`` kernel variables (``VARIABLES``); each one unset or
-    empty keeps ``KernelConfig``'s default.
+    """The kernel choices of the ``PHLOEM_*`` kernel variables (the ``VARIABLES`` rows with a
+    ``kernel_field``); each one unset or empty keeps ``KernelConfig``'s default.
 
     Args:
         environ: The environment to read; ``os.environ`` when None (tests pass a dict).
@@ -177,25 +208,8 @@ def kernel_config(environ: Mapping[str, str] | None = None) -> KernelConfig:
             variable is not one.
     """
     env = os.environ if environ is None else environ
-
-    def get(name: str) -> str | None:
-        return env.get(PREFIX + name) or None
-
-    backend = (get("KERNELS") or "auto").strip().lower() or "auto"
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"{PREFIX}KERNELS must be 'auto', 'torch', 'triton' or unset, got {backend!r}")
-    default = KernelConfig()
-    flags = {field: _tristate(name, get(name)) for field, name in _KERNEL_FLAGS.items()}
-    return KernelConfig(
-        backend=backend,  # type: ignore[arg-type]
-        **{field: getattr(default, field) if value is None else value
-           for field, value in flags.items() if field != "pdl"},
-        pdl=flags["pdl"],
-    )
-
-
-_KERNEL_FLAGS = {"triton_gemv": "TRITON_GEMV", "triton_decode_attention": "TRITON_DECODE_ATTENTION",
-                 "fused_decode": "FUSED_DECODE", "pdl": "PDL", "one_shot_allreduce": "ONE_SHOT_ALLREDUCE"}
+    values = {v.field: v.read(env) for v in _KERNEL_VARIABLES}
+    return KernelConfig(**{name: value for name, value in values.items() if value is not None})
 
 
 def default_data_dir() -> Path:

@@ -1,6 +1,6 @@
 """Process logs: one line per record, human ``text`` or ``json``; request ids; event records.
 
-``phloem serve --log-format text|json --log-level LEVEL`` (``ServerConfig.log_format`` /
+``phloem serve --log-format text|json --log-level LEVEL`` (``HttpConfig.log_format`` /
 ``log_level``) installs one stderr handler on the root logger for the life of the server
 (``stderr_logging``); uvicorn's own loggers propagate to it, so every line has one format::
 
@@ -41,10 +41,12 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
-from phloem.runtime.config import LOG_FORMATS, LOG_LEVELS
 
-__all__ = ["JsonFormatter", "TextFormatter", "adopt_library_loggers", "bind_request_id",
+__all__ = ["LOG_FORMATS", "LOG_LEVELS", "JsonFormatter", "TextFormatter", "adopt_library_loggers", "bind_request_id",
            "current_request_id", "log_event", "stderr_logging"]
+
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 _REQUEST_ID: ContextVar[str | None] = ContextVar("phloem_request_id", default=None)
 # A text value written bare; anything else is quoted as a JSON string.

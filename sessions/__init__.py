@@ -31,26 +31,30 @@ May import: ``phloem.runtime``, ``phloem.storage``, and the engine's public requ
 
 from __future__ import annotations
 
-from phloem.sessions.text.chat import ChatContext, render_append
-from phloem.sessions.errors import (
-    ContextLengthExceeded, GenerationFailed, InvalidInput, Overloaded, SessionBusy, SessionError,
-    SessionNotFound,
-)
-from phloem.sessions.generation import (
-    GenerateOptions, Generation, GenerationResult, OutputDelta, Usage,
-)
-from phloem.sessions.text.output_parser import OutputFormat, ParsedDelta, ParsedOutput, ToolCallDelta
-from phloem.sessions.text.structured import ResponseFormat, ToolChoice
-from phloem.sessions.text.tool_parsers import ParsedToolCall
-from phloem.sessions._events import SessionStats, TierCounts
-from phloem.sessions._inputs import SessionInput
-from phloem.sessions.config import KEEP, SessionConfig
-from phloem.sessions.manager import SessionManager
-from phloem.sessions.session import (
-    FinishReason, SessionSnapshot, SessionStatus, TurnInfo,
-)
-from phloem.sessions.tiers.store import model_fingerprint
-from phloem.sessions.text.tokenizer import IncrementalDetokenizer, Message, Tokenizer, ToolSpec
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from phloem.sessions.text.chat import ChatContext, render_append
+    from phloem.sessions.errors import (
+        ContextLengthExceeded, GenerationFailed, InvalidInput, Overloaded, SessionBusy, SessionError,
+        SessionNotFound,
+    )
+    from phloem.sessions.generation import (
+        GenerateOptions, Generation, GenerationResult, OutputDelta, Usage,
+    )
+    from phloem.sessions.text.output_parser import OutputFormat, ParsedDelta, ParsedOutput, ToolCallDelta
+    from phloem.sessions.text.structured import ResponseFormat, ToolChoice
+    from phloem.sessions.text.tool_parsers import ParsedToolCall
+    from phloem.sessions._events import SessionStats, TierCounts
+    from phloem.sessions._inputs import SessionInput
+    from phloem.sessions.config import KEEP, SessionConfig
+    from phloem.sessions.manager import SessionManager
+    from phloem.sessions.session import (
+        FinishReason, SessionSnapshot, SessionStatus, TurnInfo,
+    )
+    from phloem.sessions.tiers.store import model_fingerprint
+    from phloem.sessions.text.tokenizer import IncrementalDetokenizer, Message, Tokenizer, ToolSpec
 
 __all__ = [
     "KEEP", "ChatContext", "ContextLengthExceeded", "FinishReason", "GenerateOptions",
@@ -61,3 +65,51 @@ __all__ = [
     "SessionStatus", "TierCounts", "Tokenizer", "ToolCallDelta", "ToolChoice", "ToolSpec",
     "TurnInfo", "Usage", "model_fingerprint", "render_append",
 ]
+
+# Every name loads on first access: ``SessionConfig`` (``sessions.config``) imports without torch,
+# so the CLI builds its configuration before anything heavy loads.
+_LAZY = {
+    "ChatContext": "phloem.sessions.text.chat",
+    "render_append": "phloem.sessions.text.chat",
+    "ContextLengthExceeded": "phloem.sessions.errors",
+    "GenerationFailed": "phloem.sessions.errors",
+    "InvalidInput": "phloem.sessions.errors",
+    "Overloaded": "phloem.sessions.errors",
+    "SessionBusy": "phloem.sessions.errors",
+    "SessionError": "phloem.sessions.errors",
+    "SessionNotFound": "phloem.sessions.errors",
+    "GenerateOptions": "phloem.sessions.generation",
+    "Generation": "phloem.sessions.generation",
+    "GenerationResult": "phloem.sessions.generation",
+    "OutputDelta": "phloem.sessions.generation",
+    "Usage": "phloem.sessions.generation",
+    "OutputFormat": "phloem.sessions.text.output_parser",
+    "ParsedDelta": "phloem.sessions.text.output_parser",
+    "ParsedOutput": "phloem.sessions.text.output_parser",
+    "ToolCallDelta": "phloem.sessions.text.output_parser",
+    "ResponseFormat": "phloem.sessions.text.structured",
+    "ToolChoice": "phloem.sessions.text.structured",
+    "ParsedToolCall": "phloem.sessions.text.tool_parsers",
+    "SessionStats": "phloem.sessions._events",
+    "TierCounts": "phloem.sessions._events",
+    "SessionInput": "phloem.sessions._inputs",
+    "KEEP": "phloem.sessions.config",
+    "SessionConfig": "phloem.sessions.config",
+    "SessionManager": "phloem.sessions.manager",
+    "FinishReason": "phloem.sessions.session",
+    "SessionSnapshot": "phloem.sessions.session",
+    "SessionStatus": "phloem.sessions.session",
+    "TurnInfo": "phloem.sessions.session",
+    "model_fingerprint": "phloem.sessions.tiers.store",
+    "IncrementalDetokenizer": "phloem.sessions.text.tokenizer",
+    "Message": "phloem.sessions.text.tokenizer",
+    "Tokenizer": "phloem.sessions.text.tokenizer",
+    "ToolSpec": "phloem.sessions.text.tokenizer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'phloem.sessions' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

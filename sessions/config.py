@@ -1,4 +1,9 @@
-"""``SessionConfig``: the sessions layer's knobs, and ``KEEP`` (leave a field unchanged)."""
+"""``SessionConfig``: the sessions layer's knobs, and ``KEEP`` (leave a field unchanged).
+
+It imports without torch (``phloem.sessions`` loads its names lazily), so the CLI builds it from
+flags before anything heavy loads. It holds what the user chooses only: the served model's
+fingerprint is measured by whoever builds the ``SessionManager`` and handed to it separately.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from phloem.runtime.env import default_redis_prefix
+from phloem.runtime.env import default_data_dir, default_redis_prefix
 from phloem.runtime.shared_prefixes import SharedPrefix
 
 __all__ = ["KEEP", "Keep", "SessionConfig"]
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 class Keep:
@@ -28,16 +35,19 @@ class SessionConfig:
     """The sessions layer's knobs.
 
     Args:
-        data_dir: The journal (``data_dir/sessions``) and the SQLite index live here.
-        model_fingerprint: Identifies the served model (``store.model_fingerprint``).
-        redis_url: Use a Redis index instead of SQLite.
+        data_dir: The journal (``data_dir/sessions``) and the SQLite index live here; for
+            ``phloem serve`` also its models, kernel caches and secret (``$PHLOEM_DATA_DIR``,
+            else ``~/.phloem``).
+        redis_url: ``redis://``, ``rediss://`` or ``unix://`` URL of a Redis index to use
+            instead of the embedded SQLite one.
         redis_prefix: Namespace of the Redis index's keys (``$PHLOEM_REDIS_PREFIX``, else
             ``phloem:``).
         default_ttl_s: Seconds a session stays pinned after a turn when it names no TTL.
         max_ttl_s: Larger TTLs are clamped to this.
         max_num_generations: Generations in flight at most (sessions and stateless together);
-            beyond it, ``Overloaded``.
-        retry_after_s: The ``retry_after`` of ``Overloaded``.
+            beyond it, ``Overloaded`` (503 over HTTP).
+        retry_after_s: The ``retry_after`` of ``Overloaded``; the server also sends it as the
+            ``Retry-After`` of its per-key 429 answers.
         host_budget_bytes: Payload bytes of spilled state kept in host memory; beyond it the
             least recently used host segments are demoted to disk (``sessions.tiers.spill``).
         idle_to_host_s: Seconds a session stays ``idle`` (unpinned, on the GPU) before the
@@ -60,8 +70,7 @@ class SessionConfig:
         ValueError: A field is out of range (the message names it).
     """
 
-    data_dir: Path
-    model_fingerprint: str
+    data_dir: Path = field(default_factory=default_data_dir)
     redis_url: str | None = None
     redis_prefix: str = field(default_factory=default_redis_prefix)
     default_ttl_s: float = 300.0
@@ -78,6 +87,14 @@ class SessionConfig:
     shutdown_flush_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.data_dir, Path):
+            raise ValueError(f"data_dir: expected a pathlib.Path, got {self.data_dir!r}")
+        if self.redis_url is not None and not self.redis_url.startswith(_REDIS_SCHEMES):
+            raise ValueError(f"redis_url: expected a URL starting with {_REDIS_SCHEMES}, got {self.redis_url!r}")
+        for name in ("max_num_generations", "tokenize_workers", "max_tokenizations_per_owner"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: expected an integer, got {value!r}")
         if not 0 <= self.default_ttl_s <= self.max_ttl_s:
             raise ValueError(f"default_ttl_s: expected in [0, max_ttl_s={self.max_ttl_s}], "
                              f"got {self.default_ttl_s}")

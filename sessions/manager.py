@@ -77,17 +77,21 @@ class SessionManager(TierMoves):
     Args:
         engine: A started engine client.
         tokenizer: The served model's tokenizer.
-        config: The sessions layer's config.
+        config: The sessions layer's config (what the user chose).
+        model_fingerprint: Identifies the served model (``store.model_fingerprint`` of its
+            folder): measured by the caller, never configured; a journaled session of another
+            model is not resumed.
 
     Raises:
         StorageError: The journal or the index cannot be opened.
     """
 
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, config: SessionConfig) -> None:
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, config: SessionConfig, *,
+                 model_fingerprint: str) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._config = config
-        self._store = SessionStore(config.data_dir, config.model_fingerprint, config.redis_url,
+        self._store = SessionStore(config.data_dir, model_fingerprint, config.redis_url,
                                    config.redis_prefix)
         self._sessions: dict[str, Session] = {}
         self._new_id = SessionIdGenerator()
@@ -102,6 +106,11 @@ class SessionManager(TierMoves):
     @property
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
+
+    @property
+    def config(self) -> SessionConfig:
+        """The config it was built with."""
+        return self._config
 
     @property
     def max_model_len(self) -> int:

@@ -37,7 +37,7 @@ from litestar.types import (
 
 from phloem.api.schemas import ERROR_STATUS, ErrorCode, ErrorEvent
 from phloem.api.server.errors import ApiError
-from phloem.runtime.config import ApiKey
+from phloem.api.server.config import ApiKey
 
 __all__ = ["ANONYMOUS", "AuthMiddleware", "KeyRing", "Principal", "legacy_owner_id", "owner_id",
            "principal_of"]

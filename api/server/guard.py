@@ -9,7 +9,7 @@ model").
   check is on, a request whose ``Host`` is not an accepted name, or that carries an ``Origin``
   whose host is not one, is refused (400 ``invalid_request``; a WebSocket handshake is refused
   with 403 before it is accepted). Accepted: the loopback names (``localhost``, 127.0.0.0/8,
-  ``::1``) with any port, and ``ServerConfig.allowed_hosts``. The check is on without API keys
+  ``::1``) with any port, and ``HttpConfig.allowed_hosts``. The check is on without API keys
   (where the key is the only other barrier, and there is none), and with keys when
   ``allowed_hosts`` names any host. A request without ``Host`` (HTTP/1.0) or ``Origin`` (not a
   browser) passes.

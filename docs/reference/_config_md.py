@@ -10,8 +10,8 @@ Sources, all read from the code:
 - flags: ``phloem.cli.main.build_parser`` built with an empty environment (so a developer's
   ``PHLOEM_*`` variables never leak into the page), every subcommand, every argument group;
   help texts are expanded as ``--help`` expands them;
-- variables: the fields of ``runtime.env.EnvSettings`` and their lines in that module's
-  docstring; which flags a variable feeds is found by building the parser with only that
+- variables: the rows of ``runtime.env.VARIABLES`` (``EnvSettings`` is generated from them);
+  which flags a variable feeds is found by building the parser with only that
   variable set to a sentinel and looking for the flags whose default became the sentinel;
 - dataclasses: ``dataclasses.fields`` (type as annotated, default or default factory) and the
   meaning from the class docstring's ``Args:`` section (``a / b: text`` documents both).

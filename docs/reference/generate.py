@@ -69,17 +69,18 @@ def build_app_schema() -> tuple[dict[str, Any], dict[str, str], tuple[tuple[str,
     from litestar.serialization import encode_json
 
     from phloem.api.server.app import create_app
-    from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
+    from phloem.api.server.config import HttpConfig
+    from phloem.runtime import EngineClient, ensure_default_model
     from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
     with tempfile.TemporaryDirectory(prefix="phloem-docs-") as tmp:
         data_dir = Path(tmp)
         model = ensure_default_model(data_dir)
         engine = EngineClient.from_pretrained(model)
-        sessions = SessionConfig(data_dir=data_dir, model_fingerprint=model_fingerprint(model),
-                                 redis_prefix="phloem-docs:")
-        manager = SessionManager(engine, Tokenizer.from_pretrained(model), sessions)
-        app = create_app(ServerConfig(model=str(model), data_dir=data_dir), engine, manager)
+        sessions = SessionConfig(data_dir=data_dir, redis_prefix="phloem-docs:")
+        manager = SessionManager(engine, Tokenizer.from_pretrained(model), sessions,
+                                 model_fingerprint=model_fingerprint(model))
+        app = create_app(HttpConfig(), engine, manager, model=str(model))
         schema = json.loads(encode_json(app.openapi_schema.to_schema()))
         http, sockets = _route_docs(app)
     return _strip_examples(schema), http, sockets
@@ -152,16 +153,18 @@ def _env_flags(parser_of: Any, env_type: type) -> tuple[dict[str, str], dict[str
 
 def config_blocks() -> dict[str, list[str]]:
     """The generated blocks of ``docs/configuration.md``, by name."""
+    from phloem.api.server.config import HttpConfig
+    from phloem.cli.config import ServerConfig
+    from phloem.cli.main import build_parser
     from phloem.engine import config as engine_config
     from phloem.runtime import env
-    from phloem.cli.main import build_parser
-    from phloem.runtime.config import ServerConfig
+    from phloem.runtime.pd.roles import PDConfig
     from phloem.sessions.config import SessionConfig
 
     by_flag, by_var = _env_flags(build_parser, env.EnvSettings)
     blocks = {"cli": flag_tables(build_parser(env.EnvSettings()), by_flag),
               "env": env_table(env.VARIABLES, by_var)}
-    for cls in (ServerConfig, engine_config.EngineConfig, SessionConfig, engine_config.CacheConfig,
+    for cls in (ServerConfig, HttpConfig, PDConfig, engine_config.EngineConfig, SessionConfig, engine_config.CacheConfig,
                 engine_config.SchedulerConfig, engine_config.RunnerConfig,
                 engine_config.ParallelConfig, engine_config.LoadConfig):
         blocks[cls.__name__] = dataclass_table(cls)

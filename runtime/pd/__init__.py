@@ -9,6 +9,6 @@ Modules::
     sender   the prefill side's sender thread (layer ``l`` travels while later layers compute)
 
 The transport and the messages are the engine's (``phloem.engine.transfer``); docs/disaggregation.md
-describes the protocol. Nothing is imported here, so ``runtime.config`` can read ``roles``
+describes the protocol. Nothing is imported here, so ``cli.config`` can read ``roles``
 without torch.
 """

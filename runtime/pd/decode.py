@@ -37,9 +37,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from phloem.engine import Engine, EngineError, InvalidRequest, RequestOutput, SamplingParams
+from phloem.engine import Engine, EngineConfig, EngineError, InvalidRequest, RequestOutput, SamplingParams
 from phloem.engine.transfer import KVTransport, TransferReservation, connect
-from phloem.runtime.config import ServerConfig
 from phloem.runtime.engine_client import EngineClient
 from phloem.runtime.engine_commands import InstallTransfer, ReleaseTransfer, ReserveTransfer
 from phloem.runtime.env import use_nccl_defaults
@@ -53,20 +52,25 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def engine_client_for(config: ServerConfig) -> EngineClient:
-    """The engine client ``phloem serve`` runs: a ``PDEngineClient`` for ``--role decode``.
+def engine_client_for(model: str, config: EngineConfig, pd: PDConfig) -> EngineClient:
+    """The engine client ``phloem serve`` runs (``cli.compose``): a ``PDEngineClient`` for
+    ``--role decode``, else a plain ``EngineClient``; not started.
+
+    Args:
+        model: The model folder.
+        config: The engine's configuration.
+        pd: The instance's disaggregation settings.
 
     Raises:
         ValueError: the model folder or an engine option is invalid; the role is ``prefill``
             (that instance serves no HTTP: ``runtime.pd.prefill``).
     """
-    assert config.model is not None, "resolve the default model first"
-    if config.pd.role == "prefill":
+    if pd.role == "prefill":
         raise ValueError("pd_role: a prefill instance serves no HTTP API; run runtime.pd.prefill.serve_prefill")
     use_nccl_defaults()  # before any NCCL group forms: tensor parallelism, the link's data group
-    engine = Engine.from_pretrained(config.model, config.engine_config)
-    if config.pd.role == "decode":
-        return PDEngineClient(engine, config.pd)
+    engine = Engine.from_pretrained(model, config)
+    if pd.role == "decode":
+        return PDEngineClient(engine, pd)
     return EngineClient(engine)
 
 

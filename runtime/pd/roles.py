@@ -20,7 +20,7 @@ Decisions (docs/disaggregation.md has the whole picture):
 - After a failed connection attempt the decode side does not try again for
   ``reconnect_interval_s``; requests in that window take the failure path at once.
 
-This module imports no torch: ``runtime.config`` and the CLI use it.
+This module imports no torch: the CLI builds it (``cli.config.ServerConfig.pd``).
 """
 
 from __future__ import annotations

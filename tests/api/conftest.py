@@ -31,7 +31,8 @@ from litestar.testing import TestClient
 
 from phloem.api import Client
 from phloem.api.server.app import create_app
-from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
+from phloem.api.server.config import HttpConfig
+from phloem.runtime import EngineClient, ensure_default_model
 from phloem.runtime.builtin_model import trained_model_path
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
@@ -114,12 +115,12 @@ def app_client(tmp_path_factory: pytest.TempPathFactory,
     model = trained_model_path()  # the server's model; sessions live in `folder`
     engine = EngineClient.from_pretrained(model)
     engine.start()
-    config = ServerConfig(model=str(model), data_dir=folder, max_body_bytes=1 << 20)
-    sessions = SessionConfig(data_dir=folder, model_fingerprint=model_fingerprint(model),
-                             max_num_generations=1, retry_after_s=2.0)
-    manager = SessionManager(engine, Tokenizer.from_pretrained(model), sessions)
+    sessions = SessionConfig(data_dir=folder, max_num_generations=1, retry_after_s=2.0)
+    manager = SessionManager(engine, Tokenizer.from_pretrained(model), sessions,
+                             model_fingerprint=model_fingerprint(model))
+    app = create_app(HttpConfig(max_body_bytes=1 << 20), engine, manager, model=str(model))
     try:
-        with TestClient(create_app(config, engine, manager), base_url="http://127.0.0.1", timeout=60) as test_client:
+        with TestClient(app, base_url="http://127.0.0.1", timeout=60) as test_client:
             yield test_client
     finally:
         asyncio.run(engine.shutdown())

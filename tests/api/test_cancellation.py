@@ -17,7 +17,9 @@ import pytest
 from live_servers import LiveApp, live_app
 from websockets.sync.client import connect
 
-from phloem.runtime import EngineStats, ServerConfig, ensure_default_model
+from phloem.cli.config import ServerConfig
+from phloem.sessions.config import SessionConfig
+from phloem.runtime import EngineStats, ensure_default_model
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
 
 pytestmark = pytest.mark.slow  # an engine and app in process
@@ -27,7 +29,7 @@ LONG = {"max_tokens": 4000, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def app(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveApp]:
-    config = ServerConfig(data_dir=tmp_path_factory.mktemp("cancel"))
+    config = ServerConfig(sessions=SessionConfig(data_dir=tmp_path_factory.mktemp("cancel")))
     with live_app(ensure_default_model(data_dir), config) as served:
         yield served
 

@@ -31,7 +31,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from phloem.api.server.app import create_app
-from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
+from phloem.api.server.config import HttpConfig
+from phloem.runtime import EngineClient, ensure_default_model
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
@@ -52,12 +53,11 @@ def app(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Li
     engine = EngineClient.from_pretrained(model)
     engine.start()
     # schemathesis's ASGI client sends `Host: testserver`.
-    config = ServerConfig(model=str(model), data_dir=folder, max_body_bytes=256 * 1024,
-                          allowed_hosts=("testserver",))
-    sessions = SessionConfig(data_dir=folder, model_fingerprint=model_fingerprint(model))
-    manager = SessionManager(engine, Tokenizer.from_pretrained(model), sessions)
+    config = HttpConfig(max_body_bytes=256 * 1024, allowed_hosts=("testserver",))
+    manager = SessionManager(engine, Tokenizer.from_pretrained(model), SessionConfig(data_dir=folder),
+                             model_fingerprint=model_fingerprint(model))
     try:
-        yield create_app(config, engine, manager)
+        yield create_app(config, engine, manager, model=str(model))
     finally:
         asgi.shutdown_lifespans()
         asyncio.run(engine.shutdown())

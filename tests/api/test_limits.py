@@ -23,10 +23,12 @@ from live_servers import LiveApp, live_app
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from phloem.api.server.config import ApiKey, HttpConfig
+from phloem.cli.config import ServerConfig
+from phloem.sessions.config import SessionConfig
 from phloem.engine import EngineConfig, SchedulerConfig
-from phloem.runtime import ServerConfig, ensure_default_model
+from phloem.runtime import ensure_default_model
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
-from phloem.runtime.config import ApiKey
 
 pytestmark = pytest.mark.slow  # an engine and app in process
 
@@ -39,10 +41,10 @@ LONG = {"max_tokens": 4000, "temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def app(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveApp]:
     config = ServerConfig(
-        data_dir=tmp_path_factory.mktemp("limits"), max_body_bytes=64 * 1024,
-        api_keys=(ApiKey(ALICE), ApiKey(BOB), ApiKey(CAROL)), max_context_len=4096,
-        max_sessions_per_key=MAX_SESSIONS, max_generations_per_key=1, max_num_generations=2,
-        stream_idle_timeout_s=IDLE_S, retry_after_s=3.0, engine=EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1)))
+        engine=EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=4096)),
+        sessions=SessionConfig(data_dir=tmp_path_factory.mktemp("limits"), max_num_generations=2, retry_after_s=3.0),
+        http=HttpConfig(max_body_bytes=64 * 1024, api_keys=(ApiKey(ALICE), ApiKey(BOB), ApiKey(CAROL)),
+                        max_sessions_per_key=MAX_SESSIONS, max_generations_per_key=1, stream_idle_timeout_s=IDLE_S))
     with live_app(ensure_default_model(data_dir), config) as served:
         yield served
 

@@ -19,7 +19,8 @@ from litestar.testing import TestClient
 from transformers import AutoTokenizer
 
 from phloem.api.server.app import create_app
-from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
+from phloem.api.server.config import HttpConfig
+from phloem.runtime import EngineClient, ensure_default_model
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
@@ -42,11 +43,10 @@ def http(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Iterator[T
     hf.chat_template = THINKING_TEMPLATE
     engine = EngineClient.from_pretrained(model)
     engine.start()
-    manager = SessionManager(engine, Tokenizer(hf), SessionConfig(
-        data_dir=folder, model_fingerprint=model_fingerprint(model)))
-    config = ServerConfig(model=str(model), data_dir=folder)
+    manager = SessionManager(engine, Tokenizer(hf), SessionConfig(data_dir=folder),
+                             model_fingerprint=model_fingerprint(model))
     try:
-        with TestClient(create_app(config, engine, manager), base_url="http://127.0.0.1", timeout=60) as client:
+        with TestClient(create_app(HttpConfig(), engine, manager, model=str(model)), base_url="http://127.0.0.1", timeout=60) as client:
             yield client
     finally:
         asyncio.run(engine.shutdown())

@@ -25,7 +25,10 @@ import torch
 from live_servers import LiveApp, live_app
 
 from phloem.api.server.responses.input import locate
-from phloem.runtime import ServerConfig, ensure_default_model
+from phloem.cli.config import ServerConfig
+from phloem.sessions.config import SessionConfig
+from phloem.engine.config import EngineConfig, LoadConfig
+from phloem.runtime import ensure_default_model
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
 
 pytestmark = pytest.mark.slow  # an engine and app in process
@@ -41,8 +44,8 @@ def app(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         data_dir: Path) -> Iterator[LiveApp]:
     """The app on ``request.param`` (on a GPU: CUDA-graph decode, pinned host copies)."""
     model = ensure_default_model(data_dir)
-    config = ServerConfig(model=str(model), data_dir=tmp_path_factory.mktemp("responses-spill"),
-                          device=request.param)
+    config = ServerConfig(model=str(model), engine=EngineConfig(load=LoadConfig(device=request.param)),
+                          sessions=SessionConfig(data_dir=tmp_path_factory.mktemp("responses-spill")))
     with live_app(model, config) as served:
         yield served
 

@@ -16,14 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from phloem.engine import config as engine_config
+from phloem.api.server.config import HttpConfig
+from phloem.cli.config import ServerConfig
 from phloem.cli.main import build_parser
-from phloem.runtime.config import ServerConfig
+from phloem.engine import config as engine_config
 from phloem.runtime.env import PREFIX, VARIABLES, EnvSettings
+from phloem.runtime.pd.roles import PDConfig
 from phloem.sessions.config import SessionConfig
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
-CLASSES = [ServerConfig, engine_config.EngineConfig, SessionConfig, engine_config.CacheConfig,
+CLASSES = [ServerConfig, HttpConfig, PDConfig, engine_config.EngineConfig, SessionConfig, engine_config.CacheConfig,
            engine_config.SchedulerConfig, engine_config.RunnerConfig, engine_config.ParallelConfig,
            engine_config.LoadConfig, engine_config.ModelConfig]
 FIX = "regenerate with `python3 docs/reference/generate.py`"
@@ -88,11 +90,12 @@ def test_the_variables_table_is_runtime_envs_table() -> None:
 
 
 def names_read_by_env() -> list[str]:
-    """Every ``PHLOEM_*`` name ``runtime.env`` reads: the ``EnvSettings`` fields and the kernel flags."""
+    """Every ``PHLOEM_*`` name ``runtime.env`` reads: the ``EnvSettings`` fields (each named after
+    its variable) and the kernel variables (the rows ``kernel_config`` reads)."""
     from phloem.runtime import env
 
-    return ([PREFIX + f.name.upper() for f in dataclasses.fields(EnvSettings)] + [PREFIX + "KERNELS"]
-            + [PREFIX + name for name in env._KERNEL_FLAGS.values()])
+    return ([PREFIX + f.name.upper() for f in dataclasses.fields(EnvSettings)]
+            + [v.name for v in env._KERNEL_VARIABLES])
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda cls: cls.__name__)

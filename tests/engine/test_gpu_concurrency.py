@@ -165,7 +165,7 @@ def test_sixteen_sessions_on_the_engine_loop(engine: Engine, model_dir: Path, tm
     tokenizer = Tokenizer.from_pretrained(model_dir)
     client = EngineClient(engine)
     client.start()
-    config = SessionConfig(data_dir=tmp_path, model_fingerprint=model_fingerprint(model_dir))
+    config = SessionConfig(data_dir=tmp_path)
     owner = "owner"
 
     async def agent(m: SessionManager, i: int) -> int:
@@ -192,7 +192,7 @@ def test_sixteen_sessions_on_the_engine_loop(engine: Engine, model_dir: Path, tm
         return turns
 
     async def main() -> None:
-        m = SessionManager(client, tokenizer, config)
+        m = SessionManager(client, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
         await m.start()
         try:
             done = await asyncio.gather(*(agent(m, i) for i in range(16)))

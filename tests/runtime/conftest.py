@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from phloem.runtime import ServerConfig
+from phloem.cli.config import ServerConfig
 
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[ServerConfig]:
-    """Stands in for ``phloem.api.server.app`` (built elsewhere): records the config ``serve``
-    gets (and closes the socket ``phloem serve`` bound for it).
+    """Stands in for the composition root ``phloem.cli.compose`` (the engine, sessions and app it
+    builds are tested elsewhere): records the config ``serve`` gets (and closes the socket ``phloem serve`` bound for it).
 
     ``$PHLOEM_API_KEY`` / ``$PHLOEM_API_KEYS_FILE`` of the machine running the tests are cleared,
     so they never leak into a test's config; the kernel-cache variables ``phloem serve`` sets are
@@ -28,9 +28,9 @@ def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[ServerConfig
         if sock is not None:
             sock.close()
 
-    app = types.ModuleType("phloem.api.server.app")
-    app.serve = serve  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "phloem.api.server.app", app)
+    compose = types.ModuleType("phloem.cli.compose")
+    compose.serve = serve  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "phloem.cli.compose", compose)
     monkeypatch.delenv("PHLOEM_API_KEY", raising=False)
     monkeypatch.delenv("PHLOEM_API_KEYS_FILE", raising=False)
     for name in ("TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
 import subprocess
 import sys
 import types
@@ -14,7 +15,10 @@ import httpx
 import pytest
 
 from phloem.kernels.config import KernelConfig
-from phloem.runtime import ServerConfig
+from phloem.api.server.config import HttpConfig
+from phloem.cli.config import ServerConfig
+from phloem.engine.config import EngineConfig, LoadConfig, ParallelConfig
+from phloem.sessions.config import SessionConfig
 from phloem.runtime.builtin_model import DEFAULT_MODEL_NAME, trained_model_path
 from phloem.cli.demo import BRANCHES, TURNS, DemoOptions, DemoRow, format_report, run_demo, run_story
 from phloem.cli.demo_workspace import TOOLS
@@ -80,7 +84,7 @@ def test_serve_without_model_serves_the_trained_built_in_model(
     assert config.model == str(trained_model_path())
     assert (Path(config.model) / "model.safetensors").is_file()
     assert not (tmp_path / "models").exists()
-    assert (config.port, config.host, config.data_dir) == (0, "127.0.0.1", tmp_path)
+    assert (config.http.port, config.http.host, config.data_dir) == (0, "127.0.0.1", tmp_path)
     err = capsys.readouterr().err
     assert f"built-in model {DEFAULT_MODEL_NAME}" in err and "RANDOM" not in err
 
@@ -98,14 +102,17 @@ def test_serve_flags_and_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     argv = ["serve", "--model", str(model_dir), "--device", "cuda:1", "--dtype", "bfloat16"]
     config = configured([*argv, "--redis-url", "redis://r:6379/0", "--default-ttl", "60", "--tp", "2"])
     assert config == ServerConfig(
-        port=9123, model=str(model_dir), data_dir=tmp_path, redis_url="redis://r:6379/0",
-        device="cuda:1", dtype="bfloat16", default_ttl_s=60.0, tensor_parallel_size=2,
+        model=str(model_dir),
+        engine=EngineConfig(load=LoadConfig(device="cuda:1", dtype="bfloat16"),
+                            parallel=ParallelConfig(tensor_parallel_size=2)),
+        sessions=SessionConfig(data_dir=tmp_path, redis_url="redis://r:6379/0", default_ttl_s=60.0),
+        http=HttpConfig(port=9123),
     )
 
 
 def test_serve_ep_flag_reaches_the_engine(model_dir: Path) -> None:
     config = configured(["serve", "--model", str(model_dir), "--device", "cuda", "--tp", "2", "--ep"])
-    assert config.engine is not None and config.engine.parallel.expert_parallel is True
+    assert config.engine.parallel.expert_parallel is True
     assert config.engine.parallel.tensor_parallel_size == 2
 
 
@@ -267,18 +274,19 @@ class Health(BaseHTTPRequestHandler):
 def serve(config, sock=None, startup=None):
     if sock is not None:
         sock.close()  # the port `phloem serve` bound for the real server; this one binds it again
-    HTTPServer((config.host, config.port), Health).serve_forever()
+    HTTPServer((config.http.host, config.http.port), Health).serve_forever()
 
-app = types.ModuleType("phloem.api.server.app")
-app.serve = serve
-sys.modules["phloem.api.server.app"] = app
+compose = types.ModuleType("phloem.cli.compose")
+compose.serve = serve
+sys.modules["phloem.cli.compose"] = compose
 """
 
 
 def test_demo_starts_and_stops_its_own_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    # The child `phloem serve` gets a stand-in phloem.api.server.app through sitecustomize.
+    # The child `phloem serve` gets a stand-in composition root (phloem.cli.compose) through
+    # sitecustomize; the rest of PYTHONPATH stays, so the child imports the same phloem.
     (tmp_path / "sitecustomize.py").write_text(_FAKE_APP)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     clients: list[FakeClient] = []
 
     def client_class(base_url: str, api_key: str | None = None) -> FakeClient:
@@ -328,7 +336,6 @@ def test_serve_shape_serves_dummy_weights_with_the_demo_tokenizer(served: list[S
     folder = Path(str(config.model))
     assert folder == tmp_path / "shapes" / "tiny"
     assert {p.name for p in folder.iterdir()} == {"config.json", "tokenizer.json", "tokenizer_config.json"}
-    assert config.engine is not None
     assert (config.engine.load.load_format, config.engine.cache.enable_prefix_caching) == ("dummy", False)
 
 
@@ -343,9 +350,7 @@ def test_serve_step_budget_flags_reach_the_engine(served: list[ServerConfig], mo
     argv = ["serve", "--model", str(model_dir), "--max-num-batched-tokens", "8192", "--max-num-seqs", "16"]
     assert main([*argv, "--port", "0"]) == 0
     (config,) = served
-    assert config.engine is not None
     assert (config.engine.scheduler.max_num_batched_tokens, config.engine.scheduler.max_num_seqs) == (8192, 16)
-    assert config.engine_config.scheduler.max_num_batched_tokens == 8192
 
 
 def test_serve_kernel_variables_reach_the_engine(served: list[ServerConfig], model_dir: Path,
@@ -357,8 +362,8 @@ def test_serve_kernel_variables_reach_the_engine(served: list[ServerConfig], mod
     monkeypatch.setenv("PHLOEM_TRITON_GEMV", "0")
     assert main(["serve", "--model", str(model_dir), "--port", "0"]) == 0
     default, chosen = served
-    assert default.engine_config.kernels == KernelConfig()
-    assert chosen.engine_config.kernels == KernelConfig(pdl=False, triton_gemv=False)
+    assert default.engine.kernels == KernelConfig()
+    assert chosen.engine.kernels == KernelConfig(pdl=False, triton_gemv=False)
 
 
 def test_serve_rejects_a_zero_step_budget(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],

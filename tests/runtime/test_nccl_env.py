@@ -14,7 +14,6 @@ import pytest
 
 from phloem.engine import Engine
 from phloem.engine.config import CacheConfig, EngineConfig, ParallelConfig
-from phloem.runtime.config import ServerConfig
 from phloem.runtime.engine_client import EngineClient
 from phloem.runtime.env import NCCL_DEFAULTS, use_nccl_defaults
 from phloem.runtime.pd.decode import engine_client_for
@@ -45,7 +44,7 @@ class _Built(Exception):
     "build",
     [
         lambda: EngineClient.from_pretrained("model"),
-        lambda: engine_client_for(ServerConfig(model="model")),
+        lambda: engine_client_for("model", EngineConfig(), PDConfig()),
         lambda: run_prefill_worker("model", EngineConfig(), PDConfig()),
     ],
     ids=["engine-client", "serve", "pd-prefill"],

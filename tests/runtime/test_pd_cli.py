@@ -15,7 +15,8 @@ import pytest
 
 from phloem.engine import Engine, SamplingParams
 from phloem.cli.main import build_parser, main
-from phloem.runtime.config import ServerConfig
+from phloem.cli.config import ServerConfig
+from phloem.engine.config import EngineConfig
 from phloem.runtime.engine_client import EngineClient
 from phloem.runtime.pd.decode import PDEngineClient
 from phloem.runtime.pd.roles import PDConfig, parse_peer
@@ -33,7 +34,7 @@ def test_role_flags_build_the_config() -> None:
     assert config.pd == PDConfig(role="decode", peer="10.0.0.2:9555", timeout_s=5.0, local_prefill_tokens=0,
                                  retry_local=False)
     assert configure("--role", "prefill", "--pd-peer", "[::1]:0").pd.address == ("::1", 0)
-    assert configure("--role", "decode", "--pd-peer", "h:1", "--tp", "2").tensor_parallel_size == 2
+    assert configure("--role", "decode", "--pd-peer", "h:1", "--tp", "2").engine.parallel.tensor_parallel_size == 2
 
 
 @pytest.mark.parametrize(
@@ -108,7 +109,7 @@ def test_role_both_serves_a_plain_engine_client(tiny_checkpoint: Callable[..., P
     from phloem.runtime.pd.decode import engine_client_for
 
     model = str(tiny_checkpoint("Qwen3_5MoeForCausalLM"))
-    plain = engine_client_for(ServerConfig(model=model, data_dir=tmp_path))
+    plain = engine_client_for(model, EngineConfig(), PDConfig())
     assert type(plain) is EngineClient
     with pytest.raises(ValueError, match="serves no HTTP"):
-        engine_client_for(ServerConfig(model=model, data_dir=tmp_path, pd=PDConfig(role="prefill", peer="h:1")))
+        engine_client_for(model, EngineConfig(), PDConfig(role="prefill", peer="h:1"))

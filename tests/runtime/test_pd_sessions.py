@@ -34,8 +34,9 @@ def user(text: str) -> SessionInput:
 
 async def conversation(engine: EngineClient, model: Path, data_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
     """Three turns, a fork into two branches, one more turn in each; output ids and cached counts."""
-    config = SessionConfig(data_dir=data_dir, model_fingerprint=model_fingerprint(model))
-    manager = SessionManager(engine, Tokenizer.from_pretrained(model), config)
+    config = SessionConfig(data_dir=data_dir)
+    manager = SessionManager(engine, Tokenizer.from_pretrained(model), config,
+                             model_fingerprint=model_fingerprint(model))
     await manager.start()
     options = GenerateOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
     outputs, cached = [], []

@@ -1,5 +1,5 @@
 """``phloem serve``'s authentication and limit flags: API keys from flags, a file and
-``$PHLOEM_API_KEY``; loopback-only without keys; limits reach ``ServerConfig``; a key never
+``$PHLOEM_API_KEY``; loopback-only without keys; limits reach their sections; a key never
 shows in a repr, an error message or the help text."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from phloem.runtime import ServerConfig
+from phloem.cli.config import ServerConfig
 from phloem.cli.main import main
-from phloem.runtime.config import ApiKey, is_loopback, parse_api_key, read_api_keys_file
+from phloem.api.server.config import ApiKey, is_loopback, parse_api_key, read_api_keys_file
 
 SECRET = "s3cr3t-key-0123456789abcdef"
 
@@ -27,9 +27,9 @@ def test_keys_from_flags_and_a_file(served: list[ServerConfig], tmp_path: Path) 
     assert main(serve(tmp_path, "--api-key", "flag-key-0123456789ab", "--api-keys-file", str(keys),
                       "--host", "0.0.0.0")) == 0
     (config,) = served
-    assert config.api_keys == (ApiKey("flag-key-0123456789ab"), ApiKey(SECRET, admin=True),
-                               ApiKey("another-key-0123456789"))
-    assert config.host == "0.0.0.0" and config.auth_enabled
+    assert config.http.api_keys == (ApiKey("flag-key-0123456789ab"), ApiKey(SECRET, admin=True),
+                                    ApiKey("another-key-0123456789"))
+    assert config.http.host == "0.0.0.0" and config.http.auth_enabled
     assert SECRET not in repr(config)
 
 
@@ -37,9 +37,9 @@ def test_the_environment_key_is_the_default(served: list[ServerConfig], tmp_path
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PHLOEM_API_KEY", f"{SECRET}:admin")
     assert main(serve(tmp_path)) == 0
-    assert served[-1].api_keys == (ApiKey(SECRET, admin=True),)
+    assert served[-1].http.api_keys == (ApiKey(SECRET, admin=True),)
     assert main(serve(tmp_path, "--api-key", "flag-key-0123456789ab")) == 0
-    assert served[-1].api_keys == (ApiKey("flag-key-0123456789ab"),), "a flag wins over the variable"
+    assert served[-1].http.api_keys == (ApiKey("flag-key-0123456789ab"),), "a flag wins over the variable"
 
 
 def test_without_keys_only_loopback(served: list[ServerConfig], tmp_path: Path,
@@ -51,7 +51,7 @@ def test_without_keys_only_loopback(served: list[ServerConfig], tmp_path: Path,
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.5"):
         assert main(serve(tmp_path, "--host", host)) == 0
     assert main(serve(tmp_path, "--host", "0.0.0.0", "--allow-remote-without-auth")) == 0
-    assert served[-1].allow_remote_without_auth and not served[-1].auth_enabled
+    assert served[-1].http.allow_remote_without_auth and not served[-1].http.auth_enabled
     assert [is_loopback(h) for h in ("10.0.0.1", "example.com", "[::1]")] == [False, False, True]
 
 
@@ -61,10 +61,10 @@ def test_limit_flags_reach_the_config(served: list[ServerConfig], tmp_path: Path
                  "--max-generations", "9", "--stream-idle-timeout", "30")
     assert main(argv) == 0
     (config,) = served
-    assert (config.max_body_bytes, config.max_context_len, config.max_sessions_per_key,
-            config.max_generations_per_key, config.max_num_generations,
-            config.stream_idle_timeout_s) == (1000, 2048, 7, 3, 9, 30.0)
-    assert config.engine_config.scheduler.max_model_len == 2048
+    http = config.http
+    assert (http.max_body_bytes, config.engine.scheduler.max_model_len, http.max_sessions_per_key,
+            http.max_generations_per_key, config.sessions.max_num_generations,
+            http.stream_idle_timeout_s) == (1000, 2048, 7, 3, 9, 30.0)
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -44,9 +44,8 @@ def make_manager(engine: EngineClient, tokenizer: Tokenizer, model_dir: Path,
 
     @asynccontextmanager
     async def make(data_dir: Path | None = None, **config: Any) -> AsyncIterator[SessionManager]:
-        cfg = SessionConfig(data_dir=data_dir or tmp_path, model_fingerprint=model_fingerprint(model_dir),
-                            **config)
-        manager = SessionManager(engine, tokenizer, cfg)
+        cfg = SessionConfig(data_dir=data_dir or tmp_path, **config)
+        manager = SessionManager(engine, tokenizer, cfg, model_fingerprint=model_fingerprint(model_dir))
         await manager.start()
         try:
             yield manager

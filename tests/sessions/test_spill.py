@@ -364,8 +364,8 @@ def test_a_session_spilled_under_tp2_resumes_under_tp1(
         tp2 = EngineClient.from_pretrained(model_dir, EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2)))
         tp2.start()
         try:
-            config = SessionConfig(data_dir=tmp_path, model_fingerprint=model_fingerprint(model_dir))
-            m = SessionManager(tp2, tokenizer, config)
+            config = SessionConfig(data_dir=tmp_path)
+            m = SessionManager(tp2, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
             await m.start()
             try:
                 sid = (await m.create(OWNER, content=SessionInput(input_ids=prompt), ttl=0)).session_id
@@ -440,11 +440,11 @@ def test_pinned_sessions_never_block_admission(model_dir: Path, tokenizer: Token
                else EngineConfig(cache=CacheConfig(num_pages=12, num_state_slots=16)))
     engine = EngineClient.from_pretrained(model_dir, options)
     engine.start()
-    config = SessionConfig(data_dir=tmp_path, model_fingerprint=model_fingerprint(model_dir),
+    config = SessionConfig(data_dir=tmp_path,
                            admission_stall_s=0.2)
 
     async def main() -> None:
-        m = SessionManager(engine, tokenizer, config)
+        m = SessionManager(engine, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
         await m.start()
         try:
             pinned = []
@@ -476,11 +476,11 @@ def test_waiting_behind_long_prefills_demotes_nobody(model_dir: Path, tokenizer:
     ``admission_stall_s`` for its turn, with memory to spare, and no pinned session moves."""
     engine = EngineClient.from_pretrained(model_dir, EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=16)))
     engine.start()
-    config = SessionConfig(data_dir=tmp_path, model_fingerprint=model_fingerprint(model_dir),
+    config = SessionConfig(data_dir=tmp_path,
                            admission_stall_s=0.1)
 
     async def main() -> None:
-        m = SessionManager(engine, tokenizer, config)
+        m = SessionManager(engine, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
         await m.start()
         try:
             pinned = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(20)), ttl=600)

@@ -102,11 +102,11 @@ def test_a_thinking_xml_template(engine: EngineClient, model_dir: Path, tmp_path
     hf = AutoTokenizer.from_pretrained(str(model_dir))
     hf.chat_template = QWEN35_TEMPLATE
     tokenizer = Tokenizer(hf)
-    config = SessionConfig(data_dir=tmp_path, model_fingerprint=model_fingerprint(model_dir))
+    config = SessionConfig(data_dir=tmp_path)
     messages = ({"role": "user", "content": f"find 7 {uuid.uuid4().hex}"},)
 
     async def main() -> None:
-        manager = SessionManager(engine, tokenizer, config)
+        manager = SessionManager(engine, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
         await manager.start()
         try:
             system = SessionInput(messages=({"role": "system", "content": "tools"},))

@@ -28,9 +28,11 @@ import httpx
 import torch
 import uvicorn
 
-from phloem.api.server.app import KEEP_ALIVE_S, create_app
-from phloem.runtime import EngineClient, EngineStats, ServerConfig
-from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
+from phloem.api.server.app import KEEP_ALIVE_S
+from phloem.cli.compose import build_app, build_engine, build_sessions
+from phloem.cli.config import ServerConfig
+from phloem.runtime import EngineClient, EngineStats
+from phloem.sessions import SessionManager
 
 __all__ = ["LiveApp", "ServerProcess", "free_port", "live_app"]
 
@@ -138,21 +140,18 @@ class LiveApp:
 
 @contextlib.contextmanager
 def live_app(model: Path, config: ServerConfig) -> Iterator[LiveApp]:
-    """Serve ``create_app(config, ...)`` on ``127.0.0.1:<free port>`` until the block ends (the
-    engine and the sessions layer configured as ``phloem serve`` would from ``config``).
+    """Serve the app on ``127.0.0.1:<free port>`` until the block ends, its engine, sessions and
+    app built by ``phloem serve``'s composition root (``cli.compose``) from ``config``.
     ``config.model``, when None, becomes ``model``, so the API names the model it serves."""
     if config.model is None:
         config = dataclasses.replace(config, model=str(model))
-    engine = EngineClient.from_pretrained(model, config.engine_config)
+    engine = build_engine(config)
     engine.start()
-    sessions = SessionConfig(data_dir=config.data_dir, model_fingerprint=model_fingerprint(model),
-                             max_num_generations=config.max_num_generations,
-                             retry_after_s=config.retry_after_s)
-    manager = SessionManager(engine, Tokenizer.from_pretrained(model), sessions)
+    manager = build_sessions(config, engine)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(
-        create_app(config, engine, manager), host="127.0.0.1", port=port,
-        ws_max_size=config.max_body_bytes, lifespan="on", log_level="warning",
+        build_app(config, engine, manager), host="127.0.0.1", port=port,
+        ws_max_size=config.http.max_body_bytes, lifespan="on", log_level="warning",
         timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, name="live-app", daemon=True)
     thread.start()
