@@ -424,6 +424,25 @@ class EngineConfig:
             if not isinstance(value, globals()[str(f.type)]):
                 raise ValueError(f"{f.name}: expected a {f.type}, got {type(value).__name__}")
 
+    def with_sections(self, **sections: Any) -> EngineConfig:
+        """This configuration with whole sections replaced: ``with_sections(cache=CacheConfig(num_pages=64))``.
+
+        Raises:
+            TypeError: a name that is not a section; for a section's option (``num_pages=64``) the
+                message names the section to pass instead.
+            ValueError: a section of the wrong type.
+        """
+        names = [f.name for f in fields(self)]
+        for name in sections:
+            if name in names:
+                continue
+            owner = next((s for s in names if name in {f.name for f in fields(getattr(self, s))}), None)
+            if owner is not None:
+                kind = type(getattr(self, owner)).__name__
+                raise TypeError(f"{name}= is an option of the {owner} section: pass {owner}={kind}({name}=...)")
+            raise TypeError(f"unknown option {name!r}: expected a section ({', '.join(names)})")
+        return replace(self, **sections)
+
 
 def _check_ints(config: object, names: tuple[str, ...]) -> None:
     """Each named field is an int or None (a bool is not: ``num_pages=True`` is a mistake)."""
