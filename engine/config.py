@@ -214,7 +214,8 @@ class CacheConfig:
             different continuation then reuses all of it: a stateless chat client whose chat
             template re-renders the previous answer differently (Qwen3's drops the reasoning),
             output text that does not re-tokenize to the same ids, a retried or regenerated
-            turn. Costs one state slot per generation until the radix cache evicts it (LRU).
+            turn. Costs one state slot per generation until the radix cache evicts it (by kind,
+            then recompute cost per byte, least recently used on a tie: ``engine.radix_cache``).
     """
 
     page_size: int = 16
