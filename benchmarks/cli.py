@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from phloem.engine.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from phloem.runtime.env import kernel_config, read_env, use_nccl_defaults
 from phloem.runtime.model_shapes import SHAPES
 from phloem.runtime.preflight import best_device, check_device, check_model_folder
@@ -231,7 +232,7 @@ def _decode(args: argparse.Namespace) -> int:
     use_nccl_defaults()  # before --tp spawns its ranks
     sys.stdout.write(bench_decode(args.shape, args.model, device, args.batches, args.contexts,
                                   args.prefill_tokens, args.steps, args.out, grammar=args.grammar, tokenizer=args.tokenizer,
-                                  served=args.served, tensor_parallel_size=args.tp, expert_parallel=args.ep,
+                                  served=args.served, parallel=ParallelConfig(args.tp, args.ep),
                                   kernels=kernel_config(), show_progress=show_progress(args)) + "\n")  # fmt: skip
     return 0
 
@@ -243,7 +244,7 @@ def _long_context(args: argparse.Namespace) -> int:
 
     use_nccl_defaults()  # before --tp spawns its ranks
     sys.stdout.write(bench_decode(args.shape, args.model, device, (1,), args.contexts, 0, args.steps, args.out,
-                                  max_num_seqs=1, tensor_parallel_size=args.tp, expert_parallel=args.ep, kernels=kernel_config(),
+                                  max_num_seqs=1, parallel=ParallelConfig(args.tp, args.ep), kernels=kernel_config(),
                                   show_progress=show_progress(args)) + "\n")  # fmt: skip
     return 0
 
@@ -255,8 +256,9 @@ def _prefix_cache(args: argparse.Namespace) -> int:
     show = show_progress(args)
     model = args.model or ensure_default_model(Path(tempfile.mkdtemp(prefix="phloem-bench-")), show)
     report = run_prefix_cache_bench(model, args.turns, args.first_turn, args.append, args.output,
-                                    namespace=args.namespace, num_pages=4096, num_state_slots=64,
-                                    max_num_batched_tokens=512, show_progress=show)  # fmt: skip
+                                    namespace=args.namespace, config=EngineConfig(
+                                        load=LoadConfig(show_progress=show), cache=CacheConfig(num_pages=4096, num_state_slots=64),
+                                        scheduler=SchedulerConfig(max_num_batched_tokens=512)))  # fmt: skip
     sys.stdout.write(report.table() + "\n")
     return 0
 

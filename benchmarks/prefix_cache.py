@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import Engine, EngineConfig, SamplingParams
 from phloem.engine.config import ModelConfig
 from phloem.runtime.progress import progress
 
@@ -83,20 +83,22 @@ def run_prefix_cache_bench(
     output_len: int = 16,
     seed: int = 0,
     namespace: str | None = None,
-    **engine_options: object,
+    config: EngineConfig | None = None,
 ) -> PrefixCacheReport:
     """Run the workload twice (cache on, cache off) on fresh engines and compare; with
     ``namespace``, every request of it runs in that prefix-cache namespace (a tenant).
 
-    ``engine_options["show_progress"]`` (False: never) also governs the per-turn progress bars.
+    The engines are built from ``config`` (None: ``EngineConfig()``) with the prefix cache on, then
+    off; its ``load.show_progress`` (False: never) also governs the per-turn progress bars.
     """
     rng = random.Random(seed)
     vocab = ModelConfig.from_pretrained(model_path).vocab_size
     first = [rng.randrange(vocab) for _ in range(first_turn_len)]
-    show = engine_options.get("show_progress")
+    config = config if config is not None else EngineConfig()
+    show = config.load.show_progress
     results = []
     for caching in (True, False):
-        engine = Engine.from_pretrained(model_path, enable_prefix_caching=caching, **engine_options)
+        engine = Engine.from_pretrained(model_path, config, cache=replace(config.cache, enable_prefix_caching=caching))
         label = f"prefix cache {'on' if caching else 'off'}"
         results.append(_run(engine, first, turns, append_len, output_len, seed,
                             (label, show if isinstance(show, bool) else None), namespace))

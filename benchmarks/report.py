@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from phloem.engine import Engine
+from phloem.engine import Engine, EngineConfig, LoadConfig, SchedulerConfig
 from phloem.engine.sampling.grammar import GrammarBackend
 from phloem.benchmarks.decode import (
     BENCH_SCHEMA,
@@ -75,12 +75,16 @@ def bench_decode(
     grammar: bool = False,
     tokenizer: Path | None = None,
     served: bool = True,
-    **engine_options: object,
+    max_num_seqs: int | None = None,
+    show_progress: bool | None = None,
+    **sections: object,
 ) -> str:
     """Run the decode grid (and one long prefill); returns the report as Markdown.
 
-    ``progress`` gets one line per grid point; ``engine_options["show_progress"]`` (False: never)
-    also governs the progress bars of loading and of the grid (``runtime.progress``). With
+    ``progress`` gets one line per grid point; ``show_progress`` (False: never) governs the
+    progress bars of loading and of the grid (``runtime.progress``). The engine runs up to
+    ``max_num_seqs`` (None: the largest batch) requests; ``sections`` are whole ``EngineConfig``
+    sections (``parallel=``, ``kernels=``). With
     ``grammar`` each point is timed again under ``BENCH_SCHEMA``; its grammar is compiled
     against ``tokenizer`` (a model folder), else the model's own, else the random-weight tiny model's.
     With ``served`` each point is also timed on the served path (``benchmarks.served``).
@@ -89,11 +93,10 @@ def bench_decode(
     with tempfile.TemporaryDirectory() as tmp:
         path = model or write_shape(shape, Path(tmp))
         fmt = "safetensors" if model else "dummy"
-        defaults: dict[str, object] = dict(load_format=fmt, device=device, max_num_seqs=max(batches))
-        if dev.type == "cuda":
-            defaults.update(dtype="bfloat16", max_num_batched_tokens=8192)
-        defaults.update(engine_options)
-        engine = Engine.from_pretrained(path, **defaults)
+        cuda = dev.type == "cuda"
+        load = LoadConfig(load_format=fmt, device=device, dtype="bfloat16" if cuda else "auto", show_progress=show_progress)
+        scheduler = SchedulerConfig(max_num_batched_tokens=8192 if cuda else None, max_num_seqs=max_num_seqs or max(batches))
+        engine = Engine.from_pretrained(path, EngineConfig(load=load, scheduler=scheduler), **sections)
     if dev.type == "cuda":
         engine.runner.caches.kv.normal_()  # never time on zeros
     if grammar and (tokenizer is not None or model is None):
@@ -107,8 +110,7 @@ def bench_decode(
     results: list[DecodeResult] = []
     skipped: list[tuple[int, int]] = []
     grid = [(context, batch) for context in contexts for batch in batches]
-    show = engine_options.get("show_progress")
-    for context, batch in bar(grid, len(grid), "decode grid", "point", show if isinstance(show, bool) else None):
+    for context, batch in bar(grid, len(grid), "decode grid", "point", show_progress):
         if context + decode_tokens(steps, 3) >= engine.max_model_len or not _fits(engine, batch, context, steps):
             skipped.append((batch, context))
             continue

@@ -16,7 +16,7 @@ import-linter's engine layers contract in pyproject.toml checks it)::
 
     engine, warmup > build > workers > step_pipeline, step_outputs, transfer > model_runner, loader
     > scheduler, cuda_graph, prefill_graph, request_checks > cache, sampling > request > models
-    > parallel > forward_batch, step_plan, host_copy, overrides, progress_bars > config, errors
+    > parallel > forward_batch, step_plan, host_copy, progress_bars > config, errors
 
 Public entry point (outside code relies on exactly this shape)::
 

@@ -217,7 +217,8 @@ class CacheConfig:
             different continuation then reuses all of it: a stateless chat client whose chat
             template re-renders the previous answer differently (Qwen3's drops the reasoning),
             output text that does not re-tokenize to the same ids, a retried or regenerated
-            turn. Costs one state slot per generation until the radix cache evicts it (LRU).
+            turn. Costs one state slot per generation until the radix cache evicts it (by kind,
+            then recompute cost per byte, least recently used on a tie: ``engine.radix_cache``).
     """
 
     page_size: int = 16
@@ -426,6 +427,25 @@ class EngineConfig:
             # The annotations are strings (``from __future__ import annotations``): the section class's name.
             if not isinstance(value, globals()[str(f.type)]):
                 raise ValueError(f"{f.name}: expected a {f.type}, got {type(value).__name__}")
+
+    def with_sections(self, **sections: Any) -> EngineConfig:
+        """This configuration with whole sections replaced: ``with_sections(cache=CacheConfig(num_pages=64))``.
+
+        Raises:
+            TypeError: a name that is not a section; for a section's option (``num_pages=64``) the
+                message names the section to pass instead.
+            ValueError: a section of the wrong type.
+        """
+        names = [f.name for f in fields(self)]
+        for name in sections:
+            if name in names:
+                continue
+            owner = next((s for s in names if name in {f.name for f in fields(getattr(self, s))}), None)
+            if owner is not None:
+                kind = type(getattr(self, owner)).__name__
+                raise TypeError(f"{name}= is an option of the {owner} section: pass {owner}={kind}({name}=...)")
+            raise TypeError(f"unknown option {name!r}: expected a section ({', '.join(names)})")
+        return replace(self, **sections)
 
 
 def _check_ints(config: object, names: tuple[str, ...]) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -35,7 +36,6 @@ from phloem.engine.cache.state_slots import SlotPool
 from phloem.engine.config import EngineConfig, ModelConfig
 from phloem.engine.errors import CorruptStep, InvalidRequest
 from phloem.engine.model_runner import CausalLM, LaunchedStep, build_runner
-from phloem.engine.overrides import apply_overrides
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.request import Request, RequestOutput, RequestStatus
 from phloem.engine.request_checks import check_logit_bias, check_outputs, check_prompt, grammar_matcher
@@ -127,7 +127,7 @@ class Engine:
         load_format: str | None = None,
         device: str | None = None,
         dtype: str | None = None,
-        **overrides: Any,
+        **sections: Any,
     ) -> Engine:
         """Load a Hugging Face model folder.
 
@@ -137,22 +137,26 @@ class Engine:
             load_format: ``"safetensors"`` or ``"dummy"`` (random weights); overrides ``config.load``.
             device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; overrides ``config.load``.
             dtype: ``"auto"``, ``"bfloat16"``, ``"float16"`` or ``"float32"``; overrides ``config.load``.
-            **overrides: whole sections replacing the config's (``cache=CacheConfig(num_pages=64)``).
-                The flat options of the previous release (``num_pages=64``) still work, with a
-                ``DeprecationWarning`` naming the new spelling (``engine.overrides``).
+            **sections: whole sections replacing the config's (``cache=CacheConfig(num_pages=64)``,
+                ``EngineConfig.with_sections``); a section's option alone (``num_pages=64``) is a
+                ``TypeError`` naming its section.
 
         Returns:
             The engine. At ``tensor_parallel_size`` N > 1 it runs N - 1 worker processes:
             ``close()`` (or ``with``) stops them.
 
         Raises:
-            TypeError: an unknown option, or a flat option given with its section.
+            TypeError: ``config`` is not an ``EngineConfig``, or an option is not a section.
             ValueError: a bad option, model folder or checkpoint; a tensor-parallel size that does
                 not divide the heads, exceeds 8, or exceeds the visible GPUs.
             EngineError: a tensor-parallel worker failed to start.
         """
-        load = {"load_format": load_format, "device": device, "dtype": dtype}
-        parts = load_parts(path, apply_overrides(config, overrides, load))
+        config = config if config is not None else EngineConfig()
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"Engine.from_pretrained: config: expected an EngineConfig, got {type(config).__name__}")
+        config = config.with_sections(**sections)
+        load = {k: v for k, v in (("load_format", load_format), ("device", device), ("dtype", dtype)) if v is not None}
+        parts = load_parts(path, config.with_sections(load=replace(config.load, **load)) if load else config)
         try:
             return cls(
                 parts.model_config, parts.model, parts.config, parts.device, parts.dtype, parts.workers, parts.grammar

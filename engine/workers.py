@@ -30,8 +30,8 @@ A worker that fails before "ready" sends its traceback and rank 0 raises ``Engin
 rather than hanging in a collective. Workers are daemonic and also stopped by a finalizer when
 their handle is garbage-collected, so no path leaks a process.
 
-Why this lives in ``engine``: ``Engine.from_pretrained(path, tensor_parallel_size=N)`` must start
-the ranks, and ``engine`` may not import ``runtime``. Why beside ``engine.build`` rather than in
+Why this lives in ``engine``: ``Engine.from_pretrained(path, parallel=ParallelConfig(N))`` must
+start the ranks, and ``engine`` may not import ``runtime``. Why beside ``engine.build`` rather than in
 ``engine.parallel``: a worker builds a whole rank (loader, model runner), which sit above the
 parallel layer the models import; ``engine.parallel`` stays low level.
 """

@@ -1,10 +1,10 @@
-"""``SessionManager``: sessions as first-class objects over one engine (DESIGN.md §4).
+"""``SessionManager``: sessions as first-class objects over one engine (docs/architecture.md, "Invariants").
 
 Every operation is scoped by ``owner`` (the API key): a session of another owner does not exist.
 
-- **create** commits the optional initial content as turn 0 and pins it. NOTE: the engine has no
-  prefill-only request yet (``SamplingParams.max_tokens >= 1``, and a request's checkpoint lands
-  after its last *generated* token), so input that is appended without a generation (turn 0, an
+- **create** commits the optional initial content as turn 0 and pins it. NOTE: the engine has a
+  prefill-only request (``Engine.add_request(prefill_only=True)``, ``EngineClient.prefill``) but
+  this layer does not use it yet, so input that is appended without a generation (turn 0, an
   append without ``generate``) is recorded but computed by the next generation, whose
   ``cached_tokens`` then reflect it. A generated turn ends with a checkpoint at its very end.
 - **append** turns the input into tokens (``sessions.text.chat`` for messages), checks the context

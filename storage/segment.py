@@ -17,7 +17,7 @@ Tensors (names are the safetensors keys on disk)::
 
 Decisions: a segment always covers tokens ``[0, num_tokens)`` of its session (the head), so one
 segment is enough to resume; conv state shares the model dtype recorded as ``kv_dtype`` and the
-recurrent state is always fp32 (DESIGN.md §3). The token-id hash is sha256 over the ids as
+recurrent state is always fp32 (docs/architecture.md, "Invariants"). The token-id hash is sha256 over the ids as
 little-endian int64, so it is stable across machines and Python versions.
 """
 

@@ -20,8 +20,8 @@ rates (``rate(phloem_cached_tokens_total[5m]) / rate(phloem_prompt_tokens_total[
 Decision: without API keys ``/metrics`` is public like ``/health`` (one tenant; aggregate counts
 only, no session id, owner, key or text). With keys it needs an admin key (``app.create_app``):
 its counters sum every tenant's traffic (cached tokens, requests by route), and a tenant polling
-them around another's request would learn that request's cache hits (DESIGN.md §8: what a
-tenant sees comes from its namespace alone). Prometheus sends the key as a bearer credential.
+them around another's request would learn that request's cache hits (docs/architecture.md,
+"Invariants": what a tenant sees comes from its namespace alone). Prometheus sends the key as a bearer credential.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pstats
 import tempfile
 from pathlib import Path
 
-from phloem.engine import Engine
+from phloem.engine import Engine, SchedulerConfig
 from phloem.benchmarks.decode import run_decode
 from phloem.runtime.model_shapes import write_shape
 
@@ -31,7 +31,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
         engine = Engine.from_pretrained(write_shape(args.shape, Path(tmp)), load_format="dummy", device=args.device,
-                                        dtype=dtype, max_num_seqs=1, max_num_batched_tokens=8192)  # fmt: skip
+                                        dtype=dtype, scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=1))  # fmt: skip
     plain = run_decode(engine, 1, 1024, 1.0, steps=args.steps, compare_sync=True)
     profiler = cProfile.Profile()
     profiler.enable()

@@ -20,7 +20,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from phloem.engine import Engine
+from phloem.engine import Engine, SchedulerConfig
 from phloem.benchmarks.decode import run_decode
 from phloem.runtime.model_shapes import write_shape
 
@@ -33,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         engine = Engine.from_pretrained(write_shape(args.shape, Path(tmp)), load_format="dummy", device="cuda",
-                                        dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=8192)  # fmt: skip
+                                        dtype="bfloat16", scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=1))  # fmt: skip
     plain = run_decode(engine, 1, 1024, 1.0, steps=30, compare_sync=False)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         traced = run_decode(engine, 1, 1024, 1.0, steps=args.steps, warmup=3, compare_sync=False)

@@ -23,7 +23,7 @@ counts locks passing through a node (a node with ``lock_ref > 0`` keeps its page
 checkpoints of a locked path stay evictable: for a slot, and for a page when they have a tail
 page (a checkpoint with children and no tail page frees no page).
 
-Namespaces (tenants, DESIGN.md §8). Every node belongs to the namespace that inserted it, and
+Namespaces (tenants, docs/architecture.md, "Invariants"). Every node belongs to the namespace that inserted it, and
 every checkpoint to the namespace that computed it; ``None`` is the shared namespace (operator
 prefixes, and every caller that names none). A lookup in namespace ``T`` follows nodes and
 uses checkpoints of ``T`` and ``None`` only, so one tenant can never observe another's prefixes

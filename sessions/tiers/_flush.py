@@ -1,7 +1,7 @@
 """The shutdown flush: on a graceful stop, write to disk the session state a restart would lose.
 
-Host memory and the GPU die with the process; only the disk tier survives a restart (DESIGN.md
-§4, "Durability"), and a session without a disk segment resumes by recomputing its whole
+Host memory and the GPU die with the process; only the disk tier survives a restart
+(docs/architecture.md, "Session state tiers": Durability), and a session without a disk segment resumes by recomputing its whole
 history. So before the sessions layer closes (SIGINT/SIGTERM, after the open streams ended):
 
     1. every segment in the host pool is demoted to disk (its holders become ``disk``);

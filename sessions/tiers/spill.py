@@ -1,6 +1,6 @@
 """Tiered session state: spill idle sessions to host memory, then disk; resume them; recover them.
 
-Policy (DESIGN.md §4, "Pin/TTL")::
+Policy (docs/architecture.md, "Session state tiers")::
 
     active ──TTL──▶ idle ──idle_to_host_s──▶ host ──host budget full──▶ disk
       ▲  (pinned)    (unpinned, on the GPU,      (HostPool)               (DiskStore file,

@@ -21,7 +21,7 @@ import torch
 from probe import next_token_logits
 from pydantic import BaseModel, Field
 
-from phloem.engine import Engine
+from phloem.engine import CacheConfig, Engine
 from phloem.runtime.builtin_model import trained_model_path
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.sessions import Tokenizer
@@ -174,7 +174,7 @@ def test_n_choices_share_the_prompt_pages(random_oai: openai.OpenAI, random_serv
 @pytest.fixture(scope="module")
 def engine(server: Any) -> Engine:
     """The served model, loaded again in this process: the reference for log-probabilities."""
-    return Engine.from_pretrained(trained_model_path(), num_pages=64, num_state_slots=4)
+    return Engine.from_pretrained(trained_model_path(), cache=CacheConfig(num_pages=64, num_state_slots=4))
 
 
 def log_softmax_after(engine: Engine, tokens: list[int]) -> torch.Tensor:

@@ -9,11 +9,12 @@ token for token with the fresh path: an engine without a prefix cache computing 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, SamplingParams, SchedulerConfig
 
 PAGE = 16
 
@@ -23,16 +24,16 @@ def path(tiny_checkpoint: Callable[..., Path]) -> Path:
     return tiny_checkpoint("Qwen3_5MoeForCausalLM")
 
 
-def engine(path: Path, **options: object) -> Engine:
-    defaults: dict[str, object] = dict(
-        num_pages=64, num_state_slots=16, page_size=PAGE, max_num_batched_tokens=256, checkpoint_interval=0
-    )
-    defaults.update(options)
-    return Engine.from_pretrained(path, **defaults)
+CACHE = CacheConfig(page_size=PAGE, num_pages=64, num_state_slots=16, checkpoint_interval=0)
+SCHEDULER = SchedulerConfig(max_num_batched_tokens=256)
+
+
+def engine(path: Path, cache: CacheConfig = CACHE, scheduler: SchedulerConfig = SCHEDULER) -> Engine:
+    return Engine.from_pretrained(path, cache=cache, scheduler=scheduler)
 
 
 def fresh(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    outs = engine(path, enable_prefix_caching=False).generate(prompts, SamplingParams(max_tokens=n))
+    outs = engine(path, replace(CACHE, enable_prefix_caching=False)).generate(prompts, SamplingParams(max_tokens=n))
     return [o.token_ids for o in outs]
 
 
@@ -58,7 +59,7 @@ def test_prompt_end_checkpoint_serves_another_continuation(path: Path, prompt_le
     prompt = tokens(prompt_len, 6)
     results = {}
     for flag in (True, False):
-        eng = engine(path, checkpoint_prompt_end=flag)
+        eng = engine(path, replace(CACHE, checkpoint_prompt_end=flag))
         first = eng.generate([prompt], SamplingParams(max_tokens=5))[0]
         retry = prompt + [(first.token_ids[0] + 1) % 256] + tokens(8, 7)
         results[flag] = eng.generate([retry], SamplingParams(max_tokens=12))[0]
@@ -72,7 +73,7 @@ def test_prompt_end_checkpoint_serves_another_continuation(path: Path, prompt_le
 
 
 def test_periodic_checkpoint_hit_equals_fresh(path: Path) -> None:
-    eng = engine(path, checkpoint_interval=16, max_num_batched_tokens=64)
+    eng = engine(path, replace(CACHE, checkpoint_interval=16), SchedulerConfig(max_num_batched_tokens=64))
     shared = tokens(40, 3)
     eng.generate([shared + tokens(5, 4)], SamplingParams(max_tokens=2))
     probe = shared[:37] + tokens(3, 5)
@@ -82,7 +83,7 @@ def test_periodic_checkpoint_hit_equals_fresh(path: Path) -> None:
 
 
 def test_concurrent_sharers_and_fork_branches_equal_fresh(path: Path) -> None:
-    eng = engine(path, checkpoint_interval=16)
+    eng = engine(path, replace(CACHE, checkpoint_interval=16))
     shared = tokens(50, 6)
     prompts = [shared + tokens(3, 7), shared + tokens(9, 8), shared]
     outs = eng.generate(prompts, SamplingParams(max_tokens=10))
@@ -96,7 +97,7 @@ def test_concurrent_sharers_and_fork_branches_equal_fresh(path: Path) -> None:
 
 
 def test_multi_turn_extension_equals_fresh(path: Path) -> None:
-    eng = engine(path, max_num_batched_tokens=24)  # chunked prefill on the first turn
+    eng = engine(path, scheduler=SchedulerConfig(max_num_batched_tokens=24))  # chunked prefill on the first turn
     history = tokens(60, 12)
     for turn in range(4):
         out = eng.generate([history], SamplingParams(max_tokens=6))[0]
@@ -106,7 +107,7 @@ def test_multi_turn_extension_equals_fresh(path: Path) -> None:
 
 
 def test_eviction_then_recompute_equals_fresh(path: Path) -> None:
-    eng = engine(path, num_pages=12, num_state_slots=4)
+    eng = engine(path, replace(CACHE, num_pages=12, num_state_slots=4))
     prompts = [tokens(40, 30 + i) for i in range(5)]
     for p in prompts:
         eng.generate([p], SamplingParams(max_tokens=4))

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
 import torch
 
-from phloem.engine import Engine, GrammarSpec, InvalidRequest, SamplingParams
+from phloem.engine import CacheConfig, Engine, GrammarSpec, InvalidRequest, SamplingParams, SchedulerConfig
 from phloem.runtime import ensure_default_model
 from phloem.sessions import Tokenizer
 
@@ -25,8 +26,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_default_model(tmp_path_factory.mktemp("constrained"))
 
 
-def make(model_dir: Path, **options: object) -> Engine:
-    return Engine.from_pretrained(model_dir, num_pages=128, num_state_slots=12, **options)  # type: ignore[arg-type]
+def make(model_dir: Path, **options: Any) -> Engine:
+    """An engine with small pools; ``options`` are whole sections (or device, dtype)."""
+    return Engine.from_pretrained(model_dir, cache=CacheConfig(num_pages=128, num_state_slots=12), **options)
 
 
 @pytest.mark.slow  # three grammar-constrained generations to a JSON end
@@ -65,7 +67,7 @@ def test_penalties_and_min_tokens_give_the_synchronous_tokens_under_async_schedu
               SamplingParams(max_tokens=20, min_tokens=15, temperature=0.9, seed=4, logit_bias=((9, 2.0),)),
               SamplingParams(max_tokens=20, ignore_eos=True)]
     prompts = [[5, 6, 7, 5, 6], [9, 10], [11, 12, 13]]
-    outs = {pipelined: make(model_dir, async_scheduling=pipelined).generate(prompts, params)
+    outs = {pipelined: make(model_dir, scheduler=SchedulerConfig(async_scheduling=pipelined)).generate(prompts, params)
             for pipelined in (False, True)}
     assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
     assert len(outs[True][1].token_ids) >= 15
@@ -89,7 +91,7 @@ def test_a_bad_grammar_is_refused_and_the_engine_keeps_serving(model_dir: Path) 
 def test_grammar_penalties_and_logprobs_under_cuda_graphs(model_dir: Path) -> None:
     """The mask is applied to the graph's logits, outside the graph; greedy rows of a processed
     step take the argmax of the processed logits, not the graph's."""
-    engine = make(model_dir, device="cuda", dtype="bfloat16", max_num_seqs=16)
+    engine = make(model_dir, device="cuda", dtype="bfloat16", scheduler=SchedulerConfig(max_num_seqs=16))
     assert engine.runner.graphs is not None
     tokenizer = Tokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.encode(f"Reply in JSON {i}:") for i in range(12)]

@@ -16,7 +16,7 @@ import torch
 from grammars import HERMES, JSON, REGEX, SCHEMA, TOOL_CALL, TOOLS, WEATHER, XML, XML_CALL
 from toy_model import assert_pools_empty
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, SamplingParams, SchedulerConfig
 from phloem.engine.model_runner import LaunchedStep
 from phloem.engine.sampling.grammar import GrammarMatcher
 from phloem.runtime import ensure_default_model
@@ -36,8 +36,8 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 
 def make(model_dir: Path, async_scheduling: bool, caching: bool = True) -> Engine:
     return Engine.from_pretrained(
-        model_dir, num_pages=256, num_state_slots=40, async_scheduling=async_scheduling,
-        enable_prefix_caching=caching,
+        model_dir, cache=CacheConfig(num_pages=256, num_state_slots=40, enable_prefix_caching=caching),
+        scheduler=SchedulerConfig(async_scheduling=async_scheduling),
     )
 
 
@@ -114,8 +114,8 @@ def test_constrained_steps_under_cuda_graphs_give_the_synchronous_tokens(model_d
     prompts, params = workload(tokenizer)
     outs, deferred = {}, {}
     for pipelined in (False, True):
-        engine = Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_num_seqs=len(prompts),
-                                        async_scheduling=pipelined)
+        engine = Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16",
+                                        scheduler=SchedulerConfig(max_num_seqs=len(prompts), async_scheduling=pipelined))
         assert engine.runner.graphs is not None
         log = StepLog(engine)
         outs[pipelined] = outcome(engine, prompts, params)
@@ -313,7 +313,7 @@ def test_the_decode_benchmark_times_the_queued_constrained_path(model_dir: Path)
     queued ahead like the plain ones."""
     from phloem.benchmarks.decode import BENCH_SCHEMA, run_decode
 
-    engine = Engine.from_pretrained(model_dir, num_pages=64, num_state_slots=12)
+    engine = Engine.from_pretrained(model_dir, cache=CacheConfig(num_pages=64, num_state_slots=12))
     steps, warmup = 3, 3
     counts: list[int] = []
     original = engine.runner.sample_queued

@@ -14,7 +14,7 @@ from grammars import JSON, REGEX, TOOL_CALL
 from safetensors.torch import load_file, save_file
 from toy_model import assert_pools_empty
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, SamplingParams, SchedulerConfig
 from phloem.kernels.config import KernelConfig
 from phloem.runtime import ensure_default_model
 
@@ -59,8 +59,8 @@ def test_constrained_steps_give_the_synchronous_tokens(two_layer_model: Path, mo
     prompts = [[11 + i, 40, 7 * i + 3] for i in range(len(params))]
     outs = {}
     for pipelined in (True, False):
-        engine = Engine.from_pretrained(two_layer_model, dtype="float32", num_pages=16, num_state_slots=12,
-                                        async_scheduling=pipelined, kernels=KernelConfig(backend="triton"))
+        engine = Engine.from_pretrained(two_layer_model, dtype="float32", cache=CacheConfig(num_pages=16, num_state_slots=12),
+                                        scheduler=SchedulerConfig(async_scheduling=pipelined), kernels=KernelConfig(backend="triton"))
         assert engine.runner.model.model.layers[0].mlp.ops.backend == "triton"
         outs[pipelined] = [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, params)]
         assert (engine.num_pipelined_steps > 0) == pipelined

@@ -1,10 +1,12 @@
-"""``Engine.from_pretrained(path, config, **overrides)``: one typed ``EngineConfig`` of frozen
-sections; ``load_format`` / ``device`` / ``dtype`` as plain keywords; the flat options of the
-previous release mapped onto their sections with a ``DeprecationWarning``."""
+"""``Engine.from_pretrained(path, config, **sections)``: one typed ``EngineConfig`` of frozen
+sections; ``load_format`` / ``device`` / ``dtype`` as plain keywords; whole sections by keyword
+(``EngineConfig.with_sections``); a section's option on its own (``num_pages=64``, the flat
+keywords of earlier releases) a ``TypeError`` naming the section."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import warnings
@@ -14,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import phloem.engine.engine as engine_module
 from phloem.engine import (
     CacheConfig,
     Engine,
@@ -25,7 +28,6 @@ from phloem.engine import (
     SamplingParams,
     SchedulerConfig,
 )
-from phloem.engine.overrides import apply_overrides
 
 SMALL = CacheConfig(num_pages=64, num_state_slots=8)
 
@@ -69,36 +71,64 @@ def test_the_step_budget_is_decided_by_the_device() -> None:
     assert SchedulerConfig(max_num_batched_tokens=96).for_device("cuda").max_num_batched_tokens == 96
 
 
-def test_overrides_replace_sections_and_load_keywords_override_load() -> None:
+class _Built(Exception):
+    """Raised by the stub loader with the configuration ``from_pretrained`` would build from."""
+
+
+def built_config(monkeypatch: pytest.MonkeyPatch, *args: Any, **kwargs: Any) -> EngineConfig:
+    """The ``EngineConfig`` that ``Engine.from_pretrained(*args, **kwargs)`` hands the loader."""
+
+    def load_parts(path: Any, config: EngineConfig) -> None:
+        raise _Built(config)
+
+    monkeypatch.setattr(engine_module, "load_parts", load_parts)
+    with pytest.raises(_Built) as built:
+        Engine.from_pretrained("unused", *args, **kwargs)
+    return built.value.args[0]
+
+
+def test_sections_replace_the_config_and_load_keywords_override_load(monkeypatch: pytest.MonkeyPatch) -> None:
     base = EngineConfig(load=LoadConfig(dtype="float32", seed=3), cache=SMALL)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # neither sections nor the load keywords warn
-        config = apply_overrides(base, {"scheduler": SchedulerConfig(max_num_seqs=2)},
-                                 {"load_format": "dummy", "device": None, "dtype": "bfloat16"})
+        config = built_config(monkeypatch, base, scheduler=SchedulerConfig(max_num_seqs=2),
+                              load_format="dummy", device=None, dtype="bfloat16")
     assert config.load == LoadConfig(load_format="dummy", dtype="bfloat16", seed=3)
     assert (config.cache, config.scheduler.max_num_seqs) == (SMALL, 2)
-    assert apply_overrides(None, {}, {}) == EngineConfig()
+    assert built_config(monkeypatch) == EngineConfig()
+    assert base.with_sections(scheduler=SchedulerConfig(max_num_seqs=2)) == config.with_sections(load=base.load)
+    assert base.with_sections() == base
 
 
-def test_flat_options_map_onto_their_sections_with_a_deprecation_warning() -> None:
-    with pytest.warns(DeprecationWarning, match=r"config=EngineConfig\(cache=CacheConfig\(num_pages=\.\.\.") as caught:
-        config = apply_overrides(None, {"num_pages": 64, "max_num_seqs": 4, "show_progress": False,
-                                        "tensor_parallel_size": 2, "pdl": False}, {})
-    assert config.cache.num_pages == 64 and config.scheduler.max_num_seqs == 4
-    assert config.load.show_progress is False and config.parallel.tensor_parallel_size == 2
-    assert config.kernels.pdl is False
-    assert len(caught) == 5  # one warning per section, each naming its new spelling
-    assert any("scheduler=SchedulerConfig(max_num_seqs=...)" in str(w.message) for w in caught)
+@pytest.mark.parametrize(
+    ("option", "spelling"),
+    [
+        ("num_pages", "cache=CacheConfig(num_pages=...)"),
+        ("max_num_seqs", "scheduler=SchedulerConfig(max_num_seqs=...)"),
+        ("show_progress", "load=LoadConfig(show_progress=...)"),
+        ("tensor_parallel_size", "parallel=ParallelConfig(tensor_parallel_size=...)"),
+        ("pdl", "kernels=KernelConfig(pdl=...)"),
+    ],
+)
+def test_a_flat_option_is_a_type_error_naming_its_section(
+    option: str, spelling: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(TypeError, match=f"^{option}= is an option of the {spelling.split('=')[0]} section: pass "
+                                        + re.escape(spelling) + "$"):
+        built_config(monkeypatch, **{option: 2})
+    with pytest.raises(TypeError, match=re.escape(spelling)):
+        EngineConfig().with_sections(**{option: 2})
 
 
-def test_unknown_options_and_ambiguous_ones_are_type_errors() -> None:
-    with pytest.raises(TypeError, match=r"unknown option\(s\) \['max_batch'\]"):
-        apply_overrides(None, {"max_batch": 8}, {})
-    with pytest.raises(TypeError, match=r"\['num_pages'\] and cache= both given"), warnings.catch_warnings():
-        warnings.simplefilter("error")
-        apply_overrides(None, {"num_pages": 8, "cache": SMALL}, {})
+def test_unknown_options_and_a_config_of_the_wrong_type_are_type_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TypeError, match=r"unknown option 'max_batch': expected a section \(load, cache, "):
+        built_config(monkeypatch, max_batch=8)
+    with pytest.raises(TypeError, match="num_pages= is an option of the cache section"):
+        built_config(monkeypatch, num_pages=8, cache=SMALL)
     with pytest.raises(TypeError, match="config: expected an EngineConfig, got dict"):
-        apply_overrides({"cache": SMALL}, {}, {})  # type: ignore[arg-type]
+        built_config(monkeypatch, {"cache": SMALL})
+    with pytest.raises(ValueError, match="^cache: expected a CacheConfig, got dict"):
+        EngineConfig().with_sections(cache={"num_pages": 64})
 
 
 def test_from_pretrained_takes_a_config(tiny_checkpoint: Callable[..., Path]) -> None:
@@ -116,17 +146,20 @@ def test_from_pretrained_takes_a_config(tiny_checkpoint: Callable[..., Path]) ->
     assert plain.config.load.seed == 0 and plain.scheduler.config.max_num_batched_tokens == 512
 
 
-def test_old_flat_keywords_build_the_same_engine(tiny_checkpoint: Callable[..., Path]) -> None:
+def test_sections_by_keyword_build_the_config_s_engine(tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint("Qwen3_5ForCausalLM")
     new = Engine.from_pretrained(path, EngineConfig(cache=SMALL, scheduler=SchedulerConfig(max_num_batched_tokens=32)))
-    with pytest.warns(DeprecationWarning, match="Engine.from_pretrained"):
-        old = Engine.from_pretrained(path, num_pages=64, num_state_slots=8, max_num_batched_tokens=32)
-    assert old.config == new.config
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        keywords = Engine.from_pretrained(path, cache=SMALL, scheduler=SchedulerConfig(max_num_batched_tokens=32))
+    assert keywords.config == new.config
     prompt = [(i * 5) % 200 for i in range(70)]  # three chunks of 32
     params = SamplingParams(max_tokens=4)
-    assert old.generate([prompt], params)[0].token_ids == new.generate([prompt], params)[0].token_ids
+    assert keywords.generate([prompt], params)[0].token_ids == new.generate([prompt], params)[0].token_ids
     with pytest.raises(TypeError, match="unknown option"):
         Engine.from_pretrained(path, max_batch=8)
+    with pytest.raises(TypeError, match=re.escape("pass cache=CacheConfig(num_pages=...)")):
+        Engine.from_pretrained(path, num_pages=64, num_state_slots=8, max_num_batched_tokens=32)
 
 
 def test_the_config_imports_without_torch() -> None:

@@ -6,21 +6,25 @@ Tiny random checkpoints of the three architectures (built by ``tests/conftest.py
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, SamplingParams, SchedulerConfig
 
 ARCHS = ["Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"]
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12], list(range(30, 70))]
 
 
-def make(path: Path, **options: object) -> Engine:
-    defaults: dict[str, object] = dict(num_pages=64, num_state_slots=16, page_size=16, max_num_batched_tokens=256)
-    defaults.update(options)
-    return Engine.from_pretrained(path, **defaults)
+CACHE = CacheConfig(page_size=16, num_pages=64, num_state_slots=16)
+SCHEDULER = SchedulerConfig(max_num_batched_tokens=256)
+UNCACHED = replace(CACHE, enable_prefix_caching=False)
+
+
+def make(path: Path, cache: CacheConfig = CACHE, scheduler: SchedulerConfig = SCHEDULER) -> Engine:
+    return Engine.from_pretrained(path, cache=cache, scheduler=scheduler)
 
 
 def assert_pools_empty(engine: Engine) -> None:
@@ -54,9 +58,9 @@ def test_batched_eight_requests_equal_each_alone(tiny_checkpoint: Callable[..., 
     lengths = [1, 3, 16, 17, 33, 70, 5, 9]  # 70 > the 32-token budget below: chunked prefill
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
     params = SamplingParams(max_tokens=12)
-    batched = make(path, max_num_batched_tokens=32, enable_prefix_caching=False).generate(prompts, params)
+    batched = make(path, UNCACHED, SchedulerConfig(max_num_batched_tokens=32)).generate(prompts, params)
     for prompt, out in zip(prompts, batched):
-        alone = make(path, enable_prefix_caching=False).generate([prompt], params)[0]
+        alone = make(path, UNCACHED).generate([prompt], params)[0]
         assert out.token_ids == alone.token_ids
 
 
@@ -82,7 +86,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_checkpoint: 
 def test_bad_input_is_a_clear_error_and_engine_keeps_serving(
     prompt: list[int], params: SamplingParams, field: str, tiny_checkpoint: Callable[..., Path]
 ) -> None:
-    engine = make(tiny_checkpoint("Qwen3_5MoeForCausalLM"), max_model_len=32)
+    engine = make(tiny_checkpoint("Qwen3_5MoeForCausalLM"), scheduler=replace(SCHEDULER, max_model_len=32))
     with pytest.raises(ValueError, match=field):
         engine.add_request(prompt, params)
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].finish_reason == "length"

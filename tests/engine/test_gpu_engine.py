@@ -17,13 +17,24 @@ tokens outside the top-k at once. The model's ``lm_head`` is scaled up to sharpe
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from probe import next_token_logits
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import (
+    CacheConfig,
+    Engine,
+    EngineConfig,
+    LoadConfig,
+    ParallelConfig,
+    RunnerConfig,
+    SamplingParams,
+    SchedulerConfig,
+)
 from phloem.kernels.config import KernelConfig
 from phloem.runtime.default_model import ensure_default_model
 
@@ -50,12 +61,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dst
 
 
-def gpu_engine(path: Path, **options: object) -> Engine:
-    defaults: dict[str, object] = dict(
-        device="cuda", dtype="bfloat16", num_pages=512, num_state_slots=64, max_num_batched_tokens=128, max_num_seqs=16
-    )
-    defaults.update(options)
-    return Engine.from_pretrained(path, **defaults)
+GPU = EngineConfig(load=LoadConfig(device="cuda", dtype="bfloat16"), cache=CacheConfig(num_pages=512, num_state_slots=64),
+                   scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16))  # fmt: skip
+# Eager steps, no prefix hits: the reference the graphed and cached paths follow.
+EAGER: dict[str, Any] = dict(runner=RunnerConfig(enable_cuda_graph=False), cache=replace(GPU.cache, enable_prefix_caching=False))
+CPU_REFERENCE = CacheConfig(num_pages=256, num_state_slots=16, enable_prefix_caching=False)  # the fp32 CPU engine's
+
+
+def gpu_engine(path: Path, **options: Any) -> Engine:
+    """An engine of ``GPU``'s sections; ``options`` replace whole sections (or device, dtype)."""
+    return Engine.from_pretrained(path, GPU, **options)
 
 
 def test_backends_in_use(model_dir: Path) -> None:
@@ -69,7 +84,7 @@ def test_backends_in_use(model_dir: Path) -> None:
 def test_cuda_graph_follows_eager(model_dir: Path) -> None:
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     graph = gpu_engine(model_dir).generate(PROMPTS, params)
-    eager = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
+    eager = gpu_engine(model_dir, **EAGER)
     assert_follows(eager, PROMPTS, [o.token_ids for o in graph])
 
 
@@ -80,7 +95,7 @@ def test_async_scheduling_gives_the_synchronous_tokens_bitwise(model_dir: Path) 
     params = [SamplingParams(max_tokens=8 + 6 * i, ignore_eos=True) for i in range(len(PROMPTS))]
     results = []
     for pipelined in (False, True):
-        engine = gpu_engine(model_dir, async_scheduling=pipelined)
+        engine = gpu_engine(model_dir, scheduler=replace(GPU.scheduler, async_scheduling=pipelined))
         first = engine.generate(PROMPTS, params)
         follow = [p + o.token_ids + [4, 5] for p, o in zip(PROMPTS, first)]
         second = engine.generate(follow, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -103,10 +118,11 @@ def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: 
     script = (
         "import json, sys\n"
         f"sys.path.insert(0, {str(Path(__file__).parents[1] / 'support')!r})\n"
-        "from phloem.engine import Engine, SamplingParams\n"
+        "from phloem.engine import CacheConfig, Engine, SamplingParams, SchedulerConfig\n"
         "from phloem.runtime.env import kernel_config\n"
-        f"e = Engine.from_pretrained({str(model_dir)!r}, device='cuda', dtype='bfloat16', num_pages=512, "
-        "kernels=kernel_config(), num_state_slots=64, max_num_batched_tokens=128, max_num_seqs=16)\n"
+        f"e = Engine.from_pretrained({str(model_dir)!r}, device='cuda', dtype='bfloat16', kernels=kernel_config(), "
+        "cache=CacheConfig(num_pages=512, num_state_slots=64), "
+        "scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16))\n"
         f"outs = e.generate({PROMPTS!r}, SamplingParams(**{params!r}))\n"
         f"alone = e.generate([{PROMPTS[0]!r}], SamplingParams(**{params!r}))\n"
         "print(json.dumps([o.token_ids for o in outs + alone]))\n"
@@ -119,7 +135,7 @@ def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: 
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert runs[1] == runs[0], "PDL changed the tokens"
     # The GEMV sums in another order than cuBLAS: bf16 may part at a near tie, so follow top-k.
-    assert_follows(gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False),
+    assert_follows(gpu_engine(model_dir, **EAGER),
                    [*PROMPTS, PROMPTS[0]], runs[2])  # fmt: skip
 
 
@@ -135,10 +151,9 @@ def test_attention_prologue_in_the_split_launch_follows_eager(model_dir: Path, m
     first = [o.token_ids for o in engine.generate(PROMPTS, params)]
     follow = [p + t + [4, 5] for p, t in zip(PROMPTS, first)]
     second = [o.token_ids for o in engine.generate(follow, SamplingParams(max_tokens=12, ignore_eos=True))]
-    eager_fused = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
+    eager_fused = gpu_engine(model_dir, **EAGER)
     eager_first = [o.token_ids for o in eager_fused.generate(PROMPTS, params)]
-    reference = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False,
-                           kernels=KernelConfig(triton_decode_attention=False))
+    reference = gpu_engine(model_dir, **EAGER, kernels=KernelConfig(triton_decode_attention=False))
     assert not reference.runner.attn.prologue  # type: ignore[union-attr]
     assert_follows(reference, PROMPTS, first)
     assert_follows(reference, PROMPTS, eager_first)
@@ -153,7 +168,7 @@ def test_gpu_tokens_follow_the_cpu_reference(model_dir: Path) -> None:
     compared with each other above and below."""
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     outs = gpu_engine(model_dir, dtype="float32").generate(PROMPTS, params)
-    cpu = Engine.from_pretrained(model_dir, dtype="float32", num_pages=256, num_state_slots=16, enable_prefix_caching=False)
+    cpu = Engine.from_pretrained(model_dir, dtype="float32", cache=CPU_REFERENCE)
     assert_follows(cpu, PROMPTS, [o.token_ids for o in outs])
 
 
@@ -166,14 +181,13 @@ def test_one_token_decode_through_the_fused_projections_follows_the_reference(mo
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     outs = []
     for graphs in (True, False):
-        engine = gpu_engine(model_dir, dtype=dtype, enable_cuda_graph=graphs, enable_prefix_caching=False)
+        engine = gpu_engine(model_dir, dtype=dtype, runner=RunnerConfig(enable_cuda_graph=graphs), cache=EAGER["cache"])
         assert engine.runner.model.model.layers[0].fuse_decode  # type: ignore[attr-defined]
         outs.append([engine.generate([p], params)[0].token_ids for p in PROMPTS])
     if dtype == "float32":
-        reference = Engine.from_pretrained(model_dir, dtype="float32", num_pages=256, num_state_slots=16,
-                                           enable_prefix_caching=False)  # fmt: skip
+        reference = Engine.from_pretrained(model_dir, dtype="float32", cache=CPU_REFERENCE)
     else:
-        reference = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
+        reference = gpu_engine(model_dir, **EAGER)
     for tokens in outs:
         assert_follows(reference, PROMPTS, tokens)
 
@@ -194,7 +208,7 @@ def assert_follows(reference: Engine, prompts: list[list[int]], outputs: list[li
 
 
 def test_prefix_hits_under_graphs_follow_fresh(model_dir: Path) -> None:
-    engine = gpu_engine(model_dir, checkpoint_interval=64)
+    engine = gpu_engine(model_dir, cache=replace(GPU.cache, checkpoint_interval=64))
     first = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=10, ignore_eos=True))[0]
     conv = PROMPTS[2] + first.token_ids + [4, 5, 6]
     branches = [conv + [7], conv + [8, 9], PROMPTS[2][:150] + [1]]
@@ -203,7 +217,7 @@ def test_prefix_hits_under_graphs_follow_fresh(model_dir: Path) -> None:
     # sampled token); the appended [4, 5, 6] are new to both siblings; the third hits a checkpoint.
     done = len(PROMPTS[2]) + len(first.token_ids)
     assert [h.num_cached_tokens for h in hits] == [done, done, 128]
-    fresh = gpu_engine(model_dir, enable_prefix_caching=False, enable_cuda_graph=False)
+    fresh = gpu_engine(model_dir, **EAGER)
     assert_follows(fresh, branches, [h.token_ids for h in hits])
 
 
@@ -214,7 +228,7 @@ def test_tensor_parallel_2_follows_tp1_over_nccl(model_dir: Path, one_shot: str,
     a prefix hit, a fork, and a resume from an exported (gathered, then scattered) prefix; with
     the decode all-reduces through NCCL and through the one-shot kernel (``engine.parallel.one_shot_allreduce``)."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    with gpu_engine(model_dir, tensor_parallel_size=2, checkpoint_interval=64,
+    with gpu_engine(model_dir, parallel=ParallelConfig(tensor_parallel_size=2), cache=replace(GPU.cache, checkpoint_interval=64),
                     kernels=KernelConfig(one_shot_allreduce=one_shot == "1")) as tp2:
         assert tp2.workers is not None and tp2.workers.group.size == 2
         assert (tp2.workers.group.one_shot is not None) == (one_shot == "1")
@@ -230,7 +244,7 @@ def test_tensor_parallel_2_follows_tp1_over_nccl(model_dir: Path, one_shot: str,
         assert tp2.import_prefix(state)
         resumed = tp2.generate([conv + [10]], params)[0]
         assert resumed.num_cached_tokens == done
-    tp1 = gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False)
+    tp1 = gpu_engine(model_dir, **EAGER)
     prompts = [*PROMPTS, conv + [7], conv + [8, 9], conv + [10]]
     assert_follows(tp1, prompts, [o.token_ids for o in [*first, *forks, resumed]])
 
@@ -268,4 +282,4 @@ def test_an_engine_on_the_second_gpu_serves_from_its_loop_thread(model_dir: Path
             return outs
 
     got = asyncio.run(serve())
-    assert_follows(gpu_engine(model_dir, enable_cuda_graph=False, enable_prefix_caching=False), PROMPTS[:3], got)
+    assert_follows(gpu_engine(model_dir, **EAGER), PROMPTS[:3], got)

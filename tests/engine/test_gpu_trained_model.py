@@ -14,13 +14,15 @@ each request's tokens alone, ties explained the same way (issue 28).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from probe import next_token_logits
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, EngineConfig, LoadConfig, RunnerConfig, SamplingParams, SchedulerConfig
 from phloem.kernels.config import KernelConfig
 from phloem.runtime.default_model import trained_model_path
 
@@ -54,11 +56,13 @@ def prompts(folder: Path) -> list[list[int]]:
     return [tok.encode(text) for text in rendered + texts]
 
 
-def gpu_engine(folder: Path, **options: object) -> Engine:
-    defaults: dict[str, object] = dict(device="cuda", dtype="bfloat16", num_pages=512, num_state_slots=32,
-                                       max_num_batched_tokens=256, max_num_seqs=16)
-    defaults.update(options)
-    return Engine.from_pretrained(folder, **defaults)
+GPU = EngineConfig(load=LoadConfig(device="cuda", dtype="bfloat16"), cache=CacheConfig(num_pages=512, num_state_slots=32),
+                   scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16))  # fmt: skip
+
+
+def gpu_engine(folder: Path, **sections: Any) -> Engine:
+    """An engine of ``GPU``'s sections, ``sections`` replacing whole ones."""
+    return Engine.from_pretrained(folder, GPU, **sections)
 
 
 def is_tie(a: float, b: float) -> bool:
@@ -107,7 +111,8 @@ def test_graph_and_fused_path_gives_the_eager_references_256_tokens() -> None:
     assert len(ids) == 8
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     tested = [o.token_ids for o in gpu_engine(folder).generate(ids, params)]
-    reference_engine = gpu_engine(folder, enable_cuda_graph=False, enable_prefix_caching=False,
+    reference_engine = gpu_engine(folder, runner=RunnerConfig(enable_cuda_graph=False),
+                                  cache=replace(GPU.cache, enable_prefix_caching=False),
                                   kernels=KernelConfig(triton_decode_attention=False))
     reference = [o.token_ids for o in reference_engine.generate(ids, params)]
     unexplained = []

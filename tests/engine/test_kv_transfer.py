@@ -16,7 +16,7 @@ import pytest
 import torch
 from toy_model import assert_pools_empty, expected, make_engine
 
-from phloem.engine import Engine, InvalidRequest, SamplingParams
+from phloem.engine import CacheConfig, Engine, InvalidRequest, SamplingParams
 from phloem.engine.transfer.pool_side import TransferReservation
 
 GREEDY = SamplingParams(max_tokens=6)
@@ -158,7 +158,7 @@ def test_output_token_ids_are_validated() -> None:
 def test_first_token_from_prefill_then_continuation_equals_one_engine(
     tiny_checkpoint: Callable[..., Path], params: SamplingParams
 ) -> None:
-    options: dict[str, object] = dict(num_pages=64, num_state_slots=8, page_size=16, checkpoint_interval=0)
+    options = dict(cache=CacheConfig(page_size=16, num_pages=64, num_state_slots=8, checkpoint_interval=0))
     path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
     prompt = [(11 * i + 5) % 256 for i in range(37)]
     reference = Engine.from_pretrained(path, **options).generate([prompt], params)[0].token_ids

@@ -16,7 +16,7 @@ import torch
 from logits_recorder import LogitsRecorder
 
 from phloem.engine import Engine, SamplingParams
-from phloem.engine.config import RunnerConfig
+from phloem.engine.config import CacheConfig, RunnerConfig, SchedulerConfig
 from phloem.engine.prefill_graph import PrefillGraphRunner, prefill_buckets, seq_tiers
 
 PAGE = 16
@@ -31,7 +31,8 @@ def path(tiny_checkpoint: Callable[..., Path]) -> Path:
 def engine(path: Path, max_tokens: int) -> tuple[Engine, list[int]]:
     """A CPU engine whose non-decode steps of up to ``max_tokens`` tokens run through the pieces
     (0: none); returns it and a list that counts their runs."""
-    eng = Engine.from_pretrained(path, num_pages=96, num_state_slots=24, page_size=PAGE, max_num_batched_tokens=48)
+    eng = Engine.from_pretrained(path, cache=CacheConfig(page_size=PAGE, num_pages=96, num_state_slots=24),
+                                scheduler=SchedulerConfig(max_num_batched_tokens=48))
     runs: list[int] = []
     if max_tokens:
         pad, pad_state = eng.page_pool.allocate(1), eng.slot_pool.allocate()

@@ -2,7 +2,7 @@
 
 A request of namespace ``T`` hits only prefixes ``T`` inserted and shared ones (namespace None);
 the same tokens inserted by two tenants live on separate nodes and pages; a tenant's own hits
-are exactly those of an unpartitioned cache (DESIGN.md §7, "with a tenant partition").
+are exactly those of an unpartitioned cache (docs/architecture.md, "Invariants": tenants).
 """
 
 from __future__ import annotations

@@ -7,17 +7,19 @@ past the checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, SamplingParams
 
 
-def make(path: Path, **options: object) -> Engine:
-    defaults: dict[str, object] = dict(num_pages=64, num_state_slots=8, page_size=16, checkpoint_interval=0)
-    defaults.update(options)
-    return Engine.from_pretrained(path, **defaults)
+CACHE = CacheConfig(page_size=16, num_pages=64, num_state_slots=8, checkpoint_interval=0)
+
+
+def make(path: Path, cache: CacheConfig = CACHE) -> Engine:
+    return Engine.from_pretrained(path, cache=cache)
 
 
 def assert_pools_empty(engine: Engine) -> None:
@@ -64,7 +66,7 @@ def test_import_without_room_takes_nothing(tiny_checkpoint: Callable[..., Path])
     prompt = list(range(1, 60))
     conv = prompt + big.generate([prompt], SamplingParams(max_tokens=2))[0].token_ids
     state = big.export_prefix(conv)
-    small = make(path, num_pages=3, num_state_slots=2)
+    small = make(path, replace(CACHE, num_pages=3, num_state_slots=2))
     assert state is not None and not small.import_prefix(state)
     assert small.page_pool.num_free_pages == 3 and small.slot_pool.num_free_slots == 2
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, SamplingParams
 from phloem.engine.models._moe import SparseMoe
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 11]
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
-OPTIONS = dict(dtype="float32", enable_prefix_caching=False, num_pages=64, num_state_slots=8)
+OPTIONS = dict(dtype="float32", cache=CacheConfig(num_pages=64, num_state_slots=8, enable_prefix_caching=False))
 
 
 def _moe_layers(engine: Engine) -> list[SparseMoe]:

@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, ParallelConfig, SamplingParams, SchedulerConfig
 from phloem.engine.models._moe import SparseMoe
 
 ARCHS = ["Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"]
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12], list(range(30, 70))]
 # The routed experts' FFN is 32 (tests/conftest.py); 48 cannot be expert row E of their tensors.
 SHARED = 48
-OPTIONS: dict[str, object] = dict(num_pages=64, num_state_slots=16, page_size=16, max_num_batched_tokens=32)
+OPTIONS: dict[str, object] = dict(cache=CacheConfig(page_size=16, num_pages=64, num_state_slots=16),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=32))
 
 
 def moe_blocks(engine: Engine) -> list[SparseMoe]:
@@ -66,7 +67,7 @@ def test_tensor_and_expert_parallel_follow_tp1(expert_parallel: bool, tiny_check
     path = tiny_checkpoint("Qwen3NextForCausalLM", shared_expert_size=SHARED)
     params = SamplingParams(max_tokens=8)
     expected = Engine.from_pretrained(path, **OPTIONS).generate(PROMPTS, params)
-    with Engine.from_pretrained(path, tensor_parallel_size=2, expert_parallel=expert_parallel, **OPTIONS) as tp2:
+    with Engine.from_pretrained(path, parallel=ParallelConfig(2, expert_parallel=expert_parallel), **OPTIONS) as tp2:
         got = tp2.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
@@ -74,4 +75,4 @@ def test_tensor_and_expert_parallel_follow_tp1(expert_parallel: bool, tiny_check
 def test_a_shared_expert_size_the_ranks_cannot_split_is_a_clear_error(tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint("Qwen3NextForCausalLM", shared_expert_size=33)
     with pytest.raises(ValueError, match="expected a divisor of shared_expert_intermediate_size=33, got 2"):
-        Engine.from_pretrained(path, tensor_parallel_size=2, **OPTIONS)
+        Engine.from_pretrained(path, parallel=ParallelConfig(tensor_parallel_size=2), **OPTIONS)

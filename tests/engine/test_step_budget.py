@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, SamplingParams, SchedulerConfig
 
 
 def test_cpu_default_and_an_explicit_budget(tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint("Qwen3_5ForCausalLM")
-    engine = Engine.from_pretrained(path, num_pages=64, num_state_slots=8)
+    engine = Engine.from_pretrained(path, cache=CacheConfig(num_pages=64, num_state_slots=8))
     assert engine.scheduler.config.max_num_batched_tokens == 512
-    given = Engine.from_pretrained(path, num_pages=64, num_state_slots=8, max_num_batched_tokens=96)
+    given = Engine.from_pretrained(path, cache=CacheConfig(num_pages=64, num_state_slots=8),
+                                   scheduler=SchedulerConfig(max_num_batched_tokens=96))
     assert given.scheduler.config.max_num_batched_tokens == 96
     prompt = [(i * 7) % 256 for i in range(600)]  # two chunks at the default budget
     params = SamplingParams(max_tokens=4)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from toy_model import PROMPTS_FOR_PIPELINE, assert_pools_empty, expected, make_engine
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, SamplingParams, SchedulerConfig
 
 
 def run_both(make: Callable[[bool], Engine], work: Callable[[Engine], object]) -> tuple[object, Engine]:
@@ -181,8 +181,8 @@ def test_real_checkpoint_greedy_tokens_equal_the_synchronous_engine(tiny_checkpo
     prompts = [[(7 * i + 3 * j) % 256 for j in range(5 + 6 * i)] for i in range(4)]
 
     def make(a: bool) -> Engine:
-        return Engine.from_pretrained(path, num_pages=64, num_state_slots=16, page_size=16,
-                                      max_num_batched_tokens=64, async_scheduling=a)
+        return Engine.from_pretrained(path, cache=CacheConfig(page_size=16, num_pages=64, num_state_slots=16),
+                                      scheduler=SchedulerConfig(max_num_batched_tokens=64, async_scheduling=a))
 
     def work(engine: Engine) -> object:
         first = engine.generate(prompts, [SamplingParams(max_tokens=6 + 5 * i) for i in range(4)])

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 import phloem.engine.loader as loader
 from phloem.engine import Engine, EngineError, SamplingParams
-from phloem.engine.config import LoadConfig, ModelConfig
+from phloem.engine.config import CacheConfig, LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from phloem.engine.parallel import TPGroup, check_tp_size, kv_head_start
 from phloem.engine.transfer.prefix_export import PrefixState
 from phloem.engine.step_plan import StateMove, StepInputs, StepPlan, decode_plan, encode_plan
@@ -31,9 +31,11 @@ from phloem.runtime.engine_client import EngineClient
 
 ARCHS = ["Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"]
 # A 32-token budget chunks every longer prefill; no periodic checkpoints (turn ends only).
-OPTIONS: dict[str, object] = dict(
-    num_pages=64, num_state_slots=16, page_size=16, max_num_batched_tokens=32, checkpoint_interval=0
+OPTIONS: dict[str, Any] = dict(
+    cache=CacheConfig(page_size=16, num_pages=64, num_state_slots=16, checkpoint_interval=0),
+    scheduler=SchedulerConfig(max_num_batched_tokens=32),
 )
+TP2 = ParallelConfig(tensor_parallel_size=2)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -55,7 +57,7 @@ def engines(tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, tuple[En
         for arch in ARCHS:
             path = tiny_checkpoint(arch)
             tp1 = Engine.from_pretrained(path, **OPTIONS)
-            pairs[arch] = (tp1, Engine.from_pretrained(path, tensor_parallel_size=2, **OPTIONS))
+            pairs[arch] = (tp1, Engine.from_pretrained(path, parallel=TP2, **OPTIONS))
         yield pairs
     finally:
         for _, tp in pairs.values():
@@ -172,7 +174,7 @@ def test_engine_client_runs_a_tp_engine_and_stops_its_workers(tiny_checkpoint: C
     path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
     prompt = tokens(20, 5)
     expected = Engine.from_pretrained(path, **OPTIONS).generate([prompt], SamplingParams(max_tokens=6))[0].token_ids
-    engine = Engine.from_pretrained(path, tensor_parallel_size=2, **OPTIONS)
+    engine = Engine.from_pretrained(path, parallel=TP2, **OPTIONS)
 
     async def main() -> list[int]:
         async with EngineClient(engine) as client:
@@ -201,7 +203,8 @@ def test_bad_tensor_parallel_size_is_a_clear_error(
         pytest.skip("this machine has GPUs")
     before = set(multiprocessing.active_children())
     with pytest.raises(ValueError, match=message):
-        Engine.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM"), **options)
+        parallel = ParallelConfig(tensor_parallel_size=options["tensor_parallel_size"])
+        Engine.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM"), device=options.get("device"), parallel=parallel)
     assert set(multiprocessing.active_children()) == before, "a refused size must start no process"
 
 
@@ -303,7 +306,7 @@ def ep_engines(tiny_checkpoint: Callable[..., Path], engines: dict[str, tuple[En
     pairs: dict[str, tuple[Engine, Engine]] = {}
     try:
         for arch in MOE_ARCHS:
-            ep = Engine.from_pretrained(tiny_checkpoint(arch), tensor_parallel_size=2, expert_parallel=True, **OPTIONS)
+            ep = Engine.from_pretrained(tiny_checkpoint(arch), parallel=ParallelConfig(2, expert_parallel=True), **OPTIONS)
             pairs[arch] = (engines[arch][0], ep)
         yield pairs
     finally:
@@ -339,13 +342,13 @@ def test_expert_parallel_follows_tp1(arch: str, ep_engines: dict[str, tuple[Engi
 
 def test_expert_parallel_needs_a_moe_model_and_divisible_experts(tiny_checkpoint: Callable[..., Path]) -> None:
     with pytest.raises(ValueError, match="expert_parallel: Qwen3_5ForCausalLM has no MoE layers"):
-        Engine.from_pretrained(tiny_checkpoint("Qwen3_5ForCausalLM"), tensor_parallel_size=2, expert_parallel=True)
+        Engine.from_pretrained(tiny_checkpoint("Qwen3_5ForCausalLM"), parallel=ParallelConfig(2, expert_parallel=True))
     odd = replace(ModelConfig.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM")), num_experts=7)
     with pytest.raises(ValueError, match="expected a divisor of num_experts=7, got 2"):
         check_tp_size(odd, 2, torch.device("cpu"), expert_parallel=True)
     check_tp_size(odd, 2, torch.device("cpu"))  # tensor-parallel experts split their intermediate instead
     with pytest.raises(ValueError, match="expert_parallel: needs tensor_parallel_size > 1"):
-        Engine.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM"), expert_parallel=True)
+        Engine.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM"), parallel=ParallelConfig(expert_parallel=True))
 
 
 @pytest.mark.parametrize(("arch", "layout", "experts"), SHARDED_LAYOUTS)
@@ -399,7 +402,7 @@ def test_a_bad_checkpoint_fails_on_every_rank_and_leaves_no_process(
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     before = set(multiprocessing.active_children())
     with pytest.raises(ValueError, match=r"missing weight 'model\.layers\.1\.mlp\.gate_up_proj\.weight'"):
-        Engine.from_pretrained(dst, tensor_parallel_size=2, **OPTIONS)
+        Engine.from_pretrained(dst, parallel=TP2, **OPTIONS)
     assert set(multiprocessing.active_children()) == before
 
 
@@ -442,7 +445,7 @@ def test_replicated_kv_head_padded_vocab_tied_embeddings(odd_checkpoint: Path) -
     params = SamplingParams(max_tokens=10)
     ref_engine = Engine.from_pretrained(odd_checkpoint, **OPTIONS)
     ref = ref_engine.generate(prompts, params)
-    with Engine.from_pretrained(odd_checkpoint, tensor_parallel_size=2, **OPTIONS) as engine:
+    with Engine.from_pretrained(odd_checkpoint, parallel=TP2, **OPTIONS) as engine:
         assert engine.runner.caches.kv.shape[-2] == 1  # the one KV head, on both ranks
         out = engine.generate(prompts, params)
         assert [o.token_ids for o in out] == [o.token_ids for o in ref]

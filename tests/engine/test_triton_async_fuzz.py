@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from toy_model import assert_pools_empty
 
-from phloem.engine import Engine, RequestOutput, SamplingParams
+from phloem.engine import CacheConfig, Engine, RequestOutput, SamplingParams, SchedulerConfig
 from phloem.engine.request import FinishReason, Request
 from phloem.kernels.config import KernelConfig
 
@@ -154,10 +154,10 @@ def two_layer_checkpoint(tiny_checkpoint: Callable[..., Path], tmp_path_factory:
 
 def test_async_scheduling_gives_the_synchronous_tokens(two_layer_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    options = dict(dtype="float32", num_pages=8, num_state_slots=6, max_num_batched_tokens=16, checkpoint_interval=32,
+    options = dict(dtype="float32", cache=CacheConfig(num_pages=8, num_state_slots=6, checkpoint_interval=32),
                    kernels=KernelConfig(backend="triton"))
-    pipelined = Engine.from_pretrained(two_layer_checkpoint, async_scheduling=True, **options)
-    sync = Engine.from_pretrained(two_layer_checkpoint, async_scheduling=False, **options)
+    pipelined = Engine.from_pretrained(two_layer_checkpoint, scheduler=SchedulerConfig(max_num_batched_tokens=16, async_scheduling=True), **options)
+    sync = Engine.from_pretrained(two_layer_checkpoint, scheduler=SchedulerConfig(max_num_batched_tokens=16, async_scheduling=False), **options)
     assert pipelined.runner.model.model.layers[0].mlp.ops.backend == "triton"
     outcome, log = run_async(pipelined, make_script(SEED, pipelined.model_config.vocab_size, NUM_OPS))
     assert replay_sync(sync, log) == outcome

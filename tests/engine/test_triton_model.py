@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, SamplingParams
 from phloem.kernels.config import KernelConfig
 
 pytest.importorskip("triton")
@@ -38,7 +38,7 @@ def test_the_triton_op_table_gives_the_reference_tokens(
     route_partial: str, tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
-    options = dict(dtype="float32", enable_prefix_caching=False, num_pages=64, num_state_slots=8)
+    options = dict(dtype="float32", cache=CacheConfig(num_pages=64, num_state_slots=8, enable_prefix_caching=False))
     reference = Engine.from_pretrained(path, **options)
     _route_partial(reference, route_partial == "1")
     assert reference.runner.model.model.layers[0].mlp.ops.backend == "torch"

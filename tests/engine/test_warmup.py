@@ -6,15 +6,17 @@ at zero). On CPU nothing compiles; the GPU test checks a first request after it 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
 from phloem.engine.scheduler import SchedulerOutput
 
-OPTIONS: dict[str, object] = dict(num_pages=256, num_state_slots=24, page_size=16, max_num_batched_tokens=64)
+CONFIG = EngineConfig(cache=CacheConfig(page_size=16, num_pages=256, num_state_slots=24),
+                      scheduler=SchedulerConfig(max_num_batched_tokens=64))
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], list(range(30, 100))]
 
 
@@ -38,8 +40,8 @@ def step_shapes(engine: Engine) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["cache", "no-cache"])
 def test_warm_up_leaves_the_engine_as_a_fresh_one(prefix_caching: bool, tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
-    fresh = Engine.from_pretrained(path, enable_prefix_caching=prefix_caching, **OPTIONS)
-    warmed = Engine.from_pretrained(path, enable_prefix_caching=prefix_caching, **OPTIONS)
+    fresh = Engine.from_pretrained(path, CONFIG, cache=replace(CONFIG.cache, enable_prefix_caching=prefix_caching))
+    warmed = Engine.from_pretrained(path, CONFIG, cache=replace(CONFIG.cache, enable_prefix_caching=prefix_caching))
     shapes = step_shapes(warmed)
     report = warmed.warm_up(show_progress=False)
     # Async scheduling plans steady decode steps outside ``schedule``: at least as many steps ran.
@@ -58,7 +60,8 @@ def test_warm_up_leaves_the_engine_as_a_fresh_one(prefix_caching: bool, tiny_che
 
 def test_warm_up_reaches_every_kind_of_step(tiny_checkpoint: Callable[..., Path]) -> None:
     # Synchronous scheduling: every step goes through ``schedule``, where the spy sees it.
-    engine = Engine.from_pretrained(tiny_checkpoint("Qwen3NextForCausalLM"), async_scheduling=False, **OPTIONS)
+    engine = Engine.from_pretrained(tiny_checkpoint("Qwen3NextForCausalLM"), CONFIG,
+                                    scheduler=replace(CONFIG.scheduler, async_scheduling=False))
     shapes = step_shapes(engine)
     engine.warm_up(show_progress=False)
     budget = 64
@@ -71,8 +74,8 @@ def test_warm_up_reaches_every_kind_of_step(tiny_checkpoint: Callable[..., Path]
 
 
 def test_warm_up_fits_a_small_context_and_pool(tiny_checkpoint: Callable[..., Path]) -> None:
-    engine = Engine.from_pretrained(tiny_checkpoint("Qwen3_5ForCausalLM"), num_pages=16, num_state_slots=8,
-                                    page_size=16, max_num_batched_tokens=2048, max_model_len=48)
+    engine = Engine.from_pretrained(tiny_checkpoint("Qwen3_5ForCausalLM"), cache=CacheConfig(page_size=16, num_pages=16, num_state_slots=8),
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_model_len=48))
     report = engine.warm_up(show_progress=False)
     # No room for the prefix round (the long prompt fills the window): the other seven run.
     assert report.num_requests == 7
@@ -90,8 +93,8 @@ def test_warm_up_on_a_gpu_leaves_the_tokens_and_the_graphs_alone(tmp_path: Path)
     path = ensure_default_model(tmp_path)
     # The chunked round's prompt is 1.5 step budgets; with the prefix round's 16 tokens and output it
     # must fit the built-in model's 8,192-token window, which the CUDA default budget (8,192) does not.
-    options = dict(device="cuda", dtype="bfloat16", num_pages=4096, num_state_slots=32, max_num_seqs=16,
-                   max_num_batched_tokens=4096)
+    options = dict(device="cuda", dtype="bfloat16", cache=CacheConfig(num_pages=4096, num_state_slots=32),
+                   scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=16))
     fresh, warmed = Engine.from_pretrained(path, **options), Engine.from_pretrained(path, **options)
     report = warmed.warm_up(show_progress=False)
     assert report.num_requests == 8 and warmed.cache_stats() == fresh.cache_stats()

@@ -97,7 +97,7 @@ def test_engine_client_serves_it(model_dir: Path) -> None:
             return [t for o in outs for t in o.new_token_ids]
 
     streamed = asyncio.run(main())
-    engine = Engine.from_pretrained(model_dir, num_pages=64)
+    engine = Engine.from_pretrained(model_dir, cache=CacheConfig(num_pages=64))
     assert streamed == engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
 
 

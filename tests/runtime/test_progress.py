@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from phloem.engine import Engine
+from phloem.engine import CacheConfig, Engine, EngineConfig, LoadConfig
 from phloem.runtime import ensure_default_model
 from phloem.benchmarks.cli import show_progress
 from phloem.cli.main import build_parser
@@ -87,10 +87,11 @@ def test_a_bar_on_a_terminal_unless_disabled(terminal: Callable[[], str]) -> Non
 def test_demo_model_build_and_weight_loading_draw_bars(terminal: Callable[[], str], tmp_path: Path) -> None:
     assert terminal() == ""
     folder = ensure_default_model(tmp_path / "quiet", show_progress=False)
-    Engine.from_pretrained(folder, num_pages=64, num_state_slots=8, show_progress=False)
+    small = CacheConfig(num_pages=64, num_state_slots=8)
+    Engine.from_pretrained(folder, EngineConfig(load=LoadConfig(show_progress=False), cache=small))
     assert terminal() == ""
     folder = ensure_default_model(tmp_path / "loud")
-    Engine.from_pretrained(folder, num_pages=64, num_state_slots=8)
+    Engine.from_pretrained(folder, cache=small)
     text = terminal()
     assert "building the demo model" in text and "loading weights" in text
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import Engine, SamplingParams, SchedulerConfig
 from phloem.runtime.model_shapes import SHAPES, write_shape
 
 CASES = [(1, 2000), (4, 2000), (4, 200), (16, 200)]
@@ -36,7 +36,7 @@ def build_engine(args: argparse.Namespace, folder: Path) -> Engine:
     write_shape(args.shape, folder)
     (folder / "config.json").write_text(json.dumps(config))
     return Engine.from_pretrained(folder, load_format="dummy", device=args.device, dtype=args.dtype,
-                                  max_num_seqs=16)
+                                  scheduler=SchedulerConfig(max_num_seqs=16))
 
 
 def use_pool_ids(engine: Engine) -> None:

@@ -84,7 +84,7 @@ wait_up() {
 step_0() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} python3 - > "$OUT/0_warmup.txt" 2>&1 <<'PYEOF'
 import time
-from phloem.engine import Engine, SamplingParams
+from phloem.engine import CacheConfig, Engine, SamplingParams, SchedulerConfig
 from phloem.runtime.default_model import ensure_default_model
 from phloem.runtime.model_shapes import ensure_shape_model
 import os
@@ -93,13 +93,15 @@ data = Path(os.environ["PHLOEM_DATA_DIR"])
 tiny = ensure_default_model(data)
 for dtype in ("bfloat16", "float32"):
     t = time.time()
-    e = Engine.from_pretrained(tiny, device="cuda", dtype=dtype, num_pages=256, num_state_slots=16, max_num_seqs=4)
+    e = Engine.from_pretrained(tiny, device="cuda", dtype=dtype, cache=CacheConfig(num_pages=256, num_state_slots=16),
+                               scheduler=SchedulerConfig(max_num_seqs=4))
     e.generate([list(range(1, 200)), [5, 6]], SamplingParams(max_tokens=4, ignore_eos=True))
     print(f"tiny {dtype}: {time.time() - t:.0f} s", flush=True)
     del e
 t = time.time()
 e = Engine.from_pretrained(ensure_shape_model("qwen3.5-35b-a3b", data), load_format="dummy", device="cuda",
-                           dtype="bfloat16", num_pages=2048, num_state_slots=8, max_num_seqs=2)
+                           dtype="bfloat16", cache=CacheConfig(num_pages=2048, num_state_slots=8),
+                           scheduler=SchedulerConfig(max_num_seqs=2))
 e.generate([list(range(1, 300))], SamplingParams(max_tokens=4, ignore_eos=True))
 print(f"35B-A3B shape: {time.time() - t:.0f} s", flush=True)
 PYEOF

@@ -1,6 +1,6 @@
 """A Responses request as the sessions layer's input: ids, chat messages, tools and options.
 
-A response is a session turn (DESIGN.md §8), and its id says which::
+A response is a session turn (docs/architecture.md, "Invariants"), and its id says which::
 
     resp_<session id without "sess_">_<turn index>      e.g. resp_01J0...Q7_3 -> sess_01J0...Q7, turn 3
 

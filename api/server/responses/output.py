@@ -1,7 +1,7 @@
 """Response objects of the Responses API, built from a settled generation or a stored turn.
 
-A response's output is read from its turn's tokens (DESIGN.md §8: the tokens are the source of
-truth): a ``reasoning`` item (the ``<think>`` text, as one ``reasoning_text`` part), a ``message``
+A response's output is read from its turn's tokens (docs/architecture.md, "Invariants": the
+tokens are the source of truth): a ``reasoning`` item (the ``<think>`` text, as one ``reasoning_text`` part), a ``message``
 item (the content, one ``output_text`` part; present when there is content, or when there is
 nothing else), then one ``function_call`` item per parsed call, in that order. A stored
 response is rebuilt from its turn the same way (``turn_output``: the output tokens are

@@ -1,7 +1,7 @@
 """Where a response's generation runs: a new session, the head of one, a fork, or nowhere.
 
-DESIGN.md §8: a response is a session turn, and ``previous_response_id`` picks the turn to
-continue from::
+docs/architecture.md, "Invariants": a response is a session turn, and ``previous_response_id``
+picks the turn to continue from::
 
     no previous_response_id        -> a new session; the response is its turn 0
     previous = the session's head  -> an append: the response is the next turn
