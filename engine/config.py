@@ -218,7 +218,7 @@ class CacheConfig:
             template re-renders the previous answer differently (Qwen3's drops the reasoning),
             output text that does not re-tokenize to the same ids, a retried or regenerated
             turn. Costs one state slot per generation until the radix cache evicts it (by kind,
-            then recompute cost per byte, least recently used on a tie: ``engine.radix_cache``).
+            then recompute cost per byte, least recently used on a tie: ``engine.cache.radix``).
     """
 
     page_size: int = 16
