@@ -20,7 +20,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from phloem.api._wire_agents import (
     FunctionName, JsonSchemaFormat, LogitBias, NamedToolChoice, ResponseFormatParam, TokenLogprobs,
-    ToolChoiceParam, TopLogprob,
+    ToolCallConstraintParam, ToolChoiceParam, ToolName, TopLogprob,
 )
 
 __all__ = [
@@ -108,7 +108,7 @@ class ToolCall(Struct, **_STRICT):
 
 
 class FunctionDef(Struct, **_STRICT):
-    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON Schema
     strict: bool | None = None
@@ -163,6 +163,7 @@ class GenerateParams(Struct, **_STRICT):
     response_format: ResponseFormatParam | None = None
     tool_choice: ToolChoiceParam = "auto"
     parallel_tool_calls: bool = True
+    tool_call_constraint: ToolCallConstraintParam = "strict"
 
 
 # Extra chat-template variables for `messages`, e.g. {"enable_thinking": false}.

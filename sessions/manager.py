@@ -355,7 +355,8 @@ class SessionManager(TierMoves):
         """The output format and grammar of a generation from ``prompt_ids``; the grammar is
         compiled here (cached), so one the engine rejects fails before anything starts."""
         fmt = output_format(self._tokenizer, tools, prompt_ids, options.tool_choice)
-        grammar = build_grammar(fmt, options.response_format, options.tool_choice, options.parallel_tool_calls)
+        grammar = build_grammar(fmt, options.response_format, options.tool_choice, options.parallel_tool_calls,
+                                options.tool_call_constraint)
         if grammar is not None:
             try:
                 await self._engine.compile_grammar(grammar)

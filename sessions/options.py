@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from phloem.engine import GrammarSpec, SamplingParams
 from phloem.sessions.errors import InvalidInput
-from phloem.sessions.text.structured import ResponseFormat, ToolChoice
+from phloem.sessions.text.structured import TOOL_CALL_CONSTRAINTS, ResponseFormat, ToolCallConstraint, ToolChoice
 
 __all__ = ["GenerateOptions"]
 
@@ -42,7 +42,10 @@ class GenerateOptions:
         response_format: ``json_object`` / ``json_schema`` constrain the output; None: free text.
         tool_choice: ``auto``, ``none``, ``required`` or a named function (forced calls are
             constrained by the tools' schemas).
-        parallel_tool_calls: ``required`` may make several calls.
+        parallel_tool_calls: ``required`` (and ``auto``) may make several calls.
+        tool_call_constraint: In ``auto`` mode with tools, what the grammar constrains once the
+            model opens a call: ``strict`` (a declared name, arguments valid against its
+            schema), ``envelope`` (a declared name, any JSON object) or ``none`` (nothing).
 
     Raises:
         InvalidInput: A value is out of bounds.
@@ -65,6 +68,7 @@ class GenerateOptions:
     response_format: ResponseFormat | None = None
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     parallel_tool_calls: bool = True
+    tool_call_constraint: ToolCallConstraint = "strict"
 
     def __post_init__(self) -> None:
         checks = [
@@ -75,6 +79,8 @@ class GenerateOptions:
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "in [0, 2**63) or None"),
             ("stop", all(self.stop), "non-empty strings"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "ids >= 0"),
+            ("tool_call_constraint", self.tool_call_constraint in TOOL_CALL_CONSTRAINTS,
+             f"one of {list(TOOL_CALL_CONSTRAINTS)}"),
             ("min_tokens", 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), ">= 0 and <= max_tokens"),
         ]
         for name, ok, expected in checks:

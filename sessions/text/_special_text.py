@@ -5,8 +5,9 @@ open a real system turn: the chat template writes the message's content between 
 control tokens, and tokenizing the rendered text naively would turn the content's copies of
 those strings into the same control tokens. So, for one render:
 
-1. ``escape`` replaces every special-token string inside the messages' (and tools') string
-   values with a marker: ASCII letters and digits with a random nonce, so that no template
+1. ``escape`` replaces every special-token string inside the messages' (and tools') strings,
+   keys and values alike at any depth (a tool's JSON-Schema property names, a message's
+   ``name``, a tool result), with a marker: ASCII letters and digits with a random nonce, so that no template
    filter (``tojson``, ``trim``) alters it and no input can forge it;
 2. the template renders; every special-token string left in the text is the template's own;
 3. ``Tokenizer.encode_rendered`` cuts the text at those, encodes each piece with the special
@@ -47,11 +48,12 @@ class SpecialText:
 
     def escape(self, value: Any) -> Any:
         """``value`` (messages, tools: str / list / tuple / dict, nested) with every
-        special-token string inside its strings replaced by its marker."""
+        special-token string inside its strings replaced by its marker: dict keys as well as
+        values, at any depth (a template may render a JSON-Schema's property names)."""
         if isinstance(value, str):
             return self.specials.sub(lambda m: self._marks[m.group()], value) if self.specials else value
         if isinstance(value, Mapping):
-            return {k: self.escape(v) for k, v in value.items()}
+            return {self.escape(k): self.escape(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return type(value)(self.escape(v) for v in value)
         return value

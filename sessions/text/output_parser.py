@@ -15,7 +15,9 @@ and a non-streamed generation of the same text give the same parts::
 - Tool calls are parsed only when the request has tools and the template a tool-call format
   (``sessions.text.tool_parsers``). A call is reported when its ``</tool_call>`` arrives, as two
   deltas: its id and name (``arguments`` empty), then its arguments. A block that does not
-  parse, or is cut off, stays in the content as text. Whitespace before, between and after
+  parse, names a tool the request did not declare, or is cut off, stays in the content as text:
+  a call to an undeclared name is never reported (the grammar keeps the model from writing one
+  unless ``tool_call_constraint`` is ``none``). Whitespace before, between and after
   calls is not content (trailing whitespace is held back until non-whitespace text follows).
 - Text that may be the start of a tag (``<tool_`` at the end of a delta) is held back until the
   next delta decides it.
@@ -105,6 +107,7 @@ class OutputParser:
         self._buf = ""
         self._ws = ""  # trailing whitespace held back: dropped if a tool call follows
         self._parts = _Parts()
+        self._declared = frozenset(str((t.get("function") or {}).get("name")) for t in fmt.tools)
 
     def push(self, text: str) -> ParsedDelta:
         """Add a text delta; return what it completes."""
@@ -201,7 +204,7 @@ class OutputParser:
         self._mode = "content"
         assert self._fmt.tool_format is not None
         call = parse_call(self._fmt.tool_format, body, self._fmt.tools)
-        if call is None:
+        if call is None or call.name not in self._declared:
             return TOOL_CALL_START + body + TOOL_CALL_END
         index = len(self._parts.calls)
         self._parts.calls.append(call)

@@ -88,6 +88,18 @@ def test_what_is_not_a_call_stays_content(text: str) -> None:
     assert out.content == text and not out.tool_calls
 
 
+@pytest.mark.parametrize("fmt", [HERMES, XML], ids=["hermes", "qwen_xml"])
+def test_a_call_to_an_undeclared_tool_stays_content(fmt: OutputFormat) -> None:
+    prefix = "x\n</think>\n\n" if fmt.starts_in_reasoning else ""
+    body = ('{"name": "delete_all_files", "arguments": {}}' if fmt is HERMES
+            else "<function=delete_all_files>\n</function>")
+    text = f"{prefix}<tool_call>\n{body}\n</tool_call>"
+    for seed in range(5):
+        out, deltas = streamed(text, fmt, seed)
+        assert out.tool_calls == () and deltas == []
+        assert out.content == f"<tool_call>\n{body}\n</tool_call>"
+
+
 def test_without_tools_or_format_nothing_is_parsed() -> None:
     assert parse_output(HERMES_TEXT, OutputFormat("hermes", ())).content == HERMES_TEXT
     assert parse_output(HERMES_TEXT, OutputFormat(None, TOOLS)).content == HERMES_TEXT
@@ -159,7 +171,10 @@ def test_response_format_and_the_cases_without_a_grammar(model_dir: Path, tokeni
     backend = GrammarBackend(model_dir, 1920, (2,))
     spec = build_grammar(OutputFormat(), ResponseFormat("json_schema", BOUNDED), ToolChoice())
     jsonschema.validate(json.loads(tokenizer.decode(walk(backend, spec, 0))), BOUNDED)
-    assert build_grammar(HERMES, ResponseFormat("text"), ToolChoice("auto")) is None
+    # `auto` with tools is constrained by default (tests/sessions/test_tool_call_constraint.py);
+    # `tool_call_constraint: none` leaves it free, as `auto` was before it.
+    assert build_grammar(HERMES, ResponseFormat("text"), ToolChoice("auto"), tool_call_constraint="none") is None
+    assert build_grammar(OutputFormat("hermes"), ResponseFormat("text"), ToolChoice("auto")) is None
     assert build_grammar(HERMES, None, ToolChoice("none")) is None
     with pytest.raises(InvalidInput, match="needs `tools`"):
         build_grammar(OutputFormat("hermes"), None, ToolChoice("required"))

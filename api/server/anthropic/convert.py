@@ -86,8 +86,9 @@ def chat_tools(tools: list[CustomTool] | None) -> tuple[ToolSpec, ...] | None:
 
 
 def tool_choice(choice: ToolChoiceParam | None, has_tools: bool) -> tuple[ToolChoice, bool]:
-    """The sessions layer's tool choice and ``parallel_tool_calls``."""
-    if choice is None or not has_tools:
+    """The sessions layer's tool choice and ``parallel_tool_calls`` (``any`` / ``tool`` without
+    tools are passed on: the sessions layer refuses them, as on every route)."""
+    if choice is None or (not has_tools and choice.type in ("auto", "none")):
         return ToolChoice("auto" if has_tools else "none"), True
     parallel = not choice.disable_parallel_tool_use
     if choice.type == "tool":

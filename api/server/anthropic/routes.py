@@ -64,7 +64,8 @@ async def create_message(request: Request[Any, Any, Any], data: MessagesRequest,
     options = GenerateOptions(
         max_tokens=body.max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
-        stop=tuple(body.stop_sequences or ()), tool_choice=choice, parallel_tool_calls=parallel)
+        stop=tuple(body.stop_sequences or ()), tool_choice=choice, parallel_tool_calls=parallel,
+        tool_call_constraint=body.tool_call_constraint)
 
     async def start() -> Generation:
         [generation] = await ctx.manager.complete(prompt, options, tools=tools, owner=owner)

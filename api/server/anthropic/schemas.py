@@ -2,7 +2,8 @@
 
 They follow Anthropic's field names and shapes: content blocks ``text``, ``tool_use``,
 ``tool_result``, ``thinking`` and ``redacted_thinking`` (images and documents are a 400);
-custom tools (``name``, ``description``, ``input_schema``); ``tool_choice`` ``auto`` / ``any`` /
+custom tools (``name``: ``^[a-zA-Z0-9_-]{1,128}$``, Anthropic's rule; ``description``,
+``input_schema``); ``tool_choice`` ``auto`` / ``any`` /
 ``tool`` / ``none``; ``thinking`` ``enabled`` / ``disabled`` / ``adaptive``. ``cache_control`` is
 accepted on every block and tool and ignored: the prefix cache needs no breakpoints, every
 request's longest cached prefix is reused. ``metadata``, ``service_tier`` and a thinking
@@ -14,6 +15,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
+
+from phloem.api._wire_agents import AnthropicToolName, ToolCallConstraintParam
 
 __all__ = ["AnthropicError", "AnthropicMessage", "MessagesRequest", "TextBlock", "ThinkingBlock", "ToolResultBlock",
            "ToolUseBlock"]
@@ -61,7 +64,7 @@ class AnthropicMessage(Struct, **_STRICT):
 
 
 class CustomTool(Struct, **_STRICT):
-    name: _Name
+    name: AnthropicToolName
     input_schema: dict[str, Any]
     description: str | None = None
     type: Literal["custom"] | None = None
@@ -70,7 +73,7 @@ class CustomTool(Struct, **_STRICT):
 
 class ToolChoice(Struct, **_STRICT):
     type: Literal["auto", "any", "tool", "none"]
-    name: _Name | None = None
+    name: AnthropicToolName | None = None
     disable_parallel_tool_use: bool | None = None
 
     def __post_init__(self) -> None:
@@ -98,6 +101,7 @@ class MessagesRequest(Struct, **_STRICT):
     top_k: Annotated[int, Meta(ge=1)] | None = None
     tools: list[CustomTool] | None = None
     tool_choice: ToolChoice | None = None
+    tool_call_constraint: ToolCallConstraintParam = "strict"  # our extension (docs/agents.md)
     thinking: Thinking | None = None
     metadata: dict[str, Any] | None = None  # accepted and ignored
     service_tier: str | None = None  # accepted and ignored

@@ -52,7 +52,8 @@ def generate_options(params: GenerateParams | None) -> GenerateOptions | None:
                            logprobs=params.logprobs,
                            response_format=response_format(params.response_format),
                            tool_choice=tool_choice(params.tool_choice),
-                           parallel_tool_calls=params.parallel_tool_calls)
+                           parallel_tool_calls=params.parallel_tool_calls,
+                           tool_call_constraint=params.tool_call_constraint)
 
 
 def tool_calls(calls: Sequence[ParsedToolCall]) -> list[ToolCall] | None:

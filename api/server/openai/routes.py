@@ -66,7 +66,8 @@ def _chat_options(body: ChatCompletionRequest) -> GenerateOptions:
     options = _options(body, body.max_completion_tokens or body.max_tokens)
     return replace(options, response_format=convert.response_format(body.response_format),
                    tool_choice=convert.tool_choice(body.tool_choice or "auto"),
-                   parallel_tool_calls=body.parallel_tool_calls is not False)
+                   parallel_tool_calls=body.parallel_tool_calls is not False,
+                   tool_call_constraint=body.tool_call_constraint)
 
 
 def _message(m: OpenAIMessage) -> Message:

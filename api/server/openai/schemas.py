@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from phloem.api._wire_agents import LogitBias, ResponseFormatParam, ToolChoiceParam
+from phloem.api._wire_agents import LogitBias, ResponseFormatParam, ToolCallConstraintParam, ToolChoiceParam
 from phloem.api.schemas import Tool, ToolCall
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "OpenAIError", "OpenAIErrorDetail",
@@ -91,6 +91,7 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True,
     tools: list[Tool] | None = None
     tool_choice: ToolChoiceParam | None = None  # None: auto
     parallel_tool_calls: bool | None = None
+    tool_call_constraint: ToolCallConstraintParam = "strict"  # our extension (docs/agents.md)
     response_format: ResponseFormatParam | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None

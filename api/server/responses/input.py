@@ -78,11 +78,10 @@ def chat_tools(tools: list[FunctionTool] | None) -> tuple[ToolSpec, ...] | None:
 
 
 def tool_choice(body: ResponseCreateRequest) -> ToolChoice:
-    """The sessions layer's tool choice; without tools nothing is parsed (``none``)."""
+    """The sessions layer's tool choice; without tools nothing is parsed (``none``), and a
+    forced call is the sessions layer's 400 (the same on every route)."""
     choice = body.tool_choice or "auto"
-    if not body.tools:
-        if choice not in ("auto", "none"):
-            raise ApiError(ErrorCode.INVALID_REQUEST, "tool_choice: forcing a call needs `tools`")
+    if not body.tools and choice in ("auto", "none"):
         return ToolChoice("none")
     if isinstance(choice, FunctionChoice):
         return ToolChoice("function", choice.name)

@@ -107,7 +107,8 @@ def plan_response(ctx: ApiContext, owner: str, body: ResponseCreateRequest,
         max_tokens=body.max_output_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, response_format=response_format(body),
-        tool_choice=tool_choice(body), parallel_tool_calls=body.parallel_tool_calls is not False)
+        tool_choice=tool_choice(body), parallel_tool_calls=body.parallel_tool_calls is not False,
+        tool_call_constraint=body.tool_call_constraint)
     fields = echo(body, created_at)
     context = {"instructions": instructions, "tools": [msgspec.to_builtins(t) for t in tools or ()]}
 

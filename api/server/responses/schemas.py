@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from phloem.api._wire_agents import ToolCallConstraintParam, ToolName
 from phloem.api.schemas import Metadata
 
 __all__ = [
@@ -94,14 +95,14 @@ InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningI
 
 
 class FunctionTool(Struct, tag="function", **_TAGGED):
-    name: _Name
+    name: ToolName
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
     description: str | None = None
 
 
 class FunctionChoice(Struct, tag="function", **_TAGGED):
-    name: _Name
+    name: ToolName
 
 
 class FormatText(Struct, tag="text", **_TAGGED):
@@ -149,6 +150,7 @@ class ResponseCreateRequest(Struct, **_STRICT):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
+    tool_call_constraint: ToolCallConstraintParam = "strict"  # our extension (docs/agents.md)
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
