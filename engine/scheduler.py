@@ -181,8 +181,11 @@ class Scheduler:
         n = min(req.num_tokens - start, budget)
         every = self.cache.checkpoint_interval
         resumed_turn = req.num_cached_tokens > 0 and self.cache.checkpoints_at_end(req)
-        if every > 0 and not (resumed_turn and start + n == req.num_tokens):
+        if every > 0 and not (resumed_turn and start + n >= req.num_tokens - 1):
             n = min(n, (start // every + 1) * every - start)
+        for stop in self.cache.chunk_stops(req):
+            if start < stop < start + n:
+                n = stop - start
         return n
 
     def _reserve_pages(self, req: Request, n: int, scheduled: list[Request], failed: list[Request]) -> bool:
