@@ -11,8 +11,9 @@ A request's memory, with the prefix cache::
     read_slot: the checkpoint it resumed from (tree-owned) until its first step, then == write_slot
     write_slot: private; handed to the tree when the request publishes a checkpoint
 
-Publishing (at the end of a request, every ``checkpoint_interval`` tokens on the way, and where a
-generating request's prompt ends) inserts the full pages into the tree and hands the write slot
+Publishing (at the end of a request, every ``checkpoint_interval`` tokens on the way, one token
+before a generating request's prompt ends, and at its branch point: where its prompt leaves
+cached KV that an earlier request computed, floored to the page) inserts the full pages into the tree and hands the write slot
 over as the checkpoint: integer moves. A checkpoint that ends mid-page needs that partial page as
 its tail: at the end of a request it is the request's own page (no copy); at the prompt end the
 request keeps writing into it, so the tree gets a copy (one page, every attention layer).
