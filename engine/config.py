@@ -213,12 +213,25 @@ class CacheConfig:
             of Qwen3.5-35B-A3B weighs ~61 MiB, about 3,000 tokens of KV, so the default keeps
             them sparse.
         checkpoint_prompt_end: also checkpoint where a generating request's prompt ends (a copy
-            of its partial last page goes with it). A client that resends that prompt with a
-            different continuation then reuses all of it: a stateless chat client whose chat
-            template re-renders the previous answer differently (Qwen3's drops the reasoning),
-            output text that does not re-tokenize to the same ids, a retried or regenerated
-            turn. Costs one state slot per generation until the radix cache evicts it (by kind,
-            then recompute cost per byte, least recently used on a tie: ``engine.cache.radix``).
+            of its partial last page goes with it), one token before the end: the prefill chunk
+            is cut there, and the last prompt token runs in the next step (with the decode
+            batch). A client that resends that prompt, alone (a retried or regenerated turn,
+            ``n`` across requests) or with a different continuation (a stateless chat client
+            whose chat template re-renders the previous answer differently, Qwen3's drops the
+            reasoning; output text that does not re-tokenize to the same ids), then reuses all
+            of it but that last token, which it must compute anyway for its logits
+            (docs/decisions.md, "A resent prompt is a full hit"). Costs one state slot per
+            generation until the radix cache evicts it (by kind, then recompute cost per byte,
+            least recently used on a tie: ``engine.cache.radix``), and the request one more step to its
+            first token (a one-token row beside the decode batch); see
+            ``prompt_end_split_min_tokens`` for the turns spared that step.
+        prompt_end_split_min_tokens: a request that resumed from the cache and computes fewer
+            prompt tokens than this (an agent's next turn: a tool result) takes its prompt-end
+            checkpoint at the prompt's very end instead: its prompt runs in one step and its
+            next decode step stays queued (``engine.step_pipeline``), but a resend of it
+            recomputes those tokens from the checkpoint before them (about one step's cost on a
+            GPU below a few hundred tokens, where reading the weights dominates). 0: every
+            resend is a full hit. A fresh prompt always takes it one token early.
     """
 
     page_size: int = 16
@@ -230,9 +243,16 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     checkpoint_interval: int = 4096
     checkpoint_prompt_end: bool = True
+    prompt_end_split_min_tokens: int = 256
 
     def __post_init__(self) -> None:
-        _check_ints(self, ("page_size", "num_pages", "num_state_slots", "cpu_pool_bytes", "checkpoint_interval"))
+        _check_ints(
+            self,
+            ("page_size", "num_pages", "num_state_slots", "cpu_pool_bytes", "checkpoint_interval",
+             "prompt_end_split_min_tokens"),
+        )
+        if self.prompt_end_split_min_tokens < 0:
+            raise ValueError(f"prompt_end_split_min_tokens: expected >= 0, got {self.prompt_end_split_min_tokens}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size: expected a positive power of two, got {self.page_size}")
         if self.checkpoint_interval < 0 or self.checkpoint_interval % self.page_size:

@@ -90,7 +90,7 @@ class Engine:
             )
         self.cache = CacheManager(
             self.page_pool, self.slot_pool, self.runner.copy_page, tree, cache_config.checkpoint_interval,
-            cache_config.checkpoint_prompt_end,
+            cache_config.checkpoint_prompt_end, cache_config.prompt_end_split_min_tokens,
         )
         self.scheduler = Scheduler(scheduler_config, self.cache, finalize=tree is not None)
         graphs = None

@@ -79,6 +79,10 @@ class Request:
     # While waiting: its tokens past the cached prefix when the scheduler first looked (its size
     # class; ``engine.scheduler``). Reset when it is preempted.
     num_uncached_hint: int | None = None
+    # Where its prompt leaves the deepest checkpoint it resumed from but still matches cached KV
+    # (floored to a page): a prefill chunk ends there and publishes a branch-point checkpoint
+    # (``CacheManager.admit``). None: no such point, or already published.
+    branch_point: int | None = None
     # Constrained decoding and penalties (``engine.sampling.logits_processors``); None for most requests.
     grammar: GrammarMatcher | None = None
     penalty_state: PenaltyState | None = None

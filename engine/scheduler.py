@@ -22,7 +22,8 @@ pools, and it waits again with its tokens intact. Preemption never corrupts: wha
 recomputed gives the same state.
 
 Prefill chunks are cut at multiples of ``checkpoint_interval`` so that each periodic checkpoint
-is the final state of a step (no kernel has to emit intermediate states). One exception: the
+is the final state of a step (no kernel has to emit intermediate states); likewise at a
+request's branch point and one token before its prompt's end (``CacheManager.chunk_stops``). One exception: the
 last chunk of a request that resumed from the cache, where a checkpoint is published at the end
 anyway (``CacheManager.checkpoints_at_end``). That is an agent's next turn, whose new tokens (a
 tool result) are the conversation's own: a checkpoint inside them would serve only a fork that
@@ -181,8 +182,11 @@ class Scheduler:
         n = min(req.num_tokens - start, budget)
         every = self.cache.checkpoint_interval
         resumed_turn = req.num_cached_tokens > 0 and self.cache.checkpoints_at_end(req)
-        if every > 0 and not (resumed_turn and start + n == req.num_tokens):
+        if every > 0 and not (resumed_turn and start + n >= req.num_tokens - 1):
             n = min(n, (start // every + 1) * every - start)
+        for stop in self.cache.chunk_stops(req):
+            if start < stop < start + n:
+                n = stop - start
         return n
 
     def _reserve_pages(self, req: Request, n: int, scheduled: list[Request], failed: list[Request]) -> bool:

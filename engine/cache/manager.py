@@ -11,8 +11,9 @@ A request's memory, with the prefix cache::
     read_slot: the checkpoint it resumed from (tree-owned) until its first step, then == write_slot
     write_slot: private; handed to the tree when the request publishes a checkpoint
 
-Publishing (at the end of a request, every ``checkpoint_interval`` tokens on the way, and where a
-generating request's prompt ends) inserts the full pages into the tree and hands the write slot
+Publishing (at the end of a request, every ``checkpoint_interval`` tokens on the way, one token
+before a generating request's prompt ends, and at its branch point: where its prompt leaves
+cached KV that an earlier request computed, floored to the page) inserts the full pages into the tree and hands the write slot
 over as the checkpoint: integer moves. A checkpoint that ends mid-page needs that partial page as
 its tail: at the end of a request it is the request's own page (no copy); at the prompt end the
 request keeps writing into it, so the tree gets a copy (one page, every attention layer).
@@ -56,6 +57,7 @@ class CacheManager:
         tree: RadixCache | None,
         checkpoint_interval: int = 0,
         checkpoint_prompt_end: bool = False,
+        prompt_end_split_min_tokens: int = 256,
     ) -> None:
         self.page_pool = page_pool
         self.slot_pool = slot_pool
@@ -63,6 +65,7 @@ class CacheManager:
         self.tree = tree
         self.checkpoint_interval = checkpoint_interval
         self.checkpoint_prompt_end = checkpoint_prompt_end
+        self.prompt_end_split_min_tokens = prompt_end_split_min_tokens
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
@@ -142,6 +145,9 @@ class CacheManager:
             self.prompt_tokens += req.num_prompt_tokens
             self.cached_tokens += hit
             req.num_cached_tokens = hit
+            if match is not None:
+                self.tree.record_hit(match.node)  # type: ignore[union-attr]
+        req.branch_point = self._branch_point(req, hit)
         req.num_admissions += 1
         req.write_slot = slot
         req.page_ids = pages
@@ -151,6 +157,26 @@ class CacheManager:
         req.read_slot = match.checkpoint.slot if match else None
         req.lock_node = match.node if match else None
         return True
+
+    def _branch_point(self, req: Request, hit: int) -> int | None:
+        """Where ``req``'s prefill, resuming at ``hit``, passes the end of the cached KV its
+        prompt matches (floored to a page), if that is past ``hit``: an earlier request computed
+        that prefix and this one leaves it there, so two requests share it and a third likely
+        will (a system prompt); a checkpoint there lets it resume at the page.
+
+        Only inside the prompt and before its prompt-end checkpoint (which covers the rest)."""
+        if self.tree is None:
+            return None
+        tokens = req.all_token_ids
+        limit = req.num_prompt_tokens - 1
+        end = self.prompt_end(req)
+        if end is not None:
+            limit = end - 1
+        if limit <= hit:
+            return None
+        shared = self.tree.kv_match_len(tokens, limit, req.namespace)
+        point = shared // self.page_size * self.page_size
+        return point if point > hit else None
 
     def allocate_pages(self, req: Request, num_new_tokens: int) -> bool:
         """Make ``req.page_ids`` cover ``num_computed_tokens + num_new_tokens`` positions.
@@ -178,12 +204,16 @@ class CacheManager:
             return
         memory = reserved if reserved is not None else self._checkpoint_memory(n)
         if memory is None:
+            req.branch_point = None
             return  # no slot to keep computing into: skip this checkpoint, nothing is lost
         new_slot, tail = memory
         if tail is not None:
             self.copy_page(req.page_ids[n // self.page_size], tail)
-        periodic = not self._at_prompt_end(req, n)
-        node = self._publish(req, final=False, tail_copy=tail, periodic=periodic)
+        branch = n == req.branch_point
+        if branch:
+            req.branch_point = None
+        periodic = not self._at_prompt_end(req, n) and not branch
+        node = self._publish(req, final=False, tail_copy=tail, periodic=periodic, branch=branch)
         assert node.checkpoint is not None
         req.read_slot = node.checkpoint.slot
         req.write_slot = new_slot
@@ -223,18 +253,43 @@ class CacheManager:
         if self.tree is None or n == 0:
             return False
         periodic = every > 0 and n % every == 0 and n < num_tokens
-        return periodic or self._at_prompt_end(req, n)
+        return periodic or self._at_prompt_end(req, n) or n == req.branch_point
+
+    def chunk_stops(self, req: Request) -> tuple[int, ...]:
+        """Positions a prefill chunk of ``req`` must end at, so that the state there is a step's
+        final state and can be published: its prompt end (``prompt_end``) and its branch point."""
+        stops = []
+        end = self.prompt_end(req)
+        if end is not None:
+            stops.append(end)
+        if req.branch_point is not None:
+            stops.append(req.branch_point)
+        return tuple(stops)
+
+    def prompt_end(self, req: Request) -> int | None:
+        """Where the prompt-end checkpoint of ``req`` goes (None: it gets none): one token before
+        its prompt's end, so that a resend of the same prompt resumes there and recomputes only
+        the last position, whose logits it needs (docs/decisions.md, "A resent prompt is a full
+        hit"); at the end itself for a turn resumed from the cache that adds fewer than
+        ``prompt_end_split_min_tokens`` (``CacheConfig``). Fixed at the first admission."""
+        p = req.num_prompt_tokens
+        if self.tree is None or not self.checkpoint_prompt_end or req.prefill_only or p < 2:
+            return None
+        hit = req.num_cached_tokens
+        if hit > 0 and p - hit < self.prompt_end_split_min_tokens:
+            return p
+        return p - 1
 
     def checkpoints_at_end(self, req: Request) -> bool:
-        """Whether a checkpoint is published once ``req`` has computed all its tokens: where a
-        generating request's prompt ends (``checkpoint_prompt_end``), or a prefill-only request's
-        on release."""
+        """Whether the last prefill chunk of ``req`` (its prompt's end) ends at a checkpoint
+        anyway: the prompt-end one (one token before the end, ``prompt_end``), or a prefill-only
+        request's on release."""
         if self.tree is None or req.num_tokens != req.num_prompt_tokens:
             return False
         return req.prefill_only or self.checkpoint_prompt_end
 
     def _at_prompt_end(self, req: Request, n: int) -> bool:
-        return self.checkpoint_prompt_end and n == req.num_prompt_tokens and not req.prefill_only
+        return n == self.prompt_end(req)
 
     def release(self, req: Request, publish: bool) -> None:
         """Return what ``req`` holds; with ``publish``, first hand its computed prefix to the tree."""
@@ -259,13 +314,15 @@ class CacheManager:
         req.read_slot = None
         req.has_state = False
 
-    def _publish(self, req: Request, final: bool, tail_copy: int | None = None, periodic: bool = False) -> RadixNode:
+    def _publish(
+        self, req: Request, final: bool, tail_copy: int | None = None, periodic: bool = False, branch: bool = False
+    ) -> RadixNode:
         assert self.tree is not None and req.write_slot is not None
         ps = self.page_size
         done = req.num_computed_tokens
         full = done // ps
         tail = req.page_ids[full] if final and done % ps else tail_copy
-        ckpt = Checkpoint(slot=req.write_slot, tail_page=tail, periodic=periodic)
+        ckpt = Checkpoint(slot=req.write_slot, tail_page=tail, periodic=periodic, branch=branch)
         node, tree_pages = self.tree.insert(req.all_token_ids[:done], req.page_ids[:full], ckpt, req.namespace)
         if final:
             # Pages past the published part and its tail were allocated ahead and never written.

@@ -44,8 +44,11 @@ Eviction is ordered by kind, then by recompute cost per byte freed, not recency.
 below every checkpoint are worth nothing and go first; then *periodic* checkpoints (taken every
 ``checkpoint_interval`` tokens inside a long prefill: a resume point only for a request that
 diverges right there); then *boundary* checkpoints (where a request's prompt or output ended: a
-session's turns, where its next turn appends and its forks branch). Within a kind, dropping a
-checkpoint costs the tokens between it and the nearest checkpoint above it. Ties go to the least
+session's turns, where its next turn appends and its forks branch). A periodic or *branch* checkpoint
+(where a request's prompt left a path another request had computed, ``CacheManager.admit``)
+that a request resumed from is promoted to the boundary kind: it proved its use. Within a kind,
+dropping a checkpoint costs the tokens between it and the nearest checkpoint above it, times one
+plus the requests that resumed from it (``hits``), per byte freed. Ties go to the least
 recently used, then the oldest node id (deterministic, so every tensor-parallel rank evicts the
 same nodes). A locked node's own checkpoint (a pinned session head, a running request's resume
 point) is never evicted.
@@ -73,6 +76,7 @@ class Checkpoint:
     slot: int
     tail_page: int | None  # KV of positions [floor(depth/ps)*ps, depth) when depth % ps != 0
     periodic: bool = False  # taken inside a long prefill, not at a prompt's or output's end
+    branch: bool = False  # taken where a request's prompt left a path other requests share
     namespace: str | None = None  # who computed it (set by ``insert``); None: shared
 
 
@@ -89,6 +93,7 @@ class RadixNode:
     direct_ref: int = 0
     last_access: int = 0
     namespace: str | None = None  # who inserted it; None: shared
+    hits: int = 0  # requests that resumed from its checkpoint (reset when the checkpoint goes)
 
     @property
     def start(self) -> int:
@@ -161,6 +166,20 @@ class RadixCache:
             pages.extend(n.pages)
         assert best.checkpoint is not None
         return PrefixMatch(best, best.depth, tuple(pages), best.checkpoint)
+
+    def kv_match_len(self, tokens: list[int], max_tokens: int, namespace: str | None = None) -> int:
+        """Tokens of ``tokens`` (at most ``max_tokens``) that the tree holds on nodes ``namespace``
+        may use, checkpointed or not: past the deepest checkpoint, proof that an earlier request
+        computed the same prefix (a branch point, ``CacheManager.admit``)."""
+        best = _match_len(self.root, tokens, None)
+        if namespace is not None:
+            for node in [self.root, *self._descend(self.root, tokens, None)]:
+                best = max(best, _match_len(node, tokens, namespace))
+        return min(best, max_tokens)
+
+    def record_hit(self, node: RadixNode) -> None:
+        """A request resumed from ``node``'s checkpoint (the eviction order weighs it by uses)."""
+        node.hits += 1
 
     def _visible_path(self, tokens: list[int], max_tokens: int, namespace: str | None) -> list[RadixNode]:
         """Root-to-node path of the deepest checkpoint ``namespace`` may use (empty: none): along
@@ -306,6 +325,7 @@ class RadixCache:
             assert node.checkpoint is not None
             self._drop_checkpoint_resources(node.checkpoint)
             node.checkpoint = None
+            node.hits = 0
             self.num_checkpoints -= 1
             self.checkpoints_evicted += 1
         else:
@@ -317,8 +337,11 @@ class RadixCache:
         ckpt = node.checkpoint
         if ckpt is not None and node.direct_ref == 0:
             freed = self.slot_bytes + (self.page_bytes if ckpt.tail_page is not None else 0)
-            cost = (node.depth - self._checkpoint_above(node)) / freed
-            return _CHEAP if ckpt.periodic else _BOUNDARY, cost, node.last_access, node.node_id, True
+            cost = (node.depth - self._checkpoint_above(node)) * (1 + node.hits) / freed
+            # A periodic or branch checkpoint no request resumed from yet goes first; once used,
+            # it is worth what a boundary one is.
+            cheap = (ckpt.periodic or ckpt.branch) and node.hits == 0
+            return _CHEAP if cheap else _BOUNDARY, cost, node.last_access, node.node_id, True
         if ckpt is None and not node.children and node.lock_ref == 0:
             return _CHEAP, 0.0, node.last_access, node.node_id, False
         return None
@@ -379,6 +402,20 @@ def _deepest_usable(path: list[RadixNode], max_tokens: int, namespace: str | Non
         if path[i].visible_to(namespace) and path[i].depth <= max_tokens:
             return path[: i + 1]
     return []
+
+
+def _match_len(node: RadixNode, tokens: list[int], namespace: str | None) -> int:
+    """How far ``tokens`` follow edges of ``namespace`` below ``node``, into the middle of an edge."""
+    pos = node.depth
+    while pos < len(tokens):
+        child = node.children.get((namespace, tokens[pos]))
+        if child is None:
+            break
+        common = _common_prefix(child.key, tokens, pos)
+        if common < len(child.key):
+            return pos + common
+        node, pos = child, child.depth
+    return pos
 
 
 def _common_prefix(key: list[int], tokens: list[int], start: int) -> int:

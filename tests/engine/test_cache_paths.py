@@ -67,7 +67,8 @@ def test_prompt_end_checkpoint_serves_another_continuation(path: Path, prompt_le
         assert eng.cache.tree is not None
         eng.cache.tree.clear()
         assert (eng.page_pool.num_used_pages, eng.slot_pool.num_used_slots) == (0, 0)
-    assert results[True].num_cached_tokens == prompt_len
+    # One token before the end (issue 48: a resend of the bare prompt hits it too).
+    assert results[True].num_cached_tokens == prompt_len - 1
     assert results[False].num_cached_tokens == 0  # only the turn-end checkpoint, past the prompt
     assert results[True].token_ids == results[False].token_ids == fresh(path, [retry], 12)[0]
 

@@ -39,7 +39,9 @@ def test_prompt_end_checkpoint_serves_a_retried_turn(prompt_len: int) -> None:
     first = engine.generate([prompt], SamplingParams(max_tokens=6))[0]
     retry = prompt + [(first.token_ids[0] + 1) % 97, 50]
     out = engine.generate([retry], SamplingParams(max_tokens=4))[0]
-    assert out.num_cached_tokens == prompt_len
+    # A fresh prompt's prompt-end checkpoint sits one token before its end (issue 48: a resend
+    # of the same prompt then needs only that token's logits), so it serves all but one token.
+    assert out.num_cached_tokens == prompt_len - 1
     assert out.token_ids == expected(retry, 4)
     assert_pools_empty(engine)
 
@@ -99,7 +101,8 @@ def test_a_resumed_turn_crossing_an_interval_runs_in_one_step() -> None:
     assert nxt.num_cached_tokens == len(turn) + 1 and nxt.token_ids == expected(turn + out.token_ids + [6], 3)
     before = engine.runner.model.num_forwards
     engine.generate([list(range(30, 43))], SamplingParams(max_tokens=1))  # fresh, 13 tokens
-    assert engine.runner.model.num_forwards - before == 3, "cut at 8, the rest, the finalize"
+    # Issue 48: a fresh prompt is also cut one token before its end (its prompt-end checkpoint).
+    assert engine.runner.model.num_forwards - before == 4, "cut at 8, cut at 12, the last token, the finalize"
     assert_pools_empty(engine)
 
 

@@ -24,9 +24,12 @@ def test_a_tenant_never_hits_another_tenants_prefix() -> None:
     secret = list(range(30, 70))
     a = engine.generate([secret], SamplingParams(max_tokens=3), namespace="a")[0]
     conv = secret + a.token_ids
+    assert engine.cached_prefix_len(conv + [1], "b") == 0 and engine.cached_prefix_len(conv + [1]) == 0
     probe = engine.generate([conv + [1]], SamplingParams(max_tokens=2), namespace="b")[0]
     assert probe.num_cached_tokens == 0 and probe.token_ids == expected(conv + [1], 2)
-    assert engine.cached_prefix_len(conv + [1], "b") == 0 and engine.cached_prefix_len(conv + [1]) == 0
+    # B's own copy now has a prompt-end checkpoint one token before its end (issue 48), at
+    # len(conv): B's resend hits it, the shared namespace still sees nothing.
+    assert engine.cached_prefix_len(conv + [1], "b") == len(conv) and engine.cached_prefix_len(conv + [1]) == 0
     # A's next turn still hits its whole conversation, as without a partition.
     own = engine.generate([conv + [2]], SamplingParams(max_tokens=2), namespace="a")[0]
     assert own.num_cached_tokens == len(conv) and own.token_ids == expected(conv + [2], 2)

@@ -61,7 +61,9 @@ def test_another_key_cannot_hit_a_conversation_and_the_owner_still_does(tenants:
     assert _cached(chat) == 0
     bob_session = bob.post("/v1/sessions", json={"input_ids": conversation + [7]}).json()["id"]
     bob_turn = bob.post(f"/v1/sessions/{bob_session}/append", json={"generate": GREEDY}).json()
-    assert bob_turn["usage"]["cached_tokens"] == 0
+    # Only Bob's own: his chat request above shared its first page with his completion probe and
+    # published a branch-point checkpoint there, in his namespace (issue 48); nothing of Alice's.
+    assert bob_turn["usage"]["cached_tokens"] == 16 < len(conversation)
 
     # Alice's next turn still hits her whole conversation, as with a single tenant.
     again = alice.post(f"/v1/sessions/{sid}/append", json={"input_ids": [5, 6], "generate": GREEDY}).json()

@@ -89,6 +89,7 @@ def make_engine(
     caching: bool = True,
     interval: int = 0,
     async_scheduling: bool = True,
+    prompt_end_split_min_tokens: int = 256,
     **mc,
 ) -> Engine:
     return Engine(
@@ -101,6 +102,7 @@ def make_engine(
                 num_state_slots=num_slots,
                 enable_prefix_caching=caching,
                 checkpoint_interval=interval,
+                prompt_end_split_min_tokens=prompt_end_split_min_tokens,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=budget, max_num_seqs=max_seqs, async_scheduling=async_scheduling
