@@ -28,11 +28,12 @@ def test_an_id_past_the_vocabulary_fails_the_step_and_publishes_nothing(async_sc
                 seen += out.new_token_ids
     assert all(0 <= t < VOCAB for t in seen)
     assert not engine.has_unfinished_requests()
-    # The prompt-end checkpoint stays (its state was right); nothing of the failed step does.
+    # The prompt-end checkpoint stays (its state was right); nothing of the failed step does. It
+    # sits one token before the prompt's end (``CacheConfig.checkpoint_prompt_end``).
     tree = engine.cache.tree
     assert tree is not None
     match = tree.match(bad + expected(bad, 1) + [0] * 5, 30)
-    assert match is not None and match.num_tokens == len(bad)
+    assert match is not None and match.num_tokens == len(bad) - 1
     # The engine keeps serving, and its answers are right.
     short = SamplingParams(max_tokens=5, ignore_eos=True)  # running sums stay under POISON
     assert engine.generate([good], short)[0].token_ids == expected(good, 5)
