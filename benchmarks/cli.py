@@ -8,6 +8,7 @@ so ``phloem --help`` never imports torch or the SDK.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import tempfile
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 from phloem.engine.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from phloem.runtime.env import kernel_config, read_env, use_nccl_defaults
 from phloem.runtime.model_shapes import SHAPES
-from phloem.runtime.preflight import best_device, check_device, check_model_folder
+from phloem.runtime.preflight import StartupError, best_device, check_device, check_model_folder
 
 __all__ = ["add_bench_commands", "show_progress"]
 
@@ -206,6 +207,14 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _require_bench_extra(module: str, what: str) -> None:
+    """One line, before any server starts, when ``what`` needs a package of the ``bench`` extra
+    (``pip install phloem`` serves, and leaves the benchmarks' plotting and harness out)."""
+    if importlib.util.find_spec(module) is None:
+        raise StartupError(f"{what} needs {module}, which `pip install phloem` leaves out: "
+                           "pip install 'phloem[bench]'")
+
+
 def _checked(args: argparse.Namespace) -> argparse.Namespace:
     """The arguments, once a ``--model`` folder is known to hold a model (a usage error if not)."""
     check_model_folder(getattr(args, "model", None))
@@ -264,6 +273,7 @@ def _prefix_cache(args: argparse.Namespace) -> int:
 
 
 def _agentic(args: argparse.Namespace) -> int:
+    _require_bench_extra("matplotlib", "the plots of `phloem bench agentic`")
     from phloem.benchmarks.agentic import AgenticWorkload, default_client_processes, run_agentic
 
     workload = AgenticWorkload(
@@ -280,6 +290,7 @@ def _agentic(args: argparse.Namespace) -> int:
 
 
 def _trie(args: argparse.Namespace) -> int:
+    _require_bench_extra("trie", "`phloem bench trie` (the tokenspeed-trie harness)")
     from phloem.benchmarks.agentic import AgenticWorkload
     from phloem.benchmarks.trie import run_trie_bench
 

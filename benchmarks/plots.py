@@ -1,4 +1,8 @@
-"""PNG plots of an agentic benchmark run (matplotlib, headless)."""
+"""PNG plots of an agentic benchmark run (matplotlib, headless).
+
+matplotlib comes with the ``bench`` extra (``pip install 'phloem[bench]'``), not with the serve
+install: it is imported when a plot is drawn, and ``phloem bench agentic`` checks for it first.
+"""
 
 from __future__ import annotations
 

@@ -155,7 +155,7 @@ def run_trie(base_url: str, model: str, tokenizer: Path | str, workload: Path, c
     try:
         metadata.version("tokenspeed-trie")
     except metadata.PackageNotFoundError as exc:
-        raise RuntimeError("tokenspeed-trie is not installed: pip install tokenspeed-trie") from exc
+        raise RuntimeError("tokenspeed-trie is not installed: pip install 'phloem[bench]'") from exc
     command = [
         sys.executable, "-m", "trie.cli", f"workload_path={workload}", f"endpoint={base_url.rstrip('/')}/v1",
         f"model={model}", f"tokenizer_model={tokenizer}", f"concurrency={concurrency}", f"duration={duration_s}",

@@ -19,7 +19,6 @@ honoured exactly; without one the delay is exponential with jitter. A ``Retry-Af
 
 from __future__ import annotations
 
-import importlib.metadata
 import random
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,6 +30,7 @@ import httpx
 import msgspec
 import websockets.exceptions
 
+from phloem import __version__
 from phloem.api.schemas import (
     AppendMessage, AppendRequest, AppendResult, CancelMessage, ChatMessage, CreateSessionRequest,
     DeltaEvent, DoneEvent, ErrorEvent, ForkRequest, ForkResult, GenerateParams, OffloadRequest,
@@ -58,10 +58,8 @@ S = TypeVar("S")
 Transport = Literal["sse", "websocket"]
 
 MAX_RETRY_DELAY = 60.0
-try:
-    USER_AGENT = f"phloem-python/{importlib.metadata.version('phloem')}"
-except importlib.metadata.PackageNotFoundError:
-    USER_AGENT = "phloem-python"
+# The package's own version: the same in the full install and the SDK-only wheel (phloem-sdk).
+USER_AGENT = f"phloem-python/{__version__}"
 _RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
 WS_CONNECT_ERRORS = (OSError, websockets.exceptions.WebSocketException)
 # What breaks a stream once its events flow (then nothing is retried).

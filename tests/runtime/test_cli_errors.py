@@ -81,3 +81,15 @@ def test_a_port_in_use_is_found_before_the_model_loads(tmp_path: Path) -> None:
     one_line(lines, f"phloem serve: error: port {port} on 127.0.0.1 is already in use", "--port")
     assert code == 2 and elapsed < FAST_S
     assert not (tmp_path / "models").exists(), "nothing was built before the check"
+
+
+@pytest.mark.parametrize(("argv", "package"), [(["bench", "agentic"], "matplotlib"), (["bench", "trie"], "trie")],
+                         ids=["agentic-plots", "trie-harness"])
+def test_a_benchmark_without_the_bench_extra(tmp_path: Path, argv: list[str], package: str) -> None:
+    # `pip install phloem` leaves the bench extra out: hide its package from the console script.
+    (tmp_path / "sitecustomize.py").write_text(f"import sys\nsys.modules[{package!r}] = None\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    code, lines, elapsed = phloem(*argv, "--out", str(tmp_path / "out"), env={"PYTHONPATH": path})
+    one_line(lines, f"phloem {' '.join(argv)}: error:", package, "pip install 'phloem[bench]'")
+    assert code == 2 and elapsed < FAST_S
+    assert not (tmp_path / "out").exists()
