@@ -32,11 +32,11 @@ from phloem.api.server.errors import StreamingOperation, classify, openai_errors
 from phloem.api.server.responses.output import (
     output_items, reasoning_tokens, response_object, status_of, usage,
 )
-from phloem.api.server.responses.plan import echo, plan_response, stored_output
+from phloem.api.server.responses.plan import echo, plan_response, plan_to_fit, stored_output
 from phloem.api.server.responses.schemas import ResponseCreateRequest
 from phloem.api.server.responses.start import Started, previous_turn, start_response
 from phloem.api.server.responses.stream import ResponseEvents
-from phloem.sessions import GenerationResult, ParsedDelta, ParsedOutput, SessionError
+from phloem.sessions import ContextLengthExceeded, GenerationResult, ParsedDelta, ParsedOutput, SessionError
 
 __all__ = ["RESPONSES_ROUTES"]
 
@@ -55,7 +55,12 @@ async def create_response(request: Request[Any, Any, Any], data: ResponseCreateR
     owner = owner_of(request)
     created_at = int(time.time())
     plan, previous = plan_response(ctx, owner, body, created_at)
-    started = await start_response(ctx, owner, plan, previous)
+    try:
+        started = await start_response(ctx, owner, plan, previous)
+    except ContextLengthExceeded:
+        if body.truncation != "auto":
+            raise
+        started = await start_response(ctx, owner, await plan_to_fit(ctx, owner, body, created_at), None)
     fields = echo(body, created_at)
     if body.stream:
         return Stream(_events(ctx, started, fields), media_type="text/event-stream",

@@ -6,7 +6,8 @@ is decoded by its ``type`` into ``InputItem`` (an item with a ``role`` and no ``
 Supported items: ``message`` (text parts), ``function_call``, ``function_call_output`` and
 ``reasoning``; tools: ``function`` tools only. ``user``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``, ``text.verbosity``, ``reasoning.summary`` and ``stream_options`` are
-accepted and ignored; any other field is a 400, as on the other routes (a parameter Phloem does
+accepted and ignored; ``truncation: "auto"`` drops the oldest input items of an input beyond the
+context window (``plan.plan_to_fit``); any other field is a 400, as on the other routes (a parameter Phloem does
 not implement is refused, never silently dropped).
 """
 
@@ -159,7 +160,8 @@ class ResponseCreateRequest(Struct, **_STRICT):
     store: bool | None = None
     metadata: Metadata | None = None
     include: list[Literal["reasoning.encrypted_content"]] | None = None
-    truncation: Literal["disabled"] | None = None
+    # "auto": an input beyond the context window loses its oldest items (``plan.plan_to_fit``).
+    truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = None  # false only: a response runs while its request is open
     # Accepted and ignored.
     user: str | None = None
