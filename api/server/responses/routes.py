@@ -17,6 +17,7 @@ against the key's quota; a stream sends ``: keep-alive`` comments while idle.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
@@ -40,6 +41,8 @@ from phloem.sessions import ContextLengthExceeded, GenerationResult, ParsedDelta
 
 __all__ = ["RESPONSES_ROUTES"]
 
+logger = logging.getLogger(__name__)
+
 _ERRORS = openai_errors(400, 401, 404, 413, 429, 503)
 _ID = "/v1/responses/{response_id:str}"
 
@@ -54,6 +57,8 @@ async def create_response(request: Request[Any, Any, Any], data: ResponseCreateR
     ctx.check_model(body.model)
     owner = owner_of(request)
     created_at = int(time.time())
+    if body.prompt_cache_key is not None:
+        logger.debug("response with prompt_cache_key %r", body.prompt_cache_key[:64])
     plan, previous = plan_response(ctx, owner, body, created_at)
     try:
         started = await start_response(ctx, owner, plan, previous)
