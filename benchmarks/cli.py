@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from phloem.engine.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig
+from phloem.benchmarks.progress_lines import phase, progress_lines
 from phloem.runtime.env import kernel_config, read_env, use_nccl_defaults
 from phloem.runtime.model_shapes import SHAPES
 from phloem.runtime.preflight import StartupError, best_device, check_device, check_model_folder
@@ -144,7 +145,8 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     for parser in kinds.choices.values():
         parser.add_argument("--no-progress", action="store_true",
                             help="no progress bars (also $PHLOEM_NO_PROGRESS=1; bars are drawn only "
-                                 "when stderr is a terminal)")
+                                 "when stderr is a terminal; decode and long-context print a plain "
+                                 "progress line every ~2 s to a stderr that is not one)")
 
 
 def _kind(kinds: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -236,25 +238,33 @@ def _device(args: argparse.Namespace, gpu: dict[str, object], cpu: dict[str, obj
 def _decode(args: argparse.Namespace) -> int:
     device = _device(args, dict(shape="qwen3.5-35b-a3b", contexts=(1024, 32768, 131072), prefill_tokens=50000),
                      dict(shape="tiny", contexts=(256, 1024), prefill_tokens=512))
-    from phloem.benchmarks.report import bench_decode
+    with progress_lines("bench decode", show_progress(args)):
+        phase("importing torch and the engine")
+        from phloem.benchmarks.report import bench_decode
 
-    use_nccl_defaults()  # before --tp spawns its ranks
-    sys.stdout.write(bench_decode(args.shape, args.model, device, args.batches, args.contexts,
-                                  args.prefill_tokens, args.steps, args.out, grammar=args.grammar, tokenizer=args.tokenizer,
-                                  served=args.served, parallel=ParallelConfig(args.tp, args.ep),
-                                  kernels=kernel_config(), show_progress=show_progress(args)) + "\n")  # fmt: skip
+        use_nccl_defaults()  # before --tp spawns its ranks
+        report = bench_decode(args.shape, args.model, device, args.batches, args.contexts,
+                              args.prefill_tokens, args.steps, args.out, grammar=args.grammar, tokenizer=args.tokenizer,
+                              served=args.served, parallel=ParallelConfig(args.tp, args.ep),
+                              kernels=kernel_config(), show_progress=show_progress(args))  # fmt: skip
+        phase("done")
+    sys.stdout.write(report + "\n")
     return 0
 
 
 def _long_context(args: argparse.Namespace) -> int:
     device = _device(args, dict(shape="qwen3.5-35b-a3b", contexts=(131072, 262144, 1048576)),
                      dict(shape="tiny", contexts=(2048, 8192)))
-    from phloem.benchmarks.report import bench_decode
+    with progress_lines("bench long-context", show_progress(args)):
+        phase("importing torch and the engine")
+        from phloem.benchmarks.report import bench_decode
 
-    use_nccl_defaults()  # before --tp spawns its ranks
-    sys.stdout.write(bench_decode(args.shape, args.model, device, (1,), args.contexts, 0, args.steps, args.out,
-                                  max_num_seqs=1, parallel=ParallelConfig(args.tp, args.ep), kernels=kernel_config(),
-                                  show_progress=show_progress(args)) + "\n")  # fmt: skip
+        use_nccl_defaults()  # before --tp spawns its ranks
+        report = bench_decode(args.shape, args.model, device, (1,), args.contexts, 0, args.steps, args.out,
+                              max_num_seqs=1, parallel=ParallelConfig(args.tp, args.ep), kernels=kernel_config(),
+                              show_progress=show_progress(args))  # fmt: skip
+        phase("done")
+    sys.stdout.write(report + "\n")
     return 0
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from phloem.benchmarks.progress_lines import tick
 from phloem.engine import Engine, GrammarSpec, SamplingParams
 from phloem.engine.request import Request, RequestStatus
 
@@ -272,12 +273,14 @@ def _run_decode(
 
 def _time_steps(engine: Engine, steps: int, warmup: int) -> float:
     """Milliseconds per ``engine.step()`` over ``steps`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
+    for i in range(warmup):
         engine.step()
+        tick(f"warm-up {i + 1}/{warmup}")
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for i in range(steps):
         outputs = engine.step()
         assert len(outputs) == len(engine.scheduler.running), "every request decodes each step"
+        tick(f"{i + 1}/{steps} steps")
     elapsed = time.perf_counter() - t0
     engine.drain()
     return 1000 * elapsed / steps

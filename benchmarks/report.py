@@ -24,6 +24,7 @@ from phloem.benchmarks.decode import (
     run_decode,
     run_prefill,
 )
+from phloem.benchmarks.progress_lines import phase
 from phloem.benchmarks.served import OWN_TOKENS, run_served_decode
 from phloem.runtime.model_shapes import write_shape
 from phloem.runtime.progress import progress as bar
@@ -90,6 +91,7 @@ def bench_decode(
     With ``served`` each point is also timed on the served path (``benchmarks.served``).
     """
     dev = torch.device(device)
+    phase(f"building the engine ({shape if model is None else model}, {device})")
     with tempfile.TemporaryDirectory() as tmp:
         path = model or write_shape(shape, Path(tmp))
         fmt = "safetensors" if model else "dummy"
@@ -104,18 +106,22 @@ def bench_decode(
     copy_bytes = (2 << 30) if dev.type == "cuda" else (64 << 20)
     # The roofline's denominator: the copy timed by device events (measure_bandwidth says why),
     # with the host-timed figure and a second measurement after the grid reported beside it.
+    phase("measuring copy bandwidth and matmul rate")
     bandwidth = measure_bandwidth(dev, nbytes=copy_bytes)
     bandwidth_host = measure_bandwidth(dev, nbytes=copy_bytes, timer="host")
     matmul = measure_matmul_rate(dev)
     results: list[DecodeResult] = []
     skipped: list[tuple[int, int]] = []
     grid = [(context, batch) for context in contexts for batch in batches]
-    for context, batch in bar(grid, len(grid), "decode grid", "point", show_progress):
+    for i, (context, batch) in enumerate(bar(grid, len(grid), "decode grid", "point", show_progress)):
         if context + decode_tokens(steps, 3) >= engine.max_model_len or not _fits(engine, batch, context, steps):
             skipped.append((batch, context))
             continue
+        point = f"point {i + 1}/{len(grid)} (batch {batch}, context {context})"
+        phase(point)
         result = run_decode(engine, batch, context, bandwidth, steps=steps, grammar=BENCH_SCHEMA if grammar else None)
         if served:
+            phase(f"{point}: served path")
             result = replace(result, served_ms_per_step=_served(engine, batch, context, steps))
         results.append(result)
         if progress is not None:
@@ -125,6 +131,7 @@ def bench_decode(
     bandwidth_after = measure_bandwidth(dev, nbytes=copy_bytes)
     prefill: PrefillResult | None = None
     if prefill_tokens and prefill_tokens < engine.max_model_len:
+        phase(f"prefill of {prefill_tokens} tokens")
         prefill = run_prefill(engine, prefill_tokens, matmul)
     # Profiled on rank 0 alone, eagerly: under TP its workers would replay graphs meanwhile.
     kernels = kernel_breakdown(engine) if dev.type == "cuda" and engine.workers is None else None

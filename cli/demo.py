@@ -56,12 +56,15 @@ class DemoOptions:
     model: str | None = None
     data_dir: Path | None = None
     startup_timeout_s: float = 120.0
+    port: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens: expected >= 1, got {self.max_tokens}")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s: expected > 0, got {self.startup_timeout_s}")
+        if self.port is not None and not 0 < self.port < 65536:
+            raise ValueError(f"port: expected 1-65535, got {self.port}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,29 +211,47 @@ def _cut(text: str, width: int) -> str:
 
 @contextlib.contextmanager
 def _local_server(options: DemoOptions, out: TextIO) -> Iterator[str]:
-    """Start ``phloem serve`` on a free loopback port; yield its URL once ``/health`` answers."""
-    port = _free_port()
-    command = [sys.executable, "-m", "phloem.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    if options.model is not None:
-        command += ["--model", options.model]
-    if options.data_dir is not None:
-        command += ["--data-dir", str(options.data_dir)]
+    """Start ``phloem serve`` on ``options.port`` (else a free loopback port) with
+    ``options.data_dir`` (else a temporary data directory, deleted afterwards); yield its URL once
+    ``/health`` answers. So it runs beside a ``phloem serve`` that holds the default port and
+    data directory. The server's log is deleted when all went well and kept (and named) when not."""
+    port = options.port or _free_port()
     base_url = f"http://127.0.0.1:{port}"
-    with tempfile.NamedTemporaryFile(prefix="phloem-demo-", suffix=".log", delete=False) as log:
-        out.write(f"phloem demo: starting a server at {base_url} (log: {log.name})\n")
+    with contextlib.ExitStack() as stack:
+        data_dir = options.data_dir
+        if data_dir is None:
+            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="phloem-demo-data-")))
+        command = [sys.executable, "-m", "phloem.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                   "--data-dir", str(data_dir)]
+        if options.model is not None:
+            command += ["--model", options.model]
+        with tempfile.NamedTemporaryFile(prefix="phloem-demo-", suffix=".log", delete=False) as log:
+            pass
+        log_path = Path(log.name)
+        where = "a temporary data directory" if options.data_dir is None else f"data directory {data_dir}"
+        out.write(f"phloem demo: starting a server at {base_url} with {where} (log: {log_path})\n")
         out.flush()
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        succeeded = False
         try:
-            _wait_until_healthy(base_url, server, options.startup_timeout_s, Path(log.name))
-            yield base_url
-        finally:
-            server.terminate()
+            with log_path.open("wb") as log_file:
+                server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
             try:
-                server.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-    Path(log.name).unlink(missing_ok=True)
+                _wait_until_healthy(base_url, server, options.startup_timeout_s, log_path)
+                yield base_url
+                succeeded = True
+            finally:
+                server.terminate()
+                try:
+                    server.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    server.wait()
+        finally:
+            if succeeded:
+                log_path.unlink(missing_ok=True)
+                out.write(f"phloem demo: stopped the server; deleted its log {log_path}\n")
+            else:
+                out.write(f"phloem demo: the server's log is kept at {log_path}\n")
 
 
 def _free_port() -> int:
@@ -246,7 +267,12 @@ def _wait_until_healthy(base_url: str, server: subprocess.Popen[bytes], timeout_
     while time.monotonic() < deadline:
         if server.poll() is not None:
             tail = log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"the server exited with status {server.returncode}; its log ends:\n{tail}")
+            hint = ""
+            if "another phloem server" in tail:
+                hint = ("\nto drive the server that holds that data directory, pass its URL, e.g. "
+                        "`phloem demo --base-url http://127.0.0.1:8000`; or leave --data-dir out (the demo "
+                        "then uses a temporary one)")
+            raise RuntimeError(f"the server exited with status {server.returncode}; its log ends:\n{tail}{hint}")
         try:
             if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
                 return

@@ -53,7 +53,7 @@ examples:
 """
 _DEMO_EXAMPLES = """\
 examples:
-  phloem demo                                   # starts a server on a free port, then stops it
+  phloem demo                                   # starts a server (free port, temporary data dir), then stops it
   phloem demo --base-url http://127.0.0.1:8000  # drive a server that is already running
   phloem demo --max-tokens 32 --model ~/models/Qwen3.5-35B-A3B
 """
@@ -101,9 +101,11 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
                            "(default: %(default)s)")
     demo.add_argument("--model", metavar="DIR", default=env.model,
                       help="model of the server it starts (default: the built-in tiny model)")
-    demo.add_argument("--data-dir", metavar="DIR", type=Path, default=env.data_dir,
-                      help="models, spilled sessions and the index (default: $PHLOEM_DATA_DIR, "
-                           "else ~/.phloem)")
+    demo.add_argument("--data-dir", metavar="DIR", type=Path,
+                      help="data directory of the server it starts (default: a temporary one, deleted "
+                           "afterwards, so the demo runs beside a `phloem serve`)")
+    demo.add_argument("--port", type=int,
+                      help="port of the server it starts (default: a free one)")
     demo.add_argument("--startup-timeout", metavar="SECONDS", type=float, default=120.0,
                       help="how long to wait for the server it starts (default: %(default)s)")
     demo.set_defaults(configure=_demo_options, run=_demo)
@@ -230,6 +232,7 @@ def _demo_options(args: argparse.Namespace) -> DemoOptions:
         model=args.model,
         data_dir=args.data_dir,
         startup_timeout_s=args.startup_timeout,
+        port=args.port,
     )
 
 

@@ -8,12 +8,15 @@ share the same weights: the other layouts are rewrites of the plain, per-expert,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import shutil
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,64 @@ import pytest
 import torch
 
 from phloem.runtime.env import use_nccl_defaults
+
+# Hermetic runs: every test, and every server or CLI process a test spawns (they inherit the
+# environment), sees a temporary home and a temporary default data directory, so a run never
+# reads or writes the user's `~/.phloem` (a `phloem serve` may be running on it) or home.
+# Set when this file is imported, before any test module (or anything it imports) reads them;
+# `pytest_unconfigure` removes the folder. `_real_data_dir_untouched` fails a test after which
+# anything under the real `~/.phloem` changed. Kernel compile caches stay where they were
+# (Triton's and FlashInfer's defaults under the real home, unless set): they are caches, not the
+# user's data, and rebuilding them would cost the GPU runs minutes.
+_REAL_HOME = Path("~").expanduser()
+_REAL_DATA_DIR = _REAL_HOME / ".phloem"
+_TEMP_ROOT = Path(tempfile.mkdtemp(prefix="phloem-tests-"))
+os.environ.setdefault("TRITON_CACHE_DIR", str(_REAL_HOME / ".triton" / "cache"))
+os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(_REAL_HOME / ".cache" / "flashinfer"))
+os.environ["HOME"] = str(_TEMP_ROOT / "home")
+os.environ["PHLOEM_DATA_DIR"] = str(_TEMP_ROOT / "home" / ".phloem")
+(_TEMP_ROOT / "home").mkdir()
+
+
+def _tree_state(root: Path) -> dict[str, tuple[int, int]] | None:
+    """Every path under ``root`` with its mtime and size (None: ``root`` does not exist)."""
+    if not root.exists():
+        return None
+    state: dict[str, tuple[int, int]] = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                state[os.path.relpath(path, root)] = (st.st_mtime_ns, st.st_size)
+    return state
+
+
+_real_data_dir_state = {"last": _tree_state(_REAL_DATA_DIR)}
+
+
+def _changes(before: dict[str, tuple[int, int]] | None, after: dict[str, tuple[int, int]] | None) -> list[str]:
+    if before == after:
+        return []
+    if before is None or after is None:
+        return ["(the folder itself was " + ("created" if before is None else "deleted") + ")"]
+    return sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_TEMP_ROOT, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _real_data_dir_untouched() -> Iterator[None]:
+    """Fail the test if anything under the real ``~/.phloem`` changed while it ran."""
+    yield
+    now = _tree_state(_REAL_DATA_DIR)
+    changed = _changes(_real_data_dir_state["last"], now)
+    _real_data_dir_state["last"] = now  # only the test that wrote fails
+    if changed:
+        pytest.fail(f"the test wrote under the real data directory {_REAL_DATA_DIR}: {changed[:10]}",
+                    pytrace=False)
 
 # `python3 -m pytest` puts the checkout first on sys.path, where its top-level folders would shadow
 # PyPI packages of the same names (transformers imports Hugging Face's `kernels` when it is

@@ -372,3 +372,33 @@ def test_serve_rejects_a_zero_step_budget(served: list[ServerConfig], capsys: py
         main(["serve", "--model", str(model_dir), "--max-num-batched-tokens", "0"])
     assert info.value.code == 2 and "max_num_batched_tokens" in capsys.readouterr().err
     assert served == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _server_available(), reason="phloem.api.server.app (the server) is not there yet")
+def test_demo_runs_beside_a_server_on_the_default_data_dir(tmp_path: Path) -> None:
+    """A ``phloem serve`` holds the default data directory (this run's temporary one,
+    ``$PHLOEM_DATA_DIR``): the demo starts its own server on a temporary data directory and a free
+    port; pointed at the held one, it fails, keeps its log and suggests ``--base-url``."""
+    from tests.support.live_servers import ServerProcess
+
+    default = Path(os.environ["PHLOEM_DATA_DIR"])
+    server = ServerProcess(default, log=tmp_path / "server.log").start()
+    try:
+        result = subprocess.run([sys.executable, "-m", "phloem.cli", "demo", "--max-tokens", "8"],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "branch B" in result.stdout and "with a temporary data directory" in result.stdout
+        log = result.stdout.split("(log: ")[1].split(")")[0]
+        assert f"deleted its log {log}" in result.stdout and not Path(log).exists()
+
+        held = subprocess.run([sys.executable, "-m", "phloem.cli", "demo", "--data-dir", str(default)],
+                              capture_output=True, text=True, timeout=300)
+        assert held.returncode == 1, held.stdout + held.stderr
+        assert "--base-url" in held.stdout and "another phloem server" in held.stdout
+        kept = held.stdout.split("(log: ")[1].split(")")[0]
+        assert f"log is kept at {kept}" in held.stdout and Path(kept).exists()
+        Path(kept).unlink()
+        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+    finally:
+        server.stop()

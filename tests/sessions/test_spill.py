@@ -470,27 +470,66 @@ def test_pinned_sessions_never_block_admission(model_dir: Path, tokenizer: Token
 
 
 @pytest.mark.slow  # two 600-token prefills in 16-token chunks
-def test_waiting_behind_long_prefills_demotes_nobody(model_dir: Path, tokenizer: Tokenizer,
-                                                     tmp_path: Path) -> None:
-    """Two long first turns in small chunks: the second waits far longer than
-    ``admission_stall_s`` for its turn, with memory to spare, and no pinned session moves."""
-    engine = EngineClient.from_pretrained(model_dir, EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=16)))
+def test_waiting_behind_long_prefills_demotes_nobody(model_dir: Path, tokenizer: Tokenizer, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two long first turns in small chunks: the second's first token comes only after both
+    prompts' chunks ran (it waited its turn), the admission watchdog asked the engine while it
+    waited, the engine never said "for memory", and no pinned session moves.
+
+    Ordered by engine steps and the watchdog's own questions, never by wall-clock time, so a
+    loaded CPU cannot fail it (nor hide a demotion: the watchdog polls every 10 ms here, with a
+    10 ms stall threshold, so a demotion for mere waiting would happen within the wait)."""
+    from phloem.sessions import generation as generation_module
+
+    monkeypatch.setattr(generation_module, "_POLL_S", 0.01)
+    budget, prompt = 16, 600
+    engine = EngineClient.from_pretrained(model_dir, EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
     engine.start()
     config = SessionConfig(data_dir=tmp_path,
-                           admission_stall_s=0.1)
+                           admission_stall_s=0.01)
+    answers: list[bool] = []  # the engine's answers to the watchdog: waiting for memory?
+    asked = engine.waits_for_memory
+
+    async def waits_for_memory(request_id: str) -> bool:
+        answers.append(await asked(request_id))
+        return answers[-1]
+
+    monkeypatch.setattr(engine, "waits_for_memory", waits_for_memory)
 
     async def main() -> None:
         m = SessionManager(engine, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
         await m.start()
+        relieved: list[Any] = []
+        relieve = m._spill.relieve
+
+        async def counted_relieve(*args: Any, **kwargs: Any) -> bool:
+            relieved.append(args)
+            return await relieve(*args, **kwargs)
+
+        monkeypatch.setattr(m._spill, "relieve", counted_relieve)
         try:
             pinned = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(20)), ttl=600)
             await turn(m, pinned.session_id, unique_ids(2))
+            steps_before = (await engine.stats()).num_steps
             a = await m.create(OWNER)
             b = await m.create(OWNER)
-            loop = asyncio.get_running_loop()
-            start = loop.time()
-            await asyncio.gather(turn(m, a.session_id, unique_ids(600)), turn(m, b.session_id, unique_ids(600)))
-            assert loop.time() - start > 4 * config.admission_stall_s, "the second did not wait"
+
+            async def first_token_step(session_id: str) -> int:
+                generation = await m.append(OWNER, session_id, SessionInput(input_ids=unique_ids(prompt)), greedy())
+                step = None
+                async for _ in generation.deltas():
+                    # Read after the token arrived: at or past the step that made it.
+                    step = (await engine.stats()).num_steps if step is None else step
+                await generation.result()
+                assert step is not None
+                return step - steps_before
+
+            first_steps = await asyncio.gather(first_token_step(a.session_id), first_token_step(b.session_id))
+            # Each step computes at most `budget` prompt tokens: the later first token needed both prompts.
+            assert max(first_steps) >= 2 * prompt // budget, f"the second did not wait: {first_steps}"
+            assert answers, "the admission watchdog never asked about a waiting request"
+            assert not any(answers), "the engine said a request waited for memory"
+            assert relieved == [], "pinned sessions were demoted for a request that only waited its turn"
             assert m.get(OWNER, pinned.session_id).status == "active"
         finally:
             await m.close()

@@ -17,6 +17,7 @@ Generations count against the API key's quota like session appends (``n`` each);
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -42,6 +43,8 @@ from phloem.sessions import (
 )
 
 __all__ = ["OPENAI_ROUTES"]
+
+logger = logging.getLogger(__name__)
 
 
 def _options(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> GenerateOptions:
@@ -157,8 +160,10 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     data = await strict_body(request, ChatCompletionRequest)
     ctx.check_model(data.model)
     tools = convert.tool_specs(data.tools)
+    if data.prompt_cache_key is not None:
+        logger.debug("chat completion with prompt_cache_key %r", data.prompt_cache_key[:64])
     prompt = await ctx.manager.prompt_ids(owner_of(request), messages=[_message(m) for m in data.messages],
-                                          tools=tools, template_kwargs=data.chat_template_kwargs)
+                                          tools=tools, template_kwargs=_template_kwargs(data))
     generations = await _start(ctx, request, prompt, _chat_options(data), data.n, tools)
     texts = TokenTexts(ctx.manager.tokenizer)
     if data.stream:
@@ -172,6 +177,16 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
                 "finish_reason": finish_reason(r)} for i, r in enumerate(results)]
     body = {**_head(ctx, "chatcmpl", "chat.completion"), "choices": choices, "usage": usage(results)}
     return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+def _template_kwargs(data: ChatCompletionRequest) -> dict[str, Any] | None:
+    """``chat_template_kwargs``, with ``enable_thinking`` from ``reasoning_effort`` unless it
+    sets it itself ("none" and "minimal": off; the rest: on). A template without the switch
+    ignores the variable."""
+    if data.reasoning_effort is None:
+        return data.chat_template_kwargs
+    thinking = data.reasoning_effort not in ("none", "minimal")
+    return {"enable_thinking": thinking, **(data.chat_template_kwargs or {})}
 
 
 def _chat_choice(index: int, delta: dict[str, Any], logprobs: Any = None) -> dict[str, Any]:

@@ -4,7 +4,9 @@ except the error envelope, described here for the OpenAPI schema).
 They follow OpenAI's field names and defaults (``max_tokens`` 16 for completions, ``temperature``
 1), plus the common extensions ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
 ``repetition_penalty`` and ``chat_template_kwargs`` (vLLM's names). ``metadata``, ``store``,
-``user`` and ``service_tier`` are accepted and ignored: they have no meaning for a local server.
+``user`` and ``service_tier`` are accepted and ignored: they have no meaning for a local server;
+so are chat's ``safety_identifier`` and ``verbosity``. Chat's ``reasoning_effort`` sets the chat
+template's ``enable_thinking`` and ``prompt_cache_key`` is recorded (docs/api.md).
 As on the native routes, an unknown field is a 400: a parameter we do not implement is refused
 rather than silently ignored.
 """
@@ -97,6 +99,13 @@ class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True, kw_only=True,
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     store: bool | None = None  # accepted and ignored
+    # The template's thinking switch (``enable_thinking``): off for "none"/"minimal", else on;
+    # an ``enable_thinking`` in ``chat_template_kwargs`` wins.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # A cache/session affinity hint: recorded (debug log), not needed for hits (see docs/api.md).
+    prompt_cache_key: Annotated[str, Meta(max_length=1024)] | None = None
+    safety_identifier: Annotated[str, Meta(max_length=1024)] | None = None  # accepted and ignored
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted and ignored
 
     def __post_init__(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -34,9 +34,12 @@ from phloem.api.server.responses.schemas import (
     ResponseCreateRequest, decode_items,
 )
 from phloem.api.server.responses.start import Plan, previous_turn
-from phloem.sessions import GenerateOptions, ParsedOutput, ToolChoice, TurnInfo
+from phloem.sessions import (
+    ContextLengthExceeded, GenerateOptions, InvalidInput, Message, ParsedOutput, SessionError, ToolChoice,
+    TurnInfo,
+)
 
-__all__ = ["echo", "plan_response", "stored_output"]
+__all__ = ["echo", "plan_response", "plan_to_fit", "stored_output"]
 
 # A chain longer than this is refused rather than walked (each step is a stored response).
 _MAX_CHAIN = 10_000
@@ -58,7 +61,8 @@ def echo(body: ResponseCreateRequest, created_at: int) -> dict[str, Any]:
         "text": {"format": msgspec.to_builtins((body.text.format if body.text else None) or FormatText())},
         "tool_choice": choice if isinstance(choice, str) else msgspec.to_builtins(choice),
         "tools": [msgspec.to_builtins(t) for t in body.tools or ()],
-        "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled", "user": body.user,
+        "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": body.truncation or "disabled",
+        "user": body.user,
     }
 
 
@@ -102,6 +106,54 @@ def plan_response(ctx: ApiContext, owner: str, body: ResponseCreateRequest,
                        "function_call or function_call_output item")
     if previous is None and instructions is not None:
         messages.insert(0, {"role": "system", "content": instructions})
+    return _plan(body, created_at, items, messages, instructions, tools), previous
+
+
+async def plan_to_fit(ctx: ApiContext, owner: str, body: ResponseCreateRequest, created_at: int) -> Plan:
+    """``truncation: "auto"`` once the plan of ``plan_response`` did not fit the context window:
+    the whole conversation (the ``previous_response_id`` chain's items, then the request's)
+    rendered as a new session under its instructions, without its oldest items, dropped one
+    by one until the prompt leaves room for a generated token. The instructions (the system
+    message) and the tools are always kept; so is the request's last item.
+
+    Raises:
+        ApiError: ``not_found`` for an unknown ``previous_response_id`` (or one in its chain).
+        ContextLengthExceeded: Not even the last item fits.
+    """
+    items = _items(body)
+    instructions, tools = body.instructions, body.tools
+    history: list[InputItem] = []
+    if body.previous_response_id is not None:
+        _, _, record = previous_turn(ctx, owner, body.previous_response_id)
+        context = record["context"]
+        instructions = context["instructions"] if instructions is None else instructions
+        tools = _tools(context["tools"]) if tools is None else tools
+        history = _conversation(ctx, owner, body.previous_response_id)
+    conversation = history + items
+    failure: SessionError | None = None
+    for start in range(len(conversation)):
+        messages = chat_messages(conversation[start:])
+        if not messages:
+            break
+        if instructions is not None:
+            messages.insert(0, {"role": "system", "content": instructions})
+        plan = _plan(body, created_at, items, messages, instructions, tools)
+        try:
+            prompt = await ctx.manager.prompt_ids(owner, messages=messages, tools=plan.tools,
+                                                  template_kwargs=plan.template_kwargs)
+        except (ContextLengthExceeded, InvalidInput) as exc:  # too long, or a cut the template refuses
+            failure = exc
+            continue
+        if len(prompt) < ctx.manager.max_model_len:
+            return plan
+        failure = ContextLengthExceeded(
+            f"the input is {len(prompt)} tokens even without its {start} oldest items, which does not "
+            f"leave room for a generated token in the model's context window of {ctx.manager.max_model_len} tokens")
+    raise failure or ContextLengthExceeded("the input does not fit the model's context window")
+
+
+def _plan(body: ResponseCreateRequest, created_at: int, items: list[InputItem], messages: list[Message],
+          instructions: str | None, tools: list[FunctionTool] | None) -> Plan:
     effort = body.reasoning.effort if body.reasoning is not None else None
     options = GenerateOptions(
         max_tokens=body.max_output_tokens,
@@ -117,7 +169,7 @@ def plan_response(ctx: ApiContext, owner: str, body: ResponseCreateRequest,
         return json.dumps(stored, separators=(",", ":"))
     return Plan(messages, chat_tools(tools), options,
                 {"enable_thinking": False} if effort == "none" else None,
-                view if body.store is not False else None), previous
+                view if body.store is not False else None)
 
 
 def stored_output(ctx: ApiContext, owner: str, session_id: str, turn: TurnInfo,

@@ -17,6 +17,7 @@ against the key's quota; a stream sends ``: keep-alive`` comments while idle.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
@@ -32,13 +33,15 @@ from phloem.api.server.errors import StreamingOperation, classify, openai_errors
 from phloem.api.server.responses.output import (
     output_items, reasoning_tokens, response_object, status_of, usage,
 )
-from phloem.api.server.responses.plan import echo, plan_response, stored_output
+from phloem.api.server.responses.plan import echo, plan_response, plan_to_fit, stored_output
 from phloem.api.server.responses.schemas import ResponseCreateRequest
 from phloem.api.server.responses.start import Started, previous_turn, start_response
 from phloem.api.server.responses.stream import ResponseEvents
-from phloem.sessions import GenerationResult, ParsedDelta, ParsedOutput, SessionError
+from phloem.sessions import ContextLengthExceeded, GenerationResult, ParsedDelta, ParsedOutput, SessionError
 
 __all__ = ["RESPONSES_ROUTES"]
+
+logger = logging.getLogger(__name__)
 
 _ERRORS = openai_errors(400, 401, 404, 413, 429, 503)
 _ID = "/v1/responses/{response_id:str}"
@@ -54,8 +57,15 @@ async def create_response(request: Request[Any, Any, Any], data: ResponseCreateR
     ctx.check_model(body.model)
     owner = owner_of(request)
     created_at = int(time.time())
+    if body.prompt_cache_key is not None:
+        logger.debug("response with prompt_cache_key %r", body.prompt_cache_key[:64])
     plan, previous = plan_response(ctx, owner, body, created_at)
-    started = await start_response(ctx, owner, plan, previous)
+    try:
+        started = await start_response(ctx, owner, plan, previous)
+    except ContextLengthExceeded:
+        if body.truncation != "auto":
+            raise
+        started = await start_response(ctx, owner, await plan_to_fit(ctx, owner, body, created_at), None)
     fields = echo(body, created_at)
     if body.stream:
         return Stream(_events(ctx, started, fields), media_type="text/event-stream",

@@ -4,10 +4,11 @@ They follow OpenAI's field names and shapes. ``input`` is a string or a list of 
 is decoded by its ``type`` into ``InputItem`` (an item with a ``role`` and no ``type`` is a
 ``message``, as OpenAI's "easy" input messages are), so a wrong item is a 400 naming its index.
 Supported items: ``message`` (text parts), ``function_call``, ``function_call_output`` and
-``reasoning``; tools: ``function`` tools only. ``user``, ``service_tier``, ``prompt_cache_key``,
-``safety_identifier``, ``text.verbosity``, ``reasoning.summary`` and ``stream_options`` are
-accepted and ignored; any other field is a 400, as on the other routes (a parameter Phloem does
-not implement is refused, never silently dropped).
+``reasoning``; tools: ``function`` tools only. ``user``, ``service_tier``, ``safety_identifier``,
+``text.verbosity``, ``reasoning.summary`` and ``stream_options`` are accepted and ignored,
+``prompt_cache_key`` is recorded (debug log); ``truncation: "auto"`` drops the oldest input
+items of an input beyond the context window (``plan.plan_to_fit``); any other field is a 400, as
+on the other routes (a parameter Phloem does not implement is refused, never silently dropped).
 """
 
 from __future__ import annotations
@@ -161,12 +162,13 @@ class ResponseCreateRequest(Struct, **_STRICT):
     store: bool | None = None
     metadata: Metadata | None = None
     include: list[Literal["reasoning.encrypted_content"]] | None = None
-    truncation: Literal["disabled"] | None = None
+    # "auto": an input beyond the context window loses its oldest items (``plan.plan_to_fit``).
+    truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = None  # false only: a response runs while its request is open
+    prompt_cache_key: str | None = None  # recorded (debug log): a cache/session affinity hint
     # Accepted and ignored.
     user: str | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
     def __post_init__(self) -> None:
