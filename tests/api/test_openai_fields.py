@@ -21,7 +21,9 @@ from litestar.testing import TestClient
 from transformers import AutoTokenizer
 
 from phloem.api.server.app import create_app
-from phloem.runtime import EngineClient, ServerConfig, ensure_default_model
+from phloem.api.server.config import HttpConfig
+from phloem.engine.config import EngineConfig, SchedulerConfig
+from phloem.runtime import EngineClient, ensure_default_model
 from phloem.runtime.default_model import RANDOM_MODEL_NAME
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
@@ -50,12 +52,11 @@ def app(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Iterator[Ap
     hf = AutoTokenizer.from_pretrained(str(model))
     hf.chat_template = THINKING_TEMPLATE
     tokenizer = Tokenizer(hf)
-    config = ServerConfig(model=str(model), data_dir=folder, max_context_len=CONTEXT)
-    engine = EngineClient.from_pretrained(model, config.engine_config)
+    engine = EngineClient.from_pretrained(model, EngineConfig(scheduler=SchedulerConfig(max_model_len=CONTEXT)))
     engine.start()
-    manager = SessionManager(engine, tokenizer, SessionConfig(data_dir=folder, model_fingerprint=model_fingerprint(model)))
+    manager = SessionManager(engine, tokenizer, SessionConfig(data_dir=folder), model_fingerprint=model_fingerprint(model))
     try:
-        with TestClient(create_app(config, engine, manager), base_url="http://127.0.0.1", timeout=60) as http:
+        with TestClient(create_app(HttpConfig(), engine, manager, model=str(model)), base_url="http://127.0.0.1", timeout=60) as http:
             # Not closed itself: closing would close the TestClient's transport (the block does).
             oai = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="unused", max_retries=0, http_client=http)
             yield App(oai, tokenizer)

@@ -25,9 +25,9 @@ from litestar.testing import TestClient
 from transformers import AutoTokenizer
 
 from phloem.api.server.app import create_app
-from phloem.runtime import EngineClient, ServerConfig
+from phloem.api.server.config import HttpConfig, parse_api_key
+from phloem.runtime import EngineClient
 from phloem.runtime.builtin_model import trained_model_path
-from phloem.runtime.config import parse_api_key
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
 pytestmark = pytest.mark.slow  # an engine and app in process
@@ -61,11 +61,10 @@ def app(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     tokenizer = Tokenizer(hf)
     engine = EngineClient.from_pretrained(model)
     engine.start()
-    manager = SessionManager(engine, tokenizer, SessionConfig(data_dir=folder, model_fingerprint=model_fingerprint(model)))
-    config = ServerConfig(model=str(model), data_dir=folder,
-                          api_keys=(parse_api_key(KEY_A), parse_api_key(KEY_B)))
+    manager = SessionManager(engine, tokenizer, SessionConfig(data_dir=folder), model_fingerprint=model_fingerprint(model))
+    http = HttpConfig(api_keys=(parse_api_key(KEY_A), parse_api_key(KEY_B)))
     try:
-        with TestClient(create_app(config, engine, manager), base_url="http://127.0.0.1", timeout=60) as client:
+        with TestClient(create_app(http, engine, manager, model=str(model)), base_url="http://127.0.0.1", timeout=60) as client:
             client.headers["Authorization"] = f"Bearer {KEY_A}"
             client.tool_format = request.param  # type: ignore[attr-defined]
             yield client

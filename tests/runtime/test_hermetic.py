@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from phloem.runtime.config import ServerConfig
+from phloem.cli.config import ServerConfig
 from phloem.runtime.env import default_data_dir
 
 
