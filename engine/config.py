@@ -397,9 +397,10 @@ class GrammarConfig:
     """Structured output: what a client's grammar may cost (``engine.sampling.grammar_limits``),
     where it compiles and how much compiled grammars may hold.
 
-    The limits are measured on the built-in model's tokenizer (docs/decisions.md): the largest
-    schema they allow compiles in about 0.25 s and holds about 9 MB; past them compile time and
-    memory grow much faster (a 100,000-value ``enum``: 114 s and +1 GB).
+    The limits are measured on the built-in model's tokenizer (docs/decisions.md): a schema at
+    the enum and literal limits compiles in 0.1-0.25 s and holds at most about 9 MB, 128 KiB of
+    plain properties in 1-2 s; past them compile time and memory grow much faster (a
+    100,000-value ``enum``: 114 s and +1 GB).
 
     Args:
         max_schema_bytes: the JSON text of one grammar (a ``response_format`` schema, or a

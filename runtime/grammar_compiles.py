@@ -1,7 +1,8 @@
 """Grammar compiles on their own bounded pool, fair per owner, with a time budget per request.
 
-A grammar compiles in xgrammar's C++ for up to about a quarter second within the limits
-(``engine.sampling.grammar_limits``); ``GrammarCompiles`` runs those compiles off the event loop
+A grammar compiles in xgrammar's C++ for up to a second or two within the limits
+(``engine.sampling.grammar_limits``; 128 KiB of optional properties, the slowest measured);
+``GrammarCompiles`` runs those compiles off the event loop
 on ``compile_workers`` threads of its own (never Python's default pool, which the storage and
 others use), and:
 
