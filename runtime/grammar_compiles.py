@@ -10,7 +10,9 @@ others use), and:
   queue of its own, so one key's burst of schemas never holds every worker;
 - a request waits at most ``compile_timeout_s`` for its grammar, then gets ``InvalidRequest``
   (a 400 naming the budget);
-- identical grammars in flight share one compile (the waiters count); when every request
+- identical grammars in flight share one compile (the waiters count); one still queued behind
+  its owner's backlog is taken over by another owner who asks for it with a free slot, so one
+  key's queue never delays another key's request; when every request
   waiting for a compile that has not started goes away (a client that hung up, a timeout), the
   compile is dropped and never starts. One that started runs to the end (xgrammar cannot be
   interrupted inside a thread) and its grammar is kept in the cache, still charged to its owner:
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -93,6 +96,13 @@ class GrammarCompiles:
             job = self._jobs[spec] = _Job(spec, owner, asyncio.get_running_loop().create_future())
             self._queued.setdefault(owner, deque()).append(job)
             self._pump(owner)
+        elif not job.started and job.owner != owner and self.running(owner) < self.config.compile_per_owner:
+            # Queued behind another owner's backlog, and this owner has a free slot: it takes
+            # the compile over (and its cache charge), so no owner's queue delays another's.
+            self._unqueue(job)
+            job.owner = owner
+            self._queued.setdefault(owner, deque()).appendleft(job)
+            self._pump(owner)
         job.waiters += 1
         budget = self.config.compile_timeout_s
         try:
@@ -138,11 +148,13 @@ class GrammarCompiles:
             self._running[owner] = self._running.get(owner, 0) + 1
             loop = asyncio.get_running_loop()
             job.thread_future = self._executor.submit(self._backend.compile, job.spec, owner)
-            job.thread_future.add_done_callback(
-                lambda f, job=job: loop.call_soon_threadsafe(self._finished, job, f)  # type: ignore[misc]
-            )
+            job.thread_future.add_done_callback(functools.partial(self._finished_threadsafe, loop, job))
         if queue is not None and not queue:
             del self._queued[owner]
+
+    def _finished_threadsafe(self, loop: asyncio.AbstractEventLoop, job: _Job, done: Future[Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(self._finished, job, done)
 
     def _finished(self, job: _Job, done: Future[Any]) -> None:
         """A compile ended (on the loop): free its slot, wake its waiters, start the next."""
@@ -164,15 +176,18 @@ class GrammarCompiles:
                     job.result.exception()  # mark it retrieved: nobody waits for it
         self._pump(owner)
 
-    def _abandon(self, job: _Job) -> None:
-        """Nobody waits for ``job`` any more and it has not started: drop it."""
-        self.num_abandoned += 1
+    def _unqueue(self, job: _Job) -> None:
         queue = self._queued.get(job.owner)
         if queue is not None:
             with contextlib.suppress(ValueError):
                 queue.remove(job)
             if not queue:
                 del self._queued[job.owner]
+
+    def _abandon(self, job: _Job) -> None:
+        """Nobody waits for ``job`` any more and it has not started: drop it."""
+        self.num_abandoned += 1
+        self._unqueue(job)
         if self._jobs.get(job.spec) is job:
             del self._jobs[job.spec]
         job.result.cancel()

@@ -101,17 +101,19 @@ def test_a_queued_compile_nobody_waits_for_never_starts() -> None:
         pool = GrammarCompiles(backend)
         first = asyncio.ensure_future(pool.compile(spec("a0"), "A"))
         queued = [asyncio.ensure_future(pool.compile(spec(f"a{i}"), "A")) for i in (1, 2)]
-        shared = asyncio.ensure_future(pool.compile(spec("a2"), "B"))  # waits on A's queued a2
         await settle()
         for task in (*queued, first):
             task.cancel()  # the clients hung up
         await settle()
-        # a1 is dropped; a2 still has B waiting; a0 runs on (it started) and keeps A's slot.
-        assert pool.queued("A") == 1 and pool.running("A") == 1 and pool.stats(backend.stats()).abandoned == 1
+        # a1 and a2 are dropped; a0 runs on (it started) and keeps A's slot.
+        assert pool.queued("A") == 0 and pool.running("A") == 1 and pool.stats(backend.stats()).abandoned == 2
+        later = asyncio.ensure_future(pool.compile(spec("a3"), "A"))
+        await settle()
+        assert pool.queued("A") == 1, "hanging up freed no slot"
         backend.gate("a0").set()
-        backend.gate("a2").set()
-        assert await asyncio.wait_for(shared, 5) == "compiled a2"
-        assert [n for n, _ in backend.started] == ["a0", "a2"], "a1 never started"
+        backend.gate("a3").set()
+        assert await asyncio.wait_for(later, 5) == "compiled a3"
+        assert [n for n, _ in backend.started] == ["a0", "a3"], "a1 and a2 never started"
         assert spec("a0") in backend.kept, "a started compile is kept for a retry"
         pool.close()
     asyncio.run(main())
@@ -192,3 +194,21 @@ def test_a_request_aborted_while_its_grammar_waits_never_reaches_the_engine() ->
 
     asyncio.run(main())
     assert_pools_empty(engine)
+
+
+def test_a_shared_grammar_queued_behind_one_owner_is_taken_over_by_a_free_one() -> None:
+    async def main() -> None:
+        backend = FakeBackend(GrammarConfig(compile_workers=2, compile_per_owner=1))
+        pool = GrammarCompiles(backend)
+        busy = asyncio.ensure_future(pool.compile(spec("a0"), "A"))
+        shared_a = asyncio.ensure_future(pool.compile(spec("s"), "A"))  # queued behind a0
+        await settle()
+        shared_b = asyncio.ensure_future(pool.compile(spec("s"), "B"))
+        await settle()
+        assert backend.started == [("a0", "A"), ("s", "B")] and pool.queued("A") == 0
+        backend.gate("s").set()
+        assert await asyncio.gather(shared_a, shared_b) == ["compiled s"] * 2
+        backend.gate("a0").set()
+        assert await busy == "compiled a0"
+        pool.close()
+    asyncio.run(main())
