@@ -6,6 +6,7 @@ non-streamed append, by contract, still completes and commits."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -138,10 +139,14 @@ def test_a_plain_append_completes_after_its_client_left(app: LiveApp, http: http
     assert (turn["finish_reason"], turn["num_output_tokens"]) == ("length", 300)
 
 
-def test_a_client_that_hangs_up_while_its_grammar_is_queued_drops_the_compile(
+def test_a_client_that_hangs_up_while_its_grammar_is_queued_never_gets_it_compiled(
         app: LiveApp, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream notices a hang-up at its next write: while a request waits for its compile
+    nothing is written, so the compile budget ends the wait (here 2 s) and drops the queued
+    compile; with tokens flowing, a hang-up cancels at once (the tests above)."""
     backend, pool = app.engine._grammar, app.engine._compiles
     assert backend is not None and pool is not None
+    monkeypatch.setattr(pool, "config", dataclasses.replace(pool.config, compile_timeout_s=2.0))
     release, compiled = threading.Event(), []
     original = backend.compile
 
