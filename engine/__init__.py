@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from phloem.engine.config import (
     CacheConfig,
     EngineConfig,
+    GrammarConfig,
     KernelConfig,
     LoadConfig,
     ParallelConfig,
@@ -57,18 +58,20 @@ if TYPE_CHECKING:
     from phloem.engine.cache.radix import RadixNode
     from phloem.engine.engine import Engine
     from phloem.engine.request import RequestOutput, TokenLogprob
+    from phloem.engine.sampling.grammar import GrammarStats
     from phloem.engine.warmup import WarmupReport
 
 __all__ = [
     "CacheConfig", "CacheStats", "CapacityExceeded", "CorruptStep", "Engine", "EngineConfig", "EngineError",
-    "GrammarSpec", "InvalidRequest", "KernelConfig", "LoadConfig", "ParallelConfig", "RadixNode", "RequestOutput",
-    "RunnerConfig", "SamplingParams", "SchedulerConfig", "TokenLogprob", "WarmupReport", "progress", "progress_bar",
-    "progress_shown",
+    "GrammarConfig", "GrammarSpec", "GrammarStats", "InvalidRequest", "KernelConfig", "LoadConfig", "ParallelConfig",
+    "RadixNode", "RequestOutput", "RunnerConfig", "SamplingParams", "SchedulerConfig", "TokenLogprob", "WarmupReport",
+    "progress", "progress_bar", "progress_shown",
 ]
 
 _LAZY = {
     "CacheStats": "phloem.engine.cache.manager",
     "Engine": "phloem.engine.engine",
+    "GrammarStats": "phloem.engine.sampling.grammar",
     "RadixNode": "phloem.engine.cache.radix",
     "RequestOutput": "phloem.engine.request",
     "TokenLogprob": "phloem.engine.request",

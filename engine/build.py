@@ -64,7 +64,7 @@ def load_parts(path: str | Path, config: EngineConfig) -> EngineParts:
         if workers is not None:
             workers.wait_ready()
         dtype = next(model.parameters()).dtype
-        grammar = GrammarBackend(path, model_config.vocab_size, model_config.eos_token_ids)
+        grammar = GrammarBackend(path, model_config.vocab_size, model_config.eos_token_ids, config.grammar)
     except BaseException:
         if workers is not None:
             workers.close()

@@ -9,7 +9,7 @@ one hybrid layout, so one config type describes them all:
     Qwen3NextForCausalLM    MoE unless ``mlp_only_layers`` / ``decoder_sparse_step`` say otherwise
 
 ``EngineConfig`` gathers the engine's sections (load, cache, scheduler, runner, parallel,
-kernels); each option is declared once, in its section. Runtime-measured values (page counts,
+kernels, grammar); each option is declared once, in its section. Runtime-measured values (page counts,
 slot counts) live on their owners, never here. Nothing here imports torch: the CLI builds an
 ``EngineConfig`` before torch loads.
 """
@@ -24,8 +24,8 @@ from typing import Any
 from phloem.kernels.config import KernelConfig
 
 __all__ = [
-    "DTYPES", "LOAD_FORMATS", "CacheConfig", "EngineConfig", "KernelConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "RunnerConfig",
-    "SchedulerConfig", "default_max_num_batched_tokens",
+    "DTYPES", "LOAD_FORMATS", "CacheConfig", "EngineConfig", "GrammarConfig", "KernelConfig", "LoadConfig", "ModelConfig",
+    "ParallelConfig", "RunnerConfig", "SchedulerConfig", "default_max_num_batched_tokens",
 ]
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -417,6 +417,59 @@ class LoadConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarConfig:
+    """Structured output: what a client's grammar may cost (``engine.sampling.grammar_limits``),
+    where it compiles and how much compiled grammars may hold.
+
+    The limits are measured on the built-in model's tokenizer (docs/decisions.md): a schema at
+    the enum and literal limits compiles in 0.1-0.25 s and holds at most about 9 MB, 128 KiB of
+    plain properties in 1-2 s; past them compile time and memory grow much faster (a
+    100,000-value ``enum``: 114 s and +1 GB).
+
+    Args:
+        max_schema_bytes: the JSON text of one grammar (a ``response_format`` schema, or a
+            structural tag with every tool's schema), in bytes.
+        max_depth: nesting of that JSON document (objects and arrays; a schema nested ``n``
+            properties deep is about ``2n``).
+        max_enum_values: values of one ``enum``.
+        max_literal_bytes: the JSON text of every ``enum`` value and ``const`` of one grammar,
+            together (xgrammar builds a trie over them: its size is what costs).
+        max_pattern_bytes: one ``pattern`` (a regular expression).
+        max_pattern_repeat: a ``pattern``'s repetition counts expanded (``a{1000}``: 1000,
+            ``(a{10}){5}``: 50, summed over the pattern): xgrammar unrolls them.
+        compile_workers: threads that compile grammars (their own pool, never the default one).
+        compile_per_owner: compiles one owner (API key) runs at once; its others queue.
+        compile_timeout_s: how long a request waits for its grammar before it is refused.
+        cache_bytes: compiled grammars kept, by their measured size (least recently used out).
+        cache_bytes_per_owner: of which one owner's compiles may hold at most this much.
+    """
+
+    max_schema_bytes: int = 128 * 1024
+    max_depth: int = 64
+    max_enum_values: int = 4096
+    max_literal_bytes: int = 32 * 1024
+    max_pattern_bytes: int = 4096
+    max_pattern_repeat: int = 1000
+    compile_workers: int = 2
+    compile_per_owner: int = 1
+    compile_timeout_s: float = 10.0
+    cache_bytes: int = 256 * 1024 * 1024
+    cache_bytes_per_owner: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        ints = tuple(f.name for f in fields(self) if f.name != "compile_timeout_s")
+        _check_ints(self, ints)
+        for name in ints:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s: expected > 0, got {self.compile_timeout_s!r}")
+        if self.cache_bytes_per_owner > self.cache_bytes:
+            raise ValueError(f"cache_bytes_per_owner: expected <= cache_bytes ({self.cache_bytes}), "
+                             f"got {self.cache_bytes_per_owner}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything an engine is built from besides the model folder, one frozen section each::
 
@@ -432,6 +485,7 @@ class EngineConfig:
         runner: attention backend and CUDA graphs.
         parallel: tensor and expert parallelism.
         kernels: the kernel choices that are product options.
+        grammar: structured output's limits, compile workers and compiled-grammar cache.
     """
 
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -440,6 +494,7 @@ class EngineConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -15,12 +15,18 @@ or an exception in the ``async for`` body) is aborted in the engine, so its page
 freed. The abort names the generation's own output sink, so it can never hit another request
 that reuses the id. Cancelling any other call before the engine thread picked it up means the
 command is skipped.
+
+A request with a grammar waits for its compile first (``runtime.grammar_compiles``: a pool of
+its own, fair per owner, within a time budget), before anything reaches the engine. Aborting it
+then (``abort``, or cancelling its consumer) stops the wait: the request never reaches the
+engine, and its compile, if still queued and wanted by no other request, never starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
@@ -29,7 +35,7 @@ from types import TracebackType
 from typing import Protocol, TypeVar
 
 from phloem.engine import (
-    Engine, EngineError, GrammarSpec, InvalidRequest, RequestOutput, SamplingParams, WarmupReport,
+    Engine, EngineError, GrammarSpec, GrammarStats, InvalidRequest, RequestOutput, SamplingParams, WarmupReport,
 )
 from phloem.engine.config import EngineConfig, ModelConfig
 from phloem.runtime.engine_commands import (
@@ -50,6 +56,7 @@ from phloem.runtime.engine_commands import (
     UnpinPrefix,
 )
 from phloem.runtime.engine_loop import EngineLoop
+from phloem.runtime.grammar_compiles import GrammarCompiles
 from phloem.runtime.env import use_nccl_defaults
 
 __all__ = ["EngineClient"]
@@ -75,8 +82,10 @@ class EngineClient:
 
     def __init__(self, engine: Engine) -> None:
         self._loop = EngineLoop(engine)
-        # Thread-safe: grammars compile in worker threads, off the event loop and the engine thread.
+        # Thread-safe: grammars compile on their own pool, off the event loop and the engine thread.
         self._grammar = engine.grammar
+        self._compiles = GrammarCompiles(engine.grammar) if engine.grammar is not None else None
+        self._compiling: dict[str, asyncio.Future[object]] = {}  # request id -> its grammar's compile
         self._model_config = engine.model_config
         self._max_model_len = engine.max_model_len
 
@@ -146,7 +155,21 @@ class EngineClient:
         Raises:
             TimeoutError: The thread did not stop in time (the engine is left open).
         """
-        await asyncio.to_thread(self._stop, timeout)
+        if self._compiles is not None:
+            self._compiles.close()
+        # A thread of its own, not the default pool: nothing queued there can delay the stop.
+        done: Future[None] = Future()
+
+        def stop() -> None:
+            try:
+                self._stop(timeout)
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+        threading.Thread(target=stop, name="phloem-engine-shutdown", daemon=True).start()
+        await asyncio.wrap_future(done)
 
     def _stop(self, timeout: float | None) -> None:
         self._loop.shutdown(timeout)
@@ -208,7 +231,7 @@ class EngineClient:
         def add(sink: OutputSink) -> AddRequest:
             return AddRequest(prompt, params, request_id, sink, outputs, namespace, prefill_only)
 
-        return self._outputs(request_id, add, params.grammar)
+        return self._outputs(request_id, add, params.grammar, namespace)
 
     async def prefill(self, token_ids: Sequence[int], namespace: str | None = None) -> int:
         """Compute ``token_ids`` and publish a checkpoint at their end in the prefix cache's
@@ -234,10 +257,11 @@ class EngineClient:
         return cached
 
     async def _outputs(
-        self, request_id: str, make: Callable[[OutputSink], AddRequest], grammar: GrammarSpec | None = None
+        self, request_id: str, make: Callable[[OutputSink], AddRequest], grammar: GrammarSpec | None = None,
+        owner: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit the request ``make(sink)`` builds (its ``grammar`` compiled first, off the event
-        loop); yield its outputs; abort it if left early."""
+        loop, on ``owner``'s share of the compile pool); yield its outputs; abort it if left early."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
 
@@ -245,13 +269,30 @@ class EngineClient:
             # Engine thread: hand over and return at once (raises if the event loop closed).
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
+        held: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if grammar is not None:
-            await self.compile_grammar(grammar)
+            # A task of its own, so that ``abort`` can stop the wait (a cancelled generation
+            # whose compile is still queued drops it, and never reaches the engine).
+            compiling = asyncio.ensure_future(self._compile(grammar, owner))
+            self._compiling[request_id] = compiling
+            try:
+                compiled = await compiling
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not compiling.cancelled() or (task is not None and task.cancelling()):
+                    raise  # this task itself is cancelled (compiling was, with it)
+                yield RequestOutput(request_id, [], [], [], True, "abort", 0)  # ``abort`` came first
+                return
+            finally:
+                if self._compiling.get(request_id) is compiling:
+                    del self._compiling[request_id]
+            held = self._grammar.hold(grammar, compiled)  # type: ignore[union-attr]
         add = make(sink)
-        self._loop.submit(add)
         done = False
         try:
-            await asyncio.wrap_future(add.reply)
+            with held:  # until the engine made the request's matcher
+                self._loop.submit(add)
+                await asyncio.wrap_future(add.reply)
             while not done:
                 item = await outputs.get()
                 if isinstance(item, EngineError):
@@ -265,16 +306,31 @@ class EngineClient:
                 # lands after the AddRequest. A no-op if the add failed or was skipped.
                 self._submit_quietly(AbortRequest(request_id, sink))
 
-    async def compile_grammar(self, grammar: GrammarSpec) -> None:
-        """Compile ``grammar`` in a worker thread (cached: the engine's matcher then starts at
-        once), to check it before a request uses it.
+    async def compile_grammar(self, grammar: GrammarSpec, owner: str | None = None) -> None:
+        """Compile ``grammar`` on the compile pool (``runtime.grammar_compiles``; cached: the
+        engine's matcher then starts at once), to check it before a request uses it.
+
+        Args:
+            grammar: The grammar.
+            owner: Whose compile concurrency and cache quota it counts against (the API key).
 
         Raises:
-            InvalidRequest: xgrammar rejects it, or the engine has no tokenizer to compile with.
+            InvalidRequest: past a limit, xgrammar rejects it, not compiled within the budget,
+                or the engine has no tokenizer to compile with.
         """
-        if self._grammar is None:
+        await self._compile(grammar, owner)
+
+    async def _compile(self, grammar: GrammarSpec, owner: str | None) -> object:
+        if self._compiles is None:
             raise InvalidRequest("grammar: this engine was built without a tokenizer to compile grammars with")
-        await asyncio.to_thread(self._grammar.compile, grammar)
+        return await self._compiles.compile(grammar, owner)
+
+    def grammar_stats(self) -> GrammarStats | None:
+        """The grammar cache's and compile pool's counters (None: no grammar backend); cheap,
+        never waits for the engine thread."""
+        if self._grammar is None or self._compiles is None:
+            return None
+        return self._compiles.stats(self._grammar.stats())
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request in flight; its generator then yields a final ``"abort"`` output.
@@ -288,6 +344,10 @@ class EngineClient:
         Raises:
             EngineError: The engine loop is not running.
         """
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:  # still waiting for its grammar: stop the wait, submit nothing
+            compiling.cancel()
+            return True
         return await self._call(AbortRequest(request_id))
 
     async def pin_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> PrefixHandle | None:

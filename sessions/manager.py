@@ -34,7 +34,6 @@ Every operation is scoped by ``owner`` (the API key): a session of another owner
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -46,6 +45,7 @@ from phloem.sessions._forks import commit_children, make_children
 from phloem.sessions._inputs import (
     ResolvedInput, SessionInput, check_context, check_input_size, resolve_input,
 )
+from phloem.sessions.tiers._io import DURABLE
 from phloem.sessions.tiers._pins import PinKeeper
 from phloem.sessions._shared_prefixes import share_prefixes
 from phloem.sessions.text._tokenize_pool import TokenizePool
@@ -126,7 +126,7 @@ class SessionManager(TierMoves):
         """
         self._shared_pins = await share_prefixes(self._engine, self._tokenizer,
                                                  self._config.shared_prefixes)
-        sessions, records = await asyncio.to_thread(self._store.load)
+        sessions, records = await DURABLE.run(self._store.load)
         for session in sessions:
             self._sessions[session.session_id] = session
         await self._spill.recover(sessions, records)

@@ -10,8 +10,9 @@ one process (tests) keep separate numbers. Two kinds of metrics live in it:
   grow the label set; a path that matches no route is ``route="unmatched"``.
 - Everything else is read at scrape time from the lower layers' result objects — plain numbers,
   no tensors: ``SessionManager.stats()`` (sessions by status, tokens, spills, resumes) and
-  ``EngineClient.stats()`` (pages, state slots, queue depth, step-time histogram), rendered by
-  ``_SnapshotCollector``. When the engine does not answer within ``_ENGINE_TIMEOUT_S`` (stopped,
+  ``EngineClient.stats()`` (pages, state slots, queue depth, step-time histogram) and
+  ``EngineClient.grammar_stats()`` (the compiled-grammar cache's bytes and entries, compiles,
+  rejections, timeouts; ``phloem_grammar_*``), rendered by ``_SnapshotCollector``. When the engine does not answer within ``_ENGINE_TIMEOUT_S`` (stopped,
   or stuck in a step) the engine metrics are left out and ``phloem_engine_up`` is 0.
 
 Decision: the prefix-cache hit rate is exported as ``phloem_prefix_cache_hit_ratio``, the
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from phloem.engine import GrammarStats
 from phloem.runtime import EngineClient, EngineStats
 from phloem.runtime.histogram import HistogramSnapshot
 from phloem.sessions import SessionManager, SessionStats
@@ -75,6 +77,7 @@ class ApiMetrics:
         engine = await self._engine.stats_or_none(_ENGINE_TIMEOUT_S)
         # No await between taking the snapshot and rendering it: one scrape, one snapshot.
         self._snapshot.engine, self._snapshot.sessions = engine, self._manager.stats()
+        self._snapshot.grammar = self._engine.grammar_stats()
         return generate_latest(self.registry)
 
 
@@ -84,13 +87,15 @@ class _SnapshotCollector:
     def __init__(self) -> None:
         self.engine: EngineStats | None = None
         self.sessions: SessionStats | None = None
+        self.grammar: GrammarStats | None = None
 
     def describe(self) -> Iterable[Metric]:
-        return [*_session_families(None), *_engine_families(None)]
+        return [*_session_families(None), *_engine_families(None), *_grammar_families(None)]
 
     def collect(self) -> Iterator[Metric]:
         yield from _session_families(self.sessions)
         yield from _engine_families(self.engine)
+        yield from _grammar_families(self.grammar)
 
 
 def _counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
@@ -202,6 +207,33 @@ def _engine_families(e: EngineStats | None) -> list[Metric]:
         by_kind.add_metric([kind], _buckets(h), sum_value=h.total)
     families.append(by_kind)
     return families
+
+
+# (name, help, is a counter, value): the metrics of ``GrammarStats`` (the compiled-grammar cache
+# and the compile pool; read without the engine thread, so present even when it is busy).
+_GRAMMAR_METRICS: list[tuple[str, str, bool, Callable[[GrammarStats], float]]] = [
+    ("phloem_grammar_cache_bytes", "Measured bytes of the compiled grammars kept (bounded: "
+     "phloem_grammar_cache_capacity_bytes, and a quota per API key)", False, lambda g: g.cache_bytes),
+    ("phloem_grammar_cache_capacity_bytes", "The compiled-grammar cache's bound in bytes", False,
+     lambda g: g.cache_capacity_bytes),
+    ("phloem_grammar_cache_entries", "Compiled grammars kept", False, lambda g: g.cache_entries),
+    ("phloem_grammar_cache_evictions", "Compiled grammars evicted for room (a key's quota or the "
+     "whole cache)", True, lambda g: g.cache_evictions),
+    ("phloem_grammar_compiles", "Grammars compiled (cache misses)", True, lambda g: g.compiles),
+    ("phloem_grammar_rejections", "Grammars refused: past a size or complexity limit, or not "
+     "compilable", True, lambda g: g.rejections),
+    ("phloem_grammar_compile_timeouts", "Requests refused because their grammar was not compiled "
+     "within the budget", True, lambda g: g.timeouts),
+    ("phloem_grammar_compiles_abandoned", "Queued compiles dropped before they started: every "
+     "request waiting for them went away", True, lambda g: g.abandoned),
+]
+
+
+def _grammar_families(g: GrammarStats | None) -> list[Metric]:
+    return [
+        (_counter if is_counter else _gauge)(name, doc, None if g is None else value(g))
+        for name, doc, is_counter, value in _GRAMMAR_METRICS
+    ]
 
 
 def _histogram(name: str, doc: str, h: HistogramSnapshot) -> HistogramMetricFamily:

@@ -7,10 +7,14 @@ it every sampled token (``accept``). The request finishes once the grammar is co
 matcher accepted a stop token), so a JSON answer ends where its JSON ends.
 
 ``GrammarBackend`` compiles against the served model's tokenizer, loaded on first use (a model
-that never sees a grammar never imports xgrammar), and keeps the ``_CACHE_SIZE`` most recent
-compiled grammars: an agent sends the same schemas and tools on every turn. It is thread-safe:
-``EngineClient`` compiles in a worker thread before the request reaches the engine thread, so a
-slow compile (or a schema xgrammar rejects) never stalls a step.
+that never sees a grammar never imports xgrammar). A grammar past ``GrammarConfig``'s limits is
+refused before it compiles (``engine.sampling.grammar_limits``). Compiled grammars are kept in a
+cache bounded by their measured size (``CompiledGrammar.memory_size_bytes``), with a quota per
+owner (``engine.sampling.grammar_cache``): an agent sends the same schemas and tools on every
+turn. xgrammar's own compiler cache is off (it is unbounded). It is thread-safe: ``EngineClient``
+compiles on its own bounded pool (``runtime.grammar_compiles``) before the request reaches the
+engine thread, so a slow compile (or a schema xgrammar rejects) never stalls a step, and holds
+the compiled grammar (``hold``) until the engine made the request's matcher from it.
 
 The bitmask is xgrammar's layout: ``[rows, ceil(V / 32)]`` int32, bit ``t % 32`` of word
 ``t // 32`` set when token ``t`` is allowed. Ids past the tokenizer's vocabulary (embedding rows
@@ -19,25 +23,27 @@ padded to a multiple of 64) are never allowed.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import re
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from phloem.engine.config import GrammarConfig
 from phloem.engine.errors import InvalidRequest
+from phloem.engine.sampling.grammar_cache import GrammarCache
+from phloem.engine.sampling.grammar_limits import check_grammar
 from phloem.engine.sampling.params import GrammarSpec
 
 if TYPE_CHECKING:
     import xgrammar
 
-__all__ = ["GrammarBackend", "GrammarMatcher", "bitmask_width", "fill_bitmask"]
+__all__ = ["GrammarBackend", "GrammarMatcher", "GrammarStats", "bitmask_width", "fill_bitmask"]
 
-_CACHE_SIZE = 256
 # Consecutive whitespace a JSON schema grammar allows: pretty-printed JSON nested seven levels at
 # indent 2 fits, and a model cannot loop on whitespace forever.
 MAX_JSON_WHITESPACE = 16
@@ -81,6 +87,32 @@ class GrammarMatcher:
         return bool(self.handle.is_terminated())
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarStats:
+    """The grammar backend's counters (``/metrics``).
+
+    Args:
+        cache_bytes: measured bytes of the compiled grammars kept.
+        cache_entries: compiled grammars kept.
+        cache_capacity_bytes: the cache's bound.
+        cache_evictions: grammars evicted for room (an owner's quota or the whole cache).
+        compiles: grammars compiled (cache misses that compiled, or failed to).
+        rejections: grammars refused: past a limit, or not compilable.
+        timeouts: requests that waited past ``compile_timeout_s`` (counted by the compile pool).
+        abandoned: queued compiles dropped before they started: every request waiting for one
+            went away (counted by the compile pool).
+    """
+
+    cache_bytes: int
+    cache_entries: int
+    cache_capacity_bytes: int
+    cache_evictions: int
+    compiles: int
+    rejections: int
+    timeouts: int = 0
+    abandoned: int = 0
+
+
 class GrammarBackend:
     """Compiles grammars for one model's tokenizer (see the module docstring).
 
@@ -89,37 +121,94 @@ class GrammarBackend:
         vocab_size: The model's vocabulary (logits width), which may exceed the tokenizer's.
         stop_token_ids: Tokens that end a completed grammar (the model's EOS tokens); empty:
             the tokenizer's own EOS.
+        config: The limits, the cache's bounds (and, for ``EngineClient``, the compile pool).
     """
 
-    def __init__(self, tokenizer_dir: str | Path, vocab_size: int, stop_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, tokenizer_dir: str | Path, vocab_size: int, stop_token_ids: tuple[int, ...] = (),
+                 config: GrammarConfig | None = None) -> None:
         self.tokenizer_dir = Path(tokenizer_dir)
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
+        self.config = config if config is not None else GrammarConfig()
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._batch: xgrammar.BatchGrammarMatcher | None = None
-        self._compiled: OrderedDict[GrammarSpec, xgrammar.CompiledGrammar] = OrderedDict()
+        self._compiled: GrammarCache[GrammarSpec, xgrammar.CompiledGrammar] = GrammarCache(
+            self.config.cache_bytes, self.config.cache_bytes_per_owner
+        )
+        # Compiled grammars handed from a compile to the engine thread's ``matcher`` (``hold``).
+        self._held: dict[GrammarSpec, tuple[xgrammar.CompiledGrammar, int]] = {}
         self.num_compiles = 0
+        self.num_rejections = 0
 
-    def compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
-        """The compiled grammar of ``spec`` (cached).
+    def check(self, spec: GrammarSpec) -> Any:
+        """``spec``'s parsed JSON, once it is within the configured limits.
 
         Raises:
-            InvalidRequest: xgrammar rejects the schema or structural tag.
+            InvalidRequest: past a limit (one line naming it and the value), or not JSON.
         """
+        try:
+            return check_grammar(spec, self.config)
+        except InvalidRequest:
+            with self._lock:
+                self.num_rejections += 1
+            raise
+
+    def cached(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar | None:
+        """The compiled grammar of ``spec`` if kept (cache or ``hold``), else None."""
         with self._lock:
             compiled = self._compiled.get(spec)
-            if compiled is not None:
-                self._compiled.move_to_end(spec)
-                return compiled
+            if compiled is None and spec in self._held:
+                compiled = self._held[spec][0]
+            return compiled
+
+    def compile(self, spec: GrammarSpec, owner: str | None = None) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of ``spec`` (cached; a miss compiles in the calling thread and is
+        charged to ``owner``'s quota).
+
+        Raises:
+            InvalidRequest: past a limit, or xgrammar rejects the schema or structural tag.
+        """
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
+        source = self.check(spec)
+        with self._lock:
             compiler = self._compiler or self._load()
-        compiled = _compile(compiler, spec)
+        try:
+            compiled = _compile(compiler, spec, source)
+        except InvalidRequest:
+            with self._lock:
+                self.num_compiles += 1
+                self.num_rejections += 1
+            raise
         with self._lock:
             self.num_compiles += 1
-            self._compiled[spec] = compiled
-            while len(self._compiled) > _CACHE_SIZE:
-                self._compiled.popitem(last=False)
+            self._compiled.put(spec, compiled, _size(compiled), owner)
         return compiled
+
+    @contextlib.contextmanager
+    def hold(self, spec: GrammarSpec, compiled: xgrammar.CompiledGrammar) -> Iterator[None]:
+        """Keep ``compiled`` for ``matcher(spec)`` while inside, even if the cache evicts it
+        (another owner's compile between this request's compile and its admission)."""
+        with self._lock:
+            _, count = self._held.get(spec, (compiled, 0))
+            self._held[spec] = (compiled, count + 1)
+        try:
+            yield
+        finally:
+            with self._lock:
+                compiled, count = self._held[spec]
+                if count > 1:
+                    self._held[spec] = (compiled, count - 1)
+                else:
+                    del self._held[spec]
+
+    def stats(self) -> GrammarStats:
+        """The counters, taken under the lock."""
+        with self._lock:
+            return GrammarStats(self._compiled.bytes, len(self._compiled), self._compiled.capacity_bytes,
+                                self._compiled.evictions, self.num_compiles, self.num_rejections)
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A fresh matcher at the start of ``spec``'s grammar.
@@ -141,16 +230,19 @@ class GrammarBackend:
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids) or None
         )
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+        # One thread per compile (the pool runs compile_workers of them at once); no cache of
+        # xgrammar's own: it has no bound by default, and ours is bounded per owner.
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._batch = xgrammar.BatchGrammarMatcher("auto")  # half the host's hardware threads
         return self._compiler
 
 
-def _compile(compiler: xgrammar.GrammarCompiler, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
-    try:
-        source: Any = json.loads(spec.source)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"grammar: expected JSON text, got {spec.source[:80]!r}: {exc}") from exc
+def _size(compiled: xgrammar.CompiledGrammar) -> int:
+    """The compiled grammar's measured bytes (xgrammar's count; 1 if it has none)."""
+    return max(1, int(getattr(compiled, "memory_size_bytes", 1)))
+
+
+def _compile(compiler: xgrammar.GrammarCompiler, spec: GrammarSpec, source: Any) -> xgrammar.CompiledGrammar:
     try:
         if spec.kind == "json_schema":
             return compiler.compile_json_schema(source, max_whitespace_cnt=MAX_JSON_WHITESPACE)

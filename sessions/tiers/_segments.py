@@ -13,13 +13,13 @@ records) in the same step.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections.abc import Callable
 
 from phloem.sessions._events import SessionEvents
 from phloem.sessions.session import Session, SpilledSegment, SpillTier
+from phloem.sessions.tiers._io import SEGMENTS
 from phloem.sessions.tiers.store import SessionStore
 from phloem.storage import (
     CorruptSegment, HostPool, Segment, SegmentMeta, SessionRecord, StorageError, hash_token_ids,
@@ -69,7 +69,7 @@ class SegmentTiers:
             self.host.put(segment)
         else:
             try:
-                await asyncio.to_thread(self.disk.write, segment)
+                await SEGMENTS.run(self.disk.write, segment)
             except (StorageError, ValueError) as exc:
                 logger.warning("cannot write segment of session %s: %s", meta.session_id, exc)
                 return None
@@ -90,7 +90,7 @@ class SegmentTiers:
             if segment is None:
                 return entry.tier == "disk"
             try:
-                await asyncio.to_thread(self.disk.write, segment)
+                await SEGMENTS.run(self.disk.write, segment)
             except StorageError as exc:
                 logger.warning("cannot demote segment %s to disk: %s", entry.segment_id, exc)
                 return False
@@ -129,7 +129,7 @@ class SegmentTiers:
             if segment is None:
                 raise CorruptSegment(f"segment {entry.segment_id} is no longer in the host pool")
         else:
-            segment = await asyncio.to_thread(self.disk.read, entry.owner_id, entry.segment_id,
+            segment = await SEGMENTS.run(self.disk.read, entry.owner_id, entry.segment_id,
                                               expect_fingerprint=self._store.fingerprint)
         n = entry.num_tokens
         if segment.meta.num_tokens != n or segment.meta.token_ids_hash != hash_token_ids(token_ids[:n]):
@@ -154,7 +154,7 @@ class SegmentTiers:
     async def recover(self, sessions: list[Session], records: dict[str, SessionRecord]) -> None:
         """Attach each restarted session's disk segment and delete this model's segments that
         nothing references (see ``sessions.tiers.spill``, "Restart")."""
-        metas = await asyncio.to_thread(self._scan)
+        metas = await SEGMENTS.run(self._scan)
         by_owner: dict[str, list[SegmentMeta]] = {}
         for meta in metas.values():
             by_owner.setdefault(meta.session_id, []).append(meta)
@@ -179,9 +179,9 @@ class SegmentTiers:
                     await self.quietly(self.disk.delete_session, meta.session_id)
 
     async def quietly(self, fn: Callable[..., object], *args: object) -> None:
-        """Run a storage cleanup in a thread; a failure is logged (it only leaks a file)."""
+        """Run a storage cleanup on the segment pool; a failure is logged (it only leaks a file)."""
         try:
-            await asyncio.to_thread(fn, *args)
+            await SEGMENTS.run(fn, *args)
         except (StorageError, ValueError) as exc:
             logger.warning("segment cleanup failed: %s", exc)
 

@@ -51,6 +51,7 @@ from typing import Any
 
 from phloem.sessions.errors import GenerationFailed
 from phloem.sessions.session import Session, Turn
+from phloem.sessions.tiers._io import DURABLE
 from phloem.sessions.text.tool_parsers import ParsedToolCall
 from phloem.storage import (
     DiskStore, RedisIndex, SessionIndex, SessionJournal, SessionRecord, SQLiteIndex, StorageError,
@@ -136,7 +137,7 @@ class SessionStore:
         """
         record = self._record(session)
         try:
-            await asyncio.to_thread(self._journal.write, record)
+            await DURABLE.run(self._journal.write, record)
         except StorageError as exc:
             raise self._journal_failed(f"could not persist session {session.session_id}", exc) from exc
         self._journal_problem = None
@@ -155,12 +156,12 @@ class SessionStore:
             GenerationFailed: The journal file could not be removed.
         """
         try:
-            await asyncio.to_thread(self._journal.delete, session_id)
+            await DURABLE.run(self._journal.delete, session_id)
         except StorageError as exc:
             raise self._journal_failed(f"could not delete session {session_id}", exc) from exc
 
         async def delete() -> None:
-            if not await asyncio.to_thread(self._index_call, "delete", self._index.delete_session, session_id):
+            if not await DURABLE.run(self._index_call, "delete", self._index.delete_session, session_id):
                 self._deleted_while_degraded.add(session_id)
         await asyncio.wait({self._queue(delete)}, timeout=_INDEX_WAIT_S)
 
@@ -199,7 +200,7 @@ class SessionStore:
     async def sync_index(self, sessions: list[Session]) -> None:
         """Write every session's record to the index (after startup)."""
         records = [self._record(s) for s in sessions]
-        await self._queue(lambda: asyncio.to_thread(self._index_call, "sync", self._put_all, records))
+        await self._queue(lambda: DURABLE.run(self._index_call, "sync", self._put_all, records))
 
     async def probe_index(self, live: Callable[[], list[Session]]) -> bool:
         """If degraded, ping the index (without waiting on queued index writes) and, once it
@@ -208,7 +209,7 @@ class SessionStore:
         Returns whether the index is ok."""
         if self._index_problem is None:
             return True
-        if not await asyncio.to_thread(self._index.health):
+        if not await DURABLE.run(self._index.health):
             return False
 
         async def resync() -> None:
@@ -217,7 +218,7 @@ class SessionStore:
             records = [self._record(s) for s in live()]
             logger.info("the session index answers again: resyncing %d session(s)", len(records))
             try:
-                await asyncio.to_thread(self._put_all, records)
+                await DURABLE.run(self._put_all, records)
             except StorageError as exc:
                 self._degrade("sync", exc)
                 return
@@ -248,7 +249,7 @@ class SessionStore:
     async def _index_write(self, what: str, fn: Callable[..., object], *args: object,
                            **kwargs: object) -> None:
         """Queue ``_index_call`` (in a worker thread) and wait for it ``_INDEX_WAIT_S`` at most."""
-        task = self._queue(lambda: asyncio.to_thread(self._index_call, what, fn, *args, **kwargs))
+        task = self._queue(lambda: DURABLE.run(self._index_call, what, fn, *args, **kwargs))
         await asyncio.wait({task}, timeout=_INDEX_WAIT_S)
 
     async def drain_index(self, timeout_s: float) -> None:

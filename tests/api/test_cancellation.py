@@ -5,8 +5,11 @@ non-streamed append, by contract, still completes and commits."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -136,3 +139,44 @@ def test_a_plain_append_completes_after_its_client_left(app: LiveApp, http: http
                    timeout=httpx.Timeout(10, read=0.05))
     turn = last_turn(http, session, 2)
     assert (turn["finish_reason"], turn["num_output_tokens"]) == ("length", 300)
+
+
+def test_a_client_that_hangs_up_while_its_grammar_is_queued_never_gets_it_compiled(
+        app: LiveApp, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream notices a hang-up at its next write: while a request waits for its compile
+    nothing is written, so the compile budget ends the wait (here 2 s) and drops the queued
+    compile; with tokens flowing, a hang-up cancels at once (the tests above)."""
+    backend, pool = app.engine._grammar, app.engine._compiles
+    assert backend is not None and pool is not None
+    monkeypatch.setattr(pool, "config", dataclasses.replace(pool.config, compile_timeout_s=2.0))
+    release, compiled = threading.Event(), []
+    original = backend.compile
+
+    def slow(spec: Any, owner: str | None = None) -> Any:
+        compiled.append(spec.source)
+        if "hang-" in spec.source:
+            assert release.wait(30)
+        return original(spec, owner)
+
+    monkeypatch.setattr(backend, "compile", slow)
+    abandoned = pool.num_abandoned
+
+    def hasty(tag: str) -> None:
+        schema = {"type": "object", "properties": {"a": {"const": tag}}}
+        body = {"model": RANDOM_MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "stream": True,
+                "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+        with httpx.Client(base_url=app.base_url, timeout=0.5) as client, contextlib.suppress(httpx.TimeoutException):
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                for _ in r.iter_bytes():
+                    pass
+
+    first = threading.Thread(target=hasty, args=("hang-1",))
+    first.start()
+    wait_for(lambda: compiled)  # hang-1 holds the key's one compile slot
+    hasty("hang-2")  # queued behind it; hangs up after 0.5 s
+    first.join()
+    wait_for(lambda: pool.num_abandoned == abandoned + 1)
+    release.set()
+    wait_for(lambda: not pool.running(None))
+    assert [s for s in compiled if "hang-" in s] == [compiled[0]], "hang-2's compile never started"
+    app.wait_idle()

@@ -256,3 +256,38 @@ def test_list_pages_newest_first(make_manager: ManagerFactory) -> None:
         assert [p.session_id for p in m.list_sessions(OWNER, parent_id=ids[0])[0]] == kids[::-1]
 
     run(make_manager, body)
+
+
+def test_durable_writes_do_not_wait_for_the_default_executor(make_manager: ManagerFactory) -> None:
+    """Storage I/O has pools of its own (``sessions.tiers._io``): a default executor held by
+    anyone's slow work (issue 47: abandoned grammar compiles) delays no journal write."""
+    import concurrent.futures
+    import threading
+
+    async def body(m: SessionManager) -> None:
+        loop = asyncio.get_running_loop()
+        release = threading.Event()
+        default = concurrent.futures.ThreadPoolExecutor(2)
+        loop.set_default_executor(default)
+        blockers = [loop.run_in_executor(None, release.wait, 30) for _ in range(8)]
+        try:
+            root = await asyncio.wait_for(m.create(OWNER, content=unique_system()), 10)
+            turn = await asyncio.wait_for(
+                (await m.append(OWNER, root.session_id, SessionInput(text="hi"), greedy(2))).result(), 10)
+            assert turn.turn == 1 and not any(b.done() for b in blockers)
+        finally:
+            release.set()
+            await asyncio.gather(*blockers)
+
+    run(make_manager, body)
+
+
+def test_the_session_tiers_never_use_the_default_executor() -> None:
+    from pathlib import Path as _Path
+
+    import phloem.sessions as package
+
+    root = _Path(package.__file__).parent
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if "to_thread(" in p.read_text() or "run_in_executor(None" in p.read_text()]
+    assert offenders == []
