@@ -137,9 +137,9 @@ def run_estimate(options: EstimateOptions, out: TextIO) -> int:
             total = e.weights.total + e.kv_bytes + e.state_bytes
             note = "" if e.fits else "does not fit"
             if dtype == "fp8":
-                note = (note + "; " if note else "") + "estimate only: FP8 checkpoints are not served yet"
+                note = (note + "; " if note else "") + "planning only: FP8 is not served yet"
             out.write(row + f"{_gib(e.weights.total):>8} {_gib(e.kv_bytes):>9} {e.num_pages:>9} "
-                            f"{e.kv_tokens:>10} {_gib(e.state_bytes):>7} {e.num_slots:>6} {_gib(total):>7}  {note}\n")
+                            f"{e.kv_tokens:>10} {_gib(e.state_bytes):>7} {e.num_slots:>6} {_gib(total):>7}  {note}".rstrip() + "\n")
     one = estimate_memory(mc, cc, gpu_bytes=0)
     out.write(f"at TP 1 one KV page ({cc.page_size} tokens) is {one.page_bytes / 1024:g} KiB, one state slot "
               f"{one.slot_bytes / (1 << 20):.1f} MiB; both shrink with TP (KV heads down to one per GPU)\n")

@@ -17,7 +17,7 @@ from phloem.engine.config import CacheConfig, ModelConfig
 from phloem.runtime.model_shapes import SHAPES
 
 GIB = 1 << 30
-ROW = re.compile(r"^(bf16|fp8) +(\d) +([\d.]+) +([\d.]+) +(\d+) +(\d+) +([\d.]+) +(\d+) +([\d.]+) ")
+ROW = re.compile(r"^(bf16|fp8) +(\d) +([\d.]+) +([\d.]+) +(\d+) +(\d+) +([\d.]+) +(\d+) +([\d.]+)(?: |$)")
 
 
 def rows(out: str) -> dict[tuple[str, int], list[str]]:
@@ -33,7 +33,7 @@ def test_estimate_prints_bf16_and_fp8_per_gpu_at_tp_1_2_4_8(shape: str, capsys: 
     for dtype in ("bf16", "fp8"):  # weights per GPU halve with each doubling of TP (replicated parts aside)
         weights = [float(table[dtype, tp][0]) for tp in (1, 2, 4, 8)]
         assert all(0.49 < b / a < 0.51 for a, b in zip(weights, weights[1:])), weights
-    assert "FP8 checkpoints are not served yet" in out
+    assert "FP8 is not served yet" in out
 
 
 def test_the_35b_figures_are_the_published_ones() -> None:
@@ -88,3 +88,13 @@ def test_estimate_of_a_model_folder_reads_only_its_config(tmp_path: Path, capsys
 def test_a_tp_that_does_not_divide_the_heads_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     main(["estimate", "--shape", "qwen3.5-27b", "--tp", "16", "--dtype", "bf16"])
     assert "tp: 16 does not divide the model's num_attention_heads=24" in capsys.readouterr().out
+
+
+def test_docs_models_pastes_the_current_output(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each ``$ phloem estimate ...`` block of docs/models.md is what the command prints now."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```console\n\$ phloem (estimate[^\n]*)\n(.*?)```", page, re.S)
+    assert len(blocks) == 4
+    for argv, printed in blocks:
+        assert main(argv.split()) == 0
+        assert capsys.readouterr().out == printed, f"docs/models.md: rerun `phloem {argv}` and paste its output"
