@@ -40,7 +40,7 @@ from phloem.runtime.pd.decode import engine_client_for
 from phloem.runtime.startup import StartupLog
 from phloem.sessions import SessionManager, Tokenizer, model_fingerprint
 
-__all__ = ["build_app", "build_engine", "build_sessions", "serve"]
+__all__ = ["build_app", "build_engine", "build_sessions", "load_tokenizer", "serve"]
 
 logger = logging.getLogger(__name__)
 _GRACE_S = 10
@@ -60,8 +60,18 @@ def build_sessions(config: ServerConfig, engine: EngineClient, tokenizer: Tokeni
     """The session manager over ``engine``: ``config.sessions``, the model's tokenizer (loaded from
     the folder unless given) and its fingerprint, measured here."""
     assert config.model is not None, "resolve the default model first"
-    tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_pretrained(config.model)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
     return SessionManager(engine, tokenizer, config.sessions, model_fingerprint=model_fingerprint(config.model))
+
+
+def load_tokenizer(config: ServerConfig) -> Tokenizer:
+    """The model folder's tokenizer, with ``config.chat_template``'s template when one is given.
+
+    Raises:
+        OSError: The folder has no loadable tokenizer, or the template file cannot be read.
+    """
+    assert config.model is not None, "resolve the default model first"
+    return Tokenizer.from_pretrained(str(config.model), chat_template=config.read_chat_template())
 
 
 def build_app(config: ServerConfig, engine: EngineClient, manager: SessionManager) -> Litestar:
@@ -101,7 +111,7 @@ def _serve(config: ServerConfig, sock: socket.socket | None, startup: StartupLog
         engine = build_engine(config)
     _warm_up(engine, config.engine, startup)
     with startup.phase("tokenizer", "loading the tokenizer"):
-        tokenizer = Tokenizer.from_pretrained(str(config.model))
+        tokenizer = load_tokenizer(config)
     manager = build_sessions(config, engine, tokenizer)
     app = build_app(config, engine, manager)
     http = config.http

@@ -2,6 +2,7 @@
 
     ServerConfig
       model      the model folder (None: the trained built-in model)
+      chat_template  a Jinja chat template file overriding the model's
       engine     engine.config.EngineConfig     device, dtype, parallelism, pools, scheduler, kernels
       sessions   sessions.config.SessionConfig  data directory, index, TTLs, admission, spilling
       http       api.server.config.HttpConfig   socket, API keys, per-key limits, timeouts, logs
@@ -42,6 +43,9 @@ class ServerConfig:
     Args:
         model: Hugging Face model folder; ``None`` means the trained built-in model, served
             from the package (``runtime.builtin_model.trained_model_path()``).
+        chat_template: a Jinja chat template file used instead of the model folder's (its
+            ``tokenizer_config.json`` / ``chat_template.jinja``): it renders chat requests, and
+            the tool-call format and reasoning tags are read from it. None: the model's own.
         engine: the engine's options (``engine.config``): its device and dtype (``load``), the
             longest context (``scheduler.max_model_len``), tensor parallelism (``parallel``)...
         sessions: the sessions layer's options (``sessions.config``), among them the data
@@ -57,6 +61,7 @@ class ServerConfig:
     """
 
     model: str | None = None
+    chat_template: Path | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
@@ -65,6 +70,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.model is not None and not self.model:
             raise ValueError("model: expected a model folder or None, got ''")
+        if self.chat_template is not None and not isinstance(self.chat_template, Path):
+            raise ValueError(f"chat_template: expected a Path or None, got {self.chat_template!r}")
         for name, kind in SECTIONS.items():
             if not isinstance(getattr(self, name), kind):
                 article = "an" if kind.__name__[0] in "AEIOU" else "a"
@@ -76,6 +83,14 @@ class ServerConfig:
     def data_dir(self) -> Path:
         """``sessions.data_dir``: models, spilled sessions, the index, kernel caches, the secret."""
         return self.sessions.data_dir
+
+    def read_chat_template(self) -> str | None:
+        """The text of ``chat_template``; None without one.
+
+        Raises:
+            OSError: The file cannot be read.
+        """
+        return None if self.chat_template is None else self.chat_template.read_text(encoding="utf-8")
 
     @property
     def models_dir(self) -> Path:

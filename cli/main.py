@@ -1,4 +1,4 @@
-"""The ``phloem`` command: ``serve``, ``demo`` and ``bench``.
+"""The ``phloem`` command: ``serve``, ``demo``, ``bench`` and ``estimate``.
 
 The composition root (``phloem.cli``): it imports ``phloem.api`` (the server in ``serve``, the SDK
 in ``demo``) inside the function that needs it, so ``phloem --help`` stays fast and the SDK side
@@ -25,11 +25,12 @@ from phloem.benchmarks.cli import add_bench_commands
 from phloem.api.server.config import ApiKey, parse_api_key, read_api_keys_file
 from phloem.cli.config import ServerConfig
 from phloem.cli.demo import DEFAULT_MAX_TOKENS, DemoOptions
+from phloem.cli.estimate import add_estimate_command
 from phloem.cli.options import add_serve_flags, config_from_args, flag_values
 from phloem.runtime.model_shapes import SHAPES, ensure_shape_model
 from phloem.runtime.env import EnvSettings, default_data_dir, kernel_config, read_env, use_kernel_caches
 from phloem.cli.parsers import command_parser, shorten_usage
-from phloem.runtime.preflight import StartupError, bind_port, check_device, check_model_folder
+from phloem.runtime.preflight import StartupError, bind_port, check_device, resolve_model_folder
 from phloem.runtime.startup import StartupLog
 
 __all__ = ["build_parser", "main"]
@@ -65,7 +66,7 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="phloem",
         description="Phloem: an inference runtime for LLM agents (sessions, prefix cache, fork).",
-        epilog="examples:\n  phloem serve\n  phloem demo\n  phloem serve --help",
+        epilog="examples:\n  phloem serve\n  phloem demo\n  phloem estimate --shape qwen3.5-35b-a3b\n  phloem serve --help",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -111,6 +112,7 @@ def build_parser(env: EnvSettings | None = None) -> argparse.ArgumentParser:
     demo.set_defaults(configure=_demo_options, run=_demo)
 
     add_bench_commands(commands)
+    add_estimate_command(commands)
     shorten_usage(parser)
     return parser
 
@@ -178,7 +180,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         data_dir = values.get("sessions.data_dir") or default_data_dir()
         values["model"] = str(ensure_shape_model(args.shape, data_dir))
         values["engine.load.load_format"] = "dummy"
-    check_model_folder(values.get("model"))
+    values["model"] = resolve_model_folder(values.get("model"))
     values["http.api_keys"] = _api_keys(args)
     values["engine.kernels"] = kernel_config()
     return config_from_args(values)
@@ -224,12 +226,12 @@ def _serve(config: ServerConfig) -> int:
 
 
 def _demo_options(args: argparse.Namespace) -> DemoOptions:
-    check_model_folder(args.model)
+    model = resolve_model_folder(args.model)
     return DemoOptions(
         base_url=args.base_url,
         api_key=args.api_key,
         max_tokens=args.max_tokens,
-        model=args.model,
+        model=model,
         data_dir=args.data_dir,
         startup_timeout_s=args.startup_timeout,
         port=args.port,

@@ -23,11 +23,12 @@ from phloem.cli.config import ServerConfig
 from phloem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES
 from phloem.runtime.logs import LOG_FORMATS, LOG_LEVELS
 from phloem.runtime.pd.roles import ROLES
+from phloem.runtime.preflight import check_chat_template
 from phloem.runtime.shared_prefixes import read_shared_prefix_file
 
 __all__ = ["GROUPS", "SERVE", "Flag", "add_serve_flags", "config_from_args", "field_default", "flag_values"]
 
-Kind = Literal["value", "switch", "negate", "append"]
+Kind = Literal["value", "switch", "negate", "append", "extend"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,8 @@ class Flag:
         help: What it does; the default is appended from the field (``value`` flags).
         group: The help section it is listed in (None: the command's own options).
         kind: ``value`` (takes a value), ``switch`` (sets the field True), ``negate`` (sets it
-            False: ``--no-prefix-cache``), ``append`` (repeatable, a tuple).
+            False: ``--no-prefix-cache``), ``append`` (repeatable, a tuple), ``extend`` (one or
+            more values, repeatable, a tuple: ``--served-model-name a b``).
         type: argparse's conversion of the text.
         metavar / choices: as argparse's.
         env: The ``EnvSettings`` field whose value, when set, is the default instead.
@@ -71,8 +73,12 @@ _AUTH = "authentication"
 _HARDENING = "tenancy and hardening"
 _LOGS = "logs and progress"
 _PD = "prefill/decode disaggregation"
+_MEMORY = "memory and cache"
 
 GROUPS = {
+    _MEMORY: "After the weights load, the KV page pool (full-attention layers) and the GDN state-slot pool "
+             "(prefix-cache checkpoints, running requests) are sized from the GPU memory left; "
+             "`phloem estimate` prints the sizes without a GPU (docs/models.md).",
     _AUTH: "Clients send `Authorization: Bearer KEY`; a session belongs to the key that created it. "
            "Without any key every request is one anonymous owner, and only loopback is served.",
     _LIMITS: "Beyond a per-key limit: 429 rate_limited; beyond a server-wide one: 503 overloaded "
@@ -90,6 +96,12 @@ _BUDGETS = ", ".join(f"{tokens} on {'a GPU' if kind == 'cuda' else kind.upper()}
 SERVE: tuple[Flag, ...] = (
     Flag("--model", "model", "Hugging Face model folder", metavar="DIR", env="model",
          default_text="the built-in tiny model, trained, shipped with phloem"),
+    Flag("--served-model-name", "http.served_model_names",
+         "name(s) the API serves the model under: the first is reported in /v1/models and responses, each is "
+         "accepted in a request's `model`", kind="extend", metavar="NAME", default_text="the model folder's name"),
+    Flag("--chat-template", "chat_template",
+         "Jinja chat template file used instead of the model's; the tool-call format and reasoning tags are "
+         "read from it too", metavar="FILE", type=Path, default_text="the model's", convert=check_chat_template),
     Flag("--host", "http.host", "bind address", env="host"),
     Flag("--port", "http.port", "TCP port", type=int, env="port"),
     Flag("--redis-url", "sessions.redis_url", "Redis URL of the session index", metavar="URL", env="redis_url",
@@ -114,6 +126,20 @@ SERVE: tuple[Flag, ...] = (
          "queued while the device runs the current one)", kind="negate"),
     Flag("--default-ttl", "sessions.default_ttl_s", "seconds a session stays pinned after a turn",
          metavar="SECONDS", type=float),
+    Flag("--gpu-memory-utilization", "engine.cache.memory_fraction",
+         "share of the GPU memory still free once the weights are loaded that the KV page and state-slot "
+         "pools take (vLLM's flag of this name is a share of the whole GPU, weights included); unused on CPU, "
+         "where the pools take a fixed 256 MiB", group=_MEMORY, metavar="FRACTION", type=float),
+    Flag("--num-pages", "engine.cache.num_pages",
+         "KV pages in the pool (each holds 16 tokens of every full-attention layer), instead of sizing them "
+         "from memory", group=_MEMORY, metavar="N", type=int, default_text="from memory"),
+    Flag("--num-state-slots", "engine.cache.num_state_slots",
+         "GDN state slots (one per running request or cached checkpoint), instead of sizing them from memory",
+         group=_MEMORY, metavar="N", type=int, default_text="from memory"),
+    Flag("--checkpoint-interval", "engine.cache.checkpoint_interval",
+         "also checkpoint the GDN state every this many tokens of a long prompt, so a later prompt sharing "
+         "part of it resumes there (a multiple of the 16-token page; 0: none)", group=_MEMORY, metavar="TOKENS",
+         type=int),
     Flag("--allow-remote-without-auth", "http.allow_remote_without_auth",
          "serve a non-loopback --host without API keys: anyone who can reach the port can read every session",
          group=_AUTH, kind="switch"),
@@ -213,8 +239,10 @@ def add_serve_flags(serve: argparse.ArgumentParser, env: Any) -> dict[str, Any]:
         if flag.kind in ("switch", "negate"):
             target.add_argument(flag.flag, action="store_true", default=bool(env_value), help=flag.help)
             continue
-        if flag.kind == "append":
-            target.add_argument(flag.flag, action="append", default=[], metavar=flag.metavar, help=flag.help)
+        if flag.kind in ("append", "extend"):
+            target.add_argument(flag.flag, action=flag.kind, nargs="+" if flag.kind == "extend" else None,
+                                default=[], metavar=flag.metavar,
+                                help=f"{flag.help} (default: {flag.default_text})" if flag.default_text else flag.help)
             continue
         declared = None if flag.convert else field_default(flag.path)  # converted: the field's default is no text
         shown = flag.default_text if flag.default_text is not None else "%(default)s"
@@ -241,7 +269,7 @@ def flag_values(args: argparse.Namespace) -> dict[str, Any]:
             value = True if value else None
         elif flag.kind == "negate":
             value = False if value else None
-        elif flag.kind == "append":
+        elif flag.kind in ("append", "extend"):
             value = tuple(value) if value else None
         if value is not None:
             values[flag.path] = flag.convert(value) if flag.convert else value

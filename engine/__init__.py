@@ -28,8 +28,8 @@ Public entry point (outside code relies on exactly this shape)::
 The public API is the names exported here, ``engine.config``, and the exports of
 ``engine.transfer`` and ``engine.parallel``; the layers above import nothing else of the engine
 (an import-linter contract in pyproject.toml checks it). The configuration, the errors,
-``SamplingParams`` and the progress bars import without torch (the CLI builds an
-``EngineConfig`` before torch loads); ``Engine`` and the output types load on first access.
+``SamplingParams``, the progress bars and ``estimate_memory`` import without torch (the CLI
+builds an ``EngineConfig`` before torch loads); ``Engine`` and the output types load on first access.
 
 May import: ``phloem.kernels`` (and torch).
 """
@@ -56,6 +56,7 @@ from phloem.engine.sampling.params import GrammarSpec, SamplingParams
 if TYPE_CHECKING:
     from phloem.engine.cache.manager import CacheStats
     from phloem.engine.cache.radix import RadixNode
+    from phloem.engine.cache.sizing import WEIGHT_FORMATS, MemoryEstimate, estimate_memory
     from phloem.engine.engine import Engine
     from phloem.engine.request import RequestOutput, TokenLogprob
     from phloem.engine.sampling.grammar import GrammarStats
@@ -63,19 +64,22 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CacheConfig", "CacheStats", "CapacityExceeded", "CorruptStep", "Engine", "EngineConfig", "EngineError",
-    "GrammarConfig", "GrammarSpec", "GrammarStats", "InvalidRequest", "KernelConfig", "LoadConfig", "ParallelConfig",
-    "RadixNode", "RequestOutput", "RunnerConfig", "SamplingParams", "SchedulerConfig", "TokenLogprob", "WarmupReport",
-    "progress", "progress_bar", "progress_shown",
+    "GrammarConfig", "GrammarSpec", "GrammarStats", "InvalidRequest", "KernelConfig", "LoadConfig", "MemoryEstimate",
+    "ParallelConfig", "RadixNode", "RequestOutput", "RunnerConfig", "SamplingParams", "SchedulerConfig", "TokenLogprob",
+    "WEIGHT_FORMATS", "WarmupReport", "estimate_memory", "progress", "progress_bar", "progress_shown",
 ]
 
 _LAZY = {
     "CacheStats": "phloem.engine.cache.manager",
     "Engine": "phloem.engine.engine",
     "GrammarStats": "phloem.engine.sampling.grammar",
+    "MemoryEstimate": "phloem.engine.cache.sizing",
     "RadixNode": "phloem.engine.cache.radix",
     "RequestOutput": "phloem.engine.request",
     "TokenLogprob": "phloem.engine.request",
+    "WEIGHT_FORMATS": "phloem.engine.cache.sizing",
     "WarmupReport": "phloem.engine.warmup",
+    "estimate_memory": "phloem.engine.cache.sizing",
 }
 
 

@@ -1,8 +1,10 @@
 """Hugging Face ``config.json`` contents of the real model shapes we benchmark with dummy weights.
 
-``qwen35_35b_a3b`` is exactly transformers' ``Qwen3_5MoeTextConfig()`` defaults (ANCHORS.md:
-34.66 B parameters, 2.946 B active per token). ``tiny`` is a small shape of the same
-architecture for CPU runs of the benchmarks. Every shape's vocabulary covers the demo
+``qwen3.5-35b-a3b`` is exactly transformers' ``Qwen3_5MoeTextConfig()`` defaults (34.66 B
+parameters, 2.946 B active per token). ``qwen3.5-397b-a17b``, ``qwen3-next-80b-a3b`` and
+``qwen3.5-27b`` (dense) carry the published checkpoints' text-model values (layers, widths, heads,
+experts, vocabulary); ``phloem estimate`` sizes their memory (docs/models.md). ``tiny`` is a
+small shape of the 35B-A3B's architecture for CPU runs of the benchmarks. Every shape's vocabulary covers the demo
 tokenizer's (1,920 ids), which ``phloem serve --shape`` serves it with, so text prompts work.
 """
 
@@ -45,8 +47,50 @@ def _qwen35_moe(**overrides: Any) -> dict[str, Any]:
     return text
 
 
+def _qwen35_dense() -> dict[str, Any]:
+    text = _qwen35_moe(
+        architectures=["Qwen3_5ForCausalLM"],
+        model_type="qwen3_5_text",
+        hidden_size=5120,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        linear_num_value_heads=48,
+        intermediate_size=17408,
+        max_position_embeddings=262144,
+    )
+    for moe_key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        del text[moe_key]
+    return text
+
+
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3.5-35b-a3b": _qwen35_moe(),
+    "qwen3.5-397b-a17b": _qwen35_moe(
+        hidden_size=4096,
+        num_hidden_layers=60,
+        num_attention_heads=32,
+        linear_num_value_heads=64,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=1024,
+        shared_expert_intermediate_size=1024,
+        max_position_embeddings=262144,
+    ),
+    "qwen3-next-80b-a3b": _qwen35_moe(
+        architectures=["Qwen3NextForCausalLM"],
+        model_type="qwen3_next",
+        vocab_size=151936,
+        num_hidden_layers=48,
+        num_experts=512,
+        num_experts_per_tok=10,
+        max_position_embeddings=262144,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        eos_token_id=151645,
+    ),
+    "qwen3.5-27b": _qwen35_dense(),
     "tiny": _qwen35_moe(
         vocab_size=2048,
         hidden_size=128,

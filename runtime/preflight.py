@@ -5,6 +5,10 @@ is one line for a person (``phloem serve: error: ...``, exit status 2), never a 
 
 - ``check_model_folder`` (a bad ``--model``) raises ``ValueError``: a usage error, printed
   under the command's usage line like any bad flag value. It never imports torch.
+  ``resolve_model_folder`` also takes a Hub id (``Qwen/Qwen3.5-35B-A3B``): the snapshot already
+  in the local Hugging Face cache, else a usage error saying how to download it (nothing is
+  downloaded at start: a 70 GB download is a step of its own). ``check_chat_template`` reads a
+  ``--chat-template`` file and parses it as Jinja.
 - ``check_device`` and ``bind_port`` raise ``StartupError``: the command line is fine but this
   machine cannot do it (no CUDA, the port is taken); the one line says which flag changes it.
   ``check_device`` imports torch only for a CUDA device on a machine with an NVIDIA GPU.
@@ -18,10 +22,15 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import socket
 from pathlib import Path
 
-__all__ = ["StartupError", "best_device", "bind_port", "check_device", "check_model_folder"]
+__all__ = ["StartupError", "best_device", "bind_port", "check_chat_template", "check_device", "check_model_folder",
+           "resolve_model_folder"]
+
+# ``org/name`` as the Hugging Face Hub spells a repository id.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 class StartupError(Exception):
@@ -53,6 +62,67 @@ def check_model_folder(model: str | Path | None, flag: str = "--model") -> None:
         raise ValueError(f"{flag}: {str(model)!r} has no config.json: not a Hugging Face model folder") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{flag}: cannot read {str(config)!r}: {exc}") from None
+
+
+def resolve_model_folder(model: str | None, flag: str = "--model") -> str | None:
+    """The model folder ``model`` names: a folder as given, or for a Hub id that is no folder here
+    (``Qwen/Qwen3.5-35B-A3B``) its snapshot in the local Hugging Face cache.
+
+    Args:
+        model: A folder, a Hub id, or None (the built-in model, returned as is).
+        flag: The flag (or variable) that gave it, named in the message.
+
+    Raises:
+        ValueError: No such folder; a Hub id not downloaded yet (the message gives the ``hf
+            download`` command); or the folder fails ``check_model_folder``.
+    """
+    if model is None or Path(model).expanduser().exists() or not _HUB_ID.fullmatch(model):
+        check_model_folder(model, flag)
+        return model
+    snapshot = _cached_snapshot(model)
+    if snapshot is None:
+        name = model.split("/")[1]
+        raise ValueError(f"{flag}: {model!r} is a Hugging Face Hub id and no folder; download it first: "
+                         f"`hf download {model} --local-dir ~/models/{name}`, then `--model ~/models/{name}` "
+                         "(docs/models.md)")
+    check_model_folder(snapshot, flag)
+    return snapshot
+
+
+def _cached_snapshot(repo_id: str) -> str | None:
+    """The folder of ``repo_id``'s snapshot in the local Hugging Face cache; None when
+    ``huggingface_hub`` is not installed or the model is not there. Never downloads."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        return str(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError), or a cache it cannot read
+        return None
+
+
+def check_chat_template(path: Path) -> Path:
+    """A ``--chat-template`` file must be readable UTF-8 text that parses as a Jinja template.
+
+    Returns:
+        ``path``, expanded (``~``).
+
+    Raises:
+        ValueError: The file cannot be read or is no Jinja template (the message names it).
+    """
+    path = path.expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template: cannot read {str(path)!r}: {getattr(exc, 'strerror', None) or exc}") from None
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: {str(path)!r} is no Jinja template: line {exc.lineno}: {exc.message}") from None
+    return path
 
 
 def check_device(device: str, flag: str = "--device") -> None:

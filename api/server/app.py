@@ -81,7 +81,8 @@ def create_app(config: HttpConfig, engine_client: EngineClient, manager: Session
             ids) are ``manager``'s ``SessionConfig``.
         engine_client: The engine (its state answers ``/health``); not started or stopped here.
         manager: The session manager; started on the app's startup, closed on its shutdown.
-        model: The served model's folder, which names it in ``/v1/models``; None: the built-in one.
+        model: The served model's folder, which names it in ``/v1/models`` unless
+            ``config.served_model_names`` does; None: the built-in one.
         load_format: The engine's ``LoadConfig.load_format`` (``dummy``: random weights, said so
             in ``/v1/models``).
 
@@ -103,8 +104,12 @@ def create_app(config: HttpConfig, engine_client: EngineClient, manager: Session
                          sessions.retry_after_s)
     idempotency = IdempotencyStore(max_entries=config.idempotency_entries_per_key,
                                    max_bytes=config.idempotency_bytes_per_key)
+    if config.served_model_names:  # --served-model-name: these names instead of the folder's
+        model_id, *aliases = config.served_model_names
+    else:
+        aliases = []
     ctx = ApiContext(manager, model_id, owned_by, keys, limits, config.stream_idle_timeout_s,
-                     idempotency)
+                     idempotency, model_aliases=tuple(aliases))
 
     @get("/health", include_in_schema=True, responses={
         200: ResponseSpec(dict[str, str], description="The engine runs"), **problems(503)})

@@ -158,6 +158,9 @@ class HttpConfig:
         idempotency_entries_per_key: ``Idempotency-Key`` outcomes one key may keep; beyond it
             (or ``idempotency_bytes_per_key``), its own oldest finished ones are dropped.
         idempotency_bytes_per_key: bytes of outcomes one key may keep (bodies, texts, ids).
+        served_model_names: the names the API serves the model under: the first is reported
+            (``/v1/models``, the ``model`` of responses), each is accepted in a request's
+            ``model``; empty: the model folder's name.
     """
 
     host: str = "127.0.0.1"
@@ -177,6 +180,7 @@ class HttpConfig:
     max_connections: int = 1024
     idempotency_entries_per_key: int = 10_000
     idempotency_bytes_per_key: int = 64 << 20
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -214,6 +218,10 @@ class HttpConfig:
                 raise ValueError(f"{name}: expected seconds > 0, got {getattr(self, name)!r}")
         if any(not h or "/" in h for h in self.allowed_hosts):
             raise ValueError(f"allowed_hosts: expected host names, got {self.allowed_hosts!r}")
+        if any(not isinstance(n, str) or not n.strip() or n != n.strip() for n in self.served_model_names):
+            raise ValueError(f"served_model_names: expected non-empty names, got {self.served_model_names!r}")
+        if len(set(self.served_model_names)) != len(self.served_model_names):
+            raise ValueError(f"served_model_names: a name is given twice: {self.served_model_names!r}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format: expected one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.log_level not in LOG_LEVELS:

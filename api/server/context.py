@@ -56,6 +56,8 @@ class ApiContext:
         stream_idle_timeout_s: A stream whose generation produces nothing this long is
             cancelled; an idle WebSocket is closed.
         idempotency: Outcomes by ``Idempotency-Key``.
+        model_aliases: Other names of the served model, accepted in a request's ``model`` and
+            listed in ``/v1/models`` after ``model_id`` (``--served-model-name`` given twice).
     """
 
     manager: SessionManager
@@ -66,10 +68,16 @@ class ApiContext:
     stream_idle_timeout_s: float
     idempotency: IdempotencyStore = field(default_factory=IdempotencyStore)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    model_aliases: tuple[str, ...] = ()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the served model answers to, ``model_id`` first."""
+        return (self.model_id, *self.model_aliases)
 
     def check_model(self, model: str) -> None:
         """Raise ``ApiError`` ``not_found`` unless ``model`` names the served model."""
-        if model != self.model_id:
+        if model not in self.model_names:
             raise ApiError(ErrorCode.NOT_FOUND, f"model: this server serves {self.model_id!r}, got {model!r}")
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:

@@ -10,6 +10,8 @@ Modules::
                  against the pools and the tree; ``CacheStats``
     memory       ``plan_pools`` / ``allocate_caches``: pool sizes from the memory left after
                  the weights, and the device tensors behind them
+    sizing       the torch-free arithmetic: bytes of a page and a slot, the budget's split, and
+                 ``estimate_memory`` (weights and pools per rank of a model not loaded)
     page_lists   ``PageListMirror``: each request's page ids kept as numpy arrays across steps
 
 The names below load on first access, so importing one module does not load the others (nor
@@ -31,17 +33,19 @@ if TYPE_CHECKING:
     from phloem.engine.cache.memory import PoolPlan, allocate_caches, plan_pools
     from phloem.engine.cache.page_lists import PageListMirror
     from phloem.engine.cache.radix import Checkpoint, PrefixMatch, RadixCache, RadixNode
+    from phloem.engine.cache.sizing import MemoryEstimate, estimate_memory
     from phloem.engine.cache.state_slots import SlotPool
 
 __all__ = [
-    "CacheManager", "CacheStats", "Checkpoint", "PageListMirror", "PagePool", "PoolPlan", "PrefixMatch",
-    "RadixCache", "RadixNode", "SlotPool", "allocate_caches", "plan_pools",
+    "CacheManager", "CacheStats", "Checkpoint", "MemoryEstimate", "PageListMirror", "PagePool", "PoolPlan",
+    "PrefixMatch", "RadixCache", "RadixNode", "SlotPool", "allocate_caches", "estimate_memory", "plan_pools",
 ]
 
 _LAZY = {
     "CacheManager": "phloem.engine.cache.manager",
     "CacheStats": "phloem.engine.cache.manager",
     "Checkpoint": "phloem.engine.cache.radix",
+    "MemoryEstimate": "phloem.engine.cache.sizing",
     "PageListMirror": "phloem.engine.cache.page_lists",
     "PagePool": "phloem.engine.cache.kv_pages",
     "PoolPlan": "phloem.engine.cache.memory",
@@ -50,6 +54,7 @@ _LAZY = {
     "RadixNode": "phloem.engine.cache.radix",
     "SlotPool": "phloem.engine.cache.state_slots",
     "allocate_caches": "phloem.engine.cache.memory",
+    "estimate_memory": "phloem.engine.cache.sizing",
     "plan_pools": "phloem.engine.cache.memory",
 }
 

@@ -4,7 +4,8 @@ One page holds ``page_size`` tokens of K and V for every full-attention layer; o
 fp32 recurrent state and the conv state of every GDN layer. The pool budget (free device memory
 after weights × ``memory_fraction``; on CPU ``cpu_pool_bytes``) is split by ``state_fraction``.
 For Qwen3.5-35B-A3B a slot weighs about as much as 3,000 tokens of KV, so slots are few and
-precious: the radix cache keeps checkpoints deliberately.
+precious: the radix cache keeps checkpoints deliberately. The arithmetic is ``engine.cache.sizing``
+(torch-free), which also estimates a model's memory without loading it (``phloem estimate``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phloem.engine.cache.sizing import kv_page_bytes, split_budget, state_slot_bytes
 from phloem.engine.config import CacheConfig, ModelConfig
 from phloem.engine.forward_batch import ModelCaches
 
@@ -28,16 +30,11 @@ class PoolPlan:
 
 
 def _page_bytes(mc: ModelConfig, page_size: int, dtype: torch.dtype, tp_size: int) -> int:
-    kv_heads = max(1, mc.num_key_value_heads // tp_size)
-    elem = torch.empty((), dtype=dtype).element_size()
-    return len(mc.full_attention_layers) * 2 * page_size * kv_heads * mc.head_dim * elem
+    return kv_page_bytes(mc, page_size, dtype.itemsize, tp_size)
 
 
 def _slot_bytes(mc: ModelConfig, dtype: torch.dtype, tp_size: int) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    conv = (mc.conv_dim // tp_size) * (mc.linear_conv_kernel_dim - 1) * elem
-    ssm = (mc.linear_num_value_heads // tp_size) * mc.linear_key_head_dim * mc.linear_value_head_dim * 4
-    return len(mc.linear_attention_layers) * (conv + ssm)
+    return state_slot_bytes(mc, dtype.itemsize, tp_size)
 
 
 def plan_pools(
@@ -51,8 +48,7 @@ def plan_pools(
         budget = int(free * cc.memory_fraction)
     else:
         budget = cc.cpu_pool_bytes
-    num_slots = cc.num_state_slots or int(budget * cc.state_fraction) // slot_bytes
-    num_pages = cc.num_pages or int(budget * (1 - cc.state_fraction)) // page_bytes
+    num_pages, num_slots = split_budget(budget, cc, page_bytes, slot_bytes)
     if num_slots < 2 or num_pages < 2:
         raise ValueError(
             f"cache: the pool budget of {budget} bytes holds {num_pages} KV pages of {page_bytes} bytes "

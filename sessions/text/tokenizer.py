@@ -73,11 +73,13 @@ class Tokenizer:
         self._chars_per_token = _max_chars_per_token(hf_tokenizer)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+    def from_pretrained(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
         """Load the tokenizer of a model folder.
 
         Args:
             path: A Hugging Face model folder (``tokenizer.json``, ``tokenizer_config.json``).
+            chat_template: A Jinja chat template used instead of the folder's (``phloem serve
+                --chat-template``); the tool-call format and reasoning tags are read from it too.
 
         Returns:
             The tokenizer.
@@ -85,7 +87,10 @@ class Tokenizer:
         Raises:
             OSError: The folder has no loadable tokenizer.
         """
-        return cls(AutoTokenizer.from_pretrained(str(path)))
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if chat_template is not None:
+            hf_tokenizer.chat_template = chat_template
+        return cls(hf_tokenizer)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ PAGES = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md", REPO / "CONT
 # The record of decisions names the switches it removed; it is history, not a reference.
 VARIABLE_HISTORY = {"decisions.md"}
 # Command lines that start with these run another program: their flags are not phloem's.
-OTHER_PROGRAMS = {"python3", "python", "pytest", "pip", "docker", "redis-server", "bash", "curl"}
+OTHER_PROGRAMS = {"python3", "python", "pytest", "pip", "docker", "redis-server", "bash", "curl", "hf"}
 # Flags of other programs named in prose, away from their command line.
 OTHER_FLAGS = {
     "--durations", "--durations-min",  # pytest (CONTRIBUTING.md)

@@ -402,3 +402,82 @@ def test_demo_runs_beside_a_server_on_the_default_data_dir(tmp_path: Path) -> No
         assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
     finally:
         server.stop()
+
+
+def test_serve_memory_and_cache_flags_reach_the_engine(served: list[ServerConfig], model_dir: Path) -> None:
+    argv = ["serve", "--model", str(model_dir), "--gpu-memory-utilization", "0.6", "--num-pages", "512",
+            "--num-state-slots", "32", "--checkpoint-interval", "2048", "--port", "0"]
+    assert main(argv) == 0
+    (config,) = served
+    cache = config.engine.cache
+    assert (cache.memory_fraction, cache.num_pages, cache.num_state_slots, cache.checkpoint_interval) == (0.6, 512, 32, 2048)
+
+
+@pytest.mark.parametrize(("flag", "value", "field"), [("--gpu-memory-utilization", "1.5", "memory_fraction"),
+                                                      ("--checkpoint-interval", "100", "checkpoint_interval"),
+                                                      ("--num-pages", "1", "num_pages")])
+def test_serve_rejects_a_bad_memory_flag_naming_its_field(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],
+                                                          model_dir: Path, flag: str, value: str, field: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", str(model_dir), flag, value])
+    assert info.value.code == 2 and f"{field}: expected" in capsys.readouterr().err
+    assert served == []
+
+
+def test_serve_names_and_chat_template_reach_their_fields(served: list[ServerConfig], model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    argv = ["serve", "--model", str(model_dir), "--served-model-name", "qwen", "q35", "--chat-template", str(template)]
+    assert main([*argv, "--port", "0"]) == 0
+    assert main(["serve", "--model", str(model_dir), "--port", "0"]) == 0
+    chosen, default = served
+    assert (chosen.http.served_model_names, chosen.chat_template) == (("qwen", "q35"), template)
+    assert chosen.read_chat_template() == template.read_text()
+    assert (default.http.served_model_names, default.chat_template) == ((), None)
+
+
+@pytest.mark.parametrize(("text", "words"), [(None, "cannot read"), ("{% for %}", "is no Jinja template")])
+def test_serve_rejects_a_bad_chat_template(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],
+                                           model_dir: Path, tmp_path: Path, text: str | None, words: str) -> None:
+    template = tmp_path / "chat.jinja"
+    if text is not None:
+        template.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", str(model_dir), "--chat-template", str(template)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--chat-template: " in err and words in err
+    assert served == []
+
+
+def test_serve_a_hub_id_says_how_to_download_it(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))  # empty: nothing downloaded
+    monkeypatch.chdir(tmp_path)  # no folder named Qwen/ here
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", "Qwen/Qwen3.5-35B-A3B"])
+    lines = capsys.readouterr().err.splitlines()
+    assert info.value.code == 2 and served == []
+    assert lines[-1] == ("phloem serve: error: --model: 'Qwen/Qwen3.5-35B-A3B' is a Hugging Face Hub id and no "
+                         "folder; download it first: `hf download Qwen/Qwen3.5-35B-A3B --local-dir "
+                         "~/models/Qwen3.5-35B-A3B`, then `--model ~/models/Qwen3.5-35B-A3B` (docs/models.md)")
+
+
+def test_serve_a_hub_id_in_the_local_cache_serves_its_snapshot(served: list[ServerConfig], monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-cache"
+    repo = cache / "models--Qwen--Qwen3.5-35B-A3B"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", "--model", "Qwen/Qwen3.5-35B-A3B", "--port", "0"]) == 0
+    (config,) = served
+    assert Path(str(config.model)).resolve() == snapshot.resolve()

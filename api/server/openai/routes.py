@@ -253,8 +253,8 @@ def _completion_shape(texts: TokenTexts, token_ids: bool) -> ChoiceShape:
 @get("/v1/models", responses={200: ResponseSpec(dict[str, Any], description="The served model"),
                                **openai_errors(401)})
 async def list_models(ctx: ApiContext) -> Response[bytes]:
-    """The one served model."""
-    return Response(msgspec.json.encode({"object": "list", "data": [_model(ctx)]}),
+    """The served model, once per name it is served under (``--served-model-name``)."""
+    return Response(msgspec.json.encode({"object": "list", "data": [_model(ctx, name) for name in ctx.model_names]}),
                     media_type="application/json")
 
 
@@ -262,12 +262,13 @@ async def list_models(ctx: ApiContext) -> Response[bytes]:
                                                **openai_errors(401, 404)})
 async def retrieve_model(model_id: str, ctx: ApiContext) -> Response[bytes]:
     """The served model, by its id (any other id is 404)."""
-    ctx.check_model(model_id.lstrip("/"))
-    return Response(msgspec.json.encode(_model(ctx)), media_type="application/json")
+    name = model_id.lstrip("/")
+    ctx.check_model(name)
+    return Response(msgspec.json.encode(_model(ctx, name)), media_type="application/json")
 
 
-def _model(ctx: ApiContext) -> dict[str, Any]:
-    return {"id": ctx.model_id, "object": "model", "created": 0, "owned_by": ctx.model_owned_by,
+def _model(ctx: ApiContext, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": ctx.model_owned_by,
             "max_model_len": ctx.manager.max_model_len}
 
 
