@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,9 @@ from litestar.testing import TestClient
 from transformers import AutoTokenizer
 
 from phloem.api.server.app import create_app
-from phloem.runtime import EngineClient, ServerConfig
+from phloem.api.server.config import HttpConfig, parse_api_key
+from phloem.runtime import EngineClient
 from phloem.runtime.builtin_model import trained_model_path
-from phloem.runtime.config import parse_api_key
 from phloem.sessions import SessionConfig, SessionManager, Tokenizer, model_fingerprint
 
 pytestmark = pytest.mark.slow  # an engine and app in process
@@ -61,11 +62,12 @@ def app(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     tokenizer = Tokenizer(hf)
     engine = EngineClient.from_pretrained(model)
     engine.start()
-    manager = SessionManager(engine, tokenizer, SessionConfig(data_dir=folder, model_fingerprint=model_fingerprint(model)))
-    config = ServerConfig(model=str(model), data_dir=folder,
-                          api_keys=(parse_api_key(KEY_A), parse_api_key(KEY_B)))
+    manager = SessionManager(engine, tokenizer, SessionConfig(data_dir=folder),
+                             model_fingerprint=model_fingerprint(model))
+    config = HttpConfig(api_keys=(parse_api_key(KEY_A), parse_api_key(KEY_B)))
     try:
-        with TestClient(create_app(config, engine, manager), base_url="http://127.0.0.1", timeout=60) as client:
+        with TestClient(create_app(config, engine, manager, model=str(model)), base_url="http://127.0.0.1",
+                        timeout=60) as client:
             client.headers["Authorization"] = f"Bearer {KEY_A}"
             client.tool_format = request.param  # type: ignore[attr-defined]
             yield client
@@ -117,10 +119,12 @@ def test_auto_never_calls_an_undeclared_tool(app: TestClient) -> None:  # type: 
 def bodies(model: str, tools: list[dict[str, Any]] | None, choice: str) -> dict[str, tuple[str, dict[str, Any]]]:
     """A request with these (OpenAI-shaped) tools and a forced or auto choice, on each route."""
     oai_choice = {"required": "required", "auto": "auto"}[choice]
-    anthropic_tools = [{"name": t["function"]["name"], "input_schema": t["function"].get("parameters", {})}
-                       for t in tools or []]
+    described = [{"description": t["function"]["description"]} if "description" in t["function"] else {}
+                 for t in tools or []]
+    anthropic_tools = [{"name": t["function"]["name"], "input_schema": t["function"].get("parameters", {}), **d}
+                       for t, d in zip(tools or [], described)]
     response_tools = [{"type": "function", "name": t["function"]["name"],
-                       "parameters": t["function"].get("parameters")} for t in tools or []]
+                       "parameters": t["function"].get("parameters"), **d} for t, d in zip(tools or [], described)]
     out: dict[str, tuple[str, dict[str, Any]]] = {
         "chat": ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}],
                                           "max_tokens": 4, "tool_choice": oai_choice,
@@ -192,3 +196,37 @@ def test_key_b_is_served_while_key_a_is_refused(app: TestClient) -> None:  # typ
     # (In the XML format the trained model rarely closes a string parameter within the budget.)
     for call in ok.json()["choices"][0]["message"].get("tool_calls") or []:
         assert call["function"]["name"] == "get_weather"
+
+
+def many_tools(count: int) -> list[dict[str, Any]]:
+    """``count`` tools of about 2.4 kB each (2,500: about 6 MB of JSON, under the 8 MiB body limit)."""
+    properties = {f"p{j}": {"type": "string", "description": f"parameter {j} " + "x" * 90} for j in range(5)}
+    return [{"type": "function", "function": {"name": f"tool_{i}", "description": "Does a thing. " * 110,
+                                              "parameters": {"type": "object", "properties": properties}}}
+            for i in range(count)]
+
+
+def test_thousands_of_tools_are_refused_before_rendering_on_every_route(app: TestClient) -> None:  # type: ignore[type-arg]
+    tools = many_tools(2500)
+    size = len(json.dumps(tools))
+    assert 5_000_000 < size < 8 * 1024 * 1024, size
+    routes = bodies(model_id(app), tools, "auto")
+    routes["native"] = ("/v1/sessions", {"messages": [{"role": "user", "content": "hi"}], "tools": tools})
+    took = {}
+    for route, (path, body) in routes.items():
+        data = json.dumps(body).encode()
+        start = time.perf_counter()
+        response = app.post(path, content=data, headers={"Content-Type": "application/json"})
+        took[route] = time.perf_counter() - start
+        assert response.status_code == 400, (route, response.text[:300])
+        assert "context window" in message_of(response), (route, response.text[:300])
+        if route in ("chat", "native"):
+            assert "context_length_exceeded" in response.text, (route, response.text[:300])
+    print(f"{app.tool_format}: {size / 1e6:.1f} MB of tools refused in " +  # type: ignore[attr-defined]
+          ", ".join(f"{r} {t:.3f} s" for r, t in took.items()))
+    # Rendering and tokenizing them took 4.4-7.1 s; the bound is generous for a loaded machine.
+    assert max(took.values()) < 2.0, took
+    # A few of the same tools still fit and are served.
+    path, body = bodies(model_id(app), tools[:3], "auto")["chat"]
+    ok = app.post(path, json=body)
+    assert ok.status_code == 200, ok.text[:300]
