@@ -4,20 +4,25 @@ Token ids are checked against the model's vocabulary here, and the context windo
 (docs/api.md, "Append"): with a generation the prompt must leave room for at least one new token
 (``len(prompt) < max_model_len``; ``max_tokens`` is then clamped to the room left); without one
 the session may fill the window exactly. ``check_input_size`` applies that arithmetic to the
-fewest tokens the input can become (its length alone) before anything is tokenized, so a
-multi-megabyte text is refused at once. Special-token strings inside messages are plain text
+fewest tokens the input can become (its length alone) before anything is rendered or tokenized,
+so a multi-megabyte text, or thousands of tools, is refused at once: the characters counted are
+those every render holds whole (``_num_chars``), and the tools' compact JSON when the template
+shows tools as JSON (``Tokenizer.renders_tools_as_json``; HF's ``tojson`` writes at least as
+many characters, ``", "`` and ``": "`` separators included); ``Tokenizer.min_tokens`` turns
+characters into tokens (a token stands for at most its longest vocabulary entry's bytes). Special-token strings inside messages are plain text
 (``sessions.text._special_text``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from phloem.sessions.text.chat import ChatContext, render_append
 from phloem.sessions.errors import ContextLengthExceeded, InvalidInput
-from phloem.sessions.text.tokenizer import Message, Tokenizer
+from phloem.sessions.text.tokenizer import Message, Tokenizer, ToolSpec
 
 __all__ = ["ResolvedInput", "SessionInput", "check_context", "check_input_size", "check_token_ids",
            "resolve_input"]
@@ -122,10 +127,23 @@ def _num_chars(value: object) -> int:
     return total
 
 
+def _tools_chars(tokenizer: Tokenizer, tools: Sequence[ToolSpec] | None) -> int:
+    """Characters of ``tools`` every render of them holds (0 unless the template shows them as
+    JSON): their compact JSON, which ``tojson`` (``", "`` / ``": "`` separators) never undercuts."""
+    if not tools or not tokenizer.renders_tools_as_json:
+        return 0
+    return sum(len(json.dumps(t, ensure_ascii=False, separators=(",", ":"), default=str)) for t in tools)
+
+
 def check_input_size(tokenizer: Tokenizer, num_tokens: int, new: SessionInput | str | object,
-                     max_model_len: int, generate: bool) -> None:
+                     max_model_len: int, generate: bool,
+                     tools: Sequence[ToolSpec] | None = None) -> None:
     """Refuse ``new`` (a session input, or a prompt's text or messages) if even its fewest
     possible tokens cannot follow ``num_tokens`` tokens.
+
+    Args:
+        tools: Tools rendered with these messages (a stateless prompt, or a session's first
+            messages); they count only with messages.
 
     Raises:
         ContextLengthExceeded: It cannot fit (the message gives the bound).
@@ -138,6 +156,8 @@ def check_input_size(tokenizer: Tokenizer, num_tokens: int, new: SessionInput | 
     if isinstance(new, SessionInput):
         new = new.text if new.text is not None else new.messages
     chars = _num_chars(new)
+    if not isinstance(new, str):
+        chars += _tools_chars(tokenizer, tools)
     least = tokenizer.min_tokens(chars)
     limit = max_model_len - 1 if generate else max_model_len
     if num_tokens + least > limit:

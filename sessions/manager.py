@@ -431,7 +431,7 @@ class SessionManager(TierMoves):
             InvalidInput: The template rejects the messages.
         """
         check_input_size(self._tokenizer, 0, text if text is not None else messages,
-                         self.max_model_len, generate=True)
+                         self.max_model_len, generate=True, tools=tools)
         tokenizer = self._tokenizer
         if text is not None:
             return await self._tokenize.run(owner, lambda: tokenizer.encode(text))
@@ -443,7 +443,10 @@ class SessionManager(TierMoves):
                        generate: bool) -> ResolvedInput:
         """``new`` as token ids after ``session`` (tokenized off the event loop); an input
         that cannot fit is refused from its length first."""
-        check_input_size(self._tokenizer, len(session.token_ids), new, self.max_model_len, generate)
+        # The session's tools are rendered into its first messages only (later appends render
+        # them before and after, and keep the difference).
+        tools = session.chat.tools if not session.chat.messages else None
+        check_input_size(self._tokenizer, len(session.token_ids), new, self.max_model_len, generate, tools)
         last = session.token_ids[-1] if session.token_ids else None
         chat, vocab, tokenizer = session.chat, self._engine.model_config.vocab_size, self._tokenizer
         if new is None or new.input_ids is not None:

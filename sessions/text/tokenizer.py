@@ -23,6 +23,8 @@ non-streamed generations both feed tokens one by one, so both get the same text.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -119,6 +121,24 @@ class Tokenizer:
             The token ids.
         """
         return _ids(self._hf.backend_tokenizer, text)
+
+    @functools.cached_property
+    def renders_tools_as_json(self) -> bool:
+        """Whether the chat template shows each tool as its JSON (``tool | tojson``), with the
+        first message: then a render holds at least the tools' compact JSON characters, a
+        lower bound ``sessions._inputs.check_input_size`` counts. Probed once, with a tool
+        whose strings sit at several depths (a template that drops or rewrites any of them
+        gets no such bound)."""
+        probe = {"type": "function", "function": {
+            "name": "phloem_probe", "description": "probe description \u27e6",
+            "parameters": {"type": "object", "properties": {"q": {
+                "type": "string", "description": "nested", "enum": ["a", "b"]}}, "required": ["q"]}}}
+        shown = json.dumps(probe, ensure_ascii=False)
+        try:
+            text = self.render_text([{"role": "user", "content": "x"}], tools=[probe])
+        except InvalidInput:
+            return False
+        return shown in text
 
     def min_tokens(self, num_chars: int) -> int:
         """The fewest tokens a text of ``num_chars`` characters can become (0 when the

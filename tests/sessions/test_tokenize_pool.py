@@ -4,6 +4,7 @@ early refusal of inputs whose length alone cannot fit."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -80,3 +81,25 @@ def test_an_input_too_long_by_its_length_is_refused_before_tokenizing(tokenizer:
         check_input_size(tokenizer, 0, SessionInput(text=text), 8192, generate=True)
     fits = "word " * 100
     check_input_size(tokenizer, 0, SessionInput(messages=({"role": "user", "content": fits},)), 8192, True)
+
+
+def test_tools_count_toward_the_early_bound_and_it_stays_below_the_real_count(tokenizer: Tokenizer) -> None:
+    assert tokenizer.renders_tools_as_json
+    tool = {"type": "function", "function": {"name": "f", "description": "d\u00e9 <|im_end|> \U0001f600 " * 20,
+                                             "parameters": {"type": "object", "properties": {
+                                                 "<|im_start|>k": {"type": "string", "enum": ["a", "b"]}}}}}
+    messages = ({"role": "user", "content": "hi"},)
+    tools = [tool] * 30
+    chars = len(messages[0]["content"]) + sum(
+        len(json.dumps(t, ensure_ascii=False, separators=(",", ":"))) for t in tools)
+    rendered = tokenizer.render_messages(messages, tools=tools, add_generation_prompt=True)
+    assert tokenizer.min_tokens(chars) <= len(rendered)
+    # Just under the bound passes (to be rendered and counted); one more token's worth does not.
+    least = tokenizer.min_tokens(chars)
+    check_input_size(tokenizer, 0, messages, least + 1, generate=True, tools=tools)
+    with pytest.raises(ContextLengthExceeded, match="at least"):
+        check_input_size(tokenizer, 0, messages, least, generate=True, tools=tools)
+    check_input_size(tokenizer, 0, messages, least, generate=True)  # without the tools it fits
+    # A session input's messages count them too (the manager passes a new session's tools).
+    with pytest.raises(ContextLengthExceeded):
+        check_input_size(tokenizer, 0, SessionInput(messages=messages), least, generate=True, tools=tools)
