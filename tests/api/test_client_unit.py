@@ -83,7 +83,7 @@ def test_schema_accepts_minimal_and_full_requests() -> None:
                          "response_format": {"type": "json_schema", "json_schema": {
                              "name": "r", "schema": {"type": "object"}, "strict": True, "description": None}},
                          "tool_choice": {"type": "function", "function": {"name": "ls"}},
-                         "parallel_tool_calls": False},
+                         "parallel_tool_calls": False, "tool_call_constraint": "envelope"},
             "stream": True}
     request = decode(AppendRequest, full)
     assert msgspec.to_builtins(request)["generate"] == full["generate"]
