@@ -140,6 +140,27 @@ SERVE: tuple[Flag, ...] = (
          "also checkpoint the GDN state every this many tokens of a long prompt, so a later prompt sharing "
          "part of it resumes there (a multiple of the 16-token page; 0: none)", group=_MEMORY, metavar="TOKENS",
          type=int),
+    Flag("--prompt-end-split-min-tokens", "engine.cache.prompt_end_split_min_tokens",
+         "a turn resumed from the cache that adds fewer prompt tokens than this keeps its prompt-end "
+         "checkpoint at the prompt's very end (one step to its first token; a resend recomputes those "
+         "tokens); 0: every resent prompt is a full hit", group=_MEMORY, metavar="TOKENS", type=int),
+    Flag("--grammar-compile-timeout", "engine.grammar.compile_timeout_s",
+         "seconds a request waits for its grammar (response_format, tool calls) to compile before it "
+         "is refused", group=_LIMITS, metavar="SECONDS", type=float),
+    Flag("--grammar-cache-bytes", "engine.grammar.cache_bytes",
+         "bytes of compiled grammars kept, by their measured size", group=_LIMITS, metavar="BYTES", type=int),
+    Flag("--grammar-cache-bytes-per-key", "engine.grammar.cache_bytes_per_owner",
+         "of which one API key's grammars may hold at most this much", group=_LIMITS, metavar="BYTES",
+         type=int),
+    Flag("--grammar-compile-workers", "engine.grammar.compile_workers",
+         "threads that compile grammars (a pool of their own)", group=_LIMITS, metavar="N", type=int),
+    Flag("--grammar-compiles-per-key", "engine.grammar.compile_per_owner",
+         "grammars one API key compiles at once; its others queue", group=_LIMITS, metavar="N", type=int),
+    Flag("--grammar-max-schema-bytes", "engine.grammar.max_schema_bytes",
+         "largest grammar (a JSON schema, or every tool's schema together) accepted, in bytes of JSON",
+         group=_LIMITS, metavar="BYTES", type=int),
+    Flag("--grammar-max-enum-values", "engine.grammar.max_enum_values",
+         "values one JSON-schema enum may list", group=_LIMITS, metavar="N", type=int),
     Flag("--allow-remote-without-auth", "http.allow_remote_without_auth",
          "serve a non-loopback --host without API keys: anyone who can reach the port can read every session",
          group=_AUTH, kind="switch"),

@@ -413,6 +413,21 @@ def test_serve_memory_and_cache_flags_reach_the_engine(served: list[ServerConfig
     assert (cache.memory_fraction, cache.num_pages, cache.num_state_slots, cache.checkpoint_interval) == (0.6, 512, 32, 2048)
 
 
+def test_serve_grammar_and_prompt_end_flags_reach_the_engine(served: list[ServerConfig], model_dir: Path) -> None:
+    argv = ["serve", "--model", str(model_dir), "--prompt-end-split-min-tokens", "0",
+            "--grammar-compile-timeout", "2.5", "--grammar-cache-bytes", "1048576",
+            "--grammar-cache-bytes-per-key", "65536", "--grammar-compile-workers", "3",
+            "--grammar-compiles-per-key", "2", "--grammar-max-schema-bytes", "4096",
+            "--grammar-max-enum-values", "64", "--port", "0"]
+    assert main(argv) == 0
+    (config,) = served
+    grammar = config.engine.grammar
+    assert config.engine.cache.prompt_end_split_min_tokens == 0
+    assert (grammar.compile_timeout_s, grammar.cache_bytes, grammar.cache_bytes_per_owner, grammar.compile_workers,
+            grammar.compile_per_owner, grammar.max_schema_bytes, grammar.max_enum_values) == (
+        2.5, 1 << 20, 1 << 16, 3, 2, 4096, 64)
+
+
 @pytest.mark.parametrize(("flag", "value", "field"), [("--gpu-memory-utilization", "1.5", "memory_fraction"),
                                                       ("--checkpoint-interval", "100", "checkpoint_interval"),
                                                       ("--num-pages", "1", "num_pages")])
