@@ -52,6 +52,18 @@ _KIND_EXAMPLES = {
   phloem bench agentic                                    # scaled-down agents against fresh local servers
   phloem bench agentic --base-url http://gpu-box:8000 --agents 16 --first-turn 50000 --append 800 --output 500
   phloem bench agentic --modes sessions --fork-at 3 --forks 4 --out bench-forks
+  phloem bench agentic --shared-prefix 2000 --agents 4 --turns 2 --modes sessions,stateless
+  phloem bench agentic --shared-prefix 8000 --agents 16 --turns 3 --append 200 --output 64 \\
+      --modes sessions,stateless --server-arg=--device --server-arg=cuda --server-arg=--shape \\
+      --server-arg=qwen3.5-35b-a3b   # the dummy shape: the tiny model's tokenizer sizes the prompts
+
+--shared-prefix TOKENS: N agents whose first requests share a system prompt + tool definitions of
+about TOKENS tokens and differ after it (their own user message of --append tokens; then
+--turns - 1 more turns of --append tokens each, --first-turn unused). stateless sends them
+through /v1/chat/completions with the openai client, resending the conversation; sessions sends
+the same messages through the session API. Agent k's first request waits for agent k-1's first
+token; the report gives hit rate and TTFT by request index (1st, 2nd, 3rd+), later turns', and
+what /metrics saw (failed requests and steps, HTTP errors, peak state slots, memory stalls).
 """,
     "trie": """\
   phloem bench trie                                       # scaled-down workload, a fresh local server, 20 s
@@ -124,6 +136,13 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
                          help="token ids are drawn from [10, this) (default: %(default)s)")
     agentic.add_argument("--server-arg", metavar="ARG", action="append", default=[],
                          help="extra `phloem serve` argument, repeatable (default: none)")
+    agentic.add_argument("--shared-prefix", metavar="TOKENS", type=_at_least_one,
+                         help="the shared-system-prompt workload instead: agents share a system prompt + tools "
+                              "of about this many tokens, over /v1/chat/completions (stateless) and the "
+                              "session API (default: off)")
+    agentic.add_argument("--tokenizer", metavar="DIR", type=Path,
+                         help="with --shared-prefix: the server's tokenizer folder, to size the prompts "
+                              "(default: the model's the local server serves, else the built-in model's)")
     agentic.add_argument("--gpus", metavar="N", type=int, default=1,
                          help="GPUs behind the server, for per-GPU throughput (default: %(default)s)")
     agentic.add_argument("--out", metavar="DIR", type=Path, default=Path("bench-agentic"),
@@ -286,6 +305,9 @@ def _agentic(args: argparse.Namespace) -> int:
     _require_bench_extra("matplotlib", "the plots of `phloem bench agentic`")
     from phloem.benchmarks.agentic import AgenticWorkload, default_client_processes, run_agentic
 
+    if args.shared_prefix is not None:
+        return _shared_prefix(args)
+
     workload = AgenticWorkload(
         agents=args.agents, first_turn=args.first_turn, append=args.append, turns=args.turns, output=args.output,
         tool_pause_s=args.tool_pause, fork_at=args.fork_at, forks=args.forks, vocab_hi=args.vocab_hi,
@@ -296,6 +318,18 @@ def _agentic(args: argparse.Namespace) -> int:
         show_progress=show_progress(args),
     )
     sys.stdout.write(table + "\n" + f"raw numbers and plots: {args.out}/\n")
+    return 0
+
+
+def _shared_prefix(args: argparse.Namespace) -> int:
+    from phloem.benchmarks.agentic import AgenticWorkload
+    from phloem.benchmarks.shared_prefix import run_shared_prefix
+
+    workload = AgenticWorkload(agents=args.agents, first_turn=0, append=args.append, turns=args.turns,
+                               output=args.output)  # fmt: skip
+    table, _ = run_shared_prefix(workload, args.shared_prefix, tuple(args.modes.split(",")), args.base_url,
+                                 tuple(args.server_arg), args.tokenizer, str(args.out), show_progress(args))  # fmt: skip
+    sys.stdout.write(table + "\n" + f"raw numbers: {args.out}/shared_prefix.json\n")
     return 0
 
 
