@@ -474,3 +474,40 @@ def _plain_mtp(w: dict[str, torch.Tensor], cfg: ModelConfig, tokens: torch.Tenso
     else:
         out = _swiglu(h, w[m + "gate_proj.weight"], w[m + "up_proj.weight"], w[m + "down_proj.weight"])
     return _rms(x + out, w[p + "norm.weight"], eps)
+
+
+@pytest.mark.parametrize(("layout", "experts"), [("plain", "per_expert"), ("language_model", "fused")])
+def test_tp2_shards_rebuild_the_mtp_layer(layout: str, experts: str, tiny_checkpoint) -> None:
+    """Each of two ranks loads its shard of the MTP layer (shard-only groups: no collectives run),
+    sharded as the trunk's layers are (``mtp.fc`` by input columns); the shards rebuild the TP=1
+    layer. (The TP=2 forward itself is not run here: the next piece's gloo engine test does.)"""
+    from phloem.engine.parallel.group import TPGroup
+
+    path = tiny_checkpoint("Qwen3NextForCausalLM" if layout == "plain" else "Qwen3_5MoeForCausalLM", layout, experts,
+                           mtp=True)
+    cfg = ModelConfig.from_pretrained(path)
+    spec = SpeculativeConfig("mtp", 2)
+    full = dict(load_model(path, cfg, LoadConfig(), speculative=spec).mtp.named_parameters())
+    ranks = [dict(load_model(path, cfg, LoadConfig(), TPGroup(r, 2, torch.device("cpu")), speculative=spec)
+                  .mtp.named_parameters()) for r in range(2)]  # fmt: skip
+    assert ranks[0].keys() == full.keys()
+    q, k = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for name, param in full.items():
+        parts = [r[name] for r in ranks]
+        if name == "fc.weight" or name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            rebuilt = torch.cat(parts, dim=-1)
+        elif name.endswith("experts.gate_up_proj"):
+            halves = [p.chunk(2, dim=1) for p in parts]
+            rebuilt = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=1)
+        elif name.endswith("gate_up_proj.weight"):
+            halves = [p.chunk(2) for p in parts]
+            rebuilt = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        elif name.endswith("qkv_proj.weight"):
+            split = [p.split([q, k // 2, k // 2]) for p in parts]  # q rows hold query and gate
+            rebuilt = torch.cat([torch.cat([s[i] for s in split]) for i in range(3)])
+        elif name.endswith(("norm.weight", "router.weight")) or name.startswith("pre_fc_norm"):
+            assert torch.equal(parts[0], parts[1]), name
+            rebuilt = parts[0]
+        else:
+            rebuilt = torch.cat(parts)
+        assert rebuilt.shape == param.shape and torch.equal(rebuilt, param), name
