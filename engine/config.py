@@ -9,7 +9,7 @@ one hybrid layout, so one config type describes them all:
     Qwen3NextForCausalLM    MoE unless ``mlp_only_layers`` / ``decoder_sparse_step`` say otherwise
 
 ``EngineConfig`` gathers the engine's sections (load, cache, scheduler, runner, parallel,
-kernels, grammar); each option is declared once, in its section. Runtime-measured values (page counts,
+kernels, grammar, speculative); each option is declared once, in its section. Runtime-measured values (page counts,
 slot counts) live on their owners, never here. Nothing here imports torch: the CLI builds an
 ``EngineConfig`` before torch loads.
 """
@@ -24,8 +24,9 @@ from typing import Any
 from phloem.kernels.config import KernelConfig
 
 __all__ = [
-    "DTYPES", "LOAD_FORMATS", "CacheConfig", "EngineConfig", "GrammarConfig", "KernelConfig", "LoadConfig", "ModelConfig",
-    "ParallelConfig", "RunnerConfig", "SchedulerConfig", "default_max_num_batched_tokens",
+    "DTYPES", "LOAD_FORMATS", "SPECULATIVE_METHODS", "CacheConfig", "EngineConfig", "GrammarConfig", "KernelConfig",
+    "LoadConfig", "ModelConfig", "ParallelConfig", "RunnerConfig", "SchedulerConfig", "SpeculativeConfig",
+    "default_max_num_batched_tokens",
 ]
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -416,6 +417,63 @@ class LoadConfig:
             raise ValueError(f"seed: expected >= 0, got {self.seed}")
 
 
+SPECULATIVE_METHODS = ("mtp",)
+MAX_DRAFT_TOKENS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (off by default).
+
+    Args:
+        method: ``None`` (off) or ``"mtp"``: the checkpoint's multi-token-prediction layer
+            (``mtp.*``, ``engine.models.mtp``) drafts. With ``"mtp"`` the loader loads that layer
+            and fails when the checkpoint has none.
+        num_draft_tokens: draft tokens per step, 1 to ``MAX_DRAFT_TOKENS`` (the MTP layer run
+            recursively); 0 when off.
+
+    Only the MTP layer is loaded and run so far (``engine.models.mtp.propose_drafts``); the step
+    pipeline does not draft or verify yet, so turning this on changes no output.
+    """
+
+    method: str | None = None
+    num_draft_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_ints(self, ("num_draft_tokens",))
+        if self.method is None:
+            if self.num_draft_tokens != 0:
+                raise ValueError(f"num_draft_tokens: expected 0 without a method, got {self.num_draft_tokens}")
+            return
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"method: expected None or one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens: expected 1 to {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def uses_mtp(self) -> bool:
+        return self.method == "mtp"
+
+    @classmethod
+    def parse(cls, text: str | None) -> SpeculativeConfig:
+        """``"mtp:K"`` (the future ``--speculative`` flag's value) -> ``SpeculativeConfig("mtp", K)``;
+        ``None``, ``""`` or ``"off"``: off.
+
+        Raises:
+            ValueError: another form, an unknown method or K outside 1..``MAX_DRAFT_TOKENS``.
+        """
+        if text is None or text.strip().lower() in ("", "off", "none"):
+            return cls()
+        method, sep, count = text.strip().partition(":")
+        if not sep or not count.strip().isdigit():
+            raise ValueError(f"speculative: expected METHOD:K (e.g. 'mtp:3') or 'off', got {text!r}")
+        return cls(method.strip().lower(), int(count))
+
+
 @dataclass(frozen=True, slots=True)
 class GrammarConfig:
     """Structured output: what a client's grammar may cost (``engine.sampling.grammar_limits``),
@@ -486,6 +544,7 @@ class EngineConfig:
         parallel: tensor and expert parallelism.
         kernels: the kernel choices that are product options.
         grammar: structured output's limits, compile workers and compiled-grammar cache.
+        speculative: speculative decoding (off by default; the loader reads it).
     """
 
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -495,6 +554,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         for f in fields(self):

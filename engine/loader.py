@@ -7,7 +7,9 @@ host. Checkpoint tensors are then read one at a time (``safe_open``) and copied 
 Checkpoint names accepted, beside the model's own (``engine.models.qwen3_hybrid``)::
 
     model.language_model.X                      -> model.X (published multimodal layout)
-    model.visual.*, visual.*, mtp.*             ignored (vision tower, multi-token prediction)
+    model.visual.*, visual.*                    ignored (vision tower)
+    mtp.*                                       the MTP layer (``engine.models.mtp``) when
+                                                speculation asks for it, else ignored
     ....experts.{e}.{gate,up}_proj.weight       -> ....experts.gate_up_proj[e, :I] / [e, I:]
     ....experts.{e}.down_proj.weight            -> ....experts.down_proj[e]
     ....{mlp,shared_expert}.{gate,up}_proj.weight -> ....gate_up_proj.weight[:I] / [I:]
@@ -34,6 +36,10 @@ ones) and never opens another rank's expert tensors (``Shard.skip``); the rows n
 (the zero expert, and the shared expert off rank 0) are exempt from the coverage check and
 zeroed after loading, for both formats.
 
+With ``SpeculativeConfig(method="mtp")`` the model gets its MTP layer (``model.mtp``, parameters
+``mtp.*``: the checkpoint's names, converted by the rules above like any layer's) and a
+checkpoint without ``mtp.*`` tensors is refused before anything is read; dummy weights cover it.
+
 Dummy weights are defined per rank: every rank draws its local tensors from the same seed in the
 same order, so replicated weights agree across ranks, but the model at TP=N is not the TP=1
 dummy model (drawing the full tensors to slice them would cost the full model's memory).
@@ -52,9 +58,10 @@ import torch
 from safetensors import safe_open
 
 from phloem.engine.progress_bars import progress, progress_bar, progress_shown
-from phloem.engine.config import LoadConfig, ModelConfig
+from phloem.engine.config import LoadConfig, ModelConfig, SpeculativeConfig
 from phloem.engine.models import Qwen3HybridForCausalLM, get_model_class
 from phloem.engine.models._gdn import GatedDeltaNet
+from phloem.engine.models.mtp import add_mtp
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.parallel.layers import Shard
 from phloem.kernels.config import KernelConfig
@@ -64,7 +71,8 @@ __all__ = ["load_model"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-_IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.)|\.rotary_emb\.inv_freq$")
+_IGNORED = re.compile(r"^(model\.visual\.|visual\.)|\.rotary_emb\.inv_freq$")
+_MTP = "mtp."
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _GATE_UP = re.compile(r"^(.*)\.(gate_proj|up_proj)\.weight$")
 _EXPERT_IDX = re.compile(r"\.experts\.\d+\.")
@@ -72,19 +80,25 @@ _EXPERT_IDX = re.compile(r"\.experts\.\d+\.")
 
 def load_model(
     model_path: str | Path, model_config: ModelConfig, load_config: LoadConfig, tp: TPGroup | None = None,
-    kernels: KernelConfig = KernelConfig(),
+    kernels: KernelConfig = KernelConfig(), speculative: SpeculativeConfig = SpeculativeConfig(),
 ) -> Qwen3HybridForCausalLM:
     """Returns the model (this rank's shard under ``tp``) in eval mode on ``load_config.device``,
     weights in the resolved dtype, its ops chosen by ``kernels`` (``kernels.dispatch.get_ops``). A progress bar counts the tensors read (or drawn) when
-    ``load_config.show_progress`` allows it (``engine.progress_bars``).
+    ``load_config.show_progress`` allows it (``engine.progress_bars``). ``speculative`` with
+    ``method="mtp"``: also its MTP layer, ``model.mtp`` (``engine.models.mtp``).
 
     Raises:
-        ValueError: no safetensors files, or an unknown, missing or mis-shaped tensor.
+        ValueError: no safetensors files, or an unknown, missing or mis-shaped tensor; MTP asked
+            for and the checkpoint has no ``mtp.*`` tensors.
     """
     device = torch.device(load_config.device)
     dtype = _resolve_dtype(Path(model_path), load_config)
+    if speculative.uses_mtp and load_config.load_format != "dummy":
+        _check_has_mtp(Path(model_path))
     with torch.device("meta"):
         model = get_model_class(model_config.architecture)(model_config, tp, ops=get_ops(device, kernels))
+        if speculative.uses_mtp:
+            add_mtp(model)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.post_materialize()
     with torch.no_grad():
@@ -116,6 +130,23 @@ def _resolve_dtype(path: Path, load_config: LoadConfig) -> torch.dtype:
                 if name.endswith("embed_tokens.weight"):
                     return _SAFETENSORS_DTYPES[f.get_slice(name).get_dtype()]
     raise ValueError(f"dtype: 'auto' found no dtype in {path}/config.json nor an embed_tokens tensor")
+
+
+def _check_has_mtp(path: Path) -> None:
+    """Raises ``ValueError`` unless the checkpoint holds ``mtp.*`` tensors (names only are read)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names: list[str] = list(json.loads(index.read_text())["weight_map"])
+    else:
+        names = []
+        for file in _safetensors_files(path):
+            with safe_open(file, framework="pt") as f:
+                names += list(f.keys())
+    if not any(name.startswith(_MTP) for name in names):
+        raise ValueError(
+            f"speculative: method 'mtp' needs the checkpoint's MTP layer (mtp.* tensors), and "
+            f"{str(path)!r} has none; turn speculation off or use a checkpoint that ships it"
+        )
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -233,7 +264,7 @@ def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path, show_progress: 
             row_targets.setdefault(param, set()).add((expert, None, rows))
     loaded: dict[str, set[_Piece]] = {name: set() for name in params}
     for f, name in _checkpoint_tensors(_safetensors_files(path), show_progress):
-        target = _canonical_name(name, model.config.tie_word_embeddings)
+        target = _canonical_name(name, model.config.tie_word_embeddings, model.mtp is not None)
         if target is None:
             continue
         source = _read(f, name, target, shards)
@@ -263,8 +294,8 @@ def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path, show_progress: 
             raise ValueError(f"checkpoint: missing weight {name!r}{parts} in {str(path)!r}")
 
 
-def _canonical_name(name: str, tied: bool) -> str | None:
-    if _IGNORED.search(name) or (tied and name == "lm_head.weight"):
+def _canonical_name(name: str, tied: bool, with_mtp: bool = False) -> str | None:
+    if _IGNORED.search(name) or (tied and name == "lm_head.weight") or (not with_mtp and name.startswith(_MTP)):
         return None
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model.") :]

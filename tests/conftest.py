@@ -1,9 +1,11 @@
 """Shared fixtures: tiny random Hugging Face checkpoints of the three supported architectures.
 
-``tiny_checkpoint(arch, layout, experts, dtype, num_layers, tie, shared_expert_size)`` writes (once per argument set,
+``tiny_checkpoint(arch, layout, experts, dtype, num_layers, tie, shared_expert_size, mtp)`` writes (once per argument set,
 per session) a folder that ``engine.loader`` and transformers both read; ``hf_model(...)`` loads
 the equivalent plain checkpoint with transformers. All variants of one ``(arch, num_layers, tie)``
 share the same weights: the other layouts are rewrites of the plain, per-expert, fp32 one.
+``mtp=True`` adds an MTP layer (``mtp.*``, shaped as in published checkpoints; transformers
+skips it) to those weights.
 """
 
 from __future__ import annotations
@@ -246,7 +248,8 @@ def _to_language_model_layout(
     """Published layout: ``model.language_model.*`` plus vision and MTP tensors to be ignored."""
     out = {re.sub(r"^model\.", "model.language_model.", n): t for n, t in tensors.items()}
     out["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3)
-    out["mtp.fc.weight"] = torch.zeros(4, 8)
+    if not any(n.startswith("mtp.") for n in out):
+        out["mtp.fc.weight"] = torch.zeros(4, 8)  # a stand-in, ignored without speculation
     if arch not in _MULTIMODAL:
         return out, config
     wrapper, model_type = _MULTIMODAL[arch]
@@ -259,6 +262,24 @@ def _to_language_model_layout(
         "tie_word_embeddings": config.get("tie_word_embeddings", False),
     }
     return out, wrapped
+
+
+def _mtp_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """An MTP layer as Qwen3.5 / Qwen3-Next checkpoints store it: ``mtp.fc`` ``[H, 2H]``, the two
+    pre-fc norms and the final norm, and ``mtp.layers.0.*`` shaped as the trunk's full-attention
+    layer (per-expert experts, as the plain checkpoint's), with weights of its own."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = int(config["hidden_size"])
+    layer = next(i for i, t in enumerate(config["layer_types"]) if t == "full_attention")
+    prefix = f"model.layers.{layer}."
+    out = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) / math.sqrt(2 * hidden)}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{name}.weight"] = torch.randn(hidden, generator=gen) * 0.1
+    for name, t in sorted(tensors.items()):
+        if name.startswith(prefix):
+            std = 0.1 if name.endswith("norm.weight") else 1.0 / math.sqrt(t.shape[-1])
+            out["mtp.layers.0." + name[len(prefix) :]] = torch.randn(t.shape, generator=gen) * std
+    return out
 
 
 def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path, num_shards: int = 2) -> None:
@@ -276,8 +297,9 @@ def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path, num_shards: in
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: ``(arch, layout="plain"|"language_model", experts="per_expert"|"fused",
-    dtype=torch.float32, num_layers=4, tie=False, shared_expert_size=None) -> folder``; cached per
-    arguments. ``shared_expert_size`` None: the shared expert has the routed experts' FFN size."""
+    dtype=torch.float32, num_layers=4, tie=False, shared_expert_size=None, mtp=False) -> folder``;
+    cached per arguments. ``shared_expert_size`` None: the shared expert has the routed experts' FFN
+    size. ``mtp``: with an MTP layer (``_mtp_tensors``)."""
     cache: dict[tuple[Any, ...], Path] = {}
 
     def build(
@@ -288,18 +310,30 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         num_layers: int = 4,
         tie: bool = False,
         shared_expert_size: int | None = None,
+        mtp: bool = False,
     ) -> Path:
-        key = (arch, layout, experts, dtype, num_layers, tie, shared_expert_size)
+        key = (arch, layout, experts, dtype, num_layers, tie, shared_expert_size) + ((True,) if mtp else ())
         if key in cache:
             return cache[key]
         base_key = (arch, "plain", "per_expert", torch.float32, num_layers, tie, shared_expert_size)
+        if mtp and key == base_key + (True,):
+            base = build(arch, num_layers=num_layers, tie=tie, shared_expert_size=shared_expert_size)
+            tensors = _read_all(base)
+            config = json.loads((base / "config.json").read_text())
+            tensors.update(_mtp_tensors(tensors, config, seed=4321 + num_layers))
+            config["mtp_num_hidden_layers"] = 1
+            folder = tmp_path_factory.mktemp(f"{arch}_{num_layers}l_mtp")
+            (folder / "config.json").write_text(json.dumps(config, indent=2))
+            save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / "model.safetensors"), {"format": "pt"})
+            cache[key] = folder
+            return folder
         if key == base_key:
             shared = "" if shared_expert_size is None else f"_shared{shared_expert_size}"
             folder = tmp_path_factory.mktemp(f"{arch}_{num_layers}l{'_tied' if tie else ''}{shared}")
             _build_plain(arch, num_layers, tie, folder, shared_expert_size)
             cache[key] = folder
             return folder
-        base = build(arch, num_layers=num_layers, tie=tie, shared_expert_size=shared_expert_size)
+        base = build(arch, num_layers=num_layers, tie=tie, shared_expert_size=shared_expert_size, mtp=mtp)
         tensors = {n: t.to(dtype) for n, t in _read_all(base).items()}
         config = json.loads((base / "config.json").read_text())
         config["dtype"] = str(dtype).removeprefix("torch.")
@@ -307,7 +341,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
             tensors = _fuse_experts(tensors)
         if layout == "language_model":
             tensors, config = _to_language_model_layout(arch, tensors, config)
-        folder = tmp_path_factory.mktemp(f"{arch}_{layout}_{experts}_{config.get('dtype', 'x')}")
+        folder = tmp_path_factory.mktemp(f"{arch}_{layout}_{experts}_{config.get('dtype', 'x')}{'_mtp' if mtp else ''}")
         (folder / "config.json").write_text(json.dumps(config, indent=2))
         if layout == "language_model":
             _save_sharded(tensors, folder)

@@ -166,7 +166,8 @@ def config_blocks() -> dict[str, list[str]]:
               "env": env_table(env.VARIABLES, by_var)}
     for cls in (ServerConfig, HttpConfig, PDConfig, engine_config.EngineConfig, SessionConfig, engine_config.CacheConfig,
                 engine_config.SchedulerConfig, engine_config.RunnerConfig,
-                engine_config.ParallelConfig, engine_config.LoadConfig, engine_config.GrammarConfig):
+                engine_config.ParallelConfig, engine_config.LoadConfig, engine_config.GrammarConfig,
+                engine_config.SpeculativeConfig):
         blocks[cls.__name__] = dataclass_table(cls)
     blocks["ModelConfig"] = dataclass_table(
         engine_config.ModelConfig, fallback=lambda name: "read from `config.json` (see above)")

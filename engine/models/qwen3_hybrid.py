@@ -173,6 +173,9 @@ class Qwen3HybridForCausalLM(nn.Module):
         self.tie_weights()
         inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta)  # [rotary_dim // 2] fp32
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        # The MTP layer (``engine.models.mtp.add_mtp``, parameters ``mtp.*``) when speculation
+        # loads it; ``forward`` never runs it.
+        self.mtp: nn.Module | None = None
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -27,7 +27,8 @@ from phloem.sessions.config import SessionConfig
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 CLASSES = [ServerConfig, HttpConfig, PDConfig, engine_config.EngineConfig, SessionConfig, engine_config.CacheConfig,
            engine_config.SchedulerConfig, engine_config.RunnerConfig, engine_config.ParallelConfig,
-           engine_config.LoadConfig, engine_config.GrammarConfig, engine_config.ModelConfig]
+           engine_config.LoadConfig, engine_config.GrammarConfig, engine_config.SpeculativeConfig,
+           engine_config.ModelConfig]
 FIX = "regenerate with `python3 docs/reference/generate.py`"
 
 
