@@ -36,9 +36,9 @@ May import: ``phloem.kernels`` (and torch).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from phloem._lazy import lazy_exports
 from phloem.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -83,8 +83,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'phloem.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -17,9 +17,9 @@ The engine-backed names load on first access, so ``phloem --help`` and the SDK s
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from phloem._lazy import lazy_exports
 from phloem.engine.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -42,8 +42,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'phloem.runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -31,8 +31,9 @@ May import: ``phloem.runtime``, ``phloem.storage``, and the engine's public requ
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from phloem._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from phloem.sessions.text.chat import ChatContext, render_append
@@ -108,8 +109,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'phloem.sessions' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -24,8 +24,9 @@ the models or ``engine.parallel`` (import-linter's engine layers contract checks
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from phloem._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from phloem.engine.cache.kv_pages import PagePool
@@ -59,8 +60,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'phloem.engine.cache' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

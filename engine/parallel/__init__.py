@@ -25,8 +25,9 @@ May import: ``engine.config`` and ``engine.forward_batch`` (the engine's lowest 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from phloem._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from phloem.engine.parallel.group import TPGroup, check_tp_size, kv_head_start
@@ -42,8 +43,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'phloem.engine.parallel' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -22,9 +22,9 @@ checks it).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from phloem._lazy import lazy_exports
 from phloem.engine.sampling.params import GrammarSpec, SamplingParams
 
 if TYPE_CHECKING:
@@ -48,8 +48,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'phloem.engine.sampling' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)
