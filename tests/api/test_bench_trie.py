@@ -57,7 +57,12 @@ def test_trie_against_a_real_server(tmp_path: Path) -> None:
     assert len(stateless) == WL.agents * WL.turns
     for r in stateless:
         assert r["prompt_tokens"] == 128 + (r["turn"] - 1) * 20 and r["completion_tokens"] == 4, r
-        assert r["cached_tokens"] == (0 if r["turn"] == 1 else r["prompt_tokens"] - WL.append), r
+        if r["turn"] == 1:
+            # Trie sent the same first prompts before us: a resent prompt is a full hit (all but
+            # its last token, where the prompt-end checkpoint sits), unless trie never got to it.
+            assert r["cached_tokens"] in (0, r["prompt_tokens"] - 1), r
+        else:
+            assert r["cached_tokens"] == r["prompt_tokens"] - WL.append, r
     assert "| tokenspeed-trie | text |" in report and "Per-trace metrics" in report
     for name in ("trie_workload.jsonl", "trie.json", "trie_report.md"):
         assert (tmp_path / name).stat().st_size > 100

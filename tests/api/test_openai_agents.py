@@ -253,4 +253,5 @@ def test_langchain_tool_round_trip(server: Any) -> None:
     # The same tools render the same system turn: the first request's prompt came from the cache.
     assert answer.usage_metadata is not None
     cached = answer.usage_metadata.get("input_token_details", {}).get("cache_read", 0)
-    assert cached >= reply.usage_metadata["input_tokens"]  # type: ignore[index]
+    # All of the first prompt but its last token: the prompt-end checkpoint sits one token early.
+    assert cached >= reply.usage_metadata["input_tokens"] - 1  # type: ignore[index]

@@ -113,10 +113,12 @@ def test_kill_9_then_restart_keeps_and_resumes_every_session(tmp_path: Path,
                 assert rebuilt[spilled_parent.id] == "disk"
 
             engine = Engine.from_pretrained(model_dir)
-            follow = unique_ids(3)
             params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
             for sid, session in listed.items():
                 tokens = before[sid][1]
+                # Each its own: forks share their history, and a shared continuation would hit
+                # the cache past it (a branch checkpoint), hiding what came from the disk.
+                follow = unique_ids(3)
                 result = session.append(input_ids=follow, generate=GREEDY)
                 twin = engine.generate([tokens + follow], params)[0]
                 assert list(result.output_ids) == twin.token_ids, sid
