@@ -36,6 +36,7 @@ from phloem.engine.cache.state_slots import SlotPool
 from phloem.engine.config import EngineConfig, ModelConfig
 from phloem.engine.errors import CorruptStep, InvalidRequest
 from phloem.engine.model_runner import CausalLM, LaunchedStep, build_runner
+from phloem.engine.models.mtp import mtp_kv_layers
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.request import Request, RequestOutput, RequestStatus
 from phloem.engine.request_checks import check_logit_bias, check_outputs, check_prompt, grammar_matcher
@@ -43,6 +44,7 @@ from phloem.engine.sampling.grammar import GrammarBackend
 from phloem.engine.sampling.params import SamplingParams
 from phloem.engine.sampling.sampler import skip_draws
 from phloem.engine.scheduler import Scheduler
+from phloem.engine.speculative import MTPSpeculator
 from phloem.engine.step_outputs import StepOutputs
 from phloem.engine.step_pipeline import next_decode_step
 from phloem.engine.transfer import pool_side
@@ -79,8 +81,10 @@ class Engine:
         self.device, self.dtype, self.workers = device, dtype, workers
         tp = workers.group if workers is not None else TPGroup.single(device)
         sink = workers.send if workers is not None else None
+        spec = config.speculative
+        extra_kv = mtp_kv_layers(model_config) - len(model_config.full_attention_layers) if spec.uses_mtp else 0
         self.runner, plan = build_runner(model_config, model, cache_config, runner_config, tp, dtype, sink,
-                                         kernels=config.kernels)
+                                         kernels=config.kernels, extra_kv_layers=extra_kv)
         self.page_pool = PagePool(plan.num_pages, cache_config.page_size)
         self.slot_pool = SlotPool(plan.num_slots)
         tree = None
@@ -113,6 +117,13 @@ class Engine:
         self._ids = itertools.count()
         self._outputs = StepOutputs(model_config, self.scheduler, self.cache, self.max_model_len, self._requests)
         self.async_scheduling = scheduler_config.async_scheduling
+        # Speculative decoding (``engine.speculative``) runs in the synchronous loop for now.
+        self.speculator: MTPSpeculator | None = None
+        if spec.uses_mtp:
+            self.speculator = MTPSpeculator(
+                self.runner, self.cache, model_config, spec.num_draft_tokens, self.max_model_len
+            )
+            self.async_scheduling = False
         self._queued: LaunchedStep | None = None  # a decode step queued behind the one collected
         self._pending: list[RequestOutput] = []  # outputs collected by ``drain``, for the next step
         self.num_pipelined_steps = 0  # steps queued behind the step being collected
@@ -296,6 +307,12 @@ class Engine:
             outputs += [self._outputs.output(r, []) for r in sched.finished_early]
             if sched.is_empty:
                 return outputs
+            if self.speculator is not None:
+                runs = self.speculator.try_step(sched)
+                if runs is not None:
+                    self.last_step_kind = sched.kind
+                    return outputs + self._outputs.apply_runs(sched, runs)
+                self.speculator.before_plain_step(sched, self.scheduler.running)
             launched = self.runner.launch(sched)
         self.last_step_kind = launched.sched.kind
         if self._pipelined():
