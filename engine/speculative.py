@@ -30,7 +30,9 @@ request at position ``p`` (its last token ``x[p]`` not yet computed):
 
 Plain (non-speculative) steps of a speculating engine run the MTP layer's first step over the
 step's rows through ``ModelRunner.hidden_hook`` (prefill chunks included), so the MTP KV of the
-prompt is there when decoding starts and a cached prefix carries it.
+prompt is there when decoding starts and a cached prefix carries it (a turn's last accepted
+positions keep the entries the drafts wrote there, approximations that only cost acceptance,
+unless a finalize step reran them).
 
 Limits for now (docs/decisions.md): CPU / torch-reference attention only (no FlashInfer, no CUDA
 graphs), TP=1, synchronous scheduling (async is turned off), a verify step may exceed
