@@ -36,7 +36,6 @@ from phloem.engine.cache.state_slots import SlotPool
 from phloem.engine.config import EngineConfig, ModelConfig
 from phloem.engine.errors import CorruptStep, InvalidRequest
 from phloem.engine.model_runner import CausalLM, LaunchedStep, build_runner
-from phloem.engine.models.mtp import mtp_kv_layers
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.request import Request, RequestOutput, RequestStatus
 from phloem.engine.request_checks import check_logit_bias, check_outputs, check_prompt, grammar_matcher
@@ -44,7 +43,7 @@ from phloem.engine.sampling.grammar import GrammarBackend
 from phloem.engine.sampling.params import SamplingParams
 from phloem.engine.sampling.sampler import skip_draws
 from phloem.engine.scheduler import Scheduler
-from phloem.engine.speculative import MTPSpeculator
+from phloem.engine.speculative import MTPSpeculator, extra_kv_layers
 from phloem.engine.step_outputs import StepOutputs
 from phloem.engine.step_pipeline import next_decode_step
 from phloem.engine.transfer import pool_side
@@ -81,10 +80,9 @@ class Engine:
         self.device, self.dtype, self.workers = device, dtype, workers
         tp = workers.group if workers is not None else TPGroup.single(device)
         sink = workers.send if workers is not None else None
-        spec = config.speculative
-        extra_kv = mtp_kv_layers(model_config) - len(model_config.full_attention_layers) if spec.uses_mtp else 0
         self.runner, plan = build_runner(model_config, model, cache_config, runner_config, tp, dtype, sink,
-                                         kernels=config.kernels, extra_kv_layers=extra_kv)
+                                         kernels=config.kernels,
+                                         extra_kv_layers=extra_kv_layers(config.speculative, model_config))
         self.page_pool = PagePool(plan.num_pages, cache_config.page_size)
         self.slot_pool = SlotPool(plan.num_slots)
         tree = None
@@ -118,12 +116,9 @@ class Engine:
         self._outputs = StepOutputs(model_config, self.scheduler, self.cache, self.max_model_len, self._requests)
         self.async_scheduling = scheduler_config.async_scheduling
         # Speculative decoding (``engine.speculative``) runs in the synchronous loop for now.
-        self.speculator: MTPSpeculator | None = None
-        if spec.uses_mtp:
-            self.speculator = MTPSpeculator(
-                self.runner, self.cache, model_config, spec.num_draft_tokens, self.max_model_len
-            )
-            self.async_scheduling = False
+        self.speculator = MTPSpeculator.build(config.speculative, self.runner, self.cache, model_config,
+                                              self.max_model_len)
+        self.async_scheduling = self.async_scheduling and self.speculator is None
         self._queued: LaunchedStep | None = None  # a decode step queued behind the one collected
         self._pending: list[RequestOutput] = []  # outputs collected by ``drain``, for the next step
         self.num_pipelined_steps = 0  # steps queued behind the step being collected

@@ -47,15 +47,15 @@ from dataclasses import dataclass
 import torch
 
 from phloem.engine.cache.manager import CacheManager
-from phloem.engine.config import ModelConfig
+from phloem.engine.config import ModelConfig, SpeculativeConfig
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.model_runner import ModelRunner
-from phloem.engine.models.mtp import mtp_forward
+from phloem.engine.models.mtp import mtp_forward, mtp_kv_layers
 from phloem.engine.request import Request
 from phloem.engine.scheduler import SchedulerOutput
 from phloem.engine.step_plan import StepInputs
 
-__all__ = ["MTPSpeculator", "SpeculationStats"]
+__all__ = ["MTPSpeculator", "SpeculationStats", "extra_kv_layers"]
 
 
 @dataclass(slots=True)
@@ -72,6 +72,11 @@ class SpeculationStats:
     def mean_accepted_length(self) -> float:
         """Tokens per request per speculative step (1.0: no draft accepted)."""
         return self.emitted_tokens / self.request_steps if self.request_steps else 0.0
+
+
+def extra_kv_layers(spec: SpeculativeConfig, model_config: ModelConfig) -> int:
+    """KV layers the page pool needs past the trunk's: the MTP layer's when it drafts."""
+    return mtp_kv_layers(model_config) - len(model_config.full_attention_layers) if spec.uses_mtp else 0
 
 
 def eligible(req: Request) -> bool:
@@ -107,6 +112,16 @@ class MTPSpeculator:
         self.stats = SpeculationStats()
         self._sched: SchedulerOutput | None = None
         runner.hidden_hook = self._after_plain_forward
+
+    @classmethod
+    def build(
+        cls, spec: SpeculativeConfig, runner: ModelRunner, cache: CacheManager, model_config: ModelConfig,
+        max_model_len: int,
+    ) -> MTPSpeculator | None:  # fmt: skip
+        """The speculator ``spec`` asks for; None when speculation is off."""
+        if not spec.uses_mtp:
+            return None
+        return cls(runner, cache, model_config, spec.num_draft_tokens, max_model_len)
 
     # --- plain steps ------------------------------------------------------------------------
 

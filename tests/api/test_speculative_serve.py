@@ -8,6 +8,9 @@ import uuid
 from typing import Any
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.slow  # two phloem serve processes
 
 MODEL = "phloem-tiny-qwen3.5"
 CHATS = (

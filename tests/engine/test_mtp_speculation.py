@@ -4,6 +4,7 @@ On the trained built-in model (a real MTP layer: most drafts are accepted, so st
 ``max_tokens`` land inside accepted runs) and on tiny random checkpoints of the three
 architectures (drafts mostly rejected: the rollback path), with batches of different lengths,
 chunked prefill, prefix hits and requests that do not speculate (``engine.speculative``).
+Each lossless case takes seconds on the 2-core CPU: they are marked slow.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def trained_plain(trained_prompts) -> list[list[int]]:
     return _tokens(_engine(trained_model_path(), 0), trained_prompts, SamplingParams(max_tokens=64))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_trained_model_greedy_tokens_equal_plain(k: int, trained_prompts, trained_plain) -> None:
     engine = _engine(trained_model_path(), k)
@@ -66,6 +68,7 @@ def test_trained_model_greedy_tokens_equal_plain(k: int, trained_prompts, traine
     assert batched.speculator.stats.steps > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 3])
 def test_trained_model_stop_token_and_max_tokens_inside_accepted_runs(k: int, trained_prompts, trained_plain) -> None:
     engine = _engine(trained_model_path(), k)
@@ -83,6 +86,7 @@ def test_trained_model_stop_token_and_max_tokens_inside_accepted_runs(k: int, tr
     assert engine.speculator.stats.mean_accepted_length > 1.3
 
 
+@pytest.mark.slow
 def test_trained_model_chunked_prefill_and_prefix_hit(trained_prompts, trained_plain) -> None:
     engine = _engine(trained_model_path(), 3, scheduler=SchedulerConfig(max_num_batched_tokens=8))
     assert _tokens(engine, trained_prompts, SamplingParams(max_tokens=64)) == trained_plain
@@ -94,6 +98,7 @@ def test_trained_model_chunked_prefill_and_prefix_hit(trained_prompts, trained_p
     assert out.token_ids == plain[0]
 
 
+@pytest.mark.slow
 def test_requests_that_do_not_speculate_run_plain(trained_prompts) -> None:
     params = [
         SamplingParams(max_tokens=24),
@@ -109,7 +114,7 @@ def test_requests_that_do_not_speculate_run_plain(trained_prompts) -> None:
         assert _tokens(engine, [prompt], p)[0] == want
 
 
-def test_speculation_off_allocates_no_mtp_kv(trained_prompts) -> None:
+def test_speculation_off_allocates_no_mtp_kv() -> None:
     plain = _engine(trained_model_path(), 0)
     spec = _engine(trained_model_path(), 1)
     trunk = len(plain.model_config.full_attention_layers)
@@ -124,6 +129,7 @@ TINY_PROMPTS = [list(range(3, 40)), [5, 9, 2], list(range(60, 81)), [7] * 12]
 TINY_CACHE = CacheConfig(page_size=4, num_pages=256, num_state_slots=24)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_checkpoints_greedy_tokens_equal_plain(arch: str, tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint(arch, mtp=True)
@@ -143,3 +149,18 @@ def test_tiny_checkpoints_greedy_tokens_equal_plain(arch: str, tiny_checkpoint: 
         want = plain[2][: plain[2].index(stop) + 1]
         got = _tokens(engine, [TINY_PROMPTS[2]], SamplingParams(max_tokens=17, stop_token_ids=(stop,)))[0]
         assert got == want, f"mtp:{k}"
+
+
+@pytest.mark.slow
+def test_context_limit_inside_a_run(trained_prompts) -> None:
+    """A request reaching ``max_model_len`` stops exactly where a plain one does; the last steps
+    draft fewer tokens rather than verify past the limit."""
+    prompt = trained_prompts[2]
+    sched = SchedulerConfig(max_model_len=len(prompt) + 13)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    plain = _tokens(_engine(trained_model_path(), 0, scheduler=sched), [prompt], params)
+    for k in (1, 3):
+        engine = _engine(trained_model_path(), k, scheduler=sched)
+        out = engine.generate([prompt], params)[0]
+        assert out.token_ids == plain[0] and out.finish_reason == "length"
+        assert engine.speculator.stats.steps > 0
