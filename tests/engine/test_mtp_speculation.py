@@ -164,3 +164,22 @@ def test_context_limit_inside_a_run(trained_prompts) -> None:
         out = engine.generate([prompt], params)[0]
         assert out.token_ids == plain[0] and out.finish_reason == "length"
         assert engine.speculator.stats.steps > 0
+
+
+@pytest.mark.slow
+def test_spill_and_resume_between_speculating_and_plain_engines(trained_prompts, trained_plain) -> None:
+    """A spilled prefix carries the trunk's KV and state only (the TP=1 layout): it moves between
+    speculating and plain engines both ways, and the follow-up turn is the plain one."""
+    conv = trained_prompts[1] + trained_plain[1]
+    follow = conv + trained_prompts[3]
+    params = SamplingParams(max_tokens=32)
+    want = _tokens(_engine(trained_model_path(), 0), [follow], params)[0]
+    for src_k, dst_k in ((3, 0), (0, 2), (2, 2)):
+        src = _engine(trained_model_path(), src_k)
+        src.generate([trained_prompts[1]], SamplingParams(max_tokens=64))
+        state = src.export_prefix(conv)
+        assert state is not None
+        dst = _engine(trained_model_path(), dst_k)
+        assert dst.import_prefix(state)
+        out = dst.generate([follow], params)[0]
+        assert out.num_cached_tokens > 0 and out.token_ids == want, (src_k, dst_k)
