@@ -183,3 +183,33 @@ def test_spill_and_resume_between_speculating_and_plain_engines(trained_prompts,
         assert dst.import_prefix(state)
         out = dst.generate([follow], params)[0]
         assert out.num_cached_tokens > 0 and out.token_ids == want, (src_k, dst_k)
+
+
+@pytest.mark.slow
+def test_heldout_acceptance_on_the_trained_model() -> None:
+    """docs/benchmarks.md's CPU-measured acceptance: 4 held-out windows (128-token prompts at 1/8,
+    3/8, 5/8, 7/8 of ``tools/train/prepare.py``'s held-out corpus), 64 new tokens, batch 1."""
+    import importlib.util
+    import sys
+
+    from transformers import AutoTokenizer
+
+    train = Path(__file__).resolve().parents[2] / "tools" / "train"
+    sys.path.insert(0, str(train))
+    try:
+        spec = importlib.util.spec_from_file_location("train_prepare", train / "prepare.py")
+        prepare = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(prepare)
+    finally:
+        sys.path.remove(str(train))
+    _, held = prepare.split(prepare.build_documents(prepare.DEFAULT_STDLIB_BYTES, prepare.DEFAULT_TRANSCRIPTS))
+    ids = AutoTokenizer.from_pretrained(trained_model_path()).encode(prepare.EOT.join(held) + prepare.EOT)
+    prompts = [ids[len(ids) * i // 8 : len(ids) * i // 8 + 128] for i in (1, 3, 5, 7)]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    plain = [_tokens(_engine(trained_model_path(), 0), [p], params)[0] for p in prompts]
+    for k in (1, 2, 3):
+        engine = _engine(trained_model_path(), k)
+        assert [_tokens(engine, [p], params)[0] for p in prompts] == plain
+        accepted = engine.speculator.stats.mean_accepted_length
+        print(f"\nmtp:{k} held-out mean accepted length: {accepted:.2f}")
+        assert accepted > 1.3
