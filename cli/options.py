@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from phloem.cli.config import ServerConfig
-from phloem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES
+from phloem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, SpeculativeConfig
 from phloem.runtime.logs import LOG_FORMATS, LOG_LEVELS
 from phloem.runtime.pd.roles import ROLES
 from phloem.runtime.preflight import check_chat_template
@@ -124,6 +124,10 @@ SERVE: tuple[Flag, ...] = (
     Flag("--no-async-scheduling", "engine.scheduler.async_scheduling",
          "read each step's sampled ids before preparing the next step (default: the next decode step is "
          "queued while the device runs the current one)", kind="negate"),
+    Flag("--speculative", "engine.speculative",
+         "speculative decoding: mtp:K drafts K tokens a step (1-4) with the model's MTP layer for greedy "
+         "requests, same tokens as without; for now on the torch reference attention (CPU) only, and it "
+         "turns async scheduling off", metavar="mtp:K", default_text="off", convert=SpeculativeConfig.parse),
     Flag("--default-ttl", "sessions.default_ttl_s", "seconds a session stays pinned after a turn",
          metavar="SECONDS", type=float),
     Flag("--gpu-memory-utilization", "engine.cache.memory_fraction",

@@ -47,6 +47,8 @@ def load_parts(path: str | Path, config: EngineConfig) -> EngineParts:
     model_config = ModelConfig.from_pretrained(path)
     parallel = config.parallel
     check_tp_size(model_config, parallel.tensor_parallel_size, device, parallel.expert_parallel)
+    if config.speculative.enabled and parallel.tensor_parallel_size > 1:
+        raise ValueError("speculative: not supported with tensor_parallel_size > 1 yet")
     workers = None
     if parallel.tensor_parallel_size > 1:
         device = rank_device(device, 0)
@@ -60,7 +62,7 @@ def load_parts(path: str | Path, config: EngineConfig) -> EngineParts:
     try:
         bind_cuda_device(device)
         model = load_model(Path(path), model_config, config.load, workers.group if workers else None,
-                           kernels=config.kernels)
+                           kernels=config.kernels, speculative=config.speculative)
         if workers is not None:
             workers.wait_ready()
         dtype = next(model.parameters()).dtype

@@ -432,8 +432,11 @@ class SpeculativeConfig:
         num_draft_tokens: draft tokens per step, 1 to ``MAX_DRAFT_TOKENS`` (the MTP layer run
             recursively); 0 when off.
 
-    Only the MTP layer is loaded and run so far (``engine.models.mtp.propose_drafts``); the step
-    pipeline does not draft or verify yet, so turning this on changes no output.
+    With ``"mtp"`` the synchronous engine loop drafts ``num_draft_tokens`` tokens a step for
+    greedy requests and verifies them in one forward (``engine.speculative``): the output is
+    the plain greedy output, token for token. Other requests (sampled, grammar, logprobs,
+    penalties) run plain steps. For now: CPU / torch-reference attention, TP=1, and async
+    scheduling is turned off.
     """
 
     method: str | None = None

@@ -43,6 +43,7 @@ from phloem.engine.sampling.grammar import GrammarBackend
 from phloem.engine.sampling.params import SamplingParams
 from phloem.engine.sampling.sampler import skip_draws
 from phloem.engine.scheduler import Scheduler
+from phloem.engine.speculative import MTPSpeculator, extra_kv_layers
 from phloem.engine.step_outputs import StepOutputs
 from phloem.engine.step_pipeline import next_decode_step
 from phloem.engine.transfer import pool_side
@@ -80,7 +81,8 @@ class Engine:
         tp = workers.group if workers is not None else TPGroup.single(device)
         sink = workers.send if workers is not None else None
         self.runner, plan = build_runner(model_config, model, cache_config, runner_config, tp, dtype, sink,
-                                         kernels=config.kernels)
+                                         kernels=config.kernels,
+                                         extra_kv_layers=extra_kv_layers(config.speculative, model_config))
         self.page_pool = PagePool(plan.num_pages, cache_config.page_size)
         self.slot_pool = SlotPool(plan.num_slots)
         tree = None
@@ -113,6 +115,10 @@ class Engine:
         self._ids = itertools.count()
         self._outputs = StepOutputs(model_config, self.scheduler, self.cache, self.max_model_len, self._requests)
         self.async_scheduling = scheduler_config.async_scheduling
+        # Speculative decoding (``engine.speculative``) runs in the synchronous loop for now.
+        self.speculator = MTPSpeculator.build(config.speculative, self.runner, self.cache, model_config,
+                                              self.max_model_len)
+        self.async_scheduling = self.async_scheduling and self.speculator is None
         self._queued: LaunchedStep | None = None  # a decode step queued behind the one collected
         self._pending: list[RequestOutput] = []  # outputs collected by ``drain``, for the next step
         self.num_pipelined_steps = 0  # steps queued behind the step being collected
@@ -296,6 +302,12 @@ class Engine:
             outputs += [self._outputs.output(r, []) for r in sched.finished_early]
             if sched.is_empty:
                 return outputs
+            if self.speculator is not None:
+                runs = self.speculator.try_step(sched)
+                if runs is not None:
+                    self.last_step_kind = sched.kind
+                    return outputs + self._outputs.apply_runs(sched, runs)
+                self.speculator.before_plain_step(sched, self.scheduler.running)
             launched = self.runner.launch(sched)
         self.last_step_kind = launched.sched.kind
         if self._pipelined():

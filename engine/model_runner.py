@@ -144,6 +144,9 @@ class ModelRunner:
         # Set by a disaggregated prefill while its request runs (runtime.pd.prefill); a step with
         # a layer hook runs eagerly (no CUDA graph), every other step pays one None check.
         self.layer_hook: StepLayerHook | None = None
+        # Set by speculative decoding (``engine.speculative``): sees every eager forward's final
+        # hidden states, to run the MTP layer over the step's rows.
+        self.hidden_hook: Callable[[StepInputs, ForwardBatch, torch.Tensor], None] | None = None
 
     def enable_cuda_graphs(
         self, max_batch_size: int, pad_page: int, pad_slot: int, show_progress: bool | None = None,
@@ -287,6 +290,8 @@ class ModelRunner:
             hidden = self.prefill_graphs.run(batch)
         else:
             hidden = self.model.forward(batch, self.caches)
+        if self.hidden_hook is not None:
+            self.hidden_hook(inp, batch, hidden)
         if not inp.sample_rows:
             return None, None
         # None on a worker rank: the LM head gathers the logits to rank 0.
@@ -426,6 +431,7 @@ def build_runner(
     dtype: torch.dtype,
     plan_sink: PlanSink | None = None,
     kernels: KernelConfig = KernelConfig(),
+    extra_kv_layers: int = 0,
 ) -> tuple[ModelRunner, PoolPlan]:
     """Size the pools, allocate this rank's caches (on ``tp.device``) and wrap ``model`` in a runner
     (``kernels``: the attention backend's decode kernel and launch, ``FlashInferAttention``).
@@ -434,10 +440,10 @@ def build_runner(
     agree on the smallest pool sizes (the pools must be identical in structure everywhere).
     """
     device = tp.device
-    plan = plan_pools(mc, cc, dtype, device, tp.size)
+    plan = plan_pools(mc, cc, dtype, device, tp.size, extra_kv_layers)
     if tp.size > 1:
         num_pages, num_slots = tp.all_min([plan.num_pages, plan.num_slots])
         plan = replace(plan, num_pages=num_pages, num_slots=num_slots)
-    caches = allocate_caches(mc, plan, cc.page_size, dtype, device, tp.size)
+    caches = allocate_caches(mc, plan, cc.page_size, dtype, device, tp.size, extra_kv_layers)
     attn = _attention_backend(mc, cc, rc, tp, dtype, device, kernels)
     return ModelRunner(model, caches, cc.page_size, mc, tp, attn, plan_sink), plan

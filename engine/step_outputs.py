@@ -78,6 +78,30 @@ class StepOutputs:
             outputs.append(self.output(req, [token], result.logprobs.get(req.request_id)))
         return outputs
 
+    def apply_runs(self, sched: SchedulerOutput, runs: dict[str, list[int]]) -> list[RequestOutput]:
+        """Advance the requests of a speculative decode step (``engine.speculative``) by their
+        accepted tokens: each computed all but the last of them (the next step's input); the
+        tokens are appended in order and a stop ends the run (the speculator already cut it
+        there)."""
+        outputs: list[RequestOutput] = []
+        for req in sched.requests:
+            tokens = runs[req.request_id]
+            req.num_computed_tokens += len(tokens)
+            req.has_state = True
+            req.read_slot = req.write_slot
+            self.cache.maybe_checkpoint(req)
+            applied: list[int] = []
+            for token in tokens:
+                req.append_output(token)
+                applied.append(token)
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self.scheduler.finish(req, reason)
+                    break
+            assert len(applied) == len(tokens), f"request {req.request_id}: a stop inside an uncut run"
+            outputs.append(self.output(req, applied))
+        return outputs
+
     def drop(self, launched: LaunchedStep, queued: LaunchedStep | None) -> None:
         """Abort the requests of a corrupt step and of the step queued behind it, publishing
         nothing: their GDN state on the device is past their counters."""

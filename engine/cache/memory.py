@@ -38,10 +38,17 @@ def _slot_bytes(mc: ModelConfig, dtype: torch.dtype, tp_size: int) -> int:
 
 
 def plan_pools(
-    mc: ModelConfig, cc: CacheConfig, dtype: torch.dtype, device: torch.device, tp_size: int = 1
+    mc: ModelConfig, cc: CacheConfig, dtype: torch.dtype, device: torch.device, tp_size: int = 1,
+    extra_kv_layers: int = 0,
 ) -> PoolPlan:
-    """Decide pool sizes: explicit sizes from ``cc`` win, otherwise split the memory budget."""
-    page_bytes = max(1, _page_bytes(mc, cc.page_size, dtype, tp_size))
+    """Decide pool sizes: explicit sizes from ``cc`` win, otherwise split the memory budget.
+    ``extra_kv_layers``: full-attention KV layers past the trunk's in every page (the MTP layer's,
+    ``engine.models.mtp.mtp_kv_layers``)."""
+    trunk = len(mc.full_attention_layers)
+    page_bytes = _page_bytes(mc, cc.page_size, dtype, tp_size)
+    if trunk and extra_kv_layers:
+        page_bytes = page_bytes // trunk * (trunk + extra_kv_layers)
+    page_bytes = max(1, page_bytes)
     slot_bytes = max(1, _slot_bytes(mc, dtype, tp_size))
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -59,11 +66,12 @@ def plan_pools(
 
 
 def allocate_caches(
-    mc: ModelConfig, plan: PoolPlan, page_size: int, dtype: torch.dtype, device: torch.device, tp_size: int = 1
+    mc: ModelConfig, plan: PoolPlan, page_size: int, dtype: torch.dtype, device: torch.device, tp_size: int = 1,
+    extra_kv_layers: int = 0,
 ) -> ModelCaches:
     kv_heads = max(1, mc.num_key_value_heads // tp_size)
     kv = torch.zeros(
-        (len(mc.full_attention_layers), plan.num_pages, 2, page_size, kv_heads, mc.head_dim),
+        (len(mc.full_attention_layers) + extra_kv_layers, plan.num_pages, 2, page_size, kv_heads, mc.head_dim),
         dtype=dtype,
         device=device,
     )

@@ -24,8 +24,9 @@ the same paged KV tensor (``ModelCaches.kv``), after the trunk's attention layer
 the request's own page table and slot mapping. The MTP entry of position ``p`` lives in the same
 page and slot as the trunk's entries of ``p``, so the page allocator, the prefix cache (a cached
 page carries the MTP KV of its positions) and KV transfer see one page list per request. The pool
-must then be allocated with ``mtp_kv_layers(config)`` KV layers (the trunk's + 1) when MTP is on;
-``engine.cache.memory`` does not do it yet (the engine loop does not draft yet).
+is allocated with ``mtp_kv_layers(config)`` KV layers (the trunk's + 1) when MTP is on
+(``Engine``, through ``build_runner``'s ``extra_kv_layers``); the engine loop drafts and verifies
+with it in ``engine.speculative``.
 docs/decisions.md, "The MTP layer's KV is one more attention layer of the page pool".
 """
 
@@ -44,7 +45,9 @@ from phloem.engine.parallel.group import TPGroup
 from phloem.engine.parallel.layers import RowParallelLinear, Shard
 from phloem.kernels.dispatch import KernelOps
 
-__all__ = ["MultiTokenPredictor", "add_mtp", "mtp_kv_layers", "mtp_layer_config", "propose_drafts", "shifted_ids"]
+__all__ = [
+    "MultiTokenPredictor", "add_mtp", "mtp_forward", "mtp_kv_layers", "mtp_layer_config", "propose_drafts", "shifted_ids",
+]
 
 
 def mtp_layer_config(config: ModelConfig) -> ModelConfig:
@@ -211,3 +214,14 @@ def _greedy(model: Qwen3HybridForCausalLM, h: torch.Tensor) -> torch.Tensor:
     if logits is not None:
         model.greedy_ids(logits, out=out)
     return model.tp.broadcast_first(out)
+
+
+@torch.no_grad()
+def mtp_forward(
+    model: Qwen3HybridForCausalLM, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+    caches: ModelCaches,
+) -> torch.Tensor:  # fmt: skip
+    """One MTP step over ``batch``'s rows: ``next_ids`` ``[T]`` the token after each row's,
+    ``hidden`` ``[T, H]`` the trunk's (or a previous step's) final-normed states at
+    ``batch.positions``; writes the MTP KV there and returns ``h'`` ``[T, H]``."""
+    return _mtp(model)(_embed(model, next_ids), hidden, batch, caches, model.rope_inv_freq)

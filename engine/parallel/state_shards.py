@@ -66,10 +66,12 @@ def state_shapes(mc: ModelConfig, page_size: int, num_pages: int) -> tuple[tuple
     )
 
 
-def read_local(caches: ModelCaches, pages: Sequence[int], slot: int) -> StateTensors:
-    """This rank's pages (copied out) and slot (views of the caches), on the caches' device."""
+def read_local(caches: ModelCaches, pages: Sequence[int], slot: int, kv_layers: int | None = None) -> StateTensors:
+    """This rank's pages (copied out) and slot (views of the caches), on the caches' device.
+    ``kv_layers``: the first that many KV layers only (the trunk's: a speculating engine's pool
+    has the MTP layer's after them, which a moved state does not carry)."""
     index = torch.tensor(list(pages), dtype=torch.long, device=caches.kv.device)
-    return caches.kv.index_select(1, index), caches.conv[:, slot], caches.ssm[:, slot]
+    return caches.kv[:kv_layers].index_select(1, index), caches.conv[:, slot], caches.ssm[:, slot]
 
 
 def write_local(caches: ModelCaches, pages: Sequence[int], slot: int, state: StateTensors) -> None:
@@ -78,7 +80,9 @@ def write_local(caches: ModelCaches, pages: Sequence[int], slot: int, state: Sta
     dev = caches.kv.device
     non_blocking = dev.type == "cuda" and kv.is_pinned()
     index = torch.tensor(list(pages), dtype=torch.long, device=dev)
-    caches.kv.index_copy_(1, index, kv.to(dev, non_blocking=non_blocking))
+    # A state carries the trunk's KV layers; the MTP layer's (after them, when speculating) keep
+    # what the pages held: the drafts' quality, never the output, depends on them.
+    caches.kv[: kv.shape[0]].index_copy_(1, index, kv.to(dev, non_blocking=non_blocking))
     caches.conv[:, slot].copy_(conv, non_blocking=non_blocking)
     caches.ssm[:, slot].copy_(ssm, non_blocking=non_blocking)
 
@@ -101,7 +105,7 @@ def gather_state(
     tp: TPGroup, mc: ModelConfig, caches: ModelCaches, pages: Sequence[int], slot: int
 ) -> StateTensors | None:
     """Collective: the whole state of ``pages`` and ``slot`` on rank 0 (its device); None elsewhere."""
-    local = read_local(caches, pages, slot)
+    local = read_local(caches, pages, slot, len(mc.full_attention_layers))
     if tp.size == 1:
         return local
     gathered = [tp.gather_list(t) for t in local]

@@ -102,6 +102,14 @@ def random_server(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     yield from _serve(folder, folder / "server.log", ["--model", str(ensure_default_model(data_dir))])
 
 
+@pytest.fixture(scope="session")
+def speculative_server(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``phloem serve --speculative mtp:3`` on the trained built-in model (its own data dir),
+    started only for the tests that ask for it."""
+    folder = tmp_path_factory.mktemp("phloem-speculative-server")
+    yield from _serve(folder, folder / "server.log", ["--speculative", "mtp:3"])
+
+
 @pytest.fixture
 def client(server: Server) -> Iterator[Client]:
     with Client(server.base_url, timeout=60) as sdk:

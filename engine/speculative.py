@@ -1,0 +1,297 @@
+"""Speculative decoding with the checkpoint's MTP layer: greedy requests, synchronous loop, eager.
+
+A speculative step replaces a plain decode step when every request of it is *eligible* (greedy,
+no grammar, no logprobs, no logits processing, not finalizing); any other step runs plain, so
+requests that are not eligible never see speculation (the fallback is per step). For each
+request at position ``p`` (its last token ``x[p]`` not yet computed):
+
+1. **Draft.** The MTP layer first catches up over the request's *pending rows*: the trunk's
+   final hidden states of the positions it has computed whose next token was unknown when they
+   were computed (the last row of a step), now known. That writes the MTP layer's KV at those
+   positions (the MTP KV has no gaps) and its last row drafts ``d1``; ``d2..dk`` come from the
+   MTP layer run recursively one token at a time (``engine.models.mtp``). A request with no
+   valid pending rows (never expected on this path) drafts its last token ``k`` times: correct,
+   just never accepted.
+2. **Verify.** One trunk forward over ``[x[p], d1..dk]`` at ``p..p+k`` per request (a small
+   prefill chunk from the request's state), logits of every row; ``g[i]`` = each row's argmax,
+   as the plain greedy sampler takes it.
+3. **Accept** the longest prefix with ``d[i+1] == g[i]`` plus the target's next token:
+   ``g[0..n]``. A stop token, ``max_tokens`` or the context limit inside that run cuts it there
+   (``n`` shrinks), so the request's counters end exactly where a plain run's would.
+4. **Roll back** (when ``n < k``): the GDN state the verify left in the write slot is past the
+   accepted position. The state read before the verify was snapshotted (a copy of the request's
+   conv and recurrent states); it is written back into the write slot and the trunk reruns over
+   the ``n + 1`` accepted tokens (snapshot + recompute: the simplest correct mechanism; it costs
+   a second forward on rejection, which the slot-indirection design of issue 50 will remove).
+   Trunk KV of rejected positions stays in pages past ``num_computed_tokens``: nothing reads it
+   (sequence lengths bound attention), the next step overwrites it, and the radix cache only
+   publishes up to ``num_computed_tokens``, so rejected positions are never published.
+5. The verify's hidden states of the accepted rows become the request's pending rows.
+
+Plain (non-speculative) steps of a speculating engine run the MTP layer's first step over the
+step's rows through ``ModelRunner.hidden_hook`` (prefill chunks included), so the MTP KV of the
+prompt is there when decoding starts and a cached prefix carries it (a turn's last accepted
+positions keep the entries the drafts wrote there, approximations that only cost acceptance,
+unless a finalize step reran them).
+
+Limits for now (docs/decisions.md): CPU / torch-reference attention only (no FlashInfer, no CUDA
+graphs), TP=1, synchronous scheduling (async is turned off), a verify step may exceed
+``max_num_batched_tokens`` by ``B * k``, periodic checkpoints falling inside an accepted run are
+skipped, and spilling a session does not carry the MTP KV layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phloem.engine.cache.manager import CacheManager
+from phloem.engine.config import ModelConfig, SpeculativeConfig
+from phloem.engine.forward_batch import ForwardBatch
+from phloem.engine.model_runner import ModelRunner
+from phloem.engine.models.mtp import mtp_forward, mtp_kv_layers
+from phloem.engine.request import Request
+from phloem.engine.scheduler import SchedulerOutput
+from phloem.engine.step_plan import StepInputs
+
+__all__ = ["MTPSpeculator", "SpeculationStats", "extra_kv_layers"]
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    """Counters since the engine started: speculative steps, request-steps drafted, tokens they
+    emitted (accepted drafts + the target's token, after stop cuts) and plain steps."""
+
+    steps: int = 0
+    request_steps: int = 0
+    emitted_tokens: int = 0
+    plain_steps: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per request per speculative step (1.0: no draft accepted)."""
+        return self.emitted_tokens / self.request_steps if self.request_steps else 0.0
+
+
+def extra_kv_layers(spec: SpeculativeConfig, model_config: ModelConfig) -> int:
+    """KV layers the page pool needs past the trunk's: the MTP layer's when it drafts."""
+    return mtp_kv_layers(model_config) - len(model_config.full_attention_layers) if spec.uses_mtp else 0
+
+
+def eligible(req: Request) -> bool:
+    """Whether ``req``'s next decode step may speculate (greedy, unconstrained, no logprobs)."""
+    p = req.params
+    return (
+        p.is_greedy and not p.processes_logits and p.logprobs is None and req.grammar is None
+        and not req.finalizing and not req.prefill_only and req.has_state
+        and req.num_computed_tokens == req.num_tokens - 1
+    )  # fmt: skip
+
+
+class MTPSpeculator:
+    """Drafts with the MTP layer, verifies with the trunk, accepts and rolls back (module doc)."""
+
+    def __init__(
+        self, runner: ModelRunner, cache: CacheManager, model_config: ModelConfig, num_drafts: int,
+        max_model_len: int,
+    ) -> None:  # fmt: skip
+        if runner.attn is not None:
+            raise ValueError("speculative: runs on the torch reference attention for now (attention_backend='torch')")
+        if getattr(runner.model, "mtp", None) is None:
+            raise ValueError("speculative: the model has no MTP layer loaded")
+        self.runner = runner
+        self.model = runner.model
+        self.cache = cache
+        self.model_config = model_config
+        self.k = num_drafts
+        self.max_model_len = max_model_len
+        # Request id -> (final hidden rows [m, H], position of the first): rows computed by the
+        # trunk whose MTP step has not run yet.
+        self.pending: dict[str, tuple[torch.Tensor, int]] = {}
+        self.stats = SpeculationStats()
+        self._sched: SchedulerOutput | None = None
+        runner.hidden_hook = self._after_plain_forward
+
+    @classmethod
+    def build(
+        cls, spec: SpeculativeConfig, runner: ModelRunner, cache: CacheManager, model_config: ModelConfig,
+        max_model_len: int,
+    ) -> MTPSpeculator | None:  # fmt: skip
+        """The speculator ``spec`` asks for; None when speculation is off."""
+        if not spec.uses_mtp:
+            return None
+        return cls(runner, cache, model_config, spec.num_draft_tokens, max_model_len)
+
+    # --- plain steps ------------------------------------------------------------------------
+
+    def before_plain_step(self, sched: SchedulerOutput, running: list[Request]) -> None:
+        """Called before a plain step is launched: its requests, and forget finished ones."""
+        self._sched = sched
+        self.stats.plain_steps += 1
+        live = {r.request_id for r in running} | {r.request_id for r in sched.requests}
+        for rid in [rid for rid in self.pending if rid not in live]:
+            del self.pending[rid]
+
+    def _after_plain_forward(self, inp: StepInputs, batch: ForwardBatch, hidden: torch.Tensor) -> None:
+        sched, self._sched = self._sched, None
+        if sched is None or len(sched.requests) != len(inp.query_lens):
+            return  # a forward the engine did not schedule (warm-up): the MTP layer sits it out
+        rows: list[tuple[Request, int, torch.Tensor]] = []
+        for i, req in enumerate(sched.requests):
+            a, b = inp.query_start_loc[i], inp.query_start_loc[i + 1]
+            start = inp.positions[a]
+            h, pos0 = self._with_pending(req, hidden[a:b], start)
+            known = max(0, min(h.shape[0], req.num_tokens - 1 - pos0))
+            if known:
+                rows.append((req, pos0, h[:known]))
+            if known < h.shape[0]:
+                self.pending[req.request_id] = (h[known:].clone(), pos0 + known)
+            else:
+                self.pending.pop(req.request_id, None)
+        if rows:
+            self._mtp_rows(rows)
+
+    def _with_pending(self, req: Request, h: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
+        """``h`` (rows from ``start``) with the request's pending rows before it when they end at
+        ``start``."""
+        pend = self.pending.pop(req.request_id, None)
+        if pend is not None and pend[1] + pend[0].shape[0] == start:
+            return torch.cat((pend[0], h)), pend[1]
+        return h, start
+
+    # --- building batches -------------------------------------------------------------------
+
+    def _inputs(self, rows: list[tuple[Request, int, list[int]]]) -> StepInputs:
+        """A step over ``(request, first position, ids)`` rows, reading and writing each request's
+        write slot; nothing sampled."""
+        ps = self.runner.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        state: list[int] = []
+        pages: list[list[int]] = []
+        for req, pos0, toks in rows:
+            assert req.write_slot is not None
+            end = pos0 + len(toks)
+            assert end <= len(req.page_ids) * ps, f"request {req.request_id} lacks pages for {end} tokens"
+            ids.extend(toks)
+            positions.extend(range(pos0, end))
+            slots.extend(req.page_ids[p // ps] * ps + p % ps for p in range(pos0, end))
+            qsl.append(qsl[-1] + len(toks))
+            seq_lens.append(end)
+            state.append(req.write_slot)
+            pages.append(req.page_ids)
+        n = len(rows)
+        lens = tuple(len(t) for _, _, t in rows)
+        return StepInputs(ids, positions, slots, qsl, seq_lens, state, list(state), [True] * n, lens, pages, [])
+
+    def _mtp_rows(self, rows: list[tuple[Request, int, torch.Tensor]]) -> torch.Tensor:
+        """The MTP layer's first step over each request's rows (their next tokens known): writes
+        its KV there; returns ``h'`` of every row."""
+        spec = [(req, pos0, req.all_token_ids[pos0 + 1 : pos0 + 1 + h.shape[0]]) for req, pos0, h in rows]
+        batch = self.runner.build_batch(self._inputs(spec))
+        hidden = torch.cat([h for _, _, h in rows])
+        return mtp_forward(self.model, batch.input_ids, hidden, batch, self.runner.caches)
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.compute_logits(hidden)
+        return logits.argmax(dim=-1)  # as the plain sampler's greedy rows
+
+    # --- speculative steps ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def try_step(self, sched: SchedulerOutput) -> dict[str, list[int]] | None:
+        """Run ``sched`` (a decode step) speculatively: each request's accepted tokens (the
+        target's greedy tokens, cut at a stop), with the GDN state and KV at the last one's
+        position. None (nothing run) when the step is not eligible; then run it plain."""
+        reqs = sched.requests
+        if sched.kind != "decode" or not reqs or not all(eligible(r) for r in reqs):
+            return None
+        k = min(self.k, min(self.max_model_len - 1 - r.num_computed_tokens for r in reqs))
+        if k < 1:
+            return None
+        # Pages for the verify's positions p..p+k (the scheduler reserved p's).
+        if not all(self.cache.allocate_pages(r, k + 1) for r in reqs):
+            return None
+        drafts = self._draft(reqs, k)
+        caches = self.runner.caches
+        read = torch.tensor([r.read_slot if r.read_slot is not None else r.write_slot for r in reqs])
+        write = torch.tensor([r.write_slot for r in reqs])
+        snap_conv, snap_ssm = caches.conv[:, read].clone(), caches.ssm[:, read].clone()
+        verify = self._inputs([(r, r.num_computed_tokens, [r.all_token_ids[-1], *d]) for r, d in zip(reqs, drafts)])
+        verify = StepInputs(
+            verify.input_ids, verify.positions, verify.slot_mapping, verify.query_start_loc, verify.seq_lens,
+            [int(s) for s in read], verify.write_slots, verify.has_state, verify.query_lens, verify.page_ids, [],
+        )
+        batch = self.runner.build_batch(verify)
+        hidden = self.model.forward(batch, caches)
+        target = self._greedy(hidden).view(len(reqs), k + 1).tolist()
+        runs: dict[str, list[int]] = {}
+        redo: list[tuple[Request, int, list[int]]] = []
+        redo_rows: list[int] = []
+        for i, (req, d, g) in enumerate(zip(reqs, drafts, target)):
+            n = 0
+            while n < k and d[n] == g[n]:
+                n += 1
+            tokens = self._cut(req, g[: n + 1])
+            n = len(tokens) - 1
+            runs[req.request_id] = tokens
+            p = req.num_computed_tokens
+            self.pending[req.request_id] = (hidden[i * (k + 1) : i * (k + 1) + n + 1].clone(), p)
+            if n < k:
+                redo.append((req, p, [req.all_token_ids[-1], *d[:n]]))
+                redo_rows.append(i)
+        if redo:
+            rows = torch.tensor(redo_rows)
+            caches.conv[:, write[rows]] = snap_conv[:, rows]
+            caches.ssm[:, write[rows]] = snap_ssm[:, rows]
+            self.model.forward(self.runner.build_batch(self._inputs(redo)), caches)
+        self.stats.steps += 1
+        self.stats.request_steps += len(reqs)
+        self.stats.emitted_tokens += sum(len(t) for t in runs.values())
+        return runs
+
+    def _draft(self, reqs: tuple[Request, ...], k: int) -> list[list[int]]:
+        """``k`` greedy MTP drafts per request (its last token repeated where it has no pending rows)."""
+        drafts = [[r.all_token_ids[-1]] * k for r in reqs]
+        rows: list[tuple[Request, int, torch.Tensor]] = []
+        which: list[int] = []
+        for i, req in enumerate(reqs):
+            pend = self.pending.pop(req.request_id, None)
+            if pend is not None and pend[1] + pend[0].shape[0] == req.num_computed_tokens:
+                rows.append((req, pend[1], pend[0]))
+                which.append(i)
+        if not rows:
+            return drafts
+        h = self._mtp_rows(rows)
+        last = torch.tensor([0, *(h.shape[0] for _, _, h in rows)]).cumsum(0)[1:] - 1
+        h = h[last]
+        chosen = [reqs[i] for i in which]
+        out: list[list[int]] = [[] for _ in chosen]
+        for step in range(k):
+            token = self._greedy(h)
+            for j, t in enumerate(token.tolist()):
+                out[j].append(t)
+            if step + 1 == k:
+                break
+            # The draft of step ``step`` at the position after the one ``h`` is at.
+            pos = [r.num_computed_tokens + step for r in chosen]
+            last_drafts = [o[-1] for o in out]
+            batch = self.runner.build_batch(self._inputs([(r, q, [t]) for r, q, t in zip(chosen, pos, last_drafts)]))
+            h = mtp_forward(self.model, batch.input_ids, h, batch, self.runner.caches)
+        for j, i in enumerate(which):
+            drafts[i] = out[j]
+        return drafts
+
+    def _cut(self, req: Request, tokens: list[int]) -> list[int]:
+        """``tokens`` up to and including the first one a plain run would stop at."""
+        params, eos = req.params, self.model_config.eos_token_ids
+        for j, t in enumerate(tokens):
+            if t in params.stop_token_ids or (not params.ignore_eos and t in eos):
+                return tokens[: j + 1]
+            if req.reaches_length(self.max_model_len, j + 1):
+                return tokens[: j + 1]
+        return tokens
