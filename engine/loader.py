@@ -80,7 +80,7 @@ from phloem.engine.parallel.group import TPGroup
 from phloem.engine.parallel.layers import Shard
 from phloem.kernels.config import KernelConfig
 from phloem.kernels.dispatch import get_ops
-from phloem.kernels.linear.reference import fp8_block_dequant, fp8_block_quantize
+from phloem.kernels.linear.fp8 import fp8_block_dequant, fp8_block_quantize
 
 __all__ = ["load_model"]
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from phloem.kernels.linear.reference import fp8_block_dequant
+from phloem.kernels.linear.fp8 import fp8_block_dequant
 
 __all__ = ["FP8_BLOCK", "FP8_DTYPE", "ROW_BLOCK", "Fp8Dequant", "dequantize_on_read", "make_fp8", "scale_name"]
 

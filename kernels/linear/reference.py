@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from phloem.kernels.gdn.conv1d import causal_conv1d_update
+from phloem.kernels.linear.fp8 import FP8_E4M3_MAX, fp8_block_dequant, fp8_block_quantize
 from phloem.kernels.moe.route_partial import add_route_partial
 from phloem.kernels.norm.reference import add_rms_norm, gated_rms_norm
 
@@ -57,54 +58,17 @@ __all__ = [
 ]
 
 
-FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
-
-
-def _expand_blocks(scale_inv: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
-    """``[..., ceil(N / bn), ceil(K / bk)]`` -> ``[..., N, K]``: each tile's scale over its elements."""
-    bn, bk = block
-    n, k = shape[-2], shape[-1]
-    if scale_inv.shape[-2] != -(-n // bn) or scale_inv.shape[-1] != -(-k // bk):
-        raise ValueError(
-            f"scale_inv: expected [..., {-(-n // bn)}, {-(-k // bk)}] for a [..., {n}, {k}] weight in "
-            f"{bn}x{bk} blocks, got {tuple(scale_inv.shape)}"
-        )
-    full = scale_inv.repeat_interleave(bn, dim=-2)[..., :n, :] if bn > 1 else scale_inv
-    return full.repeat_interleave(bk, dim=-1)[..., :k] if bk > 1 else full
-
-
-def fp8_block_dequant(
-    w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:  # fmt: skip
-    """``w_fp8 * scale_inv`` (each tile's scale over its tile), computed in fp32, returned in ``dtype``."""
-    return (w_fp8.to(torch.float32) * _expand_blocks(scale_inv.to(torch.float32), w_fp8.shape, block)).to(dtype)
-
-
-def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w_fp8, scale_inv)`` with ``scale_inv = amax(|tile|) / 448`` per tile (1 for an all-zero
-    tile) and ``w_fp8 = e4m3(w / scale_inv)`` (round to nearest even, saturating at 448)."""
-    bn, bk = block
-    n, k = w.shape[-2], w.shape[-1]
-    nb, kb = -(-n // bn), -(-k // bk)
-    w32 = w.to(torch.float32)
-    padded = F.pad(w32, (0, kb * bk - k, 0, nb * bn - n))
-    tiles = padded.reshape(*w.shape[:-2], nb, bn, kb, bk)
-    amax = tiles.abs().amax(dim=(-3, -1))  # [..., nb, kb]
-    scale_inv = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
-    q = (w32 / _expand_blocks(scale_inv, w.shape, block)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return q.to(torch.float8_e4m3fn), scale_inv
 
 
 def fp8_block_matmul_reference(
     x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)
 ) -> torch.Tensor:
     """``linear(x, fp8_block_dequant(w_fp8, scale_inv, block, x.dtype))``: ``[..., K]`` -> ``[..., N]``."""
-    return linear(x, fp8_block_dequant(w_fp8, scale_inv, block, x.dtype))
+    return F.linear(x, fp8_block_dequant(w_fp8, scale_inv, block, x.dtype))
+
+
 
 
 def add_rms_norm_linear(

@@ -63,3 +63,23 @@ def test_matmul_reference_is_linear_on_dequantized_weight(dtype: torch.dtype) ->
     # ... and near the unquantized product (3 mantissa bits per weight, errors averaging over K).
     full = x.float() @ w.T
     assert (out.float() - full).abs().max() <= 0.05 * full.abs().max()
+
+
+@pytest.mark.parametrize("block", [(128, 128), (1, 128)])
+def test_fused_moe_fp8_equals_fused_moe_on_dequantized_experts(block: tuple[int, int]) -> None:
+    """Dequantizing only the selected experts gives ``fused_moe`` on all experts dequantized;
+    intermediate 72 and hidden 160 leave partial edge blocks."""
+    from phloem.kernels.moe.reference import fused_moe, fused_moe_fp8, moe_route
+
+    gen = torch.Generator().manual_seed(2)
+    e, hidden, inter, t = 6, 160, 72, 9
+    w13 = torch.randn(e, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(e, hidden, inter, generator=gen) / inter**0.5
+    q13, s13 = fp8_block_quantize(w13, block)
+    q2, s2 = fp8_block_quantize(w2, block)
+    x = torch.randn(t, hidden, generator=gen)
+    weights, ids = moe_route(torch.randn(t, e, generator=gen), 2, True)
+    out = fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, block)
+    ref = fused_moe(x, fp8_block_dequant(q13, s13, block), fp8_block_dequant(q2, s2, block), weights, ids)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert not torch.equal(out, fused_moe(x, w13, w2, weights, ids))
