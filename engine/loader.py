@@ -184,6 +184,7 @@ def _scale_of(name: str) -> str:
 def _fp8_params(model: Qwen3HybridForCausalLM, shapes: dict[str, tuple[int, ...]]) -> set[str]:
     """The parameters every checkpoint tensor of which is FP8 (has a ``*_scale_inv``)."""
     redirects = _redirects(model)
+    shards = _shards(model)
     sources: dict[str, set[bool]] = {}
     for name, shape in shapes.items():
         target = None if name.endswith(_SCALE_SUFFIX) else _canonical_name(
@@ -191,6 +192,9 @@ def _fp8_params(model: Qwen3HybridForCausalLM, shapes: dict[str, tuple[int, ...]
         )
         if target is None:
             continue
+        shard = shards.get(target) or shards.get(_EXPERT_IDX.sub(".experts.*.", target))
+        if shard is not None and shard.skipped:
+            continue  # another rank's expert (expert parallelism)
         try:
             writes = _plan(model, target, torch.empty(shape, device="meta"))
         except (ValueError, RuntimeError):

@@ -334,3 +334,46 @@ def test_tp2_row_shards_on_unaligned_rows(tiny_checkpoint: Callable[..., Path], 
                 n_fp8 += 1
                 assert torch.equal(getattr(module, attr), ref[f"{name}.{attr}"]), (rank, name)
         assert n_fp8 >= cfg.num_hidden_layers
+
+
+@pytest.mark.slow  # two engines, prefill + decode + a prefix hit
+def test_engine_on_fp8_checkpoint_gives_the_dequantized_checkpoints_tokens(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The whole engine (scheduler, paged cache, prefix hits, batched decode) on FP8 weights gives
+    the tokens of the same engine on the dequantized fp32 checkpoint."""
+    from phloem.engine import CacheConfig, Engine, SamplingParams
+
+    fp8_path, deq_path = fp8_checkpoint(tiny_checkpoint("Qwen3_5MoeForCausalLM"), tmp_path)
+    options = dict(cache=CacheConfig(page_size=16, num_pages=64, num_state_slots=16))
+    prompts = [[(i * 7 + j) % 256 for j in range(n)] for i, n in enumerate((5, 23, 40))]
+    params = SamplingParams(max_tokens=10)
+    outs = []
+    for path in (fp8_path, deq_path):
+        engine = Engine.from_pretrained(path, **options)
+        try:
+            first = engine.generate(prompts, params)
+            again = engine.generate([p + o.token_ids for p, o in zip(prompts, first)], params)  # prefix hits
+            outs.append(([o.token_ids for o in first], [o.token_ids for o in again], [o.num_cached_tokens for o in again]))
+        finally:
+            engine.close()
+    assert outs[0] == outs[1]
+    assert all(n > 0 for n in outs[0][2])
+
+
+def test_expert_parallel_ranks_zero_the_fp8_experts_they_do_not_hold(wide_checkpoint: Path, tmp_path: Path) -> None:
+    """With experts split whole across two ranks, each rank's FP8 experts equal the dequantized
+    checkpoint's on that rank, zero rows included (their scales are defined, not garbage)."""
+    fp8_path, deq_path = fp8_checkpoint(wide_checkpoint, tmp_path, keep=r"experts\.\d+\.down_proj|o_proj|out_proj")
+    cfg = ModelConfig.from_pretrained(fp8_path)
+    for rank in range(2):
+        tp = TPGroup(rank, 2, torch.device("cpu"), expert_parallel=True)
+        model = loader.load_model(fp8_path, cfg, LoadConfig(), tp)
+        ref = dict(loader.load_model(deq_path, cfg, LoadConfig(), tp).named_parameters())
+        checked = 0
+        for name, module in model.named_modules():
+            if name.endswith("mlp.experts") and "gate_up_proj" in getattr(module, "parametrizations", {}):
+                w = module.gate_up_proj
+                assert torch.isfinite(w).all() and torch.equal(w, ref[f"{name}.gate_up_proj"]), (rank, name)
+                checked += 1
+        assert checked
