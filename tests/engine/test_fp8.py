@@ -291,7 +291,25 @@ def wide_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("wide")
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # tests/conftest.py's _reinit_ scales: logits far from uniform, so greedy tokens are decided by
+    # the weights, not by rounding (HF's std-0.02 init gives near-ties).
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.05, 8.0, generator=gen).log())
+            elif name.endswith(("dt_bias", "linear_attn.norm.weight")):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("norm.weight"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (3.0 if name == "lm_head.weight" else 1.0) / p.shape[-1] ** 0.5)
+    model.save_pretrained(folder)
     return folder
 
 
@@ -377,3 +395,27 @@ def test_expert_parallel_ranks_zero_the_fp8_experts_they_do_not_hold(wide_checkp
                 assert torch.isfinite(w).all() and torch.equal(w, ref[f"{name}.gate_up_proj"]), (rank, name)
                 checked += 1
         assert checked
+
+
+@pytest.mark.slow  # a two-rank tensor-parallel process group over gloo
+def test_tp2_engine_on_fp8_checkpoint_gives_tp1_tokens(wide_checkpoint: Path, tmp_path: Path) -> None:
+    """TP=2 over gloo on FP8 weights (column-parallel o_proj / out_proj / shared down_proj FP8)
+    gives TP=1's tokens, prefix hits included."""
+    from phloem.engine import CacheConfig, Engine, SamplingParams
+    from phloem.engine.config import ParallelConfig
+
+    fp8_path, _ = fp8_checkpoint(wide_checkpoint, tmp_path, keep=r"experts\.\d+\.down_proj")
+    options = dict(cache=CacheConfig(page_size=16, num_pages=64, num_state_slots=16))
+    prompts = [[(i * 11 + j * 3) % 256 for j in range(n)] for i, n in enumerate((9, 33))]
+    params = SamplingParams(max_tokens=8)
+    outs = []
+    for parallel in (ParallelConfig(), ParallelConfig(tensor_parallel_size=2)):
+        engine = Engine.from_pretrained(fp8_path, parallel=parallel, **options)
+        try:
+            first = engine.generate(prompts, params)
+            again = engine.generate([p + o.token_ids for p, o in zip(prompts, first)], params)
+            outs.append(([o.token_ids for o in first], [o.token_ids for o in again], [o.num_cached_tokens for o in again]))
+        finally:
+            engine.close()
+    assert outs[0] == outs[1]
+    assert all(n > 0 for n in outs[0][2])
