@@ -195,8 +195,9 @@ def _fp8_params(model: Qwen3HybridForCausalLM, shapes: dict[str, tuple[int, ...]
         shard = shards.get(target) or shards.get(_EXPERT_IDX.sub(".experts.*.", target))
         if shard is not None and shard.skipped:
             continue  # another rank's expert (expert parallelism)
+        source = torch.empty(shape, device="meta")
         try:
-            writes = _plan(model, target, torch.empty(shape, device="meta"))
+            writes = _plan(model, target, source if shard is None else shard.read(source))
         except (ValueError, RuntimeError):
             continue  # reported by the load itself
         for write in writes:

@@ -34,6 +34,7 @@ ARCHS = ["Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"]
 # What Qwen's FP8 releases quantize (by checkpoint name); everything else stays as stored.
 _PROJECTIONS = re.compile(
     r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|in_proj_qkvz|out_proj)\.weight$"
+    r"|\.experts\.(gate_up_proj|down_proj)$"  # fused expert tensors [E, rows, cols]: blocks per expert
 )
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 PAGE_SIZE, NUM_PAGES = 4, 32
@@ -47,14 +48,26 @@ def _read(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+def _write(folder: Path, tensors: dict[str, torch.Tensor], config: dict, files: int = 1) -> Path:
+    """One ``model.safetensors``, or ``files`` shards with an index, tensors dealt round-robin (so
+    a weight and its scale usually land in different files)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / "model.safetensors"), {"format": "pt"})
+    if files == 1:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / "model.safetensors"), {"format": "pt"})
+        return folder
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(files):
+        file = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[i::files]}
+        save_file(part, str(folder / file), {"format": "pt"})
+        weight_map.update({n: file for n in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder
 
 
-def fp8_checkpoint(src: Path, dst: Path, keep: str | None = None) -> tuple[Path, Path]:
+def fp8_checkpoint(src: Path, dst: Path, keep: str | None = None, files: int = 1) -> tuple[Path, Path]:
     """``src`` quantized to Qwen's FP8 format (e4m3 projections + ``weight_scale_inv`` per 128x128
     block, a ``quantization_config``) and the same weights dequantized to fp32; ``(fp8, dequantized)``.
     Tensors whose name matches the regex ``keep`` stay as stored."""
@@ -69,8 +82,8 @@ def fp8_checkpoint(src: Path, dst: Path, keep: str | None = None) -> tuple[Path,
         else:
             fp8[name] = deq[name] = t
     return (
-        _write(dst / "fp8", fp8, {**config, "quantization_config": QUANT_CONFIG}),
-        _write(dst / "dequantized", deq, {**config, "dtype": "float32"}),
+        _write(dst / "fp8", fp8, {**config, "quantization_config": QUANT_CONFIG}, files),
+        _write(dst / "dequantized", deq, {**config, "dtype": "float32"}, files),
     )
 
 
@@ -137,6 +150,37 @@ def test_fp8_checkpoint_matches_hf_on_its_dequantized_weights(
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     own = prefill_logits(loader.load_model(deq_path, cfg, LoadConfig()), cfg, TOKENS)
     assert _rel_err(ours, own) <= 1e-5
+
+
+@pytest.mark.parametrize(("arch", "layout", "experts"), [
+    ("Qwen3_5MoeForCausalLM", "language_model", "fused"), ("Qwen3NextForCausalLM", "plain", "fused"),
+])
+def test_fp8_fused_experts_sharded_files(
+    arch: str, layout: str, experts: str, tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Fused ``[E, 2I, H]`` expert tensors with ``[E, ceil(2I/128), ceil(H/128)]`` scales, the
+    multimodal ``model.language_model.`` prefix, and weights in another file than their scales:
+    the FP8 load equals our load of the same checkpoint dequantized to fp32."""
+    fp8_path, deq_path = fp8_checkpoint(tiny_checkpoint(arch, layout, experts), tmp_path, files=3)
+    cfg = ModelConfig.from_pretrained(fp8_path)
+    model = loader.load_model(fp8_path, cfg, LoadConfig())
+    assert any(n.endswith("experts.parametrizations.gate_up_proj.original") and p.dtype == FP8_DTYPE
+               for n, p in model.named_parameters())
+    ours = prefill_logits(model, cfg, TOKENS)
+    own = prefill_logits(loader.load_model(deq_path, cfg, LoadConfig()), cfg, TOKENS)
+    assert _rel_err(ours, own) <= 1e-5
+    for rank in range(2):  # and under TP=2 row shards (column-parallel tensors kept unquantized)
+        tp = TPGroup(rank, 2, torch.device("cpu"))
+        kept = r"o_proj|out_proj|down_proj"
+        f8, dq = fp8_checkpoint(tiny_checkpoint(arch, layout, experts), tmp_path / "tp", keep=kept, files=3)
+        got = loader.load_model(f8, cfg, LoadConfig(), tp)
+        want = dict(loader.load_model(dq, cfg, LoadConfig(), tp).named_parameters())
+        fp8 = set()
+        for name, module in got.named_modules():
+            for attr in getattr(module, "parametrizations", {}):
+                fp8.add(f"{name}.{attr}")
+                assert torch.equal(getattr(module, attr), want[f"{name}.{attr}"]), (rank, name, attr)
+        assert any(n.endswith("experts.gate_up_proj") for n in fp8) and any(n.endswith("qkv_proj.weight") for n in fp8)
 
 
 def test_fp8_checkpoint_differs_from_bf16_weights_it_came_from(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
