@@ -61,6 +61,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -403,45 +404,7 @@ def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path, show_progress: 
         if rows is not None:
             row_targets.setdefault(param, set()).add((expert, None, rows))
     loaded: dict[str, set[_Piece]] = {name: set() for name in params}
-    scales = _scale_files(path)
-    for f, name in _checkpoint_tensors(_safetensors_files(path), show_progress):
-        if name in scales:
-            continue  # read with its weight
-        target = _canonical_name(name, model.config.tie_word_embeddings, model.mtp is not None)
-        if target is None:
-            continue
-        source = _read(f, name, target, shards)
-        if source is None:
-            continue
-        writes = [_redirect(w, redirects) for w in _plan(model, target, source)]
-        scale_writes: list[_Write | None] = [None] * len(writes)
-        if _scale_of(name) in scales:
-            shape = tuple(f.get_slice(name).get_shape())
-            with safe_open(scales[_scale_of(name)], framework="pt") as sf:
-                scale = _read_scale(sf, _scale_of(name), shape, target, shards)
-            scale_writes = [_redirect(w, redirects) for w in _plan(model, target, scale)]
-        for write, scale_write in zip(writes, scale_writes, strict=True):
-            if write.param not in params:
-                raise ValueError(f"checkpoint: unknown weight {name!r} (no parameter {write.param!r})")
-            dst = write.destination(params[write.param])
-            if dst.shape != write.source.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r}: expected shape {tuple(dst.shape)} for "
-                    f"{write.param!r}, got {tuple(write.source.shape)}"
-                )
-            if scale_write is not None and dst.dtype == FP8_DTYPE:
-                scale_param = scale_name(write.param)
-                scale_write = _Write(scale_param, scale_write.source, scale_write.expert, scale_write.half, scale_write.rows)
-                scale_write.destination(params[scale_param]).copy_(scale_write.source)
-                loaded[scale_param].add(scale_write.piece)
-                dst.copy_(write.source)
-            elif scale_write is not None:
-                dst.copy_(fp8_block_dequant(write.source, scale_write.source, ROW_BLOCK, dst.dtype))
-            else:
-                if dst.dtype == FP8_DTYPE:
-                    raise ValueError(f"checkpoint tensor {name!r}: {write.param!r} is FP8 but {name!r} has no scales")
-                dst.copy_(write.source)
-            loaded[write.param].add(write.piece)
+    _load_tensors(model, path, show_progress, params, redirects, shards, loaded)
     sources = {(param, rows): src for src, (param, _e, rows) in redirects.items() if rows is not None}
     unloaded = _unloaded(model)
     for name, param in params.items():
@@ -463,6 +426,66 @@ def _scale_files(path: Path) -> dict[str, Path]:
         with safe_open(file, framework="pt") as f:
             out.update({name: file for name in f.keys() if name.endswith(_SCALE_SUFFIX)})
     return out
+
+
+def _load_tensors(
+    model: Qwen3HybridForCausalLM, path: Path, show_progress: bool | None, params: dict[str, torch.Tensor],
+    redirects: _Redirects, shards: dict[str, Shard], loaded: dict[str, set[_Piece]],
+) -> None:
+    """Copies every checkpoint tensor (with its scales, when FP8) into ``params``; records the
+    pieces filled in ``loaded``."""
+    scales = _scale_files(path)
+    with ExitStack() as handles:
+        scale_handles: dict[Path, Any] = {}  # a large shard's header is megabytes of JSON: opened once
+        for f, name in _checkpoint_tensors(_safetensors_files(path), show_progress):
+            _load_tensor(model, f, name, params, redirects, shards, loaded, scales, handles, scale_handles)
+
+
+def _load_tensor(
+    model: Qwen3HybridForCausalLM, f: Any, name: str, params: dict[str, torch.Tensor], redirects: _Redirects,
+    shards: dict[str, Shard], loaded: dict[str, set[_Piece]], scales: dict[str, Path], handles: ExitStack,
+    scale_handles: dict[Path, Any],
+) -> None:
+    """One checkpoint tensor ``name`` of open file ``f`` (and its scales, when FP8) into ``params``."""
+    if name in scales:
+        return  # read with its weight
+    target = _canonical_name(name, model.config.tie_word_embeddings, model.mtp is not None)
+    if target is None:
+        return
+    source = _read(f, name, target, shards)
+    if source is None:
+        return
+    writes = [_redirect(w, redirects) for w in _plan(model, target, source)]
+    scale_writes: list[_Write | None] = [None] * len(writes)
+    if _scale_of(name) in scales:
+        shape = tuple(f.get_slice(name).get_shape())
+        file = scales[_scale_of(name)]
+        if file not in scale_handles:
+            scale_handles[file] = handles.enter_context(safe_open(file, framework="pt"))
+        scale = _read_scale(scale_handles[file], _scale_of(name), shape, target, shards)
+        scale_writes = [_redirect(w, redirects) for w in _plan(model, target, scale)]
+    for write, scale_write in zip(writes, scale_writes, strict=True):
+        if write.param not in params:
+            raise ValueError(f"checkpoint: unknown weight {name!r} (no parameter {write.param!r})")
+        dst = write.destination(params[write.param])
+        if dst.shape != write.source.shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r}: expected shape {tuple(dst.shape)} for "
+                f"{write.param!r}, got {tuple(write.source.shape)}"
+            )
+        if scale_write is not None and dst.dtype == FP8_DTYPE:
+            scale_param = scale_name(write.param)
+            scale_write = _Write(scale_param, scale_write.source, scale_write.expert, scale_write.half, scale_write.rows)
+            scale_write.destination(params[scale_param]).copy_(scale_write.source)
+            loaded[scale_param].add(scale_write.piece)
+            dst.copy_(write.source)
+        elif scale_write is not None:
+            dst.copy_(fp8_block_dequant(write.source, scale_write.source, ROW_BLOCK, dst.dtype))
+        else:
+            if dst.dtype == FP8_DTYPE:
+                raise ValueError(f"checkpoint tensor {name!r}: {write.param!r} is FP8 but {name!r} has no scales")
+            dst.copy_(write.source)
+        loaded[write.param].add(write.piece)
 
 
 def _canonical_name(name: str, tied: bool, with_mtp: bool = False) -> str | None:

@@ -17,6 +17,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -493,3 +494,23 @@ def test_trained_model_fp8_against_its_fp32_weights_and_mtp(tmp_path: Path) -> N
             assert torch.equal(getattr(module, attr), want[f"{name}.{attr}"]), name
             in_mtp += name.startswith("mtp.")
     assert in_mtp >= 3  # its attention / MoE projections
+
+
+def test_scale_files_are_opened_once_per_load(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each file is opened a few times per load (names, shapes, tensors, scales), not once per
+    scale: a large shard's header is megabytes of JSON."""
+    fp8_path, _ = fp8_checkpoint(tiny_checkpoint("Qwen3_5MoeForCausalLM"), tmp_path, files=3)
+    weight_map = json.loads((fp8_path / "model.safetensors.index.json").read_text())["weight_map"]
+    num_scales = sum(name.endswith("_scale_inv") for name in weight_map)
+    opens: list[str] = []
+    real = loader.safe_open
+
+    def counting(file: Any, *args: Any, **kwargs: Any) -> Any:
+        opens.append(str(file))
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "safe_open", counting)
+    loader.load_model(fp8_path, ModelConfig.from_pretrained(fp8_path), LoadConfig(show_progress=False))
+    assert len(opens) <= 4 * 3 < num_scales, opens
