@@ -53,9 +53,9 @@ def add_estimate_command(commands: argparse._SubParsersAction) -> None:  # type:
     estimate = commands.add_parser(
         "estimate", help="GPU memory per GPU of a model, by dtype and TP size (no GPU, no weights)",
         description="Print the memory one GPU takes for weights, KV pages and GDN state slots, as the engine "
-                    "would size them, without loading weights or needing a GPU. FP8 is an approximation "
-                    "(1 byte per projection weight plus 128x128 block scales, the rest bf16) for planning: "
-                    "phloem does not load FP8 checkpoints yet.",
+                    "would size them, without loading weights or needing a GPU. FP8 is the published layout "
+                    "(1 byte per projection weight plus 128x128 block scales, the rest bf16), what the FP8 "
+                    "kernels will hold; today's reference path holds somewhat more (docs/models.md).",
         epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = estimate.add_mutually_exclusive_group()
     source.add_argument("--shape", choices=sorted(SHAPES), help="a named model shape (default: qwen3.5-35b-a3b)")
@@ -137,7 +137,7 @@ def run_estimate(options: EstimateOptions, out: TextIO) -> int:
             total = e.weights.total + e.kv_bytes + e.state_bytes
             note = "" if e.fits else "does not fit"
             if dtype == "fp8":
-                note = (note + "; " if note else "") + "planning only: FP8 is not served yet"
+                note = (note + "; " if note else "") + "FP8 as published; served on the reference path (docs/models.md)"
             out.write(row + f"{_gib(e.weights.total):>8} {_gib(e.kv_bytes):>9} {e.num_pages:>9} "
                             f"{e.kv_tokens:>10} {_gib(e.state_bytes):>7} {e.num_slots:>6} {_gib(total):>7}  {note}".rstrip() + "\n")
     one = estimate_memory(mc, cc, gpu_bytes=0)

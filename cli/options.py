@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from phloem.cli.config import ServerConfig
-from phloem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, SpeculativeConfig
+from phloem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, QUANTIZATIONS, SpeculativeConfig
 from phloem.runtime.logs import LOG_FORMATS, LOG_LEVELS
 from phloem.runtime.pd.roles import ROLES
 from phloem.runtime.preflight import check_chat_template
@@ -110,6 +110,11 @@ SERVE: tuple[Flag, ...] = (
          env="data_dir", default_text="~/.phloem"),
     Flag("--device", "engine.load.device", "torch device: cpu, cuda, cuda:N", env="device"),
     Flag("--dtype", "engine.load.dtype", "weight dtype; auto takes the checkpoint's", choices=DTYPES, env="dtype"),
+    Flag("--quantization", "engine.load.quantization",
+         "fp8: quantize a bf16 checkpoint's (or --shape's dummy) projection weights at load to block FP8 "
+         "(e4m3, a scale per 128x128 block); an FP8 checkpoint (quantization_config quant_method fp8) loads "
+         "as FP8 without it", choices=QUANTIZATIONS,
+         default_text="none: the weights as stored"),
     Flag("--tp", "engine.parallel.tensor_parallel_size",
          "tensor parallelism: N processes (on CUDA, N GPUs from --device) run the model", metavar="N", type=int),
     Flag("--ep", "engine.parallel.expert_parallel",

@@ -24,13 +24,14 @@ from typing import Any
 from phloem.kernels.config import KernelConfig
 
 __all__ = [
-    "DTYPES", "LOAD_FORMATS", "SPECULATIVE_METHODS", "CacheConfig", "EngineConfig", "GrammarConfig", "KernelConfig",
+    "DTYPES", "LOAD_FORMATS", "QUANTIZATIONS", "SPECULATIVE_METHODS", "CacheConfig", "EngineConfig", "GrammarConfig", "KernelConfig",
     "LoadConfig", "ModelConfig", "ParallelConfig", "RunnerConfig", "SchedulerConfig", "SpeculativeConfig",
     "default_max_num_batched_tokens",
 ]
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("safetensors", "dummy")
+QUANTIZATIONS = ("fp8",)
 
 SUPPORTED_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
 
@@ -396,6 +397,10 @@ class LoadConfig:
         show_progress: draw progress bars while loading weights and capturing CUDA graphs
             (``engine.progress_bars``): False never, None when stderr is a terminal.
             Tensor-parallel workers never draw one.
+        quantization: ``None`` serves the weights as stored (an FP8 checkpoint, one whose
+            config.json has ``quantization_config.quant_method == "fp8"``, loads as FP8 either
+            way); ``"fp8"`` also quantizes a bf16 checkpoint's (or dummy) projection weights at
+            load to block FP8 (e4m3, one scale per 128x128 block; ``engine.models._fp8``).
     """
 
     load_format: str = "safetensors"
@@ -403,6 +408,7 @@ class LoadConfig:
     dtype: str = "auto"
     seed: int = 0
     show_progress: bool | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -415,6 +421,8 @@ class LoadConfig:
         _check_ints(self, ("seed",))
         if self.seed < 0:
             raise ValueError(f"seed: expected >= 0, got {self.seed}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: expected None or 'fp8', got {self.quantization!r}")
 
 
 SPECULATIVE_METHODS = ("mtp",)

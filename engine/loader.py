@@ -40,6 +40,17 @@ With ``SpeculativeConfig(method="mtp")`` the model gets its MTP layer (``model.m
 ``mtp.*``: the checkpoint's names, converted by the rules above like any layer's) and a
 checkpoint without ``mtp.*`` tensors is refused before anything is read; dummy weights cover it.
 
+FP8 checkpoints (``quantization_config.quant_method == "fp8"``, e4m3, ``weight_block_size``
+``[128, 128]``): a tensor ``X.weight`` with an ``X.weight_scale_inv`` beside it is FP8 (what the
+checkpoint stores otherwise stays in the model dtype). A parameter all of whose checkpoint
+tensors are FP8 is stored as FP8 with its scales (``engine.models._fp8``); an FP8 tensor that
+shares a fused parameter with unquantized ones (GDN ``in_proj``: FP8 ``in_proj_qkvz`` beside the
+bf16 ``in_proj_b``/``in_proj_a``) is dequantized into it at load. Scales are read whole (they are
+small), expanded along the rows, and then follow their weight through the same shard, layout and
+fused-row steps. A column shard must start on a 128 multiple (a scale block column is shared by
+the ranks only at its right edge). ``LoadConfig.quantization="fp8"`` quantizes a bf16 (or dummy)
+model's projection weights after loading (``_QUANTIZED``).
+
 Dummy weights are defined per rank: every rank draws its local tensors from the same seed in the
 same order, so replicated weights agree across ranks, but the model at TP=N is not the TP=1
 dummy model (drawing the full tensors to slice them would cost the full model's memory).
@@ -50,6 +61,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,12 +72,16 @@ from safetensors import safe_open
 from phloem.engine.progress_bars import progress, progress_bar, progress_shown
 from phloem.engine.config import LoadConfig, ModelConfig, SpeculativeConfig
 from phloem.engine.models import Qwen3HybridForCausalLM, get_model_class
+from phloem.engine.models._fp8 import (
+    FP8_BLOCK, FP8_DTYPE, ROW_BLOCK, dequantize_on_read, make_fp8, scale_name,
+)
 from phloem.engine.models._gdn import GatedDeltaNet
 from phloem.engine.models.mtp import add_mtp
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.parallel.layers import Shard
 from phloem.kernels.config import KernelConfig
 from phloem.kernels.dispatch import get_ops
+from phloem.kernels.linear.fp8 import fp8_block_dequant, fp8_block_quantize
 
 __all__ = ["load_model"]
 
@@ -76,6 +92,13 @@ _MTP = "mtp."
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _GATE_UP = re.compile(r"^(.*)\.(gate_proj|up_proj)\.weight$")
 _EXPERT_IDX = re.compile(r"\.experts\.\d+\.")
+_SCALE_SUFFIX = "_scale_inv"
+# Quantized at load (``quantization="fp8"``), as in Qwen's FP8 releases: the attention, GDN output
+# and MLP/expert projections. Not lm_head, embeddings, norms, routers, the GDN conv/A_log/dt_bias,
+# nor GDN ``in_proj`` (its fused rows hold ``in_proj_b``/``in_proj_a``, bf16 in the releases).
+_QUANTIZED = re.compile(
+    r"(\.(qkv_proj|o_proj|out_proj|gate_up_proj|down_proj)\.weight|\.experts\.(gate_up_proj|down_proj))$"
+)
 
 
 def load_model(
@@ -95,13 +118,23 @@ def load_model(
     dtype = _resolve_dtype(Path(model_path), load_config)
     if speculative.uses_mtp and load_config.load_format != "dummy":
         _check_has_mtp(Path(model_path))
+    fp8_checkpoint = load_config.load_format != "dummy" and _is_fp8_checkpoint(Path(model_path))
     with torch.device("meta"):
         model = get_model_class(model_config.architecture)(model_config, tp, ops=get_ops(device, kernels))
         if speculative.uses_mtp:
             add_mtp(model)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    fp8_params: set[str] = set()
+    if fp8_checkpoint:
+        fp8_params = _fp8_params(model, _checkpoint_shapes(Path(model_path)))
+        for name in sorted(fp8_params):
+            module, _, attr = name.rpartition(".")
+            make_fp8(model.get_submodule(module), attr)
+    model = model.to_empty(device=device)
     model.post_materialize()
     with torch.no_grad():
+        for name in fp8_params:
+            model.get_parameter(scale_name(name)).fill_(1.0)  # rows never loaded (EP) dequantize to 0
         if load_config.load_format == "dummy":
             _init_dummy(model, load_config.seed, load_config.show_progress)
         else:
@@ -110,7 +143,115 @@ def load_model(
             zero = getattr(module, "zero_unloaded", None)  # expert parallelism's zero expert rows
             if zero is not None:
                 zero()
+        if load_config.quantization == "fp8" and not fp8_checkpoint:
+            fp8_params = _quantize(model)
+    for name in sorted(fp8_params):
+        module, _, attr = name.rpartition(".")
+        dequantize_on_read(model.get_submodule(module), attr, dtype)
     return model.eval()
+
+
+def _is_fp8_checkpoint(path: Path) -> bool:
+    """Whether config.json declares Qwen's block-FP8 format; raises on another quantization."""
+    config = path / "config.json"
+    raw = json.loads(config.read_text()) if config.is_file() else {}
+    quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if not quant:
+        return False
+    method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
+    block = list(quant.get("weight_block_size") or [])
+    if method != "fp8" or fmt != "e4m3" or block != list(FP8_BLOCK):
+        raise ValueError(
+            f"quantization_config: only quant_method 'fp8', fmt 'e4m3', weight_block_size [128, 128] "
+            f"is supported, got {quant!r} in {str(config)!r}"
+        )
+    return True
+
+
+def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor's name -> shape (file headers only)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                out[name] = tuple(f.get_slice(name).get_shape())
+    return out
+
+
+def _scale_of(name: str) -> str:
+    return name + _SCALE_SUFFIX
+
+
+def _fp8_params(model: Qwen3HybridForCausalLM, shapes: dict[str, tuple[int, ...]]) -> set[str]:
+    """The parameters every checkpoint tensor of which is FP8 (has a ``*_scale_inv``)."""
+    redirects = _redirects(model)
+    shards = _shards(model)
+    sources: dict[str, set[bool]] = {}
+    for name, shape in shapes.items():
+        target = None if name.endswith(_SCALE_SUFFIX) else _canonical_name(
+            name, model.config.tie_word_embeddings, model.mtp is not None
+        )
+        if target is None:
+            continue
+        shard = shards.get(target) or shards.get(_EXPERT_IDX.sub(".experts.*.", target))
+        if shard is not None and shard.skipped:
+            continue  # another rank's expert (expert parallelism)
+        source = torch.empty(shape, device="meta")
+        try:
+            writes = _plan(model, target, source if shard is None else shard.read(source))
+        except (ValueError, RuntimeError):
+            continue  # reported by the load itself
+        for write in writes:
+            sources.setdefault(_redirect(write, redirects).param, set()).add(_scale_of(name) in shapes)
+    params = dict(model.named_parameters())
+    return {p for p, fp8 in sources.items() if fp8 == {True} and p in params}
+
+
+def _read_scale(f: Any, name: str, weight_shape: tuple[int, ...], target: str, shards: dict[str, Shard]) -> torch.Tensor:
+    """This rank's part of ``name``'s block scales ``[..., ceil(N/128), ceil(K/128)]``, expanded
+    along the rows to ``[..., N_shard, ceil(K_shard/128)]`` (``ROW_BLOCK``), sharded as its weight."""
+    scale = f.get_tensor(name).to(torch.float32)
+    expected = (*weight_shape[:-2], -(-weight_shape[-2] // FP8_BLOCK[0]), -(-weight_shape[-1] // FP8_BLOCK[1]))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"checkpoint tensor {name!r}: expected block scales of shape {expected}, got {tuple(scale.shape)}")
+    scale = scale.repeat_interleave(FP8_BLOCK[0], dim=-2)[..., : weight_shape[-2], :]
+    shard = shards.get(target) or shards.get(_EXPERT_IDX.sub(".experts.*.", target))
+    if shard is None:
+        return scale
+    parts = []
+    for index in shard.parts:
+        if len(index) == scale.ndim and isinstance(index[-1], slice) and index[-1] != slice(None):
+            cols = index[-1]
+            start, stop = cols.start or 0, weight_shape[-1] if cols.stop is None else cols.stop
+            if start % FP8_BLOCK[1]:
+                raise ValueError(
+                    f"checkpoint tensor {name!r}: a tensor-parallel column shard starting at {start} "
+                    f"splits a {FP8_BLOCK[1]}-column FP8 scale block; use a TP size that keeps "
+                    f"column shards on {FP8_BLOCK[1]} multiples"
+                )
+            index = (*index[:-1], slice(start // FP8_BLOCK[1], -(-stop // FP8_BLOCK[1])))
+        parts.append(scale[index])
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
+    if shard.pad_rows is not None and out.shape[0] < shard.pad_rows:
+        out = torch.cat((out, out.new_ones((shard.pad_rows - out.shape[0], *out.shape[1:]))))
+    return out
+
+
+def _quantize(model: Qwen3HybridForCausalLM) -> set[str]:
+    """Quantizes the ``_QUANTIZED`` parameters in place to block FP8 (128x128 blocks of each
+    parameter, stored row-expanded); returns their names."""
+    names = {n for n, _ in model.named_parameters() if _QUANTIZED.search(n)}
+    for name in sorted(names):
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        weight = getattr(module, attr).data
+        w_fp8, scale = fp8_block_quantize(weight, FP8_BLOCK)
+        make_fp8(module, attr)
+        getattr(module, attr).data.copy_(w_fp8)
+        rows = scale.repeat_interleave(FP8_BLOCK[0], dim=-2)[..., : weight.shape[-2], :]
+        getattr(module, scale_name(attr)).data.copy_(rows)
+        del weight
+    return names
 
 
 def _resolve_dtype(path: Path, load_config: LoadConfig) -> torch.dtype:
@@ -263,35 +404,88 @@ def _load_safetensors(model: Qwen3HybridForCausalLM, path: Path, show_progress: 
         if rows is not None:
             row_targets.setdefault(param, set()).add((expert, None, rows))
     loaded: dict[str, set[_Piece]] = {name: set() for name in params}
-    for f, name in _checkpoint_tensors(_safetensors_files(path), show_progress):
-        target = _canonical_name(name, model.config.tie_word_embeddings, model.mtp is not None)
-        if target is None:
-            continue
-        source = _read(f, name, target, shards)
-        if source is None:
-            continue
-        for write in (_redirect(w, redirects) for w in _plan(model, target, source)):
-            if write.param not in params:
-                raise ValueError(f"checkpoint: unknown weight {name!r} (no parameter {write.param!r})")
-            dst = write.destination(params[write.param])
-            if dst.shape != write.source.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r}: expected shape {tuple(dst.shape)} for "
-                    f"{write.param!r}, got {tuple(write.source.shape)}"
-                )
-            dst.copy_(write.source)
-            loaded[write.param].add(write.piece)
+    _load_tensors(model, path, show_progress, params, redirects, shards, loaded)
     sources = {(param, rows): src for src, (param, _e, rows) in redirects.items() if rows is not None}
     unloaded = _unloaded(model)
     for name, param in params.items():
-        missing = row_targets.get(name) or _required_pieces(name, param)
-        missing = missing - loaded[name] - unloaded.get(name, set())
-        if missing and name in row_targets:
-            absent = sorted(sources[(name, rows)] for _e, _h, rows in missing if rows is not None)
+        base = name.removesuffix(_SCALE_SUFFIX)  # a scale is loaded piece by piece as its weight
+        missing = row_targets.get(base) or _required_pieces(base, param)
+        missing = missing - loaded[name] - unloaded.get(base, set())
+        if missing and base in row_targets:
+            absent = sorted(sources[(base, rows)] for _e, _h, rows in missing if rows is not None)
             raise ValueError(f"checkpoint: missing weight {absent[0]!r} (part of {name!r}) in {str(path)!r}")
         if missing and _WHOLE not in loaded[name]:
             parts = "" if missing == {_WHOLE} else f" (expert, half, rows) parts {sorted(missing, key=str)[:4]}"
             raise ValueError(f"checkpoint: missing weight {name!r}{parts} in {str(path)!r}")
+
+
+def _scale_files(path: Path) -> dict[str, Path]:
+    """Every ``*_scale_inv`` tensor's name -> its file."""
+    out: dict[str, Path] = {}
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            out.update({name: file for name in f.keys() if name.endswith(_SCALE_SUFFIX)})
+    return out
+
+
+def _load_tensors(
+    model: Qwen3HybridForCausalLM, path: Path, show_progress: bool | None, params: dict[str, torch.Tensor],
+    redirects: _Redirects, shards: dict[str, Shard], loaded: dict[str, set[_Piece]],
+) -> None:
+    """Copies every checkpoint tensor (with its scales, when FP8) into ``params``; records the
+    pieces filled in ``loaded``."""
+    scales = _scale_files(path)
+    with ExitStack() as handles:
+        scale_handles: dict[Path, Any] = {}  # a large shard's header is megabytes of JSON: opened once
+        for f, name in _checkpoint_tensors(_safetensors_files(path), show_progress):
+            _load_tensor(model, f, name, params, redirects, shards, loaded, scales, handles, scale_handles)
+
+
+def _load_tensor(
+    model: Qwen3HybridForCausalLM, f: Any, name: str, params: dict[str, torch.Tensor], redirects: _Redirects,
+    shards: dict[str, Shard], loaded: dict[str, set[_Piece]], scales: dict[str, Path], handles: ExitStack,
+    scale_handles: dict[Path, Any],
+) -> None:
+    """One checkpoint tensor ``name`` of open file ``f`` (and its scales, when FP8) into ``params``."""
+    if name in scales:
+        return  # read with its weight
+    target = _canonical_name(name, model.config.tie_word_embeddings, model.mtp is not None)
+    if target is None:
+        return
+    source = _read(f, name, target, shards)
+    if source is None:
+        return
+    writes = [_redirect(w, redirects) for w in _plan(model, target, source)]
+    scale_writes: list[_Write | None] = [None] * len(writes)
+    if _scale_of(name) in scales:
+        shape = tuple(f.get_slice(name).get_shape())
+        file = scales[_scale_of(name)]
+        if file not in scale_handles:
+            scale_handles[file] = handles.enter_context(safe_open(file, framework="pt"))
+        scale = _read_scale(scale_handles[file], _scale_of(name), shape, target, shards)
+        scale_writes = [_redirect(w, redirects) for w in _plan(model, target, scale)]
+    for write, scale_write in zip(writes, scale_writes, strict=True):
+        if write.param not in params:
+            raise ValueError(f"checkpoint: unknown weight {name!r} (no parameter {write.param!r})")
+        dst = write.destination(params[write.param])
+        if dst.shape != write.source.shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r}: expected shape {tuple(dst.shape)} for "
+                f"{write.param!r}, got {tuple(write.source.shape)}"
+            )
+        if scale_write is not None and dst.dtype == FP8_DTYPE:
+            scale_param = scale_name(write.param)
+            scale_write = _Write(scale_param, scale_write.source, scale_write.expert, scale_write.half, scale_write.rows)
+            scale_write.destination(params[scale_param]).copy_(scale_write.source)
+            loaded[scale_param].add(scale_write.piece)
+            dst.copy_(write.source)
+        elif scale_write is not None:
+            dst.copy_(fp8_block_dequant(write.source, scale_write.source, ROW_BLOCK, dst.dtype))
+        else:
+            if dst.dtype == FP8_DTYPE:
+                raise ValueError(f"checkpoint tensor {name!r}: {write.param!r} is FP8 but {name!r} has no scales")
+            dst.copy_(write.source)
+        loaded[write.param].add(write.piece)
 
 
 def _canonical_name(name: str, tied: bool, with_mtp: bool = False) -> str | None:

@@ -15,8 +15,10 @@ rank holds ``E / tp`` whole experts plus the whole shared expert and one zero ex
 (``Qwen3.5-*-FP8``: ``float8_e4m3fn`` weights with an fp32 scale per 128×128 block) is
 approximated as 1 byte per weight of the attention, GDN ``in_proj_qkvz`` / ``out_proj``, expert,
 shared-expert and dense-MLP projections plus their block scales, everything else bf16; the KV
-pages and the conv state stay bf16 and the recurrent state fp32. The engine does not load FP8
-checkpoints yet: the FP8 figures are for planning.
+pages and the conv state stay bf16 and the recurrent state fp32. That is the published layout,
+which the FP8 kernels will hold; the loader's reference path (``engine.models._fp8``) holds
+more for now: GDN ``in_proj_qkvz`` in bf16 (fused with the bf16 ``in_proj_ba``) and one scale per
+row and 128 columns instead of per 128x128 block.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Torch references::
 
-    reference            linear and the fused projections (add_rms_norm_linear, ...)
+    reference            linear and the fused projections (add_rms_norm_linear, ...),
+                         fp8_block_matmul_reference (block-FP8 weights dequantized, then linear)
+    fp8                  block-FP8 quantize / dequantize (128x128 scales, partial edge blocks)
 
 Triton versions of them::
 

@@ -24,6 +24,12 @@ Each fused function is exactly the composition of the references of ``kernels.no
 ``linear`` and ``kernels.gdn.conv1d`` it names, so a model calling them on the torch backend
 computes what the unfused calls compute. Shapes: ``x``, ``residual`` ``[T, K]``; ``weight``
 ``[N, K]``; outputs ``[T, N]``.
+
+Block FP8 weights (Qwen's FP8 releases, DeepSeek-V3's format): ``w_fp8`` ``[..., N, K]``
+``float8_e4m3fn`` and ``scale_inv`` ``[..., ceil(N / bn), ceil(K / bk)]`` fp32, one per
+``block = (bn, bk)`` tile (``(128, 128)`` as published; edge tiles are partial); the weight is
+``w_fp8 * scale_inv`` broadcast over each tile. ``fp8_block_matmul_reference`` dequantizes to
+``x.dtype`` and runs ``linear``: the torch reference of an FP8 GEMV/GEMM.
 """
 
 from __future__ import annotations
@@ -32,13 +38,18 @@ import torch
 import torch.nn.functional as F
 
 from phloem.kernels.gdn.conv1d import causal_conv1d_update
+from phloem.kernels.linear.fp8 import FP8_E4M3_MAX, fp8_block_dequant, fp8_block_quantize
 from phloem.kernels.moe.route_partial import add_route_partial
 from phloem.kernels.norm.reference import add_rms_norm, gated_rms_norm
 
 __all__ = [
+    "FP8_E4M3_MAX",
     "add_rms_norm_conv_linear",
     "add_rms_norm_linear",
     "add_rms_norm_router",
+    "fp8_block_dequant",
+    "fp8_block_matmul_reference",
+    "fp8_block_quantize",
     "gated_rms_norm_linear",
     "gated_rms_norm_linear_route",
     "linear",
@@ -49,6 +60,15 @@ __all__ = [
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
+
+
+def fp8_block_matmul_reference(
+    x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
+    """``linear(x, fp8_block_dequant(w_fp8, scale_inv, block, x.dtype))``: ``[..., K]`` -> ``[..., N]``."""
+    return F.linear(x, fp8_block_dequant(w_fp8, scale_inv, block, x.dtype))
+
+
 
 
 def add_rms_norm_linear(

@@ -5,6 +5,10 @@ then up rows); ``w_down`` ``[E, H, I]``; ``topk_weights`` ``[T, k]`` in the rout
 ``[T, k]`` int64. Expert ``e`` computes ``w_down[e] @ (silu(gate) * up)``; each token sums its ``k`` experts'
 outputs scaled by their weights.
 
+Block-FP8 experts (``fused_moe_fp8``): ``w_gate_up`` / ``w_down`` in ``float8_e4m3fn`` with
+``[E, ceil(rows / bn), ceil(cols / bk)]`` fp32 scales (``kernels.linear.reference``'s block format);
+only the experts a token selected are dequantized, to ``x.dtype``, then run as ``fused_moe``.
+
 Accumulation mirrors HF: experts are visited in ascending id order and their weighted outputs are
 ``index_add_``-ed into an ``x.dtype`` buffer, so in bf16 each addition rounds.
 """
@@ -14,7 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["fused_moe", "fused_moe_routed", "moe_route", "moe_route_shared"]
+from phloem.kernels.linear.fp8 import fp8_block_dequant
+
+__all__ = ["fused_moe", "fused_moe_fp8", "fused_moe_routed", "moe_route", "moe_route_shared"]
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +61,29 @@ def fused_moe(
         token_idx, k_idx = torch.where(topk_ids == expert_id)
         gate, up = F.linear(x[token_idx], w_gate_up[expert_id]).chunk(2, dim=-1)
         h = F.linear(F.silu(gate) * up, w_down[expert_id])  # [n, H]
+        h = h * topk_weights[token_idx, k_idx, None]
+        out.index_add_(0, token_idx, h.to(out.dtype))
+    return out
+
+
+def fused_moe_fp8(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    gate_up_scale_inv: torch.Tensor,
+    w_down: torch.Tensor,
+    down_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    """``fused_moe`` on block-FP8 experts, dequantizing (to ``x.dtype``) only the selected ones."""
+    out = torch.zeros_like(x)
+    for expert_id in torch.unique(topk_ids).tolist():
+        token_idx, k_idx = torch.where(topk_ids == expert_id)
+        w1 = fp8_block_dequant(w_gate_up[expert_id], gate_up_scale_inv[expert_id], block, x.dtype)
+        w2 = fp8_block_dequant(w_down[expert_id], down_scale_inv[expert_id], block, x.dtype)
+        gate, up = F.linear(x[token_idx], w1).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2)  # [n, H]
         h = h * topk_weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out

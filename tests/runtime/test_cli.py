@@ -116,6 +116,14 @@ def test_serve_ep_flag_reaches_the_engine(model_dir: Path) -> None:
     assert config.engine.parallel.tensor_parallel_size == 2
 
 
+def test_serve_quantization_flag_reaches_the_loader(model_dir: Path) -> None:
+    assert configured(["serve", "--model", str(model_dir)]).engine.load.quantization is None
+    config = configured(["serve", "--model", str(model_dir), "--quantization", "fp8"])
+    assert config.engine.load.quantization == "fp8"
+    shape = configured(["serve", "--shape", "qwen3.5-35b-a3b", "--quantization", "fp8"])
+    assert shape.engine.load.quantization == "fp8" and shape.engine.load.load_format == "dummy"
+
+
 def test_serve_ep_without_tp_is_a_usage_error(served: list[ServerConfig], capsys: pytest.CaptureFixture[str],
                                               model_dir: Path) -> None:
     with pytest.raises(SystemExit) as info:
