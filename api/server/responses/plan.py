@@ -92,10 +92,7 @@ def plan_response(ctx: ApiContext, owner: str, body: ResponseCreateRequest,
     instructions, tools = body.instructions, body.tools
     history: list[InputItem] = []
     if body.previous_response_id is not None:
-        session_id, turn, record = previous_turn(ctx, owner, body.previous_response_id)
-        context = record["context"]
-        instructions = context["instructions"] if instructions is None else instructions
-        tools = _tools(context["tools"]) if tools is None else tools
+        session_id, turn, context, instructions, tools = _inherit(ctx, owner, body)
         if instructions == context["instructions"] and chat_tools(tools) == chat_tools(_tools(context["tools"])):
             previous = (session_id, turn.index)
         else:
@@ -108,6 +105,22 @@ def plan_response(ctx: ApiContext, owner: str, body: ResponseCreateRequest,
         messages.insert(0, {"role": "system", "content": instructions})
     return _plan(body, created_at, items, messages, instructions, tools), previous
 
+
+def _inherit(
+    ctx: ApiContext, owner: str, body: ResponseCreateRequest,
+) -> tuple[str, TurnInfo, dict[str, Any], str | None, list[FunctionTool] | None]:
+    """The turn ``body.previous_response_id`` names, its stored context, and the instructions and
+    tools the request runs under: its own, else those of that turn (the Responses API's rule).
+
+    Raises:
+        ApiError: ``not_found`` for an unknown ``previous_response_id``.
+    """
+    assert body.previous_response_id is not None
+    session_id, turn, record = previous_turn(ctx, owner, body.previous_response_id)
+    context = record["context"]
+    instructions = context["instructions"] if body.instructions is None else body.instructions
+    tools = _tools(context["tools"]) if body.tools is None else body.tools
+    return session_id, turn, context, instructions, tools
 
 async def plan_to_fit(ctx: ApiContext, owner: str, body: ResponseCreateRequest, created_at: int) -> Plan:
     """``truncation: "auto"`` once the plan of ``plan_response`` did not fit the context window:
@@ -124,10 +137,7 @@ async def plan_to_fit(ctx: ApiContext, owner: str, body: ResponseCreateRequest, 
     instructions, tools = body.instructions, body.tools
     history: list[InputItem] = []
     if body.previous_response_id is not None:
-        _, _, record = previous_turn(ctx, owner, body.previous_response_id)
-        context = record["context"]
-        instructions = context["instructions"] if instructions is None else instructions
-        tools = _tools(context["tools"]) if tools is None else tools
+        _, _, _, instructions, tools = _inherit(ctx, owner, body)
         history = _conversation(ctx, owner, body.previous_response_id)
     conversation = history + items
     failure: SessionError | None = None
