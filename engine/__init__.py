@@ -14,7 +14,7 @@ pipeline, the model runner, the models; and four sub-packages:
 Inside the engine a module imports only modules of a lower concept, in this order (top first;
 import-linter's engine layers contract in pyproject.toml checks it)::
 
-    engine, warmup > build > workers > step_pipeline, step_outputs, transfer > model_runner, loader
+    engine, warmup > build > workers, prefix_ops > step_pipeline, step_outputs, transfer > model_runner, loader
     > scheduler, cuda_graph, prefill_graph, request_checks > cache, sampling > request > models
     > parallel > forward_batch, step_plan, host_copy, progress_bars > config, errors
 
