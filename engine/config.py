@@ -443,8 +443,9 @@ class SpeculativeConfig:
     With ``"mtp"`` the synchronous engine loop drafts ``num_draft_tokens`` tokens a step for
     greedy requests and verifies them in one forward (``engine.speculative``): the output is
     the plain greedy output, token for token. Other requests (sampled, grammar, logprobs,
-    penalties) run plain steps. For now: CPU / torch-reference attention, TP=1, and async
-    scheduling is turned off.
+    penalties) run plain steps. Under tensor parallelism every rank drafts, verifies and rolls
+    back alongside rank 0. For now: CPU / torch-reference attention, and async scheduling is
+    turned off.
     """
 
     method: str | None = None

@@ -34,8 +34,11 @@ prompt is there when decoding starts and a cached prefix carries it (a turn's la
 positions keep the entries the drafts wrote there, approximations that only cost acceptance,
 unless a finalize step reran them).
 
+Every forward, LM head and state copy goes through ``SpeculativeRanks``
+(``engine.speculative_ranks``), which under tensor parallelism has the worker ranks join it.
+
 Limits for now (docs/decisions.md): CPU / torch-reference attention only (no FlashInfer, no CUDA
-graphs), TP=1, synchronous scheduling (async is turned off), a verify step may exceed
+graphs), synchronous scheduling (async is turned off), a verify step may exceed
 ``max_num_batched_tokens`` by ``B * k``, periodic checkpoints falling inside an accepted run are
 skipped, and spilling a session does not carry the MTP KV layer.
 """
@@ -50,9 +53,10 @@ from phloem.engine.cache.manager import CacheManager
 from phloem.engine.config import ModelConfig, SpeculativeConfig
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.model_runner import ModelRunner
-from phloem.engine.models.mtp import mtp_forward, mtp_kv_layers
+from phloem.engine.models.mtp import mtp_kv_layers
 from phloem.engine.request import Request
 from phloem.engine.scheduler import SchedulerOutput
+from phloem.engine.speculative_ranks import SpeculativeRanks
 from phloem.engine.step_plan import StepInputs
 
 __all__ = ["MTPSpeculator", "SpeculationStats", "extra_kv_layers"]
@@ -110,6 +114,7 @@ class MTPSpeculator:
         # trunk whose MTP step has not run yet.
         self.pending: dict[str, tuple[torch.Tensor, int]] = {}
         self.stats = SpeculationStats()
+        self.ranks = SpeculativeRanks(runner)  # every forward below runs on every TP rank
         self._sched: SchedulerOutput | None = None
         runner.hidden_hook = self._after_plain_forward
 
@@ -192,12 +197,10 @@ class MTPSpeculator:
         """The MTP layer's first step over each request's rows (their next tokens known): writes
         its KV there; returns ``h'`` of every row."""
         spec = [(req, pos0, req.all_token_ids[pos0 + 1 : pos0 + 1 + h.shape[0]]) for req, pos0, h in rows]
-        batch = self.runner.build_batch(self._inputs(spec))
-        hidden = torch.cat([h for _, _, h in rows])
-        return mtp_forward(self.model, batch.input_ids, hidden, batch, self.runner.caches)
+        return self.ranks.mtp(self._inputs(spec), torch.cat([h for _, _, h in rows]))
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.compute_logits(hidden)
+        logits = self.ranks.logits(hidden)
         return logits.argmax(dim=-1)  # as the plain sampler's greedy rows
 
     # --- speculative steps ------------------------------------------------------------------
@@ -217,17 +220,14 @@ class MTPSpeculator:
         if not all(self.cache.allocate_pages(r, k + 1) for r in reqs):
             return None
         drafts = self._draft(reqs, k)
-        caches = self.runner.caches
-        read = torch.tensor([r.read_slot if r.read_slot is not None else r.write_slot for r in reqs])
-        write = torch.tensor([r.write_slot for r in reqs])
-        snap_conv, snap_ssm = caches.conv[:, read].clone(), caches.ssm[:, read].clone()
+        read = [r.read_slot if r.read_slot is not None else r.write_slot for r in reqs]
+        self.ranks.snapshot(read)
         verify = self._inputs([(r, r.num_computed_tokens, [r.all_token_ids[-1], *d]) for r, d in zip(reqs, drafts)])
         verify = StepInputs(
             verify.input_ids, verify.positions, verify.slot_mapping, verify.query_start_loc, verify.seq_lens,
-            [int(s) for s in read], verify.write_slots, verify.has_state, verify.query_lens, verify.page_ids, [],
+            read, verify.write_slots, verify.has_state, verify.query_lens, verify.page_ids, [],
         )
-        batch = self.runner.build_batch(verify)
-        hidden = self.model.forward(batch, caches)
+        hidden = self.ranks.trunk(verify)
         target = self._greedy(hidden).view(len(reqs), k + 1).tolist()
         runs: dict[str, list[int]] = {}
         redo: list[tuple[Request, int, list[int]]] = []
@@ -245,10 +245,8 @@ class MTPSpeculator:
                 redo.append((req, p, [req.all_token_ids[-1], *d[:n]]))
                 redo_rows.append(i)
         if redo:
-            rows = torch.tensor(redo_rows)
-            caches.conv[:, write[rows]] = snap_conv[:, rows]
-            caches.ssm[:, write[rows]] = snap_ssm[:, rows]
-            self.model.forward(self.runner.build_batch(self._inputs(redo)), caches)
+            self.ranks.restore(redo_rows, [reqs[i].write_slot for i in redo_rows])  # type: ignore[misc]
+            self.ranks.trunk(self._inputs(redo))
         self.stats.steps += 1
         self.stats.request_steps += len(reqs)
         self.stats.emitted_tokens += sum(len(t) for t in runs.values())
@@ -280,8 +278,7 @@ class MTPSpeculator:
             # The draft of step ``step`` at the position after the one ``h`` is at.
             pos = [r.num_computed_tokens + step for r in chosen]
             last_drafts = [o[-1] for o in out]
-            batch = self.runner.build_batch(self._inputs([(r, q, [t]) for r, q, t in zip(chosen, pos, last_drafts)]))
-            h = mtp_forward(self.model, batch.input_ids, h, batch, self.runner.caches)
+            h = self.ranks.mtp(self._inputs([(r, q, [t]) for r, q, t in zip(chosen, pos, last_drafts)]), h)
         for j, i in enumerate(which):
             drafts[i] = out[j]
         return drafts
