@@ -45,12 +45,12 @@ skipped, and spilling a session does not carry the MTP KV layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from phloem.engine.cache.manager import CacheManager
-from phloem.engine.config import ModelConfig, SpeculativeConfig
+from phloem.engine.config import MAX_DRAFT_TOKENS, ModelConfig, SpeculativeConfig
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.model_runner import ModelRunner
 from phloem.engine.models.mtp import mtp_kv_layers
@@ -64,18 +64,46 @@ __all__ = ["MTPSpeculator", "SpeculationStats", "extra_kv_layers"]
 
 @dataclass(slots=True)
 class SpeculationStats:
-    """Counters since the engine started: speculative steps, request-steps drafted, tokens they
-    emitted (accepted drafts + the target's token, after stop cuts) and plain steps."""
+    """Counters since the engine started.
+
+    ``steps``: speculative steps; ``request_steps``: requests drafted for over them;
+    ``drafted_tokens`` / ``emitted_tokens``: tokens the MTP layer drafted, and tokens the steps
+    emitted (accepted drafts + the target's token, after stop cuts); ``plain_steps``: steps of a
+    speculating engine that ran plain (prefill, mixed, requests that do not speculate, a batch
+    over ``SpeculativeConfig.max_batch_size``), of which ``over_batch_steps`` for the batch alone;
+    ``emitted_lengths[n]``: request-steps that emitted ``n`` tokens (index 0 unused).
+    """
 
     steps: int = 0
     request_steps: int = 0
+    drafted_tokens: int = 0
     emitted_tokens: int = 0
     plain_steps: int = 0
+    over_batch_steps: int = 0
+    emitted_lengths: list[int] = field(default_factory=lambda: [0] * (MAX_DRAFT_TOKENS + 2))
 
     @property
     def mean_accepted_length(self) -> float:
         """Tokens per request per speculative step (1.0: no draft accepted)."""
         return self.emitted_tokens / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Drafts accepted (the emitted tokens less each request-step's target token)."""
+        return self.emitted_tokens - self.request_steps
+
+    def record(self, emitted: list[int], drafted: int) -> None:
+        """One speculative step: each request's emitted length, and the drafts of the step."""
+        self.steps += 1
+        self.request_steps += len(emitted)
+        self.drafted_tokens += drafted
+        self.emitted_tokens += sum(emitted)
+        for n in emitted:
+            self.emitted_lengths[n] += 1
+
+    def snapshot(self) -> SpeculationStats:
+        """A copy that later steps leave alone."""
+        return replace(self, emitted_lengths=list(self.emitted_lengths))
 
 
 def extra_kv_layers(spec: SpeculativeConfig, model_config: ModelConfig) -> int:
@@ -98,7 +126,7 @@ class MTPSpeculator:
 
     def __init__(
         self, runner: ModelRunner, cache: CacheManager, model_config: ModelConfig, num_drafts: int,
-        max_model_len: int,
+        max_model_len: int, max_batch_size: int | None = None,
     ) -> None:  # fmt: skip
         if runner.attn is not None:
             raise ValueError("speculative: runs on the torch reference attention for now (attention_backend='torch')")
@@ -110,6 +138,8 @@ class MTPSpeculator:
         self.model_config = model_config
         self.k = num_drafts
         self.max_model_len = max_model_len
+        # Above it a decode step runs plain: the verify would no longer be bandwidth-bound.
+        self.max_batch_size = max_batch_size
         # Request id -> (final hidden rows [m, H], position of the first): rows computed by the
         # trunk whose MTP step has not run yet.
         self.pending: dict[str, tuple[torch.Tensor, int]] = {}
@@ -126,7 +156,7 @@ class MTPSpeculator:
         """The speculator ``spec`` asks for; None when speculation is off."""
         if not spec.uses_mtp:
             return None
-        return cls(runner, cache, model_config, spec.num_draft_tokens, max_model_len)
+        return cls(runner, cache, model_config, spec.num_draft_tokens, max_model_len, spec.max_batch_size)
 
     # --- plain steps ------------------------------------------------------------------------
 
@@ -213,6 +243,9 @@ class MTPSpeculator:
         reqs = sched.requests
         if sched.kind != "decode" or not reqs or not all(eligible(r) for r in reqs):
             return None
+        if self.max_batch_size is not None and len(reqs) > self.max_batch_size:
+            self.stats.over_batch_steps += 1
+            return None
         k = min(self.k, min(self.max_model_len - 1 - r.num_computed_tokens for r in reqs))
         if k < 1:
             return None
@@ -247,9 +280,7 @@ class MTPSpeculator:
         if redo:
             self.ranks.restore(redo_rows, [reqs[i].write_slot for i in redo_rows])  # type: ignore[misc]
             self.ranks.trunk(self._inputs(redo))
-        self.stats.steps += 1
-        self.stats.request_steps += len(reqs)
-        self.stats.emitted_tokens += sum(len(t) for t in runs.values())
+        self.stats.record([len(t) for t in runs.values()], len(reqs) * k)
         return runs
 
     def _draft(self, reqs: tuple[Request, ...], k: int) -> list[list[int]]:
