@@ -13,9 +13,18 @@ Why the workers hold no speculation state: the hidden rows an MTP step or the LM
 each call (``[T, H]``, a few rows a step at decode), so the pending rows, drafts and accepted
 lengths live on rank 0 alone and a worker's state can never drift from it. Each rank keeps only
 the GDN-state snapshot of the step in flight (its shard of the states).
+
+``seconds`` (None: not timed) splits rank 0's time by phase for ``phloem bench decode
+--speculative``: ``draft`` (MTP steps and their LM head), ``verify`` (the snapshot, the trunk
+forward, its LM head), ``rollback`` (the restore and the rerun). Timing synchronizes the device
+around each call, so it is for benchmarks only.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -38,6 +47,21 @@ class SpeculativeRanks:
         self.hidden_size = runner.model_config.hidden_size
         # This rank's copy of the GDN states read by the step in flight: (conv, ssm) of each row.
         self._snapshot: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.seconds: dict[str, float] | None = None
+        self._phase = "draft"  # what a trunk forward or LM head belongs to: after a snapshot, verify
+
+    @contextmanager
+    def _timed(self, phase: str | None = None) -> Iterator[None]:
+        self._phase = phase or self._phase
+        if self.seconds is None:
+            yield
+            return
+        sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        yield
+        sync()
+        self.seconds[self._phase] = self.seconds.get(self._phase, 0.0) + time.perf_counter() - start
 
     def _shared(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[T, H]``, rank 0's on every rank (a worker passes an empty buffer)."""
@@ -46,32 +70,37 @@ class SpeculativeRanks:
     def mtp(self, inp: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
         """One MTP step over ``inp`` (its ids: the tokens after ``hidden``'s rows) from ``hidden``
         ``[T, H]``; writes the MTP KV at ``inp.slot_mapping``. Returns ``h'`` ``[T, H]``."""
-        self.runner.send_plan(inp, spec=SpecOp("mtp"))
-        batch = self.runner.build_batch(inp)
-        return mtp_forward(self.model, batch.input_ids, self._shared(hidden), batch, self.caches)  # type: ignore[arg-type]
+        with self._timed("draft"):
+            self.runner.send_plan(inp, spec=SpecOp("mtp"))
+            batch = self.runner.build_batch(inp)
+            return mtp_forward(self.model, batch.input_ids, self._shared(hidden), batch, self.caches)  # type: ignore[arg-type]
 
     def trunk(self, inp: StepInputs) -> torch.Tensor:
         """The trunk's forward over ``inp`` (nothing sampled): its final hidden states ``[T, H]``."""
         assert not inp.sample_rows, "a speculative trunk forward samples nothing (rank 0 takes its logits)"
-        self.runner.send_plan(inp)
-        return self.model.forward(self.runner.build_batch(inp), self.caches)
+        with self._timed():
+            self.runner.send_plan(inp)
+            return self.model.forward(self.runner.build_batch(inp), self.caches)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` -> fp32 logits ``[T, V]`` (rank 0)."""
-        self.runner.send_plan(None, spec=SpecOp("logits", (hidden.shape[0],)))
-        logits = self.model.compute_logits(self._shared(hidden))
+        with self._timed():
+            self.runner.send_plan(None, spec=SpecOp("logits", (hidden.shape[0],)))
+            logits = self.model.compute_logits(self._shared(hidden))
         assert logits is not None, "the LM head's logits are gathered on rank 0"
         return logits
 
     def snapshot(self, slots: list[int]) -> None:
         """Keep a copy of the GDN states of ``slots`` (one row each), on every rank."""
-        self.runner.send_plan(None, spec=SpecOp("snapshot", tuple(slots)))
-        self._take(slots)
+        with self._timed("verify"):
+            self.runner.send_plan(None, spec=SpecOp("snapshot", tuple(slots)))
+            self._take(slots)
 
     def restore(self, rows: list[int], slots: list[int]) -> None:
         """Write the snapshot's ``rows`` into the state ``slots``, on every rank."""
-        self.runner.send_plan(None, spec=SpecOp("restore", (*rows, *slots)))
-        self._put(rows, slots)
+        with self._timed("rollback"):
+            self.runner.send_plan(None, spec=SpecOp("restore", (*rows, *slots)))
+            self._put(rows, slots)
 
     def _take(self, slots: list[int]) -> None:
         index = torch.tensor(slots, device=self.runner.device)
