@@ -116,7 +116,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
                              "speculative step: draft, verify, rollback, rest, accepted length (default: off)")
     decode.add_argument("--accept-length", metavar="TOKENS", type=float,
                         help="with --speculative: also print tok/s at this accepted length, labelled a projection "
-                             "(dummy weights accept ~nothing; the measured length is always printed)")
+                             "(dummy weights accept ~nothing; the measured length is always printed; default: none)")
     decode.set_defaults(configure=_checked, run=_decode)
 
     long = _kind(kinds, "long-context", "batch-1 decode at long contexts with roofline fractions")
