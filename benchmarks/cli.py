@@ -13,7 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from phloem.engine.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig
+from phloem.engine.config import (
+    CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
+)
 from phloem.benchmarks.progress_lines import phase, progress_lines
 from phloem.runtime.env import kernel_config, read_env, use_nccl_defaults
 from phloem.runtime.model_shapes import SHAPES
@@ -37,6 +39,8 @@ _KIND_EXAMPLES = {
   phloem bench decode --shape tiny --device cpu --batches 1,4 --contexts 256 --prefill-tokens 512
   phloem bench decode --device cuda --tp 2 --batches 1,16 --contexts 1024   # two GPUs, NCCL
   phloem bench decode --model ~/models/Qwen3.5-35B-A3B --out decode.json
+  phloem bench decode --shape tiny --device cpu --speculative mtp:3 --batches 1,4 --contexts 256 --prefill-tokens 0
+  phloem bench decode --model ~/models/Qwen3.5-35B-A3B --speculative mtp:3 --accept-length 3.1
 """,
     "long-context": """\
   phloem bench long-context --device cuda                 # decode at 128K / 256K / 1M tokens of context
@@ -107,6 +111,12 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     decode.add_argument("--tokenizer", metavar="DIR", type=Path,
                         help="with --grammar: the model folder whose tokenizer the grammar is compiled against "
                              "(default: the model's, or the random-weight tiny model's for a dummy shape)")
+    decode.add_argument("--speculative", metavar="mtp:K", type=_speculative, default=None,
+                        help="time each point plain and with MTP speculation drafting K tokens, and split the "
+                             "speculative step: draft, verify, rollback, rest, accepted length (default: off)")
+    decode.add_argument("--accept-length", metavar="TOKENS", type=float,
+                        help="with --speculative: also print tok/s at this accepted length, labelled a projection "
+                             "(dummy weights accept ~nothing; the measured length is always printed; default: none)")
     decode.set_defaults(configure=_checked, run=_decode)
 
     long = _kind(kinds, "long-context", "batch-1 decode at long contexts with roofline fractions")
@@ -254,7 +264,16 @@ def _device(args: argparse.Namespace, gpu: dict[str, object], cpu: dict[str, obj
     return device
 
 
+def _speculative(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _decode(args: argparse.Namespace) -> int:
+    if args.accept_length is not None and (args.speculative is None or args.accept_length < 1):
+        raise StartupError("--accept-length: needs --speculative mtp:K and a length of at least 1")
     device = _device(args, dict(shape="qwen3.5-35b-a3b", contexts=(1024, 32768, 131072), prefill_tokens=50000),
                      dict(shape="tiny", contexts=(256, 1024), prefill_tokens=512))
     with progress_lines("bench decode", show_progress(args)):
@@ -265,6 +284,7 @@ def _decode(args: argparse.Namespace) -> int:
         report = bench_decode(args.shape, args.model, device, args.batches, args.contexts,
                               args.prefill_tokens, args.steps, args.out, grammar=args.grammar, tokenizer=args.tokenizer,
                               served=args.served, parallel=ParallelConfig(args.tp, args.ep),
+                              speculative=args.speculative or SpeculativeConfig(), accept_length=args.accept_length,
                               kernels=kernel_config(), show_progress=show_progress(args))  # fmt: skip
         phase("done")
     sys.stdout.write(report + "\n")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -205,7 +206,8 @@ def decode_tokens(steps: int, warmup: int) -> int:
 
 def run_decode(
     engine: Engine, batch: int, context: int, bandwidth: float, steps: int = 20, warmup: int = 3, seed: int = 0,
-    compare_sync: bool = True, grammar: GrammarSpec | None = None,
+    compare_sync: bool = True, grammar: GrammarSpec | None = None, tokens_per_step: int = 1,
+    before_timing: Callable[[], None] | None = None,
 ) -> DecodeResult:
     """Decode ``steps`` tokens for ``batch`` synthetic requests of ``context`` tokens of history.
 
@@ -216,8 +218,12 @@ def run_decode(
     ``compare_sync`` and async scheduling on, the same requests are then timed with it off
     (``DecodeResult.sync_ms_per_step``). With ``grammar``, fresh requests of the same point are
     then timed with every one constrained by it (``DecodeResult.grammar_ms_per_step``).
+    ``tokens_per_step``: the most tokens a step may add to a request (speculative decoding: k + 1),
+    so the requests' budgets and pages last the whole run; ``before_timing`` is called between the
+    warm-up and the timed steps.
     """
-    result = _run_decode(engine, batch, context, bandwidth, steps, warmup, seed, compare_sync, None)
+    result = _run_decode(engine, batch, context, bandwidth, steps, warmup, seed, compare_sync, None, tokens_per_step,
+                         before_timing)
     if grammar is None:
         return result
     constrained = _run_decode(engine, batch, context, bandwidth, steps, warmup, seed, False, grammar)
@@ -226,11 +232,12 @@ def run_decode(
 
 def _run_decode(
     engine: Engine, batch: int, context: int, bandwidth: float, steps: int, warmup: int, seed: int,
-    compare_sync: bool, grammar: GrammarSpec | None,
+    compare_sync: bool, grammar: GrammarSpec | None, tokens_per_step: int = 1,
+    before_timing: Callable[[], None] | None = None,
 ) -> DecodeResult:
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    extra = decode_tokens(steps, warmup)
+    extra = decode_tokens(steps, warmup) * tokens_per_step
     if context + extra >= engine.max_model_len:
         raise ValueError(f"context {context} + {extra} decoded tokens reaches the limit {engine.max_model_len}")
     reqs = []
@@ -253,7 +260,7 @@ def _run_decode(
     running.extend(reqs)
     pipelined = engine.async_scheduling
     try:
-        ms = _time_steps(engine, steps, warmup)
+        ms = _time_steps(engine, steps, warmup, before_timing)
         sync_ms = None
         if pipelined and compare_sync:
             engine.async_scheduling = False
@@ -271,11 +278,13 @@ def _run_decode(
     return DecodeResult(batch, context, ms, step_bytes(engine, batch, context), bandwidth, gpu_ms, sync_ms)
 
 
-def _time_steps(engine: Engine, steps: int, warmup: int) -> float:
+def _time_steps(engine: Engine, steps: int, warmup: int, before_timing: Callable[[], None] | None = None) -> float:
     """Milliseconds per ``engine.step()`` over ``steps`` calls after ``warmup`` calls."""
     for i in range(warmup):
         engine.step()
         tick(f"warm-up {i + 1}/{warmup}")
+    if before_timing is not None:
+        before_timing()
     t0 = time.perf_counter()
     for i in range(steps):
         outputs = engine.step()

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from phloem.engine import Engine, EngineConfig, LoadConfig, SchedulerConfig
+from phloem.engine.config import SpeculativeConfig
 from phloem.engine.sampling.grammar import GrammarBackend
 from phloem.benchmarks.decode import (
     BENCH_SCHEMA,
@@ -26,6 +27,7 @@ from phloem.benchmarks.decode import (
 )
 from phloem.benchmarks.progress_lines import phase
 from phloem.benchmarks.served import OWN_TOKENS, run_served_decode
+from phloem.benchmarks.speculative_decode import SpeculativeSplit, run_speculative_decode, speculative_table
 from phloem.runtime.model_shapes import write_shape
 from phloem.runtime.progress import progress as bar
 
@@ -50,7 +52,8 @@ def engine_switches(engine: Engine) -> dict[str, object]:
 
 
 def _fits(engine: Engine, batch: int, context: int, steps: int) -> bool:
-    pages = engine.page_pool.pages_for(context + decode_tokens(steps, 3))
+    per_step = engine.speculator.k + 1 if engine.speculator is not None else 1
+    pages = engine.page_pool.pages_for(context + per_step * decode_tokens(steps, 3) + per_step)
     return batch * pages <= engine.page_pool.num_free_pages and batch <= engine.slot_pool.num_free_slots
 
 
@@ -78,6 +81,8 @@ def bench_decode(
     served: bool = True,
     max_num_seqs: int | None = None,
     show_progress: bool | None = None,
+    speculative: SpeculativeConfig = SpeculativeConfig(),
+    accept_length: float | None = None,
     **sections: object,
 ) -> str:
     """Run the decode grid (and one long prefill); returns the report as Markdown.
@@ -89,6 +94,9 @@ def bench_decode(
     ``grammar`` each point is timed again under ``BENCH_SCHEMA``; its grammar is compiled
     against ``tokenizer`` (a model folder), else the model's own, else the random-weight tiny model's.
     With ``served`` each point is also timed on the served path (``benchmarks.served``).
+    With ``speculative`` on, each point is timed plain and speculating instead, and the report
+    splits the speculative step (``benchmarks.speculative_decode``; ``accept_length``: its
+    labelled projection).
     """
     dev = torch.device(device)
     phase(f"building the engine ({shape if model is None else model}, {device})")
@@ -98,7 +106,8 @@ def bench_decode(
         cuda = dev.type == "cuda"
         load = LoadConfig(load_format=fmt, device=device, dtype="bfloat16" if cuda else "auto", show_progress=show_progress)
         scheduler = SchedulerConfig(max_num_batched_tokens=8192 if cuda else None, max_num_seqs=max_num_seqs or max(batches))
-        engine = Engine.from_pretrained(path, EngineConfig(load=load, scheduler=scheduler), **sections)
+        config = EngineConfig(load=load, scheduler=scheduler, speculative=speculative)
+        engine = Engine.from_pretrained(path, config, **sections)
     if dev.type == "cuda":
         engine.runner.caches.kv.normal_()  # never time on zeros
     if grammar and (tokenizer is not None or model is None):
@@ -111,6 +120,7 @@ def bench_decode(
     bandwidth_host = measure_bandwidth(dev, nbytes=copy_bytes, timer="host")
     matmul = measure_matmul_rate(dev)
     results: list[DecodeResult] = []
+    splits: list[SpeculativeSplit] = []
     skipped: list[tuple[int, int]] = []
     grid = [(context, batch) for context in contexts for batch in batches]
     for i, (context, batch) in enumerate(bar(grid, len(grid), "decode grid", "point", show_progress)):
@@ -119,6 +129,9 @@ def bench_decode(
             continue
         point = f"point {i + 1}/{len(grid)} (batch {batch}, context {context})"
         phase(point)
+        if engine.speculator is not None:
+            splits.append(run_speculative_decode(engine, batch, context, bandwidth, steps=steps))
+            continue
         result = run_decode(engine, batch, context, bandwidth, steps=steps, grammar=BENCH_SCHEMA if grammar else None)
         if served:
             phase(f"{point}: served path")
@@ -139,6 +152,8 @@ def bench_decode(
     copy = (bandwidth, bandwidth_host, bandwidth_after)
     report = _markdown(shape if model is None else str(model), device, copy, matmul, results, skipped, prefill, kernels)
     report = ", ".join(f"{k} {v}" for k, v in switches.items()) + "\n" + report
+    if splits:
+        report += "\n\n" + "\n".join(speculative_table(splits, accept_length))
     if out_json is not None:
         out_json.write_text(
             json.dumps(
@@ -150,6 +165,7 @@ def bench_decode(
                     "bandwidth_after_grid": bandwidth_after,
                     "matmul_rate": matmul,
                     "decode": [asdict(r) | {"roofline_fraction": r.roofline_fraction} for r in results],
+                    "speculative": [asdict(r) | {"rest_ms": r.rest_ms} for r in splits],
                     "skipped": skipped,
                     "prefill": asdict(prefill) | {"roofline_fraction": prefill.roofline_fraction} if prefill else None,
                     "kernels": asdict(kernels) if kernels is not None else None,
@@ -185,10 +201,13 @@ def _markdown(
     lines = [
         f"model {name} on {device}: copy bandwidth {bandwidth:.2f} TB/s (device-timed; host-timed {host:.2f}, "
         f"after the grid {after:.2f}), bf16 GEMM {matmul / 1e12:.0f} TFLOP/s",
-        "",
-        "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline | served ms/step | served / step | sync ms/step | GPU ms (graph replay) | GPU fraction | JSON-schema ms/step | grammar cost |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if results:
+        lines += [
+            "",
+            "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline | served ms/step | served / step | sync ms/step | GPU ms (graph replay) | GPU fraction | JSON-schema ms/step | grammar cost |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
     for r in results:
         lines.append(
             f"| {r.batch} | {r.context} | {r.ms_per_step:.2f} | {r.tok_per_s_per_user:.0f} | {r.batch * r.tok_per_s_per_user:.0f} "

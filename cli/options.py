@@ -133,6 +133,9 @@ SERVE: tuple[Flag, ...] = (
          "speculative decoding: mtp:K drafts K tokens a step (1-4) with the model's MTP layer for greedy "
          "requests, same tokens as without; for now on the torch reference attention (CPU) only, and it "
          "turns async scheduling off", metavar="mtp:K", default_text="off", convert=SpeculativeConfig.parse),
+    Flag("--speculative-max-verify-tokens", "engine.speculative.max_verify_tokens",
+         "with --speculative mtp:K: a decode step of more than N / (K + 1) requests runs plain (the verify "
+         "of batch x (K + 1) tokens would no longer be bandwidth-bound)", metavar="N", type=int),
     Flag("--default-ttl", "sessions.default_ttl_s", "seconds a session stays pinned after a turn",
          metavar="SECONDS", type=float),
     Flag("--gpu-memory-utilization", "engine.cache.memory_fraction",
@@ -317,11 +320,19 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     for f in dataclasses.fields(cls):
         path = prefix + f.name
         section = _section_type(f)
-        if path in values:
+        nested = section is not None and any(key.startswith(path + ".") for key in values)
+        if path in values and nested:  # a whole section (``--speculative mtp:3``) and flags of its fields
+            kwargs[f.name] = _build(section, {**_fields_of(values[path], path), **values}, path + ".")  # type: ignore[arg-type]
+        elif path in values:
             kwargs[f.name] = values[path]
-        elif section is not None and any(key.startswith(path + ".") for key in values):
-            kwargs[f.name] = _build(section, values, path + ".")
+        elif nested:
+            kwargs[f.name] = _build(section, values, path + ".")  # type: ignore[arg-type]
     unknown = [k for k in values if k.startswith(prefix) and k.removeprefix(prefix).split(".")[0]
                not in {f.name for f in dataclasses.fields(cls)}]
     assert not unknown, f"no such field: {unknown}"
     return cls(**kwargs)
+
+
+def _fields_of(section: Any, path: str) -> dict[str, Any]:
+    """``{path.field: value}`` of a section object's fields."""
+    return {f"{path}.{f.name}": getattr(section, f.name) for f in dataclasses.fields(section)}

@@ -60,13 +60,14 @@ if TYPE_CHECKING:
     from phloem.engine.engine import Engine
     from phloem.engine.request import RequestOutput, TokenLogprob
     from phloem.engine.sampling.grammar import GrammarStats
+    from phloem.engine.speculative import SpeculationStats
     from phloem.engine.warmup import WarmupReport
 
 __all__ = [
     "CacheConfig", "CacheStats", "CapacityExceeded", "CorruptStep", "Engine", "EngineConfig", "EngineError",
     "GrammarConfig", "GrammarSpec", "GrammarStats", "InvalidRequest", "KernelConfig", "LoadConfig", "MemoryEstimate",
-    "ParallelConfig", "RadixNode", "RequestOutput", "RunnerConfig", "SamplingParams", "SchedulerConfig", "TokenLogprob",
-    "WEIGHT_FORMATS", "WarmupReport", "estimate_memory", "progress", "progress_bar", "progress_shown",
+    "ParallelConfig", "RadixNode", "RequestOutput", "RunnerConfig", "SamplingParams", "SchedulerConfig",
+    "SpeculationStats", "TokenLogprob", "WEIGHT_FORMATS", "WarmupReport", "estimate_memory", "progress", "progress_bar", "progress_shown",
 ]
 
 _LAZY = {
@@ -76,6 +77,7 @@ _LAZY = {
     "MemoryEstimate": "phloem.engine.cache.sizing",
     "RadixNode": "phloem.engine.cache.radix",
     "RequestOutput": "phloem.engine.request",
+    "SpeculationStats": "phloem.engine.speculative",
     "TokenLogprob": "phloem.engine.request",
     "WEIGHT_FORMATS": "phloem.engine.cache.sizing",
     "WarmupReport": "phloem.engine.warmup",

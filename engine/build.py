@@ -47,8 +47,6 @@ def load_parts(path: str | Path, config: EngineConfig) -> EngineParts:
     model_config = ModelConfig.from_pretrained(path)
     parallel = config.parallel
     check_tp_size(model_config, parallel.tensor_parallel_size, device, parallel.expert_parallel)
-    if config.speculative.enabled and parallel.tensor_parallel_size > 1:
-        raise ValueError("speculative: not supported with tensor_parallel_size > 1 yet")
     workers = None
     if parallel.tensor_parallel_size > 1:
         device = rank_device(device, 0)
@@ -57,6 +55,7 @@ def load_parts(path: str | Path, config: EngineConfig) -> EngineParts:
         spec = WorkerSpec(
             str(path), model_config, config.load, config.cache, config.runner, parallel.tensor_parallel_size,
             torch.get_num_threads(), parallel.expert_parallel, kernels=config.kernels,
+            speculative=config.speculative,
         )
         workers = TPWorkers.launch(spec)
     try:

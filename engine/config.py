@@ -427,6 +427,15 @@ class LoadConfig:
 
 SPECULATIVE_METHODS = ("mtp",)
 MAX_DRAFT_TOKENS = 4
+DEFAULT_MAX_VERIFY_TOKENS = 128
+"""Tokens a verify forward may hold before a step runs plain. Speculation pays while the verify of
+B × (k + 1) tokens costs about what a plain step of B tokens does: while its GEMMs stay below the
+ridge point, where reading the weights stops bounding them. A bf16 GEMM over weights does 2 FLOP
+per 2 bytes of weight per token, so its arithmetic intensity is about its token count, and the
+H200's ridge is 989 TFLOP/s / 4.8 TB/s ≈ 206 tokens (≈ 180 at the rates the benchmarks measure).
+128 stops short of it, since before the ridge the MoE's distinct experts (read once each) grow
+with the tokens too: k = 3 speculates up to batch 32, k = 1 up to 64. A device measurement
+replaces the figure (docs/decisions.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,19 +448,24 @@ class SpeculativeConfig:
             and fails when the checkpoint has none.
         num_draft_tokens: draft tokens per step, 1 to ``MAX_DRAFT_TOKENS`` (the MTP layer run
             recursively); 0 when off.
+        max_verify_tokens: the most tokens a verify forward may hold, batch × (num_draft_tokens
+            + 1): a decode step of more requests than ``max_batch_size`` runs plain.
+            ``DEFAULT_MAX_VERIFY_TOKENS`` (the arithmetic is there) until a device measures it.
 
     With ``"mtp"`` the synchronous engine loop drafts ``num_draft_tokens`` tokens a step for
     greedy requests and verifies them in one forward (``engine.speculative``): the output is
     the plain greedy output, token for token. Other requests (sampled, grammar, logprobs,
-    penalties) run plain steps. For now: CPU / torch-reference attention, TP=1, and async
-    scheduling is turned off.
+    penalties) run plain steps. Under tensor parallelism every rank drafts, verifies and rolls
+    back alongside rank 0. For now: CPU / torch-reference attention, and async scheduling is
+    turned off.
     """
 
     method: str | None = None
     num_draft_tokens: int = 0
+    max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS
 
     def __post_init__(self) -> None:
-        _check_ints(self, ("num_draft_tokens",))
+        _check_ints(self, ("num_draft_tokens", "max_verify_tokens"))
         if self.method is None:
             if self.num_draft_tokens != 0:
                 raise ValueError(f"num_draft_tokens: expected 0 without a method, got {self.num_draft_tokens}")
@@ -460,6 +474,11 @@ class SpeculativeConfig:
             raise ValueError(f"method: expected None or one of {SPECULATIVE_METHODS}, got {self.method!r}")
         if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens: expected 1 to {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}")
+        if self.max_verify_tokens < self.num_draft_tokens + 1:
+            raise ValueError(
+                f"max_verify_tokens: expected at least num_draft_tokens + 1 = {self.num_draft_tokens + 1} "
+                f"(one request's verify), got {self.max_verify_tokens}"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -468,6 +487,11 @@ class SpeculativeConfig:
     @property
     def uses_mtp(self) -> bool:
         return self.method == "mtp"
+
+    @property
+    def max_batch_size(self) -> int:
+        """The largest decode step that speculates: ``max_verify_tokens // (k + 1)`` (0 when off)."""
+        return self.max_verify_tokens // (self.num_draft_tokens + 1) if self.enabled else 0
 
     @classmethod
     def parse(cls, text: str | None) -> SpeculativeConfig:

@@ -44,7 +44,7 @@ from phloem.engine.sampling.grammar import GrammarBackend
 from phloem.engine.sampling.params import SamplingParams
 from phloem.engine.sampling.sampler import skip_draws
 from phloem.engine.scheduler import Scheduler
-from phloem.engine.speculative import MTPSpeculator, extra_kv_layers
+from phloem.engine.speculative import MTPSpeculator, SpeculationStats, extra_kv_layers
 from phloem.engine.step_outputs import StepOutputs
 from phloem.engine.step_pipeline import next_decode_step
 from phloem.engine.warmup import WarmupReport, warm_up
@@ -371,6 +371,10 @@ class Engine(PrefixOps):
         """Run every kind of step serving will use once, so the kernels a first request would
         compile compile now; the engine is left empty (``engine.warmup``)."""
         return warm_up(self, show_progress)
+
+    def speculation_stats(self) -> SpeculationStats | None:
+        """What speculative decoding did so far (a copy); None when it is off."""
+        return self.speculator.stats.snapshot() if self.speculator is not None else None
 
     def cache_stats(self) -> CacheStats:
         """Prefix-cache and pool counters (prompt vs cached tokens, checkpoints, pages in use)."""

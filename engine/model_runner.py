@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -168,23 +168,25 @@ class ModelRunner:
 
     def read_state(self, pages: list[int], slot: int) -> StateTensors:
         """The whole (TP=1 layout) KV of ``pages`` and GDN state of ``slot``, on rank 0's device."""
-        self._move(StateMove("export", tuple(pages), slot))
+        self.send_plan(None, move=StateMove("export", tuple(pages), slot))
         state = gather_state(self.tp, self.model_config, self.caches, pages, slot)
         assert state is not None, "read_state runs on rank 0"
         return state
 
     def write_state(self, pages: list[int], slot: int, state: StateTensors) -> None:
         """Write a whole (TP=1 layout) state into ``pages`` and ``slot`` of every rank."""
-        self._move(StateMove("import", tuple(pages), slot))
+        self.send_plan(None, move=StateMove("import", tuple(pages), slot))
         scatter_state(self.tp, self.model_config, self.caches, pages, slot, state)
 
     def state_shapes(self, num_pages: int) -> tuple[tuple[int, ...], ...]:
         """The shapes ``read_state`` returns and ``write_state`` takes for ``num_pages`` pages."""
         return state_shapes(self.model_config, self.page_size, num_pages)
 
-    def _move(self, move: StateMove) -> None:
+    def send_plan(self, inputs: StepInputs | None, **parts: Any) -> None:
+        """Under tensor parallelism, hand the workers the page copies made since the last plan, then
+        ``inputs``' forward (or ``StepPlan``'s other ``parts``); nothing to do at TP=1."""
         if self.plan_sink is not None:
-            self.plan_sink(StepPlan(tuple(self._pending_copies), None, move))
+            self.plan_sink(StepPlan(tuple(self._pending_copies), inputs, **parts))
             self._pending_copies.clear()
 
     def copy_page(self, src: int, dst: int) -> None:
@@ -290,12 +292,12 @@ class ModelRunner:
             hidden = self.prefill_graphs.run(batch)
         else:
             hidden = self.model.forward(batch, self.caches)
+        # None on a worker rank (the LM head gathers the logits to rank 0), or with nothing to sample.
+        logits = self.model.compute_logits(hidden[batch.logits_indices]) if inp.sample_rows else None
+        # After the LM head: a tensor-parallel worker joins the hook's MTP step after the step's forward.
         if self.hidden_hook is not None:
             self.hidden_hook(inp, batch, hidden)
-        if not inp.sample_rows:
-            return None, None
-        # None on a worker rank: the LM head gathers the logits to rank 0.
-        return self.model.compute_logits(hidden[batch.logits_indices]), None
+        return logits, None
 
     def launch(
         self, out: SchedulerOutput, inp: StepInputs | None = None, input_ids: torch.Tensor | None = None
@@ -309,11 +311,9 @@ class ModelRunner:
         forward is queued: ``sample_queued`` queues the sampling once those tokens are applied.
         """
         inp = inp if inp is not None else self.prepare_inputs(out)
-        if self.plan_sink is not None:
-            self.plan_sink(StepPlan(tuple(self._pending_copies), inp, device_ids=input_ids is not None))
-            self._pending_copies.clear()
-            if input_ids is not None:
-                self.tp.broadcast_first(input_ids)
+        self.send_plan(inp, device_ids=input_ids is not None)
+        if self.plan_sink is not None and input_ids is not None:
+            self.tp.broadcast_first(input_ids)
         on_attn_layer = self.layer_hook(out) if self.layer_hook is not None else None
         logits, greedy = self._forward(inp, on_attn_layer, input_ids)
         if logits is None:

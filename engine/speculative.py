@@ -34,25 +34,29 @@ prompt is there when decoding starts and a cached prefix carries it (a turn's la
 positions keep the entries the drafts wrote there, approximations that only cost acceptance,
 unless a finalize step reran them).
 
+Every forward, LM head and state copy goes through ``SpeculativeRanks``
+(``engine.speculative_ranks``), which under tensor parallelism has the worker ranks join it.
+
 Limits for now (docs/decisions.md): CPU / torch-reference attention only (no FlashInfer, no CUDA
-graphs), TP=1, synchronous scheduling (async is turned off), a verify step may exceed
+graphs), synchronous scheduling (async is turned off), a verify step may exceed
 ``max_num_batched_tokens`` by ``B * k``, periodic checkpoints falling inside an accepted run are
 skipped, and spilling a session does not carry the MTP KV layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from phloem.engine.cache.manager import CacheManager
-from phloem.engine.config import ModelConfig, SpeculativeConfig
+from phloem.engine.config import MAX_DRAFT_TOKENS, ModelConfig, SpeculativeConfig
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.model_runner import ModelRunner
-from phloem.engine.models.mtp import mtp_forward, mtp_kv_layers
+from phloem.engine.models.mtp import mtp_kv_layers
 from phloem.engine.request import Request
 from phloem.engine.scheduler import SchedulerOutput
+from phloem.engine.speculative_ranks import SpeculativeRanks
 from phloem.engine.step_plan import StepInputs
 
 __all__ = ["MTPSpeculator", "SpeculationStats", "extra_kv_layers"]
@@ -60,18 +64,46 @@ __all__ = ["MTPSpeculator", "SpeculationStats", "extra_kv_layers"]
 
 @dataclass(slots=True)
 class SpeculationStats:
-    """Counters since the engine started: speculative steps, request-steps drafted, tokens they
-    emitted (accepted drafts + the target's token, after stop cuts) and plain steps."""
+    """Counters since the engine started.
+
+    ``steps``: speculative steps; ``request_steps``: requests drafted for over them;
+    ``drafted_tokens`` / ``emitted_tokens``: tokens the MTP layer drafted, and tokens the steps
+    emitted (accepted drafts + the target's token, after stop cuts); ``plain_steps``: steps of a
+    speculating engine that ran plain (prefill, mixed, requests that do not speculate, a batch
+    over ``SpeculativeConfig.max_batch_size``), of which ``over_batch_steps`` for the batch alone;
+    ``emitted_lengths[n]``: request-steps that emitted ``n`` tokens (index 0 unused).
+    """
 
     steps: int = 0
     request_steps: int = 0
+    drafted_tokens: int = 0
     emitted_tokens: int = 0
     plain_steps: int = 0
+    over_batch_steps: int = 0
+    emitted_lengths: list[int] = field(default_factory=lambda: [0] * (MAX_DRAFT_TOKENS + 2))
 
     @property
     def mean_accepted_length(self) -> float:
         """Tokens per request per speculative step (1.0: no draft accepted)."""
         return self.emitted_tokens / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Drafts accepted (the emitted tokens less each request-step's target token)."""
+        return self.emitted_tokens - self.request_steps
+
+    def record(self, emitted: list[int], drafted: int) -> None:
+        """One speculative step: each request's emitted length, and the drafts of the step."""
+        self.steps += 1
+        self.request_steps += len(emitted)
+        self.drafted_tokens += drafted
+        self.emitted_tokens += sum(emitted)
+        for n in emitted:
+            self.emitted_lengths[n] += 1
+
+    def snapshot(self) -> SpeculationStats:
+        """A copy that later steps leave alone."""
+        return replace(self, emitted_lengths=list(self.emitted_lengths))
 
 
 def extra_kv_layers(spec: SpeculativeConfig, model_config: ModelConfig) -> int:
@@ -94,7 +126,7 @@ class MTPSpeculator:
 
     def __init__(
         self, runner: ModelRunner, cache: CacheManager, model_config: ModelConfig, num_drafts: int,
-        max_model_len: int,
+        max_model_len: int, max_batch_size: int | None = None,
     ) -> None:  # fmt: skip
         if runner.attn is not None:
             raise ValueError("speculative: runs on the torch reference attention for now (attention_backend='torch')")
@@ -106,10 +138,13 @@ class MTPSpeculator:
         self.model_config = model_config
         self.k = num_drafts
         self.max_model_len = max_model_len
+        # Above it a decode step runs plain: the verify would no longer be bandwidth-bound.
+        self.max_batch_size = max_batch_size
         # Request id -> (final hidden rows [m, H], position of the first): rows computed by the
         # trunk whose MTP step has not run yet.
         self.pending: dict[str, tuple[torch.Tensor, int]] = {}
         self.stats = SpeculationStats()
+        self.ranks = SpeculativeRanks(runner)  # every forward below runs on every TP rank
         self._sched: SchedulerOutput | None = None
         runner.hidden_hook = self._after_plain_forward
 
@@ -121,7 +156,7 @@ class MTPSpeculator:
         """The speculator ``spec`` asks for; None when speculation is off."""
         if not spec.uses_mtp:
             return None
-        return cls(runner, cache, model_config, spec.num_draft_tokens, max_model_len)
+        return cls(runner, cache, model_config, spec.num_draft_tokens, max_model_len, spec.max_batch_size)
 
     # --- plain steps ------------------------------------------------------------------------
 
@@ -192,12 +227,10 @@ class MTPSpeculator:
         """The MTP layer's first step over each request's rows (their next tokens known): writes
         its KV there; returns ``h'`` of every row."""
         spec = [(req, pos0, req.all_token_ids[pos0 + 1 : pos0 + 1 + h.shape[0]]) for req, pos0, h in rows]
-        batch = self.runner.build_batch(self._inputs(spec))
-        hidden = torch.cat([h for _, _, h in rows])
-        return mtp_forward(self.model, batch.input_ids, hidden, batch, self.runner.caches)
+        return self.ranks.mtp(self._inputs(spec), torch.cat([h for _, _, h in rows]))
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.compute_logits(hidden)
+        logits = self.ranks.logits(hidden)
         return logits.argmax(dim=-1)  # as the plain sampler's greedy rows
 
     # --- speculative steps ------------------------------------------------------------------
@@ -210,6 +243,9 @@ class MTPSpeculator:
         reqs = sched.requests
         if sched.kind != "decode" or not reqs or not all(eligible(r) for r in reqs):
             return None
+        if self.max_batch_size is not None and len(reqs) > self.max_batch_size:
+            self.stats.over_batch_steps += 1
+            return None
         k = min(self.k, min(self.max_model_len - 1 - r.num_computed_tokens for r in reqs))
         if k < 1:
             return None
@@ -217,17 +253,14 @@ class MTPSpeculator:
         if not all(self.cache.allocate_pages(r, k + 1) for r in reqs):
             return None
         drafts = self._draft(reqs, k)
-        caches = self.runner.caches
-        read = torch.tensor([r.read_slot if r.read_slot is not None else r.write_slot for r in reqs])
-        write = torch.tensor([r.write_slot for r in reqs])
-        snap_conv, snap_ssm = caches.conv[:, read].clone(), caches.ssm[:, read].clone()
+        read = [r.read_slot if r.read_slot is not None else r.write_slot for r in reqs]
+        self.ranks.snapshot(read)
         verify = self._inputs([(r, r.num_computed_tokens, [r.all_token_ids[-1], *d]) for r, d in zip(reqs, drafts)])
         verify = StepInputs(
             verify.input_ids, verify.positions, verify.slot_mapping, verify.query_start_loc, verify.seq_lens,
-            [int(s) for s in read], verify.write_slots, verify.has_state, verify.query_lens, verify.page_ids, [],
+            read, verify.write_slots, verify.has_state, verify.query_lens, verify.page_ids, [],
         )
-        batch = self.runner.build_batch(verify)
-        hidden = self.model.forward(batch, caches)
+        hidden = self.ranks.trunk(verify)
         target = self._greedy(hidden).view(len(reqs), k + 1).tolist()
         runs: dict[str, list[int]] = {}
         redo: list[tuple[Request, int, list[int]]] = []
@@ -245,13 +278,9 @@ class MTPSpeculator:
                 redo.append((req, p, [req.all_token_ids[-1], *d[:n]]))
                 redo_rows.append(i)
         if redo:
-            rows = torch.tensor(redo_rows)
-            caches.conv[:, write[rows]] = snap_conv[:, rows]
-            caches.ssm[:, write[rows]] = snap_ssm[:, rows]
-            self.model.forward(self.runner.build_batch(self._inputs(redo)), caches)
-        self.stats.steps += 1
-        self.stats.request_steps += len(reqs)
-        self.stats.emitted_tokens += sum(len(t) for t in runs.values())
+            self.ranks.restore(redo_rows, [reqs[i].write_slot for i in redo_rows])  # type: ignore[misc]
+            self.ranks.trunk(self._inputs(redo))
+        self.stats.record([len(t) for t in runs.values()], len(reqs) * k)
         return runs
 
     def _draft(self, reqs: tuple[Request, ...], k: int) -> list[list[int]]:
@@ -280,8 +309,7 @@ class MTPSpeculator:
             # The draft of step ``step`` at the position after the one ``h`` is at.
             pos = [r.num_computed_tokens + step for r in chosen]
             last_drafts = [o[-1] for o in out]
-            batch = self.runner.build_batch(self._inputs([(r, q, [t]) for r, q, t in zip(chosen, pos, last_drafts)]))
-            h = mtp_forward(self.model, batch.input_ids, h, batch, self.runner.caches)
+            h = self.ranks.mtp(self._inputs([(r, q, [t]) for r, q, t in zip(chosen, pos, last_drafts)]), h)
         for j, i in enumerate(which):
             drafts[i] = out[j]
         return drafts

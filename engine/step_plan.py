@@ -9,7 +9,9 @@ runs the same forward; it never samples (rank 0 alone turns the gathered logits 
 and the next plan carries them as input ids), so sampling needs no agreement between ranks. A
 step that rank 0 queued before reading the previous step's ids (async scheduling) is sent with
 ``device_ids``: its host ids are placeholders and every rank takes the real ones from rank 0's
-device by a broadcast just before the forward.
+device by a broadcast just before the forward. A speculating engine's step also sends its
+drafting work as plans with a ``SpecOp`` (``engine.speculative_ranks``): the MTP layer over the
+plan's inputs, the LM head, or a GDN-state snapshot or restore.
 
 Wire form: one flat int64 array in native byte order (the ranks share a host; no pickle)::
 
@@ -18,8 +20,10 @@ Wire form: one flat int64 array in native byte order (the ranks share a host; no
      | sample_rows (S) | page ids (sum num_pages)]
 
 ``B = 0`` means no forward: copies only (``M = 0``), or copies then a state move ``M`` (1 export,
-2 import) followed by ``[slot, num_pages | page ids]``. With a forward (``B > 0``), ``M = 1``
-means ``device_ids``. An empty message means shut down.
+2 import) followed by ``[slot, num_pages | page ids]``, or a ``SpecOp`` ``M`` (3 logits, 4
+snapshot, 5 restore) followed by ``[n | values (n)]``. With a forward (``B > 0``), ``M = 1`` means
+``device_ids``, ``M = 2`` the MTP layer's forward (``SpecOp("mtp")``). An empty message means
+shut down.
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ from array import array
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["StateMove", "StepInputs", "StepPlan", "decode_plan", "encode_plan"]
+__all__ = ["SpecOp", "StateMove", "StepInputs", "StepPlan", "decode_plan", "encode_plan"]
 
 _MOVE_KINDS: tuple[Literal["export", "import"], ...] = ("export", "import")
+SpecKind = Literal["mtp", "logits", "snapshot", "restore"]
+# Wire codes (``M``) of the ops without a forward; ``mtp`` rides on a forward as ``M = 2``.
+_SPEC_CODES: dict[str, int] = {"logits": 3, "snapshot": 4, "restore": 5}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,18 @@ class StateMove:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecOp:
+    """A speculative step's work besides trunk forwards, that every rank runs alike
+    (``engine.speculative_ranks``): ``mtp``, the plan's inputs through the MTP layer over hidden
+    rows broadcast from rank 0; ``logits``, the LM head over ``values[0]`` rows broadcast from
+    rank 0; ``snapshot``, keep a copy of the GDN states of the slots ``values``; ``restore``,
+    write the snapshot's rows ``values[:n]`` into the slots ``values[n:]`` (``n = len // 2``)."""
+
+    kind: SpecKind
+    values: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """Page copies ``(src, dst)`` to apply in order, then the forward (None: none), or a state move.
 
@@ -82,23 +101,33 @@ class StepPlan:
     inputs: StepInputs | None
     move: StateMove | None = None
     device_ids: bool = False
+    spec: SpecOp | None = None
 
     def __post_init__(self) -> None:
         assert self.inputs is None or self.move is None, "a step plan runs a forward or moves state, not both"
         assert self.inputs is not None or not self.device_ids, "device ids without a forward"
+        assert self.move is None or self.spec is None, "a step plan moves state or runs a SpecOp, not both"
+        if self.spec is not None:
+            assert (self.spec.kind == "mtp") == (self.inputs is not None) and not self.device_ids, (
+                f"SpecOp {self.spec.kind!r}: only 'mtp' runs the plan's inputs (host ids)"
+            )
 
 
 def encode_plan(plan: StepPlan) -> bytes:
     inp = plan.inputs
     copies = list(itertools.chain.from_iterable(plan.page_copies))
     if inp is None:
-        move = plan.move
+        move, spec = plan.move, plan.spec
+        if spec is not None:
+            words = [0, 0, 0, len(plan.page_copies), _SPEC_CODES[spec.kind], *copies, len(spec.values), *spec.values]
+            return array("q", words).tobytes()
         if move is None:
             return array("q", [0, 0, 0, len(plan.page_copies), 0, *copies]).tobytes()
         kind = _MOVE_KINDS.index(move.kind) + 1
         words = [0, 0, 0, len(plan.page_copies), kind, *copies, move.slot, len(move.pages), *move.pages]
         return array("q", words).tobytes()
-    header = [len(inp.query_lens), len(inp.input_ids), len(inp.sample_rows), len(plan.page_copies), int(plan.device_ids)]
+    mode = 2 if plan.spec is not None else int(plan.device_ids)
+    header = [len(inp.query_lens), len(inp.input_ids), len(inp.sample_rows), len(plan.page_copies), mode]
     words = array("q", header)
     words.extend(copies)
     for field in (inp.input_ids, inp.positions, inp.slot_mapping, inp.query_start_loc, inp.seq_lens):
@@ -129,6 +158,11 @@ def decode_plan(data: bytes) -> StepPlan:
     copies = tuple(zip(flat[0::2], flat[1::2]))
     if num_seqs == 0:
         move = None
+        if move_kind in _SPEC_CODES.values():
+            kind = next(k for k, code in _SPEC_CODES.items() if code == move_kind)
+            op = SpecOp(kind, tuple(take(take(1)[0])))  # type: ignore[arg-type]
+            assert pos == len(values), f"step plan: {len(values) - pos} trailing words"
+            return StepPlan(copies, None, spec=op)
         if move_kind:
             slot, num_pages = take(2)
             move = StateMove(_MOVE_KINDS[move_kind - 1], tuple(take(num_pages)), slot)
@@ -144,4 +178,5 @@ def decode_plan(data: bytes) -> StepPlan:
         ids, positions, slots, qsl, seq_lens, read, write, [bool(h) for h in has_state], tuple(query_lens), pages,
         sample_rows,
     )
-    return StepPlan(copies, inputs, device_ids=bool(move_kind))
+    spec = SpecOp("mtp") if move_kind == 2 else None
+    return StepPlan(copies, inputs, device_ids=move_kind == 1, spec=spec)

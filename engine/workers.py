@@ -49,11 +49,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from phloem.engine.config import CacheConfig, LoadConfig, ModelConfig, RunnerConfig
+from phloem.engine.config import CacheConfig, LoadConfig, ModelConfig, RunnerConfig, SpeculativeConfig
 from phloem.engine.errors import EngineError
 from phloem.engine.loader import load_model
 from phloem.engine.model_runner import build_runner
 from phloem.engine.parallel.group import TPGroup
+from phloem.engine.speculative import extra_kv_layers
+from phloem.engine.speculative_ranks import SpeculativeRanks
 from phloem.engine.step_plan import StepPlan, decode_plan, encode_plan
 from phloem.kernels.config import KernelConfig
 
@@ -68,7 +70,8 @@ _JOIN_TIMEOUT_S = 5.0
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     """What every rank builds from: the model folder and the engine's configs (rank 0's device).
-    ``kernels`` reaches every rank's op table, attention backend and group (one-shot all-reduce)."""
+    ``kernels`` reaches every rank's op table, attention backend and group (one-shot all-reduce);
+    ``speculative``: each rank loads its shard of the MTP layer and its KV layer when it drafts."""
 
     path: str
     model_config: ModelConfig
@@ -79,6 +82,7 @@ class WorkerSpec:
     num_threads: int
     expert_parallel: bool = False
     kernels: KernelConfig = KernelConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -228,18 +232,25 @@ def _worker_main(rank: int, spec: WorkerSpec, port: int, conn: Connection) -> No
         )
         # Rank 0 draws the one progress bar; a worker's would garble it.
         load_config = replace(spec.load_config, device=str(device), show_progress=False)
-        model = load_model(spec.path, spec.model_config, load_config, group, spec.kernels)
+        model = load_model(spec.path, spec.model_config, load_config, group, spec.kernels, spec.speculative)
         conn.send(("ready", None))
         dtype = next(model.parameters()).dtype
         runner, _ = build_runner(
-            spec.model_config, model, spec.cache_config, spec.runner_config, group, dtype, kernels=spec.kernels
+            spec.model_config, model, spec.cache_config, spec.runner_config, group, dtype, kernels=spec.kernels,
+            extra_kv_layers=extra_kv_layers(spec.speculative, spec.model_config),
         )
+        ranks = SpeculativeRanks(runner) if spec.speculative.enabled else None
         kind, graphs = conn.recv()
         assert kind == "start", f"expected 'start' from rank 0, got {kind!r}"
         if graphs is not None:
             runner.enable_cuda_graphs(*graphs, show_progress=False)
         while data := conn.recv_bytes():
-            runner.run_plan(decode_plan(data))
+            plan = decode_plan(data)
+            if plan.spec is not None:
+                assert ranks is not None, "a speculative plan reached a worker that does not speculate"
+                ranks.follow(plan)
+            else:
+                runner.run_plan(plan)
     except EOFError:
         return  # rank 0 is gone
     except BaseException:

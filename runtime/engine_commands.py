@@ -14,7 +14,7 @@ from typing import TypeAlias
 
 import torch
 
-from phloem.engine import CacheStats, EngineError, RequestOutput, SamplingParams
+from phloem.engine import CacheStats, EngineError, RequestOutput, SamplingParams, SpeculationStats
 from phloem.engine.transfer import PrefixState, TransferReservation
 from phloem.runtime.histogram import HistogramSnapshot
 
@@ -207,3 +207,5 @@ class EngineStats:
     step_kind_seconds: dict[str, HistogramSnapshot] = field(default_factory=dict)
     between_steps_seconds: float = 0.0
     num_pipelined_steps: int = 0
+    # Speculative decoding's counters (``Engine.speculation_stats``); None when it is off.
+    speculation: SpeculationStats | None = None

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from phloem.engine import GrammarStats
+from phloem.engine import GrammarStats, SpeculationStats
 from phloem.runtime import EngineClient, EngineStats
 from phloem.runtime.histogram import HistogramSnapshot
 from phloem.sessions import SessionManager, SessionStats
@@ -206,7 +206,30 @@ def _engine_families(e: EngineStats | None) -> list[Metric]:
     for kind, h in e.step_kind_seconds.items():
         by_kind.add_metric([kind], _buckets(h), sum_value=h.total)
     families.append(by_kind)
+    if e.speculation is not None:
+        families += _speculation_families(e.speculation)
     return families
+
+
+def _speculation_families(s: SpeculationStats) -> list[Metric]:
+    """Speculative decoding's metrics (present only while it is configured)."""
+    # Per request per speculative step: accepted drafts + the target's token, 1 .. k + 1.
+    lengths = HistogramSnapshot(tuple(float(n) for n in range(1, len(s.emitted_lengths))),
+                                (*s.emitted_lengths[1:], 0), float(s.emitted_tokens))
+    return [
+        _counter("phloem_speculative_steps", "Decode steps that drafted and verified (speculative)", s.steps),
+        _counter("phloem_speculative_plain_steps", "Steps of a speculating engine that ran plain (prefill, "
+                 "mixed, requests that do not speculate, a batch over the limit)", s.plain_steps),
+        _counter("phloem_speculative_over_batch_steps", "Decode steps that ran plain because the batch was "
+                 "over SpeculativeConfig.max_batch_size", s.over_batch_steps),
+        _counter("phloem_speculative_drafted_tokens", "Tokens the MTP layer drafted", s.drafted_tokens),
+        _counter("phloem_speculative_accepted_tokens", "Drafted tokens the target accepted (and emitted)",
+                 s.accepted_tokens),
+        _counter("phloem_speculative_emitted_tokens", "Tokens speculative steps emitted (accepted drafts + "
+                 "the target's own)", s.emitted_tokens),
+        _histogram("phloem_speculative_accepted_length", "Tokens one request got from one speculative step "
+                   "(accepted drafts + the target's token)", lengths),
+    ]
 
 
 # (name, help, is a counter, value): the metrics of ``GrammarStats`` (the compiled-grammar cache

@@ -49,3 +49,36 @@ def test_greedy_chats_equal_with_and_without_speculation(server: Any, speculativ
         # A shorter cap lands mid-run: cut exactly.
         assert _chat(speculative_server.base_url, chat, stream=False, max_tokens=5) == _chat(
             server.base_url, chat, stream=False, max_tokens=5)
+
+
+def _samples(base_url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{base_url}/metrics", timeout=30)
+    assert response.status_code == 200
+    return {
+        s.name + ("" if "le" not in s.labels else f"{{le={s.labels['le']}}}"): s.value
+        for family in text_string_to_metric_families(response.text) for s in family.samples
+    }
+
+
+def test_metrics_show_what_speculation_did(server: Any, speculative_server: Any) -> None:
+    """``/metrics`` of ``--speculative mtp:3`` counts drafted, accepted and emitted tokens and the
+    accepted length per request-step (1 .. 4); a server without speculation exports none of it."""
+    before = _samples(speculative_server.base_url)
+    _chat(speculative_server.base_url, [{"role": "user", "content": f"Count to ten. {uuid.uuid4().hex[:6]}"}],
+          stream=False, max_tokens=32)
+    m = _samples(speculative_server.base_url)
+    steps = m["phloem_speculative_steps_total"]
+    assert steps > before.get("phloem_speculative_steps_total", 0)
+    count = m["phloem_speculative_accepted_length_count"]
+    emitted, accepted = m["phloem_speculative_emitted_tokens_total"], m["phloem_speculative_accepted_tokens_total"]
+    assert count >= steps  # a step speculates for every request of it
+    assert m["phloem_speculative_accepted_length_sum"] == emitted and emitted == accepted + count
+    assert m["phloem_speculative_drafted_tokens_total"] == 3 * count >= accepted  # mtp:3, far from the context limit
+    assert 1.0 <= emitted / count <= 4.0
+    assert m["phloem_speculative_accepted_length_bucket{le=4.0}"] == count  # nothing over k + 1
+    assert m["phloem_speculative_accepted_length_bucket{le=1.0}"] < count  # the trained MTP layer is accepted
+    assert m["phloem_speculative_plain_steps_total"] >= 1  # the prompt's prefill
+    assert m["phloem_speculative_over_batch_steps_total"] == 0  # one request at a time, under 32
+    assert not any(name.startswith("phloem_speculative") for name in _samples(server.base_url))
