@@ -13,12 +13,15 @@ spill/resume of exported state across the two sizes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from torch import nn
 
 from phloem.engine import Engine, SamplingParams
+from phloem.kernels.dispatch import KernelOps
 from phloem.engine.config import CacheConfig, ParallelConfig, SchedulerConfig
 from tp_pairs import assert_same_state, assert_stopped, both, clear, tokens
 
@@ -86,3 +89,55 @@ def test_spill_and_resume_move_between_tp_sizes(pair: tuple[Engine, Engine]) -> 
     assert [o.token_ids for o in outs] == fresh * 2
     assert [o.num_cached_tokens for o in outs] == [len(conv)] * 2
     clear(pair)
+
+
+# The fused one-token ops of the path under TP, and those of the router folded into the projection
+# before it (``kernels/moe/route_partial.py``), which needs the whole residual sum: TP=1 only.
+FUSED_OPS = ("add_rms_norm_linear", "add_rms_norm_conv_linear", "gated_rms_norm_linear", "sigmoid_gate_linear",
+             "add_rms_norm_router", "fused_moe_routed")  # fmt: skip
+ROUTE_PARTIAL_OPS = ("gated_rms_norm_linear_route", "sigmoid_gate_linear_route", "fused_moe_route_partial")
+
+
+def count_ops(model: nn.Module, names: tuple[str, ...]) -> tuple[dict[str, int], Callable[[], None]]:
+    """Count the calls of the op table's ``names`` by ``model``'s modules; returns the counts and
+    a function that puts the original tables back."""
+    calls = dict.fromkeys(names, 0)
+
+    def counted(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return op(*args, **kwargs)
+
+        return call
+
+    saved = [(m, m.ops) for m in model.modules() if isinstance(getattr(m, "ops", None), KernelOps)]
+    for module, ops in saved:
+        module.ops = replace(ops, **{n: counted(n, getattr(ops, n)) for n in names})  # type: ignore[assignment]
+
+    def restore() -> None:
+        for module, ops in saved:
+            module.ops = ops  # type: ignore[assignment]
+
+    return calls, restore
+
+
+def test_one_token_decode_takes_the_fused_projections(pair: tuple[Engine, Engine]) -> None:
+    """Rank 0's one-token steps (every rank runs the same code) call each fused projection once a
+    layer of its kind, the all-reduce in front of the norm prologue; never the route-partial ops."""
+    model = pair[1].runner.model
+    config = model.config  # type: ignore[union-attr]
+    assert model.tp.size > 1 and model.ops.fused_decode  # type: ignore[union-attr]
+    calls, restore = count_ops(model, FUSED_OPS + ROUTE_PARTIAL_OPS)  # type: ignore[arg-type]
+    try:
+        both(pair, [tokens(13, 5)], SamplingParams(max_tokens=5))
+    finally:
+        restore()
+    layers = config.num_hidden_layers
+    attention = len(config.full_attention_layers)
+    moe = sum(config.is_moe_layer(i) for i in range(layers))
+    steps = calls["sigmoid_gate_linear"] // attention
+    assert steps >= 4, calls  # the request's five tokens: four one-token steps at least
+    per_step = {"add_rms_norm_linear": attention, "sigmoid_gate_linear": attention,
+                "add_rms_norm_conv_linear": layers - attention, "gated_rms_norm_linear": layers - attention,
+                "add_rms_norm_router": moe, "fused_moe_routed": moe} | dict.fromkeys(ROUTE_PARTIAL_OPS, 0)  # fmt: skip
+    assert calls == {name: steps * n for name, n in per_step.items()}

@@ -141,6 +141,11 @@ def _group_rank(rank: int, port: int, data: list, queue: object) -> None:
             used.append(bool((shot.epochs != before).any()))
             ref, ref_res = all_reduce_add_rms_norm(parts, residual, weight, EPS)
             worst = max(worst, (out - ref).abs().max().item(), (res - ref_res).abs().max().item())
+            # The fused one-token path's operands: the op whose prologue is the norm gets its bits.
+            x, r = group.reduce_norm_operands(parts[rank].clone(), residual, weight, EPS)
+            fused = add_rms_norm(x, r, weight, EPS)
+            assert r is None or rows > one_shot.MAX_ROWS, "the one-shot kernel adds the residual"
+            assert torch.equal(fused[0], out) and torch.equal(fused[1], res), f"call {it}: operands"
         group.shutdown()
         queue.put((rank, checked, worst, used))  # type: ignore[attr-defined]
     except BaseException as exc:
@@ -151,7 +156,8 @@ def _group_rank(rank: int, port: int, data: list, queue: object) -> None:
 def test_tp_group_takes_the_one_shot_kernel_for_calls_that_fit() -> None:
     """``TPGroup.all_reduce_add_rms_norm`` over a gloo group with one-shot buffers attached (CPU
     shared memory standing in for the IPC-mapped GPU buffers): the self-check passes, calls of at
-    most ``MAX_ROWS`` rows take the kernel, a larger one the process group, all give the reference."""
+    most ``MAX_ROWS`` rows take the kernel, a larger one the process group, all give the reference;
+    ``reduce_norm_operands`` (the fused one-token path) hands the norm the operands of those bits."""
     from phloem.engine.parallel import one_shot_allreduce as one_shot
 
     size = 2 * one_shot.HALF_BYTES + 8 * one_shot.MAX_ROWS * 8
