@@ -78,7 +78,7 @@ class TPGroup:
     ) -> TPGroup:
         """Join the group through a c10d store: NCCL on CUDA, gloo otherwise (blocks until all ranks join).
         On GPUs, with ``kernels.one_shot_allreduce`` (the same on every rank), also the one-shot
-        NVLink all-reduce (``engine.parallel.one_shot_allreduce``)."""
+        NVLink all-reduce (``engine.parallel.one_shot_allreduce``), under PDL as ``kernels.pdl`` says."""
         prefixed = dist.PrefixStore("phloem-tp", store)  # type: ignore[attr-defined]
         if device.type == "cuda":
             nccl = getattr(dist, "ProcessGroupNCCL")
@@ -91,9 +91,14 @@ class TPGroup:
         group = cls(rank, size, device, pg, expert_parallel)
         if device.type != "cuda":
             return group
+        pdl = False
+        if kernels.one_shot_allreduce:
+            from phloem.kernels.common.pdl import use_pdl  # imports triton, which the kernel needs anyway
+
+            pdl = use_pdl(kernels.pdl, device)
         one_shot = OneShotAllReduce.connect(
             rank, size, device, dist.PrefixStore("phloem-one-shot", store),  # type: ignore[attr-defined]
-            lambda ok: group.all_min([int(ok)])[0] == 1, group.all_reduce, kernels.one_shot_allreduce,
+            lambda ok: group.all_min([int(ok)])[0] == 1, group.all_reduce, kernels.one_shot_allreduce, pdl,
         )  # fmt: skip
         return replace(group, one_shot=one_shot)
 

@@ -3,6 +3,8 @@ references: the same greedy tokens (fp32), for batched decode and for the one-to
 take the Triton GEMV (``KernelConfig.triton_gemv``), with the MoE router in the projection before it
 (``kernels/moe/route_partial.py``, the default) and in its own launch (``KernelOps.route_partial`` off). Every Triton kernel the model calls on a GPU runs
 here except FlashInfer's attention and fla's chunked prefill (their torch fallbacks run instead).
+Also at TP=2 over gloo, every rank under the interpreter: the fused one-token path with its
+all-reduces in front of the norm prologues.
 """
 
 from __future__ import annotations
