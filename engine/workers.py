@@ -38,6 +38,7 @@ parallel layer the models import; ``engine.parallel`` stays low level.
 
 from __future__ import annotations
 
+import time
 import traceback
 import weakref
 from dataclasses import dataclass, replace
@@ -64,6 +65,10 @@ __all__ = ["TPWorkers", "WorkerSpec", "rank_device"]
 _HOST = "127.0.0.1"
 # Bounds one collective (and joining the group); idle time between steps waits on the pipe.
 _COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+# How long the workers together get to exit after the shutdown message before they are terminated:
+# seven ranks tearing down torch at once on a loaded two-core machine took over 5 s. Only a worker
+# stuck in a collective (rank 0 failed mid-step) makes ``close`` wait it out.
+_EXIT_TIMEOUT_S = 20.0
 _JOIN_TIMEOUT_S = 5.0
 
 
@@ -204,8 +209,9 @@ def _stop(group: TPGroup | None, processes: list[Any], conns: list[Connection]) 
             conn.send_bytes(b"")
         except (BrokenPipeError, OSError):
             pass  # that worker is already gone
+    deadline = time.monotonic() + _EXIT_TIMEOUT_S
     for proc in processes:
-        proc.join(_JOIN_TIMEOUT_S)
+        proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.terminate()
             proc.join(_JOIN_TIMEOUT_S)

@@ -144,8 +144,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "off: FlashInfer's decode wrapper. Both serve the decode rows of mixed steps too; prefill chunks "
            "always run FlashInfer's prefill", kernel_field="triton_decode_attention"),
     EnvVar("PHLOEM_FUSED_DECODE", "bool", "1",
-           "`KernelConfig.fused_decode`: a one-token decode step (TP=1) calls the fused projections of "
-           "`kernels/linear/reference.py` and folds each MoE router into the projection before it "
+           "`KernelConfig.fused_decode`: a one-token decode step calls the fused projections of "
+           "`kernels/linear/reference.py` (under TP with the all-reduce in front of each norm prologue) "
+           "and, at TP=1, folds each MoE router into the projection before it "
            "(`kernels/moe/route_partial.py`); off: the unfused ops", kernel_field="fused_decode"),
     EnvVar("PHLOEM_PDL", "bool", "auto (on for sm_90+)",
            "`KernelConfig.pdl`: the decode Triton kernels launch with programmatic dependent launch "

@@ -1,11 +1,12 @@
 """Shared fixtures: tiny random Hugging Face checkpoints of the three supported architectures.
 
-``tiny_checkpoint(arch, layout, experts, dtype, num_layers, tie, shared_expert_size, mtp)`` writes (once per argument set,
-per session) a folder that ``engine.loader`` and transformers both read; ``hf_model(...)`` loads
+``tiny_checkpoint(arch, layout, experts, dtype, num_layers, tie, shared_expert_size, mtp, wide)`` writes (once per
+argument set, per session) a folder that ``engine.loader`` and transformers both read; ``hf_model(...)`` loads
 the equivalent plain checkpoint with transformers. All variants of one ``(arch, num_layers, tie)``
 share the same weights: the other layouts are rewrites of the plain, per-expert, fp32 one.
 ``mtp=True`` adds an MTP layer (``mtp.*``, shaped as in published checkpoints; transformers
-skips it) to those weights.
+skips it) to those weights. ``wide=True`` builds other weights, with ``WIDE_HEADS``: every size
+tensor parallelism shards divides by 8 (TP=4 and TP=8 tests).
 """
 
 from __future__ import annotations
@@ -130,6 +131,14 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "pad_token_id": None,
     "bos_token_id": None,
 }
+# Head counts every rank count up to 8 divides: 4 KV heads split at TP=4 and are replicated (one
+# per two ranks) at TP=8; two GDN value heads per key head, as in TINY_TEXT_CONFIG.
+WIDE_HEADS: dict[str, Any] = {
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "linear_num_key_heads": 8,
+    "linear_num_value_heads": 16,
+}
 TINY_MOE_CONFIG: dict[str, Any] = {
     "num_experts": 8,
     "num_experts_per_tok": 2,
@@ -142,13 +151,17 @@ _MULTIMODAL = {
 }
 
 
-def _hf_config(arch: str, num_layers: int, tie: bool, shared_expert_size: int | None = None) -> Any:
+def _hf_config(
+    arch: str, num_layers: int, tie: bool, shared_expert_size: int | None = None, wide: bool = False
+) -> Any:
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
     common = dict(
         TINY_TEXT_CONFIG, num_hidden_layers=num_layers, layer_types=layer_types, tie_word_embeddings=tie
     )
+    if wide:
+        common.update(WIDE_HEADS)
     moe = dict(TINY_MOE_CONFIG)
     if shared_expert_size is not None:
         moe["shared_expert_intermediate_size"] = shared_expert_size
@@ -203,11 +216,13 @@ def _reinit_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(value)
 
 
-def _build_plain(arch: str, num_layers: int, tie: bool, folder: Path, shared_expert_size: int | None) -> None:
+def _build_plain(
+    arch: str, num_layers: int, tie: bool, folder: Path, shared_expert_size: int | None, wide: bool = False
+) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = _hf_config(arch, num_layers, tie, shared_expert_size)
+    config = _hf_config(arch, num_layers, tie, shared_expert_size, wide)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _reinit_(model, seed=1234 + num_layers)
     if tie:
@@ -297,9 +312,9 @@ def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path, num_shards: in
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: ``(arch, layout="plain"|"language_model", experts="per_expert"|"fused",
-    dtype=torch.float32, num_layers=4, tie=False, shared_expert_size=None, mtp=False) -> folder``;
-    cached per arguments. ``shared_expert_size`` None: the shared expert has the routed experts' FFN
-    size. ``mtp``: with an MTP layer (``_mtp_tensors``)."""
+    dtype=torch.float32, num_layers=4, tie=False, shared_expert_size=None, mtp=False, wide=False)
+    -> folder``; cached per arguments. ``shared_expert_size`` None: the shared expert has the routed
+    experts' FFN size. ``mtp``: with an MTP layer (``_mtp_tensors``). ``wide``: ``WIDE_HEADS``."""
     cache: dict[tuple[Any, ...], Path] = {}
 
     def build(
@@ -311,29 +326,34 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         tie: bool = False,
         shared_expert_size: int | None = None,
         mtp: bool = False,
+        wide: bool = False,
     ) -> Path:
         key = (arch, layout, experts, dtype, num_layers, tie, shared_expert_size) + ((True,) if mtp else ())
+        key += ("wide",) if wide else ()
         if key in cache:
             return cache[key]
+        shape = dict(num_layers=num_layers, tie=tie, shared_expert_size=shared_expert_size, wide=wide)
         base_key = (arch, "plain", "per_expert", torch.float32, num_layers, tie, shared_expert_size)
-        if mtp and key == base_key + (True,):
-            base = build(arch, num_layers=num_layers, tie=tie, shared_expert_size=shared_expert_size)
+        wide_tag = ("wide",) if wide else ()
+        if mtp and key == base_key + (True,) + wide_tag:
+            base = build(arch, **shape)  # type: ignore[arg-type]
             tensors = _read_all(base)
             config = json.loads((base / "config.json").read_text())
             tensors.update(_mtp_tensors(tensors, config, seed=4321 + num_layers))
             config["mtp_num_hidden_layers"] = 1
-            folder = tmp_path_factory.mktemp(f"{arch}_{num_layers}l_mtp")
+            folder = tmp_path_factory.mktemp(f"{arch}_{num_layers}l_mtp{'_wide' if wide else ''}")
             (folder / "config.json").write_text(json.dumps(config, indent=2))
             save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / "model.safetensors"), {"format": "pt"})
             cache[key] = folder
             return folder
-        if key == base_key:
+        if key == base_key + wide_tag:
             shared = "" if shared_expert_size is None else f"_shared{shared_expert_size}"
-            folder = tmp_path_factory.mktemp(f"{arch}_{num_layers}l{'_tied' if tie else ''}{shared}")
-            _build_plain(arch, num_layers, tie, folder, shared_expert_size)
+            name = f"{arch}_{num_layers}l{'_tied' if tie else ''}{shared}{'_wide' if wide else ''}"
+            folder = tmp_path_factory.mktemp(name)
+            _build_plain(arch, num_layers, tie, folder, shared_expert_size, wide)
             cache[key] = folder
             return folder
-        base = build(arch, num_layers=num_layers, tie=tie, shared_expert_size=shared_expert_size, mtp=mtp)
+        base = build(arch, mtp=mtp, **shape)  # type: ignore[arg-type]
         tensors = {n: t.to(dtype) for n, t in _read_all(base).items()}
         config = json.loads((base / "config.json").read_text())
         config["dtype"] = str(dtype).removeprefix("torch.")
@@ -341,7 +361,8 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
             tensors = _fuse_experts(tensors)
         if layout == "language_model":
             tensors, config = _to_language_model_layout(arch, tensors, config)
-        folder = tmp_path_factory.mktemp(f"{arch}_{layout}_{experts}_{config.get('dtype', 'x')}{'_mtp' if mtp else ''}")
+        suffix = ("_mtp" if mtp else "") + ("_wide" if wide else "")
+        folder = tmp_path_factory.mktemp(f"{arch}_{layout}_{experts}_{config.get('dtype', 'x')}{suffix}")
         (folder / "config.json").write_text(json.dumps(config, indent=2))
         if layout == "language_model":
             _save_sharded(tensors, folder)

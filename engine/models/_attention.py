@@ -96,8 +96,9 @@ class GatedAttention(nn.Module):
         kv_cache: torch.Tensor, inv_freq: torch.Tensor,
         route: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """One token, TP=1: ``norm`` (the layer's input norm) runs inside ``qkv_proj``'s GEMV and the
-        output gate inside ``o_proj``'s (``kernels.linear.reference``). Returns ``(out, residual)``; with
+        """One token: ``norm`` (the layer's input norm) runs inside ``qkv_proj``'s GEMV and the output
+        gate inside ``o_proj``'s (``kernels.linear.reference``); under TP ``hidden`` comes reduced
+        (``RMSNorm.reduce``) and ``out`` is this rank's partial sum. Returns ``(out, residual)``; with
         ``route`` (``SparseMoe.decode_route``) ``o_proj`` also adds the residual and the router's
         partial logits, and both are the residual sum."""
         qkv, residual = self.ops.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight)

@@ -119,8 +119,9 @@ class GatedDeltaNet(nn.Module):
         conv_states: torch.Tensor, ssm_states: torch.Tensor,
         route: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """One decode token, TP=1: ``norm`` (the layer's input norm) and the conv update run inside
-        ``in_proj``'s GEMV, the gated output norm inside ``out_proj``'s (``kernels.linear.reference``).
+        """One decode token: ``norm`` (the layer's input norm) and the conv update run inside
+        ``in_proj``'s GEMV, the gated output norm inside ``out_proj``'s (``kernels.linear.reference``);
+        under TP ``hidden`` comes reduced (``RMSNorm.reduce``) and ``out`` is this rank's partial sum.
         Returns ``(out, residual)``; with ``route`` (the MoE router's operands,
         ``SparseMoe.decode_route``) ``out_proj`` also adds the residual and the router's partial
         logits, and both are the residual sum."""

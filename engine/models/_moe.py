@@ -208,17 +208,20 @@ class SparseMoe(nn.Module):
     def forward_decode(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token, TP=1: ``norm`` (the layer's post-attention norm) runs inside the router's GEMV
+        """One token: ``norm`` (the layer's post-attention norm) runs inside the router's GEMV
         (``kernels.linear.reference.add_rms_norm_router``), the routing inside the experts' kernel
-        (``fused_moe_routed``). Returns ``(out, residual)``. An unfused block (``fused_shared``
-        False) runs the norm, then ``forward``.
+        (``fused_moe_routed``); under TP ``hidden`` (a partial sum) is all-reduced in front of the
+        router (``RMSNorm.reduce``). Returns ``(out, residual)``. An unfused block (``fused_shared``
+        False) and expert parallelism (whose routed ids are remapped to the rank's rows between
+        routing and the experts) run the norm, then ``forward``.
 
         Only here: with more tokens, every program of the Triton gate/up stage routing its own
         token costs more than the routing launch it saves."""
-        if not self.fused_shared:
+        if not self.fused_shared or self.expert_parallel:
             normed, residual = norm.forward_residual(hidden, residual)
             return self(normed), residual
-        logits, normed, residual = self.ops.add_rms_norm_router(hidden, residual, norm.weight, norm.eps, self.router.weight)
+        hidden, reduced = norm.reduce(hidden, residual)
+        logits, normed, residual = self.ops.add_rms_norm_router(hidden, reduced, norm.weight, norm.eps, self.router.weight)
         out: torch.Tensor = self.ops.fused_moe_routed(
             normed, logits, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.renormalize
         )
@@ -231,8 +234,12 @@ class SparseMoe(nn.Module):
         The transposed copy (1 MB a layer at the 35B-A3B shape) is made at the first call and again
         whenever the router weight has changed in place since (its version counter); a CUDA graph
         captured before such a change keeps reading the old copy, as it keeps any weight's storage.
-        The accumulator is zero between calls: ``forward_decode_partial`` zeroes it after reading."""
-        if not self.ops.route_partial or not self.fused_shared:
+        The accumulator is zero between calls: ``forward_decode_partial`` zeroes it after reading.
+
+        None under tensor parallelism: the projection before the block produces a rank's partial
+        sum, and the router needs the whole residual sum (the ranks' partial logits would need an
+        all-reduce of their own); the router then runs after the all-reduce (``forward_decode``)."""
+        if not self.ops.route_partial or not self.fused_shared or self.tp.size > 1:
             return None
         w = self.router.weight
         version = _version(w)

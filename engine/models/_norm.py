@@ -37,6 +37,12 @@ class RMSNorm(nn.Module):
         Under tensor parallelism ``x`` is this rank's partial sum and is all-reduced first."""
         return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.ops.add_rms_norm)
 
+    def reduce(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The operands for an op that runs this norm's add + norm as its prologue (the fused
+        one-token projections): unchanged at TP=1; under tensor parallelism ``x``, this rank's
+        partial sum, reduced first (``TPGroup.reduce_norm_operands``)."""
+        return self.tp.reduce_norm_operands(x, residual, self.weight, self.eps)
+
 
 class GatedRMSNorm(nn.Module):
     """GDN output norm: plain weight (ones at init), then ``* silu(gate)``."""

@@ -60,8 +60,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, tp)
         # One-token decode steps take the fused projections (kernels.linear.reference): the norms, the
-        # conv, the output gates and the routing inside the GEMVs next to them.
-        self.fuse_decode = ops.fused_decode and tp.size == 1
+        # conv, the output gates and the routing inside the GEMVs next to them (under TP too).
+        self.fuse_decode = ops.fused_decode
 
     def forward(
         self,
@@ -127,10 +127,16 @@ class DecoderLayer(nn.Module):
         caches: ModelCaches,
         inv_freq: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` for one decode token at TP=1: each norm runs inside the projection after it;
-        a MoE layer's router, where ``KernelOps.route_partial``, inside the mixer's output projection
-        (``SparseMoe.decode_route``; the mixer then returns the residual sum twice)."""
+        """``forward`` for one decode token: each norm runs inside the projection after it; a MoE
+        layer's router, where ``KernelOps.route_partial`` (TP=1), inside the mixer's output
+        projection (``SparseMoe.decode_route``; the mixer then returns the residual sum twice).
+
+        Under tensor parallelism ``hidden`` is this rank's partial sum: it is all-reduced in front
+        of the projection whose prologue is the norm (``RMSNorm.reduce``; the one-shot kernel adds
+        the residual in the same launch), and the mixer's output projection returns its partial
+        sum to the block after it, which reduces it the same way."""
         norm = self.input_layernorm
+        hidden, residual = norm.reduce(hidden, residual)
         route = self.mlp.decode_route(self.post_attention_layernorm) if isinstance(self.mlp, SparseMoe) else None
         if self.is_full_attention:
             kv = caches.kv[self.cache_idx]

@@ -28,6 +28,8 @@ Every "then all-reduce" above is deferred: those modules return this rank's part
 RMSNorm that reads it next reduces it together with the residual add and the norm
 (``TPGroup.all_reduce_add_rms_norm``: one NVLink kernel per call at decode sizes on GPUs, see
 ``engine.parallel.one_shot_allreduce``, opt-in; the process group's all-reduce otherwise). A layer pays two.
+On the fused one-token path the norm is the prologue of the projection after it, so the
+reduction comes first and hands that projection its operands (``TPGroup.reduce_norm_operands``).
 
 A group with ``pg=None`` and ``size > 1`` builds or loads one rank's shard in a single process
 (tests); it must not communicate.
@@ -76,7 +78,7 @@ class TPGroup:
     ) -> TPGroup:
         """Join the group through a c10d store: NCCL on CUDA, gloo otherwise (blocks until all ranks join).
         On GPUs, with ``kernels.one_shot_allreduce`` (the same on every rank), also the one-shot
-        NVLink all-reduce (``engine.parallel.one_shot_allreduce``)."""
+        NVLink all-reduce (``engine.parallel.one_shot_allreduce``), under PDL as ``kernels.pdl`` says."""
         prefixed = dist.PrefixStore("phloem-tp", store)  # type: ignore[attr-defined]
         if device.type == "cuda":
             nccl = getattr(dist, "ProcessGroupNCCL")
@@ -89,9 +91,14 @@ class TPGroup:
         group = cls(rank, size, device, pg, expert_parallel)
         if device.type != "cuda":
             return group
+        pdl = False
+        if kernels.one_shot_allreduce:
+            from phloem.kernels.common.pdl import use_pdl  # imports triton, which the kernel needs anyway
+
+            pdl = use_pdl(kernels.pdl, device)
         one_shot = OneShotAllReduce.connect(
             rank, size, device, dist.PrefixStore("phloem-one-shot", store),  # type: ignore[attr-defined]
-            lambda ok: group.all_min([int(ok)])[0] == 1, group.all_reduce, kernels.one_shot_allreduce,
+            lambda ok: group.all_min([int(ok)])[0] == 1, group.all_reduce, kernels.one_shot_allreduce, pdl,
         )  # fmt: skip
         return replace(group, one_shot=one_shot)
 
@@ -129,6 +136,25 @@ class TPGroup:
             x = self.all_reduce(x)
         out: tuple[torch.Tensor, torch.Tensor] = add_rms_norm(x, residual, weight, eps)
         return out
+
+    def reduce_norm_operands(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(x', residual')`` with ``add_rms_norm(x', residual', weight, eps)`` equal to
+        ``all_reduce_add_rms_norm(x, residual, weight, eps, add_rms_norm)``: the operands of an op
+        that runs the add + norm as its own prologue (the fused one-token projections,
+        ``kernels.linear.reference``), so under TP the all-reduce goes in front of it and every
+        fusion stays. Every rank gets the same values.
+
+        TP=1: ``(x, residual)``. Through ``one_shot`` (where it fits): the reduced residual sum and
+        None (the kernel's normed output is not read; the op's prologue normalises the sum again,
+        with the same formula). Else: the process group's sum of ``x`` (in place) and ``residual``.
+        """
+        if self.size == 1:
+            return x, residual
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot.add_rms_norm(x, residual, weight, eps)[1], None
+        return self.all_reduce(x), residual
 
     def gather_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` along ``dim`` on rank 0; None on the other ranks."""

@@ -18,6 +18,9 @@ Decisions:
   (``connect``'s ``enabled``). Its protocol is tested on CPU by concurrent processes under the
   Triton interpreter and it compiles for sm_90, but a kernel that spins on another GPU's flags
   must be seen to work there before it is the default. Off: NCCL.
+- Inside the decode step's PDL chain where the op table is (``KernelConfig.pdl``, sm_90+): the kernel
+  waits for the kernel before it first, so the fused one-token path's GEMVs around it keep their
+  early launch; NCCL's all-reduce, the fallback, is a launch of its own outside the chain.
 - The CUDA runtime calls go through ``engine.parallel.cuda_ipc`` (PyTorch's own libcudart, by ctypes);
   without peer access between every pair of the group's GPUs the group keeps NCCL.
 - The buffers live as long as the process group; ``close`` unmaps the peers' (this rank's own
@@ -47,8 +50,11 @@ _WORLD_MAX = 8
 class OneShotAllReduce:
     """This rank's view of the mapped buffers: address tables and epoch counters on its GPU."""
 
-    def __init__(self, rank: int, addresses: Sequence[int], device: torch.device, close: Callable[[], None]) -> None:
+    def __init__(
+        self, rank: int, addresses: Sequence[int], device: torch.device, close: Callable[[], None], pdl: bool = False
+    ) -> None:
         self.rank = rank
+        self.pdl = pdl  # launched under programmatic dependent launch, in the decode step's chain
         self.world = len(addresses)
         self.buffers = torch.tensor(list(addresses), dtype=torch.int64, device=device)
         self.flags = torch.tensor([a + _FLAGS_AT for a in addresses], dtype=torch.int64, device=device)
@@ -65,6 +71,7 @@ class OneShotAllReduce:
         agree: Callable[[bool], bool],
         all_reduce: Callable[[torch.Tensor], torch.Tensor],
         enabled: bool = False,
+        pdl: bool = False,
     ) -> OneShotAllReduce | None:
         """Map every rank's buffer on this rank; None on every rank unless ``enabled`` (the same on
         every rank: ``KernelConfig.one_shot_allreduce``), all of them succeeded and a first call
@@ -72,13 +79,14 @@ class OneShotAllReduce:
 
         ``store`` is a c10d store shared by the group (keys ``one-shot/<rank>``); ``agree(ok)``
         returns whether every rank's ``ok`` is true and ``all_reduce`` sums a tensor over the
-        ranks (collectives: every rank calls them alike).
+        ranks (collectives: every rank calls them alike). ``pdl``: the kernel launches under
+        programmatic dependent launch (``kernels/common/pdl.py``; the same on every rank).
         """
         made: OneShotAllReduce | None = None
         ok = False
         if enabled and device.type == "cuda" and 1 < world <= _WORLD_MAX:
             try:
-                made = cls._map(rank, world, device, store)
+                made = cls._map(rank, world, device, store, pdl)
                 ok = True
             except Exception as exc:  # noqa: BLE001 - any setup failure means: use NCCL
                 log.warning("one-shot all-reduce unavailable on rank %d (%s); using NCCL", rank, exc)
@@ -99,7 +107,7 @@ class OneShotAllReduce:
         return bool(torch.equal(summed, all_reduce(x.clone())))
 
     @classmethod
-    def _map(cls, rank: int, world: int, device: torch.device, store: Any) -> OneShotAllReduce:
+    def _map(cls, rank: int, world: int, device: torch.device, store: Any, pdl: bool) -> OneShotAllReduce:
         key = f"one-shot/{rank}"
         cudart: CudaRuntime | None = None
         own: int | None = None
@@ -146,7 +154,7 @@ class OneShotAllReduce:
         except BaseException:
             close()
             raise
-        return cls(rank, addresses, torch.device("cuda", index), close)
+        return cls(rank, addresses, torch.device("cuda", index), close, pdl)
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether one call with ``x`` (this rank's partial sum ``[..., D]``) fits the buffers."""
@@ -160,7 +168,9 @@ class OneShotAllReduce:
         from phloem.kernels.norm.triton_allreduce import one_shot_add_rms_norm
 
         half = HALF_BYTES // x.element_size()
-        return one_shot_add_rms_norm(x, residual, weight, eps, self.buffers, self.flags, self.epochs, self.rank, half)
+        return one_shot_add_rms_norm(
+            x, residual, weight, eps, self.buffers, self.flags, self.epochs, self.rank, half, pdl=self.pdl
+        )
 
     def close(self) -> None:
         self._close()

@@ -15,6 +15,10 @@ that all ranks have mapped (CUDA IPC, ``engine.parallel.one_shot_allreduce``). O
    bits), rounds to the dtype as the all-reduce would, then adds the residual and normalises as
    ``kernels.norm.triton_norm.add_rms_norm`` does, writing both outputs.
 
+Under programmatic dependent launch the kernel waits for the kernel before it (``gdc_wait``) before
+it reads or writes anything, so the argument below holds as without it: a launch starts its work
+only once the launch before it on its stream has completed.
+
 Epochs are int64 counters in device memory, one per row (program), incremented by the kernel itself:
 a CUDA graph replays the same launch and the epochs still advance, and no host state is needed.
 Every rank runs the same sequence of launches with the same row counts (SPMD), so row ``r``'s
@@ -33,6 +37,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.norm.triton_norm import _launch_config, _rows
 
@@ -43,8 +48,12 @@ __all__ = ["one_shot_add_rms_norm"]
 def one_shot_add_rms_norm_kernel(
     x, residual, weight, o, o_residual, buffers, flags, epochs,
     rank, s_x, s_r, D, half, eps,
-    WORLD: tl.constexpr, MAX_ROWS: tl.constexpr, BD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    WORLD: tl.constexpr, MAX_ROWS: tl.constexpr, BD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
+        # Before anything is read: x, and the epochs and buffers the previous launch wrote.
+        gdc_wait()
     i_r = tl.program_id(0)
     dt = x.dtype.element_ty
     o_d = tl.arange(0, BD)
@@ -88,6 +97,7 @@ def one_shot_add_rms_norm(
     epochs: torch.Tensor,
     rank: int,
     half: int,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm(all_reduce(x), residual, weight, eps)`` across the ranks whose buffers are mapped.
 
@@ -98,7 +108,8 @@ def one_shot_add_rms_norm(
         flags: int64 ``[W]``, the address of each rank's flags: int64 ``[W, epochs.numel()]``.
         epochs: int64 ``[R]``, this rank's per-row counters (R bounds the rows of one call).
 
-    Every rank must make the same calls with the same shapes, in the same order.
+    Every rank must make the same calls with the same shapes, in the same order. ``pdl``: launched
+    under programmatic dependent launch (``kernels/common/pdl.py``), inside the decode step's chain.
     """
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual must match x, got {tuple(residual.shape)} {residual.dtype} and "
@@ -116,5 +127,6 @@ def one_shot_add_rms_norm(
             rows, res_rows, weight.contiguous(), out, out_residual, buffers, flags, epochs,
             rank, rows.stride(0), res_rows.stride(0), dim, half, eps,
             WORLD=buffers.numel(), MAX_ROWS=max_rows, HAS_RESIDUAL=residual is not None, **_launch_config(dim),
+            PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return out, out_residual

@@ -226,12 +226,14 @@ def test_prefix_hits_under_graphs_follow_fresh(model_dir: Path) -> None:
 def test_tensor_parallel_2_follows_tp1_over_nccl(model_dir: Path, one_shot: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """TP=2 (NCCL, GPUs 0 and 1, CUDA-graph decode on both ranks) against TP=1: prefill, decode,
     a prefix hit, a fork, and a resume from an exported (gathered, then scattered) prefix; with
-    the decode all-reduces through NCCL and through the one-shot kernel (``engine.parallel.one_shot_allreduce``)."""
+    the decode all-reduces through NCCL and through the one-shot kernel (``engine.parallel.one_shot_allreduce``,
+    inside the PDL chain on sm_90), in front of the fused one-token path's norm prologues."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with gpu_engine(model_dir, parallel=ParallelConfig(tensor_parallel_size=2), cache=replace(GPU.cache, checkpoint_interval=64),
                     kernels=KernelConfig(one_shot_allreduce=one_shot == "1")) as tp2:
         assert tp2.workers is not None and tp2.workers.group.size == 2
         assert (tp2.workers.group.one_shot is not None) == (one_shot == "1")
+        assert all(layer.fuse_decode for layer in tp2.runner.model.model.layers)
         assert tp2.runner.graphs is not None and tp2.runner.graphs.graphs
         first = tp2.generate(PROMPTS, params)
         done = len(PROMPTS[2]) + len(first[2].token_ids)
@@ -247,6 +249,22 @@ def test_tensor_parallel_2_follows_tp1_over_nccl(model_dir: Path, one_shot: str,
     tp1 = gpu_engine(model_dir, **EAGER)
     prompts = [*PROMPTS, conv + [7], conv + [8, 9], conv + [10]]
     assert_follows(tp1, prompts, [o.token_ids for o in [*first, *forks, resumed]])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tensor_parallel_2_one_shot_gives_nccls_tokens(model_dir: Path) -> None:
+    """For two ranks the one-shot kernel's sums are NCCL's bits and the fused one-token path's norm
+    prologue normalises either alike: the same tokens, bit for bit, batched and one-token decode
+    from CUDA graphs (PDL on sm_90)."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    answers = []
+    for one_shot in (False, True):
+        kernels = KernelConfig(one_shot_allreduce=one_shot)
+        with gpu_engine(model_dir, parallel=ParallelConfig(tensor_parallel_size=2), kernels=kernels) as tp2:
+            assert tp2.workers is not None and (tp2.workers.group.one_shot is not None) == one_shot
+            batched = [o.token_ids for o in tp2.generate(PROMPTS, params)]
+            answers.append((batched, tp2.generate(PROMPTS[:1], params)[0].token_ids))
+    assert answers[1] == answers[0]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

@@ -25,9 +25,9 @@ import phloem.engine.loader as loader
 from phloem.engine import Engine, EngineError, SamplingParams
 from phloem.engine.config import CacheConfig, LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from phloem.engine.parallel import TPGroup, check_tp_size, kv_head_start
-from phloem.engine.transfer.prefix_export import PrefixState
 from phloem.engine.step_plan import StateMove, StepInputs, StepPlan, decode_plan, encode_plan
 from phloem.runtime.engine_client import EngineClient
+from tp_pairs import assert_same_state, assert_stopped, both, clear, tokens
 
 ARCHS = ["Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"]
 # A 32-token budget chunks every longer prefill; no periodic checkpoints (turn ends only).
@@ -36,17 +36,6 @@ OPTIONS: dict[str, Any] = dict(
     scheduler=SchedulerConfig(max_num_batched_tokens=32),
 )
 TP2 = ParallelConfig(tensor_parallel_size=2)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return [(seed * 131 + i * 17) % 256 for i in range(n)]
-
-
-def assert_stopped(engine: Engine) -> None:
-    assert engine.workers is not None
-    for proc in engine.workers.processes:
-        assert not proc.is_alive() and proc.exitcode == 0, f"{proc.name} exit code {proc.exitcode}"
-        assert proc not in multiprocessing.active_children()
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +53,6 @@ def engines(tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, tuple[En
             tp.close()
     for _, tp in pairs.values():
         assert_stopped(tp)
-
-
-def both(
-    pair: tuple[Engine, Engine], prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
-) -> list[list[int]]:
-    """Run ``prompts`` on both engines; assert equal tokens and cache hits; return the tokens."""
-    ref, tp = (engine.generate(prompts, params) for engine in pair)
-    assert [o.token_ids for o in tp] == [o.token_ids for o in ref]
-    assert [o.num_cached_tokens for o in tp] == [o.num_cached_tokens for o in ref]
-    return [o.token_ids for o in ref]
 
 
 @pytest.mark.slow  # two-rank tensor-parallel process group
@@ -101,26 +80,6 @@ def test_prefix_hit_multi_turn_then_fork(arch: str, engines: dict[str, tuple[Eng
     ref_out, tp_out = (engine.generate(branches, SamplingParams(max_tokens=8)) for engine in pair)
     assert [o.token_ids for o in tp_out] == [o.token_ids for o in ref_out]
     assert [o.num_cached_tokens for o in tp_out] == [len(conv)] * 2
-
-
-def assert_same_state(a: PrefixState | None, b: PrefixState | None) -> None:
-    assert a is not None and b is not None and a.token_ids == b.token_ids
-    assert a.kv.shape == b.kv.shape
-
-    def written(kv: torch.Tensor) -> torch.Tensor:  # the tail page past the checkpoint is not state
-        layers, pages, _, ps, heads, dim = kv.shape
-        return kv.transpose(1, 2).reshape(layers, 2, pages * ps, heads, dim)[:, :, : a.num_tokens]
-
-    for x, y in ((written(a.kv), written(b.kv)), (a.conv, b.conv), (a.ssm, b.ssm)):
-        assert x.shape == y.shape and x.dtype == y.dtype
-        # Not bit-exact: TP=2 sums the row-parallel partials in another order.
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
-
-
-def clear(pair: tuple[Engine, Engine]) -> None:
-    for engine in pair:
-        engine.cache.tree.clear()  # type: ignore[union-attr]
-        assert engine.page_pool.num_free_pages == engine.page_pool.num_pages
 
 
 @pytest.mark.slow  # two-rank tensor-parallel process group

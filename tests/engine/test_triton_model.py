@@ -3,6 +3,8 @@ references: the same greedy tokens (fp32), for batched decode and for the one-to
 take the Triton GEMV (``KernelConfig.triton_gemv``), with the MoE router in the projection before it
 (``kernels/moe/route_partial.py``, the default) and in its own launch (``KernelOps.route_partial`` off). Every Triton kernel the model calls on a GPU runs
 here except FlashInfer's attention and fla's chunked prefill (their torch fallbacks run instead).
+Also at TP=2 over gloo, every rank under the interpreter: the fused one-token path with its
+all-reduces in front of the norm prologues.
 """
 
 from __future__ import annotations
@@ -87,3 +89,32 @@ def _count_fused_ops(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
         monkeypatch.setattr(module, name, counted)
     return calls
+
+
+@pytest.mark.slow  # two ranks of the model under the Triton interpreter, over gloo
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton interpreter (CPU machines)")
+def test_the_triton_op_table_under_tp2_gives_the_reference_tokens(
+    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TP=2 over gloo with every rank on the Triton op table (the workers inherit
+    ``TRITON_INTERPRET``): the fused one-token path with its all-reduces in front of the norm
+    prologues, and batched steps, give the TP=1 torch reference's tokens. Rank 0's one-token steps
+    take the Triton fused projections of the router-launch path (no route-partial under TP)."""
+    from phloem.engine import ParallelConfig
+
+    path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
+    options = dict(dtype="float32", cache=CacheConfig(num_pages=64, num_state_slots=8, enable_prefix_caching=False))
+    reference = Engine.from_pretrained(path, **options)
+    alone = reference.generate(PROMPTS[:1], PARAMS)[0].token_ids
+    batched = [o.token_ids for o in reference.generate(PROMPTS, PARAMS)]
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = _count_fused_ops(monkeypatch)
+    kernels = KernelConfig(backend="triton", triton_gemv=True)
+    with Engine.from_pretrained(path, kernels=kernels, parallel=ParallelConfig(tensor_parallel_size=2), **options) as engine:
+        ops = engine.runner.model.model.layers[0].mlp.ops
+        assert ops.backend == "triton" and engine.workers is not None
+        assert engine.generate(PROMPTS[:1], PARAMS)[0].token_ids == alone
+        assert all(calls[name] for name in ROUTER_OPS), calls
+        assert not any(calls[name] for name in calls if name not in ROUTER_OPS), calls
+        assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == batched

@@ -3,7 +3,9 @@
 Each rank is a process running the kernel under the Triton interpreter; the "GPU buffers" are CPU
 shared memory every process has mapped (at its own address, as CUDA IPC maps a peer's buffer), so
 the flag protocol runs for real: the ranks publish rows, signal each other with release/acquire
-atomics, wait, read every rank's row, and must all produce the reference's bits. The two-GPU run
+atomics, wait, read every rank's row, and must all produce the reference's bits. At world size 1
+the kernel is an add + RMSNorm and gives ``triton_norm.add_rms_norm``'s bits (under the
+interpreter here; at the real shapes on sm_90, with and without PDL, on a GPU). The two-GPU run
 (``benchmarks/sweeps/allreduce_bench.py``, ``test_gpu_engine``) checks the same kernel over NVLink.
 """
 
@@ -75,7 +77,9 @@ def _rank(rank: int, world: int, dtype: torch.dtype, iters: int, data: list, fla
 
 
 @pytest.mark.slow  # ranks in processes, under the Triton interpreter
-@pytest.mark.parametrize(("world", "dtype"), [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("world", "dtype"), [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16), (4, torch.float32), (8, torch.float32)]
+)
 def test_ranks_agree_with_the_reference_and_each_other(world: int, dtype: torch.dtype) -> None:
     iters = 12
     data = [torch.zeros(2 * HALF, dtype=dtype).share_memory_() for _ in range(world)]
@@ -98,6 +102,44 @@ def test_ranks_agree_with_the_reference_and_each_other(world: int, dtype: torch.
         tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(res, ref_res.float(), atol=tol, rtol=tol, msg=f"call {it}: reduced sum")
         torch.testing.assert_close(out, ref.float(), atol=tol, rtol=tol, msg=f"call {it}: normed")
+
+
+def _one_rank_matches_add_rms_norm(device: torch.device, dim: int, rows: tuple[int, ...], pdl: bool) -> None:
+    """At world size 1 the kernel is an add + RMSNorm: the same bits as ``triton_norm.add_rms_norm``
+    (fp32 and bf16, with and without a residual), its buffer and flags laid out by ``OneShotAllReduce``."""
+    from phloem.engine.parallel import one_shot_allreduce as one_shot
+    from phloem.kernels.norm.triton_norm import add_rms_norm
+
+    buffer = torch.zeros(2 * one_shot.HALF_BYTES + 8 * one_shot.MAX_ROWS * 8, dtype=torch.uint8, device=device)
+    shot = one_shot.OneShotAllReduce(0, [buffer.data_ptr()], device, lambda: None, pdl=pdl)
+    gen = torch.Generator().manual_seed(dim)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in rows:
+            x, residual = (torch.randn(n, dim, generator=gen).to(device, dtype) for _ in range(2))
+            weight = (torch.randn(dim, generator=gen) * 0.2).to(device, dtype)
+            for res in (residual, None):
+                out, summed = shot.add_rms_norm(x.clone(), res, weight, EPS)
+                ref, ref_sum = add_rms_norm(x, res, weight, EPS)
+                assert torch.equal(summed, ref_sum), (dtype, n, res is None)
+                assert torch.equal(out, ref), (dtype, n, res is None)
+    assert shot.epochs[: max(rows)].min() > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's case (CPU machines)")
+def test_one_rank_is_add_rms_norm_bit_for_bit() -> None:
+    _one_rank_matches_add_rms_norm(torch.device("cpu"), D, (2,), pdl=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_one_rank_is_add_rms_norm_bit_for_bit_on_gpu(pdl: bool) -> None:
+    """The real hidden sizes (35B-A3B: 2048, 397B-A17B: 4096) at decode batch sizes, on sm_90 with
+    and without PDL."""
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90")
+    for dim in (2048, 4096):
+        _one_rank_matches_add_rms_norm(torch.device("cuda"), dim, (1, 2, 7, 64, 128), pdl)
 
 
 def test_a_call_larger_than_the_buffer_is_refused() -> None:
@@ -141,6 +183,11 @@ def _group_rank(rank: int, port: int, data: list, queue: object) -> None:
             used.append(bool((shot.epochs != before).any()))
             ref, ref_res = all_reduce_add_rms_norm(parts, residual, weight, EPS)
             worst = max(worst, (out - ref).abs().max().item(), (res - ref_res).abs().max().item())
+            # The fused one-token path's operands: the op whose prologue is the norm gets its bits.
+            x, r = group.reduce_norm_operands(parts[rank].clone(), residual, weight, EPS)
+            fused = add_rms_norm(x, r, weight, EPS)
+            assert r is None or rows > one_shot.MAX_ROWS, "the one-shot kernel adds the residual"
+            assert torch.equal(fused[0], out) and torch.equal(fused[1], res), f"call {it}: operands"
         group.shutdown()
         queue.put((rank, checked, worst, used))  # type: ignore[attr-defined]
     except BaseException as exc:
@@ -151,7 +198,8 @@ def _group_rank(rank: int, port: int, data: list, queue: object) -> None:
 def test_tp_group_takes_the_one_shot_kernel_for_calls_that_fit() -> None:
     """``TPGroup.all_reduce_add_rms_norm`` over a gloo group with one-shot buffers attached (CPU
     shared memory standing in for the IPC-mapped GPU buffers): the self-check passes, calls of at
-    most ``MAX_ROWS`` rows take the kernel, a larger one the process group, all give the reference."""
+    most ``MAX_ROWS`` rows take the kernel, a larger one the process group, all give the reference;
+    ``reduce_norm_operands`` (the fused one-token path) hands the norm the operands of those bits."""
     from phloem.engine.parallel import one_shot_allreduce as one_shot
 
     size = 2 * one_shot.HALF_BYTES + 8 * one_shot.MAX_ROWS * 8

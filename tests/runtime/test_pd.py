@@ -237,7 +237,28 @@ def test_tensor_parallel_on_either_side_equals_one_process(model: Path, side: st
     computed) or on the decode side (the TP=1-layout state installed into both ranks' parts):
     fresh prompts and a conversation's later turns equal a colocated TP=1 engine, nothing leaks."""
     tp2 = dataclasses.replace(CONFIG, parallel=ParallelConfig(tensor_parallel_size=2))
-    prefill_engine = Engine.from_pretrained(model, tp2 if side == "prefill" else CONFIG)
+    check_pd_equals_one_process(model, tp2 if side == "prefill" else CONFIG, tp2 if side == "decode" else CONFIG)
+
+
+@pytest.mark.slow  # a prefill-decode pair of tensor-parallel engines
+@pytest.mark.parametrize("sizes", [(4, 2), (2, 4)], ids=["prefill-tp4-decode-tp2", "prefill-tp2-decode-tp4"])
+def test_tensor_parallel_on_both_sides_of_other_sizes_equals_one_process(
+    tiny_checkpoint: Callable[..., Path], sizes: tuple[int, int]
+) -> None:
+    """Both sides tensor-parallel, at different sizes (the wide model: 4 KV heads split at TP=4,
+    two a rank at TP=2): the state crosses in the TP=1 layout, gathered from one group's ranks and
+    scattered to the other's."""
+    model = tiny_checkpoint(ARCH, num_layers=8, wide=True)
+    prefill, decode = (dataclasses.replace(CONFIG, parallel=ParallelConfig(tensor_parallel_size=n)) for n in sizes)
+    check_pd_equals_one_process(model, prefill, decode)
+
+
+def check_pd_equals_one_process(model: Path, prefill_config: EngineConfig, decode_config: EngineConfig) -> None:
+    """A prefill worker on ``prefill_config`` in this process and a decode client on ``decode_config``
+    against a colocated TP=1 engine: fresh prompts (one chunked) and two turns of a conversation
+    (the later one hitting the prefill side's checkpoint) give its tokens; no page or slot leaks
+    on either side."""
+    prefill_engine = Engine.from_pretrained(model, prefill_config)
     worker = PrefillWorker(prefill_engine, PDConfig(role="prefill", peer="127.0.0.1:0"))
     try:
         with serving(worker) as listener:
@@ -246,8 +267,7 @@ def test_tensor_parallel_on_either_side_equals_one_process(model: Path, side: st
                 async with EngineClient(Engine.from_pretrained(model, CONFIG)) as ref:
                     config = PDConfig(role="decode", peer=f"127.0.0.1:{listener.port}", timeout_s=20,
                                       connect_timeout_s=5, local_prefill_tokens=0)  # fmt: skip
-                    decode_engine = Engine.from_pretrained(model, tp2 if side == "decode" else CONFIG)
-                    async with PDEngineClient(decode_engine, config) as client:
+                    async with PDEngineClient(Engine.from_pretrained(model, decode_config), config) as client:
                         for n in (7, 45):
                             await both(ref, client, tokens(n, 70 + n))
                         history, previous = tokens(37, 2), 0
