@@ -51,11 +51,12 @@ from phloem.engine.config import ModelConfig, SpeculativeConfig
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.model_runner import ModelRunner
 from phloem.engine.models.mtp import mtp_forward, mtp_kv_layers
-from phloem.engine.request import Request
+from phloem.engine.request import Request, TokenLogprob
+from phloem.engine.sampling.draft_sampler import DraftSampler
 from phloem.engine.scheduler import SchedulerOutput
 from phloem.engine.step_plan import StepInputs
 
-__all__ = ["MTPSpeculator", "SpeculationStats", "extra_kv_layers"]
+__all__ = ["MTPSpeculator", "SpeculationStats", "SpeculativeStep", "extra_kv_layers", "token_logprobs"]
 
 
 @dataclass(slots=True)
@@ -74,16 +75,40 @@ class SpeculationStats:
         return self.emitted_tokens / self.request_steps if self.request_steps else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class SpeculativeStep:
+    """What a speculative step emitted: each request's tokens in order, and their
+    log-probabilities for the requests that asked (from the verify's logits)."""
+
+    tokens: dict[str, list[int]]
+    logprobs: dict[str, tuple[TokenLogprob, ...]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: int) -> tuple[TokenLogprob, ...]:
+    """Each token's log-probability and ``num_top`` alternatives from its row of the model's
+    ``logits`` ``[len(tokens), V]``: what the plain step reports (``StepProcessing.logprobs``)."""
+    lp = logits.float().log_softmax(dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
+    top = lp.topk(num_top, dim=-1) if num_top else None
+    values = top.values.tolist() if top is not None else [[] for _ in tokens]
+    ids = top.indices.tolist() if top is not None else [[] for _ in tokens]
+    return tuple(
+        TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids, values)
+    )
+
+
 def extra_kv_layers(spec: SpeculativeConfig, model_config: ModelConfig) -> int:
     """KV layers the page pool needs past the trunk's: the MTP layer's when it drafts."""
     return mtp_kv_layers(model_config) - len(model_config.full_attention_layers) if spec.uses_mtp else 0
 
 
 def eligible(req: Request) -> bool:
-    """Whether ``req``'s next decode step may speculate (greedy, unconstrained, no logprobs)."""
+    """Whether ``req``'s next decode step may speculate: greedy or sampled, with or without a
+    grammar or logprobs; not with penalties, a logit bias or ``min_tokens`` (their logits change
+    with every drafted token), nor finalizing."""
     p = req.params
     return (
-        p.is_greedy and not p.processes_logits and p.logprobs is None and req.grammar is None
+        not p.has_penalties and not p.logit_bias and p.min_tokens == 0
         and not req.finalizing and not req.prefill_only and req.has_state
         and req.num_computed_tokens == req.num_tokens - 1
     )  # fmt: skip
@@ -196,17 +221,14 @@ class MTPSpeculator:
         hidden = torch.cat([h for _, _, h in rows])
         return mtp_forward(self.model, batch.input_ids, hidden, batch, self.runner.caches)
 
-    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.compute_logits(hidden)
-        return logits.argmax(dim=-1)  # as the plain sampler's greedy rows
-
     # --- speculative steps ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def try_step(self, sched: SchedulerOutput) -> dict[str, list[int]] | None:
-        """Run ``sched`` (a decode step) speculatively: each request's accepted tokens (the
-        target's greedy tokens, cut at a stop), with the GDN state and KV at the last one's
-        position. None (nothing run) when the step is not eligible; then run it plain."""
+    def try_step(self, sched: SchedulerOutput) -> SpeculativeStep | None:
+        """Run ``sched`` (a decode step) speculatively: each request's emitted tokens (decided as
+        the plain sampler would: ``engine.sampling.draft_sampler``, cut at a stop), with the GDN
+        state and KV at the last one's position. None (nothing run) when the step is not
+        eligible; then run it plain."""
         reqs = sched.requests
         if sched.kind != "decode" or not reqs or not all(eligible(r) for r in reqs):
             return None
@@ -216,7 +238,8 @@ class MTPSpeculator:
         # Pages for the verify's positions p..p+k (the scheduler reserved p's).
         if not all(self.cache.allocate_pages(r, k + 1) for r in reqs):
             return None
-        drafts = self._draft(reqs, k)
+        sampler = DraftSampler(reqs, k, self.model_config.vocab_size, self.runner.default_generator, self.runner.device)
+        drafts = self._draft(reqs, k, sampler)
         caches = self.runner.caches
         read = torch.tensor([r.read_slot if r.read_slot is not None else r.write_slot for r in reqs])
         write = torch.tensor([r.write_slot for r in reqs])
@@ -228,17 +251,18 @@ class MTPSpeculator:
         )
         batch = self.runner.build_batch(verify)
         hidden = self.model.forward(batch, caches)
-        target = self._greedy(hidden).view(len(reqs), k + 1).tolist()
-        runs: dict[str, list[int]] = {}
+        logits = self.model.compute_logits(hidden)
+        emitted = sampler.accept(logits)
+        out = SpeculativeStep({}, {})
         redo: list[tuple[Request, int, list[int]]] = []
         redo_rows: list[int] = []
-        for i, (req, d, g) in enumerate(zip(reqs, drafts, target)):
-            n = 0
-            while n < k and d[n] == g[n]:
-                n += 1
-            tokens = self._cut(req, g[: n + 1])
+        for i, (req, d, run) in enumerate(zip(reqs, drafts, emitted)):
+            tokens = self._cut(req, run)
             n = len(tokens) - 1
-            runs[req.request_id] = tokens
+            out.tokens[req.request_id] = tokens
+            if req.params.logprobs is not None:
+                out.logprobs[req.request_id] = token_logprobs(logits[i * (k + 1) : i * (k + 1) + n + 1], tokens,
+                                                              req.params.logprobs)
             p = req.num_computed_tokens
             self.pending[req.request_id] = (hidden[i * (k + 1) : i * (k + 1) + n + 1].clone(), p)
             if n < k:
@@ -251,12 +275,12 @@ class MTPSpeculator:
             self.model.forward(self.runner.build_batch(self._inputs(redo)), caches)
         self.stats.steps += 1
         self.stats.request_steps += len(reqs)
-        self.stats.emitted_tokens += sum(len(t) for t in runs.values())
-        return runs
+        self.stats.emitted_tokens += sum(len(t) for t in out.tokens.values())
+        return out
 
-    def _draft(self, reqs: tuple[Request, ...], k: int) -> list[list[int]]:
-        """``k`` greedy MTP drafts per request (its last token repeated where it has no pending rows)."""
-        drafts = [[r.all_token_ids[-1]] * k for r in reqs]
+    def _draft(self, reqs: tuple[Request, ...], k: int, sampler: DraftSampler) -> list[list[int]]:
+        """``k`` MTP drafts per request, picked by ``sampler`` (its last token repeated where it
+        has no pending rows)."""
         rows: list[tuple[Request, int, torch.Tensor]] = []
         which: list[int] = []
         for i, req in enumerate(reqs):
@@ -264,34 +288,40 @@ class MTPSpeculator:
             if pend is not None and pend[1] + pend[0].shape[0] == req.num_computed_tokens:
                 rows.append((req, pend[1], pend[0]))
                 which.append(i)
-        if not rows:
-            return drafts
-        h = self._mtp_rows(rows)
-        last = torch.tensor([0, *(h.shape[0] for _, _, h in rows)]).cumsum(0)[1:] - 1
-        h = h[last]
+        h: torch.Tensor | None = None
+        if rows:
+            h = self._mtp_rows(rows)
+            last = torch.tensor([0, *(h.shape[0] for _, _, h in rows)]).cumsum(0)[1:] - 1
+            h = h[last]
         chosen = [reqs[i] for i in which]
-        out: list[list[int]] = [[] for _ in chosen]
         for step in range(k):
-            token = self._greedy(h)
-            for j, t in enumerate(token.tolist()):
-                out[j].append(t)
-            if step + 1 == k:
-                break
+            token = sampler.draft(step, which, self.model.compute_logits(h) if h is not None else None)
+            if step + 1 == k or h is None:
+                continue
             # The draft of step ``step`` at the position after the one ``h`` is at.
             pos = [r.num_computed_tokens + step for r in chosen]
-            last_drafts = [o[-1] for o in out]
+            last_drafts = [token[i] for i in which]
             batch = self.runner.build_batch(self._inputs([(r, q, [t]) for r, q, t in zip(chosen, pos, last_drafts)]))
             h = mtp_forward(self.model, batch.input_ids, h, batch, self.runner.caches)
-        for j, i in enumerate(which):
-            drafts[i] = out[j]
-        return drafts
+        sampler.finish_drafts()
+        return sampler.drafts
 
     def _cut(self, req: Request, tokens: list[int]) -> list[int]:
-        """``tokens`` up to and including the first one a plain run would stop at."""
+        """``tokens`` up to and including the first one a plain run would stop at (a stop token,
+        the length limit, the token that completes the request's grammar)."""
         params, eos = req.params, self.model_config.eos_token_ids
+        grammar, fed = req.grammar, 0
+        cut = tokens
         for j, t in enumerate(tokens):
-            if t in params.stop_token_ids or (not params.ignore_eos and t in eos):
-                return tokens[: j + 1]
-            if req.reaches_length(self.max_model_len, j + 1):
-                return tokens[: j + 1]
-        return tokens
+            if grammar is not None:
+                assert grammar.accept(t), f"request {req.request_id}: emitted {t} outside its grammar"
+                fed += 1
+            if (
+                t in params.stop_token_ids or (not params.ignore_eos and t in eos)
+                or (grammar is not None and grammar.is_terminated) or req.reaches_length(self.max_model_len, j + 1)
+            ):  # fmt: skip
+                cut = tokens[: j + 1]
+                break
+        if grammar is not None:
+            grammar.rollback(fed)
+        return cut
