@@ -440,11 +440,12 @@ class SpeculativeConfig:
         num_draft_tokens: draft tokens per step, 1 to ``MAX_DRAFT_TOKENS`` (the MTP layer run
             recursively); 0 when off.
 
-    With ``"mtp"`` the synchronous engine loop drafts ``num_draft_tokens`` tokens a step for
-    greedy requests and verifies them in one forward (``engine.speculative``): the output is
-    the plain greedy output, token for token. Other requests (sampled, grammar, logprobs,
-    penalties) run plain steps. For now: CPU / torch-reference attention, TP=1, and async
-    scheduling is turned off.
+    With ``"mtp"`` the synchronous engine loop drafts ``num_draft_tokens`` tokens a step and
+    verifies them in one forward (``engine.speculative``): greedy and seeded requests get their
+    plain tokens, token for token, unseeded sampled requests tokens of the plain distribution
+    (rejection sampling), with or without a grammar or logprobs. Requests with penalties, a logit
+    bias or ``min_tokens`` run plain steps. For now: CPU / torch-reference attention, TP=1, and
+    async scheduling is turned off.
     """
 
     method: str | None = None

@@ -1,23 +1,28 @@
-"""Speculative decoding with the checkpoint's MTP layer: greedy requests, synchronous loop, eager.
+"""Speculative decoding with the checkpoint's MTP layer: synchronous loop, eager.
 
-A speculative step replaces a plain decode step when every request of it is *eligible* (greedy,
-no grammar, no logprobs, no logits processing, not finalizing); any other step runs plain, so
-requests that are not eligible never see speculation (the fallback is per step). For each
-request at position ``p`` (its last token ``x[p]`` not yet computed):
+A speculative step replaces a plain decode step when every request of it is *eligible*: greedy
+or sampled, seeded or not, with or without a grammar or logprobs; not with penalties, a logit
+bias or ``min_tokens`` (their logits change with every drafted token), nor finalizing. Any other
+step runs plain, so requests that are not eligible never see speculation (the fallback is per
+step). Every token is decided as the plain sampler would decide it
+(``engine.sampling.draft_sampler``: exact match for greedy requests, the standard
+rejection-sampling rule for unseeded sampled ones, the plain sampler's own draws for seeded
+ones, each row masked by the request's grammar). For each request at position ``p`` (its last
+token ``x[p]`` not yet computed):
 
 1. **Draft.** The MTP layer first catches up over the request's *pending rows*: the trunk's
    final hidden states of the positions it has computed whose next token was unknown when they
    were computed (the last row of a step), now known. That writes the MTP layer's KV at those
    positions (the MTP KV has no gaps) and its last row drafts ``d1``; ``d2..dk`` come from the
-   MTP layer run recursively one token at a time (``engine.models.mtp``). A request with no
-   valid pending rows (never expected on this path) drafts its last token ``k`` times: correct,
-   just never accepted.
+   MTP layer run recursively one token at a time (``engine.models.mtp``), each picked by the
+   request's rule under its grammar. A request with no valid pending rows (never expected on
+   this path) drafts its last token ``k`` times: correct, rarely accepted.
 2. **Verify.** One trunk forward over ``[x[p], d1..dk]`` at ``p..p+k`` per request (a small
-   prefill chunk from the request's state), logits of every row; ``g[i]`` = each row's argmax,
-   as the plain greedy sampler takes it.
-3. **Accept** the longest prefix with ``d[i+1] == g[i]`` plus the target's next token:
-   ``g[0..n]``. A stop token, ``max_tokens`` or the context limit inside that run cuts it there
-   (``n`` shrinks), so the request's counters end exactly where a plain run's would.
+   prefill chunk from the request's state), logits of every row.
+3. **Accept** ``d1..dn`` and one more token ``t`` by the request's rule. A stop token,
+   ``max_tokens``, the context limit or the end of its grammar inside that run cuts it there
+   (``n`` shrinks), so the request's counters end exactly where a plain run's would. Requests
+   asking for logprobs get those of the verify's rows of the emitted tokens.
 4. **Roll back** (when ``n < k``): the GDN state the verify left in the write slot is past the
    accepted position. The state read before the verify was snapshotted (a copy of the request's
    conv and recurrent states); it is written back into the write slot and the trunk reruns over
