@@ -40,6 +40,9 @@ from phloem.engine.sampling.sampler import filtered_probs
 
 __all__ = ["DraftSampler"]
 
+# Per request: drafts accepted [B], the token emitted after them [B].
+Decision = tuple[torch.Tensor, torch.Tensor]
+
 
 class DraftSampler:
     """Sampling state of one speculative step over ``reqs`` drafting ``k`` tokens each.
@@ -73,7 +76,9 @@ class DraftSampler:
         self.live = {i: True for i in self.grammar}
         self.num_fed = dict.fromkeys(self.grammar, 0)
         # Row i * (k + 1) + j: request i's mask after its first j drafts (all ones: unmasked).
-        self.bitmask = torch.full((b * (k + 1), bitmask_width(vocab_size)), -1, dtype=torch.int32)
+        self.bitmask: torch.Tensor | None = None
+        if self.grammar:
+            self.bitmask = torch.full((b * (k + 1), bitmask_width(vocab_size)), -1, dtype=torch.int32)
 
     def _draw_coupled_noise(self) -> None:
         self.noise = torch.ones((len(self.reqs), self.k + 1, self.vocab_size), device=self.device)
@@ -130,7 +135,7 @@ class DraftSampler:
 
     def _fill(self, i: int, j: int) -> None:
         matcher = self.reqs[i].grammar
-        if self.live[i] and matcher is not None:
+        if self.live[i] and matcher is not None and self.bitmask is not None:
             matcher.fill(self.bitmask, i * (self.k + 1) + j)
 
     def _feed(self, i: int, token: int) -> None:
@@ -154,7 +159,7 @@ class DraftSampler:
 
     def _masked(self, logits: torch.Tensor, mask_rows: list[int]) -> torch.Tensor:
         """``logits`` (fp32, one row per entry of ``mask_rows``) with those masks applied."""
-        if not self.grammar:
+        if self.bitmask is None:
             return logits
         words = to_device(self.bitmask[mask_rows], logits.device)
         return logits.masked_fill(~unpack_bitmask(words, self.vocab_size), float("-inf"))
@@ -187,15 +192,15 @@ class DraftSampler:
         params = [self.reqs[i].params for i in rows for _ in range(self.k + 1)]
         return filtered_probs(logits.flatten(0, 1), params).view(logits.shape)
 
-    def _greedy(self, rows: list[int], logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _greedy(self, rows: list[int], logits: torch.Tensor, drafts: torch.Tensor) -> Decision:
         return accept_greedy(logits, drafts)
 
-    def _coupled(self, rows: list[int], logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _coupled(self, rows: list[int], logits: torch.Tensor, drafts: torch.Tensor) -> Decision:
         assert self.noise is not None
         idx = to_device(torch.tensor(rows), logits.device)
         return accept_coupled(self._probs(rows, logits), drafts, self.noise[idx])
 
-    def _standard(self, rows: list[int], logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _standard(self, rows: list[int], logits: torch.Tensor, drafts: torch.Tensor) -> Decision:
         assert self.q is not None
         gen, dev = self.default_generator, logits.device
         uniform = torch.stack([torch.rand(self.k, device=dev, generator=gen) for _ in rows])

@@ -101,7 +101,9 @@ def test_standard_rule_samples_the_target_distribution(k: int, placeholder: bool
     assert _p_value(plain) > 1e-3  # the test itself accepts the plain sampler
 
 
-@pytest.mark.parametrize("wrong", [_accept_every_draft, _resample_from_p], ids=["accept-every-draft", "resample-from-p"])
+@pytest.mark.parametrize(
+    "wrong", [_accept_every_draft, _resample_from_p], ids=["accept-every-draft", "resample-from-p"]
+)
 def test_a_wrong_rule_fails_the_distribution_test(wrong: Rule) -> None:
     gen = torch.Generator().manual_seed(7)
     assert _p_value(_speculate(wrong, 2, gen)) < 1e-30
