@@ -130,9 +130,9 @@ SERVE: tuple[Flag, ...] = (
          "read each step's sampled ids before preparing the next step (default: the next decode step is "
          "queued while the device runs the current one)", kind="negate"),
     Flag("--speculative", "engine.speculative",
-         "speculative decoding: mtp:K drafts K tokens a step (1-4) with the model's MTP layer for greedy "
-         "requests, same tokens as without; for now on the torch reference attention (CPU) only, and it "
-         "turns async scheduling off", metavar="mtp:K", default_text="off", convert=SpeculativeConfig.parse),
+         "speculative decoding: mtp:K drafts K tokens a step (1-4) with the model's MTP layer; greedy and "
+         "seeded requests get the same tokens as without, unseeded sampled ones the same distribution; "
+         "for now on the torch reference attention (CPU) only, and it turns async scheduling off", metavar="mtp:K", default_text="off", convert=SpeculativeConfig.parse),
     Flag("--speculative-max-verify-tokens", "engine.speculative.max_verify_tokens",
          "with --speculative mtp:K: a decode step of more than N / (K + 1) requests runs plain (the verify "
          "of batch x (K + 1) tokens would no longer be bandwidth-bound)", metavar="N", type=int),

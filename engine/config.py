@@ -452,12 +452,13 @@ class SpeculativeConfig:
             + 1): a decode step of more requests than ``max_batch_size`` runs plain.
             ``DEFAULT_MAX_VERIFY_TOKENS`` (the arithmetic is there) until a device measures it.
 
-    With ``"mtp"`` the synchronous engine loop drafts ``num_draft_tokens`` tokens a step for
-    greedy requests and verifies them in one forward (``engine.speculative``): the output is
-    the plain greedy output, token for token. Other requests (sampled, grammar, logprobs,
-    penalties) run plain steps. Under tensor parallelism every rank drafts, verifies and rolls
-    back alongside rank 0. For now: CPU / torch-reference attention, and async scheduling is
-    turned off.
+    With ``"mtp"`` the synchronous engine loop drafts ``num_draft_tokens`` tokens a step and
+    verifies them in one forward (``engine.speculative``): greedy and seeded requests get their
+    plain tokens, token for token, unseeded sampled requests tokens of the plain distribution
+    (rejection sampling), with or without a grammar or logprobs. Requests with penalties, a logit
+    bias or ``min_tokens`` run plain steps. Under tensor parallelism every rank drafts, verifies
+    and rolls back alongside rank 0. For now: CPU / torch-reference attention, and async
+    scheduling is turned off.
     """
 
     method: str | None = None

@@ -301,10 +301,10 @@ class Engine(PrefixOps):
             if sched.is_empty:
                 return outputs
             if self.speculator is not None:
-                runs = self.speculator.try_step(sched)
-                if runs is not None:
+                spec = self.speculator.try_step(sched)
+                if spec is not None:
                     self.last_step_kind = sched.kind
-                    return outputs + self._outputs.apply_runs(sched, runs)
+                    return outputs + self._outputs.apply_runs(sched, spec.tokens, spec.logprobs)
                 self.speculator.before_plain_step(sched, self.scheduler.running)
             launched = self.runner.launch(sched)
         self.last_step_kind = launched.sched.kind

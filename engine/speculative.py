@@ -1,23 +1,28 @@
-"""Speculative decoding with the checkpoint's MTP layer: greedy requests, synchronous loop, eager.
+"""Speculative decoding with the checkpoint's MTP layer: synchronous loop, eager.
 
-A speculative step replaces a plain decode step when every request of it is *eligible* (greedy,
-no grammar, no logprobs, no logits processing, not finalizing); any other step runs plain, so
-requests that are not eligible never see speculation (the fallback is per step). For each
-request at position ``p`` (its last token ``x[p]`` not yet computed):
+A speculative step replaces a plain decode step when every request of it is *eligible*: greedy
+or sampled, seeded or not, with or without a grammar or logprobs; not with penalties, a logit
+bias or ``min_tokens`` (their logits change with every drafted token), nor finalizing. Any other
+step runs plain, so requests that are not eligible never see speculation (the fallback is per
+step). Every token is decided as the plain sampler would decide it
+(``engine.sampling.draft_sampler``: exact match for greedy requests, the standard
+rejection-sampling rule for unseeded sampled ones, the plain sampler's own draws for seeded
+ones, each row masked by the request's grammar). For each request at position ``p`` (its last
+token ``x[p]`` not yet computed):
 
 1. **Draft.** The MTP layer first catches up over the request's *pending rows*: the trunk's
    final hidden states of the positions it has computed whose next token was unknown when they
    were computed (the last row of a step), now known. That writes the MTP layer's KV at those
    positions (the MTP KV has no gaps) and its last row drafts ``d1``; ``d2..dk`` come from the
-   MTP layer run recursively one token at a time (``engine.models.mtp``). A request with no
-   valid pending rows (never expected on this path) drafts its last token ``k`` times: correct,
-   just never accepted.
+   MTP layer run recursively one token at a time (``engine.models.mtp``), each picked by the
+   request's rule under its grammar. A request with no valid pending rows (never expected on
+   this path) drafts its last token ``k`` times: correct, rarely accepted.
 2. **Verify.** One trunk forward over ``[x[p], d1..dk]`` at ``p..p+k`` per request (a small
-   prefill chunk from the request's state), logits of every row; ``g[i]`` = each row's argmax,
-   as the plain greedy sampler takes it.
-3. **Accept** the longest prefix with ``d[i+1] == g[i]`` plus the target's next token:
-   ``g[0..n]``. A stop token, ``max_tokens`` or the context limit inside that run cuts it there
-   (``n`` shrinks), so the request's counters end exactly where a plain run's would.
+   prefill chunk from the request's state), logits of every row.
+3. **Accept** ``d1..dn`` and one more token ``t`` by the request's rule. A stop token,
+   ``max_tokens``, the context limit or the end of its grammar inside that run cuts it there
+   (``n`` shrinks), so the request's counters end exactly where a plain run's would. Requests
+   asking for logprobs get those of the verify's rows of the emitted tokens.
 4. **Roll back** (when ``n < k``): the GDN state the verify left in the write slot is past the
    accepted position. The state read before the verify was snapshotted (a copy of the request's
    conv and recurrent states); it is written back into the write slot and the trunk reruns over
@@ -54,12 +59,13 @@ from phloem.engine.config import MAX_DRAFT_TOKENS, ModelConfig, SpeculativeConfi
 from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.model_runner import ModelRunner
 from phloem.engine.models.mtp import mtp_kv_layers
-from phloem.engine.request import Request
+from phloem.engine.request import Request, TokenLogprob
+from phloem.engine.sampling.draft_sampler import DraftSampler
 from phloem.engine.scheduler import SchedulerOutput
 from phloem.engine.speculative_ranks import SpeculativeRanks
 from phloem.engine.step_plan import StepInputs
 
-__all__ = ["MTPSpeculator", "SpeculationStats", "extra_kv_layers"]
+__all__ = ["MTPSpeculator", "SpeculationStats", "SpeculativeStep", "extra_kv_layers", "token_logprobs"]
 
 
 @dataclass(slots=True)
@@ -106,16 +112,40 @@ class SpeculationStats:
         return replace(self, emitted_lengths=list(self.emitted_lengths))
 
 
+@dataclass(frozen=True, slots=True)
+class SpeculativeStep:
+    """What a speculative step emitted: each request's tokens in order, and their
+    log-probabilities for the requests that asked (from the verify's logits)."""
+
+    tokens: dict[str, list[int]]
+    logprobs: dict[str, tuple[TokenLogprob, ...]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: int) -> tuple[TokenLogprob, ...]:
+    """Each token's log-probability and ``num_top`` alternatives from its row of the model's
+    ``logits`` ``[len(tokens), V]``: what the plain step reports (``StepProcessing.logprobs``)."""
+    lp = logits.float().log_softmax(dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
+    top = lp.topk(num_top, dim=-1) if num_top else None
+    values = top.values.tolist() if top is not None else [[] for _ in tokens]
+    ids = top.indices.tolist() if top is not None else [[] for _ in tokens]
+    return tuple(
+        TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids, values)
+    )
+
+
 def extra_kv_layers(spec: SpeculativeConfig, model_config: ModelConfig) -> int:
     """KV layers the page pool needs past the trunk's: the MTP layer's when it drafts."""
     return mtp_kv_layers(model_config) - len(model_config.full_attention_layers) if spec.uses_mtp else 0
 
 
 def eligible(req: Request) -> bool:
-    """Whether ``req``'s next decode step may speculate (greedy, unconstrained, no logprobs)."""
+    """Whether ``req``'s next decode step may speculate: greedy or sampled, with or without a
+    grammar or logprobs; not with penalties, a logit bias or ``min_tokens`` (their logits change
+    with every drafted token), nor finalizing."""
     p = req.params
     return (
-        p.is_greedy and not p.processes_logits and p.logprobs is None and req.grammar is None
+        not p.has_penalties and not p.logit_bias and p.min_tokens == 0
         and not req.finalizing and not req.prefill_only and req.has_state
         and req.num_computed_tokens == req.num_tokens - 1
     )  # fmt: skip
@@ -229,17 +259,14 @@ class MTPSpeculator:
         spec = [(req, pos0, req.all_token_ids[pos0 + 1 : pos0 + 1 + h.shape[0]]) for req, pos0, h in rows]
         return self.ranks.mtp(self._inputs(spec), torch.cat([h for _, _, h in rows]))
 
-    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.ranks.logits(hidden)
-        return logits.argmax(dim=-1)  # as the plain sampler's greedy rows
-
     # --- speculative steps ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def try_step(self, sched: SchedulerOutput) -> dict[str, list[int]] | None:
-        """Run ``sched`` (a decode step) speculatively: each request's accepted tokens (the
-        target's greedy tokens, cut at a stop), with the GDN state and KV at the last one's
-        position. None (nothing run) when the step is not eligible; then run it plain."""
+    def try_step(self, sched: SchedulerOutput) -> SpeculativeStep | None:
+        """Run ``sched`` (a decode step) speculatively: each request's emitted tokens (decided as
+        the plain sampler would: ``engine.sampling.draft_sampler``, cut at a stop), with the GDN
+        state and KV at the last one's position. None (nothing run) when the step is not
+        eligible; then run it plain."""
         reqs = sched.requests
         if sched.kind != "decode" or not reqs or not all(eligible(r) for r in reqs):
             return None
@@ -252,7 +279,8 @@ class MTPSpeculator:
         # Pages for the verify's positions p..p+k (the scheduler reserved p's).
         if not all(self.cache.allocate_pages(r, k + 1) for r in reqs):
             return None
-        drafts = self._draft(reqs, k)
+        sampler = DraftSampler(reqs, k, self.model_config.vocab_size, self.runner.default_generator, self.runner.device)
+        drafts = self._draft(reqs, k, sampler)
         read = [r.read_slot if r.read_slot is not None else r.write_slot for r in reqs]
         self.ranks.snapshot(read)
         verify = self._inputs([(r, r.num_computed_tokens, [r.all_token_ids[-1], *d]) for r, d in zip(reqs, drafts)])
@@ -261,17 +289,18 @@ class MTPSpeculator:
             read, verify.write_slots, verify.has_state, verify.query_lens, verify.page_ids, [],
         )
         hidden = self.ranks.trunk(verify)
-        target = self._greedy(hidden).view(len(reqs), k + 1).tolist()
-        runs: dict[str, list[int]] = {}
+        logits = self.ranks.logits(hidden)
+        emitted = sampler.accept(logits)
+        out = SpeculativeStep({}, {})
         redo: list[tuple[Request, int, list[int]]] = []
         redo_rows: list[int] = []
-        for i, (req, d, g) in enumerate(zip(reqs, drafts, target)):
-            n = 0
-            while n < k and d[n] == g[n]:
-                n += 1
-            tokens = self._cut(req, g[: n + 1])
+        for i, (req, d, run) in enumerate(zip(reqs, drafts, emitted)):
+            tokens = self._cut(req, run)
             n = len(tokens) - 1
-            runs[req.request_id] = tokens
+            out.tokens[req.request_id] = tokens
+            if req.params.logprobs is not None:
+                out.logprobs[req.request_id] = token_logprobs(logits[i * (k + 1) : i * (k + 1) + n + 1], tokens,
+                                                              req.params.logprobs)
             p = req.num_computed_tokens
             self.pending[req.request_id] = (hidden[i * (k + 1) : i * (k + 1) + n + 1].clone(), p)
             if n < k:
@@ -280,12 +309,12 @@ class MTPSpeculator:
         if redo:
             self.ranks.restore(redo_rows, [reqs[i].write_slot for i in redo_rows])  # type: ignore[misc]
             self.ranks.trunk(self._inputs(redo))
-        self.stats.record([len(t) for t in runs.values()], len(reqs) * k)
-        return runs
+        self.stats.record([len(t) for t in out.tokens.values()], len(reqs) * k)
+        return out
 
-    def _draft(self, reqs: tuple[Request, ...], k: int) -> list[list[int]]:
-        """``k`` greedy MTP drafts per request (its last token repeated where it has no pending rows)."""
-        drafts = [[r.all_token_ids[-1]] * k for r in reqs]
+    def _draft(self, reqs: tuple[Request, ...], k: int, sampler: DraftSampler) -> list[list[int]]:
+        """``k`` MTP drafts per request, picked by ``sampler`` (its last token repeated where it
+        has no pending rows)."""
         rows: list[tuple[Request, int, torch.Tensor]] = []
         which: list[int] = []
         for i, req in enumerate(reqs):
@@ -293,33 +322,39 @@ class MTPSpeculator:
             if pend is not None and pend[1] + pend[0].shape[0] == req.num_computed_tokens:
                 rows.append((req, pend[1], pend[0]))
                 which.append(i)
-        if not rows:
-            return drafts
-        h = self._mtp_rows(rows)
-        last = torch.tensor([0, *(h.shape[0] for _, _, h in rows)]).cumsum(0)[1:] - 1
-        h = h[last]
+        h: torch.Tensor | None = None
+        if rows:
+            h = self._mtp_rows(rows)
+            last = torch.tensor([0, *(h.shape[0] for _, _, h in rows)]).cumsum(0)[1:] - 1
+            h = h[last]
         chosen = [reqs[i] for i in which]
-        out: list[list[int]] = [[] for _ in chosen]
         for step in range(k):
-            token = self._greedy(h)
-            for j, t in enumerate(token.tolist()):
-                out[j].append(t)
-            if step + 1 == k:
-                break
+            token = sampler.draft(step, which, self.ranks.logits(h) if h is not None else None)
+            if step + 1 == k or h is None:
+                continue
             # The draft of step ``step`` at the position after the one ``h`` is at.
             pos = [r.num_computed_tokens + step for r in chosen]
-            last_drafts = [o[-1] for o in out]
+            last_drafts = [token[i] for i in which]
             h = self.ranks.mtp(self._inputs([(r, q, [t]) for r, q, t in zip(chosen, pos, last_drafts)]), h)
-        for j, i in enumerate(which):
-            drafts[i] = out[j]
-        return drafts
+        sampler.finish_drafts()
+        return sampler.drafts
 
     def _cut(self, req: Request, tokens: list[int]) -> list[int]:
-        """``tokens`` up to and including the first one a plain run would stop at."""
+        """``tokens`` up to and including the first one a plain run would stop at (a stop token,
+        the length limit, the token that completes the request's grammar)."""
         params, eos = req.params, self.model_config.eos_token_ids
+        grammar, fed = req.grammar, 0
+        cut = tokens
         for j, t in enumerate(tokens):
-            if t in params.stop_token_ids or (not params.ignore_eos and t in eos):
-                return tokens[: j + 1]
-            if req.reaches_length(self.max_model_len, j + 1):
-                return tokens[: j + 1]
-        return tokens
+            if grammar is not None:
+                assert grammar.accept(t), f"request {req.request_id}: emitted {t} outside its grammar"
+                fed += 1
+            if (
+                t in params.stop_token_ids or (not params.ignore_eos and t in eos)
+                or (grammar is not None and grammar.is_terminated) or req.reaches_length(self.max_model_len, j + 1)
+            ):  # fmt: skip
+                cut = tokens[: j + 1]
+                break
+        if grammar is not None:
+            grammar.rollback(fed)
+        return cut

@@ -78,11 +78,13 @@ class StepOutputs:
             outputs.append(self.output(req, [token], result.logprobs.get(req.request_id)))
         return outputs
 
-    def apply_runs(self, sched: SchedulerOutput, runs: dict[str, list[int]]) -> list[RequestOutput]:
+    def apply_runs(
+        self, sched: SchedulerOutput, runs: dict[str, list[int]], logprobs: dict[str, tuple[TokenLogprob, ...]]
+    ) -> list[RequestOutput]:
         """Advance the requests of a speculative decode step (``engine.speculative``) by their
         accepted tokens: each computed all but the last of them (the next step's input); the
         tokens are appended in order and a stop ends the run (the speculator already cut it
-        there)."""
+        there). ``logprobs``: one entry per token, for the requests that asked."""
         outputs: list[RequestOutput] = []
         for req in sched.requests:
             tokens = runs[req.request_id]
@@ -99,7 +101,7 @@ class StepOutputs:
                     self.scheduler.finish(req, reason)
                     break
             assert len(applied) == len(tokens), f"request {req.request_id}: a stop inside an uncut run"
-            outputs.append(self.output(req, applied))
+            outputs.append(self.output(req, applied, logprobs.get(req.request_id)))
         return outputs
 
     def drop(self, launched: LaunchedStep, queued: LaunchedStep | None) -> None:
@@ -123,8 +125,11 @@ class StepOutputs:
             return FinishReason.LENGTH
         return None
 
-    def output(self, req: Request, new_tokens: list[int], logprob: TokenLogprob | None = None) -> RequestOutput:
-        """``req``'s output for this step (a finished request leaves ``in_flight``)."""
+    def output(
+        self, req: Request, new_tokens: list[int], logprob: TokenLogprob | tuple[TokenLogprob, ...] | None = None
+    ) -> RequestOutput:
+        """``req``'s output for this step (a finished request leaves ``in_flight``); ``logprob``:
+        the new token's, or one per new token."""
         finished = req.status is RequestStatus.FINISHED
         if finished:
             self.in_flight.pop(req.request_id, None)
@@ -136,5 +141,5 @@ class StepOutputs:
             finished=finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             num_cached_tokens=req.num_cached_tokens,
-            new_logprobs=(logprob,) if logprob is not None else None,
+            new_logprobs=(logprob,) if isinstance(logprob, TokenLogprob) else logprob,
         )

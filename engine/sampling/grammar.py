@@ -42,7 +42,7 @@ from phloem.engine.sampling.params import GrammarSpec
 if TYPE_CHECKING:
     import xgrammar
 
-__all__ = ["GrammarBackend", "GrammarMatcher", "GrammarStats", "bitmask_width", "fill_bitmask"]
+__all__ = ["GrammarBackend", "GrammarMatcher", "GrammarStats", "bitmask_width", "fill_bitmask", "unpack_bitmask"]
 
 # Consecutive whitespace a JSON schema grammar allows: pretty-printed JSON nested seven levels at
 # indent 2 fits, and a model cannot loop on whitespace forever.
@@ -52,6 +52,13 @@ MAX_JSON_WHITESPACE = 16
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per row of a bitmask over ``vocab_size`` tokens."""
     return (vocab_size + 31) // 32
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[R, ceil(V / 32)]`` int32 words -> ``[R, V]`` bool (bit ``t % 32`` of word ``t // 32``)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def fill_bitmask(matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
@@ -80,6 +87,11 @@ class GrammarMatcher:
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False (unchanged) when the grammar does not allow it."""
         return bool(self.handle.accept_token(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (speculative drafts: ``engine.speculative``)."""
+        if num_tokens:
+            self.handle.rollback(num_tokens)
 
     @property
     def is_terminated(self) -> bool:

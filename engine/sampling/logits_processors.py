@@ -38,7 +38,7 @@ import torch
 
 from phloem.engine.host_copy import to_device
 from phloem.engine.request import Request, TokenLogprob
-from phloem.engine.sampling.grammar import GrammarMatcher, bitmask_width, fill_bitmask
+from phloem.engine.sampling.grammar import GrammarMatcher, bitmask_width, fill_bitmask, unpack_bitmask
 
 __all__ = ["PenaltyState", "StepLogprobs", "StepProcessing"]
 
@@ -123,7 +123,7 @@ class StepProcessing:
         if out.data_ptr() == logits.data_ptr():
             out = out.clone()
         if self.bitmask is not None:
-            allowed = _unpack(self.bitmask, self.vocab_size)
+            allowed = unpack_bitmask(self.bitmask, self.vocab_size)
             if len(self.grammar_rows) == len(self.reqs):
                 out.masked_fill_(~allowed, float("-inf"))
             else:
@@ -230,9 +230,3 @@ def penalize_rows(
     sub = sub - counts * column("frequency_penalty") - (counts > 0) * column("presence_penalty")
     logits[rows] = sub
 
-
-def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[R, ceil(V / 32)]`` int32 words -> ``[R, V]`` bool (bit ``t % 32`` of word ``t // 32``)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()

@@ -21,7 +21,7 @@ from phloem.engine.sampling.params import SamplingParams
 if TYPE_CHECKING:
     from phloem.engine.sampling.logits_processors import StepProcessing
 
-__all__ = ["sample", "skip_draws"]
+__all__ = ["filtered_probs", "sample", "skip_draws"]
 
 
 def sample(
@@ -52,7 +52,7 @@ def sample(
     if not rows:
         return tokens
     idx = to_device(torch.tensor(rows), logits.device)
-    probs = _filtered_probs(logits[idx].float(), [params[i] for i in rows])
+    probs = filtered_probs(logits[idx].float(), [params[i] for i in rows])
     for j, i in enumerate(rows):
         q = torch.empty_like(probs[j]).exponential_(generator=generators[i])
         tokens[i] = (probs[j] / q).argmax()
@@ -67,8 +67,9 @@ def skip_draws(generator: torch.Generator, vocab_size: int, num_tokens: int, dev
         torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=generator)
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax of temperature-scaled logits with top-k and top-p applied per row."""
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Softmax of temperature-scaled logits ``[S, V]`` (fp32) with top-k and top-p applied per row:
+    the distribution a random row is drawn from (each row independent of the others)."""
     temps = to_device(torch.tensor([p.temperature for p in params], dtype=logits.dtype), logits.device)
     logits = logits / temps[:, None]
     sorted_logits, order = logits.sort(dim=-1, descending=True)

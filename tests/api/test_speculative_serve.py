@@ -82,3 +82,39 @@ def test_metrics_show_what_speculation_did(server: Any, speculative_server: Any)
     assert m["phloem_speculative_plain_steps_total"] >= 1  # the prompt's prefill
     assert m["phloem_speculative_over_batch_steps_total"] == 0  # one request at a time, under 32
     assert not any(name.startswith("phloem_speculative") for name in _samples(server.base_url))
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+           "required": ["city", "days"], "additionalProperties": False}
+CONSTRAINED = (
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}},
+    {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+     "tool_choice": "required", "parallel_tool_calls": False},
+    {"temperature": 0.9, "seed": 11},
+    {"temperature": 0.9, "seed": 11, "response_format": {"type": "json_schema",
+                                                          "json_schema": {"name": "weather", "schema": WEATHER}}},
+)
+
+
+def test_constrained_and_seeded_chats_equal_with_and_without_speculation(server: Any, speculative_server: Any) -> None:
+    """A JSON-schema answer, a required tool call and seeded sampled answers (the coupled rule:
+    a seeded request's tokens are its plain ones) are the same with and without speculation."""
+    for extra in CONSTRAINED:
+        chat = [{"role": "system", "content": f"conversation {uuid.uuid4().hex[:8]}"},
+                {"role": "user", "content": "What is the weather in Paris for the next days?"}]
+        body = {"model": MODEL, "messages": chat, "max_tokens": 96, "temperature": 0, **extra}
+        answers = []
+        for base_url in (server.base_url, speculative_server.base_url):
+            response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            choice = response.json()["choices"][0]
+            for call in choice["message"].get("tool_calls") or ():
+                call.pop("id")  # a fresh id per call
+            answers.append(choice)
+        assert answers[1]["message"] == answers[0]["message"]
+        assert answers[1]["finish_reason"] == answers[0]["finish_reason"]
+        if "response_format" in extra:
+            assert set(json.loads(answers[1]["message"]["content"])) >= {"city", "days"}
+        if "tools" in extra:
+            assert answers[1]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"

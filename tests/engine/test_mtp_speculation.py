@@ -100,18 +100,23 @@ def test_trained_model_chunked_prefill_and_prefix_hit(trained_prompts, trained_p
 
 @pytest.mark.slow
 def test_requests_that_do_not_speculate_run_plain(trained_prompts) -> None:
+    """Penalties, a logit bias and ``min_tokens`` change the logits with every token drafted: a
+    step with such a request runs plain (sampled, seeded, grammar and logprobs requests do
+    speculate: tests/engine/test_mtp_speculative_sampling.py)."""
     params = [
         SamplingParams(max_tokens=24),
-        SamplingParams(max_tokens=24, temperature=0.8, seed=7),
-        SamplingParams(max_tokens=24, logprobs=2),
+        SamplingParams(max_tokens=24, logit_bias=((11, 3.0),)),
+        SamplingParams(max_tokens=24, min_tokens=20, temperature=0.8, seed=7),
         SamplingParams(max_tokens=24, repetition_penalty=1.2),
     ]
     plain = _tokens(_engine(trained_model_path(), 0), trained_prompts, params)
     engine = _engine(trained_model_path(), 3)
     assert _tokens(engine, trained_prompts, params) == plain
-    # Alone, each non-greedy request is still its plain self.
+    # Alone, each is still its plain self, and none of its steps speculated.
     for prompt, p, want in zip(trained_prompts[1:], params[1:], plain[1:]):
+        before = engine.speculator.stats.steps
         assert _tokens(engine, [prompt], p)[0] == want
+        assert engine.speculator.stats.steps == before
 
 
 def test_speculation_off_allocates_no_mtp_kv() -> None:
