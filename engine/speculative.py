@@ -163,7 +163,6 @@ class MTPSpeculator:
         if getattr(runner.model, "mtp", None) is None:
             raise ValueError("speculative: the model has no MTP layer loaded")
         self.runner = runner
-        self.model = runner.model
         self.cache = cache
         self.model_config = model_config
         self.k = num_drafts

@@ -27,7 +27,7 @@ from phloem.engine.config import CacheConfig, LoadConfig, ModelConfig, ParallelC
 from phloem.engine.parallel import TPGroup, check_tp_size, kv_head_start
 from phloem.engine.step_plan import StateMove, StepInputs, StepPlan, decode_plan, encode_plan
 from phloem.runtime.engine_client import EngineClient
-from tp_pairs import assert_same_state, assert_stopped, both, clear, tokens
+from tp_pairs import assert_same_state, assert_stopped, both, clear, spill_and_resume, tokens
 
 ARCHS = ["Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"]
 # A 32-token budget chunks every longer prefill; no periodic checkpoints (turn ends only).
@@ -88,21 +88,8 @@ def test_spill_and_resume_move_between_tp_sizes(arch: str, engines: dict[str, tu
     """A TP=2 export equals the TP=1 one (the TP=1 layout), and each engine resumes from the
     other's export with the tokens of a fresh recompute."""
     pair = engines[arch]
-    prompt = tokens(29, 60)
-    conv = prompt + both(pair, [prompt], SamplingParams(max_tokens=6))[0]
+    conv, one = spill_and_resume(pair, max_tokens=8)
     assert len(conv) % 16, "a mid-page end exercises the checkpoint's tail page"
-    nxt = conv + tokens(4, 61)
-    one, two = (engine.export_prefix(conv) for engine in pair)
-    assert one is not None and one.num_tokens == len(conv)
-    assert_same_state(two, one)
-    clear(pair)
-    fresh = both(pair, [nxt], SamplingParams(max_tokens=8))
-    clear(pair)
-    assert pair[0].import_prefix(two) and pair[1].import_prefix(one)  # type: ignore[arg-type]
-    outs = [engine.generate([nxt], SamplingParams(max_tokens=8))[0] for engine in pair]
-    assert [o.token_ids for o in outs] == fresh * 2
-    assert [o.num_cached_tokens for o in outs] == [len(conv)] * 2
-    clear(pair)
     with pytest.raises(ValueError, match="state: expected kv"):
         pair[1].import_prefix(replace(one, ssm=one.ssm[:, :1]))  # type: ignore[union-attr]
     assert pair[1].slot_pool.num_free_slots == pair[1].slot_pool.num_slots

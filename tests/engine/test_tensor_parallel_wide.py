@@ -23,7 +23,7 @@ from torch import nn
 from phloem.engine import Engine, SamplingParams
 from phloem.kernels.dispatch import KernelOps
 from phloem.engine.config import CacheConfig, ParallelConfig, SchedulerConfig
-from tp_pairs import assert_same_state, assert_stopped, both, clear, tokens
+from tp_pairs import assert_stopped, both, clear, spill_and_resume, tokens
 
 ARCHS = ["Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"]
 # A 32-token budget chunks every longer prefill; no periodic checkpoints (turn ends only).
@@ -75,20 +75,7 @@ def test_prefix_hit_multi_turn_then_fork(pair: tuple[Engine, Engine]) -> None:
 def test_spill_and_resume_move_between_tp_sizes(pair: tuple[Engine, Engine]) -> None:
     """The TP=N export equals the TP=1 one (the TP=1 layout; replicated KV heads exported once),
     and each engine resumes from the other's export with the tokens of a fresh recompute."""
-    prompt = tokens(29, 60)
-    conv = prompt + both(pair, [prompt], SamplingParams(max_tokens=6))[0]
-    nxt = conv + tokens(4, 61)
-    one, many = (engine.export_prefix(conv) for engine in pair)
-    assert one is not None and one.num_tokens == len(conv)
-    assert_same_state(many, one)
-    clear(pair)
-    fresh = both(pair, [nxt], SamplingParams(max_tokens=5))
-    clear(pair)
-    assert pair[0].import_prefix(many) and pair[1].import_prefix(one)  # type: ignore[arg-type]
-    outs = [engine.generate([nxt], SamplingParams(max_tokens=5))[0] for engine in pair]
-    assert [o.token_ids for o in outs] == fresh * 2
-    assert [o.num_cached_tokens for o in outs] == [len(conv)] * 2
-    clear(pair)
+    spill_and_resume(pair, max_tokens=5)
 
 
 # The fused one-token ops of the path under TP, and those of the router folded into the projection

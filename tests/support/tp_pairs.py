@@ -10,7 +10,7 @@ import torch
 from phloem.engine import Engine, SamplingParams
 from phloem.engine.transfer.prefix_export import PrefixState
 
-__all__ = ["assert_same_state", "assert_stopped", "both", "clear", "tokens"]
+__all__ = ["assert_same_state", "assert_stopped", "both", "clear", "spill_and_resume", "tokens"]
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -55,3 +55,25 @@ def clear(pair: tuple[Engine, Engine]) -> None:
     for engine in pair:
         engine.cache.tree.clear()  # type: ignore[union-attr]
         assert engine.page_pool.num_free_pages == engine.page_pool.num_pages
+
+
+def spill_and_resume(pair: tuple[Engine, Engine], max_tokens: int) -> tuple[list[int], PrefixState]:
+    """Export one conversation from both engines (the TP one's export must equal the TP=1 one's:
+    the TP=1 layout), then resume each engine from the *other's* export: both must give a fresh
+    recompute's ``max_tokens`` tokens with the whole conversation cached. Returns the
+    conversation and the TP=1 export; both caches are left empty."""
+    prompt = tokens(29, 60)
+    conv = prompt + both(pair, [prompt], SamplingParams(max_tokens=6))[0]
+    nxt = conv + tokens(4, 61)
+    one, many = (engine.export_prefix(conv) for engine in pair)
+    assert one is not None and one.num_tokens == len(conv)
+    assert_same_state(many, one)
+    clear(pair)
+    fresh = both(pair, [nxt], SamplingParams(max_tokens=max_tokens))
+    clear(pair)
+    assert pair[0].import_prefix(many) and pair[1].import_prefix(one)  # type: ignore[arg-type]
+    outs = [engine.generate([nxt], SamplingParams(max_tokens=max_tokens))[0] for engine in pair]
+    assert [o.token_ids for o in outs] == fresh * 2
+    assert [o.num_cached_tokens for o in outs] == [len(conv)] * 2
+    clear(pair)
+    return conv, one
