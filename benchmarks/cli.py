@@ -107,7 +107,8 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     decode.add_argument("--no-served", dest="served", action="store_false",
                         help="skip the served-path timing of each point (requests through the engine loop)")
     decode.add_argument("--grammar", action="store_true",
-                        help="time each point again with every request under a JSON-schema grammar")
+                        help="time each point again with every request under a JSON-schema grammar, then under the "
+                             "default tool-call grammar of a chat request declaring three tools")
     decode.add_argument("--tokenizer", metavar="DIR", type=Path,
                         help="with --grammar: the model folder whose tokenizer the grammar is compiled against "
                              "(default: the model's, or the random-weight tiny model's for a dummy shape)")

@@ -13,7 +13,10 @@ plus causal attention ``2 × Hq × D × T²`` per attention layer, over a measur
 With a grammar (``--grammar``) every request of a point decodes again under ``BENCH_SCHEMA``, a
 JSON Schema whose ``minItems`` keeps the document open for the whole run: the cost of
 constrained decoding (the bitmask filled on the host each step while the next forward runs, and
-the masked sampling launched after it) against the same point without it.
+the masked sampling launched after it) against the same point without it. Then again under the
+grammar every chat request with tools gets by default (``tool_choice: auto``,
+``tool_call_constraint: strict`` over ``BENCH_TOOLS``, ``tool_call_grammar``): free text the
+matcher watches for ``<tool_call>``, then a call constrained to a declared name and its schema.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from phloem.engine.request import Request, RequestStatus
 
 __all__ = [
     "BENCH_SCHEMA",
+    "BENCH_TOOLS",
     "DecodeResult",
     "PrefillResult",
     "StepBytes",
@@ -46,6 +50,7 @@ __all__ = [
     "run_decode",
     "run_prefill",
     "step_bytes",
+    "tool_call_grammar",
 ]
 
 
@@ -55,6 +60,33 @@ BENCH_SCHEMA = GrammarSpec("json_schema", (
     '"properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12}, '
     '"ok": {"type": "boolean"}, "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}}}}'
 ))
+
+# Three tools an agent typically declares; their schemas hold strings, integers, an enum, an array.
+BENCH_TOOLS: tuple[dict[str, Any], ...] = tuple(
+    {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": list(properties)}}}
+    for name, description, properties in (
+        ("read_file", "Read a file of the workspace.",
+         {"path": {"type": "string"}, "offset": {"type": "integer"}, "limit": {"type": "integer"}}),
+        ("run_command", "Run a shell command.",
+         {"command": {"type": "string"}, "timeout_s": {"type": "integer"}}),
+        ("search", "Search the code base.",
+         {"query": {"type": "string"}, "kind": {"enum": ["text", "symbol", "file"]},
+          "paths": {"type": "array", "items": {"type": "string"}}}),
+    )
+)
+
+
+def tool_call_grammar(tool_format: str) -> GrammarSpec:
+    """The grammar a chat request declaring ``BENCH_TOOLS`` gets with the defaults (``auto``,
+    ``strict``), in ``tool_format`` (``hermes`` or ``qwen_xml``): the served rule itself."""
+    from phloem.sessions.text.output_parser import OutputFormat
+    from phloem.sessions.text.structured import ToolChoice, build_grammar
+
+    grammar = build_grammar(OutputFormat(tool_format=tool_format, tools=BENCH_TOOLS), None,  # type: ignore[arg-type]
+                            ToolChoice("auto"))
+    assert grammar is not None
+    return grammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +110,7 @@ class DecodeResult:
     gpu_ms_per_step: float | None = None  # CUDA-graph replay alone, timed with device events
     sync_ms_per_step: float | None = None  # the same steps with async scheduling off
     grammar_ms_per_step: float | None = None  # the same steps, every request under BENCH_SCHEMA
+    tool_grammar_ms_per_step: float | None = None  # the same steps under ``tool_call_grammar``
     # Requests of the same batch and context through the engine loop (``benchmarks.served``):
     # the time per token a user gets.
     served_ms_per_step: float | None = None
@@ -207,7 +240,7 @@ def decode_tokens(steps: int, warmup: int) -> int:
 def run_decode(
     engine: Engine, batch: int, context: int, bandwidth: float, steps: int = 20, warmup: int = 3, seed: int = 0,
     compare_sync: bool = True, grammar: GrammarSpec | None = None, tokens_per_step: int = 1,
-    before_timing: Callable[[], None] | None = None,
+    before_timing: Callable[[], None] | None = None, tool_grammar: GrammarSpec | None = None,
 ) -> DecodeResult:
     """Decode ``steps`` tokens for ``batch`` synthetic requests of ``context`` tokens of history.
 
@@ -217,17 +250,19 @@ def run_decode(
     them: with a step queued, each call's host work overlaps the device's step). With
     ``compare_sync`` and async scheduling on, the same requests are then timed with it off
     (``DecodeResult.sync_ms_per_step``). With ``grammar``, fresh requests of the same point are
-    then timed with every one constrained by it (``DecodeResult.grammar_ms_per_step``).
+    then timed with every one constrained by it (``DecodeResult.grammar_ms_per_step``), and
+    likewise with ``tool_grammar`` (``DecodeResult.tool_grammar_ms_per_step``).
     ``tokens_per_step``: the most tokens a step may add to a request (speculative decoding: k + 1),
     so the requests' budgets and pages last the whole run; ``before_timing`` is called between the
     warm-up and the timed steps.
     """
     result = _run_decode(engine, batch, context, bandwidth, steps, warmup, seed, compare_sync, None, tokens_per_step,
                          before_timing)
-    if grammar is None:
-        return result
-    constrained = _run_decode(engine, batch, context, bandwidth, steps, warmup, seed, False, grammar)
-    return replace(result, grammar_ms_per_step=constrained.ms_per_step)
+    timed = {}
+    for name, spec in (("grammar_ms_per_step", grammar), ("tool_grammar_ms_per_step", tool_grammar)):
+        if spec is not None:
+            timed[name] = _run_decode(engine, batch, context, bandwidth, steps, warmup, seed, False, spec).ms_per_step
+    return replace(result, **timed)
 
 
 def _run_decode(

@@ -24,6 +24,7 @@ from phloem.benchmarks.decode import (
     decode_tokens,
     run_decode,
     run_prefill,
+    tool_call_grammar,
 )
 from phloem.benchmarks.progress_lines import phase
 from phloem.benchmarks.served import OWN_TOKENS, run_served_decode
@@ -110,8 +111,13 @@ def bench_decode(
         engine = Engine.from_pretrained(path, config, **sections)
     if dev.type == "cuda":
         engine.runner.caches.kv.normal_()  # never time on zeros
-    if grammar and (tokenizer is not None or model is None):
-        engine.grammar = _grammar_backend(engine, tokenizer)
+    tools_grammar = None
+    if grammar:
+        folder = tokenizer or model or _default_tokenizer()
+        if tokenizer is not None or model is None:
+            mc = engine.model_config
+            engine.grammar = GrammarBackend(folder, mc.vocab_size, mc.eos_token_ids)
+        tools_grammar = tool_call_grammar(_tool_format(folder))
     copy_bytes = (2 << 30) if dev.type == "cuda" else (64 << 20)
     # The roofline's denominator: the copy timed by device events (measure_bandwidth says why),
     # with the host-timed figure and a second measurement after the grid reported beside it.
@@ -132,7 +138,8 @@ def bench_decode(
         if engine.speculator is not None:
             splits.append(run_speculative_decode(engine, batch, context, bandwidth, steps=steps))
             continue
-        result = run_decode(engine, batch, context, bandwidth, steps=steps, grammar=BENCH_SCHEMA if grammar else None)
+        result = run_decode(engine, batch, context, bandwidth, steps=steps, grammar=BENCH_SCHEMA if grammar else None,
+                            tool_grammar=tools_grammar)
         if served:
             phase(f"{point}: served path")
             result = replace(result, served_ms_per_step=_served(engine, batch, context, steps))
@@ -176,15 +183,20 @@ def bench_decode(
     return report
 
 
-def _grammar_backend(engine: Engine, tokenizer: Path | None) -> GrammarBackend:
-    """A grammar backend over ``tokenizer``'s folder, or the random-weight tiny model's (dummy
-    shapes have none: its small vocabulary makes the host's mask work cheaper than a real
-    tokenizer's)."""
+def _default_tokenizer() -> Path:
+    """The random-weight tiny model's folder: the grammars' tokenizer for a dummy shape, which has
+    none (its small vocabulary makes the host's mask work cheaper than a real tokenizer's)."""
     from phloem.runtime.default_model import ensure_default_model
 
-    folder = tokenizer or ensure_default_model(Path(tempfile.mkdtemp(prefix="phloem-bench-")), False)
-    mc = engine.model_config
-    return GrammarBackend(folder, mc.vocab_size, mc.eos_token_ids)
+    return ensure_default_model(Path(tempfile.mkdtemp(prefix="phloem-bench-")), False)
+
+
+def _tool_format(folder: Path) -> str:
+    """The tool-call format of ``folder``'s chat template (``hermes`` where it renders none)."""
+    from phloem.sessions.text.tokenizer import Tokenizer
+    from phloem.sessions.text.tool_parsers import detect_tool_format
+
+    return detect_tool_format(Tokenizer.from_pretrained(folder).chat_template) or "hermes"
 
 
 def _markdown(
@@ -205,8 +217,8 @@ def _markdown(
     if results:
         lines += [
             "",
-            "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline | served ms/step | served / step | sync ms/step | GPU ms (graph replay) | GPU fraction | JSON-schema ms/step | grammar cost |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| batch | context | ms/step | tok/s per user | tok/s total | bytes/step (GB) | roofline ms | fraction of roofline | served ms/step | served / step | sync ms/step | GPU ms (graph replay) | GPU fraction | JSON-schema ms/step | grammar cost | tool-call ms/step | tool-call cost |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for r in results:
         lines.append(
@@ -215,7 +227,8 @@ def _markdown(
             + (f"| {r.served_ms_per_step:.2f} | {r.served_ms_per_step / r.ms_per_step - 1:+.1%} " if r.served_ms_per_step else "| - | - ")
             + (f"| {r.sync_ms_per_step:.2f} " if r.sync_ms_per_step else "| - ")
             + (f"| {r.gpu_ms_per_step:.2f} | {1000 * r.bytes.total / r.bandwidth / r.gpu_ms_per_step:.0%} " if r.gpu_ms_per_step else "| - | - ")
-            + (f"| {r.grammar_ms_per_step:.2f} | {r.grammar_ms_per_step / r.ms_per_step - 1:+.1%} |" if r.grammar_ms_per_step else "| - | - |")
+            + "".join(f"| {ms:.2f} | {ms / r.ms_per_step - 1:+.1%} " if ms else "| - | - "
+                      for ms in (r.grammar_ms_per_step, r.tool_grammar_ms_per_step)) + "|"
         )
     if skipped:
         lines.append("")

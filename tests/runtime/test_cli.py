@@ -60,13 +60,15 @@ def test_bench_decode_runs_on_cpu_with_the_tiny_shape(capsys: pytest.CaptureFixt
 
 
 @pytest.mark.slow  # times decode steps of a model
-def test_bench_decode_times_a_json_schema_grammar(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_decode_times_the_json_schema_and_tool_call_grammars(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "decode", "--shape", "tiny", "--device", "cpu", "--batches", "1,3", "--contexts", "64",
             "--prefill-tokens", "0", "--steps", "3", "--grammar", "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 | 64 |", "| 3 | 64 |"))]
-    # Each point also has its constrained ms/step and the grammar's cost against the plain one.
-    assert len(rows) == 2 and all(row.split("|")[-3].strip() != "-" and row.endswith("% |") for row in rows)
+    # Each point also has its ms/step under the JSON schema and under the default tool-call
+    # grammar, each with its cost against the plain step.
+    cells = [[cell.strip() for cell in row.split("|")[-5:-1]] for row in rows]
+    assert len(rows) == 2 and all("-" not in (c[0], c[2]) and c[1].endswith("%") and c[3].endswith("%") for c in cells)
 
 
 def test_bench_without_a_kind_is_a_usage_error() -> None:

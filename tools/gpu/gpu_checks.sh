@@ -57,6 +57,16 @@
 #   32  the concurrency and switch token tests: random-weight logits bound, the trained model's tokens
 #       at 4 and 16 requests, every kernel switch at the real shape (tests/engine/test_gpu_concurrency.py,
 #       test_gpu_trained_model.py, test_gpu_switches.py); after step 0
+#   40  every `gpu` test: tests/kernels and tests/engine side by side (their engines size their own
+#       pools), then tests/api and tests/runtime (a `phloem serve` with its defaults takes the card);
+#       a group's failures are re-run alone afterwards, so contention is told from a real failure
+#       (tests/engine/test_gpu_concurrency.py takes most of the card: its OOMs beside tests/kernels are
+#       contention); modules importing what the GPU image lacks (schemathesis) are skipped
+#   41  decode at 1K, batch 1 and 16, with the JSON-schema and the default tool-call grammar columns
+#   42  16 agents sharing an 8K system prompt (`bench agentic --shared-prefix`), chat route against
+#       the session API, each a fresh server
+#   43  the record's agentic workload at 16 agents, session API against the chat-style resending
+#       client (/v1/completions), each a fresh server
 #   9   the summary table
 # A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0). The PHLOEM_*
 # kernel variables a step sets are read by `phloem bench decode` into its KernelConfig (runtime/env.py).
@@ -256,9 +266,46 @@ step_32() {
 step_10() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/host_profile.py > "$OUT/10_host.txt" 2>&1
 }
+SRV="--server-arg=--device --server-arg=cuda --server-arg=--dtype --server-arg=bfloat16 --server-arg=--shape --server-arg=qwen3.5-35b-a3b"
+run_tests() {  # NAME TIMEOUT PATHS...: one pytest group with its own last-failed cache
+  local name=$1 t=$2; shift 2
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout "$t" python3 -m pytest -q -o cache_dir="/tmp/pc_$name" -rfE -m gpu --continue-on-collection-errors "$@" \
+    > "$OUT/40_$name.txt" 2>&1
+}
+rerun_failed() {  # NAME PATHS...: the group's failures alone, with nothing beside them on the card
+  local name=$1; shift
+  grep -qE "^(FAILED|ERROR)" "$OUT/40_$name.txt" || return 0
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 -m pytest -q -o cache_dir="/tmp/pc_$name" -rfE -m gpu --lf "$@" \
+    > "$OUT/40_${name}_rerun.txt" 2>&1
+}
+step_40() {
+  run_tests kernels ${TEST_TIMEOUT:-420} tests/kernels &
+  local k=$!
+  run_tests engine ${TEST_TIMEOUT:-420} tests/engine
+  wait $k
+  run_tests rest 240 tests/api tests/runtime
+  rerun_failed kernels tests/kernels; rerun_failed engine tests/engine; rerun_failed rest tests/api tests/runtime
+}
+step_41() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 $PY bench decode --device cuda --batches 1,16 --contexts 1024 --prefill-tokens 0 \
+    --grammar --out "$OUT/41_grammar.json" > "$OUT/41_grammar.txt" 2>&1
+}
+step_42() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 500 $PY bench agentic --shared-prefix 8000 --agents 16 --turns 3 --append 800 \
+    --output 128 --modes sessions,stateless $SRV --no-progress --out /tmp/o42 > "$OUT/42_shared_prefix.txt" 2>&1
+  cp /tmp/o42/shared_prefix.json "$OUT/42_shared_prefix.json" 2>/dev/null
+}
+step_43() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 700 $PY bench agentic --modes sessions,stateless --agents 16 --first-turn 50000 \
+    --append 800 --turns 12 --output 500 $SRV --no-progress --out /tmp/o43 > "$OUT/43_agentic.txt" 2>&1
+  cp /tmp/o43/agentic.json "$OUT/43_agentic.json" 2>/dev/null
+}
 step_9() {
   echo; echo "== summary =="
   cat "$OUT/0_warmup.txt" 2>/dev/null
+  for f in "$OUT"/40_*.txt; do [ -f "$f" ] && { echo "$(basename "$f"): $(tail -n 1 "$f")"; grep -E "^(FAILED|ERROR)" "$f" | head -n 12; }; done
+  [ -f "$OUT/41_grammar.txt" ] && grep -v Warning "$OUT/41_grammar.txt" | grep '^|\|copy' | head -n 6
+  for f in 42_shared_prefix 43_agentic; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | grep '^|' | head -n 24; }; done
   for f in 1_gpu_tests 1a_gpu_tests 1b_gpu_tests 2_tp_tests; do [ -f "$OUT/$f.txt" ] && echo "$f: $(tail -n 1 "$OUT/$f.txt")"; done
   for f in 7_gemv 7_gemv_nopdl; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^|' "$OUT/$f.txt" | grep -v '| plain |' ; grep 'plain' "$OUT/$f.txt" | head -n 12; }; done
   for f in 8_unfused 8_fused 8_fused_pdl 8_cublas; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; head -n 1 "$OUT/$f.txt"; grep '^| 1 \|^| 16 \|launches' "$OUT/$f.txt"; }; done
