@@ -99,7 +99,8 @@ def test_plain_steps_replayed_from_graphs_feed_the_mtp_layer(plain) -> None:
             continue
         for req in engine.scheduler.running:
             rows, first = spec.pending[req.request_id]
-            assert first + rows.shape[0] == req.num_computed_tokens, f"{req.request_id}: the MTP layer missed a graph step"
+            missed = f"{req.request_id}: the MTP layer missed a graph step's row"
+            assert first + rows.shape[0] == req.num_computed_tokens, missed
             checked += 1
     assert checked >= 20  # two requests over most of the penalized one's 24 plain decode steps
     assert spec.stats.steps > 0  # the greedy request speculates once the penalized one is done
