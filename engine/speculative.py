@@ -41,21 +41,21 @@ positions keep the entries the drafts wrote there, approximations that only cost
 unless a finalize step reran them).
 
 **On CUDA** every speculative forward is eager and goes through the calls an eager plain step
-makes: ``ModelRunner.build_batch`` plans the attention backend (FlashInfer's prefill wrapper for
-the verify's and the rerun's ``k + 1``-token chunks and the MTP layer's catch-up rows, with
-``causal=True`` over the KV history; the split-KV Triton decode kernel, or FlashInfer's decode,
-for the MTP layer's one-token steps; a mixed plan where one-token rows come first), and the
-trunk runs its GDN layers through the chunked kernel (``chunk_gated_delta_rule``, the varlen
+makes: ``ModelRunner.build_batch`` plans the attention backend (FlashInfer's prefill wrapper,
+``causal=True`` over the KV history, for the verify's ``k + 1`` tokens a request, the rerun's
+``n + 1`` and the MTP layer's catch-up rows; the split-KV Triton decode kernel, or FlashInfer's
+decode, for the MTP layer's one-token steps; a mixed plan where one-token rows come first), and
+the trunk runs its GDN layers through the chunked kernel (``chunk_gated_delta_rule``, the varlen
 conv) as for a prefill chunk, or, where the rerun is one token a request, the conv update and
 recurrent kernel of a decode step (the fused projections at batch 1,
 ``DecoderLayer._forward_decode``). The GDN rollback's snapshot and restore are index copies of
-the state slots (``SpeculativeRanks``). The rule: the CUDA
-fast paths that cannot take a speculative step are left to plain steps. CUDA graphs capture
-one-token decode steps with their sampling, so a speculating engine keeps them for its plain
-decode steps and runs speculative steps (``k + 1`` tokens a request, logits of every row, host
-decisions between the forwards) eagerly; the piecewise prefill graphs likewise serve only plain
-steps; async scheduling is off (step N + 1's inputs depend on step N's acceptance, decided on
-the host); the MTP layer never takes the fused one-token path (``MultiTokenPredictor``).
+the state slots (``SpeculativeRanks``). The rule: the CUDA fast paths that cannot take a
+speculative step are left to plain steps. CUDA graphs capture one-token decode steps with their
+sampling, so a speculating engine keeps them for its plain decode steps and runs speculative
+steps (``k + 1`` tokens a request, logits of every row, host decisions between the forwards)
+eagerly; the piecewise prefill graphs likewise serve only plain steps; async scheduling is off
+(step N + 1's inputs depend on step N's acceptance, decided on the host); the MTP layer never
+takes the fused one-token path (``MultiTokenPredictor``).
 
 Every forward, LM head and state copy goes through ``SpeculativeRanks``
 (``engine.speculative_ranks``), which under tensor parallelism has the worker ranks join it.
