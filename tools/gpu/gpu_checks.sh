@@ -311,7 +311,7 @@ step_44() {
 }
 step_45() {
   for k in 1 2 3; do
-    CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 $PY bench decode --device cuda --speculative mtp:$k --batches 1,16 \
+    CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 900 $PY bench decode --device cuda --speculative mtp:$k --batches 1,16 \
       --contexts 1024 --prefill-tokens 0 --accept-length 3.1 --no-progress --out "$OUT/45_spec_mtp$k.json" \
       > "$OUT/45_spec_mtp$k.txt" 2>&1
   done
