@@ -7,7 +7,9 @@ speculative steps are split by phase (``SpeculativeRanks.seconds``, rank 0's wal
 device synchronized around each call): **draft** (the MTP layer's k steps and their LM head),
 **verify** (GDN-state snapshot, the trunk over batch × (k + 1) tokens, its LM head),
 **rollback** (restore and rerun over the accepted tokens, on the request-steps that rejected a
-draft) and **rest** (the step's wall time less those: scheduling, acceptance, outputs).
+draft) and **rest** (the step's wall time less those: scheduling, acceptance, outputs). On CUDA
+the plain pass replays the decode graphs while the speculative steps run eagerly
+(``engine.speculative``), so the comparison includes the launch cost graphs save.
 
 Accepted length is measured: tokens a request got per speculative step (accepted drafts + the
 target's). Dummy weights draft noise, so it is ~1.0 there; ``accept_length`` adds a

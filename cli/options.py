@@ -132,7 +132,8 @@ SERVE: tuple[Flag, ...] = (
     Flag("--speculative", "engine.speculative",
          "speculative decoding: mtp:K drafts K tokens a step (1-4) with the model's MTP layer; greedy and "
          "seeded requests get the same tokens as without, unseeded sampled ones the same distribution; "
-         "for now on the torch reference attention (CPU) only, and it turns async scheduling off", metavar="mtp:K", default_text="off", convert=SpeculativeConfig.parse),
+         "it turns async scheduling off, and its steps run eagerly (CUDA graphs serve the plain steps); "
+         "on CUDA at --tp 1 only", metavar="mtp:K", default_text="off", convert=SpeculativeConfig.parse),
     Flag("--speculative-max-verify-tokens", "engine.speculative.max_verify_tokens",
          "with --speculative mtp:K: a decode step of more than N / (K + 1) requests runs plain (the verify "
          "of batch x (K + 1) tokens would no longer be bandwidth-bound)", metavar="N", type=int),

@@ -457,8 +457,8 @@ class SpeculativeConfig:
     plain tokens, token for token, unseeded sampled requests tokens of the plain distribution
     (rejection sampling), with or without a grammar or logprobs. Requests with penalties, a logit
     bias or ``min_tokens`` run plain steps. Under tensor parallelism every rank drafts, verifies
-    and rolls back alongside rank 0. For now: CPU / torch-reference attention, and async
-    scheduling is turned off.
+    and rolls back alongside rank 0 (on CPU; on CUDA at TP=1 only). For now speculative steps run
+    eagerly (CUDA graphs serve the plain steps) and async scheduling is turned off.
     """
 
     method: str | None = None

@@ -109,6 +109,10 @@ class CudaGraphRunner:
         # None on tensor-parallel worker ranks (the captured LM head gathers logits to rank 0).
         self.logits: dict[int, list[torch.Tensor | None]] = {}
         self.greedy: dict[int, list[torch.Tensor | None]] = {}
+        # Each graph's final hidden states [bs, H] (the LM head's input), for a speculating
+        # engine's MTP step over a plain step's rows (``last_hidden``).
+        self.hidden: dict[int, list[torch.Tensor]] = {}
+        self._last_hidden: torch.Tensor | None = None
 
     def max_batch_size(self) -> int:
         return self.buckets[-1]
@@ -168,28 +172,31 @@ class CudaGraphRunner:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits, greedy = self._step(batch, copy_to, ids_out)
+                hidden, logits, greedy = self._step(batch, copy_to, ids_out)
             pool = graph.pool()
             self.graphs.setdefault(bs, []).append(graph)
+            self.hidden.setdefault(bs, []).append(hidden)
             self.logits.setdefault(bs, []).append(logits)
             self.greedy.setdefault(bs, []).append(greedy)
         torch.cuda.synchronize()
 
     def _step(
         self, batch: ForwardBatch, copy_to: torch.Tensor, ids_out: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The captured step: logits in the model's dtype (the sampler upcasts the rows it samples at
-        random) and every row's greedy id in ``ids_out``, so a greedy step samples nothing outside
-        the graph. The ids are also written into ``copy_to``, the next turn's input-id row: a
-        following step of the same rows in the same order takes them from there (``run``) instead
-        of from a device-to-device copy.
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The captured step: the final hidden states, logits in the model's dtype (the sampler
+        upcasts the rows it samples at random) and every row's greedy id in ``ids_out``, so a
+        greedy step samples nothing outside the graph. The ids are also written into ``copy_to``,
+        the next turn's input-id row: a following step of the same rows in the same order takes
+        them from there (``run``) instead of from a device-to-device copy.
 
-        NOTE: the logits live in the graphs' shared pool: they are valid only until the next
-        replay of any graph, so whatever reads them is queued before it (the sampler is)."""
-        logits = self.model.compute_logits(self.model.forward(batch, self.caches), upcast=False)
+        NOTE: the hidden states and logits live in the graphs' shared pool: they are valid only
+        until the next replay of any graph, so whatever reads them is queued before it (the
+        sampler and the speculator's MTP step are)."""
+        hidden = self.model.forward(batch, self.caches)
+        logits = self.model.compute_logits(hidden, upcast=False)
         if logits is None:
-            return None, None
-        return logits, self.model.greedy_ids(logits, copy_to=copy_to, out=ids_out)
+            return hidden, None, None
+        return hidden, logits, self.model.greedy_ids(logits, copy_to=copy_to, out=ids_out)
 
     def _fill(self, inp: StepInputs, bs: int, turn: int, device_ids: bool = False) -> torch.cuda.Event:
         """Queue the copy of the step's rows into ``turn``'s static buffer on the copy stream (rows
@@ -269,6 +276,7 @@ class CudaGraphRunner:
             replayed.record(main)
             self._replayed[turn] = replayed
         self._last, self._turn = (bs, turn), (turn + 1) % self.turns
+        self._last_hidden = self.hidden[bs][turn][:n]
         logits, greedy = self.logits[bs][turn], self.greedy[bs][turn]
         self._last_ids = None
         if logits is None or greedy is None:
@@ -288,6 +296,12 @@ class CudaGraphRunner:
         self._ids_read[turn] = read
         self._last_ids = (ids, host, read)
         return logits[:n], ids
+
+    def last_hidden(self) -> torch.Tensor:
+        """The final hidden states ``[n, H]`` of the last ``run``'s rows (valid until the next
+        replay of any graph, like its logits)."""
+        assert self._last_hidden is not None, "no graph was replayed yet"
+        return self._last_hidden
 
     def host_ids(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event] | None:
         """The pinned host copy of ``tokens`` and its event where ``tokens`` are the greedy ids the

@@ -93,6 +93,12 @@ class Engine(PrefixOps):
             cache_config.checkpoint_prompt_end, cache_config.prompt_end_split_min_tokens,
         )
         self.scheduler = Scheduler(scheduler_config, self.cache, finalize=tree is not None)
+        limit = model_config.max_position_embeddings
+        self.max_model_len = min(scheduler_config.max_model_len or limit, limit)
+        # Speculative decoding (``engine.speculative``) runs in the synchronous loop, its steps
+        # eager; plain steps keep the CUDA graphs below. Built first: it refuses what it cannot run.
+        self.speculator = MTPSpeculator.build(config.speculative, self.runner, self.cache, model_config,
+                                              self.max_model_len)
         graphs = None
         capturable = kernel_backend(device, config.kernels) == "triton"  # the torch ops read values on the host
         if runner_config.enable_cuda_graph and self.runner.attn is not None and capturable:
@@ -107,16 +113,10 @@ class Engine(PrefixOps):
             prefill = min(runner_config.prefill_graph_tokens, scheduler_config.max_num_batched_tokens)
             prefill = prefill if workers is None else 0
             self.runner.enable_cuda_graphs(*graphs, show_progress=config.load.show_progress, prefill_tokens=prefill)
-        limit = model_config.max_position_embeddings
-        self.max_model_len = min(scheduler_config.max_model_len or limit, limit)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._outputs = StepOutputs(model_config, self.scheduler, self.cache, self.max_model_len, self._requests)
-        self.async_scheduling = scheduler_config.async_scheduling
-        # Speculative decoding (``engine.speculative``) runs in the synchronous loop for now.
-        self.speculator = MTPSpeculator.build(config.speculative, self.runner, self.cache, model_config,
-                                              self.max_model_len)
-        self.async_scheduling = self.async_scheduling and self.speculator is None
+        self.async_scheduling = scheduler_config.async_scheduling and self.speculator is None
         self._queued: LaunchedStep | None = None  # a decode step queued behind the one collected
         self._pending: list[RequestOutput] = []  # outputs collected by ``drain``, for the next step
         self.num_pipelined_steps = 0  # steps queued behind the step being collected

@@ -144,9 +144,9 @@ class ModelRunner:
         # Set by a disaggregated prefill while its request runs (runtime.pd.prefill); a step with
         # a layer hook runs eagerly (no CUDA graph), every other step pays one None check.
         self.layer_hook: StepLayerHook | None = None
-        # Set by speculative decoding (``engine.speculative``): sees every eager forward's final
-        # hidden states, to run the MTP layer over the step's rows.
-        self.hidden_hook: Callable[[StepInputs, ForwardBatch, torch.Tensor], None] | None = None
+        # Set by speculative decoding (``engine.speculative``): sees every forward's final hidden
+        # states ``[T, H]`` (eager, or a decode graph's real rows), to run the MTP layer over them.
+        self.hidden_hook: Callable[[StepInputs, torch.Tensor], None] | None = None
 
     def enable_cuda_graphs(
         self, max_batch_size: int, pad_page: int, pad_slot: int, show_progress: bool | None = None,
@@ -278,6 +278,9 @@ class ModelRunner:
         hooked = on_attn_layer is not None
         if graphs is not None and inp.is_decode and not hooked and len(inp.query_lens) <= graphs.max_batch_size():
             out = graphs.run(inp, input_ids)
+            if self.hidden_hook is not None:
+                # Before the next replay of any graph overwrites the graph's hidden states.
+                self.hidden_hook(inp, graphs.last_hidden())
             if out is None or not inp.sample_rows:
                 return None, None
             logits, greedy = out
@@ -296,7 +299,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if inp.sample_rows else None
         # After the LM head: a tensor-parallel worker joins the hook's MTP step after the step's forward.
         if self.hidden_hook is not None:
-            self.hidden_hook(inp, batch, hidden)
+            self.hidden_hook(inp, hidden)
         return logits, None
 
     def launch(

@@ -34,18 +34,37 @@ token ``x[p]`` not yet computed):
 5. The verify's hidden states of the accepted rows become the request's pending rows.
 
 Plain (non-speculative) steps of a speculating engine run the MTP layer's first step over the
-step's rows through ``ModelRunner.hidden_hook`` (prefill chunks included), so the MTP KV of the
+step's rows through ``ModelRunner.hidden_hook`` (prefill chunks included, and decode steps
+replayed from a CUDA graph: the graph keeps its final hidden states), so the MTP KV of the
 prompt is there when decoding starts and a cached prefix carries it (a turn's last accepted
 positions keep the entries the drafts wrote there, approximations that only cost acceptance,
 unless a finalize step reran them).
 
+**On CUDA** every speculative forward is eager and goes through the calls an eager plain step
+makes: ``ModelRunner.build_batch`` plans the attention backend (FlashInfer's prefill wrapper,
+``causal=True`` over the KV history, for the verify's ``k + 1`` tokens a request, the rerun's
+``n + 1`` and the MTP layer's catch-up rows; the split-KV Triton decode kernel, or FlashInfer's
+decode, for the MTP layer's one-token steps; a mixed plan where one-token rows come first), and
+the trunk runs its GDN layers through the chunked kernel (``chunk_gated_delta_rule``, the varlen
+conv) as for a prefill chunk, or, where the rerun is one token a request, the conv update and
+recurrent kernel of a decode step (the fused projections at batch 1,
+``DecoderLayer._forward_decode``). The GDN rollback's snapshot and restore are index copies of
+the state slots (``SpeculativeRanks``). The rule: the CUDA fast paths that cannot take a
+speculative step are left to plain steps. CUDA graphs capture one-token decode steps with their
+sampling, so a speculating engine keeps them for its plain decode steps and runs speculative
+steps (``k + 1`` tokens a request, logits of every row, host decisions between the forwards)
+eagerly; the piecewise prefill graphs likewise serve only plain steps; async scheduling is off
+(step N + 1's inputs depend on step N's acceptance, decided on the host); the MTP layer never
+takes the fused one-token path (``MultiTokenPredictor``).
+
 Every forward, LM head and state copy goes through ``SpeculativeRanks``
 (``engine.speculative_ranks``), which under tensor parallelism has the worker ranks join it.
 
-Limits for now (docs/decisions.md): CPU / torch-reference attention only (no FlashInfer, no CUDA
-graphs), synchronous scheduling (async is turned off), a verify step may exceed
-``max_num_batched_tokens`` by ``B * k``, periodic checkpoints falling inside an accepted run are
-skipped, and spilling a session does not carry the MTP KV layer.
+Limits for now (docs/decisions.md): speculative steps are eager (no CUDA graph), synchronous
+scheduling (async is turned off), tensor parallelism on CPU only (on CUDA a worker would replay
+a decode graph for a one-token rerun that rank 0 runs eagerly: refused), a verify step may
+exceed ``max_num_batched_tokens`` by ``B * k``, periodic checkpoints falling inside an accepted
+run are skipped, and spilling a session does not carry the MTP KV layer.
 """
 
 from __future__ import annotations
@@ -56,7 +75,6 @@ import torch
 
 from phloem.engine.cache.manager import CacheManager
 from phloem.engine.config import MAX_DRAFT_TOKENS, ModelConfig, SpeculativeConfig
-from phloem.engine.forward_batch import ForwardBatch
 from phloem.engine.model_runner import ModelRunner
 from phloem.engine.models.mtp import mtp_kv_layers
 from phloem.engine.request import Request, TokenLogprob
@@ -158,8 +176,8 @@ class MTPSpeculator:
         self, runner: ModelRunner, cache: CacheManager, model_config: ModelConfig, num_drafts: int,
         max_model_len: int, max_batch_size: int | None = None,
     ) -> None:  # fmt: skip
-        if runner.attn is not None:
-            raise ValueError("speculative: runs on the torch reference attention for now (attention_backend='torch')")
+        if runner.device.type == "cuda" and runner.tp.size > 1:
+            raise ValueError("speculative: runs at tensor_parallel_size=1 on CUDA for now (TP speculation is CPU-only)")
         if getattr(runner.model, "mtp", None) is None:
             raise ValueError("speculative: the model has no MTP layer loaded")
         self.runner = runner
@@ -197,7 +215,7 @@ class MTPSpeculator:
         for rid in [rid for rid in self.pending if rid not in live]:
             del self.pending[rid]
 
-    def _after_plain_forward(self, inp: StepInputs, batch: ForwardBatch, hidden: torch.Tensor) -> None:
+    def _after_plain_forward(self, inp: StepInputs, hidden: torch.Tensor) -> None:
         sched, self._sched = self._sched, None
         if sched is None or len(sched.requests) != len(inp.query_lens):
             return  # a forward the engine did not schedule (warm-up): the MTP layer sits it out

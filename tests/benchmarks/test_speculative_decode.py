@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from phloem.benchmarks.speculative_decode import PHASES, SpeculativeSplit, speculative_table
 from phloem.cli.main import main
@@ -39,6 +40,34 @@ def test_bench_decode_splits_the_speculative_step(capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| 1 | 64 |"))
     assert float(row.split("|")[11]) > 1.3 and "projection" not in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_decode_splits_the_speculative_step_on_cuda(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The same split on CUDA (bf16, FlashInfer, graphs for the plain pass, eager speculative
+    steps; phases timed with the device synchronized around each call)."""
+    out_json = tmp_path / "decode.json"
+    argv = ["bench", "decode", "--shape", "tiny", "--device", "cuda", "--speculative", "mtp:3", "--batches", "1,4",
+            "--contexts", "256", "--prefill-tokens", "0", "--steps", "6", "--accept-length", "3.1", "--no-progress",
+            "--out", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding mtp:3" in out and "at accepted length 3.1 (projection)" in out
+    points = json.loads(out_json.read_text())["speculative"]
+    assert [(p["batch"], p["context"]) for p in points] == [(1, 256), (4, 256)]
+    for p in points:
+        assert p["steps"] == 6 and p["plain_steps"] == 0 and p["num_drafts"] == 3
+        assert all(p["phase_ms"][phase] > 0 for phase in PHASES)
+        assert sum(p["phase_ms"].values()) + p["rest_ms"] == pytest.approx(p["ms_per_step"])
+        assert 0 <= p["rest_ms"] < p["ms_per_step"] and p["plain_ms_per_step"] > 0
+        assert 1.0 <= p["accepted_length"] <= 4.0
+    argv = ["bench", "decode", "--model", str(trained_model_path()), "--device", "cuda", "--speculative", "mtp:3",
+            "--batches", "1", "--contexts", "64", "--prefill-tokens", "0", "--steps", "6", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 1 | 64 |"))
+    assert float(row.split("|")[11]) > 1.3
 
 
 def test_accept_length_needs_speculation(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from phloem.engine import Engine
 from phloem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
@@ -117,6 +118,56 @@ def test_requests_that_do_not_speculate_run_plain(trained_prompts) -> None:
         before = engine.speculator.stats.steps
         assert _tokens(engine, [prompt], p)[0] == want
         assert engine.speculator.stats.steps == before
+
+
+class _EagerDecodeGraphs:
+    """Stands in for ``CudaGraphRunner`` where CUDA graphs do not run (here): ``run`` computes a
+    decode step eagerly and keeps its final hidden states, as a replay leaves them in the graph's
+    pool, so the runner takes its graph branch (``ModelRunner._forward``) for every decode step."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.hidden: torch.Tensor | None = None
+
+    def max_batch_size(self) -> int:
+        return 64
+
+    def run(self, inp, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+        self.hidden = self.runner.model.forward(self.runner.build_batch(inp), self.runner.caches)
+        logits = self.runner.model.compute_logits(self.hidden)
+        return logits, logits.argmax(dim=-1)
+
+    def last_hidden(self) -> torch.Tensor:
+        assert self.hidden is not None
+        return self.hidden
+
+
+@pytest.mark.slow
+def test_plain_decode_steps_through_the_graph_branch_feed_the_mtp_layer(trained_prompts, trained_plain) -> None:
+    """A penalized request makes every step it is in run plain, so the greedy request beside it
+    decodes through the runner's graph branch; the MTP layer must still see those rows: its
+    pending rows end where each request's computed tokens do, and the greedy tokens are plain.
+    (tests/engine/test_gpu_mtp_speculation.py checks the same with real CUDA graphs.)"""
+    engine = _engine(trained_model_path(), 2)
+    engine.runner.graphs = _EagerDecodeGraphs(engine.runner)
+    spec = engine.speculator
+    greedy = engine.add_request(trained_prompts[2], SamplingParams(max_tokens=32))
+    engine.add_request(trained_prompts[3], SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.2))
+    tokens: dict[str, list[int]] = {}
+    checked = 0
+    while engine.has_unfinished_requests():
+        plain_steps = spec.stats.plain_steps
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+        if engine.last_step_kind != "decode" or spec.stats.plain_steps == plain_steps:
+            continue
+        for req in engine.scheduler.running:
+            rows, first = spec.pending[req.request_id]
+            assert first + rows.shape[0] == req.num_computed_tokens, f"{req.request_id}: a graph step's row missed"
+            checked += 1
+    assert checked >= 10 and spec.stats.steps > 0
+    assert tokens[greedy] == trained_plain[2][:32]
 
 
 def test_speculation_off_allocates_no_mtp_kv() -> None:

@@ -44,8 +44,9 @@ def use_pool_ids(engine: Engine) -> None:
     from phloem.engine.cuda_graph import CudaGraphRunner
 
     def step(self: Any, batch: Any, copy_to: Any, ids_out: Any) -> Any:
-        logits = self.model.compute_logits(self.model.forward(batch, self.caches), upcast=False)
-        return logits, self.model.greedy_ids(logits, copy_to=copy_to)
+        hidden = self.model.forward(batch, self.caches)
+        logits = self.model.compute_logits(hidden, upcast=False)
+        return hidden, logits, self.model.greedy_ids(logits, copy_to=copy_to)
 
     CudaGraphRunner._step = step  # type: ignore[method-assign]
     graphs = engine.runner.graphs

@@ -67,6 +67,11 @@
 #       the session API, each a fresh server
 #   43  the record's agentic workload at 16 agents, session API against the chat-style resending
 #       client (/v1/completions), each a fresh server
+#   44  MTP speculation on CUDA (issue 50): the trained model's greedy tokens with mtp:1/2/3 against plain,
+#       256 tokens x 8 prompts at batch 1 and 8, graphs on for plain steps (tests/engine/test_gpu_mtp_speculation.py),
+#       and `bench decode --speculative` on CUDA (tests/benchmarks/test_speculative_decode.py)
+#   45  the speculative step's split at the 35B-A3B shape, batch 1 and 16 at 1K, mtp:1/2/3
+#       (`bench decode --speculative mtp:K --accept-length 3.1`; dummy weights: the length is a projection)
 #   9   the summary table
 # A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0). The PHLOEM_*
 # kernel variables a step sets are read by `phloem bench decode` into its KernelConfig (runtime/env.py).
@@ -300,6 +305,17 @@ step_43() {
     --append 800 --turns 12 --output 500 $SRV --no-progress --out /tmp/o43 > "$OUT/43_agentic.txt" 2>&1
   cp /tmp/o43/agentic.json "$OUT/43_agentic.json" 2>/dev/null
 }
+step_44() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 580 python3 -m pytest -q -p no:cacheprovider -rfE -s -m gpu \
+    tests/engine/test_gpu_mtp_speculation.py tests/benchmarks/test_speculative_decode.py > "$OUT/44_speculation_tests.txt" 2>&1
+}
+step_45() {
+  for k in 1 2 3; do
+    CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 900 $PY bench decode --device cuda --speculative mtp:$k --batches 1,16 \
+      --contexts 1024 --prefill-tokens 0 --accept-length 3.1 --no-progress --out "$OUT/45_spec_mtp$k.json" \
+      > "$OUT/45_spec_mtp$k.txt" 2>&1
+  done
+}
 step_9() {
   echo; echo "== summary =="
   cat "$OUT/0_warmup.txt" 2>/dev/null
@@ -326,6 +342,8 @@ step_9() {
   [ -f "$OUT/31_gdn_host.txt" ] && grep -v Warning "$OUT/31_gdn_host.txt" | head -n 5
   [ -f "$OUT/31_prefill_attn.txt" ] && grep -v Warning "$OUT/31_prefill_attn.txt" | tail -n 12
   [ -f "$OUT/31_mixed_step.txt" ] && grep -v Warning "$OUT/31_mixed_step.txt" | grep -v '^  ' | head -n 45
+  [ -f "$OUT/44_speculation_tests.txt" ] && { echo "44: $(tail -n 1 "$OUT/44_speculation_tests.txt")"; grep -E "accepted length|NOT a tie|^FAILED" "$OUT/44_speculation_tests.txt" | head -n 12; }
+  for k in 1 2 3; do [ -f "$OUT/45_spec_mtp$k.txt" ] && { echo "45 mtp:$k:"; grep -v Warning "$OUT/45_spec_mtp$k.txt" | grep '^| 1 \|^| 16 \|^projection'; }; done
   [ -f "$OUT/32_concurrency_tests.txt" ] && { echo "32: $(tail -n 1 "$OUT/32_concurrency_tests.txt")"; grep -E "differs|^FAILED" "$OUT/32_concurrency_tests.txt" | head -n 12; }
   for f in 3_tp1 3_tp1_cublas 3_tp1_cublas_nopdl 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
   [ -f "$OUT/4_pd_check.txt" ] && echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt")"
