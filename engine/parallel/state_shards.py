@@ -150,6 +150,8 @@ def scatter_state(
         cuts = None
         if whole is not None:
             t = whole[i].to(dev)
+            if t.dtype != dtype:
+                t = to_kv_dtype(t, dtype)  # a state of another KV dtype converts (write_local)
             cuts = [_cut(t, w[i]) for w in where]
         received.append(tp.scatter_from_first(out, cuts))
     kv, conv, ssm = received
