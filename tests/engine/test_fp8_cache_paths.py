@@ -1,6 +1,6 @@
 """FP8 KV pages (``kv_cache_dtype="fp8_e4m3"``) on every cache path give the fresh path's greedy
 tokens, on the trained built-in model: a prefix hit, forks, spill/resume through a segment on
-disk, and a prefill/decode transfer. The fresh path is an fp8-KV engine without a prefix cache
+disk, a prefill/decode transfer, and (slow) TP=2 over gloo. The fresh path is an fp8-KV engine without a prefix cache
 computing the whole history; fp8 pages are bytes to every path that moves them, so each equals it
 token for token.
 
@@ -11,6 +11,7 @@ segment into a model-dtype engine the exact upcast.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,8 +38,8 @@ def fresh(prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in engine(replace(CACHE, enable_prefix_caching=False)).generate(prompts, GREEDY)]
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    return [(seed * 131 + i * 17) % 4000 + 10 for i in range(n)]
+def tokens(n: int, seed: int, vocab: int = 4096) -> list[int]:
+    return [(seed * 131 + i * 17) % (vocab - 10) + 10 for i in range(n)]
 
 
 def test_the_pool_holds_fp8_pages_at_half_the_bytes() -> None:
@@ -147,3 +148,32 @@ def _run(eng: Engine, rid: str) -> list[int]:
             if out.request_id == rid and out.finished:
                 final = out
     return final.token_ids
+
+
+@pytest.mark.slow  # two-rank tensor-parallel process group
+def test_tp2_over_gloo_hit_and_spill_resume_equal_its_fresh_path(tiny_checkpoint: Callable[..., Path]) -> None:
+    """At TP=2 (gloo) the fp8 pages leave and come back through the ranks' gather and scatter (on
+    the tiny random Qwen3.5-MoE checkpoint: the trained model's single GDN key head does not split)."""
+    from phloem.engine import ParallelConfig
+
+    tp2 = Engine.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM"), cache=CACHE, parallel=ParallelConfig(tensor_parallel_size=2),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=32))
+    try:
+        prompt = tokens(29, 12, vocab=256)
+        conv = prompt + tp2.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids
+        nxt = conv + tokens(4, 13, vocab=256)
+        hit = tp2.generate([nxt], GREEDY)[0]
+        assert hit.num_cached_tokens == len(conv)
+        state = tp2.export_prefix(conv)
+        assert state is not None and state.kv.dtype == FP8
+        tp2.cache.tree.clear()
+        recomputed = tp2.generate([nxt], GREEDY)[0]
+        assert recomputed.num_cached_tokens == 0 and recomputed.token_ids == hit.token_ids
+        tp2.cache.tree.clear()
+        assert tp2.import_prefix(state)
+        resumed = tp2.generate([nxt], GREEDY)[0]
+        assert resumed.num_cached_tokens == len(conv) and resumed.token_ids == hit.token_ids
+        again = tp2.export_prefix(conv)
+        assert again is not None and torch.equal(again.kv.view(torch.uint8), state.kv.view(torch.uint8))
+    finally:
+        tp2.close()
