@@ -177,3 +177,26 @@ def test_tp2_over_gloo_hit_and_spill_resume_equal_its_fresh_path(tiny_checkpoint
         assert again is not None and torch.equal(again.kv.view(torch.uint8), state.kv.view(torch.uint8))
     finally:
         tp2.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graphs_and_flashinfer_on_fp8_pages_follow_the_eager_fresh_path() -> None:
+    """bf16 on CUDA: FlashInfer reads the fp8 pages (the Triton decode kernel is off for them),
+    decode steps replay CUDA graphs; a prefix hit and two forks give the eager, uncached fp8
+    engine's first 8 tokens (the trained model's logits are peaked: no ties that early)."""
+    from phloem.engine import EngineConfig, LoadConfig, RunnerConfig
+
+    gpu = EngineConfig(load=LoadConfig(device="cuda", dtype="bfloat16"), cache=replace(CACHE, num_pages=512),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
+    eng = Engine.from_pretrained(trained_model_path(), gpu)
+    assert eng.runner.caches.kv.dtype == FP8
+    first = tokens(100, 14)
+    conv = first + eng.generate([first], GREEDY)[0].token_ids
+    branches = [conv + tokens(3, s) for s in (15, 16, 17)]
+    hits = eng.generate(branches, SamplingParams(max_tokens=8))
+    assert all(h.num_cached_tokens == len(conv) for h in hits)
+    eager = Engine.from_pretrained(trained_model_path(), gpu, runner=RunnerConfig(enable_cuda_graph=False),
+                                   cache=replace(gpu.cache, enable_prefix_caching=False))
+    want = eager.generate(branches, SamplingParams(max_tokens=8))
+    assert [h.token_ids for h in hits] == [w.token_ids for w in want]
