@@ -1,6 +1,6 @@
 """FP8 KV pages (``kv_cache_dtype="fp8_e4m3"``) on every cache path give the fresh path's greedy
 tokens, on the trained built-in model: a prefix hit, forks, spill/resume through a segment on
-disk, a prefill/decode transfer, and (slow) TP=2 over gloo. The fresh path is an fp8-KV engine without a prefix cache
+disk, a prefill/decode transfer, MTP speculation, and (slow) TP=2 over gloo. The fresh path is an fp8-KV engine without a prefix cache
 computing the whole history; fp8 pages are bytes to every path that moves them, so each equals it
 token for token.
 
@@ -46,6 +46,11 @@ def test_the_pool_holds_fp8_pages_at_half_the_bytes() -> None:
     fp8, model_dtype = engine(), engine(replace(CACHE, kv_cache_dtype="auto"))
     assert fp8.runner.caches.kv.dtype == FP8 and fp8.runner.caches.conv.dtype == model_dtype.runner.caches.conv.dtype
     assert model_dtype.runner.caches.kv.element_size() == 4 * fp8.runner.caches.kv.element_size()  # fp32 model
+
+
+def test_an_unknown_kv_cache_dtype_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected one of \\('auto', 'fp8_e4m3'\\), got 'fp8'"):
+        CacheConfig(kv_cache_dtype="fp8")
 
 
 def test_prefix_hit_and_forks_equal_fresh() -> None:
@@ -138,6 +143,20 @@ def test_prefill_decode_transfer_of_fp8_pages_equals_one_engine() -> None:
     decode_engine.install_transfer(res, kv, *source.state())
     out = _run(decode_engine, decode_engine.add_request(prompt, GREEDY, output_token_ids=first))
     assert out == reference
+
+
+def test_mtp_speculation_on_fp8_pages_gives_the_plain_tokens() -> None:
+    """The MTP layer's KV is one more layer of the fp8 pool; drafts verified on fp8 pages keep
+    greedy decoding lossless."""
+    from phloem.engine.config import SpeculativeConfig
+
+    prompts = [tokens(20, s) for s in (18, 19, 20)]
+    cache = replace(CACHE, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=24)
+    plain = Engine.from_pretrained(trained_model_path(), cache=cache).generate(prompts, params)
+    spec = Engine.from_pretrained(trained_model_path(), cache=cache, speculative=SpeculativeConfig.parse("mtp:3"))
+    assert spec.runner.caches.kv.dtype == FP8
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in plain]
 
 
 def _run(eng: Engine, rid: str) -> list[int]:
