@@ -229,7 +229,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                              "the roofline is one rank's share of the bytes")
     parser.add_argument("--ep", action="store_true", help="with --tp N: split the routed experts whole across the ranks")
     parser.add_argument("--quantization", choices=QUANTIZATIONS,
-                        help="as for phloem serve: fp8 quantizes the (dummy) projection weights at load (default: none)")
+                        help="as for phloem serve: fp8 quantizes the (dummy) projection weights at load "
+                             "(default: none)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="as for phloem serve: fp8_e4m3 stores the KV pages in fp8 (default: %(default)s)")
     parser.add_argument("--out", metavar="FILE", type=Path, help="write the raw numbers as JSON here (default: none)")

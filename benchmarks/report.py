@@ -49,6 +49,10 @@ def engine_switches(engine: Engine) -> dict[str, object]:
         "attention_prologue": bool(engine.runner.attn is not None and engine.runner.attn.prologue),
         "tensor_parallel_size": group.size if group is not None else 1,
         "one_shot_allreduce": group is not None and group.one_shot is not None,
+        "fp8_weights": any(p.dtype == torch.float8_e4m3fn
+                           for p in engine.runner.model.parameters()),  # type: ignore[attr-defined]
+        "kv_cache_dtype": str(engine.runner.caches.kv.dtype).removeprefix("torch."),
+        "triton_decode_attention": bool(engine.runner.attn is not None and engine.runner.attn.triton_decode),
     }
 
 
@@ -117,8 +121,8 @@ def bench_decode(
         path = model or write_shape(shape, Path(tmp))
         fmt = "safetensors" if model else "dummy"
         cuda = dev.type == "cuda"
-        load = LoadConfig(load_format=fmt, device=device, dtype="bfloat16" if cuda else "auto", show_progress=show_progress,
-                          quantization=quantization)
+        load = LoadConfig(load_format=fmt, device=device, dtype="bfloat16" if cuda else "auto",
+                          show_progress=show_progress, quantization=quantization)
         scheduler = SchedulerConfig(max_num_batched_tokens=8192 if cuda else None, max_num_seqs=max_num_seqs or max(batches))
         config = EngineConfig(load=load, scheduler=scheduler, speculative=speculative,
                               cache=CacheConfig(kv_cache_dtype=kv_cache_dtype))

@@ -69,7 +69,8 @@ def add_estimate_command(commands: argparse._SubParsersAction) -> None:  # type:
                           help="weight formats (default: bf16 fp8)")
     estimate.add_argument("--quantization", choices=QUANTIZATIONS,
                           help="as for phloem serve: fp8 weights only (the same as --dtype fp8)")
-    estimate.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=field_default("engine.cache.kv_cache_dtype"),
+    estimate.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                          default=field_default("engine.cache.kv_cache_dtype"),
                           help="as for phloem serve: fp8_e4m3 KV pages take 1 byte per element (default: %(default)s)")
     estimate.add_argument("--gpu-memory", metavar="GIB", type=float, default=DEFAULT_GPU_GIB,
                           help="memory of one GPU (default: %(default)s GiB, an H200)")

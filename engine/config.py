@@ -24,7 +24,8 @@ from typing import Any
 from phloem.kernels.config import KernelConfig
 
 __all__ = [
-    "DTYPES", "KV_CACHE_DTYPES", "LOAD_FORMATS", "QUANTIZATIONS", "SPECULATIVE_METHODS", "CacheConfig", "EngineConfig", "GrammarConfig", "KernelConfig",
+    "DTYPES", "KV_CACHE_DTYPES", "LOAD_FORMATS", "QUANTIZATIONS", "SPECULATIVE_METHODS", "CacheConfig", "EngineConfig",
+    "GrammarConfig", "KernelConfig",
     "LoadConfig", "ModelConfig", "ParallelConfig", "RunnerConfig", "SchedulerConfig", "SpeculativeConfig",
     "default_max_num_batched_tokens",
 ]

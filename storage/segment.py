@@ -18,7 +18,8 @@ Tensors (names are the safetensors keys on disk)::
 Decisions: a segment always covers tokens ``[0, num_tokens)`` of its session (the head), so one
 segment is enough to resume; the KV pages' dtype is ``kv_dtype`` (the model's, or fp8 with an
 fp8 KV cache), the conv state's is the model's, ``conv_dtype`` (absent from segments written
-before fp8 KV: then ``kv_dtype``), and the recurrent state is always fp32 (docs/architecture.md, "Invariants"). The token-id hash is sha256 over the ids as
+before fp8 KV: then ``kv_dtype``), and the recurrent state is always fp32 (docs/architecture.md,
+"Invariants"). The token-id hash is sha256 over the ids as
 little-endian int64, so it is stable across machines and Python versions.
 """
 

@@ -1,8 +1,8 @@
 """FP8 KV pages (``kv_cache_dtype="fp8_e4m3"``) on every cache path give the fresh path's greedy
 tokens, on the trained built-in model: a prefix hit, forks, spill/resume through a segment on
-disk, a prefill/decode transfer, MTP speculation, and (slow) TP=2 over gloo. The fresh path is an fp8-KV engine without a prefix cache
-computing the whole history; fp8 pages are bytes to every path that moves them, so each equals it
-token for token.
+disk, a prefill/decode transfer, MTP speculation, and (slow; the tiny random checkpoint) TP=2
+over gloo. The fresh path is an fp8-KV engine without a prefix cache computing the whole
+history; fp8 pages are bytes to every path that moves them, so each equals it token for token.
 
 A state of another KV dtype converts when it is imported (docs/decisions.md, "FP8 KV cache"): a
 model-dtype segment into an fp8 engine takes the saturating cast a fresh write takes, an fp8
@@ -31,7 +31,8 @@ GREEDY = SamplingParams(max_tokens=10)
 
 
 def engine(cache: CacheConfig = CACHE) -> Engine:
-    return Engine.from_pretrained(trained_model_path(), cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=256))
+    scheduler = SchedulerConfig(max_num_batched_tokens=256)
+    return Engine.from_pretrained(trained_model_path(), cache=cache, scheduler=scheduler)
 
 
 def fresh(prompts: list[list[int]]) -> list[list[int]]:
@@ -175,7 +176,8 @@ def test_tp2_over_gloo_hit_and_spill_resume_equal_its_fresh_path(tiny_checkpoint
     the tiny random Qwen3.5-MoE checkpoint: the trained model's single GDN key head does not split)."""
     from phloem.engine import ParallelConfig
 
-    tp2 = Engine.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM"), cache=CACHE, parallel=ParallelConfig(tensor_parallel_size=2),
+    tp2 = Engine.from_pretrained(tiny_checkpoint("Qwen3_5MoeForCausalLM"), cache=CACHE,
+                                 parallel=ParallelConfig(tensor_parallel_size=2),
                                  scheduler=SchedulerConfig(max_num_batched_tokens=32))
     try:
         prompt = tokens(29, 12, vocab=256)
