@@ -14,7 +14,8 @@ import tempfile
 from pathlib import Path
 
 from phloem.engine.config import (
-    CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
+    KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig,
+    SpeculativeConfig,
 )
 from phloem.benchmarks.progress_lines import phase, progress_lines
 from phloem.runtime.env import kernel_config, read_env, use_nccl_defaults
@@ -40,6 +41,7 @@ _KIND_EXAMPLES = {
   phloem bench decode --device cuda --tp 2 --batches 1,16 --contexts 1024   # two GPUs, NCCL
   phloem bench decode --model ~/models/Qwen3.5-35B-A3B --out decode.json
   phloem bench decode --shape tiny --device cpu --speculative mtp:3 --batches 1,4 --contexts 256 --prefill-tokens 0
+  phloem bench decode --device cuda --quantization fp8 --kv-cache-dtype fp8_e4m3   # FP8 weights and KV pages
   phloem bench decode --model ~/models/Qwen3.5-35B-A3B --speculative mtp:3 --accept-length 3.1
 """,
     "long-context": """\
@@ -226,6 +228,11 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="tensor-parallel ranks, one GPU each from --device (default: %(default)s); "
                              "the roofline is one rank's share of the bytes")
     parser.add_argument("--ep", action="store_true", help="with --tp N: split the routed experts whole across the ranks")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS,
+                        help="as for phloem serve: fp8 quantizes the (dummy) projection weights at load "
+                             "(default: none)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="as for phloem serve: fp8_e4m3 stores the KV pages in fp8 (default: %(default)s)")
     parser.add_argument("--out", metavar="FILE", type=Path, help="write the raw numbers as JSON here (default: none)")
 
 
@@ -286,6 +293,7 @@ def _decode(args: argparse.Namespace) -> int:
                               args.prefill_tokens, args.steps, args.out, grammar=args.grammar, tokenizer=args.tokenizer,
                               served=args.served, parallel=ParallelConfig(args.tp, args.ep),
                               speculative=args.speculative or SpeculativeConfig(), accept_length=args.accept_length,
+                              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                               kernels=kernel_config(), show_progress=show_progress(args))  # fmt: skip
         phase("done")
     sys.stdout.write(report + "\n")
@@ -302,6 +310,7 @@ def _long_context(args: argparse.Namespace) -> int:
         use_nccl_defaults()  # before --tp spawns its ranks
         report = bench_decode(args.shape, args.model, device, (1,), args.contexts, 0, args.steps, args.out,
                               max_num_seqs=1, parallel=ParallelConfig(args.tp, args.ep), kernels=kernel_config(),
+                              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                               show_progress=show_progress(args))  # fmt: skip
         phase("done")
     sys.stdout.write(report + "\n")

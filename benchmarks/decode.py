@@ -227,7 +227,7 @@ def step_bytes(engine: Engine, batch: int, context: int) -> StepBytes:
     # Rank 0's share under tensor parallelism (its parameters, KV heads and state): every rank
     # reads its own share at the same time, so the step's roofline is one rank's bytes.
     kv_heads = engine.runner.caches.kv.shape[-2]
-    kv_per_token = len(mc.full_attention_layers) * 2 * kv_heads * mc.head_dim * elem
+    kv_per_token = len(mc.full_attention_layers) * 2 * kv_heads * mc.head_dim * engine.runner.caches.kv.element_size()
     slot_bytes = engine.runner.caches.ssm[:, 0].numel() * 4 + engine.runner.caches.conv[:, 0].numel() * elem
     return StepBytes(weights, batch * context * kv_per_token, batch * 2 * slot_bytes)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from phloem.engine import Engine, EngineConfig, LoadConfig, SchedulerConfig
+from phloem.engine import CacheConfig, Engine, EngineConfig, LoadConfig, SchedulerConfig
 from phloem.engine.config import SpeculativeConfig
 from phloem.engine.sampling.grammar import GrammarBackend
 from phloem.benchmarks.decode import (
@@ -49,6 +49,10 @@ def engine_switches(engine: Engine) -> dict[str, object]:
         "attention_prologue": bool(engine.runner.attn is not None and engine.runner.attn.prologue),
         "tensor_parallel_size": group.size if group is not None else 1,
         "one_shot_allreduce": group is not None and group.one_shot is not None,
+        "fp8_weights": any(p.dtype == torch.float8_e4m3fn
+                           for p in engine.runner.model.parameters()),  # type: ignore[attr-defined]
+        "kv_cache_dtype": str(engine.runner.caches.kv.dtype).removeprefix("torch."),
+        "triton_decode_attention": bool(engine.runner.attn is not None and engine.runner.attn.triton_decode),
     }
 
 
@@ -65,6 +69,15 @@ def _served(engine: Engine, batch: int, context: int, steps: int) -> float | Non
     if pages > engine.page_pool.num_free_pages or 2 * batch + 2 > engine.slot_pool.num_free_slots:
         return None
     return run_served_decode(engine, batch, context, steps)
+
+
+def _randomize(kv: torch.Tensor) -> None:
+    """Fill the KV pool with N(0, 1) values in place; fp8 pages (no ``normal_``) in chunks."""
+    if kv.element_size() > 1:
+        kv.normal_()
+        return
+    for chunk in kv.view(-1).split(1 << 28):
+        chunk.copy_(torch.randn(chunk.shape, dtype=torch.bfloat16, device=kv.device))
 
 
 def bench_decode(
@@ -84,6 +97,8 @@ def bench_decode(
     show_progress: bool | None = None,
     speculative: SpeculativeConfig = SpeculativeConfig(),
     accept_length: float | None = None,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
     **sections: object,
 ) -> str:
     """Run the decode grid (and one long prefill); returns the report as Markdown.
@@ -97,7 +112,8 @@ def bench_decode(
     With ``served`` each point is also timed on the served path (``benchmarks.served``).
     With ``speculative`` on, each point is timed plain and speculating instead, and the report
     splits the speculative step (``benchmarks.speculative_decode``; ``accept_length``: its
-    labelled projection).
+    labelled projection). ``quantization`` and ``kv_cache_dtype`` are ``LoadConfig``'s and
+    ``CacheConfig``'s (FP8 weights, FP8 KV pages).
     """
     dev = torch.device(device)
     phase(f"building the engine ({shape if model is None else model}, {device})")
@@ -105,12 +121,14 @@ def bench_decode(
         path = model or write_shape(shape, Path(tmp))
         fmt = "safetensors" if model else "dummy"
         cuda = dev.type == "cuda"
-        load = LoadConfig(load_format=fmt, device=device, dtype="bfloat16" if cuda else "auto", show_progress=show_progress)
+        load = LoadConfig(load_format=fmt, device=device, dtype="bfloat16" if cuda else "auto",
+                          show_progress=show_progress, quantization=quantization)
         scheduler = SchedulerConfig(max_num_batched_tokens=8192 if cuda else None, max_num_seqs=max_num_seqs or max(batches))
-        config = EngineConfig(load=load, scheduler=scheduler, speculative=speculative)
+        config = EngineConfig(load=load, scheduler=scheduler, speculative=speculative,
+                              cache=CacheConfig(kv_cache_dtype=kv_cache_dtype))
         engine = Engine.from_pretrained(path, config, **sections)
     if dev.type == "cuda":
-        engine.runner.caches.kv.normal_()  # never time on zeros
+        _randomize(engine.runner.caches.kv)  # never time on zeros
     tools_grammar = None
     if grammar:
         folder = tokenizer or model or _default_tokenizer()

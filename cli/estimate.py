@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from phloem.cli.options import field_default
-from phloem.engine.config import CacheConfig, ModelConfig
+from phloem.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, ModelConfig
 from phloem.runtime.model_shapes import SHAPES
 
 __all__ = ["DEFAULT_GPU_GIB", "EstimateOptions", "add_estimate_command", "run_estimate"]
@@ -28,6 +28,7 @@ _EXAMPLES = """\
 examples:
   phloem estimate --shape qwen3.5-35b-a3b                    # bf16 and fp8, TP 1, 2, 4, 8
   phloem estimate --shape qwen3.5-397b-a17b --tp 8 --dtype fp8
+  phloem estimate --shape qwen3.5-397b-a17b --quantization fp8 --kv-cache-dtype fp8_e4m3 --tp 4 8
   phloem estimate --model ~/models/Qwen3.5-35B-A3B --gpu-memory 80 --gpu-memory-utilization 0.9
 """
 
@@ -64,8 +65,13 @@ def add_estimate_command(commands: argparse._SubParsersAction) -> None:  # type:
     estimate.add_argument("--tp", metavar="N", type=int, nargs="+", default=[1, 2, 4, 8],
                           help="tensor-parallel sizes (default: 1 2 4 8)")
     estimate.add_argument("--ep", action="store_true", help="expert parallelism: whole experts per GPU (with --tp N)")
-    estimate.add_argument("--dtype", nargs="+", choices=sorted(WEIGHT_FORMATS), default=["bf16", "fp8"],
+    estimate.add_argument("--dtype", nargs="+", choices=sorted(WEIGHT_FORMATS),
                           help="weight formats (default: bf16 fp8)")
+    estimate.add_argument("--quantization", choices=QUANTIZATIONS,
+                          help="as for phloem serve: fp8 weights only (the same as --dtype fp8)")
+    estimate.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                          default=field_default("engine.cache.kv_cache_dtype"),
+                          help="as for phloem serve: fp8_e4m3 KV pages take 1 byte per element (default: %(default)s)")
     estimate.add_argument("--gpu-memory", metavar="GIB", type=float, default=DEFAULT_GPU_GIB,
                           help="memory of one GPU (default: %(default)s GiB, an H200)")
     estimate.add_argument("--reserve", metavar="GIB", type=float, default=1.0,
@@ -96,8 +102,11 @@ def _options(args: argparse.Namespace) -> EstimateOptions:
     if not args.gpu_memory > 0 or not args.reserve >= 0:
         raise ValueError(f"--gpu-memory / --reserve: expected GiB > 0 / >= 0, got {args.gpu_memory} / {args.reserve}")
     cache = CacheConfig(memory_fraction=args.gpu_memory_utilization, num_pages=args.num_pages,
-                        num_state_slots=args.num_state_slots)
-    return EstimateOptions(model, name, cache, tuple(args.tp), tuple(dict.fromkeys(args.dtype)),
+                        num_state_slots=args.num_state_slots, kv_cache_dtype=args.kv_cache_dtype)
+    dtypes = args.dtype or (["fp8"] if args.quantization else ["bf16", "fp8"])
+    if args.quantization and dtypes != ["fp8"]:
+        raise ValueError(f"--quantization fp8: the weights are fp8, got --dtype {' '.join(args.dtype)}")
+    return EstimateOptions(model, name, cache, tuple(args.tp), tuple(dict.fromkeys(dtypes)),
                            int(args.gpu_memory * _GIB), int(args.reserve * _GIB), args.ep)
 
 
@@ -121,7 +130,8 @@ def run_estimate(options: EstimateOptions, out: TextIO) -> int:
               f"{len(mc.linear_attention_layers)} GDN + {len(mc.full_attention_layers)} attention layers\n")
     out.write(f"per GPU of {options.gpu_bytes / _GIB:g} GiB, {options.reserve_bytes / _GIB:g} GiB reserved, "
               f"--gpu-memory-utilization {cc.memory_fraction:g}{' --ep' if options.expert_parallel else ''}; "
-              "GiB per GPU (KV and conv state bf16, recurrent state fp32)\n")
+              f"GiB per GPU (KV {'fp8 e4m3' if cc.kv_cache_dtype == 'fp8_e4m3' else 'bf16'}, conv state bf16, "
+              "recurrent state fp32)\n")
     header = (f"{'dtype':<5} {'TP':>2} {'weights':>8} {'KV pages':>9} {'pages':>9} {'KV tokens':>10} "
               f"{'states':>7} {'slots':>6} {'total':>7}  note")
     out.write(header + "\n")

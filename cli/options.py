@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from phloem.cli.config import ServerConfig
-from phloem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, QUANTIZATIONS, SpeculativeConfig
+from phloem.engine.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SpeculativeConfig,
+)
 from phloem.runtime.logs import LOG_FORMATS, LOG_LEVELS
 from phloem.runtime.pd.roles import ROLES
 from phloem.runtime.preflight import check_chat_template
@@ -115,6 +117,9 @@ SERVE: tuple[Flag, ...] = (
          "(e4m3, a scale per 128x128 block); an FP8 checkpoint (quantization_config quant_method fp8) loads "
          "as FP8 without it", choices=QUANTIZATIONS,
          default_text="none: the weights as stored"),
+    Flag("--kv-cache-dtype", "engine.cache.kv_cache_dtype",
+         "KV pages' dtype: auto is the model's; fp8_e4m3 stores float8_e4m3fn with a unit scale (half the bytes "
+         "of bf16 per token; docs/decisions.md, \"FP8 KV cache\")", choices=KV_CACHE_DTYPES),
     Flag("--tp", "engine.parallel.tensor_parallel_size",
          "tensor parallelism: N processes (on CUDA, N GPUs from --device) run the model", metavar="N", type=int),
     Flag("--ep", "engine.parallel.expert_parallel",

@@ -24,7 +24,8 @@ from typing import Any
 from phloem.kernels.config import KernelConfig
 
 __all__ = [
-    "DTYPES", "LOAD_FORMATS", "QUANTIZATIONS", "SPECULATIVE_METHODS", "CacheConfig", "EngineConfig", "GrammarConfig", "KernelConfig",
+    "DTYPES", "KV_CACHE_DTYPES", "LOAD_FORMATS", "QUANTIZATIONS", "SPECULATIVE_METHODS", "CacheConfig", "EngineConfig",
+    "GrammarConfig", "KernelConfig",
     "LoadConfig", "ModelConfig", "ParallelConfig", "RunnerConfig", "SchedulerConfig", "SpeculativeConfig",
     "default_max_num_batched_tokens",
 ]
@@ -32,6 +33,7 @@ __all__ = [
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("safetensors", "dummy")
 QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 SUPPORTED_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
 
@@ -234,6 +236,11 @@ class CacheConfig:
             recomputes those tokens from the checkpoint before them (about one step's cost on a
             GPU below a few hundred tokens, where reading the weights dominates). 0: every
             resend is a full hit. A fresh prompt always takes it one token early.
+        kv_cache_dtype: ``"auto"`` stores the KV pages in the model's dtype; ``"fp8_e4m3"``
+            stores them as ``float8_e4m3fn`` with a unit scale (a saturating cast on write, an
+            upcast to the model's dtype on read; docs/decisions.md, "FP8 KV cache"), half the
+            bytes of bf16 per token. The conv state stays in the model's dtype and the
+            recurrent state in fp32.
     """
 
     page_size: int = 16
@@ -246,8 +253,11 @@ class CacheConfig:
     checkpoint_interval: int = 4096
     checkpoint_prompt_end: bool = True
     prompt_end_split_min_tokens: int = 256
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check_ints(
             self,
             ("page_size", "num_pages", "num_state_slots", "cpu_pool_bytes", "checkpoint_interval",

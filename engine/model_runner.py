@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from phloem.engine.cache.memory import PoolPlan, allocate_caches, plan_pools
+from phloem.engine.cache.memory import PoolPlan, allocate_caches, kv_dtype, plan_pools
 from phloem.engine.cache.page_lists import PageListMirror
 from phloem.engine.config import CacheConfig, ModelConfig, RunnerConfig
 from phloem.engine.cuda_graph import CudaGraphRunner
@@ -422,7 +422,8 @@ def _attention_backend(
             raise ValueError(f"attention_backend: 'flashinfer' serves float16 / bfloat16 models, got {dtype}")
         return None
     num_heads, num_kv_heads = mc.num_attention_heads // tp.size, max(1, mc.num_key_value_heads // tp.size)
-    return FlashInferAttention(num_heads, num_kv_heads, mc.head_dim, cc.page_size, dtype, device, kernels)
+    return FlashInferAttention(num_heads, num_kv_heads, mc.head_dim, cc.page_size, dtype, device, kernels,
+                               kv_dtype(cc, dtype))
 
 
 def build_runner(
@@ -447,6 +448,6 @@ def build_runner(
     if tp.size > 1:
         num_pages, num_slots = tp.all_min([plan.num_pages, plan.num_slots])
         plan = replace(plan, num_pages=num_pages, num_slots=num_slots)
-    caches = allocate_caches(mc, plan, cc.page_size, dtype, device, tp.size, extra_kv_layers)
+    caches = allocate_caches(mc, plan, cc.page_size, dtype, device, tp.size, extra_kv_layers, kv_dtype(cc, dtype))
     attn = _attention_backend(mc, cc, rc, tp, dtype, device, kernels)
     return ModelRunner(model, caches, cc.page_size, mc, tp, attn, plan_sink), plan

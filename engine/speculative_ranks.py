@@ -43,7 +43,7 @@ class SpeculativeRanks:
         self.model = runner.model
         self.caches = runner.caches
         self.tp = runner.tp
-        self.dtype = runner.caches.kv.dtype  # the model's activations' (the runner's dtype)
+        self.dtype = runner.caches.conv.dtype  # the model's activations' (KV pages may be fp8)
         self.hidden_size = runner.model_config.hidden_size
         # This rank's copy of the GDN states read by the step in flight: (conv, ssm) of each row.
         self._snapshot: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -9,15 +9,17 @@ the index be rebuilt from the data directory alone.
 Tensors (names are the safetensors keys on disk)::
 
     kv         [num_attn_layers, num_pages, 2, page_size, num_kv_heads, head_dim]   kv_dtype
-    conv       [num_gdn_layers, conv_dim, conv_kernel_size - 1]                     kv_dtype
+    conv       [num_gdn_layers, conv_dim, conv_kernel_size - 1]                     conv_dtype
     ssm        [num_gdn_layers, num_v_heads, key_head_dim, value_head_dim]          float32
     token_ids  [num_tokens]                                                          int64
 
     num_pages = ceil(num_tokens / page_size); the last page may be partial.
 
 Decisions: a segment always covers tokens ``[0, num_tokens)`` of its session (the head), so one
-segment is enough to resume; conv state shares the model dtype recorded as ``kv_dtype`` and the
-recurrent state is always fp32 (docs/architecture.md, "Invariants"). The token-id hash is sha256 over the ids as
+segment is enough to resume; the KV pages' dtype is ``kv_dtype`` (the model's, or fp8 with an
+fp8 KV cache), the conv state's is the model's, ``conv_dtype`` (absent from segments written
+before fp8 KV: then ``kv_dtype``), and the recurrent state is always fp32 (docs/architecture.md,
+"Invariants"). The token-id hash is sha256 over the ids as
 little-endian int64, so it is stable across machines and Python versions.
 """
 
@@ -101,6 +103,7 @@ class SegmentMeta:
     kv_dtype: str
     layout: SegmentLayout
     created_at: float = field(default_factory=time.time)
+    conv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         check_id(self.session_id, "session_id")
@@ -115,6 +118,8 @@ class SegmentMeta:
             raise ValueError(f"token_ids_hash must be 64 lowercase hex digits, got {h!r:.80}")
         if self.kv_dtype not in _DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(_DTYPES)}, got {self.kv_dtype!r}")
+        if self.conv_dtype is not None and self.conv_dtype not in _DTYPES:
+            raise ValueError(f"conv_dtype must be None or one of {sorted(_DTYPES)}, got {self.conv_dtype!r}")
         if not isinstance(self.layout, SegmentLayout):
             raise ValueError(f"layout must be a SegmentLayout, got {type(self.layout).__name__}")
         if isinstance(self.created_at, bool) or not isinstance(self.created_at, (int, float)):
@@ -141,7 +146,8 @@ class SegmentMeta:
     def expected_dtypes(self) -> dict[str, torch.dtype]:
         """Dtype of each tensor implied by this header."""
         kv_dtype = _DTYPES[self.kv_dtype]
-        return {"kv": kv_dtype, "conv": kv_dtype, "ssm": SSM_DTYPE, "token_ids": torch.int64}
+        conv_dtype = _DTYPES[self.conv_dtype or self.kv_dtype]
+        return {"kv": kv_dtype, "conv": conv_dtype, "ssm": SSM_DTYPE, "token_ids": torch.int64}
 
     def to_json(self) -> str:
         """Serialise to a JSON object string (stable key order)."""
@@ -210,7 +216,7 @@ class Segment:
         meta = SegmentMeta(
             session_id=session_id, segment_id=segment_id, model_fingerprint=model_fingerprint,
             num_tokens=ids.shape[0], token_ids_hash=hash_token_ids(ids), page_size=kv.shape[3],
-            kv_dtype=kv_dtype, layout=layout,
+            kv_dtype=kv_dtype, layout=layout, conv_dtype=str(conv.dtype).removeprefix("torch."),
             created_at=time.time() if created_at is None else created_at,
         )
         segment = cls(meta, dict(tensors))

@@ -18,7 +18,7 @@ from phloem.engine.cache.sizing import kv_page_bytes, split_budget, state_slot_b
 from phloem.engine.config import CacheConfig, ModelConfig
 from phloem.engine.forward_batch import ModelCaches
 
-__all__ = ["PoolPlan", "allocate_caches", "plan_pools"]
+__all__ = ["PoolPlan", "allocate_caches", "kv_dtype", "plan_pools"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,11 @@ class PoolPlan:
     num_slots: int
     page_bytes: int
     slot_bytes: int
+
+
+def kv_dtype(cc: CacheConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV pages' dtype for a model computing in ``dtype``: its own, or ``float8_e4m3fn``."""
+    return torch.float8_e4m3fn if cc.kv_cache_dtype == "fp8_e4m3" else dtype
 
 
 def _page_bytes(mc: ModelConfig, page_size: int, dtype: torch.dtype, tp_size: int) -> int:
@@ -45,7 +50,7 @@ def plan_pools(
     ``extra_kv_layers``: full-attention KV layers past the trunk's in every page (the MTP layer's,
     ``engine.models.mtp.mtp_kv_layers``)."""
     trunk = len(mc.full_attention_layers)
-    page_bytes = _page_bytes(mc, cc.page_size, dtype, tp_size)
+    page_bytes = _page_bytes(mc, cc.page_size, kv_dtype(cc, dtype), tp_size)
     if trunk and extra_kv_layers:
         page_bytes = page_bytes // trunk * (trunk + extra_kv_layers)
     page_bytes = max(1, page_bytes)
@@ -67,12 +72,14 @@ def plan_pools(
 
 def allocate_caches(
     mc: ModelConfig, plan: PoolPlan, page_size: int, dtype: torch.dtype, device: torch.device, tp_size: int = 1,
-    extra_kv_layers: int = 0,
+    extra_kv_layers: int = 0, kv_cache_dtype: torch.dtype | None = None,
 ) -> ModelCaches:
+    """The zeroed pools: KV pages in ``kv_cache_dtype`` (default ``dtype``), conv state in
+    ``dtype``, recurrent state in fp32."""
     kv_heads = max(1, mc.num_key_value_heads // tp_size)
     kv = torch.zeros(
         (len(mc.full_attention_layers) + extra_kv_layers, plan.num_pages, 2, page_size, kv_heads, mc.head_dim),
-        dtype=dtype,
+        dtype=kv_cache_dtype or dtype,
         device=device,
     )
     conv = torch.zeros(

@@ -15,7 +15,8 @@ rank holds ``E / tp`` whole experts plus the whole shared expert and one zero ex
 (``Qwen3.5-*-FP8``: ``float8_e4m3fn`` weights with an fp32 scale per 128×128 block) is
 approximated as 1 byte per weight of the attention, GDN ``in_proj_qkvz`` / ``out_proj``, expert,
 shared-expert and dense-MLP projections plus their block scales, everything else bf16; the KV
-pages and the conv state stay bf16 and the recurrent state fp32. That is the published layout,
+pages are bf16 or, with ``CacheConfig.kv_cache_dtype`` ``fp8_e4m3``, 1 byte per element, the
+conv state bf16 and the recurrent state fp32. That is the published layout,
 which the FP8 kernels will hold; the loader's reference path (``engine.models._fp8``) holds
 more for now: GDN ``in_proj_qkvz`` in bf16 (fused with the bf16 ``in_proj_ba``) and one scale per
 row and 128 columns instead of per 128x128 block.
@@ -181,6 +182,7 @@ def estimate_memory(mc: ModelConfig, cc: CacheConfig, *, gpu_bytes: int, tp_size
     """One rank's weights and pools of ``mc`` at ``tp_size`` on a GPU of ``gpu_bytes``: the
     pool budget is ``cc.memory_fraction`` of what the weights and ``reserve_bytes`` leave free
     (what ``plan_pools`` reads from the device after loading), split as ``plan_pools`` splits it.
+    KV pages take ``cache_element_size`` bytes per element, or 1 with ``cc.kv_cache_dtype`` fp8.
 
     Raises:
         ValueError: an unknown ``weight_format``, or ``tp_size`` does not divide the model's
@@ -194,7 +196,8 @@ def estimate_memory(mc: ModelConfig, cc: CacheConfig, *, gpu_bytes: int, tp_size
     weights = weight_bytes(mc, tp_size, weight_format, expert_parallel)
     free = gpu_bytes - weights.total - reserve_bytes
     budget = max(0, int(free * cc.memory_fraction))
-    page = max(1, kv_page_bytes(mc, cc.page_size, cache_element_size, tp_size))
+    kv_element_size = 1 if cc.kv_cache_dtype == "fp8_e4m3" else cache_element_size
+    page = max(1, kv_page_bytes(mc, cc.page_size, kv_element_size, tp_size))
     slot = max(1, state_slot_bytes(mc, cache_element_size, tp_size))
     num_pages, num_slots = split_budget(budget, cc, page, slot)
     return MemoryEstimate(weights, gpu_bytes, reserve_bytes, budget, num_pages, num_slots, page, slot, cc.page_size)

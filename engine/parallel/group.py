@@ -50,6 +50,8 @@ from phloem.kernels.config import KernelConfig
 from phloem.engine.parallel.one_shot_allreduce import OneShotAllReduce
 
 Op = Callable[..., Any]
+# Moved between ranks as bytes: gloo has no fp8 types (fp8 KV pages, ``CacheConfig.kv_cache_dtype``).
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 __all__ = ["TPGroup", "check_tp_size", "kv_head_start"]
 
@@ -167,6 +169,9 @@ class TPGroup:
         """Every rank's ``x`` (same shape and dtype on all ranks), in rank order, on rank 0; None elsewhere."""
         if self.size == 1:
             return [x]
+        if x.dtype in _FP8:
+            parts = self.gather_list(x.view(torch.uint8))
+            return None if parts is None else [p.view(x.dtype) for p in parts]
         x = x.contiguous()
         options = dist.GatherOptions()
         options.rootRank = 0
@@ -182,6 +187,10 @@ class TPGroup:
         if self.size == 1:
             assert parts is not None
             return out.copy_(parts[0])
+        if out.dtype in _FP8:
+            as_bytes = None if parts is None else [p.contiguous().view(torch.uint8) for p in parts]
+            self.scatter_from_first(out.view(torch.uint8), as_bytes)
+            return out
         options = dist.ScatterOptions()
         options.rootRank = 0
         if self.rank != 0:

@@ -26,6 +26,7 @@ import torch
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ModelCaches
 from phloem.engine.parallel.group import TPGroup, kv_head_start
+from phloem.kernels.attention.reference import to_kv_dtype
 
 __all__ = ["StateTensors", "gather_state", "read_local", "scatter_state", "state_shapes", "write_local"]
 
@@ -82,7 +83,14 @@ def write_local(caches: ModelCaches, pages: Sequence[int], slot: int, state: Sta
     index = torch.tensor(list(pages), dtype=torch.long, device=dev)
     # A state carries the trunk's KV layers; the MTP layer's (after them, when speculating) keep
     # what the pages held: the drafts' quality, never the output, depends on them.
-    caches.kv[: kv.shape[0]].index_copy_(1, index, kv.to(dev, non_blocking=non_blocking))
+    kv = kv.to(dev, non_blocking=non_blocking)
+    if kv.dtype != caches.kv.dtype:
+        # A segment of another KV dtype converts (docs/decisions.md, "FP8 KV cache").
+        kv = to_kv_dtype(kv, caches.kv.dtype)
+    dst = caches.kv[: kv.shape[0]]
+    if dst.element_size() == 1:
+        dst, kv = dst.view(torch.uint8), kv.view(torch.uint8)  # index_copy_ has no fp8 kernel on CPU
+    dst.index_copy_(1, index, kv)
     caches.conv[:, slot].copy_(conv, non_blocking=non_blocking)
     caches.ssm[:, slot].copy_(ssm, non_blocking=non_blocking)
 
@@ -142,6 +150,8 @@ def scatter_state(
         cuts = None
         if whole is not None:
             t = whole[i].to(dev)
+            if t.dtype != dtype:
+                t = to_kv_dtype(t, dtype)  # a state of another KV dtype converts (write_local)
             cuts = [_cut(t, w[i]) for w in where]
         received.append(tp.scatter_from_first(out, cuts))
     kv, conv, ssm = received

@@ -49,7 +49,8 @@ _MAX_META_BYTES = 1 << 20
 _MAX_TENSORS = 8
 _MAX_TENSOR_BYTES = 1 << 40
 _IDLE = timedelta(days=365)
-_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.int64)}
+_DTYPES = {str(t).removeprefix("torch."): t
+           for t in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int64)}
 
 
 class TorchDistTransport(KVTransport):

@@ -33,6 +33,12 @@ its staging buffer with the step's other inputs, ``engine.cuda_graph``, and plan
 no host-side scheduling of its own, and joins the decode kernels' programmatic dependent launch.
 Its attention layers hand their prologue (QK norm, RoPE, gate, KV write) to the split launch
 (``TritonDecodePlan.prologue``).
+
+FP8 KV pages (``kv_dtype`` ``float8_e4m3fn``, unit scale): every step goes through FlashInfer,
+whose wrappers read them given ``kv_data_type`` and upcast in the kernel; the Triton decode
+kernel reads only pages of the query's dtype, so it is off for them (decode steps and their
+captured graphs use FlashInfer's decode wrappers, the layers' ``qk_norm_rope_gate_store`` writes
+the pages with a saturating cast).
 """
 
 from __future__ import annotations
@@ -180,17 +186,19 @@ def fill_page_lists(
 class FlashInferAttention:
     """FlashInfer's prefill and decode wrappers over one workspace; with
     ``config.triton_decode_attention`` pure-decode steps plan the split-KV Triton kernel instead
-    (with the attention prologue inside it, and ``config.pdl`` resolved for ``device``)."""
+    (with the attention prologue inside it, and ``config.pdl`` resolved for ``device``).
+    ``kv_dtype``: the pages' dtype (default ``dtype``); fp8 pages turn the Triton decode off."""
 
     def __init__(
         self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
-        device: torch.device, config: KernelConfig = KernelConfig(),
+        device: torch.device, config: KernelConfig = KernelConfig(), kv_dtype: torch.dtype | None = None,
     ) -> None:  # fmt: skip
         import flashinfer
 
         self._fi = flashinfer
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.page_size, self.dtype, self.device = page_size, dtype, device
+        self.kv_dtype = kv_dtype or dtype
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
@@ -199,7 +207,7 @@ class FlashInferAttention:
         # Mixed steps' decode rows through the decode kernel (``MixedPlan``); off: every row in
         # the one prefill call (the comparison of benchmarks/sweeps/mixed_step.py).
         self.split_mixed = True
-        self.triton_decode = config.triton_decode_attention
+        self.triton_decode = config.triton_decode_attention and self.kv_dtype == dtype
         self.prologue = self.triton_decode
         self.pdl = False
         if self.triton_decode:
@@ -239,7 +247,7 @@ class FlashInferAttention:
                 decode = dataclasses.replace(decode, prologue=False)  # the layer runs the prologue first
             return MixedPlan(num_decode, decode, prefill)
         indptr, indices, last = page_indices(page_ids, seq_lens, self.page_size, pin=True)
-        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5)
+        common = dict(q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.head_dim**-0.5)
         if all(n == 1 for n in query_lens) and self.triton_decode:
             return self._triton_plan(indptr, indices, last, graph_batch_size)
         if all(n == 1 for n in query_lens):

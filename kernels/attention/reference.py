@@ -13,22 +13,34 @@ Sequence ``i`` owns query rows ``query_start_loc[i] : query_start_loc[i+1]`` (``
     query at position p attends to keys 0..p
 
 GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``. Scores, softmax and the weighted sum run in
-fp32; the output is cast to ``q.dtype``.
+fp32; the output is cast to ``q.dtype``. FP8 pages (``float8_e4m3fn``, unit scale) are written with
+a saturating cast and read by the same upcast to fp32.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_attention", "store_kv"]
+__all__ = ["FP8_MAX", "paged_attention", "store_kv", "to_kv_dtype"]
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def to_kv_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a KV page of ``dtype`` holds it: fp8 (unit scale) saturates at +-448 instead of
+    overflowing to NaN; any other dtype is a plain cast."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Writes ``k``, ``v`` ``[T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping`` ``[T]`` (an exact copy)."""
+    """Writes ``k``, ``v`` ``[T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping`` ``[T]`` (an exact
+    copy, or with fp8 pages the saturating cast of ``to_kv_dtype``)."""
     page_size = kv_cache.shape[2]
     page, offset = slot_mapping // page_size, slot_mapping % page_size
-    kv_cache[page, 0, offset] = k.to(kv_cache.dtype)
-    kv_cache[page, 1, offset] = v.to(kv_cache.dtype)
+    kv_cache[page, 0, offset] = to_kv_dtype(k, kv_cache.dtype)
+    kv_cache[page, 1, offset] = to_kv_dtype(v, kv_cache.dtype)
 
 
 def _gather_kv(kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,9 +44,19 @@ def _rope_cos_sin(p_inv_freq, b_pos, HALF, dtype: tl.constexpr, BD: tl.constexpr
 
 
 @triton.jit
+def _to_cache(b_x, p_dst):
+    """``b_x`` (in the input's dtype) as ``p_dst`` stores it: an fp8 page takes the saturating
+    cast of the reference (``kernels.attention.reference.store_kv``), other dtypes a plain one."""
+    if p_dst.dtype.element_ty == tl.float8e4nv:
+        b_x = tl.clamp(b_x.to(tl.float32), -448.0, 448.0)
+    return b_x.to(p_dst.dtype.element_ty)
+
+
+@triton.jit
 def _norm_rope_row(p_x, p_w, p_o, p_inv_freq, b_pos, D, HALF, eps, BD: tl.constexpr):
-    """Normalise the row at ``p_x`` and rotate its first ``2 * HALF`` dims; writes ``p_o``."""
-    dtype = p_o.dtype.element_ty
+    """Normalise the row at ``p_x`` and rotate its first ``2 * HALF`` dims (rounding as the
+    reference does, in the input's dtype); writes ``p_o``."""
+    dtype = p_x.dtype.element_ty
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_cos, b_sin, m_rot = _rope_cos_sin(p_inv_freq, b_pos, HALF, dtype, BD)
@@ -61,7 +71,7 @@ def _norm_rope_row(p_x, p_w, p_o, p_inv_freq, b_pos, D, HALF, eps, BD: tl.conste
     b_yp = (b_xp * b_rstd * (1.0 + b_wp)).to(dtype).to(tl.float32)
     b_rot = tl.where(o_d < HALF, -b_yp, b_yp)
     b_roped = (b_y * b_cos).to(dtype).to(tl.float32) + (b_rot * b_sin).to(dtype).to(tl.float32)
-    tl.store(p_o + o_d, tl.where(m_rot, b_roped, b_y).to(dtype), mask=m_d)
+    tl.store(p_o + o_d, _to_cache(tl.where(m_rot, b_roped, b_y).to(dtype), p_o), mask=m_d)
 
 
 @triton.jit
@@ -99,7 +109,7 @@ def norm_rope_store_kv(p_k, p_v, p_w, p_inv_freq, b_pos, i_slot, kv, s_cp, s_c2,
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_v = tl.load(p_v + o_d, mask=m_d)
-    tl.store(p_dst + s_c2 + o_d, b_v.to(kv.dtype.element_ty), mask=m_d)
+    tl.store(p_dst + s_c2 + o_d, _to_cache(b_v, p_dst), mask=m_d)
 
 
 @triton.jit

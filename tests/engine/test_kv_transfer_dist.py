@@ -29,6 +29,7 @@ MESSAGES = [
     KVLayer(1, 0, 1, torch.randn(2, 2, 16, 2, 32)),
     KVLayer(1, 0, 0, torch.randn(3, 2, 4, 1, 8).to(torch.bfloat16)),
     KVLayer(1, 0, 0, torch.empty(0, 2, 16, 2, 32)),
+    KVLayer(1, 0, 0, (torch.randn(2, 2, 4, 1, 8) * 100).to(torch.float8_e4m3fn)),  # fp8 KV pages
     GDNState(1, torch.randn(3, 192, 3), torch.randn(3, 4, 16, 16)),
     PrefillDone(1, 17, 16),
     TransferError(1, "no room ✗"),
@@ -41,7 +42,10 @@ def same(a: object, b: object) -> bool:
         return False
     for name in a.__slots__:  # type: ignore[attr-defined]
         x, y = getattr(a, name), getattr(b, name)
-        equal = x.dtype == y.dtype and torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        # As bytes: torch.equal has no fp8 kernel on CPU.
+        equal = (x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                 if isinstance(x, torch.Tensor) and x.element_size() == 1 else
+                 x.dtype == y.dtype and torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y)
         if not equal:
             return False
     return True

@@ -146,6 +146,44 @@ def test_store_variant_with_strided_k_and_v(assert_close) -> None:
     _check_store(assert_close, (q_gate, k_view, *rest), {}, page_size=2, seed=6)
 
 
+def _fp8_steps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per element, how many e4m3 steps separate two fp8 tensors (0: equal)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    order = codes[~codes.isnan()].unique()  # every finite e4m3 value, ascending
+    rank = lambda t: torch.searchsorted(order, t.float().flatten())  # noqa: E731
+    return (rank(got) - rank(want)).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_store_into_fp8_pages_saturates_like_the_reference(dtype) -> None:
+    """FP8 KV pages (unit scale): k and v rounded in the input dtype, clamped to +-448, cast to
+    e4m3 (on the GPU ``cvt.rn.satfinite``: v exact, k within one step where the fused norm/RoPE
+    differs in its last input-dtype bit). v is scaled so that some of it saturates. The
+    interpreter's fp32 -> e4m3 emulation rounds ties away, flushes subnormals and halves a value
+    that rounds up to a power of two (127.6 -> 64), so on CPU those elements are left out."""
+    q_gate, k, *rest = _inputs(6, 2, 2, 16, 4, dtype=dtype, seed=8)
+    v = (torch.randn(k.shape, generator=torch.Generator().manual_seed(9)) * 300).to(DEVICE, dtype)
+    slots = torch.tensor([3, 0, 9, 4, 15, 6], device=DEVICE)
+    got = torch.zeros(4, 2, 4, 2, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
+    want = got.clone()
+    q, gate = qk_norm_rope_gate_store(q_gate, k, v, *rest, EPS, got, slots)
+    reference_store(q_gate, k, v, *rest, EPS, want, slots)
+    assert q.dtype == dtype and gate.dtype == dtype
+    page, off = slots // 4, slots % 4
+    for plane, steps in ((1, 0), (0, 1)):
+        g, w = got[page, plane, off].float().flatten(), want[page, plane, off].float().flatten()
+        assert not w.isnan().any() and (plane == 0 or w.abs().max() == 448), "v should saturate, not overflow"
+        keep = torch.ones_like(w, dtype=torch.bool)
+        if DEVICE.type == "cpu":
+            exponent = torch.frexp(w.abs())[1].float()
+            keep = (w.abs() >= 2**-6) & (w.abs() != torch.exp2(exponent - 1))
+            steps = 1
+        assert keep.sum() > w.numel() // 2, "too few elements left to compare"
+        apart = _fp8_steps_apart(g[keep], w[keep])
+        over = int((apart > steps).sum())
+        assert over == 0, f"plane {plane}: {over} elements over {steps} fp8 steps apart"
+
+
 def test_rejects_mismatched_head_dims() -> None:
     q_gate, k, *rest = _inputs(2, 2, 1, 16, 4)
     with pytest.raises(ValueError, match="q_gate must be"):

@@ -53,18 +53,39 @@ def test_the_397b_fits_only_at_tp8_in_bf16(capsys: pytest.CaptureFixture[str]) -
     assert notes == {1: True, 2: True, 4: True, 8: False}
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-def test_the_estimate_sizes_pools_as_plan_pools_does(tp: int) -> None:
+def test_the_estimate_sizes_pools_as_plan_pools_does(tp: int, kv_cache_dtype: str) -> None:
     """Same page and slot bytes as the engine's sizing of a loaded model, and the same split of a
     budget (on CPU ``plan_pools`` takes ``cpu_pool_bytes`` as the budget)."""
     mc = ModelConfig.from_dict(SHAPES["qwen3.5-35b-a3b"])
     budget = 8 * GIB
-    plan = plan_pools(mc, CacheConfig(cpu_pool_bytes=budget), torch.bfloat16, torch.device("cpu"), tp)
+    cc = CacheConfig(cpu_pool_bytes=budget, kv_cache_dtype=kv_cache_dtype)
+    plan = plan_pools(mc, cc, torch.bfloat16, torch.device("cpu"), tp)
     weights = weight_bytes(mc, tp).total
-    e = estimate_memory(mc, CacheConfig(memory_fraction=1.0), tp_size=tp, reserve_bytes=GIB,
-                        gpu_bytes=budget + GIB + weights)
+    e = estimate_memory(mc, CacheConfig(memory_fraction=1.0, kv_cache_dtype=kv_cache_dtype), tp_size=tp,
+                        reserve_bytes=GIB, gpu_bytes=budget + GIB + weights)
     assert (e.page_bytes, e.slot_bytes, e.num_pages, e.num_slots) == (
         plan.page_bytes, plan.slot_bytes, plan.num_pages, plan.num_slots)
+
+
+def test_fp8_weights_and_fp8_kv_of_the_397b_at_tp4_and_tp8(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--quantization fp8`` is the fp8 weight row alone; ``--kv-cache-dtype fp8_e4m3`` halves a
+    page, so the same KV budget holds twice the tokens; the weights and states do not change."""
+    argv = ["estimate", "--shape", "qwen3.5-397b-a17b", "--quantization", "fp8", "--tp", "4", "8"]
+    assert main(argv) == 0
+    bf16_kv = rows(capsys.readouterr().out)
+    assert main([*argv, "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    out = capsys.readouterr().out
+    fp8_kv = rows(out)
+    assert set(fp8_kv) == {("fp8", 4), ("fp8", 8)} and "KV fp8 e4m3" in out
+    for tp in (4, 8):
+        weights, kv_gib, pages, tokens, states, slots, _total = fp8_kv["fp8", tp]
+        assert (weights, kv_gib, states, slots) == tuple(bf16_kv["fp8", tp][i] for i in (0, 1, 4, 5))
+        assert int(pages) in (2 * int(bf16_kv["fp8", tp][2]), 2 * int(bf16_kv["fp8", tp][2]) + 1)
+    with pytest.raises(SystemExit):
+        main(["estimate", "--quantization", "fp8", "--dtype", "bf16"])
+    assert "--quantization fp8: the weights are fp8" in capsys.readouterr().err
 
 
 def test_estimate_takes_the_memory_flags(capsys: pytest.CaptureFixture[str]) -> None:

@@ -39,6 +39,20 @@ def test_from_tensors_derives_header(make_segment, fingerprint) -> None:
     assert seg.problems() == []
 
 
+def test_fp8_kv_beside_a_bf16_conv_state_round_trips(make_segment, fingerprint) -> None:
+    """An fp8 KV cache's segment: fp8 pages, the model's conv dtype recorded apart; a header
+    written before ``conv_dtype`` existed implies the KV dtype for the conv state."""
+    seg = make_segment(num_tokens=10, dtype=torch.bfloat16)
+    tensors = dict(seg.tensors, kv=seg.tensors["kv"].to(torch.float8_e4m3fn))
+    fp8 = Segment.from_tensors(session_id="sess-A", segment_id="seg-2", model_fingerprint=fingerprint, tensors=tensors)
+    assert (fp8.meta.kv_dtype, fp8.meta.conv_dtype) == ("float8_e4m3fn", "bfloat16")
+    assert SegmentMeta.from_json(fp8.meta.to_json()) == fp8.meta and fp8.problems() == []
+    assert fp8.nbytes == seg.nbytes - tensors["kv"].numel()
+    old = replace(seg.meta, conv_dtype=None)
+    assert old.expected_dtypes()["conv"] == torch.bfloat16
+    assert "conv has dtype" in Segment(replace(fp8.meta, conv_dtype=None), tensors).problems()[0]
+
+
 def test_nbytes_is_exact(make_segment) -> None:
     seg = make_segment(num_tokens=10, dtype=torch.bfloat16)
     kv = 2 * 3 * 2 * 4 * 2 * 8 * 2
@@ -52,7 +66,7 @@ def test_nbytes_is_exact(make_segment) -> None:
     [
         pytest.param(lambda t: t.pop("ssm"), "exactly", id="missing-tensor"),
         pytest.param(lambda t: t.update(kv=t["kv"][:, :2]), "kv has shape", id="too-few-pages"),
-        pytest.param(lambda t: t.update(conv=t["conv"].float()), "conv has dtype", id="conv-dtype"),
+        pytest.param(lambda t: t.update(ssm=t["ssm"].half()), "ssm has dtype", id="ssm-dtype"),
         pytest.param(lambda t: t.update(ssm=t["ssm"].bfloat16()), "ssm has dtype", id="ssm-bf16"),
         pytest.param(lambda t: t.update(token_ids=t["token_ids"].int()), "token_ids", id="ids-i32"),
         pytest.param(lambda t: t.update(conv=t["conv"][:2]), "ssm has shape", id="gdn-layers"),
