@@ -32,7 +32,7 @@ import json
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -216,7 +216,7 @@ def run_eight_gpu(plan: Plan, out_dir: Path) -> str:
     table = _table(plan, bandwidth, rows)
     (out_dir / "eight_gpu.md").write_text(table + "\n")
     (out_dir / "eight_gpu.json").write_text(json.dumps({"device": plan.device, "bandwidth": bandwidth,
-                                                        "rows": [_as_dict(r) for r in rows]}, indent=2))
+                                                        "rows": [asdict(r) for r in rows]}, indent=2))
     return table
 
 
@@ -229,8 +229,8 @@ def _speedups(rows: list[Row]) -> None:
             r.extra["vs_tp1"] = r.tok_per_s / base
 
 
-def _as_dict(r: Row) -> dict[str, Any]:
-    return {k: getattr(r, k) for k in Row.__slots__}  # type: ignore[attr-defined]
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def _table(plan: Plan, bandwidth: float, rows: list[Row]) -> str:
@@ -239,16 +239,15 @@ def _table(plan: Plan, bandwidth: float, rows: list[Row]) -> str:
              "", "| section | variant | TP | batch | context | ms/step | tok/s per user | roofline | target tok/s "
              "| all-reduce share | accepted length | tok/s at 3.1 (projection) | × TP=1 (target 1.4 at TP=2) |",
              "|" + "---|" * 13]
-    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     for r in rows:
         base = r.variant.split(":")[0].replace("+ep", "") if r.section in ("flagship", "fp8") else ""
         target = TARGETS.get(base) if r.batch == 1 and r.context == 1024 else None
         lines.append(
             f"| {r.section} | {r.variant} | {r.tp} | {r.batch} | {r.context} | "
             + (f"{r.ms_per_step:.3f} | {r.tok_per_s:.0f} | " if r.ms_per_step else "not run (does not fit) | - | ")
-            + f"{fmt(r.roofline_fraction, '.0%')} | {fmt(target, 'd')} | {fmt(r.extra.get('allreduce_share'), '.0%')} "
-            f"| {fmt(r.extra.get('accepted_length'), '.2f')} | {fmt(r.extra.get('projection_tok_per_s'), '.0f')} "
-            f"| {fmt(r.extra.get('vs_tp1'), '.2f')} |"
+            + f"{_fmt(r.roofline_fraction, '.0%')} | {_fmt(target, 'd')} | {_fmt(r.extra.get('allreduce_share'), '.0%')} "
+            f"| {_fmt(r.extra.get('accepted_length'), '.2f')} | {_fmt(r.extra.get('projection_tok_per_s'), '.0f')} "
+            f"| {_fmt(r.extra.get('vs_tp1'), '.2f')} |"
         )
     return "\n".join(lines)
 
