@@ -28,6 +28,7 @@ import torch
 
 from phloem.benchmarks.decode import DecodeResult, measure_bandwidth, replay_ms, run_decode
 from phloem.benchmarks.progress_lines import phase
+from phloem.benchmarks.report import engine_switches
 from phloem.benchmarks.shard_bytes import RankStep, rank_step
 from phloem.engine import Engine, EngineConfig, LoadConfig, SchedulerConfig
 from phloem.engine.build import bind_cuda_device
@@ -131,16 +132,18 @@ def bench_simulated_tp(
             arithmetic = rank_step(engine.model_config, tp_size, batch, context, "bf16", expert_parallel,
                                    element_size=element_size)
             points.append(SimulatedPoint(result, counted[0], arithmetic))
-    engine.close()
     name = shape if model is None else str(model)
-    report = simulated_table(name, device, tp_size, expert_parallel, bandwidth, allreduce_us, points)
+    switches = engine_switches(engine)
+    report = ", ".join(f"{k} {v}" for k, v in switches.items()) + "\n"
+    report += simulated_table(name, device, tp_size, expert_parallel, bandwidth, allreduce_us, points)
     if out_json is not None:
         out_json.write_text(json.dumps({
-            "shape": name, "simulate_tp": tp_size, "expert_parallel": expert_parallel, "bandwidth": bandwidth,
+            "shape": name, "switches": switches, "simulate_tp": tp_size, "expert_parallel": expert_parallel, "bandwidth": bandwidth,
             "allreduce_us": allreduce_us,
             "points": [{"decode": asdict(p.decode), "collectives": p.collectives, "arithmetic": asdict(p.step),
                         "projection_ms": p.projection_ms(allreduce_us)} for p in points],
         }, indent=2))  # fmt: skip
+    engine.close()
     return report
 
 
@@ -153,8 +156,9 @@ def simulated_table(name: str, device: str, tp_size: int, expert_parallel: bool,
         "(--allreduce-us), not a measurement",
         "",
         "| batch | context | rank ms/step | rank GPU ms (graph) | collectives/step | all-reduce KB/step | gather KB/step "
-        "| rank GB/step | roofline ms | projection ms | projection tok/s per user | arithmetic projection ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rank GB/step | roofline ms | fraction of roofline | projection ms | collectives' share | projection tok/s "
+        "per user | arithmetic projection ms |",
+        "|" + "---|" * 14,
     ]
     for p in points:
         d, s = p.decode, p.step
@@ -162,9 +166,12 @@ def simulated_table(name: str, device: str, tp_size: int, expert_parallel: bool,
         gather_kb = p.collectives.get("gather", (0, 0))[1] / 1e3
         gpu = f"{d.gpu_ms_per_step:.3f}" if d.gpu_ms_per_step else "-"
         projection = p.projection_ms(allreduce_us)
+        roofline = s.roofline_ms(bandwidth)
+        wire = p.num_collectives * allreduce_us / 1000.0
         lines.append(
             f"| {d.batch} | {d.context} | {d.ms_per_step:.3f} | {gpu} | {p.num_collectives} | {reduce_kb:.1f} "
-            f"| {gather_kb:.1f} | {s.total / 1e9:.3f} | {s.roofline_ms(bandwidth):.3f} | {projection:.3f} "
-            f"| {1000 / projection:.0f} | {s.projection_ms(bandwidth, allreduce_us):.3f} |"
+            f"| {gather_kb:.1f} | {s.total / 1e9:.3f} | {roofline:.3f} | {roofline / p.compute_ms:.0%} "
+            f"| {projection:.3f} | {wire / projection:.0%} | {1000 / projection:.0f} "
+            f"| {s.projection_ms(bandwidth, allreduce_us):.3f} |"
         )
     return "\n".join(lines)

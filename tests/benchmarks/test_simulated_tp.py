@@ -111,3 +111,17 @@ def test_bad_simulation_flags_are_one_line(capsys: pytest.CaptureFixture[str], e
         argv += ["--simulate-tp", "2"]
     assert main(argv + extra) != 0
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_the_simulated_rank_replays_its_cuda_graph_alone(tmp_path: Path) -> None:
+    """On a GPU the rank's decode graphs hold the local copies in place of NCCL: rank 0's graph
+    replays without peers, and the eager counting step still sees every collective."""
+    out_json = tmp_path / "sim.json"
+    argv = ["bench", "decode", "--shape", "tiny", "--device", "cuda", "--simulate-tp", "2", "--batches", "1,4",
+            "--contexts", "1024", "--steps", "5", "--no-progress", "--out", str(out_json)]
+    assert main(argv) == 0
+    layers = SHAPES["tiny"]["num_hidden_layers"]
+    for p in json.loads(out_json.read_text())["points"]:
+        assert p["decode"]["gpu_ms_per_step"] > 0
+        assert p["collectives"]["all_reduce"][0] == 2 * layers + 1 and p["collectives"]["gather"][0] == 1
