@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from phloem.benchmarks.decode import run_decode, step_bytes
 from phloem.benchmarks.shard_bytes import rank_step
@@ -114,6 +115,7 @@ def test_bad_simulation_flags_are_one_line(capsys: pytest.CaptureFixture[str], e
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_simulated_rank_replays_its_cuda_graph_alone(tmp_path: Path) -> None:
     """On a GPU the rank's decode graphs hold the local copies in place of NCCL: rank 0's graph
     replays without peers, and the eager counting step still sees every collective."""
