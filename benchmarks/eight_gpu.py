@@ -31,7 +31,7 @@ import gc
 import json
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -102,7 +102,8 @@ class Row:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def _engine(shape: dict[str, Any], folder: Path, plan: Plan, v: Variant) -> Engine:
+def _load(shape: dict[str, Any], folder: Path, plan: Plan, v: Variant, simulated: bool = False) -> Engine:
+    """The engine of ``v`` (``simulated``: its rank 0 alone, ``benchmarks.simulated_tp``)."""
     (folder / "config.json").write_text(json.dumps(shape))
     cuda = plan.device.startswith("cuda")
     load = LoadConfig(load_format="dummy", device=plan.device, dtype="bfloat16" if cuda else "auto",
@@ -110,17 +111,25 @@ def _engine(shape: dict[str, Any], folder: Path, plan: Plan, v: Variant) -> Engi
     config = EngineConfig(load=load, scheduler=SchedulerConfig(max_num_batched_tokens=8192 if cuda else None,
                                                                max_num_seqs=16),
                           kernels=KernelConfig(one_shot_allreduce=v.one_shot),
-                          speculative=SpeculativeConfig.parse(f"mtp:{v.mtp}") if v.mtp else SpeculativeConfig(),
-                          parallel=ParallelConfig(v.tp, v.expert_parallel))
-    return Engine.from_pretrained(folder, config)
+                          speculative=SpeculativeConfig.parse(f"mtp:{v.mtp}") if v.mtp else SpeculativeConfig())
+    if simulated:
+        return simulated_engine(folder, config, v.tp, v.expert_parallel)
+    return Engine.from_pretrained(folder, replace(config, parallel=ParallelConfig(v.tp, v.expert_parallel)))
 
 
-def _release(engine: Engine) -> None:
-    engine.close()
-    del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def _on_engine(shape: dict[str, Any], folder: Path, plan: Plan, v: Variant, measure: Callable[[Engine], list[Row]],
+               simulated: bool = False) -> list[Row]:
+    """``measure`` on a fresh engine of ``v``, whose memory is freed before this returns (the
+    next load must not meet it on the GPU: the flagship's rank 0 holds ~100 GB)."""
+    engine = _load(shape, folder, plan, v, simulated)
+    try:
+        return measure(engine)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _fits(engine: Engine, batch: int, context: int, steps: int, per_step: int) -> bool:
@@ -157,16 +166,9 @@ def _measure(engine: Engine, section: str, v: Variant, plan: Plan, bandwidth: fl
     return rows
 
 
-def _simulate(shape: dict[str, Any], folder: Path, plan: Plan, v: Variant, bandwidth: float,
-              points: list[tuple[int, int]], measured: list[Row]) -> list[Row]:
-    """Rank 0 of ``v`` alone; each row's ``allreduce_share`` against the measured row."""
-    (folder / "config.json").write_text(json.dumps(shape))
-    cuda = plan.device.startswith("cuda")
-    load = LoadConfig(load_format="dummy", device=plan.device, dtype="bfloat16" if cuda else "auto",
-                      quantization=v.quantization, show_progress=False)
-    config = EngineConfig(load=load, scheduler=SchedulerConfig(max_num_batched_tokens=8192 if cuda else None,
-                                                               max_num_seqs=16))
-    engine = simulated_engine(folder, config, v.tp, v.expert_parallel)
+def _simulate(engine: Engine, v: Variant, plan: Plan, bandwidth: float, points: list[tuple[int, int]],
+              measured: list[Row]) -> list[Row]:
+    """Rank 0 of ``v`` alone (``engine``); each row's ``allreduce_share`` against the measured row."""
     by_point = {(r.batch, r.context): r for r in measured if r.variant == v.label and r.ms_per_step}
     rows = []
     for batch, context in points:
@@ -178,7 +180,6 @@ def _simulate(shape: dict[str, Any], folder: Path, plan: Plan, v: Variant, bandw
         share = max(0.0, 1.0 - r.ms_per_step / real.ms_per_step)
         rows.append(Row("simulate", v.label, v.tp, batch, context, r.ms_per_step, 1000.0 / r.ms_per_step,
                         r.roofline_fraction, {"allreduce_share": share}))
-    _release(engine)
     return rows
 
 
@@ -200,18 +201,19 @@ def run_eight_gpu(plan: Plan, out_dir: Path) -> str:
         for v in flagship:
             section = "fp8" if v.quantization else "flagship"
             if section in plan.sections:
-                engine = _engine(plan.flagship, folder, plan, v)
-                rows += _measure(engine, section, v, plan, bandwidth, points if not v.mtp else points[:1])
-                _release(engine)
+                at = points if not v.mtp else points[:1]
+                rows += _on_engine(plan.flagship, folder, plan, v,
+                                   lambda e, v=v, s=section, at=at: _measure(e, s, v, plan, bandwidth, at))
         if "simulate" in plan.sections:
             for v in flagship[:2]:
-                rows += _simulate(plan.flagship, folder, plan, v, bandwidth, points, rows)
+                measured = list(rows)
+                rows += _on_engine(plan.flagship, folder, plan, v,
+                                   lambda e, v=v, m=measured: _simulate(e, v, plan, bandwidth, points, m), True)
         if "scaling" in plan.sections:
+            at = [(1, plan.batch16_context), (16, plan.batch16_context)]
             for v in scaling:
-                engine = _engine(plan.scaling, folder, plan, v)
-                at = plan.batch16_context
-                rows += _measure(engine, "scaling", v, plan, bandwidth, [(1, at), (16, at)])
-                _release(engine)
+                rows += _on_engine(plan.scaling, folder, plan, v,
+                                   lambda e, v=v: _measure(e, "scaling", v, plan, bandwidth, at))
     _speedups(rows)
     table = _table(plan, bandwidth, rows)
     (out_dir / "eight_gpu.md").write_text(table + "\n")
