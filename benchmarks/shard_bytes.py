@@ -18,12 +18,12 @@ counts against what real gloo ranks issue.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from phloem.engine.cache.sizing import WEIGHT_FORMATS, kv_page_bytes, state_slot_bytes, weight_bytes
 from phloem.engine.config import ModelConfig
 
-__all__ = ["RankStep", "rank_step"]
+__all__ = ["RankStep", "mtp_rank_step", "rank_step"]
 
 _BF16 = 2
 
@@ -95,3 +95,22 @@ def rank_step(mc: ModelConfig, tp_size: int, batch: int, context: int, weight_fo
     reduces = 2 * mc.num_hidden_layers + 1
     return RankStep(weights, kv, state, reduces, reduces * tokens * h * element_size, 1,
                     tokens * vocab_rows * element_size)
+
+
+def mtp_rank_step(mc: ModelConfig, tp_size: int, batch: int, context: int, num_drafts: int,
+                  weight_format: str = "bf16", expert_parallel: bool = False) -> RankStep:
+    """Rank 0's speculative step with MTP drafting ``num_drafts`` tokens, approximately: the verify
+    step over ``num_drafts + 1`` tokens a request, plus per draft one MTP layer (counted as an
+    average layer of the trunk, at one token a request) and the LM head shard, with that layer's
+    collectives (its two norms and the final one reduce, the logits gather, the hidden states'
+    broadcast to the ranks)."""
+    verify = rank_step(mc, tp_size, batch, context, weight_format, expert_parallel, num_drafts + 1)
+    one = rank_step(mc, tp_size, batch, context, weight_format, expert_parallel)
+    lm_head = -(-mc.vocab_size // tp_size) * mc.hidden_size * _BF16
+    draft = num_drafts * ((one.weights - lm_head) // mc.num_hidden_layers + lm_head)
+    if tp_size == 1:
+        return replace(verify, weights=verify.weights + draft)
+    per_reduce = one.all_reduce_bytes // one.all_reduces
+    return replace(verify, weights=verify.weights + draft, all_reduces=verify.all_reduces + 4 * num_drafts,
+                   all_reduce_bytes=verify.all_reduce_bytes + 4 * num_drafts * per_reduce,
+                   gathers=verify.gathers + num_drafts, gather_bytes=verify.gather_bytes + num_drafts * one.gather_bytes)

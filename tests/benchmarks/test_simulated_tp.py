@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from phloem.benchmarks.decode import run_decode, step_bytes
-from phloem.benchmarks.shard_bytes import rank_step
+from phloem.benchmarks.shard_bytes import mtp_rank_step, rank_step
 from phloem.benchmarks.simulated_tp import count_step, simulated_engine
 from phloem.cli.main import main
 from phloem.engine import Engine, EngineConfig, LoadConfig
@@ -85,6 +85,10 @@ def test_the_flagship_at_tp8_reads_about_4_gb_per_rank() -> None:
     assert 30e9 < one.weights < 40e9 and 3.8e9 < eight.weights < 5e9
     assert eight.all_reduces == 121 and eight.gathers == 1 and one.collectives == 0
     assert rank_step(mc, 8, 1, 1024, "fp8").weights < 0.6 * eight.weights
+    # docs/benchmarks.md's FP8 + MTP row: the verify over 4 tokens and 3 drafts of 5 collectives each.
+    mtp = mtp_rank_step(mc, 8, 1, 1024, 3, "fp8")
+    assert mtp.collectives == 122 + 3 * 5 and round(mtp.total / 1e9, 2) == 6.10
+    assert mtp_rank_step(mc, 1, 1, 1024, 3).collectives == 0
 
 
 def test_bench_decode_simulate_tp_prints_a_labelled_projection(capsys: pytest.CaptureFixture[str],
