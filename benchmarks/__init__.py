@@ -2,7 +2,10 @@
 
 Role: ``benchmarks.cli`` adds the ``phloem bench`` subcommands (decode, long-context,
 prefix-cache, agentic, trie) to the CLI; ``decode`` / ``served`` / ``report`` time decode and
-prefill against the rooflines measured in the same run; ``prefix_cache`` and ``resume`` time the
+prefill against the rooflines measured in the same run; ``simulated_tp`` times one rank of a
+TP=N step alone and ``shard_bytes`` gives a rank's bytes and collectives from the config (the
+projection of ``--simulate-tp``); ``eight_gpu`` is the eight-GPU run (``python3 -m``, with a CPU
+dry mode); ``prefix_cache`` and ``resume`` time the
 prefix cache and session resume on the engine; ``agentic`` / ``plots`` / ``trie`` drive a server
 over HTTP (our SDK, and the external harness tokenspeed-trie). ``benchmarks/sweeps/`` holds
 scripts run by path (kernel tile sweeps, traces, CPU data-structure benchmarks). The current

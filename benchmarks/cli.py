@@ -43,6 +43,8 @@ _KIND_EXAMPLES = {
   phloem bench decode --shape tiny --device cpu --speculative mtp:3 --batches 1,4 --contexts 256 --prefill-tokens 0
   phloem bench decode --device cuda --quantization fp8 --kv-cache-dtype fp8_e4m3   # FP8 weights and KV pages
   phloem bench decode --model ~/models/Qwen3.5-35B-A3B --speculative mtp:3 --accept-length 3.1
+  phloem bench decode --device cuda --shape qwen3.5-397b-a17b --simulate-tp 8 --batches 1,16 --contexts 1024
+  phloem bench decode --shape tiny --device cpu --simulate-tp 2 --batches 1 --contexts 64   # one rank of TP=2
 """,
     "long-context": """\
   phloem bench long-context --device cuda                 # decode at 128K / 256K / 1M tokens of context
@@ -120,6 +122,13 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     decode.add_argument("--accept-length", metavar="TOKENS", type=float,
                         help="with --speculative: also print tok/s at this accepted length, labelled a projection "
                              "(dummy weights accept ~nothing; the measured length is always printed; default: none)")
+    decode.add_argument("--simulate-tp", metavar="N", type=_at_least_one,
+                        help="time rank 0 of a TP=N step alone on --device (its shard of the model, collectives "
+                             "replaced by local copies, counted) and print a projection of the TP=N step; with --ep "
+                             "the routed experts split whole (default: off)")
+    decode.add_argument("--allreduce-us", metavar="US", type=float,
+                        help="with --simulate-tp: the latency of one collective in the projection (default: 8, "
+                             "SGLang's custom all-reduce at TP=8 on NVLink, benchmarks.simulated_tp cites it)")
     decode.set_defaults(configure=_checked, run=_decode)
 
     long = _kind(kinds, "long-context", "batch-1 decode at long contexts with roofline fractions")
@@ -284,6 +293,10 @@ def _decode(args: argparse.Namespace) -> int:
         raise StartupError("--accept-length: needs --speculative mtp:K and a length of at least 1")
     device = _device(args, dict(shape="qwen3.5-35b-a3b", contexts=(1024, 32768, 131072), prefill_tokens=50000),
                      dict(shape="tiny", contexts=(256, 1024), prefill_tokens=512))
+    if args.simulate_tp is not None:
+        return _simulated_decode(args, device)
+    if args.allreduce_us is not None:
+        raise StartupError("--allreduce-us: needs --simulate-tp N")
     with progress_lines("bench decode", show_progress(args)):
         phase("importing torch and the engine")
         from phloem.benchmarks.report import bench_decode
@@ -295,6 +308,23 @@ def _decode(args: argparse.Namespace) -> int:
                               speculative=args.speculative or SpeculativeConfig(), accept_length=args.accept_length,
                               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                               kernels=kernel_config(), show_progress=show_progress(args))  # fmt: skip
+        phase("done")
+    sys.stdout.write(report + "\n")
+    return 0
+
+
+def _simulated_decode(args: argparse.Namespace, device: str) -> int:
+    if args.tp != 1 or args.speculative is not None or args.grammar:
+        raise StartupError("--simulate-tp: runs one rank alone; leave out --tp, --speculative and --grammar")
+    if not 2 <= args.simulate_tp <= 8:
+        raise StartupError(f"--simulate-tp: expected 2 to 8 ranks, got {args.simulate_tp}")
+    with progress_lines("bench decode", show_progress(args)):
+        phase("importing torch and the engine")
+        from phloem.benchmarks.simulated_tp import ALLREDUCE_US, bench_simulated_tp
+
+        us = ALLREDUCE_US if args.allreduce_us is None else args.allreduce_us
+        report = bench_simulated_tp(args.shape, args.model, device, args.batches, args.contexts, args.steps,
+                                    args.simulate_tp, args.ep, us, args.out, kernel_config(), show_progress(args))
         phase("done")
     sys.stdout.write(report + "\n")
     return 0

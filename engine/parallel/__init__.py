@@ -11,6 +11,8 @@ Modules::
     one_shot_allreduce  NVLink buffers every GPU of the group has mapped, for the one-shot
                         all-reduce + add + RMSNorm kernel (opt-in: ``KernelConfig``)
     cuda_ipc            the CUDA runtime calls (ctypes) that map a buffer into the peers
+    simulated           a stand-in backend for one rank alone: collectives as local copies,
+                        counted (``bench decode --simulate-tp``)
 
 The worker ranks (spawning them, the loop that builds a model runner and replays step plans) are
 not here: they build a whole rank, so they sit beside the builder, in ``engine.workers``.
