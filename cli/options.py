@@ -147,6 +147,9 @@ SERVE: tuple[Flag, ...] = (
     Flag("--idle-to-host", "sessions.idle_to_host_s",
          "seconds an unpinned session stays on the GPU before it is spilled to host memory",
          group=_MEMORY, metavar="SECONDS", type=float),
+    Flag("--spill-sweep-interval", "sessions.sweep_interval_s",
+         "seconds between two passes of the sweeper that spills idle sessions", group=_MEMORY,
+         metavar="SECONDS", type=float),
     Flag("--gpu-memory-utilization", "engine.cache.memory_fraction",
          "share of the GPU memory still free once the weights are loaded that the KV page and state-slot "
          "pools take (vLLM's flag of this name is a share of the whole GPU, weights included); unused on CPU, "
