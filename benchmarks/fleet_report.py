@@ -56,9 +56,10 @@ def scrape(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
 
 
 class TierSampler:
-    """``with TierSampler(url) as sampler:`` scrapes before, every ``interval_s``, and after."""
+    """``with TierSampler(url) as sampler:`` scrapes before, every ``interval_s``, and after
+    (the first and last points of ``series`` are the before and after scrapes)."""
 
-    def __init__(self, base_url: str, interval_s: float = 1.0) -> None:
+    def __init__(self, base_url: str, interval_s: float = 0.5) -> None:
         self._url, self._interval_s = base_url, interval_s
         self.before: dict[str, float] = {}
         self.after: dict[str, float] = {}
@@ -67,23 +68,25 @@ class TierSampler:
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def __enter__(self) -> TierSampler:
-        self.before = scrape(self._url)
         self._t0 = time.monotonic()
+        self.before = self._sample(scrape(self._url))
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.after = scrape(self._url)
+        self.after = self._sample(scrape(self._url))
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval_s):
-            m = scrape(self._url, timeout_s=self._interval_s * 5)
-            if m:
-                point = {"t": time.monotonic() - self._t0}
-                point |= {key: m.get(name, 0.0) for key, name in _BYTES}
-                self.series.append(point)
+            self._sample(scrape(self._url, timeout_s=self._interval_s * 5))
+
+    def _sample(self, m: dict[str, float]) -> dict[str, float]:
+        if m:
+            point = {"t": time.monotonic() - self._t0}
+            self.series.append(point | {key: m.get(name, 0.0) for key, name in _BYTES})
+        return m
 
 
 def _delta(s: TierSampler, name: str) -> float:
@@ -171,11 +174,13 @@ def plot_tiers(series: dict[str, list[dict[str, float]]], out_dir: Path) -> list
     for mode, points in series.items():
         if not points:
             continue
+        peak = max(p[key] for p in points for key, _ in _BYTES)
+        scale, unit = (2**30, "GiB") if peak >= 2**30 else (2**20, "MiB")
         fig, ax = plt.subplots(figsize=(6, 4))
         for key, _ in _BYTES:
-            ax.plot([p["t"] for p in points], [p[key] / 2**30 for p in points], label=key)
+            ax.plot([p["t"] for p in points], [p[key] / scale for p in points], marker=".", label=key)
         ax.set_xlabel("seconds into the run")
-        ax.set_ylabel("GiB held")
+        ax.set_ylabel(f"{unit} held")
         ax.set_title(f"session state by tier: {mode}")
         ax.legend()
         ax.grid(alpha=0.3)
