@@ -3,7 +3,8 @@
 Each agent holds a conversation shaped like the record's workload: a long first turn, then turns
 that append a tool result of ``append`` tokens, ``output`` generated tokens per turn (greedy,
 ``ignore_eos``), a tool wait between turns (``tool_pause_s``, or a seeded heavy-tailed draw:
-``benchmarks.tool_wait``), and optionally ``forks`` branches from turn ``fork_at`` that continue
+``benchmarks.tool_wait``; session modes may send the SDK's ``prefetch`` hint ``prefetch_ahead_s``
+before a wait ends), and optionally ``forks`` branches from turn ``fork_at`` that continue
 independently. Four modes run the same workload:
 
 - ``sessions``: the native session API (``POST /v1/sessions/{id}/append``, SSE);
@@ -63,6 +64,9 @@ class AgenticWorkload:
     output: int = 500
     tool_pause_s: float = 0.0
     tool_wait: ToolWait | None = None  # instead of tool_pause_s
+    # Session modes: call the SDK's prefetch this long before a tool wait ends (0: never), so the
+    # spilled state is loaded back while the agent still waits.
+    prefetch_ahead_s: float = 0.0
     fork_at: int | None = None  # fork after this turn (1-based)
     forks: int = 0
     vocab_hi: int = 1000
@@ -165,7 +169,11 @@ async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int,
             )  # fmt: skip
             tick(1)
             if turn < last and (wait_s := waits()) > 0:
-                await asyncio.sleep(wait_s)
+                ahead = min(wl.prefetch_ahead_s, wait_s)
+                await asyncio.sleep(wait_s - ahead)
+                if ahead > 0:
+                    await handle.prefetch()  # type: ignore[attr-defined]
+                    await asyncio.sleep(ahead)
 
     fork_at = wl.fork_at if wl.forks and wl.fork_at else wl.turns
     await run_turns(session, root, 1, fork_at)

@@ -148,6 +148,9 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
                          help="wait between turns instead of --tool-pause: lognormal draws MEDIAN * exp(SIGMA * z), "
                               "z ~ N(0, 1), capped at CAP s, seeded per agent (e.g. lognormal:2:1.5:120: median 2 s, "
                               "p90 14 s, p99 65 s; default: --tool-pause)")
+    agentic.add_argument("--prefetch-ahead", metavar="SECONDS", type=float, default=0.0,
+                         help="session modes: ask the server to prefetch a session's spilled state this long "
+                              "before its tool wait ends (the SDK's prefetch hint; default: %(default)s, never)")
     agentic.add_argument("--client-processes", metavar="N", type=_at_least_one,
                          help="client processes the agents are spread over (default: one per two CPUs, "
                               "at most 8 and at most --agents): one process cannot read 16 fast streams")
@@ -350,7 +353,7 @@ def _agentic(args: argparse.Namespace) -> int:
 
     workload = AgenticWorkload(
         agents=args.agents, first_turn=args.first_turn, append=args.append, turns=args.turns, output=args.output,
-        tool_pause_s=args.tool_pause, tool_wait=args.tool_wait, fork_at=args.fork_at, forks=args.forks, vocab_hi=args.vocab_hi,
+        tool_pause_s=args.tool_pause, tool_wait=args.tool_wait, prefetch_ahead_s=args.prefetch_ahead, fork_at=args.fork_at, forks=args.forks, vocab_hi=args.vocab_hi,
         client_processes=args.client_processes or default_client_processes(args.agents),
     )  # fmt: skip
     table, data = run_agentic(

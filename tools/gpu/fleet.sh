@@ -12,11 +12,13 @@
 # pool is capped at 40,000 pages (640K tokens, ~40% of it), the host tier at 16 GiB (~60 agents'
 # state), the rest spills to disk. Sessions unpin 1 s after a turn and spill 1 s after that, so the
 # agents waiting on a tool leave the GPU. At 64 agents the same pool holds ~80% of the fleet: pass
-# a smaller --num-pages by editing POOL for the same pressure.
+# a smaller pool for the same pressure (POOL=20000). PREFETCH=S has each agent send the SDK's prefetch
+# hint S seconds before its tool wait ends (default 0: resumes are triggered by the append itself).
 source tools/gpu/setup.sh || exit 1
 AGENTS=${1:-128}
 MODES=${2:-sessions,tiersoff,stateless}
 POOL=${POOL:-40000}
+PREFETCH=${PREFETCH:-0}
 SRV=(--device cuda --dtype bfloat16 --shape qwen3.5-35b-a3b --num-pages "$POOL" --default-ttl 1
      --idle-to-host 1 --host-budget-bytes $((16 << 30)))
 ARGS=()
@@ -24,7 +26,7 @@ for a in "${SRV[@]}"; do ARGS+=("--server-arg=$a"); done
 for mode in ${MODES//,/ }; do
   T1=$(date +%s)
   timeout 170 python3 -m phloem.cli bench agentic --modes "$mode" --agents "$AGENTS" --first-turn 8000 \
-    --append 800 --turns 6 --output 128 --tool-wait lognormal:2:1.5:60 "${ARGS[@]}" --no-progress \
+    --append 800 --turns 6 --output 128 --tool-wait lognormal:2:1.5:60 --prefetch-ahead "$PREFETCH" "${ARGS[@]}" --no-progress \
     --out "$OUT/fleet-$AGENTS-$mode" 2>&1 | grep -v Warning | tail -14
   echo "$mode: rc ${PIPESTATUS[0]}, $(( $(date +%s) - T1 )) s"
 done
