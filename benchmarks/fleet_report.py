@@ -6,8 +6,8 @@ TTFT by turn, per-agent decode, and the tiers' bytes over time, read from the se
   prefix-cache bytes, host and disk tier bytes, sessions by status) and after it.
 - ``fleet_summary`` turns the before/after deltas and the turn records into plain numbers:
   shares of already-sent tokens served by ``gpu`` / ``host`` / ``disk`` / ``recomputed``
-  (``phloem_session_served_tokens_total``: session modes only; a stateless mode's hits are its
-  ``cached_tokens``); per tier the resumes, their mean tokens and seconds, and the recompute
+  (``phloem_session_served_tokens_total``; a stateless mode, which those counters do not see,
+  from its records: cached tokens of what it had sent before are ``gpu``, the rest recomputed); per tier the resumes, their mean tokens and seconds, and the recompute
   they replaced, estimated at the run's fastest turn-1 prefill rate (the least queued one:
   ``min(ttft / prompt_tokens)`` over turn 1, so the estimate leans low and the speedup is
   conservative); TTFT p50/p99 per turn; per-agent decode tok/s (output tokens after the first
@@ -101,6 +101,8 @@ def _quantile(values: list[float], q: float) -> float:
 def fleet_summary(records: list[TurnRecord], sampler: TierSampler, expected_turns: int) -> dict[str, object]:
     """The fleet figures of one mode (module docstring); plain numbers for JSON."""
     served = {src: _delta(sampler, f'phloem_session_served_tokens_total{{source="{src}"}}') for src in SOURCES}
+    if not any(served.values()):
+        served = _served_from_records(records)
     total = sum(served.values())
     firsts = [r.ttft_s / r.prompt_tokens for r in records if r.turn == 1 and r.prompt_tokens and r.ttft_s > 0]
     s_per_token = min(firsts) if firsts else 0.0
@@ -132,6 +134,14 @@ def fleet_summary(records: list[TurnRecord], sampler: TierSampler, expected_turn
         "lost_turns": expected_turns - len(records),
         "tier_bytes": sampler.series,
     }
+
+
+def _served_from_records(records: list[TurnRecord]) -> dict[str, float]:
+    """Stateless modes (no session counters): each request's hits on what it had sent before are
+    the GPU prefix cache's, the rest of that was recomputed."""
+    seen = sum(r.prompt_tokens - r.new_tokens for r in records)
+    hit = sum(min(r.cached_tokens, r.prompt_tokens - r.new_tokens) for r in records)
+    return {"gpu": float(hit), "host": 0.0, "disk": 0.0, "recomputed": float(seen - hit)}
 
 
 def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:

@@ -62,3 +62,12 @@ def test_fleet_summary_shares_resumes_and_per_agent_decode() -> None:
     assert f["per_agent_decode_tok_s"]["p50"] == pytest.approx(8 / 0.12)  # type: ignore[index]
     assert f["lost_turns"] == 1
     assert "| sessions | 37.5% / 50.0% / 0.0% / 12.5% | 87.5% |" in fleet_markdown({"sessions": {"fleet": f}})
+
+
+def test_a_stateless_mode_is_served_from_its_records() -> None:
+    sampler = TierSampler("http://unused")
+    sampler.before = sampler.after = {"phloem_engine_up": 1.0}
+    records = [TurnRecord("stateless", 0, 0, 1, 100, 100, 0, 5, 0.1, 0.01, 0.2),
+               TurnRecord("stateless", 0, 0, 2, 120, 15, 90, 5, 0.1, 0.01, 0.2)]
+    f = fleet_summary(records, sampler, expected_turns=2)
+    assert f["served_tokens"] == {"gpu": 90, "host": 0, "disk": 0, "recomputed": 15}
