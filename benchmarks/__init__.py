@@ -4,7 +4,9 @@ Role: ``benchmarks.cli`` adds the ``phloem bench`` subcommands (decode, long-con
 prefix-cache, agentic, trie) to the CLI; ``decode`` / ``served`` / ``report`` time decode and
 prefill against the rooflines measured in the same run; ``prefix_cache`` and ``resume`` time the
 prefix cache and session resume on the engine; ``agentic`` / ``plots`` / ``trie`` drive a server
-over HTTP (our SDK, and the external harness tokenspeed-trie). ``benchmarks/sweeps/`` holds
+over HTTP (our SDK, and the external harness tokenspeed-trie), started by ``local_server``;
+``tool_wait`` draws the agents' waits and ``fleet_report`` reads the tiers' figures from
+``/metrics``. ``benchmarks/sweeps/`` holds
 scripts run by path (kernel tile sweeps, traces, CPU data-structure benchmarks). The current
 figures are in ``docs/benchmarks.md``.
 

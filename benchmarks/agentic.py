@@ -43,6 +43,7 @@ import httpx
 
 from phloem.api import AsyncClient
 from phloem.api.schemas import GenerateParams
+from phloem.benchmarks.local_server import LocalServer, rss_mib
 from phloem.benchmarks.tool_wait import ToolWait
 
 __all__ = ["MODE_SERVER_ARGS", "AgenticWorkload", "TurnRecord", "default_client_processes", "num_turns", "run_agentic", "run_mode", "summarize"]
@@ -357,59 +358,6 @@ def records_json(records: list[TurnRecord]) -> list[dict[str, object]]:
     return [asdict(r) for r in records]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rss_mib(pid: int) -> float:
-    """Resident memory of a local process (Linux ``/proc``), MiB."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-class _Server:
-    """A ``phloem serve`` subprocess on a free loopback port, for one benchmark mode."""
-
-    def __init__(self, args: list[str], data_dir: str) -> None:
-        import subprocess
-        import sys
-
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "phloem.cli", "serve", "--port", str(self.port), "--data-dir", data_dir, *args]
-        self.log = open(f"{data_dir}/server.log", "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"phloem serve exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"phloem serve did not answer /health within {timeout_s} s")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except Exception:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
 def run_agentic(
     wl: AgenticWorkload,
     modes: tuple[str, ...] = ("sessions", "stateless", "nocache"),
@@ -443,11 +391,11 @@ def run_agentic(
             records, summary[mode] = _measure(base_url, mode, wl, num_gpus, show_progress)
         else:
             with tempfile.TemporaryDirectory() as data_dir:
-                server = _Server([*server_args, *MODE_SERVER_ARGS[mode]], data_dir)
+                server = LocalServer([*server_args, *MODE_SERVER_ARGS[mode]], data_dir)
                 try:
                     server.wait()
                     records, summary[mode] = _measure(server.url, mode, wl, num_gpus, show_progress)
-                    summary[mode]["server_rss_mib"] = _rss_mib(server.proc.pid)  # type: ignore[index]
+                    summary[mode]["server_rss_mib"] = rss_mib(server.proc.pid)  # type: ignore[index]
                 finally:
                     server.stop()
         runs[mode] = records

@@ -23,8 +23,8 @@ Decisions on what counts (docs/api.md, "Observability"):
 - resumes: a segment imported back into the engine counts once, with its bytes, tokens and
   seconds, by the tier it was read from; a resume that fails and falls back to recompute counts
   in ``resume_failures``.
-- served tokens: each generated session turn attributes the tokens the session held before it
-  to ``gpu``, ``host``, ``disk`` or ``recomputed`` (``sessions._served``).
+- served tokens: each generated session turn attributes the session's tokens up to its last
+  generated turn to ``gpu``, ``host``, ``disk`` or ``recomputed`` (``sessions._served``).
 """
 
 from __future__ import annotations
@@ -160,11 +160,10 @@ class SessionEvents:
     def resumed(self, session: Session, tier: str, num_tokens: int, nbytes: int,
                 seconds: float) -> None:
         """A segment of ``session`` read from ``tier`` was imported into the engine in
-        ``seconds``; the session's next turn counts its tokens as served by ``tier``."""
+        ``seconds``."""
         self._resumes[tier][0] += 1
         self._resumes[tier][1] += nbytes
         self.served.resumed(tier, num_tokens, seconds)
-        session.resumed = (tier, num_tokens)
         log_event(logger, "session.resumed", session_id=session.session_id, tier=tier,
                   num_tokens=num_tokens, segment_bytes=nbytes, duration_ms=round(1000 * seconds, 2))
 

@@ -3,8 +3,9 @@ recompute; and what each tier's resumes cost (``SessionStats.served``, exported 
 
 A session turn's prompt is ``history + new``; ``history`` (the session's tokens up to the end
 of its last generated turn: sent by the client or written by the model, and computed before)
-is the only part a cache can serve; tokens appended without generation count as new. The engine reports ``cached`` (prompt tokens its prefix cache held once the request was
-admitted); of the history, ``min(cached, history)`` was served, the rest recomputed::
+is the only part a cache can serve; tokens appended without generation count as new. The
+engine reports ``cached`` (prompt tokens its prefix cache held once the request was admitted);
+of the history, ``min(cached, history)`` was served, the rest recomputed::
 
     history: [ from a tier (resumed) | from the GPU cache | recomputed ]
                <- min(resumed, hit) -> <-- hit - tier --->  <- history - hit ->

@@ -342,6 +342,8 @@ class Spiller:
         if not await self._engine.import_prefix(state, session.owner):
             return False
         self._events.resumed(session, tier, n, entry.nbytes, time.perf_counter() - started)
+        # The session's next turn counts these tokens as served by ``tier`` (``sessions._served``).
+        session.resumed = (tier, n)
         return True
 
     async def _gpu_holds(self, session: Session, up_to: int | None = None) -> int:
