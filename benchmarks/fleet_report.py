@@ -160,6 +160,8 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
         lines.append(f"| {mode} | {shares} | {f['served_from_cache_or_tier']:.1%} | {res[0]} | {res[1]} "
                      f"| {dec['p50']:.1f} ({dec['min']:.1f}) | {f['lost_turns']} |")
     fleets = {m: s["fleet"] for m, s in summary.items() if isinstance(s.get("fleet"), dict)}
+    if not fleets:
+        return "(no fleet figures: the server's /metrics could not be read)"
     turns = sorted({t for f in fleets.values() for t in f["ttft_by_turn"]})  # type: ignore[index]
     lines += ["", "| turn | " + " | ".join(f"{m} TTFT p50 / p99 s" for m in fleets) + " |",
               "|---|" + "---|" * len(fleets)]

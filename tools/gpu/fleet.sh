@@ -30,7 +30,8 @@ for a in $MODEL_ARGS --num-pages "$POOL" --default-ttl 1 --idle-to-host 1 --host
 done
 for mode in ${MODES//,/ }; do
   T1=$(date +%s)
-  timeout "$MODE_TIMEOUT" python3 -m phloem.cli bench agentic --modes "$mode" --agents "$AGENTS" \
+  # SIGINT first: the bench stops its server in a finally (SIGTERM would orphan it on the GPU).
+  timeout -s INT -k 30 "$MODE_TIMEOUT" python3 -m phloem.cli bench agentic --modes "$mode" --agents "$AGENTS" \
     --first-turn "$FIRST" --append "$APPEND" --turns "$TURNS" --output "$OUTPUT" --tool-wait "$WAIT" \
     --prefetch-ahead "$PREFETCH" "${ARGS[@]}" --no-progress --out "$OUT/fleet-$AGENTS-$mode" 2>&1 \
     | grep -v Warning | tail -14
