@@ -7,7 +7,9 @@ TP=N step alone and ``shard_bytes`` gives a rank's bytes and collectives from th
 projection of ``--simulate-tp``); ``eight_gpu`` is the eight-GPU run (``python3 -m``, with a CPU
 dry mode); ``prefix_cache`` and ``resume`` time the
 prefix cache and session resume on the engine; ``agentic`` / ``plots`` / ``trie`` drive a server
-over HTTP (our SDK, and the external harness tokenspeed-trie). ``benchmarks/sweeps/`` holds
+over HTTP (our SDK, and the external harness tokenspeed-trie), started by ``local_server``;
+``tool_wait`` draws the agents' waits and ``fleet_report`` reads the tiers' figures from
+``/metrics``. ``benchmarks/sweeps/`` holds
 scripts run by path (kernel tile sweeps, traces, CPU data-structure benchmarks). The current
 figures are in ``docs/benchmarks.md``.
 

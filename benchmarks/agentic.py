@@ -2,23 +2,32 @@
 
 Each agent holds a conversation shaped like the record's workload: a long first turn, then turns
 that append a tool result of ``append`` tokens, ``output`` generated tokens per turn (greedy,
-``ignore_eos``), an optional pause between turns (the tool call), and optionally ``forks``
-branches from turn ``fork_at`` that continue independently. Three modes run the same workload:
+``ignore_eos``), a tool wait between turns (``tool_pause_s``, or a seeded heavy-tailed draw:
+``benchmarks.tool_wait``; session modes may send the SDK's ``prefetch`` hint ``prefetch_ahead_s``
+before a wait ends), and optionally ``forks`` branches from turn ``fork_at`` that continue
+independently. Four modes run the same workload:
 
 - ``sessions``: the native session API (``POST /v1/sessions/{id}/append``, SSE);
+- ``tiersoff``: the session client against a server started with ``--no-session-tiers``
+  (idle sessions are evicted and recomputed, never spilled: what sessions buy over that);
 - ``stateless``: ``/v1/completions`` resending the whole history each turn (prefix cache only);
 - ``nocache``: the stateless client against a server started with the prefix cache disabled.
 
 Per turn it records prompt tokens, cached tokens (from the server's usage), time to first token,
-time per output token and wall time; the report gives hit rate (cached / prompt tokens) next
+time per output token, wall time and a hash of the output ids (runs compare token for token);
+the report gives hit rate (cached / prompt tokens) next
 to its ceiling (the share of prompt tokens the client had sent before: a cache can serve nothing
-else, so a cold long first turn caps it), the hit rate of those tokens, per-user decode speed (1000 / TPOT ms), TTFT by turn, and aggregate throughput. Token ids are
+else, so a cold long first turn caps it), the hit rate of those tokens, per-user decode speed (1000 / TPOT ms), TTFT by turn, and aggregate throughput;
+with a fresh server per mode, or ``/metrics`` readable at ``base_url``, also the fleet figures of
+``benchmarks.fleet_report`` (served-token shares by tier, resumes against recompute, tier bytes
+over time). Token ids are
 drawn from ``[10, vocab_hi)`` so that no special token is sent by accident.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import multiprocessing
@@ -34,8 +43,17 @@ import httpx
 
 from phloem.api import AsyncClient
 from phloem.api.schemas import GenerateParams
+from phloem.benchmarks.local_server import LocalServer, rss_mib
+from phloem.benchmarks.tool_wait import ToolWait
 
-__all__ = ["AgenticWorkload", "TurnRecord", "default_client_processes", "num_turns", "run_agentic", "run_mode", "summarize"]
+__all__ = ["MODE_SERVER_ARGS", "AgenticWorkload", "TurnRecord", "default_client_processes", "num_turns", "run_agentic", "run_mode", "summarize"]
+
+
+# Each mode, and the `phloem serve` flags of the fresh server it needs (modes with flags are
+# skipped against a --base-url server).
+MODE_SERVER_ARGS: dict[str, tuple[str, ...]] = {
+    "sessions": (), "tiersoff": ("--no-session-tiers",), "stateless": (), "nocache": ("--no-prefix-cache",),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +64,10 @@ class AgenticWorkload:
     turns: int = 12
     output: int = 500
     tool_pause_s: float = 0.0
+    tool_wait: ToolWait | None = None  # instead of tool_pause_s
+    # Session modes: call the SDK's prefetch this long before a tool wait ends (0: never), so the
+    # spilled state is loaded back while the agent still waits.
+    prefetch_ahead_s: float = 0.0
     fork_at: int | None = None  # fork after this turn (1-based)
     forks: int = 0
     vocab_hi: int = 1000
@@ -69,6 +91,7 @@ class TurnRecord:
     ttft_s: float
     tpot_s: float
     wall_s: float
+    output_hash: str = ""  # of the output token ids: runs of one workload compare token for token
 
 
 @dataclass(slots=True)
@@ -82,6 +105,19 @@ class _Agent:
 
 def _tokens(rng: random.Random, n: int, hi: int) -> list[int]:
     return [rng.randrange(10, hi) for _ in range(n)]
+
+
+def _waits(wl: AgenticWorkload, agent: int, branch: int) -> Callable[[], float]:
+    """The tool waits of one agent's branch, in seconds (seeded apart from its tokens)."""
+    wait = wl.tool_wait
+    if wait is None:
+        return lambda: wl.tool_pause_s
+    rng = wait.rng(wl.seed, agent, branch)
+    return lambda: wait.draw(rng)
+
+
+def _hash(ids: list[int]) -> str:
+    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
 
 def _timing(t0: float, stamps: list[float]) -> tuple[float, float]:
@@ -104,7 +140,7 @@ def num_turns(wl: AgenticWorkload) -> int:
 
 
 async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int,
-                          tick: _Tick = _ignore) -> list[TurnRecord]:
+                          tick: _Tick = _ignore, mode: str = "sessions") -> list[TurnRecord]:
     rng = random.Random(wl.seed * 1000 + agent)
     params = GenerateParams(max_tokens=wl.output, temperature=0.0, ignore_eos=True)
     session = await client.sessions.create(metadata={"bench": "agentic", "agent": str(agent)})
@@ -112,25 +148,33 @@ async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int,
     records: list[TurnRecord] = []
 
     async def run_turns(handle: object, state: _Agent, first: int, last: int) -> None:
+        waits = _waits(wl, state.agent, state.branch)
         for turn in range(first, last + 1):
             new = _tokens(state.rng, wl.first_turn if turn == 1 else wl.append, wl.vocab_hi)
             t0 = time.perf_counter()
             stamps: list[float] = []
+            output: list[int] = []
             async with handle.stream(input_ids=new, generate=params) as stream:  # type: ignore[attr-defined]
                 async for delta in stream:
                     stamps.extend([time.perf_counter()] * len(delta.token_ids))
+                    output += delta.token_ids
             result = stream.result
             assert result is not None, "the stream ended without a committed turn"
             ttft, tpot = _timing(t0, stamps)
             records.append(
                 TurnRecord(
-                    "sessions", state.agent, state.branch, turn, result.usage.prompt_tokens, len(new),
+                    mode, state.agent, state.branch, turn, result.usage.prompt_tokens, len(new),
                     result.usage.cached_tokens, result.usage.completion_tokens, ttft, tpot, time.perf_counter() - t0,
+                    _hash(output),
                 )
             )  # fmt: skip
             tick(1)
-            if wl.tool_pause_s and turn < last:
-                await asyncio.sleep(wl.tool_pause_s)
+            if turn < last and (wait_s := waits()) > 0:
+                ahead = min(wl.prefetch_ahead_s, wait_s)
+                await asyncio.sleep(wait_s - ahead)
+                if ahead > 0:
+                    await handle.prefetch()  # type: ignore[attr-defined]
+                    await asyncio.sleep(ahead)
 
     fork_at = wl.fork_at if wl.forks and wl.fork_at else wl.turns
     await run_turns(session, root, 1, fork_at)
@@ -151,6 +195,7 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
     records: list[TurnRecord] = []
 
     async def run_turns(state: _Agent, first: int, last: int) -> None:
+        waits = _waits(wl, state.agent, state.branch)
         for turn in range(first, last + 1):
             new = _tokens(state.rng, wl.first_turn if turn == 1 else wl.append, wl.vocab_hi)
             state.history += new
@@ -180,13 +225,13 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
                 TurnRecord(
                     mode, state.agent, state.branch, turn, int(usage.get("prompt_tokens", 0)), len(new),  # type: ignore[arg-type]
                     int(details.get("cached_tokens", 0)), int(usage.get("completion_tokens", 0)),  # type: ignore[union-attr, arg-type]
-                    ttft, tpot, time.perf_counter() - t0,
+                    ttft, tpot, time.perf_counter() - t0, _hash(output),
                 )
             )  # fmt: skip
             tick(1)
             state.history += output
-            if wl.tool_pause_s and turn < last:
-                await asyncio.sleep(wl.tool_pause_s)
+            if turn < last and (wait_s := waits()) > 0:
+                await asyncio.sleep(wait_s)
 
     root = _Agent(agent, 0, [], rng)
     fork_at = wl.fork_at if wl.forks and wl.fork_at else wl.turns
@@ -215,15 +260,15 @@ async def run_mode(base_url: str, mode: str, wl: AgenticWorkload,
 
 async def _run_agents(base_url: str, mode: str, wl: AgenticWorkload, agents: Iterable[int],
                       tick: _Tick) -> list[TurnRecord]:
-    if mode == "sessions":
+    if mode in ("sessions", "tiersoff"):
         async with AsyncClient(base_url, timeout=3600, max_retries=0) as client:
-            results = await asyncio.gather(*(_sessions_agent(client, wl, a, tick) for a in agents))
+            results = await asyncio.gather(*(_sessions_agent(client, wl, a, tick, mode) for a in agents))
     elif mode in ("stateless", "nocache"):
         async with httpx.AsyncClient(base_url=base_url, timeout=3600) as http:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
             results = await asyncio.gather(*(_stateless_agent(http, wl, a, mode, model, tick) for a in agents))
     else:
-        raise ValueError(f"mode: expected 'sessions', 'stateless' or 'nocache', got {mode!r}")
+        raise ValueError(f"mode: expected one of {', '.join(MODE_SERVER_ARGS)}, got {mode!r}")
     return [r for agent in results for r in agent]
 
 
@@ -313,59 +358,6 @@ def records_json(records: list[TurnRecord]) -> list[dict[str, object]]:
     return [asdict(r) for r in records]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rss_mib(pid: int) -> float:
-    """Resident memory of a local process (Linux ``/proc``), MiB."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-class _Server:
-    """A ``phloem serve`` subprocess on a free loopback port, for one benchmark mode."""
-
-    def __init__(self, args: list[str], data_dir: str) -> None:
-        import subprocess
-        import sys
-
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "phloem.cli", "serve", "--port", str(self.port), "--data-dir", data_dir, *args]
-        self.log = open(f"{data_dir}/server.log", "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"phloem serve exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"phloem serve did not answer /health within {timeout_s} s")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except Exception:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
 def run_agentic(
     wl: AgenticWorkload,
     modes: tuple[str, ...] = ("sessions", "stateless", "nocache"),
@@ -377,34 +369,33 @@ def run_agentic(
 ) -> tuple[str, dict[str, object]]:
     """Run ``wl`` in each mode (a fresh server per mode unless ``base_url``); returns Markdown + raw data.
 
-    ``nocache`` needs a server without the prefix cache: with ``base_url`` it is skipped. Each
+    ``nocache`` and ``tiersoff`` need a server started with their flags (``MODE_SERVER_ARGS``):
+    with ``base_url`` they are skipped. Each
     mode's turns are counted by a progress bar (``show_progress``: False never, None when stderr
     is a terminal; ``runtime.progress``).
     """
     import tempfile
     from pathlib import Path
 
+    from phloem.benchmarks.fleet_report import fleet_markdown, plot_tiers
     from phloem.benchmarks.plots import plot_agentic
-    from phloem.runtime.progress import progress_bar
 
     runs: dict[str, list[TurnRecord]] = {}
     summary: dict[str, object] = {}
     for mode in modes:
+        if mode not in MODE_SERVER_ARGS:
+            raise ValueError(f"mode: expected one of {', '.join(MODE_SERVER_ARGS)}, got {mode!r}")
         if base_url is not None:
-            if mode == "nocache":
+            if MODE_SERVER_ARGS[mode]:
                 continue
-            with progress_bar(num_turns(wl), f"agentic {mode}", "turn", show_progress) as tick:
-                records, wall = asyncio.run(run_mode(base_url, mode, wl, tick))
-            summary[mode] = summarize(records, wall, num_gpus)
+            records, summary[mode] = _measure(base_url, mode, wl, num_gpus, show_progress)
         else:
             with tempfile.TemporaryDirectory() as data_dir:
-                extra = ["--no-prefix-cache"] if mode == "nocache" else []
-                server = _Server([*server_args, *extra], data_dir)
+                server = LocalServer([*server_args, *MODE_SERVER_ARGS[mode]], data_dir)
                 try:
                     server.wait()
-                    with progress_bar(num_turns(wl), f"agentic {mode}", "turn", show_progress) as tick:
-                        records, wall = asyncio.run(run_mode(server.url, mode, wl, tick))
-                    summary[mode] = summarize(records, wall, num_gpus) | {"server_rss_mib": _rss_mib(server.proc.pid)}
+                    records, summary[mode] = _measure(server.url, mode, wl, num_gpus, show_progress)
+                    summary[mode]["server_rss_mib"] = rss_mib(server.proc.pid)  # type: ignore[index]
                 finally:
                     server.stop()
         runs[mode] = records
@@ -413,8 +404,23 @@ def run_agentic(
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "agentic.json").write_text(json.dumps(data, indent=2))
-        data["plots"] = [str(p) for p in plot_agentic(runs, out)]
-    return _markdown(summary), data
+        series = {m: s["fleet"]["tier_bytes"] for m, s in summary.items() if "fleet" in s}  # type: ignore[index, operator]
+        data["plots"] = [str(p) for p in [*plot_agentic(runs, out), *plot_tiers(series, out)]]
+    return _markdown(summary) + "\n\n" + fleet_markdown(summary), data  # type: ignore[arg-type]
+
+
+def _measure(url: str, mode: str, wl: AgenticWorkload, num_gpus: int,
+             show_progress: bool | None) -> tuple[list[TurnRecord], dict[str, object]]:
+    """One mode's run against ``url``, with ``/metrics`` sampled around and during it."""
+    from phloem.benchmarks.fleet_report import TierSampler, fleet_summary
+    from phloem.runtime.progress import progress_bar
+
+    with TierSampler(url) as sampler, progress_bar(num_turns(wl), f"agentic {mode}", "turn", show_progress) as tick:
+        records, wall = asyncio.run(run_mode(url, mode, wl, tick))
+    result = summarize(records, wall, num_gpus)
+    if sampler.before:
+        result["fleet"] = fleet_summary(records, sampler, num_turns(wl))
+    return records, result
 
 
 def _markdown(summary: dict[str, object]) -> str:

@@ -60,6 +60,10 @@ _KIND_EXAMPLES = {
   phloem bench agentic                                    # scaled-down agents against fresh local servers
   phloem bench agentic --base-url http://gpu-box:8000 --agents 16 --first-turn 50000 --append 800 --output 500
   phloem bench agentic --modes sessions --fork-at 3 --forks 4 --out bench-forks
+  phloem bench agentic --modes sessions,tiersoff,stateless --agents 8 --tool-wait lognormal:0.5:1.0:5 \
+      --server-arg=--num-pages --server-arg=96 --server-arg=--default-ttl --server-arg=0 \
+      --server-arg=--idle-to-host --server-arg=0 --server-arg=--host-budget-bytes --server-arg=2000000
+      # an oversubscribed fleet at CPU scale: idle sessions spill to host, then disk, and resume
   phloem bench agentic --shared-prefix 2000 --agents 4 --turns 2 --modes sessions,stateless
   phloem bench agentic --shared-prefix 8000 --agents 16 --turns 3 --append 200 --output 64 \\
       --modes sessions,stateless --server-arg=--device --server-arg=cuda --server-arg=--shape \\
@@ -145,10 +149,19 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
                         help="run as one tenant of the partitioned cache, to measure its cost (default: none, the shared namespace)")
     prefix.set_defaults(configure=_checked, run=_prefix_cache)
 
-    agentic = _kind(kinds, "agentic", "simulated agents over HTTP: sessions vs stateless vs no cache")
+    agentic = _kind(kinds, "agentic", "simulated agents over HTTP: sessions vs tiers off vs stateless vs no cache")
     agentic.add_argument("--base-url", metavar="URL", help="a running server (default: start a fresh local server per mode)")
-    agentic.add_argument("--modes", default="sessions,stateless,nocache", help="comma-separated (default: %(default)s)")
+    agentic.add_argument("--modes", default="sessions,stateless,nocache",
+                         help="comma-separated, of sessions, tiersoff (sessions on a server with --no-session-tiers), "
+                              "stateless, nocache (default: %(default)s)")
     _workload_args(agentic)
+    agentic.add_argument("--tool-wait", metavar="SECONDS|lognormal:MEDIAN:SIGMA[:CAP]", type=_tool_wait,
+                         help="wait between turns instead of --tool-pause: lognormal draws MEDIAN * exp(SIGMA * z), "
+                              "z ~ N(0, 1), capped at CAP s, seeded per agent (e.g. lognormal:2:1.5:120: median 2 s, "
+                              "p90 14 s, p99 65 s; default: --tool-pause)")
+    agentic.add_argument("--prefetch-ahead", metavar="SECONDS", type=float, default=0.0,
+                         help="session modes: ask the server to prefetch a session's spilled state this long "
+                              "before its tool wait ends (the SDK's prefetch hint; default: %(default)s, never)")
     agentic.add_argument("--client-processes", metavar="N", type=_at_least_one,
                          help="client processes the agents are spread over (default: one per two CPUs, "
                               "at most 8 and at most --agents): one process cannot read 16 fast streams")
@@ -243,6 +256,15 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="as for phloem serve: fp8_e4m3 stores the KV pages in fp8 (default: %(default)s)")
     parser.add_argument("--out", metavar="FILE", type=Path, help="write the raw numbers as JSON here (default: none)")
+
+
+def _tool_wait(text: str) -> object:
+    from phloem.benchmarks.tool_wait import ToolWait
+
+    try:
+        return ToolWait.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _at_least_one(text: str) -> int:
@@ -370,7 +392,7 @@ def _agentic(args: argparse.Namespace) -> int:
 
     workload = AgenticWorkload(
         agents=args.agents, first_turn=args.first_turn, append=args.append, turns=args.turns, output=args.output,
-        tool_pause_s=args.tool_pause, fork_at=args.fork_at, forks=args.forks, vocab_hi=args.vocab_hi,
+        tool_pause_s=args.tool_pause, tool_wait=args.tool_wait, prefetch_ahead_s=args.prefetch_ahead, fork_at=args.fork_at, forks=args.forks, vocab_hi=args.vocab_hi,
         client_processes=args.client_processes or default_client_processes(args.agents),
     )  # fmt: skip
     table, data = run_agentic(

@@ -39,7 +39,8 @@ from typing import Any
 
 import httpx
 
-from phloem.benchmarks.agentic import AgenticWorkload, _percentile, _rss_mib, _Server
+from phloem.benchmarks.agentic import AgenticWorkload, _percentile
+from phloem.benchmarks.local_server import LocalServer, rss_mib
 
 __all__ = ["PAGE", "SharedPrefixRecord", "SharedPrefixSpec", "build_spec", "run_shared_prefix", "summarize_shared"]
 
@@ -417,7 +418,7 @@ def run_shared_prefix(
         with tempfile.TemporaryDirectory() as data_dir:
             server = None
             if base_url is None:
-                server = _Server([*server_args, *(["--no-prefix-cache"] if mode == "nocache" else [])], data_dir)
+                server = LocalServer([*server_args, *(["--no-prefix-cache"] if mode == "nocache" else [])], data_dir)
             try:
                 if server is not None:
                     server.wait()
@@ -426,7 +427,7 @@ def run_shared_prefix(
                     records, metrics, wall = asyncio.run(_run_mode(url, mode, wl, spec, tick))
                 summary[mode] = summarize_shared(records, spec, wall, metrics)
                 if server is not None:
-                    summary[mode]["server_rss_mib"] = _rss_mib(server.proc.pid)  # type: ignore[index]
+                    summary[mode]["server_rss_mib"] = rss_mib(server.proc.pid)  # type: ignore[index]
             finally:
                 if server is not None:
                     server.stop()

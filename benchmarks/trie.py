@@ -45,7 +45,8 @@ from pathlib import Path
 
 import httpx
 
-from phloem.benchmarks.agentic import AgenticWorkload, TurnRecord, _Server, run_agentic
+from phloem.benchmarks.agentic import AgenticWorkload, TurnRecord, run_agentic
+from phloem.benchmarks.local_server import LocalServer
 
 __all__ = [
     "TrieReport", "ideal_hit_rates", "parse_trie_output", "per_trace_rates", "run_trie", "run_trie_bench",
@@ -221,7 +222,7 @@ def run_trie_bench(
         out = Path(out_dir or scratch)
         out.mkdir(parents=True, exist_ok=True)
         workload = write_trie_workload(wl, out / "trie_workload.jsonl")
-        server = None if base_url is not None else _Server(list(server_args), scratch)
+        server = None if base_url is not None else LocalServer(list(server_args), scratch)
         try:
             if server is not None:
                 _wait(server)
@@ -270,7 +271,7 @@ def _markdown(wl: AgenticWorkload, report: TrieReport, ours: dict[str, object]) 
     return "\n".join(lines)
 
 
-def _wait(server: _Server) -> None:
+def _wait(server: LocalServer) -> None:
     """Wait for ``server``; on failure, put its log in the error (its folder is about to go)."""
     try:
         server.wait()

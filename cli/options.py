@@ -144,6 +144,18 @@ SERVE: tuple[Flag, ...] = (
          "of batch x (K + 1) tokens would no longer be bandwidth-bound)", metavar="N", type=int),
     Flag("--default-ttl", "sessions.default_ttl_s", "seconds a session stays pinned after a turn",
          metavar="SECONDS", type=float),
+    Flag("--no-session-tiers", "sessions.session_tiers",
+         "never spill idle sessions to host memory or disk: the engine evicts them and their next turn "
+         "recomputes what it evicted (what stateless servers do; a benchmark baseline)", kind="negate"),
+    Flag("--host-budget-bytes", "sessions.host_budget_bytes",
+         "bytes of spilled session state kept in host memory; beyond it the least recently used go to disk",
+         group=_MEMORY, metavar="BYTES", type=int),
+    Flag("--idle-to-host", "sessions.idle_to_host_s",
+         "seconds an unpinned session stays on the GPU before it is spilled to host memory",
+         group=_MEMORY, metavar="SECONDS", type=float),
+    Flag("--spill-sweep-interval", "sessions.sweep_interval_s",
+         "seconds between two passes of the sweeper that spills idle sessions", group=_MEMORY,
+         metavar="SECONDS", type=float),
     Flag("--gpu-memory-utilization", "engine.cache.memory_fraction",
          "share of the GPU memory still free once the weights are loaded that the KV page and state-slot "
          "pools take (vLLM's flag of this name is a share of the whole GPU, weights included); unused on CPU, "

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from phloem.sessions.text.structured import ResponseFormat, ToolChoice
     from phloem.sessions.text.tool_parsers import ParsedToolCall
     from phloem.sessions._events import SessionStats, TierCounts
+    from phloem.sessions._served import ServedStats
     from phloem.sessions._inputs import SessionInput
     from phloem.sessions.config import KEEP, SessionConfig
     from phloem.sessions.manager import SessionManager
@@ -62,7 +63,7 @@ __all__ = [
     "Generation", "GenerationFailed", "GenerationResult", "IncrementalDetokenizer", "InvalidInput",
     "Message", "OutputDelta", "OutputFormat", "Overloaded", "ParsedDelta", "ParsedOutput",
     "ParsedToolCall", "ResponseFormat", "SessionBusy", "SessionConfig", "SessionError",
-    "SessionInput", "SessionManager", "SessionNotFound", "SessionSnapshot", "SessionStats",
+    "ServedStats", "SessionInput", "SessionManager", "SessionNotFound", "SessionSnapshot", "SessionStats",
     "SessionStatus", "TierCounts", "Tokenizer", "ToolCallDelta", "ToolChoice", "ToolSpec",
     "TurnInfo", "Usage", "model_fingerprint", "render_append",
 ]
@@ -93,6 +94,7 @@ _LAZY = {
     "ParsedToolCall": "phloem.sessions.text.tool_parsers",
     "SessionStats": "phloem.sessions._events",
     "TierCounts": "phloem.sessions._events",
+    "ServedStats": "phloem.sessions._served",
     "SessionInput": "phloem.sessions._inputs",
     "KEEP": "phloem.sessions.config",
     "SessionConfig": "phloem.sessions.config",

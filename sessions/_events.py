@@ -7,7 +7,7 @@ Events (``runtime.logs.log_event``, logger ``phloem.sessions.events``)::
     session.forked       session_id (the parent) owner children at_turn
     session.deleted      session_id owner
     session.spilled      session_id tier num_tokens segment_bytes   (left the GPU's pins)
-    session.resumed      session_id tier num_tokens segment_bytes   (state loaded back)
+    session.resumed      session_id tier num_tokens segment_bytes duration_ms   (state loaded back)
     generation.finished  session_id (None: stateless) turn finish_reason prompt_tokens
                          cached_tokens completion_tokens duration_ms
 
@@ -20,8 +20,11 @@ Decisions on what counts (docs/api.md, "Observability"):
 - spills: a session that leaves the GPU's pins for ``host`` or ``disk`` counts once per move;
   bytes count segments written to a tier (a new segment, or a host segment demoted to disk), so
   forks sharing one segment do not multiply them.
-- resumes: a segment imported back into the engine counts once, with its bytes, by the tier it
-  was read from; a resume that fails and falls back to recompute counts in ``resume_failures``.
+- resumes: a segment imported back into the engine counts once, with its bytes, tokens and
+  seconds, by the tier it was read from; a resume that fails and falls back to recompute counts
+  in ``resume_failures``.
+- served tokens: each generated session turn attributes the session's tokens up to its last
+  generated turn to ``gpu``, ``host``, ``disk`` or ``recomputed`` (``sessions._served``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from phloem.runtime.logs import log_event
+from phloem.sessions._served import ServedCounter, ServedStats
 
 if TYPE_CHECKING:
     from phloem.sessions.session import Session
@@ -77,6 +81,9 @@ class SessionStats:
         resumes: Segments imported back, and bytes read, per tier.
         resume_failures: Resumes that fell back to recomputing the history.
         host_pool_bytes / host_pool_budget_bytes: Spilled state held in host memory, and the cap.
+        disk_bytes: Payload bytes of the spilled segments on disk that sessions resume from.
+        served: Already-sent tokens of session turns by source, resume tokens and seconds by
+            tier (``sessions._served``).
     """
 
     sessions_by_status: dict[str, int]
@@ -93,6 +100,8 @@ class SessionStats:
     resume_failures: int
     host_pool_bytes: int
     host_pool_budget_bytes: int
+    disk_bytes: int
+    served: ServedStats
 
 
 class SessionEvents:
@@ -104,10 +113,12 @@ class SessionEvents:
         # tier -> [moves, bytes]
         self._spills = {"host": [0, 0], "disk": [0, 0]}
         self._resumes = {"host": [0, 0], "disk": [0, 0]}
+        self.served = ServedCounter()
 
     def stats(self, sessions_by_status: dict[str, int], num_generations_in_flight: int,
-              host_pool: tuple[int, int]) -> SessionStats:
-        """The counters, with the manager's live numbers (``host_pool``: used, budget bytes)."""
+              host_pool: tuple[int, int], disk_bytes: int) -> SessionStats:
+        """The counters, with the manager's live numbers (``host_pool``: used, budget bytes;
+        ``disk_bytes``: spilled segments on disk)."""
         c = self._counts
         return SessionStats(
             sessions_by_status=sessions_by_status, num_generations_in_flight=num_generations_in_flight,
@@ -117,7 +128,8 @@ class SessionEvents:
             spills={tier: TierCounts(*v) for tier, v in self._spills.items()},
             resumes={tier: TierCounts(*v) for tier, v in self._resumes.items()},
             resume_failures=c["resume_failures"], host_pool_bytes=host_pool[0],
-            host_pool_budget_bytes=host_pool[1])
+            host_pool_budget_bytes=host_pool[1], disk_bytes=disk_bytes,
+            served=self.served.stats())
 
     def created(self, session: Session) -> None:
         self._counts["created"] += 1
@@ -145,12 +157,15 @@ class SessionEvents:
                   num_tokens=segment.num_tokens if segment else 0,
                   segment_bytes=segment.nbytes if segment else 0)
 
-    def resumed(self, session: Session, tier: str, num_tokens: int, nbytes: int) -> None:
-        """A segment of ``session`` read from ``tier`` was imported into the engine."""
+    def resumed(self, session: Session, tier: str, num_tokens: int, nbytes: int,
+                seconds: float) -> None:
+        """A segment of ``session`` read from ``tier`` was imported into the engine in
+        ``seconds``."""
         self._resumes[tier][0] += 1
         self._resumes[tier][1] += nbytes
+        self.served.resumed(tier, num_tokens, seconds)
         log_event(logger, "session.resumed", session_id=session.session_id, tier=tier,
-                  num_tokens=num_tokens, segment_bytes=nbytes)
+                  num_tokens=num_tokens, segment_bytes=nbytes, duration_ms=round(1000 * seconds, 2))
 
     def resume_failed(self) -> None:
         self._counts["resume_failures"] += 1

@@ -120,10 +120,16 @@ class TurnRunner:
         prompt = session.token_ids + new.token_ids
         room = check_context(len(prompt), self._engine.max_model_len, generate is not None)
         status_before, session.status, session.busy = session.status, "active", True
+        # Already sent and computed: up to the end of the last generated turn (tokens appended
+        # without generation since were never computed, so no cache could serve them).
+        history_len = next((t.end for t in reversed(session.turns) if t.finish_reason is not None), 0)
         started = time.monotonic()
 
         async def settle(completion: Completion) -> GenerationResult:
             result = await self._commit(session, new, completion, view)
+            if result.finish_reason is not None:
+                resumed, session.resumed = session.resumed, None
+                self._events.served.turn(history_len, result.usage.cached_tokens, resumed)
             self._finished(session.session_id, result, started)
             return result
 

@@ -48,6 +48,10 @@ class SessionConfig:
             beyond it, ``Overloaded`` (503 over HTTP).
         retry_after_s: The ``retry_after`` of ``Overloaded``; the server also sends it as the
             ``Retry-After`` of its per-key 429 answers.
+        session_tiers: Spill idle sessions to host memory and disk and resume them from there.
+            False (``--no-session-tiers``): nothing is ever spilled; an idle session stays in
+            the prefix cache until the engine evicts it, and its next turn recomputes what was
+            evicted (what stateless servers do; the benchmarks' ``tiersoff`` baseline).
         host_budget_bytes: Payload bytes of spilled state kept in host memory; beyond it the
             least recently used host segments are demoted to disk (``sessions.tiers.spill``).
         idle_to_host_s: Seconds a session stays ``idle`` (unpinned, on the GPU) before the
@@ -77,6 +81,7 @@ class SessionConfig:
     max_ttl_s: float = 86_400.0
     max_num_generations: int = 256
     retry_after_s: float = 1.0
+    session_tiers: bool = True
     host_budget_bytes: int = 4 << 30
     idle_to_host_s: float = 30.0
     sweep_interval_s: float = 1.0

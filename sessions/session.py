@@ -158,7 +158,9 @@ class Session:
     not persisted. ``lock`` serialises the short critical sections that change persisted state,
     the pin or the tier (commit, patch, delete, TTL expiry, spill); it is never held while a
     generation runs. ``segment`` is the spilled state this session resumes from (shared with
-    forks); ``touched_at`` is the ``time.monotonic()`` of its last pin or unpin (LRU order).
+    forks); ``touched_at`` is the ``time.monotonic()`` of its last pin or unpin (LRU order);
+    ``resumed`` is ``(tier, num_tokens)`` of the last resume, until the next turn counts it
+    (``sessions._served``).
     """
 
     session_id: str
@@ -183,6 +185,7 @@ class Session:
     segment: SpilledSegment | None = None
     touched_at: float = field(default_factory=time.monotonic)
     spill_retry_at: float = 0.0
+    resumed: tuple[SpillTier, int] | None = None
 
     @property
     def chat(self) -> ChatContext:

@@ -9,7 +9,10 @@ one process (tests) keep separate numbers. Two kinds of metrics live in it:
   (``/v1/sessions/{session_id}/append``), never the raw path, so hostile or random paths cannot
   grow the label set; a path that matches no route is ``route="unmatched"``.
 - Everything else is read at scrape time from the lower layers' result objects — plain numbers,
-  no tensors: ``SessionManager.stats()`` (sessions by status, tokens, spills, resumes) and
+  no tensors: ``SessionManager.stats()`` (sessions by status, tokens, spills, resumes, and the
+  tier accounting: ``phloem_session_served_tokens_total{source=gpu|host|disk|recomputed}``,
+  ``phloem_session_resume_tokens_total{tier}``, ``phloem_session_resume_seconds{tier}``,
+  ``phloem_session_tier_bytes{tier}``; ``sessions._served``) and
   ``EngineClient.stats()`` (pages, state slots, queue depth, step-time histogram) and
   ``EngineClient.grammar_stats()`` (the compiled-grammar cache's bytes and entries, compiles,
   rejections, timeouts; ``phloem_grammar_*``), rendered by ``_SnapshotCollector``. When the engine does not answer within ``_ENGINE_TIMEOUT_S`` (stopped,
@@ -153,6 +156,7 @@ def _session_families(s: SessionStats | None) -> list[Metric]:
         ("phloem_session_spill_bytes", "Bytes of session state written to a tier"),
         ("phloem_session_resumes", "Spilled session states loaded back, by the tier read"),
         ("phloem_session_resume_bytes", "Bytes of session state loaded back, by the tier read"))]
+    families += _served_families(s)
     if s is not None:
         for reason in sorted({"stop", "length", "cancelled", *s.generations}):
             generations.add_metric([reason], s.generations.get(reason, 0))
@@ -163,6 +167,30 @@ def _session_families(s: SessionStats | None) -> list[Metric]:
             for family, value in zip(moves, (spill.count, spill.nbytes, resume.count, resume.nbytes)):
                 family.add_metric([tier], value)
     return [*families, generations, sessions, *moves]
+
+
+def _served_families(s: SessionStats | None) -> list[Metric]:
+    """Where session turns' already-sent tokens came from, and resumes by tier
+    (``sessions._served``)."""
+    served = CounterMetricFamily("phloem_session_served_tokens", "Already-sent tokens of session "
+                                 "turns by where they were served from: gpu (prefix cache), host, "
+                                 "disk (a resumed spill) or recomputed", labels=["source"])
+    tokens = CounterMetricFamily("phloem_session_resume_tokens", "Tokens imported by resumes, by "
+                                 "the tier read", labels=["tier"])
+    seconds = HistogramMetricFamily("phloem_session_resume_seconds", "Wall time of one resume "
+                                    "(segment load + import), by the tier read", labels=["tier"])
+    held = GaugeMetricFamily("phloem_session_tier_bytes", "Spilled session state held, by tier",
+                             labels=["tier"])
+    if s is not None:
+        for source, num in s.served.served_tokens.items():
+            served.add_metric([source], num)
+        for tier, num in s.served.resume_tokens.items():
+            tokens.add_metric([tier], num)
+        for tier, h in s.served.resume_seconds.items():
+            seconds.add_metric([tier], _buckets(h), sum_value=h.total)
+        held.add_metric(["host"], s.host_pool_bytes)
+        held.add_metric(["disk"], s.disk_bytes)
+    return [served, tokens, seconds, held]
 
 
 def _engine_families(e: EngineStats | None) -> list[Metric]:
@@ -187,6 +215,8 @@ def _engine_families(e: EngineStats | None) -> list[Metric]:
         _gauge("phloem_state_slots_total", "GDN state slots in the pool", e.num_slots),
         _gauge("phloem_prefix_checkpoints", "GDN checkpoints held by the prefix cache",
                e.cache.checkpoints),
+        _gauge("phloem_prefix_cache_bytes", "Device bytes the prefix cache holds (its KV pages and "
+               "checkpoint state slots; the GPU tier of session state)", e.cache.bytes_in_tree),
         _counter("phloem_prefix_checkpoints_evicted", "GDN checkpoints the prefix cache evicted "
                  "for room (periodic ones first)", e.cache.checkpoints_evicted),
         _gauge("phloem_engine_memory_blocked", "1 while waiting requests wait for memory (pools "

@@ -42,6 +42,8 @@ class CacheStats:
     pages_in_use: int
     pages_in_tree: int
     slots_in_use: int
+    # Device bytes the prefix cache holds: its pages and its checkpoints' state slots.
+    bytes_in_tree: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -84,6 +86,7 @@ class CacheManager:
             pages_in_use=self.page_pool.num_used_pages,
             pages_in_tree=t.num_pages if t else 0,
             slots_in_use=self.slot_pool.num_used_slots,
+            bytes_in_tree=t.num_pages * t.page_bytes + t.num_checkpoints * t.slot_bytes if t else 0,
         )
 
     def _evict(self, num_pages: int, num_slots: int) -> None:

@@ -31,12 +31,15 @@ Policy (docs/architecture.md, "Session state tiers")::
   ``admission_stall_s`` *for memory* (the engine reports its pools full after eviction:
   ``EngineClient.waits_for_memory``), or the engine turns it away for lack of room (it finishes
   at once with ``length`` and no token), the least recently used pinned sessions that are not
-  generating (``active`` within their TTL) are spilled to host and unpinned (half of them, at
+  generating (``active`` within their TTL) are spilled to host and unpinned (tiers off: only unpinned; half of them, at
   least one), and the request goes on (or is retried once; a second refusal is
   ``Overloaded``). Pinned sessions are what the engine cannot evict; idle ones it evicts by
   itself. A request that only waits for its turn behind other prefills demotes nobody.
 - **Graceful shutdown** (`Spiller.flush`, ``sessions.tiers._flush``): host segments, then sessions
   only on the GPU, are written to disk within ``shutdown_flush_s``, so they resume from disk.
+- **Tiers off** (``SessionConfig.session_tiers`` False): ``spill`` never moves anything, the
+  sweeper spills nothing, ``offload`` is a no-op; sessions stay ``idle`` in the prefix cache
+  until the engine evicts them, and recompute what it evicted (the stateless baseline).
 - **Restart** (`Spiller.recover`): host and GPU state is gone; a journaled session resumes
   from the disk segment its index record names, else from the newest segment in its own
   directory whose token ids are a prefix of its history, else by recompute. Segments of this
@@ -114,6 +117,11 @@ class Spiller:
         """The host tier (its ``used_bytes`` stay within ``host_budget_bytes``)."""
         return self._tiers.host
 
+    @property
+    def disk_bytes(self) -> int:
+        """Payload bytes of the spilled segments on disk (a gauge of the disk tier)."""
+        return sum(entry.nbytes for entry in self._tiers.entries() if entry.tier == "disk")
+
     def start(self) -> None:
         """Start the sweeper (spills idle sessions, probes a degraded index)."""
         self.spawn(self._sweep_forever())
@@ -167,8 +175,11 @@ class Spiller:
         """Copy the session's cached state to ``tier`` and unpin it; call under ``session.lock``.
 
         Returns:
-            Whether the session left the GPU's pins (its status is then ``host`` or ``disk``).
+            Whether the session left the GPU's pins (its status is then ``host`` or ``disk``);
+            always False with ``SessionConfig.session_tiers`` off.
         """
+        if not self._config.session_tiers:
+            return False
         old = session.segment
         try:
             state = await self._engine.export_prefix(session.token_ids, session.owner) if session.token_ids else None
@@ -258,7 +269,7 @@ class Spiller:
     async def sweep(self) -> None:
         """One sweeper pass: spill sessions idle for ``idle_to_host_s``; probe a degraded index."""
         now = time.monotonic()
-        for session in list(self._sessions.values()):
+        for session in list(self._sessions.values()) if self._config.session_tiers else ():
             if not self._due(session, now):
                 continue
             async with session.lock:
@@ -322,6 +333,7 @@ class Spiller:
         n = entry.num_tokens
         if await self._gpu_holds(session, n) >= n:
             return True
+        started = time.perf_counter()
         segment = await self._tiers.load(entry, session.token_ids)
         tensors = segment.tensors
         state = PrefixState(tuple(session.token_ids[:n]), tensors["kv"], tensors["conv"],
@@ -329,7 +341,9 @@ class Spiller:
         tier = entry.tier
         if not await self._engine.import_prefix(state, session.owner):
             return False
-        self._events.resumed(session, tier, n, entry.nbytes)
+        self._events.resumed(session, tier, n, entry.nbytes, time.perf_counter() - started)
+        # The session's next turn counts these tokens as served by ``tier`` (``sessions._served``).
+        session.resumed = (tier, n)
         return True
 
     async def _gpu_holds(self, session: Session, up_to: int | None = None) -> int:

@@ -93,6 +93,13 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     assert value(samples, "phloem_session_spill_bytes_total", tier="disk") == segment_bytes(model_dir, 68)
     assert value(samples, "phloem_session_spills_total", tier="host") == 0
     assert value(samples, "phloem_session_resumes_total", tier="disk") == 0
+    # Already-sent tokens: the second turn's 44 and the fork's 68, all from the GPU cache (the
+    # first turn's 40 were sent with the create and never computed: new, not history).
+    assert {source: value(samples, "phloem_session_served_tokens_total", source=source)
+            for source in ("gpu", "host", "disk", "recomputed")} == {"gpu": 112, "host": 0, "disk": 0, "recomputed": 0}
+    assert value(samples, "phloem_session_tier_bytes", tier="disk") == segment_bytes(model_dir, 68)
+    assert value(samples, "phloem_session_tier_bytes", tier="host") == 0
+    assert value(samples, "phloem_prefix_cache_bytes") > 0
     appends = value(samples, "phloem_http_requests_total", method="POST",
                     route="/v1/sessions/{session_id}/append", status="200")
     assert appends == 3
@@ -129,6 +136,9 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     assert value(samples, "phloem_session_resumes_total", tier="disk") == 1
     assert value(samples, "phloem_session_resume_bytes_total", tier="disk") == segment_bytes(model_dir, 68)
     assert value(samples, "phloem_session_resume_failures_total") == 0
+    assert value(samples, "phloem_session_resume_tokens_total", tier="disk") == 68
+    assert value(samples, "phloem_session_resume_seconds_count", tier="disk") == 1
+    assert value(samples, "phloem_session_served_tokens_total", source="disk") == 68
     assert (value(samples, "phloem_prompt_tokens_total"), value(samples, "phloem_cached_tokens_total"),
             value(samples, "phloem_completion_tokens_total")) == (74, 68, 4)
     assert value(samples, "phloem_sessions", status="active") == 1

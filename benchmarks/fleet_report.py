@@ -1,0 +1,204 @@
+"""The fleet figures of ``phloem bench agentic``: where the history came from, what resumes cost,
+TTFT by turn, per-agent decode, and the tiers' bytes over time, read from the server's
+``/metrics`` around and during one mode's run.
+
+- ``TierSampler`` scrapes ``/metrics`` before the run, every ``interval_s`` during it (GPU
+  prefix-cache bytes, host and disk tier bytes, sessions by status) and after it.
+- ``fleet_summary`` turns the before/after deltas and the turn records into plain numbers:
+  shares of already-sent tokens served by ``gpu`` / ``host`` / ``disk`` / ``recomputed``
+  (``phloem_session_served_tokens_total``; a stateless mode, which those counters do not see,
+  from its records: cached tokens of what it had sent before are ``gpu``, the rest recomputed); per tier the resumes, their mean tokens and seconds, and the recompute
+  they replaced, estimated at the run's fastest turn-1 prefill rate (the least queued one:
+  ``min(ttft / prompt_tokens)`` over turn 1, so the estimate leans low and the speedup is
+  conservative); TTFT p50/p99 per turn; per-agent decode tok/s (output tokens after the first
+  over the time spent producing them); lost turns.
+- ``plot_tiers`` draws the bytes over time per mode (matplotlib, when present).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+
+if TYPE_CHECKING:
+    from phloem.benchmarks.agentic import TurnRecord
+
+__all__ = ["TierSampler", "fleet_markdown", "fleet_summary", "plot_tiers", "scrape"]
+
+SOURCES = ("gpu", "host", "disk", "recomputed")
+TIERS = ("host", "disk")
+# (series key, sample name): the bytes sampled during a run.
+_BYTES = (("gpu", "phloem_prefix_cache_bytes"), ("host", 'phloem_session_tier_bytes{tier="host"}'),
+          ("disk", 'phloem_session_tier_bytes{tier="disk"}'))
+
+
+def scrape(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """``/metrics`` as ``{'name{label="value",...}': value}``; empty when it cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        resp = httpx.get(base_url + "/metrics", timeout=timeout_s)
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+class TierSampler:
+    """``with TierSampler(url) as sampler:`` scrapes before, every ``interval_s``, and after
+    (the first and last points of ``series`` are the before and after scrapes)."""
+
+    def __init__(self, base_url: str, interval_s: float = 0.5) -> None:
+        self._url, self._interval_s = base_url, interval_s
+        self.before: dict[str, float] = {}
+        self.after: dict[str, float] = {}
+        self.series: list[dict[str, float]] = []  # {"t": seconds since start, "gpu": bytes, ...}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> TierSampler:
+        self._t0 = time.monotonic()
+        self.before = self._sample(scrape(self._url))
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.after = self._sample(scrape(self._url))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._sample(scrape(self._url, timeout_s=self._interval_s * 5))
+
+    def _sample(self, m: dict[str, float]) -> dict[str, float]:
+        if m:
+            point = {"t": time.monotonic() - self._t0}
+            self.series.append(point | {key: m.get(name, 0.0) for key, name in _BYTES})
+        return m
+
+
+def _delta(s: TierSampler, name: str) -> float:
+    return s.after.get(name, 0.0) - s.before.get(name, 0.0)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else 0.0
+
+
+def fleet_summary(records: list[TurnRecord], sampler: TierSampler, expected_turns: int) -> dict[str, object]:
+    """The fleet figures of one mode (module docstring); plain numbers for JSON."""
+    served = {src: _delta(sampler, f'phloem_session_served_tokens_total{{source="{src}"}}') for src in SOURCES}
+    if not any(served.values()):
+        served = _served_from_records(records)
+    total = sum(served.values())
+    firsts = [r.ttft_s / r.prompt_tokens for r in records if r.turn == 1 and r.prompt_tokens and r.ttft_s > 0]
+    s_per_token = min(firsts) if firsts else 0.0
+    resumes: dict[str, dict[str, float]] = {}
+    for tier in TIERS:
+        count = _delta(sampler, f'phloem_session_resume_seconds_count{{tier="{tier}"}}')
+        seconds = _delta(sampler, f'phloem_session_resume_seconds_sum{{tier="{tier}"}}')
+        tokens = _delta(sampler, f'phloem_session_resume_tokens_total{{tier="{tier}"}}')
+        mean_s, mean_tokens = (seconds / count, tokens / count) if count else (0.0, 0.0)
+        recompute_s = mean_tokens * s_per_token
+        resumes[tier] = {"count": count, "mean_tokens": mean_tokens, "mean_s": mean_s,
+                         "recompute_s_est": recompute_s, "speedup": recompute_s / mean_s if mean_s else 0.0}
+    ttft: dict[int, list[float]] = defaultdict(list)
+    decode: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for r in records:
+        ttft[r.turn].append(r.ttft_s)
+        if r.completion_tokens > 1 and r.tpot_s > 0:
+            d = decode[(r.agent, r.branch)]
+            d[0] += r.completion_tokens - 1
+            d[1] += r.tpot_s * (r.completion_tokens - 1)
+    per_agent = [tokens / seconds for tokens, seconds in decode.values() if seconds]
+    return {
+        "served_tokens": served,
+        "served_shares": {src: n / total if total else 0.0 for src, n in served.items()},
+        "served_from_cache_or_tier": (total - served["recomputed"]) / total if total else 0.0,
+        "resumes": resumes,
+        "ttft_by_turn": {t: {"p50": _quantile(v, 0.5), "p99": _quantile(v, 0.99)} for t, v in sorted(ttft.items())},
+        "per_agent_decode_tok_s": {"p50": _quantile(per_agent, 0.5), "min": min(per_agent, default=0.0)},
+        "lost_turns": expected_turns - len(records),
+        "tier_bytes": sampler.series,
+    }
+
+
+def _served_from_records(records: list[TurnRecord]) -> dict[str, float]:
+    """Stateless modes (no session counters): each request's hits on what it had sent before are
+    the GPU prefix cache's, the rest of that was recomputed."""
+    seen = sum(r.prompt_tokens - r.new_tokens for r in records)
+    hit = sum(min(r.cached_tokens, r.prompt_tokens - r.new_tokens) for r in records)
+    return {"gpu": float(hit), "host": 0.0, "disk": 0.0, "recomputed": float(seen - hit)}
+
+
+def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
+    """Two tables: served shares and resumes per mode, and TTFT p50 / p99 per turn per mode."""
+    lines = ["| mode | served gpu / host / disk / recomputed | from cache or tier | resume host: n, s (recompute s) "
+             "| resume disk: n, s (recompute s) | per-agent decode tok/s p50 (min) | lost turns |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, s in summary.items():
+        f = s.get("fleet")
+        if not isinstance(f, dict):
+            continue
+        shares = " / ".join(f"{f['served_shares'][src]:.1%}" for src in SOURCES)
+        res = [f"{r['count']:.0f}, {r['mean_s']:.3f} ({r['recompute_s_est']:.3f})" for r in
+               (f["resumes"][t] for t in TIERS)]
+        dec = f["per_agent_decode_tok_s"]
+        lines.append(f"| {mode} | {shares} | {f['served_from_cache_or_tier']:.1%} | {res[0]} | {res[1]} "
+                     f"| {dec['p50']:.1f} ({dec['min']:.1f}) | {f['lost_turns']} |")
+    fleets = {m: s["fleet"] for m, s in summary.items() if isinstance(s.get("fleet"), dict)}
+    if not fleets:
+        return "(no fleet figures: the server's /metrics could not be read)"
+    turns = sorted({t for f in fleets.values() for t in f["ttft_by_turn"]})  # type: ignore[index]
+    lines += ["", "| turn | " + " | ".join(f"{m} TTFT p50 / p99 s" for m in fleets) + " |",
+              "|---|" + "---|" * len(fleets)]
+    for t in turns:
+        cells = [f"{f['ttft_by_turn'][t]['p50']:.3f} / {f['ttft_by_turn'][t]['p99']:.3f}"  # type: ignore[index]
+                 if t in f["ttft_by_turn"] else "" for f in fleets.values()]  # type: ignore[operator]
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_tiers(series: dict[str, list[dict[str, float]]], out_dir: Path) -> list[Path]:
+    """``tier_bytes_<mode>.png``: GPU prefix-cache, host and disk bytes over the run; none
+    without matplotlib or samples."""
+    try:
+        import matplotlib
+    except ImportError:
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for mode, points in series.items():
+        if not points:
+            continue
+        peak = max(p[key] for p in points for key, _ in _BYTES)
+        scale, unit = (2**30, "GiB") if peak >= 2**30 else (2**20, "MiB")
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key, _ in _BYTES:
+            ax.plot([p["t"] for p in points], [p[key] / scale for p in points], marker=".", label=key)
+        ax.set_xlabel("seconds into the run")
+        ax.set_ylabel(f"{unit} held")
+        ax.set_title(f"session state by tier: {mode}")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"tier_bytes_{mode}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths

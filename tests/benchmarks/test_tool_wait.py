@@ -1,0 +1,73 @@
+"""``--tool-wait``: parsing, seeded lognormal draws, and the fleet report's arithmetic."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from phloem.benchmarks.agentic import AgenticWorkload, TurnRecord, _waits
+from phloem.benchmarks.fleet_report import TierSampler, fleet_markdown, fleet_summary
+from phloem.benchmarks.tool_wait import ToolWait
+
+
+def test_parse_fixed_and_lognormal() -> None:
+    assert ToolWait.parse("2.5") == ToolWait(2.5)
+    assert ToolWait.parse("lognormal:2:1.5") == ToolWait(2.0, 1.5)
+    assert ToolWait.parse("lognormal:2:1.5:120") == ToolWait(2.0, 1.5, 120.0)
+    for bad in ("lognormal:2", "gamma:1:2", "x", "lognormal:-1:1", "lognormal:1:1:-3"):
+        with pytest.raises(ValueError, match="tool wait"):
+            ToolWait.parse(bad)
+
+
+def test_lognormal_draws_have_the_stated_median_and_tail_and_are_seeded() -> None:
+    wait = ToolWait(2.0, 1.5)
+    rng = wait.rng(7, 3, 0)
+    many = [wait.draw(rng) for _ in range(20_000)]
+    assert statistics.median(many) == pytest.approx(2.0, rel=0.05)
+    p99 = sorted(many)[int(0.99 * len(many))]
+    assert p99 == pytest.approx(2.0 * math.exp(1.5 * 2.326), rel=0.15)
+    assert wait.draw(wait.rng(0, 0, 0)) == wait.draw(wait.rng(0, 0, 0)) != wait.draw(wait.rng(0, 1, 0))
+    capped = ToolWait(2.0, 1.5, 5.0)
+    assert max(capped.draw(rng) for _ in range(1000)) == 5.0
+
+
+def test_waits_default_to_the_fixed_pause_and_differ_per_agent() -> None:
+    assert _waits(AgenticWorkload(tool_pause_s=0.5), 0, 0)() == 0.5
+    wl = AgenticWorkload(tool_wait=ToolWait(1.0, 1.0))
+    assert _waits(wl, 0, 0)() == _waits(wl, 0, 0)() != _waits(wl, 1, 0)()
+
+
+def test_fleet_summary_shares_resumes_and_per_agent_decode() -> None:
+    sampler = TierSampler("http://unused")
+    sampler.before = {'phloem_session_served_tokens_total{source="gpu"}': 100.0}
+    sampler.after = {
+        'phloem_session_served_tokens_total{source="gpu"}': 400.0,
+        'phloem_session_served_tokens_total{source="host"}': 400.0,
+        'phloem_session_served_tokens_total{source="recomputed"}': 100.0,
+        'phloem_session_resume_seconds_count{tier="host"}': 2.0,
+        'phloem_session_resume_seconds_sum{tier="host"}': 0.02,
+        'phloem_session_resume_tokens_total{tier="host"}': 500.0,
+    }
+    # Turn 1 prefills 1000 tokens in 1 s (1 ms a token); 4 decode tokens after the first per turn.
+    records = [TurnRecord("sessions", 0, 0, 1, 1000, 1000, 0, 5, 1.0, 0.01, 1.1),
+               TurnRecord("sessions", 0, 0, 2, 1100, 100, 1000, 5, 0.05, 0.02, 0.2)]
+    f = fleet_summary(records, sampler, expected_turns=3)
+    assert f["served_shares"] == {"gpu": 0.375, "host": 0.5, "disk": 0.0, "recomputed": 0.125}
+    assert f["served_from_cache_or_tier"] == 0.875
+    host = f["resumes"]["host"]  # type: ignore[index]
+    assert (host["count"], host["mean_tokens"], host["mean_s"]) == (2, 250, 0.01)
+    assert host["recompute_s_est"] == pytest.approx(0.25) and host["speedup"] == pytest.approx(25)
+    assert f["per_agent_decode_tok_s"]["p50"] == pytest.approx(8 / 0.12)  # type: ignore[index]
+    assert f["lost_turns"] == 1
+    assert "| sessions | 37.5% / 50.0% / 0.0% / 12.5% | 87.5% |" in fleet_markdown({"sessions": {"fleet": f}})
+
+
+def test_a_stateless_mode_is_served_from_its_records() -> None:
+    sampler = TierSampler("http://unused")
+    sampler.before = sampler.after = {"phloem_engine_up": 1.0}
+    records = [TurnRecord("stateless", 0, 0, 1, 100, 100, 0, 5, 0.1, 0.01, 0.2),
+               TurnRecord("stateless", 0, 0, 2, 120, 15, 90, 5, 0.1, 0.01, 0.2)]
+    f = fleet_summary(records, sampler, expected_turns=2)
+    assert f["served_tokens"] == {"gpu": 90, "host": 0, "disk": 0, "recomputed": 15}

@@ -1,0 +1,40 @@
+#!/bin/bash
+# Device call (issue 53): an oversubscribed agent fleet at the 35B-A3B shape on one GPU, in three
+# modes, each on a fresh server: sessions (tiers on: idle sessions spill to host, then disk, and
+# resume), tiersoff (--no-session-tiers: evicted and recomputed) and stateless (/v1/completions
+# resending the history). From the repository root:
+#   bash tools/gpu/fleet.sh [AGENTS] [MODES]      (default: 128 sessions,tiersoff,stateless; writes $OUT)
+#
+# Scaled so the three modes fit one 10-minute call (each mode, server start included, under
+# `timeout $MODE_TIMEOUT`): an 8K first turn (the issue asks 20K-50K), 6 turns of 800 new tokens and
+# 128 generated (the issue: 12 x 500), tool waits lognormal with a 2 s median and sigma 1.5, capped
+# at 60 s (p90 14 s, p99 60 s). The fleet grows to ~12.8K tokens an agent (~1.6M at 128 agents,
+# ~34 GB of KV + GDN state at ~21 KB a token); the KV pool is capped at 40,000 pages (640K tokens,
+# ~40% of it), the host tier at 16 GiB (~60 agents' state), the rest spills to disk. Sessions unpin
+# 1 s after a turn and spill 1 s after that, so the agents waiting on a tool leave the GPU. At 64
+# agents the same pool holds ~80% of the fleet: POOL=20000 keeps the pressure. PREFETCH=S has each
+# agent send the SDK's prefetch hint S seconds before its tool wait ends (default 0: the append
+# itself triggers the resume). Every size is an environment variable (below); SETUP=0 and
+# MODEL_ARGS="--device cpu" with small sizes run the script on a CPU (a smoke test of it).
+[ "${SETUP:-1}" = 0 ] || source tools/gpu/setup.sh || exit 1
+AGENTS=${1:-128}
+MODES=${2:-sessions,tiersoff,stateless}
+OUT=${OUT:-/tmp/fleet-out}
+MODEL_ARGS=${MODEL_ARGS:---device cuda --dtype bfloat16 --shape qwen3.5-35b-a3b}
+POOL=${POOL:-40000} FIRST=${FIRST:-8000} APPEND=${APPEND:-800} TURNS=${TURNS:-6} OUTPUT=${OUTPUT:-128}
+WAIT=${WAIT:-lognormal:2:1.5:60} PREFETCH=${PREFETCH:-0} HOST_BYTES=${HOST_BYTES:-$((16 << 30))}
+MODE_TIMEOUT=${MODE_TIMEOUT:-170}
+ARGS=()
+for a in $MODEL_ARGS --num-pages "$POOL" --default-ttl 1 --idle-to-host 1 --host-budget-bytes "$HOST_BYTES"; do
+  ARGS+=("--server-arg=$a")
+done
+for mode in ${MODES//,/ }; do
+  T1=$(date +%s)
+  # SIGINT first: the bench stops its server in a finally (SIGTERM would orphan it on the GPU).
+  timeout -s INT -k 30 "$MODE_TIMEOUT" python3 -m phloem.cli bench agentic --modes "$mode" --agents "$AGENTS" \
+    --first-turn "$FIRST" --append "$APPEND" --turns "$TURNS" --output "$OUTPUT" --tool-wait "$WAIT" \
+    --prefetch-ahead "$PREFETCH" "${ARGS[@]}" --no-progress --out "$OUT/fleet-$AGENTS-$mode" 2>&1 \
+    | grep -v Warning | tail -14
+  echo "$mode: rc ${PIPESTATUS[0]}, $(( $(date +%s) - T1 )) s"
+done
+ls "$OUT"/fleet-*/
