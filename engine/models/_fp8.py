@@ -25,9 +25,12 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from phloem.kernels.linear.fp8 import fp8_block_dequant
+from phloem.kernels.linear.fp8 import Fp8Weight, fp8_block_dequant
 
-__all__ = ["FP8_BLOCK", "FP8_DTYPE", "ROW_BLOCK", "Fp8Dequant", "dequantize_on_read", "make_fp8", "scale_name"]
+__all__ = [
+    "FP8_BLOCK", "FP8_DTYPE", "ROW_BLOCK", "Fp8Dequant", "dequantize_on_read", "make_fp8", "scale_name",
+    "weight_operand",
+]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_BLOCK = (128, 128)  # the checkpoints' tiles
@@ -76,3 +79,13 @@ def is_fp8(module: nn.Module, name: str) -> bool:
     return parametrize.is_parametrized(module, name) and any(
         isinstance(p, Fp8Dequant) for p in module.parametrizations[name]  # type: ignore[union-attr,index]
     )
+
+
+def weight_operand(module: nn.Module, name: str) -> torch.Tensor | Fp8Weight:
+    """What an op that reads FP8 weights takes for ``module.<name>``: an ``Fp8Weight`` over the
+    stored FP8 bytes and scales (no dequantization) when it is block FP8, else the tensor itself."""
+    if not is_fp8(module, name):
+        return getattr(module, name)  # type: ignore[no-any-return]
+    parts = module.parametrizations[name]  # type: ignore[union-attr,index]
+    deq = next(p for p in parts if isinstance(p, Fp8Dequant))
+    return Fp8Weight(parts.original, deq.scale_inv, deq.dtype)

@@ -8,10 +8,12 @@ partial): the weight is ``w_fp8 * scale_inv`` over each tile.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FP8_E4M3_MAX", "fp8_block_dequant", "fp8_block_quantize"]
+__all__ = ["FP8_E4M3_MAX", "Fp8Weight", "dense", "fp8_block_dequant", "fp8_block_quantize"]
 
 FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
@@ -50,3 +52,32 @@ def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
     scale_inv = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
     q = (w32 / _expand_blocks(scale_inv, w.shape, block)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return q.to(torch.float8_e4m3fn), scale_inv
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Weight:
+    """A block-FP8 weight as the ops take it, in place of a dense ``[..., N, K]`` tensor.
+
+    ``data`` ``[..., N, K]`` ``float8_e4m3fn``; ``scale_inv`` ``[..., N, ceil(K / 128)]`` fp32, one
+    scale per row and 128-column block (``block = (1, 128)``: the loader expands a checkpoint's
+    128x128 tiles along the rows, ``engine.models._fp8``); ``dtype`` the model dtype a dense read
+    returns. A kernel that reads FP8 weights takes ``data`` and ``scale_inv``; any other op calls
+    ``dense()`` (the reference path).
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dense(self) -> torch.Tensor:
+        """The weight dequantized to ``dtype``: ``data * scale_inv`` over each ``1 x 128`` block."""
+        return fp8_block_dequant(self.data, self.scale_inv, (1, 128), self.dtype)
+
+
+def dense(w: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """``w`` as a dense tensor: itself, or an ``Fp8Weight`` dequantized."""
+    return w.dense() if isinstance(w, Fp8Weight) else w

@@ -514,3 +514,23 @@ def test_scale_files_are_opened_once_per_load(
     monkeypatch.setattr(loader, "safe_open", counting)
     loader.load_model(fp8_path, ModelConfig.from_pretrained(fp8_path), LoadConfig(show_progress=False))
     assert len(opens) <= 4 * 3 < num_scales, opens
+
+
+def test_weight_operand_hands_ops_the_stored_fp8_bytes() -> None:
+    from torch import nn
+
+    from phloem.engine.models._fp8 import dequantize_on_read, make_fp8, weight_operand
+    from phloem.kernels.linear.fp8 import Fp8Weight, dense, fp8_block_quantize
+
+    plain = nn.Linear(300, 8, bias=False)
+    assert weight_operand(plain, "weight") is plain.weight
+    m = nn.Linear(300, 8, bias=False)
+    q, s = fp8_block_quantize(torch.randn(8, 300), (1, 128))
+    make_fp8(m, "weight")
+    m.weight.data.copy_(q)
+    m.weight_scale_inv.data.copy_(s)
+    dequantize_on_read(m, "weight", torch.bfloat16)
+    op = weight_operand(m, "weight")
+    assert isinstance(op, Fp8Weight) and op.data.dtype == torch.float8_e4m3fn and op.shape == (8, 300)
+    assert op.scale_inv.shape == (8, 3) and torch.equal(op.data.view(torch.uint8), q.view(torch.uint8))
+    assert dense(op).dtype == torch.bfloat16 and torch.equal(dense(op), m.weight)
