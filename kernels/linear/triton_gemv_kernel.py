@@ -5,10 +5,12 @@ Notation: ``p_`` pointers, ``o_`` offsets, ``m_`` masks, ``b_`` tiles; ``i_p`` t
 the programs. A program walks row blocks ``i_p, i_p + n_p, ...`` of ``BLOCK_N`` rows.
 
 With ``FP8`` the weight is ``float8_e4m3fn`` ``[N, K]`` with fp32 scales ``[N, ceil(K / 128)]``
-(``kernels.linear.fp8.Fp8Weight``): a block's tile is loaded as ``[BLOCK_N, KP // KS, KS]``, ``KS =
-min(KP, 128)`` columns per scale, each row's ``KS``-column dot products are summed in fp32 and
-scaled once by their scale (the dequantized weight's products, one multiply per scale instead of
-one per element), then summed.
+(``kernels.linear.fp8.Fp8Weight``): a block's tile is loaded as a dense one's, ``[BLOCK_N, KP]``, with
+its scales ``[BLOCK_N, KP // KS]`` (``KS = min(KP, 128)`` columns a scale); the fp32 products with
+``x̂`` are summed per ``KS`` columns, each sum multiplied once by its scale (the dequantized
+weight's dot product, one multiply per scale instead of one per element), then summed. Summed
+from the ``[BLOCK_N, KP]`` product the tile keeps the dense layout, which holds fewer registers
+than a ``[BLOCK_N, KP // KS, KS]`` tile (``docs/decisions.md``).
 """
 
 from __future__ import annotations
@@ -106,29 +108,27 @@ def _route_tile(p_rt, o_n, N, o_e, m_e, E1):
 @triton.jit
 def _weight_tile(p_w, p_ws, o_n, N, K, s_wn, s_sn, FP8: tl.constexpr, KP: tl.constexpr, KS: tl.constexpr):
     """Rows ``o_n`` of the weight, zeros past ``N`` and ``K``: ``(tile [BLOCK_N, KP], 0.0)``, or with
-    ``FP8`` ``(e4m3 tile [BLOCK_N, KP // KS, KS], scales [BLOCK_N, KP // KS])``."""
+    ``FP8`` ``(e4m3 tile [BLOCK_N, KP], scales [BLOCK_N, KP // KS])`` (a tile narrower than 128
+    columns, ``KP < 128``, is one scale block)."""
     m_n = o_n < N
+    o_k = tl.arange(0, KP)
+    b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :], mask=m_n[:, None] & (o_k < K)[None, :],
+                  other=0.0)  # fmt: skip
     if FP8:
         o_s = tl.arange(0, KP // KS)
-        o_k = o_s[:, None] * KS + tl.arange(0, KS)[None, :]
-        b_w = tl.load(p_w + o_n[:, None, None].to(tl.int64) * s_wn + o_k[None, :, :],
-                      mask=m_n[:, None, None] & (o_k < K)[None, :, :], other=0.0)  # fmt: skip
-        # KS = 128 columns a scale; a tile narrower than 128 (KP < 128) is one scale block.
         b_s = tl.load(p_ws + o_n[:, None].to(tl.int64) * s_sn + o_s[None, :],
                       mask=m_n[:, None] & (o_s * KS < K)[None, :], other=0.0)  # fmt: skip
     else:
-        o_k = tl.arange(0, KP)
-        b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :], mask=m_n[:, None] & (o_k < K)[None, :],
-                      other=0.0)  # fmt: skip
         b_s = 0.0
     return b_w, b_s
 
 
 @triton.jit
-def _tile_dot(b_w, b_s, b_x, FP8: tl.constexpr):
-    """``[BLOCK_N]`` fp32: the tile's rows times ``b_x`` (``[KP]``, or with ``FP8`` ``[KP // KS, KS]``)."""
+def _tile_dot(b_w, b_s, b_x, FP8: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr, KS: tl.constexpr):
+    """``[BLOCK_N]`` fp32: the tile's rows times ``b_x`` ``[KP]`` (with ``FP8``, each ``KS``-column
+    partial sum times its scale)."""
     if FP8:
-        b_part = tl.sum(b_w.to(tl.float32) * b_x[None, :, :], axis=2)  # [BLOCK_N, KP // KS]
+        b_part = tl.sum(tl.reshape(b_w.to(tl.float32) * b_x[None, :], (BLOCK_N, KP // KS, KS)), axis=2)  # [BLOCK_N, KP // KS]
         b_y = tl.sum(b_part * b_s, axis=1)
     else:
         b_y = tl.sum(b_w.to(tl.float32) * b_x[None, :], axis=1)
@@ -179,8 +179,6 @@ def gemv_kernel(
     if ROUTE:  # the residual of the first block's rows, issued with the prologue's loads
         b_h = tl.load(p_h + o_first, mask=o_first < N, other=0.0)
     b_x = _gemv_input(p_x, p_a, p_nw, p_res, p_normed, K, eps, i_p, PRO, HAS_A, WRITE_NORMED, ROUND_WEIGHTED, HEAD, KP)
-    if FP8:
-        b_x = tl.reshape(b_x, (KP // KS, KS))
     if CONV_BLOCKS > 0:
         b_kept = tl.zeros([CONV_BLOCKS, BLOCK_N], dtype=p_y.dtype.element_ty)
     for i_blk in range(i_p, tl.cdiv(N, BLOCK_N), n_p):
@@ -206,7 +204,7 @@ def gemv_kernel(
         if CONV and CONV_BLOCKS == 0:
             # Loaded in the block's own step (with the next tile they would hold too many registers).
             b_s, b_next, b_cw = _conv_operands(o_n, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC, BKC)
-        b_y = _tile_dot(b_cur, b_curs, b_x, FP8).to(p_y.dtype.element_ty)
+        b_y = _tile_dot(b_cur, b_curs, b_x, FP8, BLOCK_N, KP, KS).to(p_y.dtype.element_ty)
         if CONV and CONV_BLOCKS == 0:
             _conv_epilogue(b_y, o_n, m_n, b_s, b_next, b_cw, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC, True)
         elif ROUTE:
