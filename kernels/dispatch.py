@@ -56,6 +56,10 @@ class KernelOps:
     off (``dataclasses.replace``) runs the router as a launch of its own (``add_rms_norm_router``).
 
     ``pdl``: the Triton ops launch under programmatic dependent launch (always off for torch).
+
+    The dense-projection ops (``linear`` and the fused projections of ``kernels.linear.reference``)
+    take their weight as a tensor or as a block-FP8 ``kernels.linear.fp8.Fp8Weight``: the references
+    dequantize it, the Triton GEMV reads its FP8 bytes and scales.
     """
 
     backend: Backend

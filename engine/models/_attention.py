@@ -16,6 +16,7 @@ from torch import nn
 
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ForwardBatch
+from phloem.engine.models._fp8 import weight_operand
 from phloem.engine.models._norm import RMSNorm
 from phloem.engine.parallel.group import TPGroup, kv_head_start
 from phloem.engine.parallel.layers import RowParallelLinear, Shard
@@ -101,12 +102,15 @@ class GatedAttention(nn.Module):
         (``RMSNorm.reduce``) and ``out`` is this rank's partial sum. Returns ``(out, residual)``; with
         ``route`` (``SparseMoe.decode_route``) ``o_proj`` also adds the residual and the router's
         partial logits, and both are the residual sum."""
-        qkv, residual = self.ops.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight)
+        qkv, residual = self.ops.add_rms_norm_linear(
+            hidden, residual, norm.weight, norm.eps, weight_operand(self.qkv_proj, "weight")
+        )
         out, gate = self._attend(self._prepare(qkv, batch, kv_cache, inv_freq), batch, kv_cache, inv_freq)
+        o_proj = weight_operand(self.o_proj, "weight")
         if route is not None:
-            s = self.ops.sigmoid_gate_linear_route(out, gate, self.o_proj.weight, residual, *route)
+            s = self.ops.sigmoid_gate_linear_route(out, gate, o_proj, residual, *route)
             return s, s
-        return self.ops.sigmoid_gate_linear(out, gate, self.o_proj.weight), residual
+        return self.ops.sigmoid_gate_linear(out, gate, o_proj), residual
 
     def _prepare(
         self, qkv: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, inv_freq: torch.Tensor

@@ -9,8 +9,12 @@ two steps, both done by ``engine.loader``:
 2. ``dequantize_on_read(module, "weight")`` after loading: a ``torch.nn.utils.parametrize``
    parametrization takes both; ``module.weight`` then returns the weight dequantized to the model
    dtype on every read (``kernels.linear.reference.fp8_block_dequant``), so every op that takes
-   ``module.weight`` (the fused decode projections, ``fused_moe``) runs unchanged on the
+   ``module.weight`` (the prefill projections, ``fused_moe``) runs unchanged on the
    dequantized weight. Only the FP8 bytes and the scales stay resident.
+
+The fused one-token projections take ``weight_operand(module, "weight")`` instead: an ``Fp8Weight``
+over the stored bytes and scales, which the Triton GEMV reads as they are and the torch references
+dequantize (``kernels.linear.triton_gemv``, ``kernels.linear.reference``).
 
 Scale layout: one scale per row and 128-column block, i.e. ``block = (1, 128)``. A checkpoint's
 ``128 x 128`` block scales are expanded along the rows when loaded, so the loader's row

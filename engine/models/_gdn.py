@@ -19,6 +19,7 @@ from torch import nn
 
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ForwardBatch
+from phloem.engine.models._fp8 import weight_operand
 from phloem.engine.models._norm import GatedRMSNorm, RMSNorm
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.parallel.layers import RowParallelLinear, Shard
@@ -126,17 +127,18 @@ class GatedDeltaNet(nn.Module):
         ``SparseMoe.decode_route``) ``out_proj`` also adds the residual and the router's partial
         logits, and both are the residual sum."""
         proj, residual = self.ops.add_rms_norm_conv_linear(
-            hidden, residual, norm.weight, norm.eps, self.in_proj.weight, self.conv_weight, conv_states,
+            hidden, residual, norm.weight, norm.eps, weight_operand(self.in_proj, "weight"), self.conv_weight, conv_states,
             batch.read_slots, batch.write_slots,
         )
         mixed_qkv, z, b, a = torch.split(proj, self.proj_sizes, dim=-1)
         out = self._mix(mixed_qkv, a, b, batch, ssm_states)
+        out_proj = weight_operand(self.out_proj, "weight")
         if route is not None:
             s = self.ops.gated_rms_norm_linear_route(
-                out, self._heads(z), self.norm.weight, self.norm.eps, self.out_proj.weight, residual, *route
+                out, self._heads(z), self.norm.weight, self.norm.eps, out_proj, residual, *route
             )
             return s, s
-        return self.ops.gated_rms_norm_linear(out, self._heads(z), self.norm.weight, self.norm.eps, self.out_proj.weight), residual
+        return self.ops.gated_rms_norm_linear(out, self._heads(z), self.norm.weight, self.norm.eps, out_proj), residual
 
     def _heads(self, z: torch.Tensor) -> torch.Tensor:
         return z.view(z.shape[0], self.num_v_heads, self.value_head_dim)

@@ -2,14 +2,17 @@
 
 Torch references::
 
-    reference            linear and the fused projections (add_rms_norm_linear, ...),
+    reference            linear and the fused projections (add_rms_norm_linear, ...), each taking
+                         a dense weight or an Fp8Weight (dequantized, then the dense op);
                          fp8_block_matmul_reference (block-FP8 weights dequantized, then linear)
-    fp8                  block-FP8 quantize / dequantize (128x128 scales, partial edge blocks)
+    fp8                  block-FP8 quantize / dequantize (128x128 scales, partial edge blocks);
+                         Fp8Weight, the FP8 operand (e4m3 [N, K], fp32 scales [N, ceil(K/128)])
 
 Triton versions of them::
 
-    triton_gemv          the one-token GEMVs (launchers)
-    triton_gemv_kernel   the GEMV kernel with its prologues and epilogues
+    triton_gemv          the one-token GEMVs (launchers), on dense or Fp8Weight weights
+    triton_gemv_kernel   the GEMV kernel with its prologues and epilogues; with FP8, the e4m3
+                         weight dequantized in registers (one scale a row and 128 columns)
     triton_gemv_config   tiles by weight shape
 
 Importing this package imports no Triton code.

@@ -23,7 +23,10 @@ as one launch)::
 Each fused function is exactly the composition of the references of ``kernels.norm.reference``,
 ``linear`` and ``kernels.gdn.conv1d`` it names, so a model calling them on the torch backend
 computes what the unfused calls compute. Shapes: ``x``, ``residual`` ``[T, K]``; ``weight``
-``[N, K]``; outputs ``[T, N]``.
+``[N, K]``; outputs ``[T, N]``. Every projection weight may be an ``Fp8Weight`` (``kernels.linear.fp8``:
+``float8_e4m3fn`` ``[N, K]`` and fp32 scales ``[N, ceil(K / 128)]``): ``linear`` dequantizes it to
+its ``dtype`` (``fp8.dense``) and runs the dense op, exactly the values of a dequantize-on-read
+weight (``engine.models._fp8``).
 
 Block FP8 weights (Qwen's FP8 releases, DeepSeek-V3's format): ``w_fp8`` ``[..., N, K]``
 ``float8_e4m3fn`` and ``scale_inv`` ``[..., ceil(N / bn), ceil(K / bk)]`` fp32, one per
@@ -38,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from phloem.kernels.gdn.conv1d import causal_conv1d_update
-from phloem.kernels.linear.fp8 import FP8_E4M3_MAX, fp8_block_dequant, fp8_block_quantize
+from phloem.kernels.linear.fp8 import FP8_E4M3_MAX, Fp8Weight, dense, fp8_block_dequant, fp8_block_quantize
 from phloem.kernels.moe.route_partial import add_route_partial
 from phloem.kernels.norm.reference import add_rms_norm, gated_rms_norm
 
@@ -58,8 +61,11 @@ __all__ = [
 ]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+Weight = torch.Tensor | Fp8Weight
+
+
+def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    return F.linear(x, dense(weight))
 
 
 def fp8_block_matmul_reference(
@@ -69,10 +75,8 @@ def fp8_block_matmul_reference(
     return F.linear(x, fp8_block_dequant(w_fp8, scale_inv, block, x.dtype))
 
 
-
-
 def add_rms_norm_linear(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, weight: torch.Tensor
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, weight: Weight
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(rms_norm(x + residual)), x + residual)``."""
     normed, residual = add_rms_norm(x, residual, norm_w, eps)
@@ -84,7 +88,7 @@ def add_rms_norm_conv_linear(
     residual: torch.Tensor | None,
     norm_w: torch.Tensor,
     eps: float,
-    weight: torch.Tensor,
+    weight: Weight,
     conv_w: torch.Tensor,
     conv_states: torch.Tensor,
     read_slots: torch.Tensor,
@@ -100,7 +104,7 @@ def add_rms_norm_conv_linear(
 
 
 def gated_rms_norm_linear(
-    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor
+    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: Weight
 ) -> torch.Tensor:
     """``linear(gated_rms_norm(x, gate))`` with ``x``, ``gate`` ``[T, H, D]`` normalised per head of ``D``;
     the projection reads them as ``[T, H * D]``."""
@@ -108,13 +112,13 @@ def gated_rms_norm_linear(
     return linear(normed.reshape(x.shape[0], -1), weight)
 
 
-def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: Weight) -> torch.Tensor:
     """``linear(x * sigmoid(gate))`` in ``x.dtype`` (the attention output gate, then ``o_proj``)."""
     return linear(x * torch.sigmoid(gate), weight)
 
 
 def add_rms_norm_router(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: Weight
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(router logits, normed, x + residual)``: the MoE block's norm and its router ``[E + 1, K]``
     (the shared-expert gate as the last row); the experts read ``normed``."""
@@ -123,7 +127,7 @@ def add_rms_norm_router(
 
 
 def gated_rms_norm_linear_route(
-    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
+    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: Weight,
     residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
     """``gated_rms_norm_linear``, then ``kernels.moe.route_partial.add_route_partial`` (the residual sum ``s``,
@@ -133,7 +137,7 @@ def gated_rms_norm_linear_route(
 
 
 def sigmoid_gate_linear_route(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+    x: torch.Tensor, gate: torch.Tensor, weight: Weight,
     residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
     """``sigmoid_gate_linear``, then ``kernels.moe.route_partial.add_route_partial``."""

@@ -42,9 +42,15 @@ tile (the first before ``gdc_wait``, the next with the prefetch), its residual r
 prologue's loads; the program's fp32 sum goes into the accumulator once, after its walk, as
 fixed-point integers (one atomic add a logit).
 
+Every op takes its weight as a dense ``[N, K]`` tensor or as a block-FP8 ``Fp8Weight``
+(``kernels.linear.fp8``: ``data`` ``float8_e4m3fn`` ``[N, K]``, ``scale_inv`` fp32 ``[N, ceil(K / 128)]``,
+one scale per row and 128-column block). An FP8 weight is read as its bytes and scales and
+dequantized in registers (``FP8``, ``triton_gemv_kernel``): half the weight bytes of bf16, fp32
+accumulate as for a dense weight, the activations in the model dtype (``Fp8Weight.dtype``).
+
 The kernel is ``triton_gemv_kernel.gemv_kernel``; its tiles ``triton_gemv_config.gemv_config``.
 Anything the kernel does not cover (more than one row, ``K > MAX_K``, mixed dtypes, a weight
-without unit last stride) goes to the unfused ops.
+without unit last stride) goes to the unfused ops, an FP8 weight dequantized there (``fp8.dense``).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import triton
 
 from phloem.kernels.common.device import balanced_grid
 from phloem.kernels.gdn import triton_conv1d
+from phloem.kernels.linear.fp8 import Fp8Weight, dense
 from phloem.kernels.linear.triton_gemv_config import MAX_K, GemvConfig, gemv_config
 from phloem.kernels.linear.triton_gemv_kernel import gemv_kernel
 from phloem.kernels.moe.route_partial import ROUTE_COPIES, ROUTE_SCALE, acc_fits, add_route_partial
@@ -82,12 +89,29 @@ PRO_NONE, PRO_ADD_RMS_NORM, PRO_GATED_RMS_NORM, PRO_SIGMOID_GATE = 0, 1, 2, 3
 _MAX_CONV_BLOCKS = 16
 
 
-def _covered(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+Weight = torch.Tensor | Fp8Weight
+# Columns an FP8 scale covers (``Fp8Weight``: one scale per row and 128-column block).
+_FP8_COLS = 128
+
+
+def _covered(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None) -> bool:
     """One row the kernel can take (and a residual of its shape, where there is one)."""
     num_k = x.shape[-1]
+    w = weight.data if isinstance(weight, Fp8Weight) else weight
     return (
-        x.numel() == num_k and weight.dim() == 2 and weight.shape[1] == num_k and weight.stride(1) == 1
+        x.numel() == num_k and w.dim() == 2 and w.shape[1] == num_k and w.stride(1) == 1
         and x.dtype == weight.dtype and num_k <= MAX_K and (residual is None or residual.shape == x.shape)
+        and (not isinstance(weight, Fp8Weight) or _scales_fit(weight))
+    )  # fmt: skip
+
+
+def _scales_fit(weight: Fp8Weight) -> bool:
+    """An ``[N, K]`` e4m3 weight with fp32 scales ``[N, ceil(K / 128)]`` of unit last stride."""
+    num_n, num_k = weight.data.shape
+    scale = weight.scale_inv
+    return (
+        weight.data.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+        and scale.shape == (num_n, triton.cdiv(num_k, _FP8_COLS)) and scale.stride(1) == 1
     )  # fmt: skip
 
 
@@ -104,9 +128,13 @@ class _Call(NamedTuple):
     route: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # residual, router_t, norm w, acc
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, call: _Call, pdl: bool,
+def _launch(x: torch.Tensor, weight: Weight, y: torch.Tensor, pro: int, call: _Call, pdl: bool,
             config: GemvConfig | None = None) -> None:  # fmt: skip
     num_n, num_k = weight.shape
+    fp8 = isinstance(weight, Fp8Weight)
+    # A dense weight stands in for the scale pointer its launch never reads.
+    w, scale = (weight.data, weight.scale_inv) if isinstance(weight, Fp8Weight) else (weight, weight)
+    kp = triton.next_power_of_2(num_k)
     c = config or gemv_config(num_n, num_k, call.conv is not None, call.route is not None)
     blocks = triton.cdiv(num_n, c.block_n)
     grid = balanced_grid(blocks, c.programs_per_sm, x.device)
@@ -116,19 +144,20 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, pro: int, ca
     h, router_t, post_w, acc = call.route if call.route is not None else (x, x, x, x)
     nw = call.nw if call.nw is not None else x
     gemv_kernel[(grid,)](
-        x, weight, y, num_n, num_k, weight.stride(0),
+        x, w, y, num_n, num_k, w.stride(0), scale, scale.stride(0),
         call.a if call.a is not None else x, nw, call.res if call.res is not None else x,
         call.normed if call.normed is not None else x, call.eps,
         conv_w, conv_s, r_slot, w_slot, conv_w.stride(0), conv_s.stride(0), conv_s.stride(1) if conv_s.dim() > 1 else 0,
         conv_w.shape[0] if call.conv is not None else 0,
         h, router_t, post_w, acc, router_t.shape[1] if call.route is not None else 1, ROUTE_SCALE,
-        PRO=pro, CONV=call.conv is not None, KP=triton.next_power_of_2(num_k), BLOCK_N=c.block_n, PREFETCH=c.prefetch,
+        PRO=pro, CONV=call.conv is not None, KP=kp, BLOCK_N=c.block_n, PREFETCH=c.prefetch,
         HAS_A=call.a is not None, WRITE_NORMED=call.normed is not None,
         ROUND_WEIGHTED=torch.promote_types(nw.dtype, x.dtype) == x.dtype, HEAD=call.head,
         KC=conv_w.shape[1] if call.conv is not None else 1,
         BKC=triton.next_power_of_2(conv_w.shape[1]) if call.conv is not None else 1, CONV_BLOCKS=conv_blocks,
         ROUTE=call.route is not None,
         BE=triton.next_power_of_2(router_t.shape[1]) if call.route is not None else 1, COPIES=ROUTE_COPIES,
+        FP8=fp8, KS=min(kp, _FP8_COLS) if fp8 else 1,
         num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl, launch_pdl=pdl,
         **({"maxnreg": c.max_registers} if c.max_registers else {}),
     )  # fmt: skip
@@ -138,23 +167,23 @@ def _row(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Weight, pdl: bool = False) -> torch.Tensor:
     """``x @ weight.T``; one row through the kernel, anything else through ``F.linear`` (``pdl``:
     launched under programmatic dependent launch, ``kernels/common/pdl.py``)."""
     return linear_tuned(x, weight, None, pdl)
 
 
-def linear_tuned(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None, pdl: bool = False) -> torch.Tensor:
+def linear_tuned(x: torch.Tensor, weight: Weight, config: GemvConfig | None, pdl: bool = False) -> torch.Tensor:
     """``linear`` with an explicit launch configuration (benchmark sweeps; None: ``gemv_config``'s)."""
     if not _covered(x, weight):
-        return F.linear(x, weight)
+        return F.linear(x, dense(weight))
     y = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch(_row(x), weight, y, PRO_NONE, _Call(), pdl, config)
     return y
 
 
 def add_rms_norm_linear(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, weight: Weight,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels.linear.reference.add_rms_norm_linear``."""
@@ -171,7 +200,7 @@ def add_rms_norm_conv_linear(
     residual: torch.Tensor | None,
     norm_w: torch.Tensor,
     eps: float,
-    weight: torch.Tensor,
+    weight: Weight,
     conv_w: torch.Tensor,
     conv_states: torch.Tensor,
     read_slots: torch.Tensor,
@@ -198,7 +227,7 @@ def add_rms_norm_conv_linear(
 
 
 def gated_rms_norm_linear(
-    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor, pdl: bool = False
+    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: Weight, pdl: bool = False
 ) -> torch.Tensor:
     """``kernels.linear.reference.gated_rms_norm_linear`` (``x``, ``gate`` ``[1, H, D]``)."""
     head = x.shape[-1]
@@ -211,7 +240,7 @@ def gated_rms_norm_linear(
 
 
 def gated_rms_norm_linear_route(
-    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
+    x: torch.Tensor, gate: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: Weight,
     residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor, pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``kernels.linear.reference.gated_rms_norm_linear_route``: the residual sum and the router's
@@ -229,7 +258,7 @@ def gated_rms_norm_linear_route(
 
 
 def sigmoid_gate_linear_route(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+    x: torch.Tensor, gate: torch.Tensor, weight: Weight,
     residual: torch.Tensor, router_t: torch.Tensor, post_norm_w: torch.Tensor, acc: torch.Tensor, pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``kernels.linear.reference.sigmoid_gate_linear_route`` (see ``gated_rms_norm_linear_route``)."""
@@ -254,7 +283,7 @@ def _route_operands(
     return (_row(residual), router_t, post_norm_w, acc) if fits else None
 
 
-def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: Weight, pdl: bool = False) -> torch.Tensor:
     """``kernels.linear.reference.sigmoid_gate_linear``."""
     if not _covered(x, weight) or gate.shape != x.shape:
         return linear(x * torch.sigmoid(gate), weight, pdl)
@@ -264,7 +293,7 @@ def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
 
 
 def add_rms_norm_router(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor,
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, router_w: Weight,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernels.linear.reference.add_rms_norm_router``: ``(router logits, normed, x + residual)``."""

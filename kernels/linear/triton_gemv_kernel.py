@@ -3,6 +3,14 @@ it and describes its modes: ``PRO``, ``CONV``, ``ROUTE``).
 
 Notation: ``p_`` pointers, ``o_`` offsets, ``m_`` masks, ``b_`` tiles; ``i_p`` the program, ``n_p``
 the programs. A program walks row blocks ``i_p, i_p + n_p, ...`` of ``BLOCK_N`` rows.
+
+With ``FP8`` the weight is ``float8_e4m3fn`` ``[N, K]`` with fp32 scales ``[N, ceil(K / 128)]``
+(``kernels.linear.fp8.Fp8Weight``): a block's tile is loaded as a dense one's, ``[BLOCK_N, KP]``, with
+its scales ``[BLOCK_N, KP // KS]`` (``KS = min(KP, 128)`` columns a scale); the fp32 products with
+``x̂`` are summed per ``KS`` columns, each sum multiplied once by its scale (the dequantized
+weight's dot product, one multiply per scale instead of one per element), then summed. Summed
+from the ``[BLOCK_N, KP]`` product the tile keeps the dense layout, which holds fewer registers
+than a ``[BLOCK_N, KP // KS, KS]`` tile (``docs/decisions.md``).
 """
 
 from __future__ import annotations
@@ -98,8 +106,38 @@ def _route_tile(p_rt, o_n, N, o_e, m_e, E1):
 
 
 @triton.jit
+def _weight_tile(p_w, p_ws, o_n, N, K, s_wn, s_sn, FP8: tl.constexpr, KP: tl.constexpr, KS: tl.constexpr):
+    """Rows ``o_n`` of the weight, zeros past ``N`` and ``K``: ``(tile [BLOCK_N, KP], 0.0)``, or with
+    ``FP8`` ``(e4m3 tile [BLOCK_N, KP], scales [BLOCK_N, KP // KS])`` (a tile narrower than 128
+    columns, ``KP < 128``, is one scale block)."""
+    m_n = o_n < N
+    o_k = tl.arange(0, KP)
+    b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :], mask=m_n[:, None] & (o_k < K)[None, :],
+                  other=0.0)  # fmt: skip
+    if FP8:
+        o_s = tl.arange(0, KP // KS)
+        b_s = tl.load(p_ws + o_n[:, None].to(tl.int64) * s_sn + o_s[None, :],
+                      mask=m_n[:, None] & (o_s * KS < K)[None, :], other=0.0)  # fmt: skip
+    else:
+        b_s = 0.0
+    return b_w, b_s
+
+
+@triton.jit
+def _tile_dot(b_w, b_s, b_x, FP8: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr, KS: tl.constexpr):
+    """``[BLOCK_N]`` fp32: the tile's rows times ``b_x`` ``[KP]`` (with ``FP8``, each ``KS``-column
+    partial sum times its scale)."""
+    if FP8:
+        b_part = tl.sum(tl.reshape(b_w.to(tl.float32) * b_x[None, :], (BLOCK_N, KP // KS, KS)), axis=2)  # [BLOCK_N, KP // KS]
+        b_y = tl.sum(b_part * b_s, axis=1)
+    else:
+        b_y = tl.sum(b_w.to(tl.float32) * b_x[None, :], axis=1)
+    return b_y
+
+
+@triton.jit
 def gemv_kernel(
-    p_x, p_w, p_y, N, K, s_wn,
+    p_x, p_w, p_y, N, K, s_wn, p_ws, s_sn,
     p_a, p_nw, p_res, p_normed, eps,
     p_cw, p_cs, p_read, p_write, s_cw, s_cn, s_cd, CONV_N,
     p_h, p_rt, p_pw, p_acc, E1, scale,
@@ -107,11 +145,10 @@ def gemv_kernel(
     HAS_A: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_WEIGHTED: tl.constexpr, HEAD: tl.constexpr,
     KC: tl.constexpr, BKC: tl.constexpr, CONV_BLOCKS: tl.constexpr,
     ROUTE: tl.constexpr, BE: tl.constexpr, COPIES: tl.constexpr, PDL: tl.constexpr,
+    FP8: tl.constexpr, KS: tl.constexpr,
 ):  # fmt: skip
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
-    o_k = tl.arange(0, KP)
-    m_k = o_k < K
     o_b = tl.arange(0, BLOCK_N)
     o_first = i_p * BLOCK_N + o_b
     if ROUTE:
@@ -122,8 +159,7 @@ def gemv_kernel(
             b_rt = _route_tile(p_rt, o_first, N, o_e, m_e, E1)
             b_pw = tl.load(p_pw + o_first, mask=o_first < N, other=0.0)
     if PREFETCH:
-        b_w = tl.load(p_w + o_first[:, None].to(tl.int64) * s_wn + o_k[None, :],
-                      mask=(o_first < N)[:, None] & m_k[None, :], other=0.0)  # fmt: skip
+        b_w, b_ws = _weight_tile(p_w, p_ws, o_first, N, K, s_wn, s_sn, FP8, KP, KS)
     if CONV:
         # Step inputs (copied in before the step) and the layer's own conv state: no kernel before
         # this one in the step writes them.
@@ -151,12 +187,10 @@ def gemv_kernel(
         if PREFETCH:
             # The next block's tile is in flight while this block is reduced.
             o_next = o_n + n_p * BLOCK_N
-            b_cur = b_w
-            b_w = tl.load(p_w + o_next[:, None].to(tl.int64) * s_wn + o_k[None, :],
-                          mask=(o_next < N)[:, None] & m_k[None, :], other=0.0)  # fmt: skip
+            b_cur, b_curs = b_w, b_ws
+            b_w, b_ws = _weight_tile(p_w, p_ws, o_next, N, K, s_wn, s_sn, FP8, KP, KS)
         else:
-            b_cur = tl.load(p_w + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
-                            other=0.0)  # fmt: skip
+            b_cur, b_curs = _weight_tile(p_w, p_ws, o_n, N, K, s_wn, s_sn, FP8, KP, KS)
         if ROUTE:
             b_hc = b_h
             b_h = tl.load(p_h + o_n + n_p * BLOCK_N, mask=o_n + n_p * BLOCK_N < N, other=0.0)
@@ -170,7 +204,7 @@ def gemv_kernel(
         if CONV and CONV_BLOCKS == 0:
             # Loaded in the block's own step (with the next tile they would hold too many registers).
             b_s, b_next, b_cw = _conv_operands(o_n, N, p_cw, p_cs, i_read, s_cw, s_cn, s_cd, CONV_N, KC, BKC)
-        b_y = tl.sum(b_cur.to(tl.float32) * b_x[None, :], axis=1).to(p_y.dtype.element_ty)
+        b_y = _tile_dot(b_cur, b_curs, b_x, FP8, BLOCK_N, KP, KS).to(p_y.dtype.element_ty)
         if CONV and CONV_BLOCKS == 0:
             _conv_epilogue(b_y, o_n, m_n, b_s, b_next, b_cw, p_y, p_cs, i_write, s_cn, s_cd, CONV_N, KC, BKC, True)
         elif ROUTE:

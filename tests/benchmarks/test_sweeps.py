@@ -114,3 +114,8 @@ def test_gdn_host_sweep_builds_a_mixed_steps_inputs() -> None:
     args = module["inputs"](3, 10, __import__("torch").device("cpu"))
     assert args["query_start_loc"].tolist() == [0, 1, 2, 3, 13] and args["q"].shape == (13, 16, 128)
     assert callable(module["public"])
+
+
+def test_gemv_fp8_bench_imports() -> None:
+    module = runpy.run_path(str(BENCH / "gemv_fp8_bench.py"), run_name="gemv_fp8_bench")
+    assert callable(module["main"]) and module["SHAPES"]["qkv_proj"] == (9216, 2048)

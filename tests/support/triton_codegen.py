@@ -196,21 +196,23 @@ def decode_attention() -> None:
     compile_for_h200(decode_attention_merge_kernel, pointers, common | {"BLOCK_S": 16, "BLOCK_D": 256})
 
 
-def gemv(pro: int, conv: bool, prefetch: bool, route: bool = False) -> None:
+def gemv(pro: int, conv: bool, prefetch: bool, route: bool = False, fp8: bool = False) -> Any:
     """The one-token GEMV in the mode of each fused projection, at its 35B-A3B weight shape (with
     ``conv`` and ``prefetch``, the conv operands preloaded and the update after the walk; ``route``:
-    with the router partial's epilogue)."""
+    with the router partial's epilogue; ``fp8``: a block-FP8 weight, e4m3 with fp32 scales)."""
     from phloem.kernels.linear.triton_gemv_kernel import gemv_kernel
 
-    pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs p_h p_rt p_pw", "*bf16") | _all("p_read p_write p_acc", "*i64")
+    pointers = _all("p_x p_w p_y p_a p_nw p_res p_normed p_cw p_cs p_h p_rt p_pw p_ws", "*bf16") | _all("p_read p_write p_acc", "*i64")
+    if fp8:
+        pointers |= {"p_w": "*fp8e4nv", "p_ws": "*fp32"}
     kp = 4096 if pro in (2, 3) else 2048
     constexprs = {
         "PRO": pro, "CONV": conv, "KP": kp, "BLOCK_N": 8192 // kp, "PREFETCH": prefetch,
         "HAS_A": pro != 0, "WRITE_NORMED": pro == 1 and not conv, "ROUND_WEIGHTED": True,
         "HEAD": 128 if pro == 2 else 1, "KC": 4 if conv else 1, "BKC": 4 if conv else 1, "CONV_BLOCKS": 8 if conv and prefetch else 0,
-        "ROUTE": route, "BE": 512 if route else 1, "COPIES": 4,
+        "ROUTE": route, "BE": 512 if route else 1, "COPIES": 4, "FP8": fp8, "KS": 128 if fp8 else 1,
     }  # fmt: skip
-    compile_for_h200(gemv_kernel, pointers, constexprs, floats=frozenset({"eps", "scale"}))
+    return compile_for_h200(gemv_kernel, pointers, constexprs, floats=frozenset({"eps", "scale"}))
 
 
 CASES: dict[str, Callable[[], None]] = {
@@ -238,6 +240,15 @@ CASES: dict[str, Callable[[], None]] = {
     "sigmoid_gate_linear": lambda: gemv(3, False, True),
     "gated_rms_norm_linear_route (the router partial)": lambda: gemv(2, False, True, route=True),
     "sigmoid_gate_linear_route (the router partial, no prefetch)": lambda: gemv(3, False, False, route=True),
+    "linear (FP8 weight)": lambda: gemv(0, False, False, fp8=True),
+    "linear (FP8 weight, prefetch)": lambda: gemv(0, False, True, fp8=True),
+    "add_rms_norm_linear / _router (FP8 weight)": lambda: gemv(1, False, True, fp8=True),
+    "add_rms_norm_conv_linear (FP8 weight)": lambda: gemv(1, True, True, fp8=True),
+    "add_rms_norm_conv_linear (FP8 weight, conv per block, no prefetch)": lambda: gemv(1, True, False, fp8=True),
+    "gated_rms_norm_linear (FP8 weight)": lambda: gemv(2, False, True, fp8=True),
+    "sigmoid_gate_linear (FP8 weight)": lambda: gemv(3, False, True, fp8=True),
+    "gated_rms_norm_linear_route (FP8 weight)": lambda: gemv(2, False, True, route=True, fp8=True),
+    "sigmoid_gate_linear_route (FP8 weight, no prefetch)": lambda: gemv(3, False, False, route=True, fp8=True),
     "one_shot_add_rms_norm[world=2]": lambda: one_shot_norm(2),
     "one_shot_add_rms_norm[world=8]": lambda: one_shot_norm(8),
 }
