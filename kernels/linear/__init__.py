@@ -5,12 +5,14 @@ Torch references::
     reference            linear and the fused projections (add_rms_norm_linear, ...),
                          fp8_block_matmul_reference (block-FP8 weights dequantized, then linear)
     fp8                  block-FP8 quantize / dequantize (128x128 scales, partial edge blocks)
+    w8a8                 W8A8 block-FP8 linear: activations quantized per token and 128 columns
 
 Triton versions of them::
 
     triton_gemv          the one-token GEMVs (launchers)
     triton_gemv_kernel   the GEMV kernel with its prologues and epilogues
     triton_gemv_config   tiles by weight shape
+    triton_w8a8          the activation quantization and the block-scaled FP8 tensor-core GEMM
 
 Importing this package imports no Triton code.
 """
