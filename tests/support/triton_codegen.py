@@ -225,6 +225,17 @@ def w8a8_gemm(block_m: int) -> None:
     assert mma and all("wgmma" in line and ".e4m3.e4m3" in line for line in mma), mma[:2] or "no MMA instruction"
 
 
+def w8a8_grouped() -> None:
+    """The grouped (MoE) block-FP8 GEMM at the 35B-A3B gate/up shape: e4m3 wgmma as the dense one."""
+    from phloem.kernels.moe.triton_grouped_w8a8 import w8a8_grouped_matmul_kernel
+
+    pointers = _all("p_a p_w", "*fp8e4nv") | _all("p_as p_ws", "*fp32") | _all("p_rows p_block_e", "*i64") | {"p_c": "*bf16"}
+    constexprs = {"E": 257, "A_DIV": 9, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128}
+    ptx = compile_for_h200(w8a8_grouped_matmul_kernel, pointers, constexprs).asm["ptx"]
+    mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line or "mma.sync" in line]
+    assert mma and all("wgmma" in line and ".e4m3.e4m3" in line for line in mma), mma[:2] or "no MMA instruction"
+
+
 def fp8_act_quant() -> None:
     """The activation quantization: an IEEE division and the hardware's round-to-nearest-even,
     saturating e4m3 cast, so it equals the torch reference bit for bit."""
@@ -266,6 +277,7 @@ CASES: dict[str, Callable[[], None]] = {
     "w8a8_block_matmul[prefill tile] (fp8 wgmma)": lambda: w8a8_gemm(128),
     "w8a8_block_matmul[decode tile] (fp8 wgmma)": lambda: w8a8_gemm(64),
     "fp8_act_quant (RNE e4m3 cast)": fp8_act_quant,
+    "w8a8_grouped_matmul (MoE experts, fp8 wgmma)": w8a8_grouped,
 }
 
 
