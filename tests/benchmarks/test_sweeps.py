@@ -114,3 +114,15 @@ def test_gdn_host_sweep_builds_a_mixed_steps_inputs() -> None:
     args = module["inputs"](3, 10, __import__("torch").device("cpu"))
     assert args["query_start_loc"].tolist() == [0, 1, 2, 3, 13] and args["q"].shape == (13, 16, 128)
     assert callable(module["public"])
+
+
+def test_w8a8_bench_imports_and_flags_a_path_off_its_reference() -> None:
+    module = runpy.run_path(str(BENCH / "w8a8_bench.py"), run_name="w8a8_bench")
+    assert callable(module["main"]) and all(k % 128 == 0 for _, k in module["SHAPES"].values())
+    rows = [
+        {"shape": "s", "tokens": 64, "path": "a", "us": 10.0, "tflops": 5.0, "rel_err": 3e-3, "flag": False},
+        {"shape": "s", "tokens": 64, "path": "b", "us": 9.0, "tflops": 6.0, "rel_err": 0.2, "flag": True},
+        {"shape": "s", "tokens": 64, "path": "c", "error": "RuntimeError: unsupported"},
+    ]
+    table = module["markdown"](rows).splitlines()
+    assert len(table) == 5 and "(CHECK)" in table[3] and "(CHECK)" not in table[2] and "unsupported" in table[4]
