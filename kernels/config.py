@@ -7,7 +7,7 @@ tensor parallelism through NCCL (the one-shot NVLink all-reduce is opt-in until 
 GPUs). ``runtime.env.kernel_config`` builds one from ``PHLOEM_*`` variables for the CLI; nothing
 under ``kernels/`` or ``engine/`` reads the environment.
 
-Where each field is used: ``backend``, ``triton_gemv``, ``fused_decode`` and ``pdl`` by
+Where each field is used: ``backend``, ``triton_gemv``, ``fused_decode``, ``pdl`` and ``fp8_w8a8`` by
 ``kernels.dispatch.get_ops`` (the model's op table); ``triton_decode_attention`` and ``pdl`` by
 ``kernels.attention.flashinfer.FlashInferAttention`` (pure-decode steps: the split-KV Triton kernel
 instead of FlashInfer's decode); ``one_shot_allreduce`` by ``engine.parallel.TPGroup.connect``.
@@ -33,6 +33,10 @@ class KernelConfig:
 
     ``one_shot_allreduce``: small all-reduces of tensor parallelism on GPUs through the one-shot
     NVLink kernel fused with the add + RMSNorm after it (``engine.parallel.one_shot_allreduce``), else NCCL.
+
+    ``fp8_w8a8``: block-FP8 weights run W8A8 in prefill and batched steps (activations quantized
+    per token and 128-column group, the FP8 tensor-core GEMM), as the FP8 checkpoints are published
+    for; off: the weights dequantized to the model dtype and a bf16 matmul (``docs/decisions.md``).
     """
 
     backend: BackendChoice = "auto"
@@ -41,6 +45,7 @@ class KernelConfig:
     fused_decode: bool = True
     pdl: bool | None = None
     one_shot_allreduce: bool = False
+    fp8_w8a8: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "torch", "triton"):

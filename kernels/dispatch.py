@@ -29,6 +29,7 @@ from phloem.kernels.config import KernelConfig
 from phloem.kernels.gdn import conv1d
 from phloem.kernels.gdn import reference as gdn
 from phloem.kernels.linear import reference as linear
+from phloem.kernels.linear import w8a8
 from phloem.kernels.moe import reference as moe
 from phloem.kernels.moe import route_partial
 from phloem.kernels.norm import reference as norm
@@ -60,12 +61,18 @@ class KernelOps:
     The dense-projection ops (``linear`` and the fused projections of ``kernels.linear.reference``)
     take their weight as a tensor or as a block-FP8 ``kernels.linear.fp8.Fp8Weight``: the references
     dequantize it, the Triton GEMV reads its FP8 bytes and scales.
+
+    ``fp8_w8a8``: a prefill or batched step's projection whose weight is block FP8 runs
+    ``fp8_w8a8_linear`` (activations quantized per token and 128-column group, the tensor-core FP8
+    GEMM; ``kernels/linear/w8a8.py``) instead of a matmul on the dequantized weight;
+    ``KernelConfig.fp8_w8a8``, in both backends (``engine.models._fp8.project``).
     """
 
     backend: Backend
     fused_decode: bool
     route_partial: bool
     pdl: bool
+    fp8_w8a8: bool
     rms_norm: Op
     add_rms_norm: Op
     gated_rms_norm: Op
@@ -84,6 +91,7 @@ class KernelOps:
     fused_moe: Op
     fused_moe_routed: Op
     linear: Op
+    fp8_w8a8_linear: Op
     add_rms_norm_linear: Op
     add_rms_norm_conv_linear: Op
     gated_rms_norm_linear: Op
@@ -127,6 +135,7 @@ def get_ops(device: torch.device, config: KernelConfig = KernelConfig()) -> Kern
         fused_decode=config.fused_decode,
         route_partial=config.fused_decode,
         pdl=False,
+        fp8_w8a8=config.fp8_w8a8,
         rms_norm=norm.rms_norm,
         add_rms_norm=norm.add_rms_norm,
         gated_rms_norm=norm.gated_rms_norm,
@@ -145,6 +154,7 @@ def get_ops(device: torch.device, config: KernelConfig = KernelConfig()) -> Kern
         fused_moe=moe.fused_moe,
         fused_moe_routed=moe.fused_moe_routed,
         linear=linear.linear,
+        fp8_w8a8_linear=w8a8.fp8_w8a8_block_matmul_reference,
         add_rms_norm_linear=linear.add_rms_norm_linear,
         add_rms_norm_conv_linear=linear.add_rms_norm_conv_linear,
         gated_rms_norm_linear=linear.gated_rms_norm_linear,
@@ -171,7 +181,7 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
     from phloem.kernels.attention import triton_qk_norm_rope
     from phloem.kernels.gdn import triton_conv1d, triton_conv1d_varlen, triton_gates
     from phloem.kernels.gdn import triton_decode as triton_gdn
-    from phloem.kernels.linear import triton_gemv
+    from phloem.kernels.linear import triton_gemv, triton_w8a8
     from phloem.kernels.moe import triton_decode as triton_moe
     from phloem.kernels.moe import triton_grouped, triton_route, triton_token
     from phloem.kernels.norm import triton_norm
@@ -248,6 +258,7 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
         moe_route_shared=bind(triton_route.moe_route_shared),
         gdn_gates=triton_gates.gdn_gates,
         linear=bind(triton_gemv.linear) if config.triton_gemv else reference.linear,
+        fp8_w8a8_linear=triton_w8a8.fp8_w8a8_linear,
         add_rms_norm_linear=bind(triton_gemv.add_rms_norm_linear),
         add_rms_norm_conv_linear=bind(triton_gemv.add_rms_norm_conv_linear),
         gated_rms_norm_linear=bind(triton_gemv.gated_rms_norm_linear),

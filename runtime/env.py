@@ -156,6 +156,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "`KernelConfig.one_shot_allreduce`: tensor parallelism's small all-reduces on GPUs run the "
            "one-shot NVLink all-reduce + add + RMSNorm kernel (`engine/parallel/one_shot_allreduce.py`); off: NCCL, then "
            "the `add_rms_norm` kernel", kernel_field="one_shot_allreduce"),
+    EnvVar("PHLOEM_FP8_W8A8", "bool", "0",
+           "`KernelConfig.fp8_w8a8`: prefill and batched steps of block-FP8 weights quantize the activations "
+           "per token and 128-column group and run the FP8 tensor-core GEMM of `kernels/linear/triton_w8a8.py`; "
+           "off: the weights dequantized to the model dtype, then a bf16 matmul", kernel_field="fp8_w8a8"),
 )
 
 _SETTINGS = tuple(v for v in VARIABLES if v.kernel_field is None)

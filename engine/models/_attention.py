@@ -16,7 +16,7 @@ from torch import nn
 
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ForwardBatch
-from phloem.engine.models._fp8 import weight_operand
+from phloem.engine.models._fp8 import project, weight_operand
 from phloem.engine.models._norm import RMSNorm
 from phloem.engine.parallel.group import TPGroup, kv_head_start
 from phloem.engine.parallel.layers import RowParallelLinear, Shard
@@ -72,8 +72,7 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         """``hidden`` ``[T, H]``, ``kv_cache`` ``[pages, 2, page_size, Hkv, D]`` -> ``[T, H]``."""
         mix = self.prepare(hidden, batch, kv_cache, inv_freq)
-        result: torch.Tensor = self.o_proj(self.attend(mix, batch, kv_cache, inv_freq))
-        return result
+        return project(self.ops, self.o_proj, self.attend(mix, batch, kv_cache, inv_freq))
 
     def prepare(
         self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, inv_freq: torch.Tensor
@@ -82,7 +81,7 @@ class GatedAttention(nn.Module):
         attention's prologue does it in its own launch) QK-norm, RoPE, the gate split and the KV
         write. Returns ``(query [T, Hq, D], gate [T, Hq * D])``, or with the prologue the raw
         ``(q_gate, key, value)``; ``attend`` takes either."""
-        return self._prepare(self.qkv_proj(hidden), batch, kv_cache, inv_freq)
+        return self._prepare(project(self.ops, self.qkv_proj, hidden), batch, kv_cache, inv_freq)
 
     def attend(
         self, mix: tuple[torch.Tensor, ...], batch: ForwardBatch, kv_cache: torch.Tensor, inv_freq: torch.Tensor

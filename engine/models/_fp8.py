@@ -16,6 +16,10 @@ The fused one-token projections take ``weight_operand(module, "weight")`` instea
 over the stored bytes and scales, which the Triton GEMV reads as they are and the torch references
 dequantize (``kernels.linear.triton_gemv``, ``kernels.linear.reference``).
 
+A prefill or batched step's dense projection goes through ``project``: with ``KernelConfig.fp8_w8a8``
+an FP8 weight is handed as stored (``weight_operand``) to the W8A8 GEMM (activations quantized per
+token and 128-column group, ``kernels.linear.w8a8``), else it is read dequantized as above.
+
 Scale layout: one scale per row and 128-column block, i.e. ``block = (1, 128)``. A checkpoint's
 ``128 x 128`` block scales are expanded along the rows when loaded, so the loader's row
 operations (fused ``q|k|v`` rows, Qwen3-Next's per-head regrouping, expert halves, TP row shards)
@@ -25,15 +29,20 @@ apply to a weight and its scale alike, at any row offset. The cost is ``4 / 128`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
 from phloem.kernels.linear.fp8 import Fp8Weight, fp8_block_dequant
 
+if TYPE_CHECKING:
+    from phloem.kernels.dispatch import KernelOps
+
 __all__ = [
-    "FP8_BLOCK", "FP8_DTYPE", "ROW_BLOCK", "Fp8Dequant", "dequantize_on_read", "make_fp8", "scale_name",
-    "weight_operand",
+    "FP8_BLOCK", "FP8_DTYPE", "ROW_BLOCK", "Fp8Dequant", "dequantize_on_read", "make_fp8", "project",
+    "scale_name", "weight_operand",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -93,3 +102,14 @@ def weight_operand(module: nn.Module, name: str) -> torch.Tensor | Fp8Weight:
     parts = module.parametrizations[name]  # type: ignore[union-attr,index]
     deq = next(p for p in parts if isinstance(p, Fp8Dequant))
     return Fp8Weight(parts.original, deq.scale_inv, deq.dtype)
+
+
+def project(ops: KernelOps, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``, the projection of a prefill or batched step; with ``ops.fp8_w8a8`` a block-FP8
+    ``module.weight`` goes to ``ops.fp8_w8a8_linear`` as stored (W8A8: activations quantized per
+    token and 128-column group, the FP8 GEMM) instead of being dequantized on read."""
+    if ops.fp8_w8a8 and is_fp8(module, "weight"):
+        out: torch.Tensor = ops.fp8_w8a8_linear(x, weight_operand(module, "weight"))
+        return out
+    result: torch.Tensor = module(x)
+    return result

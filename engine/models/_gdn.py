@@ -19,7 +19,7 @@ from torch import nn
 
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ForwardBatch
-from phloem.engine.models._fp8 import weight_operand
+from phloem.engine.models._fp8 import project, weight_operand
 from phloem.engine.models._norm import GatedRMSNorm, RMSNorm
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.parallel.layers import RowParallelLinear, Shard
@@ -112,7 +112,7 @@ class GatedDeltaNet(nn.Module):
         ``out_proj``."""
         z = torch.split(proj, self.proj_sizes, dim=-1)[1]
         out = self.norm(core, self._heads(z))
-        result: torch.Tensor = self.out_proj(out.reshape(core.shape[0], self.value_dim))
+        result: torch.Tensor = project(self.ops, self.out_proj, out.reshape(core.shape[0], self.value_dim))
         return result
 
     def forward_decode(

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phloem.engine.config import ModelConfig
+from phloem.engine.models._fp8 import project
 from phloem.engine.models._norm import RMSNorm
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.parallel.layers import RowParallelLinear, Shard
@@ -70,9 +71,10 @@ def _version(t: torch.Tensor) -> int:
 
 
 class SwiGluMlp(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup, ops: KernelOps) -> None:
         super().__init__()
         self.tp = tp
+        self.ops = ops
         self.intermediate_size = intermediate_size // tp.size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(self.intermediate_size, hidden_size)
@@ -82,9 +84,8 @@ class SwiGluMlp(nn.Module):
         return _ffn_shards("", self.intermediate_size, self.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
-        return out
+        gate, up = project(self.ops, self.gate_up_proj, x).chunk(2, dim=-1)
+        return project(self.ops, self.down_proj, F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -133,7 +134,7 @@ class SparseMoe(nn.Module):
         rows = self.num_local + shared + int(self.expert_parallel)
         self.experts = Experts(rows, config.hidden_size, self.intermediate_size)
         if not self.fused_shared:
-            self.shared_expert = SwiGluMlp(config.hidden_size, config.shared_expert_intermediate_size, tp)
+            self.shared_expert = SwiGluMlp(config.hidden_size, config.shared_expert_intermediate_size, tp, ops)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         # The one-token path's transposed router, the router weight's version it was copied at, and
         # the partial-logits accumulator (decode_route); not state: built at the first decode.

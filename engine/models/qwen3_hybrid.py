@@ -56,7 +56,7 @@ class DecoderLayer(nn.Module):
         if config.is_moe_layer(layer_idx):
             self.mlp = SparseMoe(config, ops, tp)
         else:
-            self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size, tp)
+            self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size, tp, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, tp)
         # One-token decode steps take the fused projections (kernels.linear.reference): the norms, the

@@ -5,6 +5,7 @@ Torch references::
     reference        moe_route(_shared), fused_moe, fused_moe_routed
     route_partial    the router folded into the projection before it (one-token decode):
                      the fixed-point accumulator and fused_moe_route_partial
+    w8a8             one W8A8 block-FP8 expert projection over (token, slot) pairs
 
 Triton versions of them::
 
@@ -13,6 +14,8 @@ Triton versions of them::
                      (fused_moe_token*, fused_moe_token_route_partial)
     triton_token     one token's gate/up stage, with the routing in its programs
     triton_grouped   fused_moe for prefill-sized batches (grouped GEMM over tokens sorted by expert)
+    triton_grouped_w8a8  the W8A8 expert projection as a grouped FP8 tensor-core GEMM (not yet
+                     called by the model: the experts' FP8 path is ``fused_moe``'s)
 
 Importing this package imports no Triton code.
 """

@@ -119,3 +119,15 @@ def test_gdn_host_sweep_builds_a_mixed_steps_inputs() -> None:
 def test_gemv_fp8_bench_imports() -> None:
     module = runpy.run_path(str(BENCH / "gemv_fp8_bench.py"), run_name="gemv_fp8_bench")
     assert callable(module["main"]) and module["SHAPES"]["qkv_proj"] == (9216, 2048)
+
+
+def test_w8a8_bench_imports_and_flags_a_path_off_its_reference() -> None:
+    module = runpy.run_path(str(BENCH / "w8a8_bench.py"), run_name="w8a8_bench")
+    assert callable(module["main"]) and all(k % 128 == 0 for _, k in module["SHAPES"].values())
+    rows = [
+        {"shape": "s", "tokens": 64, "path": "a", "us": 10.0, "tflops": 5.0, "rel_err": 3e-3, "flag": False},
+        {"shape": "s", "tokens": 64, "path": "b", "us": 9.0, "tflops": 6.0, "rel_err": 0.2, "flag": True},
+        {"shape": "s", "tokens": 64, "path": "c", "error": "RuntimeError: unsupported"},
+    ]
+    table = module["markdown"](rows).splitlines()
+    assert len(table) == 5 and "(CHECK)" in table[3] and "(CHECK)" not in table[2] and "unsupported" in table[4]

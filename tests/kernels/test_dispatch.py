@@ -17,7 +17,7 @@ from phloem.kernels.norm import reference as norm  # noqa: E402
 from phloem.runtime.env import kernel_config  # noqa: E402
 
 ENV_VAR = "PHLOEM_KERNELS"
-OP_NAMES = [f.name for f in dataclasses.fields(KernelOps) if f.name not in ("backend", "fused_decode", "route_partial", "pdl")]
+OP_NAMES = [f.name for f in dataclasses.fields(KernelOps) if f.name not in ("backend", "fused_decode", "route_partial", "pdl", "fp8_w8a8")]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
@@ -35,6 +35,14 @@ def test_cuda_defaults_to_triton() -> None:
     assert ops.backend == "triton"
     assert ops.rms_norm.__module__ == "phloem.kernels.norm.triton_norm"
     assert ops.paged_attention is get_ops(CPU).paged_attention
+
+
+def test_fp8_w8a8_linear_is_the_reference_or_the_gemm_and_off_by_default() -> None:
+    from phloem.kernels.linear import w8a8
+
+    assert not get_ops(CPU).fp8_w8a8 and get_ops(CPU, KernelConfig(fp8_w8a8=True)).fp8_w8a8
+    assert get_ops(CPU).fp8_w8a8_linear is w8a8.fp8_w8a8_block_matmul_reference
+    assert get_ops(CUDA).fp8_w8a8_linear.__module__ == "phloem.kernels.linear.triton_w8a8"
 
 
 def test_env_forces_torch_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

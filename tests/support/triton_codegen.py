@@ -31,7 +31,7 @@ def _pdl() -> bool:
 
 def compile_for_h200(
     kernel: Any, pointers: dict[str, str], constexprs: dict[str, object], floats: frozenset[str] = frozenset({"eps"}),
-    divisible: frozenset[str] = frozenset(),
+    divisible: frozenset[str] = frozenset(), num_warps: int = 4,
 ) -> Any:
     """Compile ``kernel`` for sm_90: ``pointers`` give the pointer parameters' types, ``constexprs``
     the value of every ``tl.constexpr`` parameter (all must be given); ``floats`` are fp32 scalars
@@ -39,7 +39,7 @@ def compile_for_h200(
     aligned, as a launch with torch tensors specialises them (without it every load compiles to
     2-byte scalars, and ``ptxas -v`` register counts on the PTX mean nothing); so are the integer
     parameters named in ``divisible`` (multiples of 16, as a launch at the real shapes specialises them).
-    Returns the compiled kernel."""
+    ``num_warps`` as the launcher passes it. Returns the compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -57,7 +57,7 @@ def compile_for_h200(
             signature[name] = pointers.get(name) or ("fp32" if name in floats else "i64")
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in pointers or name in divisible}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(source, target=GPUTarget(*H200))
+    compiled = triton.compile(source, target=GPUTarget(*H200), options={"num_warps": num_warps})
     assert compiled.asm["cubin"], "no cubin"
     if "PDL" in params:
         for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
@@ -215,6 +215,40 @@ def gemv(pro: int, conv: bool, prefetch: bool, route: bool = False, fp8: bool = 
     return compile_for_h200(gemv_kernel, pointers, constexprs, floats=frozenset({"eps", "scale"}))
 
 
+def w8a8_gemm(block_m: int) -> None:
+    """The block-FP8 GEMM at its prefill (128-row, two warpgroups) and decode-batch (64-row) tiles:
+    every MMA is an e4m3 wgmma (Triton upcasts to an f16 mma.sync below 64 rows)."""
+    from phloem.kernels.linear.triton_w8a8 import w8a8_block_matmul_kernel
+
+    pointers = _all("p_a p_b", "*fp8e4nv") | _all("p_as p_bs", "*fp32") | {"p_c": "*bf16"}
+    constexprs = {"BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}
+    ptx = compile_for_h200(w8a8_block_matmul_kernel, pointers, constexprs, num_warps=8 if block_m == 128 else 4).asm["ptx"]
+    mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line or "mma.sync" in line]
+    assert mma and all("wgmma" in line and ".e4m3.e4m3" in line for line in mma), mma[:2] or "no MMA instruction"
+
+
+def w8a8_grouped() -> None:
+    """The grouped (MoE) block-FP8 GEMM at the 35B-A3B gate/up shape: e4m3 wgmma as the dense one."""
+    from phloem.kernels.moe.triton_grouped_w8a8 import w8a8_grouped_matmul_kernel
+
+    pointers = _all("p_a p_w", "*fp8e4nv") | _all("p_as p_ws", "*fp32") | _all("p_rows p_block_e", "*i64") | {"p_c": "*bf16"}
+    constexprs = {"E": 257, "A_DIV": 9, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128}
+    ptx = compile_for_h200(w8a8_grouped_matmul_kernel, pointers, constexprs).asm["ptx"]
+    mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line or "mma.sync" in line]
+    assert mma and all("wgmma" in line and ".e4m3.e4m3" in line for line in mma), mma[:2] or "no MMA instruction"
+
+
+def fp8_act_quant() -> None:
+    """The activation quantization: an IEEE division and the hardware's round-to-nearest-even,
+    saturating e4m3 cast, so it equals the torch reference bit for bit."""
+    from phloem.kernels.linear.triton_w8a8 import fp8_act_quant_kernel
+
+    pointers = {"p_x": "*bf16", "p_q": "*fp8e4nv", "p_s": "*fp32"}
+    ptx = compile_for_h200(fp8_act_quant_kernel, pointers, {"GROUP": 128, "BLOCK_G": 8, "FP8_MAX": 448.0}).asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, "no RNE e4m3 cast"
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, "division not IEEE"
+
+
 CASES: dict[str, Callable[[], None]] = {
     "qk_norm_rope_gate[store_kv]": lambda: qk_norm_rope(True),
     "qk_norm_rope_gate[k_out]": lambda: qk_norm_rope(False),
@@ -251,6 +285,10 @@ CASES: dict[str, Callable[[], None]] = {
     "sigmoid_gate_linear_route (FP8 weight, no prefetch)": lambda: gemv(3, False, False, route=True, fp8=True),
     "one_shot_add_rms_norm[world=2]": lambda: one_shot_norm(2),
     "one_shot_add_rms_norm[world=8]": lambda: one_shot_norm(8),
+    "w8a8_block_matmul[prefill tile] (fp8 wgmma)": lambda: w8a8_gemm(128),
+    "w8a8_block_matmul[decode tile] (fp8 wgmma)": lambda: w8a8_gemm(64),
+    "fp8_act_quant (RNE e4m3 cast)": fp8_act_quant,
+    "w8a8_grouped_matmul (MoE experts, fp8 wgmma)": w8a8_grouped,
 }
 
 
