@@ -29,6 +29,7 @@ from phloem.kernels.config import KernelConfig
 from phloem.kernels.gdn import conv1d
 from phloem.kernels.gdn import reference as gdn
 from phloem.kernels.linear import reference as linear
+from phloem.kernels.linear.fp8 import Fp8Weight
 from phloem.kernels.moe import reference as moe
 from phloem.kernels.moe import route_partial
 from phloem.kernels.norm import reference as norm
@@ -56,6 +57,9 @@ class KernelOps:
     off (``dataclasses.replace``) runs the router as a launch of its own (``add_rms_norm_router``).
 
     ``pdl``: the Triton ops launch under programmatic dependent launch (always off for torch).
+
+    The experts' ops (``fused_moe``, ``fused_moe_routed``, ``fused_moe_route_partial``) take their
+    weights dense or as ``kernels.linear.fp8.Fp8Weight``; the Triton ones read FP8 in the kernels.
     """
 
     backend: Backend
@@ -175,8 +179,8 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
 
     def fused_moe(
         x: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
+        w_gate_up: torch.Tensor | Fp8Weight,
+        w_down: torch.Tensor | Fp8Weight,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
@@ -190,8 +194,8 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
     def fused_moe_routed(
         x: torch.Tensor,
         router_logits: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
+        w_gate_up: torch.Tensor | Fp8Weight,
+        w_down: torch.Tensor | Fp8Weight,
         top_k: int,
         renormalize: bool,
     ) -> torch.Tensor:
@@ -208,8 +212,8 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
         acc: torch.Tensor,
         norm_w: torch.Tensor,
         eps: float,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
+        w_gate_up: torch.Tensor | Fp8Weight,
+        w_down: torch.Tensor | Fp8Weight,
         top_k: int,
         renormalize: bool,
     ) -> torch.Tensor:
