@@ -30,6 +30,7 @@ from phloem.kernels.gdn import conv1d
 from phloem.kernels.gdn import reference as gdn
 from phloem.kernels.linear import reference as linear
 from phloem.kernels.linear import w8a8
+from phloem.kernels.linear.fp8 import Fp8Weight
 from phloem.kernels.moe import reference as moe
 from phloem.kernels.moe import route_partial
 from phloem.kernels.norm import reference as norm
@@ -66,6 +67,9 @@ class KernelOps:
     ``fp8_w8a8_linear`` (activations quantized per token and 128-column group, the tensor-core FP8
     GEMM; ``kernels/linear/w8a8.py``) instead of a matmul on the dequantized weight;
     ``KernelConfig.fp8_w8a8``, in both backends (``engine.models._fp8.project``).
+
+    The experts' ops (``fused_moe``, ``fused_moe_routed``, ``fused_moe_route_partial``) take their
+    weights dense or as ``kernels.linear.fp8.Fp8Weight``; the Triton ones read FP8 in the kernels.
     """
 
     backend: Backend
@@ -189,8 +193,8 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
 
     def fused_moe(
         x: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
+        w_gate_up: torch.Tensor | Fp8Weight,
+        w_down: torch.Tensor | Fp8Weight,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
@@ -204,8 +208,8 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
     def fused_moe_routed(
         x: torch.Tensor,
         router_logits: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
+        w_gate_up: torch.Tensor | Fp8Weight,
+        w_down: torch.Tensor | Fp8Weight,
         top_k: int,
         renormalize: bool,
     ) -> torch.Tensor:
@@ -222,8 +226,8 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
         acc: torch.Tensor,
         norm_w: torch.Tensor,
         eps: float,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
+        w_gate_up: torch.Tensor | Fp8Weight,
+        w_down: torch.Tensor | Fp8Weight,
         top_k: int,
         renormalize: bool,
     ) -> torch.Tensor:

@@ -9,12 +9,13 @@ two steps, both done by ``engine.loader``:
 2. ``dequantize_on_read(module, "weight")`` after loading: a ``torch.nn.utils.parametrize``
    parametrization takes both; ``module.weight`` then returns the weight dequantized to the model
    dtype on every read (``kernels.linear.reference.fp8_block_dequant``), so every op that takes
-   ``module.weight`` (the prefill projections, ``fused_moe``) runs unchanged on the
+   ``module.weight`` (an unfused projection's ``nn.Linear`` call) runs unchanged on the
    dequantized weight. Only the FP8 bytes and the scales stay resident.
 
-The fused one-token projections take ``weight_operand(module, "weight")`` instead: an ``Fp8Weight``
-over the stored bytes and scales, which the Triton GEMV reads as they are and the torch references
-dequantize (``kernels.linear.triton_gemv``, ``kernels.linear.reference``).
+The fused one-token projections and the routed experts' ops take ``weight_operand(module, name)``
+instead: an ``Fp8Weight`` over the stored bytes and scales, which the Triton GEMV and expert
+kernels read as they are (dequantized in registers) and the torch references dequantize
+(``kernels.linear.triton_gemv``, ``kernels.moe.triton_fp8``, the ``reference`` modules).
 
 A prefill or batched step's dense projection goes through ``project``: with ``KernelConfig.fp8_w8a8``
 an FP8 weight is handed as stored (``weight_operand``) to the W8A8 GEMM (activations quantized per

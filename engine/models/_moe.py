@@ -41,11 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from phloem.engine.config import ModelConfig
-from phloem.engine.models._fp8 import project
+from phloem.engine.models._fp8 import project, weight_operand
 from phloem.engine.models._norm import RMSNorm
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.parallel.layers import RowParallelLinear, Shard
 from phloem.kernels.dispatch import KernelOps
+from phloem.kernels.linear.fp8 import Fp8Weight
 from phloem.kernels.moe.route_partial import new_route_acc
 
 __all__ = ["Experts", "SparseMoe", "SwiGluMlp"]
@@ -95,6 +96,11 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def operands(self) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight]:
+        """``(gate_up_proj, down_proj)`` as the MoE ops take them: block-FP8 ones as ``Fp8Weight``
+        (the stored bytes and scales; the ops dequantize only the experts they read), else the tensors."""
+        return weight_operand(self, "gate_up_proj"), weight_operand(self, "down_proj")
 
 
 class SparseMoe(nn.Module):
@@ -224,7 +230,7 @@ class SparseMoe(nn.Module):
         hidden, reduced = norm.reduce(hidden, residual)
         logits, normed, residual = self.ops.add_rms_norm_router(hidden, reduced, norm.weight, norm.eps, self.router.weight)
         out: torch.Tensor = self.ops.fused_moe_routed(
-            normed, logits, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.renormalize
+            normed, logits, *self.experts.operands(), self.top_k, self.renormalize
         )
         return out, residual
 
@@ -258,7 +264,7 @@ class SparseMoe(nn.Module):
         the experts in the experts' kernels (``fused_moe_route_partial``)."""
         _, norm_w, acc = route
         out: torch.Tensor = self.ops.fused_moe_route_partial(
-            s, acc, norm_w, norm.eps, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.renormalize
+            s, acc, norm_w, norm.eps, *self.experts.operands(), self.top_k, self.renormalize
         )
         return out
 
@@ -269,7 +275,7 @@ class SparseMoe(nn.Module):
             routed = ids[:, : self.top_k] - self.first_expert
             held = (routed >= 0) & (routed < self.num_local)
             ids = torch.cat((routed.where(held, self.zero_row), torch.full_like(ids[:, self.top_k :], self.shared_row)), 1)
-        out: torch.Tensor = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        out: torch.Tensor = self.ops.fused_moe(x, *self.experts.operands(), weights, ids)
         if not self.fused_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out  # this rank's partial sum: the next norm reduces it (engine.parallel)

@@ -5,9 +5,12 @@ then up rows); ``w_down`` ``[E, H, I]``; ``topk_weights`` ``[T, k]`` in the rout
 ``[T, k]`` int64. Expert ``e`` computes ``w_down[e] @ (silu(gate) * up)``; each token sums its ``k`` experts'
 outputs scaled by their weights.
 
-Block-FP8 experts (``fused_moe_fp8``): ``w_gate_up`` / ``w_down`` in ``float8_e4m3fn`` with
-``[E, ceil(rows / bn), ceil(cols / bk)]`` fp32 scales (``kernels.linear.reference``'s block format);
-only the experts a token selected are dequantized, to ``x.dtype``, then run as ``fused_moe``.
+Block-FP8 experts: every op takes ``w_gate_up`` / ``w_down`` as a dense tensor or as a
+``kernels.linear.fp8.Fp8Weight`` (``data`` ``float8_e4m3fn`` ``[E, N, K]``, ``scale_inv`` fp32
+``[E, N, ceil(K / 128)]``, one scale per row and 128-column block, as the model stores them); only
+the experts the batch selected are dequantized, each to the weight's model dtype (the values
+``Fp8Weight.dense()`` gives, expert by expert). ``fused_moe_fp8`` takes a checkpoint's own
+``[E, ceil(rows / bn), ceil(cols / bk)]`` tile scales (``kernels.linear.fp8``'s block format).
 
 Accumulation mirrors HF: experts are visited in ascending id order and their weighted outputs are
 ``index_add_``-ed into an ``x.dtype`` buffer, so in bf16 each addition rounds.
@@ -18,9 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from phloem.kernels.linear.fp8 import fp8_block_dequant
+from phloem.kernels.linear.fp8 import Fp8Weight, fp8_block_dequant
 
-__all__ = ["fused_moe", "fused_moe_fp8", "fused_moe_routed", "moe_route", "moe_route_shared"]
+__all__ = ["expert_weight", "fused_moe", "fused_moe_fp8", "fused_moe_routed", "moe_route", "moe_route_shared"]
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,18 +52,26 @@ def moe_route_shared(
     return torch.cat((weights, shared_w.to(weights.dtype)), dim=1), torch.cat((ids, shared_id), dim=1)
 
 
+def expert_weight(w: torch.Tensor | Fp8Weight, expert_id: int) -> torch.Tensor:
+    """Expert ``expert_id``'s ``[N, K]`` weight, dense: a row of ``w``, or of an ``Fp8Weight``
+    dequantized alone."""
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(w.data[expert_id], w.scale_inv[expert_id], w.dtype).dense()
+    return w[expert_id]
+
+
 def fused_moe(
     x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: torch.Tensor | Fp8Weight,
+    w_down: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     out = torch.zeros_like(x)
     for expert_id in torch.unique(topk_ids).tolist():
         token_idx, k_idx = torch.where(topk_ids == expert_id)
-        gate, up = F.linear(x[token_idx], w_gate_up[expert_id]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w_down[expert_id])  # [n, H]
+        gate, up = F.linear(x[token_idx], expert_weight(w_gate_up, expert_id)).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, expert_weight(w_down, expert_id))  # [n, H]
         h = h * topk_weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out
@@ -92,8 +103,8 @@ def fused_moe_fp8(
 def fused_moe_routed(
     x: torch.Tensor,
     router_logits: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: torch.Tensor | Fp8Weight,
+    w_down: torch.Tensor | Fp8Weight,
     top_k: int,
     renormalize: bool,
 ) -> torch.Tensor:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from phloem.kernels.linear.fp8 import Fp8Weight
 from phloem.kernels.moe.reference import fused_moe_routed
 
 __all__ = [
@@ -91,14 +92,14 @@ def fused_moe_route_partial(
     acc: torch.Tensor,
     norm_w: torch.Tensor,
     eps: float,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: torch.Tensor | Fp8Weight,
+    w_down: torch.Tensor | Fp8Weight,
     top_k: int,
     renormalize: bool,
 ) -> torch.Tensor:
     """The MoE block of one row from the residual sum ``s`` ``[1, H]`` and the accumulator: the
     layer's norm (``norm_w``, ``eps``), the logits ``rstd(s) · u``, routing and experts as
-    ``kernels.moe.reference.fused_moe_routed``. Zeroes ``acc``."""
+    ``kernels.moe.reference.fused_moe_routed`` (dense or ``Fp8Weight`` experts). Zeroes ``acc``."""
     rstd = torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + eps)  # kernels.norm.reference's formula
     normed = (s.float() * rstd * (1.0 + norm_w.float())).to(s.dtype)
     logits = route_logits(acc, rstd, s.dtype)

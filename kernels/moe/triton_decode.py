@@ -28,6 +28,11 @@ measured at one token only).
 
 At the Qwen3.5-35B-A3B decode shape (H=2048, I=512, top-8 + shared) one token reads
 9 × 3 × 2048 × 512 bf16 = 57 MB per layer, which is what bounds decode. Accumulation is fp32.
+
+Block-FP8 experts (``Fp8Weight``: e4m3 ``[E, N, K]``, fp32 scales ``[E, N, ceil(K / 128)]``) halve
+that: both stages (and ``triton_token``'s) compile with ``FP8`` and load each tile's e4m3 bytes
+with its rows' scales, dequantizing in registers (``triton_fp8``); activations stay in ``x.dtype``.
+Each stage reads its own operand, so one projection may be FP8 and the other dense.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from phloem.kernels.linear.fp8 import Fp8Weight
 from phloem.kernels.moe import triton_token
+from phloem.kernels.moe.triton_fp8 import block_scales, expert_operand, tile_fp32
 from phloem.kernels.moe.triton_route import MAX_EXPERTS, route_row, select_expert
 
 __all__ = [
@@ -71,10 +78,11 @@ class MoeDecodeConfig(NamedTuple):
 
 @triton.jit
 def _gate_up_kernel(
-    p_x, p_w, p_ids, p_act, p_logits, p_tw, s_lt, E,
+    p_x, p_w, p_s, p_ids, p_act, p_logits, p_tw, s_lt, E,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROUTE: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr,
+    ROUTE: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
@@ -103,15 +111,22 @@ def _gate_up_kernel(
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     p_we = p_w + e * (2 * INTER * H)
+    KB: tl.constexpr = (H + 127) // 128
+    p_se = p_s + e * (2 * INTER * KB)
     for k0 in range(0, H, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < H
         b_x = tl.load(p_x + i_tok * H + o_k, mask=m_k, other=0.0).to(tl.float32)
         m_w = m_n[:, None] & m_k[None, :]
-        b_wg = tl.load(p_we + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.0).to(tl.float32)
-        b_wu = tl.load(p_we + (o_n[:, None] + INTER) * H + o_k[None, :], mask=m_w, other=0.0).to(tl.float32)
-        acc_g += b_wg * b_x[None, :]
-        acc_u += b_wu * b_x[None, :]
+        b_wg = tl.load(p_we + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.0)
+        b_wu = tl.load(p_we + (o_n[:, None] + INTER) * H + o_k[None, :], mask=m_w, other=0.0)
+        if FP8:
+            b_sg = block_scales(p_se, o_n, m_n, k0, H, BLOCK_K)
+            b_su = block_scales(p_se + INTER * KB, o_n, m_n, k0, H, BLOCK_K)
+        else:
+            b_sg, b_su = b_wg, b_wu
+        acc_g += tile_fp32(b_wg, b_sg, FP8, BLOCK_N, BLOCK_K) * b_x[None, :]
+        acc_u += tile_fp32(b_wu, b_su, FP8, BLOCK_N, BLOCK_K) * b_x[None, :]
     b_g = tl.sum(acc_g, axis=1)
     b_u = tl.sum(acc_u, axis=1)
     b_act = b_g * tl.sigmoid(b_g) * b_u
@@ -119,27 +134,35 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_operands(p_act, p_w, i_pair, e, s, o_n, m_n, o_kb, H: tl.constexpr, INTER: tl.constexpr,
-                   K_BLOCKS: tl.constexpr, BLOCK_K: tl.constexpr, ok):  # fmt: skip
+def _down_operands(p_act, p_w, p_s, i_pair, e, s, o_n, m_n, o_kb, H: tl.constexpr, INTER: tl.constexpr,
+                   K_BLOCKS: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, ok):  # fmt: skip
     """Step ``s`` of the walk (slot ``s // K_BLOCKS``, expert ``e``): the slot's activations and the
-    expert's down tile, both ``[BLOCK_N, BLOCK_K]`` as loaded (zeros if not ``ok``). Nothing here
-    uses a loaded value, so a load issued ahead is waited for only where its step reduces it."""
-    o_k = ((s % K_BLOCKS) * BLOCK_K + o_kb)[None, :]
+    expert's down tile, both ``[BLOCK_N, BLOCK_K]`` as loaded (zeros if not ``ok``), and with ``FP8``
+    the tile's scales (else the tile again, unused). Nothing here uses a loaded value, so a load
+    issued ahead is waited for only where its step reduces it."""
+    k0 = (s % K_BLOCKS) * BLOCK_K
+    o_k = (k0 + o_kb)[None, :]
     m_k = (o_k < INTER) & ok
     p_we = p_w + e * (H * INTER)
     b_w = tl.load(p_we + o_n[:, None] * INTER + o_k, mask=m_n[:, None] & m_k, other=0.0)
+    if FP8:
+        KB: tl.constexpr = (INTER + 127) // 128
+        b_s = block_scales(p_s + e * (H * KB), o_n, m_n & ok, k0, INTER, BLOCK_K)
+    else:
+        b_s = b_w
     # The activations loaded once a row of the tile (L1 hits after the first): in the tile's own
     # layout, so no step converts them through shared memory.
     o_k2 = o_k + tl.zeros_like(o_n)[:, None]
     b_a = tl.load(p_act + i_pair * INTER + o_k2, mask=m_n[:, None] & m_k, other=0.0)
-    return b_a, b_w
+    return b_a, b_w, b_s
 
 
 @triton.jit
 def _down_sum_kernel(
-    p_act, p_w, p_ids, p_tw, p_out, p_zero, N_ZERO,
+    p_act, p_w, p_s, p_ids, p_tw, p_out, p_zero, N_ZERO,
     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_BLOCKS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
@@ -164,19 +187,20 @@ def _down_sum_kernel(
         p_ids_t, p_tw_t = p_ids + i_pair0, p_tw + i_pair0
         e = tl.load(p_ids_t).to(tl.int64)
         b_tw = tl.load(p_tw_t).to(tl.float32)
-        b_a, b_w = _down_operands(p_act, p_w, i_pair0, e, 0, o_n, m_n, o_kb, H, INTER, K_BLOCKS, BLOCK_K, True)
+        b_a, b_w, b_s = _down_operands(p_act, p_w, p_s, i_pair0, e, 0, o_n, m_n, o_kb, H, INTER, K_BLOCKS, BLOCK_K,
+                                       FP8, True)  # fmt: skip
         j_next = tl.minimum(1, STEPS - 1) // K_BLOCKS
         e_next = tl.load(p_ids_t + j_next).to(tl.int64)
         b_tw_next = tl.load(p_tw_t + j_next).to(tl.float32)
         for s in range(0, STEPS):
-            b_ac, b_wc, b_twc = b_a, b_w, b_tw
-            b_a, b_w = _down_operands(p_act, p_w, i_pair0 + j_next, e_next, s + 1, o_n, m_n, o_kb, H, INTER, K_BLOCKS,
-                                      BLOCK_K, s + 1 < STEPS)  # fmt: skip
+            b_ac, b_wc, b_sc, b_twc = b_a, b_w, b_s, b_tw
+            b_a, b_w, b_s = _down_operands(p_act, p_w, p_s, i_pair0 + j_next, e_next, s + 1, o_n, m_n, o_kb, H, INTER,
+                                           K_BLOCKS, BLOCK_K, FP8, s + 1 < STEPS)  # fmt: skip
             b_tw = b_tw_next
             j_next = tl.minimum(s + 2, STEPS - 1) // K_BLOCKS
             e_next = tl.load(p_ids_t + j_next).to(tl.int64)
             b_tw_next = tl.load(p_tw_t + j_next).to(tl.float32)
-            acc += b_wc.to(tl.float32) * (b_ac.to(tl.float32) * b_twc)
+            acc += tile_fp32(b_wc, b_sc, FP8, BLOCK_N, BLOCK_K) * (b_ac.to(tl.float32) * b_twc)
     else:
         # One flat loop over (expert slot j, K block) so loads pipeline across experts (the
         # activations as one row).
@@ -189,7 +213,12 @@ def _down_sum_kernel(
             b_a = tl.load(p_act + i_pair * INTER + o_k, mask=m_k, other=0.0).to(tl.float32) * b_tw
             p_we = p_w + e * (H * INTER)
             b_w = tl.load(p_we + o_n[:, None] * INTER + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-            acc += b_w.to(tl.float32) * b_a[None, :]
+            if FP8:
+                KB: tl.constexpr = (INTER + 127) // 128
+                b_s = block_scales(p_s + e * (H * KB), o_n, m_n, (s % K_BLOCKS) * BLOCK_K, INTER, BLOCK_K)
+            else:
+                b_s = b_w
+            acc += tile_fp32(b_w, b_s, FP8, BLOCK_N, BLOCK_K) * b_a[None, :]
     tl.store(p_out + i_tok * H + o_n, tl.sum(acc, axis=1).to(p_out.dtype.element_ty), mask=m_n)
 
 
@@ -206,8 +235,8 @@ _TOKEN_CONFIG = MoeDecodeConfig(4, 1024, 8, 3, 2, 512, 4, 2)
 
 def fused_moe(
     x: torch.Tensor,  # [T, H]
-    w_gate_up: torch.Tensor,  # [E, 2I, H]
-    w_down: torch.Tensor,  # [E, H, I]
+    w_gate_up: torch.Tensor | Fp8Weight,  # [E, 2I, H]
+    w_down: torch.Tensor | Fp8Weight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, K]
     topk_ids: torch.Tensor,  # [T, K]
     pdl: bool = False,
@@ -221,8 +250,8 @@ def fused_moe(
 def fused_moe_routed(
     x: torch.Tensor,  # [T, H]
     router_logits: torch.Tensor,  # [T, E + 1]: the routed experts' logits, then the shared gate's
-    w_gate_up: torch.Tensor,  # [E + 1, 2I, H]
-    w_down: torch.Tensor,  # [E + 1, H, I]
+    w_gate_up: torch.Tensor | Fp8Weight,  # [E + 1, 2I, H]
+    w_down: torch.Tensor | Fp8Weight,  # [E + 1, H, I]
     top_k: int,
     renormalize: bool,
     pdl: bool = False,
@@ -249,8 +278,8 @@ def fused_moe_routed(
 
 def fused_moe_token(
     x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: torch.Tensor | Fp8Weight,
+    w_down: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: triton_token.MoeTokenConfig | None = None,
@@ -267,8 +296,8 @@ def fused_moe_token(
 def fused_moe_token_routed(
     x: torch.Tensor,
     router_logits: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: torch.Tensor | Fp8Weight,
+    w_down: torch.Tensor | Fp8Weight,
     top_k: int,
     renormalize: bool,
     config: triton_token.MoeTokenConfig | None = None,
@@ -283,8 +312,8 @@ def fused_moe_token_route_partial(
     acc: torch.Tensor,
     norm_w: torch.Tensor,
     eps: float,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: torch.Tensor | Fp8Weight,
+    w_down: torch.Tensor | Fp8Weight,
     top_k: int,
     renormalize: bool,
     config: triton_token.MoeTokenConfig | None = None,
@@ -298,7 +327,8 @@ def fused_moe_token_route_partial(
 
 
 def _routed_token(
-    x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+    x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight,
+    top_k: int,
     renormalize: bool, config: triton_token.MoeTokenConfig | None,
     partial: tuple[torch.Tensor, float, torch.Tensor] | None, pdl: bool,
 ) -> torch.Tensor:  # fmt: skip
@@ -315,14 +345,14 @@ def _routed_token(
     return out
 
 
-def _token_buffers(x: torch.Tensor, w_down: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_buffers(x: torch.Tensor, w_down: torch.Tensor | Fp8Weight, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty((slots, w_down.shape[2]), dtype=x.dtype, device=x.device), torch.empty_like(x)
 
 
 def fused_moe_tuned(
     x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: torch.Tensor | Fp8Weight,
+    w_down: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoeDecodeConfig,
@@ -343,7 +373,7 @@ def fused_moe_tuned(
     return out
 
 
-def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, act: torch.Tensor,
+def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, ids: torch.Tensor, act: torch.Tensor,
                    c: MoeDecodeConfig, route: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
                    pdl: bool = False) -> None:  # fmt: skip
     """Stage 1 alone into ``act`` ``[T * K, I]`` (sweeps time the stages one by one). With ``route``
@@ -353,15 +383,16 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
     top_k, inter = ids.shape[1], act.shape[1]
     logits, tw, renormalize = route if route is not None else (x, x, False)
     num_experts = logits.shape[1] - 1 if route is not None else 1
+    w, w_scale, fp8 = expert_operand(w_gate_up)
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, c.block_n1))](
-        x, w_gate_up, ids, act, logits, tw, logits.stride(0), num_experts,
+        x, w, w_scale, ids, act, logits, tw, logits.stride(0), num_experts,
         H=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=c.block_n1, BLOCK_K=c.block_k1,
         ROUTE=route is not None, BE=triton.next_power_of_2(num_experts), BR=triton.next_power_of_2(max(top_k - 1, 1)),
-        RENORMALIZE=renormalize, num_warps=c.num_warps1, num_stages=c.num_stages1, PDL=pdl, launch_pdl=pdl,
+        RENORMALIZE=renormalize, FP8=fp8, num_warps=c.num_warps1, num_stages=c.num_stages1, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
 
 
-def launch_down_sum(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor,
+def launch_down_sum(act: torch.Tensor, w_down: torch.Tensor | Fp8Weight, ids: torch.Tensor, tw: torch.Tensor,
                     out: torch.Tensor, c: MoeDecodeConfig, prefetch: bool = False,
                     zero: torch.Tensor | None = None, pdl: bool = False) -> None:  # fmt: skip
     """Stage 2 alone into ``out`` ``[T, H]``; ``prefetch``: the walk with the next step's tile in
@@ -375,10 +406,11 @@ def launch_down_sum(act: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor, 
     zero_block = 0 if zero is None else triton.next_power_of_2(triton.cdiv(zero.numel(), grid_n))
     if zero is not None and not zero.is_contiguous():
         raise ValueError("zero: expected a contiguous tensor")
+    w, w_scale, fp8 = expert_operand(w_down)
     _down_sum_kernel[(num_tokens, grid_n)](
-        act, w_down, ids, tw, out, zero if zero is not None else ids, zero.numel() if zero is not None else 0,
+        act, w, w_scale, ids, tw, out, zero if zero is not None else ids, zero.numel() if zero is not None else 0,
         H=hidden, INTER=inter, TOP_K=top_k, K_BLOCKS=triton.cdiv(inter, block_k),
-        BLOCK_N=c.block_n2, BLOCK_K=block_k, PREFETCH=prefetch, ZERO_BLOCK=zero_block,
+        BLOCK_N=c.block_n2, BLOCK_K=block_k, PREFETCH=prefetch, ZERO_BLOCK=zero_block, FP8=fp8,
         num_warps=c.num_warps2, num_stages=c.num_stages2,
         PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip

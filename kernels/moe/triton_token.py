@@ -25,6 +25,9 @@ slot's programs load their first tile of the **last expert** there — in the mo
 wait check the ids: where the last slot holds another expert, the tile is loaded again (correct for
 any ids, only slower).
 
+Block-FP8 experts (``FP8``, ``triton_fp8``): each tile's scales ``[BLOCK_N, KP / 128]`` are
+loaded with it, so the prefetch covers both, and the tile is dequantized where it is reduced.
+
 The alternatives this replaced, and those that measured slower, are rows of ``docs/decisions.md``.
 """
 
@@ -38,7 +41,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from phloem.kernels.common.device import balanced_grid
+from phloem.kernels.linear.fp8 import Fp8Weight
 from phloem.kernels.moe.route_partial import ROUTE_COPIES, ROUTE_SCALE
+from phloem.kernels.moe.triton_fp8 import block_scales, expert_operand, tile_fp32
 from phloem.kernels.moe.triton_route import MAX_EXPERTS, route_row, select_expert, select_in
 
 __all__ = ["DEFAULT_CONFIG", "MAX_SLOTS", "PARTIAL_CONFIG", "MoeTokenConfig", "covered", "launch_gate_up"]
@@ -62,14 +67,24 @@ PARTIAL_CONFIG = MoeTokenConfig(block_n=2, num_warps=4, programs_per_sm=3)
 
 
 @triton.jit
-def _gate_up_tile(p_w, e, i_blk, o_b, o_k, m_k, H: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, ok):
-    """Expert ``e``'s gate and up rows of block ``i_blk``: two ``[BLOCK_N, KP]`` tiles (zeros if not ``ok``)."""
+def _gate_up_tile(p_w, p_s, e, i_blk, o_b, o_k, m_k, H: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
+                  KP: tl.constexpr, FP8: tl.constexpr, ok):  # fmt: skip
+    """Expert ``e``'s gate and up rows of block ``i_blk``: two ``[BLOCK_N, KP]`` tiles (zeros if not
+    ``ok``) and, with ``FP8``, their scales (``triton_fp8.block_scales``; else the tiles again, unused)."""
     o_n = i_blk * BLOCK_N + o_b
-    m_w = ((o_n < INTER) & ok)[:, None] & m_k[None, :]
+    m_n = (o_n < INTER) & ok
+    m_w = m_n[:, None] & m_k[None, :]
     p_g = p_w + e.to(tl.int64) * (2 * INTER * H) + o_n[:, None].to(tl.int64) * H + o_k[None, :]
     b_g = tl.load(p_g, mask=m_w, other=0.0)
     b_u = tl.load(p_g + INTER * H, mask=m_w, other=0.0)
-    return b_g, b_u
+    if FP8:
+        KB: tl.constexpr = (H + 127) // 128
+        p_se = p_s + e.to(tl.int64) * (2 * INTER * KB)
+        b_sg = block_scales(p_se, o_n, m_n, 0, H, KP)
+        b_su = block_scales(p_se + INTER * KB, o_n, m_n, 0, H, KP)
+    else:
+        b_sg, b_su = b_g, b_u
+    return b_g, b_u, b_sg, b_su
 
 
 @triton.jit
@@ -90,10 +105,10 @@ def _partial_logits(b_u, o_e, E_LAST, b_rstd, scale, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["E_LAST"])
 def _gate_up_token_kernel(
-    p_x, p_w, p_ids, p_act, p_logits, p_tw, E_LAST, NUM_P, p_nw, eps, p_acc, scale,
+    p_x, p_w, p_s, p_ids, p_act, p_logits, p_tw, E_LAST, NUM_P, p_nw, eps, p_acc, scale,
     S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
     ROUTE: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PARTIAL: tl.constexpr, COPIES: tl.constexpr, PDL: tl.constexpr,
+    PARTIAL: tl.constexpr, COPIES: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Slot-major: NUM_P programs per slot, each walking the slot's blocks p, p + NUM_P, ...
     i_p = tl.program_id(0)
@@ -104,7 +119,7 @@ def _gate_up_token_kernel(
     o_k = tl.arange(0, KP)
     m_k = o_k < H
     last = s == S - 1
-    b_g, b_u = _gate_up_tile(p_w, E_LAST, p, o_b, o_k, m_k, H, INTER, BLOCK_N, last)
+    b_g, b_u, b_sg, b_su = _gate_up_tile(p_w, p_s, E_LAST, p, o_b, o_k, m_k, H, INTER, BLOCK_N, KP, FP8, last)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()  # the router's logits or ids, and the normed row (kernels/common/pdl.py)
@@ -136,12 +151,13 @@ def _gate_up_token_kernel(
     else:
         e = tl.load(p_ids + s)
     if (s != S - 1) | (e != E_LAST):  # not the tile loaded before the wait
-        b_g, b_u = _gate_up_tile(p_w, e, p, o_b, o_k, m_k, H, INTER, BLOCK_N, True)
+        b_g, b_u, b_sg, b_su = _gate_up_tile(p_w, p_s, e, p, o_b, o_k, m_k, H, INTER, BLOCK_N, KP, FP8, True)
     for i_blk in range(p, NB, NUM_P):
-        b_gc, b_uc = b_g, b_u
-        b_g, b_u = _gate_up_tile(p_w, e, i_blk + NUM_P, o_b, o_k, m_k, H, INTER, BLOCK_N, i_blk + NUM_P < NB)
-        b_gate = tl.sum(b_gc.to(tl.float32) * b_x[None, :], axis=1)
-        b_up = tl.sum(b_uc.to(tl.float32) * b_x[None, :], axis=1)
+        b_gc, b_uc, b_sgc, b_suc = b_g, b_u, b_sg, b_su
+        b_g, b_u, b_sg, b_su = _gate_up_tile(p_w, p_s, e, i_blk + NUM_P, o_b, o_k, m_k, H, INTER, BLOCK_N, KP, FP8,
+                                             i_blk + NUM_P < NB)  # fmt: skip
+        b_gate = tl.sum(tile_fp32(b_gc, b_sgc, FP8, BLOCK_N, KP) * b_x[None, :], axis=1)
+        b_up = tl.sum(tile_fp32(b_uc, b_suc, FP8, BLOCK_N, KP) * b_x[None, :], axis=1)
         b_act = b_gate * tl.sigmoid(b_gate) * b_up
         o_n = i_blk * BLOCK_N + o_b
         tl.store(p_act + s * INTER + o_n, b_act.to(p_act.dtype.element_ty), mask=o_n < INTER)
@@ -162,23 +178,25 @@ def _gate_up_token_kernel(
             route_row(p_logits, p_tw, p_ids, E_LAST, S - 1, BE, BR, RENORMALIZE, True)
 
 
-def covered(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, slots: int) -> bool:
-    """One token with contiguous expert weights of one dtype and at most ``MAX_SLOTS`` slots."""
+def covered(x: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight, slots: int) -> bool:
+    """One token with contiguous expert weights (dense, or ``Fp8Weight`` data) of the activations'
+    (model) dtype and at most ``MAX_SLOTS`` slots."""
+    dense = [w.data if isinstance(w, Fp8Weight) else w for w in (w_gate_up, w_down)]
     return (
         x.shape[0] == 1 and slots <= MAX_SLOTS
-        and w_gate_up.is_contiguous() and w_down.is_contiguous() and x.dtype == w_gate_up.dtype == w_down.dtype
+        and all(w.is_contiguous() for w in dense) and x.dtype == w_gate_up.dtype == w_down.dtype
     )  # fmt: skip
 
 
-def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, act: torch.Tensor, c: MoeTokenConfig,
-                   route: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
+def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, ids: torch.Tensor, act: torch.Tensor,
+                   c: MoeTokenConfig, route: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
                    partial: tuple[torch.Tensor, float, torch.Tensor] | None = None, pdl: bool = False) -> None:  # fmt: skip
     """The gate/up stage into ``act`` ``[S, I]``. With ``route`` (router
     logits ``[1, E + 1]``, weights out ``[1, S]``, renormalise) the kernel routes and writes ``ids``
     and the weights itself. With ``partial`` (the MoE norm's weight and eps, the accumulator of
     ``kernels/moe/route_partial.py``) as well, ``x`` is the residual sum ``s``: the kernel normalises it
     and computes the logits from the accumulator, writing them into ``route``'s logits (an output
-    then)."""
+    then). ``w_gate_up`` ``[E + 1, 2I, H]`` dense or block FP8 (``triton_fp8``)."""
     num_slots, inter = act.shape
     hidden = x.shape[1]
     blocks = triton.cdiv(inter, c.block_n)
@@ -192,11 +210,12 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, 
                               or not 2 <= num_slots <= experts + 1 or experts > MAX_EXPERTS):  # fmt: skip
         raise ValueError(f"need unit-stride logits [1, E + 1] for E + 1 = {experts + 1} experts, 1 <= top_k <= E <= {MAX_EXPERTS}, "
                          f"got logits {tuple(logits.shape)} strides {logits.stride()}, {num_slots - 1} routed slots")  # fmt: skip
+    w, w_scale, fp8 = expert_operand(w_gate_up)
     _gate_up_token_kernel[(num_slots * per_slot,)](
-        x, w_gate_up, ids, act, logits, tw, w_gate_up.shape[0] - 1, per_slot, norm_w, eps, acc, ROUTE_SCALE,
+        x, w, w_scale, ids, act, logits, tw, w_gate_up.shape[0] - 1, per_slot, norm_w, eps, acc, ROUTE_SCALE,
         S=num_slots, H=hidden, INTER=inter, KP=triton.next_power_of_2(hidden), BLOCK_N=c.block_n,
         ROUTE=route is not None, BE=triton.next_power_of_2(w_gate_up.shape[0] - 1) if route is not None else 1,
         BR=triton.next_power_of_2(max(num_slots - 1, 1)), RENORMALIZE=renormalize,
-        PARTIAL=partial is not None, COPIES=ROUTE_COPIES,
+        PARTIAL=partial is not None, COPIES=ROUTE_COPIES, FP8=fp8,
         num_warps=c.num_warps, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip

@@ -97,27 +97,36 @@ def conv1d_update() -> None:
     compile_for_h200(causal_conv1d_update_kernel, pointers, {"K": 4, "BK": 4, "BD": 256, "HAS_BIAS": False})
 
 
-def fused_moe_decode() -> None:
+def _experts(fp8: bool) -> dict[str, str]:
+    """The expert weights' pointers: bf16 (the scales' pointer is the weights', unused) or block FP8
+    (``kernels.moe.triton_fp8``: e4m3 bytes, fp32 scales)."""
+    return {"p_w": "*fp8e4nv", "p_s": "*fp32"} if fp8 else {"p_w": "*bf16", "p_s": "*bf16"}
+
+
+def fused_moe_decode(fp8: bool) -> None:
     from phloem.kernels.moe.triton_decode import _down_sum_kernel, _gate_up_kernel
 
-    moe = {"H": 2048, "INTER": 512, "TOP_K": 9}
+    moe = {"H": 2048, "INTER": 512, "TOP_K": 9, "FP8": fp8}
     for route in (False, True):  # ids given / routed in the kernel from the router logits
-        compile_for_h200(_gate_up_kernel, _all("p_x p_w p_act p_logits p_tw", "*bf16") | {"p_ids": "*i64"},
+        compile_for_h200(_gate_up_kernel, _all("p_x p_act p_logits p_tw", "*bf16") | {"p_ids": "*i64"} | _experts(fp8),
                          moe | {"BLOCK_N": 4, "BLOCK_K": 1024, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True})
     # the ids slot by slot, one tile at a time / the next tile in flight / and the router's accumulator zeroed
     for prefetch, zero in ((False, 0), (True, 0), (True, 4)):
-        compile_for_h200(_down_sum_kernel, _all("p_act p_w p_tw p_out", "*bf16") | _all("p_ids p_zero", "*i64"),
+        compile_for_h200(_down_sum_kernel, _all("p_act p_tw p_out", "*bf16") | _all("p_ids p_zero", "*i64") | _experts(fp8),
                          moe | {"K_BLOCKS": 2, "BLOCK_N": 32, "BLOCK_K": 256, "PREFETCH": prefetch, "ZERO_BLOCK": zero})
+    if fp8:  # a down tile within one 128-column block (one scale a row)
+        compile_for_h200(_down_sum_kernel, _all("p_act p_tw p_out", "*bf16") | _all("p_ids p_zero", "*i64") | _experts(fp8),
+                         moe | {"K_BLOCKS": 8, "BLOCK_N": 4, "BLOCK_K": 64, "PREFETCH": True, "ZERO_BLOCK": 0})
 
 
-def moe_grouped_prefill() -> None:
+def moe_grouped_prefill(fp8: bool) -> None:
     from phloem.kernels.moe.triton_grouped import _grouped_down_kernel, _grouped_gate_up_kernel
 
-    tiles = {"E": 257, "H": 2048, "INTER": 512, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PRECISION": "tf32"}
-    compile_for_h200(_grouped_gate_up_kernel, _all("p_x p_w p_act", "*bf16") | _all("p_rows p_block_e", "*i64"),
+    tiles = {"E": 257, "H": 2048, "INTER": 512, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PRECISION": "tf32", "FP8": fp8}
+    compile_for_h200(_grouped_gate_up_kernel, _all("p_x p_act", "*bf16") | _all("p_rows p_block_e", "*i64") | _experts(fp8),
                      tiles | {"TOP_K": 9})
-    compile_for_h200(_grouped_down_kernel, _all("p_act p_w p_tw", "*bf16") | _all("p_rows p_block_e", "*i64")
-                     | {"p_part": "*fp32"}, tiles)
+    compile_for_h200(_grouped_down_kernel, _all("p_act p_tw", "*bf16") | _all("p_rows p_block_e", "*i64")
+                     | {"p_part": "*fp32"} | _experts(fp8), tiles)
 
 
 def moe_sort() -> None:
@@ -159,13 +168,14 @@ def one_shot_norm(world: int) -> None:
     compile_for_h200(one_shot_add_rms_norm_kernel, pointers, constexprs | {"HAS_RESIDUAL": False})
 
 
-def moe_token() -> None:
+def moe_token(fp8: bool) -> None:
     from phloem.kernels.moe.triton_token import _gate_up_token_kernel
 
-    moe = {"S": 9, "H": 2048, "INTER": 512, "COPIES": 4}
+    moe = {"S": 9, "H": 2048, "INTER": 512, "COPIES": 4, "FP8": fp8}
+    pointers = _all("p_x p_act p_logits p_tw p_nw", "*bf16") | _all("p_ids p_acc", "*i64") | _experts(fp8)
     # ids given / routed from the router logits / from the router partial's accumulator
     for route, partial in ((False, False), (True, False), (True, True)):
-        compile_for_h200(_gate_up_token_kernel, _all("p_x p_w p_act p_logits p_tw p_nw", "*bf16") | _all("p_ids p_acc", "*i64"),
+        compile_for_h200(_gate_up_token_kernel, pointers,
                          moe | {"KP": 2048, "BLOCK_N": 4, "ROUTE": route, "BE": 256, "BR": 8, "RENORMALIZE": True,
                                 "PARTIAL": partial},
                          floats=frozenset({"eps", "scale"}))  # fmt: skip
@@ -255,10 +265,13 @@ CASES: dict[str, Callable[[], None]] = {
     "recurrent_gated_delta_rule[gates_in_kernel]": lambda: gdn_decode(True),
     "recurrent_gated_delta_rule[gates_given]": lambda: gdn_decode(False),
     "causal_conv1d_update": conv1d_update,
-    "fused_moe (decode: gate_up, routed gate_up, down_sum)": fused_moe_decode,
-    "fused_moe_grouped (prefill: gate_up, down)": moe_grouped_prefill,
+    "fused_moe (decode: gate_up, routed gate_up, down_sum)": lambda: fused_moe_decode(False),
+    "fused_moe (decode, block-FP8 experts)": lambda: fused_moe_decode(True),
+    "fused_moe_grouped (prefill: gate_up, down)": lambda: moe_grouped_prefill(False),
+    "fused_moe_grouped (prefill, block-FP8 experts)": lambda: moe_grouped_prefill(True),
     "sort_by_expert_triton (the grouped MoE's block layout)": moe_sort,
-    "moe_token (one token's gate_up, ids given / routed / from the router partial)": moe_token,
+    "moe_token (one token's gate_up, ids given / routed / from the router partial)": lambda: moe_token(False),
+    "moe_token (block-FP8 experts)": lambda: moe_token(True),
     "paged_decode_attention (split, direct, with the prologue, merge)": decode_attention,
     "argmax (partial, final)": argmax,
     "moe_route[shared]": lambda: moe_route(True),
