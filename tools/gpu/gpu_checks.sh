@@ -72,6 +72,13 @@
 #       and `bench decode --speculative` on CUDA (tests/benchmarks/test_speculative_decode.py)
 #   45  the speculative step's split at the 35B-A3B shape, batch 1 and 16 at 1K, mtp:1/2/3
 #       (`bench decode --speculative mtp:K --accept-length 3.1`; dummy weights: the length is a projection)
+#   46  FP8 (issue 51) correctness on the card: the FP8 GEMV, expert and W8A8 kernels' GPU tests at the
+#       35B-A3B shapes, FP8 KV pages, and the trained model quantized at load (graphs + fused FP8
+#       kernels against its eager dequantized path; logits against bf16: tests/engine/test_gpu_fp8_model.py)
+#   47  FP8 speed: the FP8 GEMV against bf16 and dequantize-on-read (benchmarks/sweeps/gemv_fp8_bench.py),
+#       W8A8 against weight-only, cuBLAS and FlashInfer (benchmarks/sweeps/w8a8_bench.py), then decode
+#       at the 35B-A3B shape with FP8 weights (batch 1 and 16 at 1K, a 50K prefill; W8A8 on and off) and
+#       with FP8 KV pages at 128K against bf16 pages
 #   9   the summary table
 # A step's GPU is set by CUDA_VISIBLE_DEVICES for single-GPU steps ($GPU, default 0). The PHLOEM_*
 # kernel variables a step sets are read by `phloem bench decode` into its KernelConfig (runtime/env.py).
@@ -316,6 +323,26 @@ step_45() {
       > "$OUT/45_spec_mtp$k.txt" 2>&1
   done
 }
+step_46() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 580 python3 -m pytest -q -p no:cacheprovider -rfE -s -m gpu \
+    tests/kernels/test_triton_gemv_fp8.py tests/kernels/test_triton_moe_fp8.py tests/kernels/test_triton_w8a8.py \
+    tests/kernels/test_flashinfer_fp8_kv.py tests/engine/test_fp8_cache_paths.py tests/engine/test_gpu_fp8_model.py \
+    > "$OUT/46_fp8_tests.txt" 2>&1
+}
+step_47() {
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/gemv_fp8_bench.py > "$OUT/47_gemv_fp8.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 300 python3 benchmarks/sweeps/w8a8_bench.py --out "$OUT/47_w8a8.json" \
+    > "$OUT/47_w8a8.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 500 $PY bench decode --device cuda --quantization fp8 --batches 1,16 \
+    --contexts 1024 --prefill-tokens 50000 --no-progress --out "$OUT/47_decode_fp8.json" > "$OUT/47_decode_fp8.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU:-0} PHLOEM_FP8_W8A8=1 timeout 300 $PY bench decode --device cuda --quantization fp8 \
+    --batches 16 --contexts 1024 --prefill-tokens 50000 --no-progress --out "$OUT/47_decode_w8a8.json" \
+    > "$OUT/47_decode_w8a8.txt" 2>&1
+  for kv in auto fp8_e4m3; do
+    CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 400 $PY bench decode --device cuda --kv-cache-dtype $kv --batches 1 \
+      --contexts 131072 --prefill-tokens 0 --no-progress --out "$OUT/47_kv_$kv.json" > "$OUT/47_kv_$kv.txt" 2>&1
+  done
+}
 step_9() {
   echo; echo "== summary =="
   cat "$OUT/0_warmup.txt" 2>/dev/null
@@ -344,6 +371,9 @@ step_9() {
   [ -f "$OUT/31_mixed_step.txt" ] && grep -v Warning "$OUT/31_mixed_step.txt" | grep -v '^  ' | head -n 45
   [ -f "$OUT/44_speculation_tests.txt" ] && { echo "44: $(tail -n 1 "$OUT/44_speculation_tests.txt")"; grep -E "accepted length|NOT a tie|^FAILED" "$OUT/44_speculation_tests.txt" | head -n 12; }
   for k in 1 2 3; do [ -f "$OUT/45_spec_mtp$k.txt" ] && { echo "45 mtp:$k:"; grep -v Warning "$OUT/45_spec_mtp$k.txt" | grep '^| 1 \|^| 16 \|^projection'; }; done
+  [ -f "$OUT/46_fp8_tests.txt" ] && { echo "46: $(tail -n 1 "$OUT/46_fp8_tests.txt")"; grep -E "FP8 vs bf16|NOT a tie|^FAILED|^ERROR" "$OUT/46_fp8_tests.txt" | head -n 12; }
+  for f in 47_gemv_fp8 47_w8a8; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | grep '^|' | head -n 30; }; done
+  for f in 47_decode_fp8 47_decode_w8a8 47_kv_auto 47_kv_fp8_e4m3; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep -v Warning "$OUT/$f.txt" | grep '^|\|prefill\|copy' | head -n 8; }; done
   [ -f "$OUT/32_concurrency_tests.txt" ] && { echo "32: $(tail -n 1 "$OUT/32_concurrency_tests.txt")"; grep -E "differs|^FAILED" "$OUT/32_concurrency_tests.txt" | head -n 12; }
   for f in 3_tp1 3_tp1_cublas 3_tp1_cublas_nopdl 3_tp2 3_tp2_one_shot 3_tp2_ep; do [ -f "$OUT/$f.txt" ] && { echo "$f:"; grep '^| 1\|^| 16' "$OUT/$f.txt"; }; done
   [ -f "$OUT/4_pd_check.txt" ] && echo "4_pd_check: $(tail -n 1 "$OUT/4_pd_check.txt")"
