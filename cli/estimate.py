@@ -55,8 +55,8 @@ def add_estimate_command(commands: argparse._SubParsersAction) -> None:  # type:
         "estimate", help="GPU memory per GPU of a model, by dtype and TP size (no GPU, no weights)",
         description="Print the memory one GPU takes for weights, KV pages and GDN state slots, as the engine "
                     "would size them, without loading weights or needing a GPU. FP8 is the published layout "
-                    "(1 byte per projection weight plus 128x128 block scales, the rest bf16), what the FP8 "
-                    "kernels will hold; today's reference path holds somewhat more (docs/models.md).",
+                    "(1 byte per projection weight plus 128x128 block scales, the rest bf16); the engine holds "
+                    "somewhat more: GDN in_proj in bf16 and a scale per row and 128 columns (docs/models.md).",
         epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = estimate.add_mutually_exclusive_group()
     source.add_argument("--shape", choices=sorted(SHAPES), help="a named model shape (default: qwen3.5-35b-a3b)")

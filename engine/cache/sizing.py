@@ -16,10 +16,10 @@ rank holds ``E / tp`` whole experts plus the whole shared expert and one zero ex
 approximated as 1 byte per weight of the attention, GDN ``in_proj_qkvz`` / ``out_proj``, expert,
 shared-expert and dense-MLP projections plus their block scales, everything else bf16; the KV
 pages are bf16 or, with ``CacheConfig.kv_cache_dtype`` ``fp8_e4m3``, 1 byte per element, the
-conv state bf16 and the recurrent state fp32. That is the published layout,
-which the FP8 kernels will hold; the loader's reference path (``engine.models._fp8``) holds
-more for now: GDN ``in_proj_qkvz`` in bf16 (fused with the bf16 ``in_proj_ba``) and one scale per
-row and 128 columns instead of per 128x128 block.
+conv state bf16 and the recurrent state fp32. That is the published layout; the engine
+(``engine.models._fp8``, which the FP8 kernels read as stored) holds more: GDN ``in_proj_qkvz``
+in bf16 (fused with the bf16 ``in_proj_ba``) and one scale per row and 128 columns instead of
+per 128x128 block (3 % of the FP8 bytes).
 """
 
 from __future__ import annotations
