@@ -35,8 +35,9 @@ class KernelConfig:
     NVLink kernel fused with the add + RMSNorm after it (``engine.parallel.one_shot_allreduce``), else NCCL.
 
     ``fp8_w8a8``: block-FP8 weights run W8A8 in prefill and batched steps (activations quantized
-    per token and 128-column group, the FP8 tensor-core GEMM), as the FP8 checkpoints are published
-    for; off: the weights dequantized to the model dtype and a bf16 matmul (``docs/decisions.md``).
+    per token and 128-column group, the FP8 tensor-core GEMM; grouped by expert for the MoE
+    experts), as the FP8 checkpoints are published for; off: the weights dequantized to the model
+    dtype and a bf16 matmul (``docs/decisions.md``).
     """
 
     backend: BackendChoice = "auto"

@@ -33,6 +33,7 @@ from phloem.kernels.linear import w8a8
 from phloem.kernels.linear.fp8 import Fp8Weight
 from phloem.kernels.moe import reference as moe
 from phloem.kernels.moe import route_partial
+from phloem.kernels.moe import w8a8 as moe_w8a8
 from phloem.kernels.norm import reference as norm
 from phloem.kernels.sampling import reference as sampling
 
@@ -65,8 +66,10 @@ class KernelOps:
 
     ``fp8_w8a8``: a prefill or batched step's projection whose weight is block FP8 runs
     ``fp8_w8a8_linear`` (activations quantized per token and 128-column group, the tensor-core FP8
-    GEMM; ``kernels/linear/w8a8.py``) instead of a matmul on the dequantized weight;
-    ``KernelConfig.fp8_w8a8``, in both backends (``engine.models._fp8.project``).
+    GEMM; ``kernels/linear/w8a8.py``) instead of a matmul on the dequantized weight, and a MoE
+    layer's block-FP8 experts run ``fp8_w8a8_grouped_linear`` (the same per expert over the
+    ``(token, slot)`` pairs; ``kernels/moe/w8a8.py``) for both projections instead of ``fused_moe``;
+    ``KernelConfig.fp8_w8a8``, in both backends (``engine.models._fp8.project``, ``engine.models._moe``).
 
     The experts' ops (``fused_moe``, ``fused_moe_routed``, ``fused_moe_route_partial``) take their
     weights dense or as ``kernels.linear.fp8.Fp8Weight``; the Triton ones read FP8 in the kernels.
@@ -96,6 +99,7 @@ class KernelOps:
     fused_moe_routed: Op
     linear: Op
     fp8_w8a8_linear: Op
+    fp8_w8a8_grouped_linear: Op
     add_rms_norm_linear: Op
     add_rms_norm_conv_linear: Op
     gated_rms_norm_linear: Op
@@ -159,6 +163,7 @@ def get_ops(device: torch.device, config: KernelConfig = KernelConfig()) -> Kern
         fused_moe_routed=moe.fused_moe_routed,
         linear=linear.linear,
         fp8_w8a8_linear=w8a8.fp8_w8a8_block_matmul_reference,
+        fp8_w8a8_grouped_linear=moe_w8a8.fp8_w8a8_grouped_linear_reference,
         add_rms_norm_linear=linear.add_rms_norm_linear,
         add_rms_norm_conv_linear=linear.add_rms_norm_conv_linear,
         gated_rms_norm_linear=linear.gated_rms_norm_linear,
@@ -187,7 +192,7 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
     from phloem.kernels.gdn import triton_decode as triton_gdn
     from phloem.kernels.linear import triton_gemv, triton_w8a8
     from phloem.kernels.moe import triton_decode as triton_moe
-    from phloem.kernels.moe import triton_grouped, triton_route, triton_token
+    from phloem.kernels.moe import triton_grouped, triton_grouped_w8a8, triton_route, triton_token
     from phloem.kernels.norm import triton_norm
     from phloem.kernels.sampling import triton_argmax
 
@@ -263,6 +268,7 @@ def _with_triton(reference: KernelOps, config: KernelConfig, pdl: bool) -> Kerne
         gdn_gates=triton_gates.gdn_gates,
         linear=bind(triton_gemv.linear) if config.triton_gemv else reference.linear,
         fp8_w8a8_linear=triton_w8a8.fp8_w8a8_linear,
+        fp8_w8a8_grouped_linear=triton_grouped_w8a8.fp8_w8a8_grouped_linear,
         add_rms_norm_linear=bind(triton_gemv.add_rms_norm_linear),
         add_rms_norm_conv_linear=bind(triton_gemv.add_rms_norm_conv_linear),
         gated_rms_norm_linear=bind(triton_gemv.gated_rms_norm_linear),

@@ -158,7 +158,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "the `add_rms_norm` kernel", kernel_field="one_shot_allreduce"),
     EnvVar("PHLOEM_FP8_W8A8", "bool", "0",
            "`KernelConfig.fp8_w8a8`: prefill and batched steps of block-FP8 weights quantize the activations "
-           "per token and 128-column group and run the FP8 tensor-core GEMM of `kernels/linear/triton_w8a8.py`; "
+           "per token and 128-column group and run the FP8 tensor-core GEMMs of `kernels/linear/triton_w8a8.py` "
+           "(dense projections) and `kernels/moe/triton_grouped_w8a8.py` (MoE experts, grouped by expert); "
            "off: the weights dequantized to the model dtype, then a bf16 matmul", kernel_field="fp8_w8a8"),
 )
 

@@ -87,7 +87,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """``hidden`` ``[T, H]``; ``conv_states`` ``[slots, conv_dim, K-1]``,
         ``ssm_states`` ``[slots, Hv, Dk, Dv]`` fp32 -> ``[T, H]``."""
-        proj = self.in_proj(hidden)
+        proj = project(self.ops, self.in_proj, hidden)
         return self.finish(self.mix(proj, batch, conv_states, ssm_states), proj)
 
     def mix(

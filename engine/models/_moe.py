@@ -49,7 +49,7 @@ from phloem.kernels.dispatch import KernelOps
 from phloem.kernels.linear.fp8 import Fp8Weight
 from phloem.kernels.moe.route_partial import new_route_acc
 
-__all__ = ["Experts", "SparseMoe", "SwiGluMlp"]
+__all__ = ["Experts", "SparseMoe", "SwiGluMlp", "fused_moe_w8a8"]
 
 
 def _ffn_shards(prefix: str, intermediate_size: int, tp: TPGroup) -> dict[str, Shard]:
@@ -115,6 +115,10 @@ class SparseMoe(nn.Module):
     ``forward_decode_partial``; ``kernels/moe/route_partial.py``). This needs the shared
     expert's FFN size to equal the experts' (true of every released Qwen3.5 / Qwen3-Next); with
     another size the block runs unfused (``fused_shared`` False; the module docstring).
+
+    With ``KernelOps.fp8_w8a8`` a prefill or batched step (``forward``) runs block-FP8 experts as
+    two grouped W8A8 GEMMs (``fused_moe_w8a8``); the one-token path (``forward_decode`` and
+    ``forward_decode_partial``) keeps the experts' kernels that read FP8 in registers.
     """
 
     def __init__(self, config: ModelConfig, ops: KernelOps, tp: TPGroup) -> None:
@@ -226,7 +230,7 @@ class SparseMoe(nn.Module):
         token costs more than the routing launch it saves."""
         if not self.fused_shared or self.expert_parallel:
             normed, residual = norm.forward_residual(hidden, residual)
-            return self(normed), residual
+            return self._forward(normed, w8a8=False), residual
         hidden, reduced = norm.reduce(hidden, residual)
         logits, normed, residual = self.ops.add_rms_norm_router(hidden, reduced, norm.weight, norm.eps, self.router.weight)
         out: torch.Tensor = self.ops.fused_moe_routed(
@@ -269,13 +273,37 @@ class SparseMoe(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A prefill or batched step; with ``ops.fp8_w8a8`` block-FP8 experts run W8A8 (``fused_moe_w8a8``)."""
+        return self._forward(x, w8a8=self.ops.fp8_w8a8)
+
+    def _forward(self, x: torch.Tensor, w8a8: bool) -> torch.Tensor:
         route = self.ops.moe_route_shared if self.fused_shared else self.ops.moe_route
         weights, ids = route(self.router(x), self.top_k, self.renormalize)  # [T, k + 1] fused, else [T, k]
         if self.expert_parallel:
             routed = ids[:, : self.top_k] - self.first_expert
             held = (routed >= 0) & (routed < self.num_local)
             ids = torch.cat((routed.where(held, self.zero_row), torch.full_like(ids[:, self.top_k :], self.shared_row)), 1)
-        out: torch.Tensor = self.ops.fused_moe(x, *self.experts.operands(), weights, ids)
+        gate_up, down = self.experts.operands()
+        out: torch.Tensor
+        if w8a8 and isinstance(gate_up, Fp8Weight) and isinstance(down, Fp8Weight):
+            out = fused_moe_w8a8(self.ops, x, gate_up, down, weights, ids)
+        else:
+            out = self.ops.fused_moe(x, gate_up, down, weights, ids)
         if not self.fused_shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate = project(self.ops, self.shared_expert_gate, x)
+            out = out + torch.sigmoid(gate) * self.shared_expert(x)
         return out  # this rank's partial sum: the next norm reduces it (engine.parallel)
+
+
+def fused_moe_w8a8(
+    ops: KernelOps, x: torch.Tensor, w_gate_up: Fp8Weight, w_down: Fp8Weight, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``ops.fused_moe`` with both projections W8A8 (``ops.fp8_w8a8_grouped_linear``, over the
+    ``T * k`` ``(token, slot)`` pairs): gate/up reads each token's row of ``x`` ``[T, H]`` for its
+    ``k`` pairs, down each pair's SwiGLU row; each token's ``k`` outputs are summed with their
+    routing weights in fp32 and rounded once to ``x.dtype``."""
+    gate, up = ops.fp8_w8a8_grouped_linear(x, w_gate_up, topk_ids).chunk(2, dim=-1)  # [T * k, I] each
+    h = ops.fp8_w8a8_grouped_linear(F.silu(gate) * up, w_down, topk_ids)  # [T * k, H]
+    out = (h.view(*topk_ids.shape, -1).float() * topk_weights[..., None].float()).sum(dim=1)
+    return out.to(x.dtype)

@@ -39,6 +39,7 @@ from torch import nn
 
 from phloem.engine.config import FULL_ATTENTION, ModelConfig
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
+from phloem.engine.models._fp8 import project
 from phloem.engine.models._norm import RMSNorm
 from phloem.engine.models.qwen3_hybrid import DecoderLayer, Qwen3HybridForCausalLM
 from phloem.engine.parallel.group import TPGroup
@@ -71,6 +72,7 @@ class MultiTokenPredictor(nn.Module):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.tp = tp
+        self.ops = ops
         self.hidden_size = hidden
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, ops)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps, ops)
@@ -107,7 +109,7 @@ class MultiTokenPredictor(nn.Module):
         x = torch.cat((self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)), dim=-1)
         if self.tp.size > 1:
             x = x[:, self.fc_cols[0] : self.fc_cols[1]]
-        x = self.fc(x)  # this rank's partial sum: the layer's input norm reduces it
+        x = project(self.ops, self.fc, x)  # this rank's partial sum: the layer's input norm reduces it
         x, residual = self.layers[0](x, None, batch, caches, inv_freq)
         out, _ = self.norm.forward_residual(x, residual)
         return out

@@ -30,6 +30,7 @@ from torch import nn
 from phloem.engine.config import FULL_ATTENTION, ModelConfig
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
 from phloem.engine.models._attention import GatedAttention
+from phloem.engine.models._fp8 import project
 from phloem.engine.models._gdn import GatedDeltaNet
 from phloem.engine.models._moe import SparseMoe, SwiGluMlp
 from phloem.engine.models._norm import RMSNorm
@@ -91,7 +92,7 @@ class DecoderLayer(nn.Module):
         normed, residual = self.input_layernorm.forward_residual(hidden, residual)
         if self.is_full_attention:
             return self.self_attn.prepare(normed, batch, caches.kv[self.cache_idx], inv_freq), residual
-        return (self.linear_attn.in_proj(normed),), residual
+        return (project(self.linear_attn.ops, self.linear_attn.in_proj, normed),), residual
 
     def mixer_core(
         self, mix: tuple[torch.Tensor, ...], batch: ForwardBatch, caches: ModelCaches, inv_freq: torch.Tensor
@@ -107,7 +108,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The output projection, the post-attention norm and the MLP: ``(hidden, residual)``."""
         if self.is_full_attention:
-            hidden = self.self_attn.o_proj(core)
+            hidden = project(self.self_attn.ops, self.self_attn.o_proj, core)
         else:
             hidden = self.linear_attn.finish(core, mix[0])
         normed, residual = self.post_attention_layernorm.forward_residual(hidden, residual)

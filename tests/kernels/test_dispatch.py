@@ -45,6 +45,17 @@ def test_fp8_w8a8_linear_is_the_reference_or_the_gemm_and_off_by_default() -> No
     assert get_ops(CUDA).fp8_w8a8_linear.__module__ == "phloem.kernels.linear.triton_w8a8"
 
 
+def test_fp8_w8a8_grouped_linear_is_the_reference_or_the_grouped_gemm() -> None:
+    """The experts' W8A8 projection (``engine.models._moe.fused_moe_w8a8``) in both tables."""
+    from phloem.kernels.moe import w8a8
+
+    assert get_ops(CPU).fp8_w8a8_grouped_linear is w8a8.fp8_w8a8_grouped_linear_reference
+    assert get_ops(CPU, KernelConfig(backend="torch")).fp8_w8a8_grouped_linear is w8a8.fp8_w8a8_grouped_linear_reference
+    triton_op = get_ops(CUDA).fp8_w8a8_grouped_linear
+    assert triton_op.__module__ == "phloem.kernels.moe.triton_grouped_w8a8"
+    assert triton_op.__name__ == "fp8_w8a8_grouped_linear"
+
+
 def test_env_forces_torch_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "torch")
     assert get_ops(CUDA, kernel_config()) == get_ops(CPU, kernel_config())
