@@ -52,6 +52,8 @@ from phloem.runtime.pd.sender import QueuedSender
 
 __all__ = ["PrefillWorker", "declines", "run_prefill_worker"]
 
+_STOP_GRACE_S = 5.0  # how long a stopping prefill instance waits for its worker thread
+
 logger = logging.getLogger(__name__)
 
 
@@ -262,3 +264,10 @@ def run_prefill_worker(
         stop.set()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        # Let the worker leave its TCPStore poll and close its link's groups before the
+        # interpreter exits: a daemon thread inside a gloo or store call at exit aborts the
+        # process (SIGABRT) instead of exiting 0. A link still open (recv without a deadline)
+        # is left after the grace period.
+        stop.set()
+        thread.join(_STOP_GRACE_S)
+        listener.close()

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,6 +85,11 @@ def test_serve_role_prefill_serves_a_decode_instance(tiny_checkpoint: Callable[.
                 break
         else:
             pytest.fail(f"the prefill instance exited with {proc.wait()} before listening")
+        # Keep draining its stderr: a child blocked on a full pipe while it logs from a worker
+        # thread cannot shut down cleanly, and its last lines explain a bad exit.
+        rest: list[str] = []
+        drain = threading.Thread(target=lambda: rest.extend(proc.stderr or ()), daemon=True)
+        drain.start()
         prompt = [(7 * i + 1) % 256 for i in range(40)]
         params = SamplingParams(max_tokens=8)
         expected = Engine.from_pretrained(model).generate([prompt], params)[0].token_ids
@@ -97,7 +103,9 @@ def test_serve_role_prefill_serves_a_decode_instance(tiny_checkpoint: Callable[.
 
         assert asyncio.run(run()) == expected
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        code = proc.wait(30)
+        drain.join(5)
+        assert code == 0, "".join(rest)[-3000:]
     finally:
         proc.kill()
         proc.wait(10)
