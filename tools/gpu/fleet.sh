@@ -16,6 +16,9 @@
 # agent send the SDK's prefetch hint S seconds before its tool wait ends (default 0: the append
 # itself triggers the resume). Every size is an environment variable (below); SETUP=0 and
 # MODEL_ARGS="--device cpu" with small sizes run the script on a CPU (a smoke test of it).
+# WARM=1 first starts one server with the fleet's flags and sends it a chat request, so FlashInfer
+# and Triton build their kernels outside every mode's timeout, then packs the caches into
+# $OUT/*.tgz (copy them into .gpu-cache/ and carry it: a later machine skips the builds).
 [ "${SETUP:-1}" = 0 ] || source tools/gpu/setup.sh || exit 1
 AGENTS=${1:-128}
 MODES=${2:-sessions,tiersoff,stateless}
@@ -28,8 +31,26 @@ ARGS=()
 for a in $MODEL_ARGS --num-pages "$POOL" --default-ttl 1 --idle-to-host 1 --host-budget-bytes "$HOST_BYTES"; do
   ARGS+=("--server-arg=$a")
 done
+if [ "${WARM:-0}" = 1 ]; then
+  T1=$(date +%s)
+  python3 -m phloem.cli serve $MODEL_ARGS --num-pages "$POOL" --port 8090 --data-dir /tmp/fleet-warm \
+    > "$OUT/warm_server.log" 2>&1 &
+  WARM_PID=$!
+  until curl -sf http://127.0.0.1:8090/health 2>/dev/null | grep -q '"ok"'; do
+    kill -0 $WARM_PID 2>/dev/null || { echo "warm-up server died"; tail -20 "$OUT/warm_server.log"; exit 1; }
+    sleep 1
+  done
+  curl -s http://127.0.0.1:8090/v1/chat/completions -H 'content-type: application/json' \
+    -d '{"model":"phloem","messages":[{"role":"user","content":"warm up"}],"max_tokens":8}' >/dev/null
+  kill -INT $WARM_PID; wait $WARM_PID 2>/dev/null
+  declare -F pack_caches >/dev/null && pack_caches "$OUT" >/dev/null
+  echo "warm-up: $(( $(date +%s) - T1 )) s"
+fi
 for mode in ${MODES//,/ }; do
   T1=$(date +%s)
+  # DEADLINE (epoch seconds): no mode runs past it (a call's own limit would lose its report).
+  [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - T1 )) -lt "$MODE_TIMEOUT" ] && MODE_TIMEOUT=$(( DEADLINE - T1 ))
+  [ "$MODE_TIMEOUT" -gt 30 ] || { echo "$mode: no time left before DEADLINE"; continue; }
   # SIGINT first: the bench stops its server in a finally (SIGTERM would orphan it on the GPU).
   timeout -s INT -k 30 "$MODE_TIMEOUT" python3 -m phloem.cli bench agentic --modes "$mode" --agents "$AGENTS" \
     --first-turn "$FIRST" --append "$APPEND" --turns "$TURNS" --output "$OUTPUT" --tool-wait "$WAIT" \
