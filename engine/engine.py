@@ -293,6 +293,7 @@ class Engine(PrefixOps):
         decode step queued on the device (``engine.step_pipeline``): the call then returns the
         outputs of the step it collected, and the next call collects the queued one.
         """
+        self.cache.imports.settle()  # unlock resumed prefixes whose copy has ended
         outputs, self._pending = self._pending, []
         launched, self._queued = self._queued, None
         if launched is None:

@@ -37,11 +37,12 @@ import torch
 from phloem.engine.cache.memory import PoolPlan, allocate_caches, kv_dtype, plan_pools
 from phloem.engine.cache.page_lists import PageListMirror
 from phloem.engine.config import CacheConfig, ModelConfig, RunnerConfig
+from phloem.engine.copy_fence import CopyFence, StreamFence
 from phloem.engine.cuda_graph import CudaGraphRunner
 from phloem.engine.forward_batch import ForwardBatch, ModelCaches
 from phloem.engine.host_copy import to_device
 from phloem.engine.parallel.group import TPGroup
-from phloem.engine.parallel.state_shards import StateTensors, gather_state, scatter_state, state_shapes
+from phloem.engine.parallel.state_shards import StateTensors, gather_state, scatter_state, state_shapes, write_local
 from phloem.engine.prefill_graph import PrefillGraphRunner
 from phloem.engine.request import Request, TokenLogprob
 from phloem.engine.sampling.logits_processors import StepLogprobs, StepProcessing
@@ -147,6 +148,8 @@ class ModelRunner:
         # Set by speculative decoding (``engine.speculative``): sees every forward's final hidden
         # states ``[T, H]`` (eager, or a decode graph's real rows), to run the MTP layer over them.
         self.hidden_hook: Callable[[StepInputs, torch.Tensor], None] | None = None
+        # Resumed states are copied in on this stream (``write_state_async``), beside the steps.
+        self._state_stream: torch.cuda.Stream | None = None
 
     def enable_cuda_graphs(
         self, max_batch_size: int, pad_page: int, pad_slot: int, show_progress: bool | None = None,
@@ -177,6 +180,26 @@ class ModelRunner:
         """Write a whole (TP=1 layout) state into ``pages`` and ``slot`` of every rank."""
         self.send_plan(None, move=StateMove("import", tuple(pages), slot))
         scatter_state(self.tp, self.model_config, self.caches, pages, slot, state)
+
+    def write_state_async(self, pages: list[int], slot: int | None, state: StateTensors) -> CopyFence | None:
+        """TP=1: write a whole state into ``pages`` and ``slot`` (None: the KV only) without
+        waiting for the queued steps: on CUDA on a side stream, after the work queued so far (it may
+        reuse memory those steps free), with a fence for ``engine.cache.import_fences``; on CPU at
+        once (None). A state in pageable host memory is pinned first (else the copy would block
+        the host until the side stream reaches it)."""
+        assert self.tp.size == 1, "state writes under tensor parallelism go through write_state"
+        if self.device.type != "cuda":
+            write_local(self.caches, pages, slot, state)
+            return None
+        if not state[0].is_pinned():
+            state = tuple(t.pin_memory() for t in state)  # type: ignore[assignment]
+        if self._state_stream is None:
+            self._state_stream = torch.cuda.Stream(self.device)
+        stream = self._state_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            write_local(self.caches, pages, slot, state)
+        return StreamFence(stream)
 
     def state_shapes(self, num_pages: int) -> tuple[tuple[int, ...], ...]:
         """The shapes ``read_state`` returns and ``write_state`` takes for ``num_pages`` pages."""

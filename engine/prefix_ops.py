@@ -64,17 +64,25 @@ class PrefixOps:
         cached in ``namespace`` (for spilling a session), in the TP=1 layout whatever the
         tensor-parallel size (``engine.parallel.state_shards``); None when nothing of it is cached."""
         self.drain()
+        self.cache.imports.wait_all()
         return export_prefix(self.cache, self.runner.read_state, list(token_ids), namespace)
 
     def import_prefix(self, state: PrefixState, namespace: str | None = None) -> bool:
         """Load a spilled prefix into fresh pages and a fresh slot and publish it in the radix
         cache, in ``namespace``; False (taking nothing) when no room can be made.
 
+        At TP=1 the copy is queued beside the steps, without draining the pipeline
+        (``engine.cache.import_fences``); under tensor parallelism (a collective with the
+        worker ranks) the pipeline is drained and the copy runs between two steps.
+
         Raises:
             ValueError: the tensors do not have this model's (TP=1 layout) shapes.
         """
+        shapes = self.runner.state_shapes
+        if self.runner.tp.size == 1:
+            return import_prefix(self.cache, state, shapes, self.runner.write_state_async, namespace, fenced=True)
         self.drain()
-        return import_prefix(self.cache, state, self.runner.state_shapes, self.runner.write_state, namespace)
+        return import_prefix(self.cache, state, shapes, self.runner.write_state, namespace)
 
     def reserve_transfer(
         self, token_ids: Sequence[int], params: SamplingParams, local_up_to: int = 0, namespace: str | None = None
@@ -118,4 +126,5 @@ class PrefixOps:
         of ``token_ids``, as a prefill-only request in ``namespace`` published it (read in the
         TP=1 layout); None when it is not cached."""
         self.drain()
+        self.cache.imports.wait_all()
         return pool_side.transfer_source(self.cache, self.runner.read_state, list(token_ids), first_page, namespace)

@@ -124,11 +124,4 @@ class HostPool:
             return list(self._segments)
 
     def _to_host(self, segment: Segment) -> Segment:
-        tensors = {}
-        for name, t in segment.tensors.items():
-            if self.pin_memory and not t.is_pinned():
-                t = torch.empty_like(t, device="cpu", pin_memory=True).copy_(t)
-            elif t.device.type != "cpu":
-                t = t.to("cpu")
-            tensors[name] = t
-        return Segment(segment.meta, tensors)
+        return segment.on_host(pinned=self.pin_memory)

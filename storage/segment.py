@@ -175,6 +175,18 @@ class Segment:
     meta: SegmentMeta
     tensors: dict[str, torch.Tensor]
 
+    def on_host(self, pinned: bool) -> Segment:
+        """This segment with its tensors in host memory, page-locked with ``pinned`` (copies only
+        what is not there yet): a pinned state's host-to-device copy on resume is queued, not waited for."""
+        tensors = {}
+        for name, t in self.tensors.items():
+            if pinned and not t.is_pinned():
+                t = torch.empty_like(t, device="cpu", pin_memory=True).copy_(t)
+            elif t.device.type != "cpu":
+                t = t.to("cpu")
+            tensors[name] = t
+        return Segment(self.meta, tensors)
+
     @classmethod
     def from_tensors(
         cls,

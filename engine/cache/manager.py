@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from phloem.engine.cache.import_fences import ImportFences
 from phloem.engine.cache.kv_pages import PagePool
 from phloem.engine.cache.radix import Checkpoint, RadixCache, RadixNode
 from phloem.engine.cache.state_slots import SlotPool
@@ -70,6 +71,8 @@ class CacheManager:
         self.prompt_end_split_min_tokens = prompt_end_split_min_tokens
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        # Resumed prefixes whose copy into the pools is still queued (``engine.cache.import_fences``).
+        self.imports = ImportFences(tree)
 
     @property
     def page_size(self) -> int:
@@ -139,6 +142,9 @@ class CacheManager:
             if match is not None:
                 self.tree.unlock(match.node)  # type: ignore[union-attr]
             return False
+        if match is not None and self.imports:
+            # Resuming on an imported prefix whose copy is still queued: the step reads it.
+            self.imports.wait_for((*match.pages, match.checkpoint.tail_page), match.checkpoint.slot)
         if tail:
             assert match is not None and match.checkpoint.tail_page is not None
             self.copy_page(match.checkpoint.tail_page, tail[0])
@@ -333,6 +339,8 @@ class CacheManager:
         else:
             # A new list, never an in-place rewrite: page-id mirrors are keyed by the list
             # (``engine.cache.page_lists``).
+            if self.imports:
+                self.imports.wait_for(tree_pages)  # the tree's pages for these positions may be an import's
             req.page_ids = tree_pages + req.page_ids[full:]
             req.num_shared_pages = full
             self.tree.lock(node)

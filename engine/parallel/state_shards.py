@@ -25,6 +25,7 @@ import torch
 
 from phloem.engine.config import ModelConfig
 from phloem.engine.forward_batch import ModelCaches
+from phloem.engine.host_copy import to_device
 from phloem.engine.parallel.group import TPGroup, kv_head_start
 from phloem.kernels.attention.reference import to_kv_dtype
 
@@ -75,12 +76,13 @@ def read_local(caches: ModelCaches, pages: Sequence[int], slot: int, kv_layers: 
     return caches.kv[:kv_layers].index_select(1, index), caches.conv[:, slot], caches.ssm[:, slot]
 
 
-def write_local(caches: ModelCaches, pages: Sequence[int], slot: int, state: StateTensors) -> None:
-    """Copy this rank's part of a state into its ``pages`` and ``slot`` (async from pinned host memory)."""
+def write_local(caches: ModelCaches, pages: Sequence[int], slot: int | None, state: StateTensors) -> None:
+    """Copy this rank's part of a state into its ``pages`` and ``slot`` (None: the KV only), on the
+    current stream, queued rather than waited for from pinned host memory (the page index too)."""
     kv, conv, ssm = state
     dev = caches.kv.device
     non_blocking = dev.type == "cuda" and kv.is_pinned()
-    index = torch.tensor(list(pages), dtype=torch.long, device=dev)
+    index = to_device(torch.tensor(list(pages), dtype=torch.long), dev)
     # A state carries the trunk's KV layers; the MTP layer's (after them, when speculating) keep
     # what the pages held: the drafts' quality, never the output, depends on them.
     kv = kv.to(dev, non_blocking=non_blocking)
@@ -91,8 +93,9 @@ def write_local(caches: ModelCaches, pages: Sequence[int], slot: int, state: Sta
     if dst.element_size() == 1:
         dst, kv = dst.view(torch.uint8), kv.view(torch.uint8)  # index_copy_ has no fp8 kernel on CPU
     dst.index_copy_(1, index, kv)
-    caches.conv[:, slot].copy_(conv, non_blocking=non_blocking)
-    caches.ssm[:, slot].copy_(ssm, non_blocking=non_blocking)
+    if slot is not None:
+        caches.conv[:, slot].copy_(conv, non_blocking=non_blocking and conv.is_pinned())
+        caches.ssm[:, slot].copy_(ssm, non_blocking=non_blocking and ssm.is_pinned())
 
 
 def _merge(parts: Sequence[torch.Tensor], where: Sequence[_Part], shape: tuple[int, ...]) -> torch.Tensor:

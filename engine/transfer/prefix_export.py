@@ -2,11 +2,19 @@
 
 Spilling a session copies, for the deepest checkpoint within its tokens, every KV page on the
 tree path (plus the checkpoint's tail page) and the checkpoint's conv and recurrent state to host
-memory. Resuming allocates fresh pages and a fresh slot, copies the tensors in (asynchronously from
-pinned memory on CUDA), and inserts the path into the radix tree with its checkpoint, exactly as
-if a request had computed it: the next request on that history is a cache hit and computes only
-what lies past the checkpoint. Pages the tree still holds for the same positions are kept and the
-imported duplicates freed; nothing is ever written into a page the tree shares.
+memory. Resuming allocates fresh pages and a fresh slot, copies the tensors in, and inserts the
+path into the radix tree with its checkpoint, exactly as if a request had computed it: the next
+request on that history is a cache hit and computes only what lies past the checkpoint. Pages the
+tree still holds for the same positions are kept and the imported duplicates freed; nothing is
+ever written into a page the tree shares.
+
+Two orders. With a plain writer (the copy runs on the engine's stream, after the caller drained
+the async pipeline: tensor parallelism) the tensors are written, then inserted. With a fenced
+writer (TP=1: ``ModelRunner.write_state_async``) the path is inserted first and only what the tree
+adopted is written (the pages past what it already held, the slot and tail page when the
+checkpoint is new), on a side stream; the writer's fence goes to ``CacheManager.imports``, which
+keeps the node locked and makes the engine's stream wait before anything reads it. So a resume
+neither drains the pipeline nor stalls the steps of the requests that do not read it.
 
 Layout of the exported tensors (what ``storage`` segments hold), the same whatever the
 tensor-parallel size (``engine.parallel.state_shards`` gathers and scatters the ranks' shards)::
@@ -25,6 +33,7 @@ import torch
 
 from phloem.engine.cache.manager import CacheManager
 from phloem.engine.cache.radix import Checkpoint
+from phloem.engine.copy_fence import CopyFence
 from phloem.engine.parallel.state_shards import StateTensors
 
 __all__ = ["PrefixState", "export_prefix", "import_prefix"]
@@ -33,6 +42,9 @@ __all__ = ["PrefixState", "export_prefix", "import_prefix"]
 StateReader = Callable[[Sequence[int], int], StateTensors]
 # ``(pages, slot, state)``: write a whole state into the pages and slot of every rank.
 StateWriter = Callable[[Sequence[int], int, StateTensors], None]
+# ``(pages, slot or None, state)``: queue the writes (kv for ``pages``; conv and ssm into ``slot``
+# unless None) and return their fence, or None when they are done already (CPU).
+FencedStateWriter = Callable[[Sequence[int], int | None, StateTensors], CopyFence | None]
 # ``num_pages`` -> the whole state's kv, conv and ssm shapes.
 StateShapes = Callable[[int], tuple[tuple[int, ...], ...]]
 
@@ -80,9 +92,16 @@ def export_prefix(
 
 
 def import_prefix(
-    cache: CacheManager, state: PrefixState, shapes: StateShapes, write: StateWriter, namespace: str | None = None
+    cache: CacheManager,
+    state: PrefixState,
+    shapes: StateShapes,
+    write: StateWriter | FencedStateWriter,
+    namespace: str | None = None,
+    fenced: bool = False,
 ) -> bool:
-    """Load ``state`` into fresh pages and a fresh slot and publish it in the radix tree, in ``namespace``.
+    """Load ``state`` into fresh pages and a fresh slot and publish it in the radix tree, in
+    ``namespace``; ``fenced``: ``write`` is a ``FencedStateWriter`` (the module docstring's
+    second order).
 
     Returns False (taking nothing) when the pools cannot make room even after eviction.
 
@@ -107,7 +126,28 @@ def import_prefix(
     if pages is None:
         cache.slot_pool.free(slot)
         return False
-    write(pages, slot, (state.kv, state.conv, state.ssm))
     ckpt = Checkpoint(slot=slot, tail_page=pages[full] if has_tail else None)
-    tree.insert(list(state.token_ids), pages[:full], ckpt, namespace)
+    if not fenced:
+        write(pages, slot, (state.kv, state.conv, state.ssm))
+        tree.insert(list(state.token_ids), pages[:full], ckpt, namespace)
+        return True
+    node, tree_pages = tree.insert(list(state.token_ids), pages[:full], ckpt, namespace)
+    # Positions the tree already held (a shared prefix: a leading run) keep the tree's pages; the
+    # import writes the rest, and its tail and slot only when its checkpoint is the one the tree took.
+    own_checkpoint = node.checkpoint is ckpt
+    adopted = [i for i, (p, q) in enumerate(zip(pages, tree_pages)) if p == q]
+    if has_tail and own_checkpoint:
+        adopted.append(full)
+    if not adopted and not own_checkpoint:
+        return True  # the tree held all of it
+    start = adopted[0] if adopted else 0
+    if adopted == list(range(start, start + len(adopted))):
+        kv = state.kv.narrow(1, start, len(adopted))  # a view of the (pinned) host tensor: no host copy
+    else:
+        kv = state.kv[:, adopted]
+    slot_or_none = slot if own_checkpoint else None
+    written = [pages[i] for i in adopted]
+    fence = write(written, slot_or_none, (kv, state.conv, state.ssm))  # type: ignore[arg-type]
+    if fence is not None:
+        cache.imports.add(node, fence, written, slot_or_none)
     return True

@@ -129,12 +129,17 @@ class SegmentTiers:
             if segment is None:
                 raise CorruptSegment(f"segment {entry.segment_id} is no longer in the host pool")
         else:
-            segment = await SEGMENTS.run(self.disk.read, entry.owner_id, entry.segment_id,
-                                              expect_fingerprint=self._store.fingerprint)
+            segment = await SEGMENTS.run(self._read_disk, entry)
         n = entry.num_tokens
         if segment.meta.num_tokens != n or segment.meta.token_ids_hash != hash_token_ids(token_ids[:n]):
             raise CorruptSegment(f"segment {entry.segment_id} does not hold these {n} tokens")
         return segment
+
+    def _read_disk(self, entry: SpilledSegment) -> Segment:
+        """Read a segment file, pinned where the host pool pins (in the I/O thread: the engine's
+        copy of a pinned state is queued beside its steps, of a pageable one it would block)."""
+        segment = self.disk.read(entry.owner_id, entry.segment_id, expect_fingerprint=self._store.fingerprint)
+        return segment.on_host(pinned=True) if self.host.pin_memory else segment
 
     async def drop(self, entry: SpilledSegment, delete_file: bool) -> None:
         """Forget a segment (unusable, or its last holder let go) and free its storage; holders

@@ -104,6 +104,44 @@ def test_async_scheduling_gives_the_synchronous_tokens_bitwise(model_dir: Path) 
     assert results[1] == results[0]
 
 
+def test_a_resume_queued_beside_running_decodes_gives_the_unspilled_tokens_bitwise(model_dir: Path) -> None:
+    """A spilled prefix imported while other requests decode (a step queued on the device) is
+    copied on a side stream without draining the pipeline; the request resuming on it and the
+    others give exactly the tokens of the same schedule on an engine that never spilled."""
+    prompt = [(7 * i + 3) % 256 for i in range(150)]
+    others = SamplingParams(max_tokens=40, ignore_eos=True)
+    runs = []
+    for spill in (False, True):
+        engine = gpu_engine(model_dir)
+        conv = prompt + engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+        state = None
+        if spill:
+            state = engine.export_prefix(conv)
+            assert state is not None and state.kv.is_pinned()
+            engine.cache.tree.clear()
+            assert engine.cached_prefix_len([*conv, 1]) == 0
+        ids = [engine.add_request(p, others) for p in PROMPTS[:3]]
+        tokens: dict[str, list[int]] = {}
+        for _ in range(6):
+            for out in engine.step():
+                tokens[out.request_id] = out.token_ids
+        queued = engine._queued is not None  # noqa: SLF001
+        if state is not None:
+            assert engine.import_prefix(state)
+            assert (engine._queued is not None) == queued  # noqa: SLF001 (the import did not drain)
+            assert len(engine.cache.imports) == 1
+        ids.append(engine.add_request([*conv, 4, 5], SamplingParams(max_tokens=16, ignore_eos=True)))
+        cached = 0
+        while engine.scheduler.has_unfinished() or engine._queued is not None:  # noqa: SLF001
+            for out in engine.step():
+                tokens[out.request_id] = out.token_ids
+                if out.request_id == ids[-1]:
+                    cached = out.num_cached_tokens
+        assert cached == len(conv) and len(engine.cache.imports) == 0
+        runs.append([tokens[i] for i in ids])
+    assert runs[1] == runs[0]
+
+
 def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: Path) -> None:
     """Programmatic dependent launch (on by default on sm_90+; ``PHLOEM_PDL=0``, read by
     ``runtime.env.kernel_config`` in a fresh process) changes when kernels launch, not what they

@@ -80,3 +80,83 @@ def test_import_rejects_a_foreign_layout(tiny_checkpoint: Callable[..., Path]) -
     with pytest.raises(ValueError, match="expected kv"):
         b.import_prefix(state)
     assert b.page_pool.num_free_pages == b.page_pool.num_pages
+
+
+def test_import_over_a_shared_prefix_writes_only_the_pages_past_it(tiny_checkpoint: Callable[..., Path]) -> None:
+    """The tree holds the first pages of the spilled history (another request's shared prefix):
+    the import keeps the tree's pages there and writes the rest; the resume equals the fresh path."""
+    path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
+    engine = make(path)
+    prompt = [(5 * i + 11) % 256 for i in range(50)]
+    conv = prompt + engine.generate([prompt], SamplingParams(max_tokens=5))[0].token_ids  # 55 tokens
+    nxt = conv + [9, 8, 7]
+    twin = make(path).generate([nxt], SamplingParams(max_tokens=8))[0]
+    state = engine.export_prefix(conv)
+    assert state is not None
+    engine.cache.tree.clear()
+    engine.generate([conv[:34]], SamplingParams(max_tokens=1))  # two full pages of it back in the tree
+    held = engine.cache.tree.num_pages
+    assert held >= 2
+    assert engine.import_prefix(state)
+    assert engine.cache.tree.num_pages == held + (len(conv) // 16 - 2)  # only the pages past them
+    resumed = engine.generate([nxt], SamplingParams(max_tokens=8))[0]
+    assert resumed.num_cached_tokens == len(conv)
+    assert resumed.token_ids == twin.token_ids
+    assert_pools_empty(engine)
+
+
+class HeldFence:
+    """A copy that has not ended until ``finished`` is set: counts the stream waits asked of it."""
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.waits = 0
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self) -> None:
+        self.waits += 1
+
+
+def test_a_resume_whose_copy_is_still_queued_is_locked_and_waited_for(tiny_checkpoint: Callable[..., Path]) -> None:
+    """While an import's copy runs (here: a fence held open), its prefix cannot be evicted, the
+    request resuming on it orders its step after the copy, and an export waits for it too; once
+    the copy ends the next step unlocks it."""
+    path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
+    engine = make(path)
+    prompt = [(3 * i + 1) % 256 for i in range(37)]
+    conv = prompt + engine.generate([prompt], SamplingParams(max_tokens=4))[0].token_ids
+    nxt = conv + [4, 5, 6]
+    twin = make(path).generate([nxt], SamplingParams(max_tokens=8))[0]
+    state = engine.export_prefix(conv)
+    assert state is not None
+    engine.cache.tree.clear()
+
+    fence = HeldFence()
+    write = engine.runner.write_state_async
+    engine.runner.write_state_async = lambda *args: (write(*args), fence)[1]  # type: ignore[method-assign]
+    assert engine.import_prefix(state)
+    assert len(engine.cache.imports) == 1
+    engine.cache.tree.clear()  # eviction cannot take it while the copy runs
+    assert engine.cached_prefix_len(nxt) == len(conv)
+
+    request_id = engine.add_request(nxt, SamplingParams(max_tokens=8))
+    outputs = engine.step()
+    # Two waits: its admission on the imported checkpoint (the step reads the slot and pages), and
+    # its prompt-end checkpoint's publish (its page table switches to the tree's pages: the import's).
+    assert fence.waits == 2 and engine.cache.imports.num_waited == 2
+    while not any(o.finished and o.request_id == request_id for o in outputs):
+        outputs = engine.step()
+    resumed = next(o for o in outputs if o.request_id == request_id)
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    assert resumed.num_cached_tokens == len(conv) and resumed.token_ids == twin.token_ids
+    waits = fence.waits
+    assert engine.export_prefix(conv) is not None
+    assert fence.waits == waits + 1  # an export reads pool memory: it waits for every queued copy
+
+    fence.finished = True
+    engine.step()  # settles: the import's lock goes
+    assert len(engine.cache.imports) == 0
+    assert_pools_empty(engine)

@@ -15,3 +15,4 @@ def test_resume_bench_paths_reuse_the_spilled_prefix(model_dir: Path, tmp_path: 
     for path in ("cached", "host", "disk"):
         assert rows[path].cached_tokens == 82, path  # the whole history before the new input
     assert report.segment_bytes > 0 and "| disk |" in report.table()
+    assert all(row.same_as_cached for row in report.rows)  # fp32 on the CPU: the recompute agrees too
