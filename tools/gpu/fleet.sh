@@ -40,8 +40,9 @@ if [ "${WARM:-0}" = 1 ]; then
     kill -0 $WARM_PID 2>/dev/null || { echo "warm-up server died"; tail -20 "$OUT/warm_server.log"; exit 1; }
     sleep 1
   done
+  MODEL=$(curl -s http://127.0.0.1:8090/v1/models | python3 -c "import json,sys; print(json.load(sys.stdin)['data'][0]['id'])")
   curl -s http://127.0.0.1:8090/v1/chat/completions -H 'content-type: application/json' \
-    -d '{"model":"phloem","messages":[{"role":"user","content":"warm up"}],"max_tokens":8}' >/dev/null
+    -d "{\"model\":\"$MODEL\",\"messages\":[{\"role\":\"user\",\"content\":\"warm up\"}],\"max_tokens\":8}" >/dev/null
   kill -INT $WARM_PID; wait $WARM_PID 2>/dev/null
   declare -F pack_caches >/dev/null && pack_caches "$OUT" >/dev/null
   echo "warm-up: $(( $(date +%s) - T1 )) s"
