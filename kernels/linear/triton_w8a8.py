@@ -75,6 +75,29 @@ def fp8_act_quant(x: torch.Tensor, group: int = FP8_GROUP) -> tuple[torch.Tensor
 
 
 @triton.jit
+def w8a8_block_dot(p_a_row, p_as_row, p_b_row, p_bs_row, m_m, m_n, K, num_kb,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The module docstring's ``acc`` ``[BLOCK_M, BLOCK_N]`` fp32 over ``num_kb`` ``BLOCK_K`` steps of
+    ``K``: ``p_a_row`` ``[BLOCK_M]`` and ``p_b_row`` ``[BLOCK_N]`` point at the e4m3 rows' starts (K
+    contiguous), ``p_as_row`` and ``p_bs_row`` at their scale rows (one scale per step); rows off
+    ``m_m`` / ``m_n`` read zeros. Shared with ``kernels.moe.triton_grouped_w8a8``."""
+    o_k = tl.arange(0, BLOCK_K)
+    p_a_tile = p_a_row[:, None] + o_k[None, :]  # [BLOCK_M, BLOCK_K]
+    p_b_tile = p_b_row[None, :] + o_k[:, None]  # [BLOCK_K, BLOCK_N], K contiguous
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i_k in range(0, num_kb):
+        m_k = o_k < K - i_k * BLOCK_K
+        b_a = tl.load(p_a_tile, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_b = tl.load(p_b_tile, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_as = tl.load(p_as_row + i_k, mask=m_m, other=0.0)
+        b_bs = tl.load(p_bs_row + i_k, mask=m_n, other=0.0)
+        b_acc += tl.dot(b_a, b_b) * b_as[:, None] * b_bs[None, :]
+        p_a_tile += BLOCK_K
+        p_b_tile += BLOCK_K
+    return b_acc
+
+
+@triton.jit
 def w8a8_block_matmul_kernel(p_a, p_as, p_b, p_bs, p_c, M, N, K,
                              stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -90,22 +113,9 @@ def w8a8_block_matmul_kernel(p_a, p_as, p_b, p_bs, p_c, M, N, K,
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_k = tl.arange(0, BLOCK_K)
     m_m, m_n = o_m < M, o_n < N
-    p_a_tile = p_a + o_m[:, None] * stride_am + o_k[None, :]  # [BLOCK_M, BLOCK_K]
-    p_b_tile = p_b + o_n[None, :] * stride_bn + o_k[:, None]  # [BLOCK_K, BLOCK_N], K contiguous
-    p_as_row = p_as + o_m * stride_asm
-    p_bs_row = p_bs + o_n * stride_bsn
-    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BLOCK_K)):
-        m_k = o_k < K - i_k * BLOCK_K
-        b_a = tl.load(p_a_tile, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_b = tl.load(p_b_tile, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        b_as = tl.load(p_as_row + i_k, mask=m_m, other=0.0)
-        b_bs = tl.load(p_bs_row + i_k, mask=m_n, other=0.0)
-        b_acc += tl.dot(b_a, b_b) * b_as[:, None] * b_bs[None, :]
-        p_a_tile += BLOCK_K
-        p_b_tile += BLOCK_K
+    b_acc = w8a8_block_dot(p_a + o_m * stride_am, p_as + o_m * stride_asm, p_b + o_n * stride_bn, p_bs + o_n * stride_bsn,
+                           m_m, m_n, K, tl.cdiv(K, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     p_c_tile = p_c + o_m[:, None] * stride_cm + o_n[None, :]
     tl.store(p_c_tile, b_acc.to(p_c.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 

@@ -58,21 +58,32 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tu
 
 
 @triton.jit
+def block_tile(p_rows, p_block_e, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program's tile of the module docstring's layout, program ids ``(block, N tile)``: its
+    block's expert ``e`` (``>= E`` for an unused block: the caller returns), the block's pair indices
+    ``b_pair`` ``[BLOCK_M]`` (0 for padding) with their mask ``m_m``, and the columns ``o_n``
+    ``[BLOCK_N]`` with their mask ``m_n`` against ``N``. Shared with ``kernels.moe.triton_grouped_w8a8``."""
+    i_b = tl.program_id(0).to(tl.int64)
+    i_n = tl.program_id(1).to(tl.int64)
+    e = tl.load(p_block_e + i_b).to(tl.int64)
+    b_rows = tl.load(p_rows + i_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_m = b_rows >= 0
+    b_pair = tl.where(m_m, b_rows, 0)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    return e, b_pair, m_m, o_n, m_n
+
+
+@triton.jit
 def _grouped_gate_up_kernel(
     p_x, p_w, p_s, p_rows, p_block_e, p_act,
     E: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
-    i_b = tl.program_id(0).to(tl.int64)
-    i_n = tl.program_id(1).to(tl.int64)
-    e = tl.load(p_block_e + i_b).to(tl.int64)
+    e, b_pair, m_m, o_n, m_n = block_tile(p_rows, p_block_e, INTER, BLOCK_M, BLOCK_N)
     if e >= E:
         return
-    b_rows = tl.load(p_rows + i_b * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_m = b_rows >= 0
-    b_tok = tl.where(m_m, b_rows // TOP_K, 0)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < INTER
+    b_tok = b_pair // TOP_K
     p_we = p_w + e * (2 * INTER * H)
     KB: tl.constexpr = (H + 127) // 128
     p_se = p_s + e * (2 * INTER * KB)
@@ -95,7 +106,7 @@ def _grouped_gate_up_kernel(
         acc_g = tl.dot(b_x, b_wg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(b_x, b_wu, acc_u, input_precision=PRECISION)
     b_act = acc_g * tl.sigmoid(acc_g) * acc_u
-    p_out = p_act + tl.where(m_m, b_rows, 0)[:, None] * INTER + o_n[None, :]
+    p_out = p_act + b_pair[:, None] * INTER + o_n[None, :]
     tl.store(p_out, b_act.to(p_act.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
@@ -105,16 +116,9 @@ def _grouped_down_kernel(
     E: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
-    i_b = tl.program_id(0).to(tl.int64)
-    i_n = tl.program_id(1).to(tl.int64)
-    e = tl.load(p_block_e + i_b).to(tl.int64)
+    e, b_pair, m_m, o_n, m_n = block_tile(p_rows, p_block_e, H, BLOCK_M, BLOCK_N)
     if e >= E:
         return
-    b_rows = tl.load(p_rows + i_b * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_m = b_rows >= 0
-    b_pair = tl.where(m_m, b_rows, 0)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < H
     p_we = p_w + e * (H * INTER)
     KB: tl.constexpr = (INTER + 127) // 128
     p_se = p_s + e * (H * KB)

@@ -15,8 +15,9 @@ import triton
 import triton.language as tl
 
 from phloem.kernels.linear.fp8 import Fp8Weight
-from phloem.kernels.linear.triton_w8a8 import fp8_act_quant
+from phloem.kernels.linear.triton_w8a8 import fp8_act_quant, w8a8_block_dot
 from phloem.kernels.linear.w8a8 import FP8_GROUP
+from phloem.kernels.moe.triton_grouped import block_tile
 from phloem.kernels.moe.triton_sort import sort_by_expert_triton
 from phloem.kernels.moe.w8a8 import pair_sources
 
@@ -29,33 +30,14 @@ _BLOCK_M, _BLOCK_N = 64, 128
 def w8a8_grouped_matmul_kernel(p_a, p_as, p_w, p_ws, p_rows, p_block_e, p_c, N, K, num_kb,
                                E: tl.constexpr, A_DIV: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    i_b = tl.program_id(0).to(tl.int64)
-    i_n = tl.program_id(1).to(tl.int64)
-    e = tl.load(p_block_e + i_b).to(tl.int64)
+    e, b_pair, m_m, o_n, m_n = block_tile(p_rows, p_block_e, N, BLOCK_M, BLOCK_N)
     if e >= E:
         return
-    b_rows = tl.load(p_rows + i_b * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_m = b_rows >= 0
-    b_pair = tl.where(m_m, b_rows, 0)
     # A_DIV = k: each pair reads its token's row (gate/up); 1: its own (down).
     b_src = b_pair // A_DIV
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_k = tl.arange(0, BLOCK_K)
-    m_n = o_n < N
-    p_a_tile = p_a + b_src[:, None] * K + o_k[None, :]  # [BLOCK_M, BLOCK_K]
-    p_w_tile = p_w + e * N * K + o_n[None, :] * K + o_k[:, None]  # [BLOCK_K, BLOCK_N], K contiguous
-    p_as_row = p_as + b_src * num_kb
-    p_ws_row = p_ws + (e * N + o_n) * num_kb
-    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i_k in range(0, num_kb):
-        m_k = o_k < K - i_k * BLOCK_K
-        b_a = tl.load(p_a_tile, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_w = tl.load(p_w_tile, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        b_as = tl.load(p_as_row + i_k, mask=m_m, other=0.0)
-        b_ws = tl.load(p_ws_row + i_k, mask=m_n, other=0.0)
-        b_acc += tl.dot(b_a, b_w) * b_as[:, None] * b_ws[None, :]
-        p_a_tile += BLOCK_K
-        p_w_tile += BLOCK_K
+    # The expert's [N, K] weight rows, K contiguous.
+    b_acc = w8a8_block_dot(p_a + b_src * K, p_as + b_src * num_kb, p_w + e * N * K + o_n * K, p_ws + (e * N + o_n) * num_kb,
+                           m_m, m_n, K, num_kb, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     p_out = p_c + b_pair[:, None] * N + o_n[None, :]
     tl.store(p_out, b_acc.to(p_c.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
