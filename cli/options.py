@@ -151,7 +151,8 @@ SERVE: tuple[Flag, ...] = (
          "bytes of spilled session state kept in host memory; beyond it the least recently used go to disk",
          group=_MEMORY, metavar="BYTES", type=int),
     Flag("--idle-to-host", "sessions.idle_to_host_s",
-         "seconds an unpinned session stays on the GPU before it is spilled to host memory",
+         "seconds an unpinned session stays on the GPU before it is spilled to host memory "
+         "(0: spilled as its pin ends, before the unpin: for more sessions than the GPU holds)",
          group=_MEMORY, metavar="SECONDS", type=float),
     Flag("--spill-sweep-interval", "sessions.sweep_interval_s",
          "seconds between two passes of the sweeper that spills idle sessions", group=_MEMORY,

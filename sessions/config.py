@@ -55,7 +55,8 @@ class SessionConfig:
         host_budget_bytes: Payload bytes of spilled state kept in host memory; beyond it the
             least recently used host segments are demoted to disk (``sessions.tiers.spill``).
         idle_to_host_s: Seconds a session stays ``idle`` (unpinned, on the GPU) before the
-            sweeper spills it to host memory.
+            sweeper spills it to host memory. 0: spilled as its pin ends, before it is unpinned
+            (never evictable without a copy: for more sessions than the GPU holds).
         sweep_interval_s: Seconds between two runs of the spill sweeper (which also probes a
             degraded index).
         admission_stall_s: Seconds a generation may wait for memory in the engine (its pools

@@ -12,6 +12,12 @@ and the running request holds the engine's locks anyway); the generation's commi
 and if the generation fails, the old timer still unpins later. ``ttl == 0`` unpins right after
 the turn.
 
+With ``spill_at_release`` set (the spiller's, when ``idle_to_host_s == 0``), a pin that ends
+spills the session to host memory first (the spiller unpins it once the copy is placed: no
+moment in which it is evictable with no copy); a spill that cannot place its copy leaves it
+``idle``. With ``ttl == 0`` that runs just after the turn's commit, as an expiry (an export
+reads the turn-end checkpoint, and the client's result does not wait for the copy).
+
 Each activation bumps ``pin_epoch``; an expiry that finds another epoch is stale and does nothing
 (timers are cancelled, but a cancelled timer's task may already be queued). Pin changes happen
 under ``session.lock``, and engine failures while unpinning are logged, never raised: the worst
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from phloem.engine import EngineError
@@ -35,6 +42,9 @@ __all__ = ["PinKeeper"]
 
 logger = logging.getLogger(__name__)
 
+# A zero TTL's expiry that finds its turn still committing looks again this much later.
+_BUSY_RETRY_S = 0.02
+
 
 class PinKeeper:
     """Pins session heads and runs their TTL timers.
@@ -46,6 +56,9 @@ class PinKeeper:
     def __init__(self, engine: EngineClient) -> None:
         self._engine = engine
         self._tasks: set[asyncio.Task[None]] = set()
+        # Set by the spiller when sessions spill as their pin ends: moves the session to host and
+        # unpins it; False when it did not (the session then becomes ``idle``).
+        self.spill_at_release: Callable[[Session], Awaitable[bool]] | None = None
 
     async def activate(self, session: Session) -> None:
         """Pin the session's current head and (re)start its TTL; call under ``session.lock``."""
@@ -61,12 +74,19 @@ class PinKeeper:
             await self._unpin(session.session_id, old)
         session.status = "active"
         session.touched_at = time.monotonic()
-        if session.ttl <= 0:
+        if session.ttl <= 0 and self.spill_at_release is None:
             await self.release(session, "idle")
             return
         epoch = session.pin_epoch
         loop = asyncio.get_running_loop()
         session.ttl_timer = loop.call_later(session.ttl, self._spawn_expiry, session, epoch)
+
+    async def let_go(self, session: Session) -> None:
+        """The session's pin ends (TTL over): spilled first where the spiller says so, else
+        ``idle``; call under ``session.lock``."""
+        if self.spill_at_release is not None and await self.spill_at_release(session):
+            return
+        await self.release(session, "idle")
 
     async def release(self, session: Session, status: SessionStatus) -> None:
         """Drop the session's pin and timer and set ``status``; call under ``session.lock``."""
@@ -95,10 +115,10 @@ class PinKeeper:
             if session.busy:
                 # A generation runs: its commit re-arms the timer; if it fails, this one must.
                 loop = asyncio.get_running_loop()
-                session.ttl_timer = loop.call_later(session.ttl, self._spawn_expiry, session, epoch)
+                session.ttl_timer = loop.call_later(max(session.ttl, _BUSY_RETRY_S), self._spawn_expiry, session, epoch)
                 return
             session.ttl_timer = None
-            await self.release(session, "idle")
+            await self.let_go(session)
 
     async def _unpin(self, session_id: str, handle: object) -> None:
         try:

@@ -3,6 +3,8 @@
 Policy (docs/architecture.md, "Session state tiers")::
 
     active ──TTL──▶ idle ──idle_to_host_s──▶ host ──host budget full──▶ disk
+      │                                        ▲
+      └───TTL, idle_to_host_s == 0: copy, then unpin┘
       ▲  (pinned)    (unpinned, on the GPU,      (HostPool)               (DiskStore file,
       │               evictable)                                           survives restarts)
       └──────────── append / prefetch: import the segment, pin again ◀──────┘
@@ -14,6 +16,11 @@ Policy (docs/architecture.md, "Session state tiers")::
   deeper than the segment the session already has, that one is kept. A spill that cannot
   place its segment (host full and disk unwritable, disk full) changes nothing: the session
   stays resident with its status, and the sweeper retries later.
+- **Spill at release** (``idle_to_host_s == 0``, `Spiller.spill_at_release`): when a
+  session's pin ends, it is spilled to host *before* it is unpinned, so it is never evictable
+  without a copy (the ``idle`` window is where an oversubscribed fleet lost state: the engine
+  evicted sessions the sweeper had not spilled yet, and their next turn recomputed them). A
+  spill that cannot place its segment leaves the session ``idle``, as before.
 - **Host budget**: before a segment enters the host pool, the least recently used host
   segments are demoted to disk until it fits; a segment larger than the whole budget goes to
   disk directly.
@@ -109,6 +116,8 @@ class Spiller:
         self._config = config
         self._sessions = sessions
         self._tiers = SegmentTiers(store, config.host_budget_bytes, sessions, events)
+        if config.idle_to_host_s == 0 and config.session_tiers:
+            pins.spill_at_release = self.spill_at_release
         self._tasks: set[asyncio.Task[None]] = set()
         self._retry_s = 10 * config.sweep_interval_s
 
@@ -195,6 +204,11 @@ class Spiller:
             return False
         await self._tiers.hold(session, entry)
         return await self._let_go(session, entry.tier)
+
+    async def spill_at_release(self, session: Session) -> bool:
+        """``PinKeeper.spill_at_release`` (``idle_to_host_s == 0``): spill a session whose pin
+        ends to host (copy, then unpin); False when nothing moved (it then becomes ``idle``)."""
+        return bool(session.token_ids) and await self.spill(session, "host")
 
     async def resume(self, session: Session) -> None:
         """Make the session's spilled prefix resident again, if the GPU lost it. Never raises:

@@ -144,6 +144,25 @@ def test_sweeper_spills_idle_sessions_and_demotes_the_oldest_to_disk(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("ttl", [0.0, 0.3])
+def test_with_no_idle_delay_a_session_is_spilled_before_its_pin_ends(
+        make_manager: ManagerFactory, engine: EngineClient, ttl: float) -> None:
+    """``idle_to_host_s == 0``: when the pin ends (right after the turn, or at the TTL) the state
+    goes to host first, so it is never evictable without a copy; the sweeper (an hour away here)
+    plays no part. After the cache is emptied the next turn resumes from the segment."""
+    async def body(m: SessionManager) -> None:
+        s = (await m.create(OWNER, content=SessionInput(input_ids=unique_ids(40)), ttl=ttl)).session_id
+        await turn(m, s, unique_ids(3))
+        await wait_for(lambda: m.get(OWNER, s).status != "active", timeout_s=5.0)
+        assert m.get(OWNER, s).status == "host"
+        segment = m._sessions[s].segment  # noqa: SLF001
+        assert segment is not None and segment.num_tokens == 47
+        await engine.reset_prefix_cache()
+        assert (await turn(m, s, unique_ids(2))).usage.cached_tokens == 47
+
+    run(make_manager, body, idle_to_host_s=0.0, sweep_interval_s=3600.0)
+
+
 def test_fork_of_a_spilled_session_shares_its_segment_and_imports_once(
         make_manager: ManagerFactory, engine: EngineClient, index_config: dict[str, Any],
         monkeypatch: pytest.MonkeyPatch) -> None:
