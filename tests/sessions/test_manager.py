@@ -64,7 +64,11 @@ def test_turns_fork_and_cached_tokens(make_manager: ManagerFactory) -> None:
         for i, child in enumerate(children):
             branch = SessionInput(text=f" branch {i}")
             out = await (await m.append(OWNER, child.session_id, branch, greedy(6))).result()
-            assert out.usage.cached_tokens == parent.num_tokens, "the fork reused the parent's history"
+            # At least the parent's history. The engine serves the whole run; a deeper checkpoint
+            # on these tokens, when one is cached, is used too (seen once on a loaded machine: 64
+            # of 65 prompt tokens on a 62-token history); the output check below holds either way.
+            assert parent.num_tokens <= out.usage.cached_tokens < out.usage.prompt_tokens, \
+                "the fork reused the parent's history"
             fresh = await m.create(OWNER, content=SessionInput(
                 input_ids=tuple(t for turn in history for t in (turn or ()))))
             expect = await (await m.append(OWNER, fresh.session_id, branch, greedy(6))).result()
