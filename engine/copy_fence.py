@@ -29,9 +29,10 @@ class CopyFence(Protocol):
 class StreamFence:
     """The end of a copy queued on a side stream (a recorded CUDA event)."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_device", "_event")
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._device = stream.device
         self._event = torch.cuda.Event()
         self._event.record(stream)
 
@@ -40,4 +41,4 @@ class StreamFence:
 
     def wait(self) -> None:
         """Make the current stream wait for the copy (on the device: the host does not block)."""
-        torch.cuda.current_stream(self._event.device).wait_event(self._event)
+        torch.cuda.current_stream(self._device).wait_event(self._event)
