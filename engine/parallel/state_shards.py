@@ -85,7 +85,16 @@ def write_local(caches: ModelCaches, pages: Sequence[int], slot: int | None, sta
     index = to_device(torch.tensor(list(pages), dtype=torch.long), dev)
     # A state carries the trunk's KV layers; the MTP layer's (after them, when speculating) keep
     # what the pages held: the drafts' quality, never the output, depends on them.
-    kv = kv.to(dev, non_blocking=non_blocking)
+    if kv.is_contiguous() or dev.type != "cuda":
+        kv = kv.to(dev, non_blocking=non_blocking)
+    else:
+        # A page range of a state (``kv.narrow(1, ...)``, past a prefix the tree held) is a
+        # strided view: copied whole, torch would stage it through pageable memory and block
+        # the host. Each layer's slice of it is contiguous (and pinned): one copy a layer.
+        out = torch.empty(kv.shape, dtype=kv.dtype, device=dev)
+        for layer in range(kv.shape[0]):
+            out[layer].copy_(kv[layer], non_blocking=non_blocking)
+        kv = out
     if kv.dtype != caches.kv.dtype:
         # A segment of another KV dtype converts (docs/decisions.md, "FP8 KV cache").
         kv = to_kv_dtype(kv, caches.kv.dtype)
