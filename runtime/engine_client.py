@@ -373,14 +373,17 @@ class EngineClient:
         """
         await self._call(UnpinPrefix(handle))
 
-    async def cached_prefix_len(self, token_ids: Sequence[int], namespace: str | None = None) -> int:
+    async def cached_prefix_len(self, token_ids: Sequence[int], namespace: str | None = None,
+                                *, settled: bool = True) -> int:
         """How many leading tokens of ``token_ids`` a new request in ``namespace`` would take
-        from the cache.
+        from the cache. ``settled``: wait until the turn-end checkpoints of requests that just
+        finished have landed (the next step, if any is finalizing); False: answer between the
+        current steps (for a prefix no request is finishing, such as a spilled session's).
 
         Raises:
             EngineError: The engine loop is not running.
         """
-        return await self._call(QueryCachedPrefix(tuple(token_ids), namespace))
+        return await self._call(QueryCachedPrefix(tuple(token_ids), namespace, settled))
 
     async def waits_for_memory(self, request_id: str) -> bool:
         """Whether the request waits because the engine has no memory for it now (its pools are

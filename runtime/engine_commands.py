@@ -97,6 +97,9 @@ class UnpinPrefix:
 class QueryCachedPrefix:
     token_ids: tuple[int, ...]
     namespace: str | None = None
+    # Answered only once no request is finalizing (its turn-end checkpoint counted); False:
+    # at once, between the current steps (a caller that does not ask about a just-ended turn).
+    settled: bool = True
     reply: Future[int] = field(default_factory=Future)
 
 

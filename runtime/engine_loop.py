@@ -194,7 +194,8 @@ class EngineLoop:
         if not command.reply.set_running_or_notify_cancel():
             return
         parkable = PinPrefix | QueryCachedPrefix | ExportPrefix | ReserveTransfer
-        if isinstance(command, parkable) and self.engine.scheduler.num_finalizing():
+        unsettled = isinstance(command, QueryCachedPrefix) and not command.settled
+        if isinstance(command, parkable) and not unsettled and self.engine.scheduler.num_finalizing():
             # A request that just finished publishes its turn-end checkpoint in the next step;
             # a prefix query answered now would miss it (e.g. a session pinning its new head).
             self._parked.append(command)

@@ -345,7 +345,9 @@ class Spiller:
     async def _import(self, session: Session, entry: SpilledSegment) -> bool:
         """Load the segment into the engine unless it holds the prefix; False: no room."""
         n = entry.num_tokens
-        if await self._gpu_holds(session, n) >= n:
+        # Unsettled: the session's last turn ended before it was spilled, so no checkpoint landing
+        # next step is its own; a resume does not wait a step for other requests' turn ends.
+        if await self._gpu_holds(session, n, settled=False) >= n:
             return True
         started = time.perf_counter()
         segment = await self._tiers.load(entry, session.token_ids)
@@ -360,12 +362,12 @@ class Spiller:
         session.resumed = (tier, n)
         return True
 
-    async def _gpu_holds(self, session: Session, up_to: int | None = None) -> int:
+    async def _gpu_holds(self, session: Session, up_to: int | None = None, settled: bool = True) -> int:
         """Tokens of the session the engine holds in its owner's namespace (at most ``up_to``)."""
         # Token 0 stands for "one more token": the query then matches at most ``up_to`` tokens.
         token_ids = session.token_ids if up_to is None else [*session.token_ids[:up_to], 0]
         try:
-            return await self._engine.cached_prefix_len(token_ids, session.owner) if token_ids else 0
+            return await self._engine.cached_prefix_len(token_ids, session.owner, settled=settled) if token_ids else 0
         except EngineError:
             return 0
 

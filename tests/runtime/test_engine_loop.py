@@ -137,6 +137,26 @@ def test_prefix_query_after_a_final_output_sees_the_turn_end_checkpoint(loop: En
     assert unpin.reply.result(TIMEOUT) is None
 
 
+def test_an_unsettled_prefix_query_is_answered_before_the_turn_end_checkpoint(loop: EngineLoop) -> None:
+    """``settled=False`` answers between the current steps: the same query as above, asked at the
+    final output, does not yet see the turn-end checkpoint (the one before the turn's end does)."""
+    prompt = list(range(21, 40))
+    answers: list[QueryCachedPrefix] = []
+
+    def sink(item: RequestOutput | EngineError) -> None:
+        if isinstance(item, RequestOutput) and item.finished:
+            query = QueryCachedPrefix(tuple(prompt + item.token_ids + [0]), settled=False)
+            loop.submit(query)
+            answers.append(query)
+
+    loop.submit(AddRequest(tuple(prompt), SamplingParams(max_tokens=5), None, sink))
+    for _ in range(1000):
+        if answers:
+            break
+        threading.Event().wait(0.01)
+    assert answers[0].reply.result(TIMEOUT) < len(prompt) + 5
+
+
 def test_a_failing_sink_aborts_its_request_only() -> None:
     engine = make_engine()
     engine_loop = EngineLoop(engine)
