@@ -111,14 +111,14 @@ def test_abort_only_hits_the_request_of_the_given_sink(loop: EngineLoop) -> None
     assert isinstance(final, RequestOutput) and final.finish_reason == "abort"
 
 
-def test_prefix_query_after_a_final_output_sees_the_turn_end_checkpoint(loop: EngineLoop) -> None:
-    prompt = list(range(1, 20))
+def query_at_final_output(loop: EngineLoop, prompt: list[int], settled: bool) -> int:
+    """Run ``prompt`` for 5 tokens; at its final output (on the engine thread, before the
+    turn-end step) ask how much of the whole turn is cached; the answer."""
     answers: list[QueryCachedPrefix] = []
 
     def sink(item: RequestOutput | EngineError) -> None:
-        # Runs on the engine thread right after the final output, before the turn-end step.
         if isinstance(item, RequestOutput) and item.finished:
-            query = QueryCachedPrefix(tuple(prompt + item.token_ids + [0]))
+            query = QueryCachedPrefix(tuple(prompt + item.token_ids + [0]), settled=settled)
             loop.submit(query)
             answers.append(query)
 
@@ -127,7 +127,12 @@ def test_prefix_query_after_a_final_output_sees_the_turn_end_checkpoint(loop: En
         if answers:
             break
         threading.Event().wait(0.01)
-    assert answers[0].reply.result(TIMEOUT) == len(prompt) + 5
+    return answers[0].reply.result(TIMEOUT)
+
+
+def test_prefix_query_after_a_final_output_sees_the_turn_end_checkpoint(loop: EngineLoop) -> None:
+    prompt = list(range(1, 20))
+    assert query_at_final_output(loop, prompt, settled=True) == len(prompt) + 5
     pin = PinPrefix(tuple(prompt + expected(prompt, 5)))
     loop.submit(pin)
     handle = pin.reply.result(TIMEOUT)
@@ -138,23 +143,10 @@ def test_prefix_query_after_a_final_output_sees_the_turn_end_checkpoint(loop: En
 
 
 def test_an_unsettled_prefix_query_is_answered_before_the_turn_end_checkpoint(loop: EngineLoop) -> None:
-    """``settled=False`` answers between the current steps: the same query as above, asked at the
-    final output, does not yet see the turn-end checkpoint (the one before the turn's end does)."""
+    """``settled=False`` answers between the current steps: the same query, asked at the final
+    output, does not yet see the turn-end checkpoint (the one before the turn's end does)."""
     prompt = list(range(21, 40))
-    answers: list[QueryCachedPrefix] = []
-
-    def sink(item: RequestOutput | EngineError) -> None:
-        if isinstance(item, RequestOutput) and item.finished:
-            query = QueryCachedPrefix(tuple(prompt + item.token_ids + [0]), settled=False)
-            loop.submit(query)
-            answers.append(query)
-
-    loop.submit(AddRequest(tuple(prompt), SamplingParams(max_tokens=5), None, sink))
-    for _ in range(1000):
-        if answers:
-            break
-        threading.Event().wait(0.01)
-    assert answers[0].reply.result(TIMEOUT) < len(prompt) + 5
+    assert query_at_final_output(loop, prompt, settled=False) < len(prompt) + 5
 
 
 def test_a_failing_sink_aborts_its_request_only() -> None:
