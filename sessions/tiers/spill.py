@@ -3,11 +3,10 @@
 Policy (docs/architecture.md, "Session state tiers")::
 
     active ──TTL──▶ idle ──idle_to_host_s──▶ host ──host budget full──▶ disk
-      │                                        ▲
-      └───TTL, idle_to_host_s == 0: copy, then unpin┘
       ▲  (pinned)    (unpinned, on the GPU,      (HostPool)               (DiskStore file,
       │               evictable)                                           survives restarts)
       └──────────── append / prefetch: import the segment, pin again ◀──────┘
+    active ──TTL, idle_to_host_s == 0: copy, then unpin──▶ host   (no idle window)
 
 - **Spill** (`Spiller.spill`): export the session's deepest cached checkpoint
   (``EngineClient.export_prefix``) into a `storage.Segment` and put it in the host pool (or
