@@ -324,12 +324,14 @@ class Engine(PrefixOps):
         return self.async_scheduling and self.runner.layer_hook is None
 
     def drain(self) -> None:
-        """Collect the queued step, if any (its outputs go out with the next ``step``), so the
-        requests' counters and memory are those of a synchronous engine between steps. The
+        """Collect the queued step, if any (its outputs go out with the next ``step``), and order
+        the engine's stream after the queued import copies (``engine.cache.import_fences``), so
+        the requests' counters and memory are those of a synchronous engine between steps. The
         engine calls it before anything that reads or changes request memory from outside."""
         launched, self._queued = self._queued, None
         if launched is not None:
             self._pending += self._apply(launched)
+        self.cache.imports.wait_all()
 
     def _apply(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Collect a launched step and advance its requests (``engine.step_outputs``); their

@@ -2,7 +2,8 @@
 export/import a prefix (spill and resume), and the two sides of a disaggregated prefill.
 
 ``Engine`` inherits them; each runs between steps on the engine's thread, and each that reads or
-writes pool memory first ``drain``s the async pipeline, so no queued step races the copy.
+writes pool memory first ``drain``s the async pipeline and the queued import copies, so no queued
+step or copy races it (a TP=1 import itself drains nothing: ``engine.cache.import_fences``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ class PrefixOps:
         cached in ``namespace`` (for spilling a session), in the TP=1 layout whatever the
         tensor-parallel size (``engine.parallel.state_shards``); None when nothing of it is cached."""
         self.drain()
-        self.cache.imports.wait_all()
         return export_prefix(self.cache, self.runner.read_state, list(token_ids), namespace)
 
     def import_prefix(self, state: PrefixState, namespace: str | None = None) -> bool:
@@ -126,5 +126,4 @@ class PrefixOps:
         of ``token_ids``, as a prefill-only request in ``namespace`` published it (read in the
         TP=1 layout); None when it is not cached."""
         self.drain()
-        self.cache.imports.wait_all()
         return pool_side.transfer_source(self.cache, self.runner.read_state, list(token_ids), first_page, namespace)

@@ -10,7 +10,8 @@ while the copy into its pages and state slot still runs on a side stream. Until 
   first: a request admitted on the imported checkpoint (``CacheManager.admit``: its first step
   reads the slot and the pages, the tail page's copy-on-write reads the tail), a request that
   publishes onto the imported path and switches its page table to the tree's pages
-  (``CacheManager._publish``), and exports and transfers (``wait_all``).
+  (``CacheManager._publish``), and whatever drains the engine (``Engine.drain`` calls
+  ``wait_all``: exports, transfers, aborts).
 
 ``settle`` (every engine step) unlocks the imports whose copy has ended. Only the pages the
 import adopted are tracked: positions the tree already held keep the tree's pages and the
