@@ -46,7 +46,7 @@ from phloem.api.schemas import GenerateParams
 from phloem.benchmarks.local_server import LocalServer, rss_mib
 from phloem.benchmarks.tool_wait import ToolWait
 
-__all__ = ["MODE_SERVER_ARGS", "AgenticWorkload", "TurnRecord", "default_client_processes", "num_turns", "run_agentic", "run_mode", "summarize"]
+__all__ = ["MODE_SERVER_ARGS", "AgenticWorkload", "ModeRun", "TurnRecord", "default_client_processes", "num_turns", "run_agentic", "run_mode", "summarize"]
 
 
 # Each mode, and the `phloem serve` flags of the fresh server it needs (modes with flags are
@@ -76,6 +76,10 @@ class AgenticWorkload:
     # ~1,000 streamed deltas a second falls behind the server and stretches the TPOT it sees;
     # real agents are separate processes too.
     client_processes: int = 1
+    # Stop after this many seconds (0: never): no agent starts a turn later than that from the
+    # mode's start; turns already running finish. What a fixed device call can afford: the report
+    # counts the turns not started (``turns_not_started``) apart from turns lost to errors.
+    duration_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +98,12 @@ class TurnRecord:
     output_hash: str = ""  # of the output token ids: runs of one workload compare token for token
 
 
+def _past(deadline: float | None, after_s: float = 0.0) -> bool:
+    """Whether ``deadline`` (``time.monotonic``, system-wide: client processes share it) is past,
+    or will be in ``after_s`` seconds (a tool wait that would end past it ends the agent now)."""
+    return deadline is not None and time.monotonic() + after_s >= deadline
+
+
 @dataclass(slots=True)
 class _Agent:
     agent: int
@@ -101,6 +111,7 @@ class _Agent:
     history: list[int]
     rng: random.Random
     records: list[TurnRecord] = field(default_factory=list)
+    not_started: int = 0  # turns skipped at the deadline
 
 
 def _tokens(rng: random.Random, n: int, hi: int) -> list[int]:
@@ -139,17 +150,21 @@ def num_turns(wl: AgenticWorkload) -> int:
     return wl.agents * (fork_at + wl.forks * (wl.turns - fork_at))
 
 
-async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int,
-                          tick: _Tick = _ignore, mode: str = "sessions") -> list[TurnRecord]:
+async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int, tick: _Tick = _ignore,
+                          mode: str = "sessions", deadline: float | None = None) -> tuple[list[TurnRecord], int]:
     rng = random.Random(wl.seed * 1000 + agent)
     params = GenerateParams(max_tokens=wl.output, temperature=0.0, ignore_eos=True)
     session = await client.sessions.create(metadata={"bench": "agentic", "agent": str(agent)})
     root = _Agent(agent, 0, [], rng)
     records: list[TurnRecord] = []
+    branches = [root]
 
     async def run_turns(handle: object, state: _Agent, first: int, last: int) -> None:
         waits = _waits(wl, state.agent, state.branch)
         for turn in range(first, last + 1):
+            if _past(deadline):
+                state.not_started += last - turn + 1
+                return
             new = _tokens(state.rng, wl.first_turn if turn == 1 else wl.append, wl.vocab_hi)
             t0 = time.perf_counter()
             stamps: list[float] = []
@@ -170,6 +185,9 @@ async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int,
             )  # fmt: skip
             tick(1)
             if turn < last and (wait_s := waits()) > 0:
+                if _past(deadline, wait_s):
+                    state.not_started += last - turn
+                    return
                 ahead = min(wl.prefetch_ahead_s, wait_s)
                 await asyncio.sleep(wait_s - ahead)
                 if ahead > 0:
@@ -180,23 +198,22 @@ async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int,
     await run_turns(session, root, 1, fork_at)
     if fork_at < wl.turns:
         children = await session.fork(n=wl.forks)
-        await asyncio.gather(
-            *(
-                run_turns(child, _Agent(agent, i + 1, [], random.Random(rng.random())), fork_at + 1, wl.turns)
-                for i, child in enumerate(children)
-            )
-        )
-    return records
+        branches += [_Agent(agent, i + 1, [], random.Random(rng.random())) for i in range(wl.forks)]
+        await asyncio.gather(*(run_turns(c, b, fork_at + 1, wl.turns) for c, b in zip(children, branches[1:])))
+    return records, sum(b.not_started for b in branches)
 
 
 async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: int, mode: str, model: str,
-                           tick: _Tick = _ignore) -> list[TurnRecord]:
+                           tick: _Tick = _ignore, deadline: float | None = None) -> tuple[list[TurnRecord], int]:
     rng = random.Random(wl.seed * 1000 + agent)
     records: list[TurnRecord] = []
 
     async def run_turns(state: _Agent, first: int, last: int) -> None:
         waits = _waits(wl, state.agent, state.branch)
         for turn in range(first, last + 1):
+            if _past(deadline):
+                state.not_started += last - turn + 1
+                return
             new = _tokens(state.rng, wl.first_turn if turn == 1 else wl.append, wl.vocab_hi)
             state.history += new
             body = {
@@ -231,45 +248,56 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
             tick(1)
             state.history += output
             if turn < last and (wait_s := waits()) > 0:
+                if _past(deadline, wait_s):
+                    state.not_started += last - turn
+                    return
                 await asyncio.sleep(wait_s)
 
-    root = _Agent(agent, 0, [], rng)
+    branches = [_Agent(agent, 0, [], rng)]
     fork_at = wl.fork_at if wl.forks and wl.fork_at else wl.turns
-    await run_turns(root, 1, fork_at)
+    await run_turns(branches[0], 1, fork_at)
     if fork_at < wl.turns:
-        await asyncio.gather(
-            *(
-                run_turns(_Agent(agent, i + 1, list(root.history), random.Random(rng.random())), fork_at + 1, wl.turns)
-                for i in range(wl.forks)
-            )
-        )
-    return records
+        root = branches[0]
+        branches += [_Agent(agent, i + 1, list(root.history), random.Random(rng.random())) for i in range(wl.forks)]
+        await asyncio.gather(*(run_turns(b, fork_at + 1, wl.turns) for b in branches[1:]))
+    return records, sum(b.not_started for b in branches)
 
 
-async def run_mode(base_url: str, mode: str, wl: AgenticWorkload,
-                   tick: _Tick = _ignore) -> tuple[list[TurnRecord], float]:
-    """Run every agent of ``wl`` concurrently in ``mode``; returns the turn records and wall time.
-    ``tick(1)`` is called after every turn (a progress bar's ``advance``). With
-    ``wl.client_processes`` > 1 the agents run in that many processes (``_run_spread``)."""
+@dataclass(frozen=True, slots=True)
+class ModeRun:
+    """One mode's turns, its wall time, and the turns no agent started before ``wl.duration_s``."""
+
+    records: list[TurnRecord]
+    wall_s: float
+    not_started: int = 0
+
+
+async def run_mode(base_url: str, mode: str, wl: AgenticWorkload, tick: _Tick = _ignore) -> ModeRun:
+    """Run every agent of ``wl`` concurrently in ``mode``. ``tick(1)`` is called after every
+    turn (a progress bar's ``advance``). With ``wl.client_processes`` > 1 the agents run in that
+    many processes (``_run_spread``)."""
+    deadline = time.monotonic() + wl.duration_s if wl.duration_s > 0 else None
     if wl.client_processes > 1:
-        return await asyncio.to_thread(_run_spread, base_url, mode, wl, tick)
+        return await asyncio.to_thread(_run_spread, base_url, mode, wl, tick, deadline)
     t0 = time.perf_counter()
-    records = await _run_agents(base_url, mode, wl, range(wl.agents), tick)
-    return records, time.perf_counter() - t0
+    records, not_started = await _run_agents(base_url, mode, wl, range(wl.agents), tick, deadline)
+    return ModeRun(records, time.perf_counter() - t0, not_started)
 
 
 async def _run_agents(base_url: str, mode: str, wl: AgenticWorkload, agents: Iterable[int],
-                      tick: _Tick) -> list[TurnRecord]:
+                      tick: _Tick, deadline: float | None) -> tuple[list[TurnRecord], int]:
     if mode in ("sessions", "tiersoff"):
         async with AsyncClient(base_url, timeout=3600, max_retries=0) as client:
-            results = await asyncio.gather(*(_sessions_agent(client, wl, a, tick, mode) for a in agents))
+            results = await asyncio.gather(*(_sessions_agent(client, wl, a, tick, mode, deadline) for a in agents))
     elif mode in ("stateless", "nocache"):
         async with httpx.AsyncClient(base_url=base_url, timeout=3600) as http:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
-            results = await asyncio.gather(*(_stateless_agent(http, wl, a, mode, model, tick) for a in agents))
+            results = await asyncio.gather(
+                *(_stateless_agent(http, wl, a, mode, model, tick, deadline) for a in agents)
+            )
     else:
         raise ValueError(f"mode: expected one of {', '.join(MODE_SERVER_ARGS)}, got {mode!r}")
-    return [r for agent in results for r in agent]
+    return [r for records, _ in results for r in records], sum(n for _, n in results)
 
 
 _turns_done: Synchronized[int] | None = None  # a client process's shared turn counter
@@ -286,14 +314,14 @@ def _count_turn(n: int) -> None:
         _turns_done.value += n
 
 
-def _client_process(base_url: str, mode: str, wl: AgenticWorkload,
-                    agents: list[int]) -> tuple[list[TurnRecord], float, float]:
+def _client_process(base_url: str, mode: str, wl: AgenticWorkload, agents: list[int],
+                    deadline: float | None) -> tuple[list[TurnRecord], int, float, float]:
     start = time.monotonic()
-    records = asyncio.run(_run_agents(base_url, mode, wl, agents, _count_turn))
-    return records, start, time.monotonic()
+    records, not_started = asyncio.run(_run_agents(base_url, mode, wl, agents, _count_turn, deadline))
+    return records, not_started, start, time.monotonic()
 
 
-def _run_spread(base_url: str, mode: str, wl: AgenticWorkload, tick: _Tick) -> tuple[list[TurnRecord], float]:
+def _run_spread(base_url: str, mode: str, wl: AgenticWorkload, tick: _Tick, deadline: float | None) -> ModeRun:
     """The agents round-robin over ``wl.client_processes`` spawned processes; the wall time runs
     from the first process's start to the last one's end (``time.monotonic`` is system-wide)."""
     procs = min(wl.client_processes, wl.agents)
@@ -301,7 +329,7 @@ def _run_spread(base_url: str, mode: str, wl: AgenticWorkload, tick: _Tick) -> t
     counter = context.Value("q", 0)
     with ProcessPoolExecutor(procs, mp_context=context, initializer=_init_client_process,
                              initargs=(counter,)) as pool:
-        futures = [pool.submit(_client_process, base_url, mode, wl, list(range(p, wl.agents, procs)))
+        futures = [pool.submit(_client_process, base_url, mode, wl, list(range(p, wl.agents, procs)), deadline)
                    for p in range(procs)]
         reported = 0
         while not all(f.done() for f in futures):
@@ -312,7 +340,7 @@ def _run_spread(base_url: str, mode: str, wl: AgenticWorkload, tick: _Tick) -> t
         parts = [f.result() for f in futures]
     tick(counter.value - reported)
     records = sorted((r for part in parts for r in part[0]), key=lambda r: (r.agent, r.branch, r.turn))
-    return records, max(p[2] for p in parts) - min(p[1] for p in parts)
+    return ModeRun(records, max(p[3] for p in parts) - min(p[2] for p in parts), sum(p[1] for p in parts))
 
 
 def summarize(records: list[TurnRecord], wall_s: float, num_gpus: int = 1) -> dict[str, object]:
@@ -416,11 +444,12 @@ def _measure(url: str, mode: str, wl: AgenticWorkload, num_gpus: int,
     from phloem.runtime.progress import progress_bar
 
     with TierSampler(url) as sampler, progress_bar(num_turns(wl), f"agentic {mode}", "turn", show_progress) as tick:
-        records, wall = asyncio.run(run_mode(url, mode, wl, tick))
-    result = summarize(records, wall, num_gpus)
+        run = asyncio.run(run_mode(url, mode, wl, tick))
+    result = summarize(run.records, run.wall_s, num_gpus)
+    result["turns_not_started"] = run.not_started
     if sampler.before:
-        result["fleet"] = fleet_summary(records, sampler, num_turns(wl))
-    return records, result
+        result["fleet"] = fleet_summary(run.records, sampler, num_turns(wl) - run.not_started)
+    return run.records, result
 
 
 def _markdown(summary: dict[str, object]) -> str:
@@ -431,12 +460,17 @@ def _markdown(summary: dict[str, object]) -> str:
     for mode, s in summary.items():
         d = dict(s)  # type: ignore[call-overload]
         lines.append(
-            f"| {mode} | {d['turns']} | {d['prompt_tokens']} | {d['cached_tokens']} | {d['hit_rate']:.1%} "
+            f"| {mode} | {d['turns']}{_not_started(d)} | {d['prompt_tokens']} | {d['cached_tokens']} | {d['hit_rate']:.1%} "
             f"({d['hit_rate_ceiling']:.1%}) | {d['hit_rate_of_seen']:.1%} | {d['hit_rate_turns_2plus']:.1%} | {d['per_user_decode_tok_s']:.1f} "
             f"({d['per_user_decode_tok_s_turns_2plus']:.1f}) | {d['ttft_turn1_s']:.3f} "
             f"| {d['ttft_turns_2plus_s']:.3f} / {d['ttft_turns_2plus_p99_s']:.3f} | {d['output_tok_s']:.1f} | {d.get('server_rss_mib', float('nan')):.0f} |"
         )
     return "\n".join(lines)
+
+
+def _not_started(summary: dict[str, object]) -> str:
+    n = summary.get("turns_not_started", 0)
+    return f" (+{n} not started: duration)" if n else ""
 
 
 def default_client_processes(agents: int) -> int:

@@ -162,6 +162,9 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     agentic.add_argument("--prefetch-ahead", metavar="SECONDS", type=float, default=0.0,
                          help="session modes: ask the server to prefetch a session's spilled state this long "
                               "before its tool wait ends (the SDK's prefetch hint; default: %(default)s, never)")
+    agentic.add_argument("--duration", metavar="SECONDS", type=float, default=0.0,
+                         help="stop each mode after this long: no turn starts later, running turns finish, the "
+                              "report counts the turns not started (default: %(default)s, run every turn)")
     agentic.add_argument("--client-processes", metavar="N", type=_at_least_one,
                          help="client processes the agents are spread over (default: one per two CPUs, "
                               "at most 8 and at most --agents): one process cannot read 16 fast streams")
@@ -393,7 +396,7 @@ def _agentic(args: argparse.Namespace) -> int:
     workload = AgenticWorkload(
         agents=args.agents, first_turn=args.first_turn, append=args.append, turns=args.turns, output=args.output,
         tool_pause_s=args.tool_pause, tool_wait=args.tool_wait, prefetch_ahead_s=args.prefetch_ahead, fork_at=args.fork_at, forks=args.forks, vocab_hi=args.vocab_hi,
-        client_processes=args.client_processes or default_client_processes(args.agents),
+        client_processes=args.client_processes or default_client_processes(args.agents), duration_s=args.duration,
     )  # fmt: skip
     table, data = run_agentic(
         workload, tuple(args.modes.split(",")), args.base_url, tuple(args.server_arg), str(args.out), args.gpus,

@@ -53,3 +53,16 @@ def test_agents_spread_over_client_processes(tmp_path: Path) -> None:
         assert r["cached_tokens"] == (0 if r["turn"] == 1 else r["prompt_tokens"] - APPEND), r
     assert data["workload"]["client_processes"] == 2  # type: ignore[index]
     assert data["summary"]["sessions"]["wall_s"] > 0  # type: ignore[index]
+
+
+def test_a_duration_stops_new_turns_and_counts_them(tmp_path: Path) -> None:
+    """With ``duration_s`` shorter than the first tool wait, every agent runs its first turn (it
+    starts at once) and no later one; the turns not started are counted, not reported lost."""
+    wl = AgenticWorkload(agents=2, first_turn=60, append=APPEND, turns=3, output=2, vocab_hi=1000,
+                         tool_pause_s=1.5, duration_s=0.5)
+    _, data = run_agentic(wl, ("sessions",), out_dir=str(tmp_path))
+    records = data["turns"]["sessions"]  # type: ignore[index]
+    assert sorted((r["agent"], r["turn"]) for r in records) == [(0, 1), (1, 1)]
+    summary = data["summary"]["sessions"]  # type: ignore[index]
+    assert summary["turns_not_started"] == 2 * 2
+    assert summary["fleet"]["lost_turns"] == 0

@@ -15,7 +15,9 @@
 # unpinned, so eviction never takes a state with no copy), so the agents waiting on a tool leave the GPU. At 64
 # agents the same pool holds ~80% of the fleet: POOL=20000 keeps the pressure. PREFETCH=S has each
 # agent send the SDK's prefetch hint S seconds before its tool wait ends (default 0: the append
-# itself triggers the resume). Every size is an environment variable (below); SETUP=0 and
+# itself triggers the resume). DURATION=S stops each mode's agents S seconds in (no turn starts
+# later; the report counts the turns not started), so a mode ends inside its call with a report.
+# Every size is an environment variable (below); SETUP=0 and
 # MODEL_ARGS="--device cpu" with small sizes run the script on a CPU (a smoke test of it).
 # WARM=1 first starts one server with the fleet's flags and sends it a chat request, so FlashInfer
 # and Triton build their kernels outside every mode's timeout, then packs the caches into
@@ -27,7 +29,7 @@ OUT=${OUT:-/tmp/fleet-out}
 MODEL_ARGS=${MODEL_ARGS:---device cuda --dtype bfloat16 --shape qwen3.5-35b-a3b}
 POOL=${POOL:-40000} FIRST=${FIRST:-8000} APPEND=${APPEND:-800} TURNS=${TURNS:-6} OUTPUT=${OUTPUT:-128}
 WAIT=${WAIT:-lognormal:2:1.5:60} PREFETCH=${PREFETCH:-0} HOST_BYTES=${HOST_BYTES:-$((16 << 30))}
-MODE_TIMEOUT=${MODE_TIMEOUT:-170}
+MODE_TIMEOUT=${MODE_TIMEOUT:-170} DURATION=${DURATION:-0}
 ARGS=()
 for a in $MODEL_ARGS --num-pages "$POOL" --default-ttl 1 --idle-to-host 0 --host-budget-bytes "$HOST_BYTES"; do
   ARGS+=("--server-arg=$a")
@@ -56,7 +58,7 @@ for mode in ${MODES//,/ }; do
   # SIGINT first: the bench stops its server in a finally (SIGTERM would orphan it on the GPU).
   timeout -s INT -k 30 "$MODE_TIMEOUT" python3 -m phloem.cli bench agentic --modes "$mode" --agents "$AGENTS" \
     --first-turn "$FIRST" --append "$APPEND" --turns "$TURNS" --output "$OUTPUT" --tool-wait "$WAIT" \
-    --prefetch-ahead "$PREFETCH" "${ARGS[@]}" --no-progress --out "$OUT/fleet-$AGENTS-$mode" 2>&1 \
+    --prefetch-ahead "$PREFETCH" --duration "$DURATION" "${ARGS[@]}" --no-progress --out "$OUT/fleet-$AGENTS-$mode" 2>&1 \
     | grep -v Warning | tail -14
   echo "$mode: rc ${PIPESTATUS[0]}, $(( $(date +%s) - T1 )) s"
 done
