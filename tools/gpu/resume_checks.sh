@@ -1,6 +1,6 @@
 #!/bin/bash
 # Device call (issue 53, items 1 and 3): the resume paths on one GPU, most needed first.
-#   bash tools/gpu/resume_checks.sh      (from the repository root; writes $OUT)
+#   STEPS="tests resume overlap fleet" bash tools/gpu/resume_checks.sh   (repository root; writes $OUT)
 # 1. the GPU token tests of the paths a resume takes: a spilled prefix imported on the side stream
 #    while other requests decode (tests/engine/test_gpu_engine.py), async against sync and batched
 #    against alone at 4 and 16 requests, sixteen sessions on the engine loop
@@ -8,21 +8,26 @@
 # 2. benchmarks/resume.py at 50K tokens, 35B-A3B shape: a session's next turn resumed from host and
 #    from disk against the same turn cached and recomputed (host and disk must give the cached tokens);
 # 3. benchmarks/sweeps/import_overlap.py: 16 requests decode while a 50K-token state is imported
-#    every few steps, by the former drain-and-copy order and by the side-stream copy.
+#    every few steps, by the former drain-and-copy order and by the side-stream copy;
+# 4. fleet: tools/gpu/fleet.sh's sessions mode with the time left ($FLEET_AGENTS, default 128;
+#    DURATION = the time left less 150 s for the server's start and the last turns).
+# STEPS (default "tests resume overlap") picks and orders them.
 # Each step runs only while DEADLINE (epoch seconds; default 560 s from now) leaves it time; the
 # kernel caches are packed into $OUT at the end (copy them into .gpu-cache/ for the fleet's calls).
 source tools/gpu/setup.sh || exit 1
 DEADLINE=${DEADLINE:-$(( $(date +%s) + 560 ))}
 left() { echo $(( DEADLINE - $(date +%s) )); }
 cap() { local l; l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-T0=$(date +%s)
+STEPS=${STEPS:-tests resume overlap}
+step_tests() {
 timeout "$(cap 280)" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
   tests/engine/test_gpu_engine.py -k "resume_queued or async_scheduling or prefix_hits or concurren or sixteen or trained or logits" \
   tests/engine/test_gpu_concurrency.py tests/engine/test_gpu_trained_model.py \
   > "$OUT/gpu_tests.log" 2>&1
-echo "tests: rc $?, $(( $(date +%s) - T0 )) s"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -8
-T0=$(date +%s)
-[ "$(left)" -gt 60 ] && timeout "$(cap 220)" python3 - > "$OUT/resume_50k.txt" 2>&1 <<'PY'
+echo "rc $?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -8
+}
+step_resume() {
+timeout "$(cap 220)" python3 - > "$OUT/resume_50k.txt" 2>&1 <<'PY'
 import tempfile
 from pathlib import Path
 from phloem.benchmarks.resume import run_resume_bench
@@ -33,9 +38,19 @@ options = EngineConfig(load=LoadConfig(device="cuda", dtype="bfloat16", load_for
 print(run_resume_bench(ensure_shape_model("qwen3.5-35b-a3b", data), data, prompt_len=50_000, append_len=800,
                        reps=3, options=options).table())
 PY
-echo "resume: rc $?, $(( $(date +%s) - T0 )) s"; tail -9 "$OUT/resume_50k.txt"
-T0=$(date +%s)
-[ "$(left)" -gt 60 ] && timeout "$(cap 200)" python3 benchmarks/sweeps/import_overlap.py --context 50000 --batch 16 \
+echo "rc $?"; tail -9 "$OUT/resume_50k.txt"
+}
+step_overlap() {
+timeout "$(cap 200)" python3 benchmarks/sweeps/import_overlap.py --context 50000 --batch 16 \
   > "$OUT/import_overlap.txt" 2>&1
-echo "import_overlap: rc $?, $(( $(date +%s) - T0 )) s"; tail -5 "$OUT/import_overlap.txt"
-pack_caches "$OUT" >/dev/null
+echo "rc $?"; tail -5 "$OUT/import_overlap.txt"
+}
+step_fleet() {
+SETUP=0 DEADLINE=$DEADLINE MODE_TIMEOUT=$(left) DURATION=${DURATION:-$(( $(left) - 150 ))} bash tools/gpu/fleet.sh "${FLEET_AGENTS:-128}" sessions
+}
+for step in $STEPS; do
+  T0=$(date +%s)
+  [ "$(left)" -gt 60 ] || { echo "$step: no time left before DEADLINE"; continue; }
+  echo "== $step"; "step_$step"; echo "$step: $(( $(date +%s) - T0 )) s"
+done
+[ -n "${NO_PACK:-}" ] || pack_caches "$OUT" >/dev/null
