@@ -20,7 +20,10 @@ pack_caches() {
   # cached_ops/NAME/NAME.so -> NAME/NAME.so under FlashInfer's AOT directory when restored.
   (cd /root/.cache/flashinfer/*/*/cached_ops 2>/dev/null && ls -d */ | while read -r d; do
      [ -f "$d${d%/}.so" ] && echo "$d${d%/}.so"; done | tar czf "$1/flashinfer_ops.tgz" -T -)
-  tar czf "$1/triton_cache.tgz" -C / root/.triton/cache 2>/dev/null
+  # A cache hit loads only a kernel's metadata (.json) and binary (.cubin) and the launchers
+  # (.so); the IR and source files are two thirds of the bytes, and the carry is capped.
+  tar czf "$1/triton_cache.tgz" --exclude='*.llir' --exclude='*.ptx' --exclude='*.ttir' --exclude='*.ttgir' \
+    --exclude='*.source' -C / root/.triton/cache 2>/dev/null
   ls -la "$1"/*.tgz
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
