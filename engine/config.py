@@ -241,6 +241,11 @@ class CacheConfig:
             upcast to the model's dtype on read; docs/decisions.md, "FP8 KV cache"), half the
             bytes of bf16 per token. The conv state stays in the model's dtype and the
             recurrent state in fp32.
+        handoff_hold_s: the longest a checkpoint handed to a known next user stays locked for
+            it (``engine.cache.holds``): a session turn's end (a request added with
+            ``hold_turn_end``) until its session's pin, an imported prefix until the request
+            resuming on it is admitted. The user normally comes within milliseconds; a
+            prefetch's append may come later, and finds the prefix evictable again after this.
     """
 
     page_size: int = 16
@@ -254,8 +259,11 @@ class CacheConfig:
     checkpoint_prompt_end: bool = True
     prompt_end_split_min_tokens: int = 256
     kv_cache_dtype: str = "auto"
+    handoff_hold_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if not self.handoff_hold_s >= 0:
+            raise ValueError(f"handoff_hold_s: expected >= 0, got {self.handoff_hold_s}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check_ints(

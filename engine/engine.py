@@ -91,6 +91,7 @@ class Engine(PrefixOps):
         self.cache = CacheManager(
             self.page_pool, self.slot_pool, self.runner.copy_page, tree, cache_config.checkpoint_interval,
             cache_config.checkpoint_prompt_end, cache_config.prompt_end_split_min_tokens,
+            cache_config.handoff_hold_s,
         )
         self.scheduler = Scheduler(scheduler_config, self.cache, finalize=tree is not None)
         limit = model_config.max_position_embeddings
@@ -212,6 +213,7 @@ class Engine(PrefixOps):
         sample_first: bool = False,
         output_token_ids: Sequence[int] = (),
         namespace: str | None = None,
+        hold_turn_end: bool = False,
     ) -> str:
         """Validate and enqueue a request; returns its id.
 
@@ -224,7 +226,10 @@ class Engine(PrefixOps):
         disaggregated prefill's first token): the request continues after them, and a seeded
         request's generator skips the draws they took, so its tokens equal a colocated run's.
         ``namespace``: the prefix-cache namespace (tenant) it matches and publishes in
-        (``engine.cache.radix``); None: the shared one.
+        (``engine.cache.radix``); None: the shared one. ``hold_turn_end``: keep the checkpoint
+        published when it finishes locked until a ``pin_prefix`` of it (or
+        ``CacheConfig.handoff_hold_s``), so memory pressure cannot evict a session's new head
+        before the session pins it (``engine.cache.holds``).
 
         A grammar is compiled on first use, then cached (``EngineClient`` compiles it first).
 
@@ -245,7 +250,7 @@ class Engine(PrefixOps):
             raise InvalidRequest(f"request_id: {rid!r} is already in flight")
         req = Request(
             rid, prompt + outputs, params, arrival_idx=next(self._ids), num_prompt_tokens=len(prompt),
-            prefill_only=prefill_only, sample_first=sample_first, namespace=namespace,
+            prefill_only=prefill_only, sample_first=sample_first, namespace=namespace, hold_turn_end=hold_turn_end,
         )
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
@@ -294,6 +299,8 @@ class Engine(PrefixOps):
         outputs of the step it collected, and the next call collects the queued one.
         """
         self.cache.imports.settle()  # unlock resumed prefixes whose copy has ended
+        if self.cache.holds is not None:
+            self.cache.holds.expire()  # turn ends their session never pinned
         outputs, self._pending = self._pending, []
         launched, self._queued = self._queued, None
         if launched is None:

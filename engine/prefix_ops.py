@@ -39,7 +39,8 @@ class PrefixOps:
         """Pin the deepest checkpoint within ``token_ids`` cached in ``namespace`` (a session's
         head) against eviction.
 
-        Returns an opaque handle for ``unpin_prefix``, or None when nothing of it is cached.
+        Returns an opaque handle for ``unpin_prefix``, or None when nothing of it is cached. The
+        pin takes over a turn-end hold of that node (``engine.cache.holds``).
         """
         tree = self.cache.tree
         if tree is None:
@@ -48,6 +49,8 @@ class PrefixOps:
         if match is None:
             return None
         tree.lock(match.node)
+        if self.cache.holds is not None:
+            self.cache.holds.release(match.node)
         return match.node
 
     def unpin_prefix(self, handle: RadixNode) -> None:

@@ -68,6 +68,9 @@ class Request:
     prefill_only: bool = False
     # With prefill_only: also sample the token after the prompt (a disaggregated prefill).
     sample_first: bool = False
+    # Keep the checkpoint published at its end locked until a pin takes it (a session's turn:
+    # ``engine.cache.holds``).
+    hold_turn_end: bool = False
     # GDN state: read from read_slot (valid iff has_state), write the step's final state to write_slot.
     read_slot: int | None = None
     write_slot: int | None = None

@@ -158,7 +158,9 @@ class Scheduler:
         n = self._chunk(req, step.budget)
         if not self.cache.allocate_pages(req, n):
             self.cache.release(req, publish=False)
-            if self.running:
+            if self.running or self.cache.holds:
+                # Memory comes back when a running request ends, or a hand-off hold ends (at its
+                # pin or admission, or after ``handoff_hold_s``: ``engine.cache.holds``).
                 return False
             # Alone and still short: it can never run.
             self._finish(req, FinishReason.LENGTH)

@@ -193,6 +193,7 @@ class EngineClient:
         output_token_ids: Sequence[int] = (),
         prefill_only: bool = False,
         namespace: str | None = None,
+        hold_turn_end: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Generate from ``prompt_token_ids``, yielding an output per engine step that produced tokens.
 
@@ -213,6 +214,9 @@ class EngineClient:
                 share the prompt then find all of it cached: ``n`` choices of one prompt).
             namespace: The prefix-cache namespace (tenant) it matches and publishes in; None:
                 the shared one (``engine.cache.radix``).
+            hold_turn_end: Keep the checkpoint published at its end locked until ``pin_prefix``
+                pins it (or ``CacheConfig.handoff_hold_s`` passes): a session's turn, whose
+                new head memory pressure must not evict before the session pins it.
 
         Yields:
             RequestOutput items, the last one finished.
@@ -229,7 +233,7 @@ class EngineClient:
         prompt, outputs = tuple(prompt_token_ids), tuple(output_token_ids)
 
         def add(sink: OutputSink) -> AddRequest:
-            return AddRequest(prompt, params, request_id, sink, outputs, namespace, prefill_only)
+            return AddRequest(prompt, params, request_id, sink, outputs, namespace, prefill_only, hold_turn_end)
 
         return self._outputs(request_id, add, params.grammar, namespace)
 

@@ -54,7 +54,8 @@ class AddRequest:
     ``output_token_ids``: tokens already generated elsewhere (a disaggregated prefill's first
     token); the request continues after them. ``namespace``: its prefix-cache namespace (tenant);
     None: the shared one. ``prefill_only``: compute the prompt, publish its checkpoint, sample
-    nothing (``Engine.add_request``).
+    nothing; ``hold_turn_end``: keep its turn-end checkpoint locked until pinned
+    (``Engine.add_request``).
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -64,6 +65,7 @@ class AddRequest:
     output_token_ids: tuple[int, ...] = ()
     namespace: str | None = None
     prefill_only: bool = False
+    hold_turn_end: bool = False
     reply: Future[str] = field(default_factory=Future)
 
 

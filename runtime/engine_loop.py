@@ -255,7 +255,7 @@ class EngineLoop:
         prompt = list(command.prompt_token_ids)
         request_id = self.engine.add_request(
             prompt, command.params, command.request_id, output_token_ids=command.output_token_ids,
-            namespace=command.namespace, prefill_only=command.prefill_only,
+            namespace=command.namespace, prefill_only=command.prefill_only, hold_turn_end=command.hold_turn_end,
         )
         self._inflight[request_id] = _InFlight(command.sink, prompt)
         return request_id

@@ -147,7 +147,8 @@ class TurnRunner:
 
         hooks = GenerationHooks(settle, on_exit, prepare, relieve, self._config.admission_stall_s)
         generation = Generation(self._engine, self._tokenizer, prompt, generate,
-                                room if generate is not None else 0, hooks, output, namespace=session.owner)
+                                room if generate is not None else 0, hooks, output, namespace=session.owner,
+                                hold_turn_end=True)
         session.generation = generation
         if generate is not None:
             self._generations.add(generation)

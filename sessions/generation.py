@@ -25,8 +25,9 @@ loads its state back). While the request waits for its first token, the engine i
 turn behind other work; once it has waited for memory ``stall_s``, ``relieve`` is called (demote
 pinned sessions), again every ``stall_s`` while it still waits and ``relieve`` finds something.
 A request queued behind other prefills never demotes anyone. A request the engine turns away for
-lack of room (finished at once, ``length``, no token) is retried once after ``relieve``; a second
-refusal is ``Overloaded``, never an empty turn.
+lack of room (finished at once, ``length``, no token) is sent again after ``relieve`` (or, with
+nothing to demote, a moment's wait for running requests and hand-off holds to give memory back)
+until ``stall_s`` has passed; then it is ``Overloaded``, never an empty turn.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -130,7 +132,9 @@ class GenerationHooks:
             its state here, and falls back to recomputing it).
         relieve: Awaited when the engine has no room for the request; frees some (demotes
             pinned sessions) and returns whether it found anything to free.
-        stall_s: Seconds the request may wait for memory in the engine before ``relieve``.
+        stall_s: Seconds the request may wait for memory in the engine before ``relieve``;
+            also how long a request the engine turns away for lack of room is sent again
+            (relieving each time) before it is ``Overloaded``.
     """
 
     settle: Settle
@@ -155,6 +159,8 @@ class _NoRoom(Exception):
 _END = object()
 # How often a generation waiting for its first token asks the engine whether it waits for memory.
 _POLL_S = 0.25
+# How long a request turned away for lack of room, with nothing to demote, waits to be sent again.
+_NO_ROOM_RETRY_S = 0.05
 # The engine's reasons; "abort" only ever comes from our own cancel.
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "cancelled"}
 
@@ -174,12 +180,15 @@ class Generation:
             it must follow (``sessions.text.structured``); None: plain text.
         namespace: The prefix-cache namespace of the request: its owner (API key), so that it
             hits only that owner's cached prefixes and shared ones.
+        hold_turn_end: The engine keeps the checkpoint at the request's end locked until the
+            owner pins it (a session's turn: its new head, which memory pressure would otherwise
+            evict between the request's end and the commit's pin; ``engine.cache.holds``).
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, prompt_ids: Sequence[int],
                  options: GenerateOptions | None, max_new_tokens: int,
                  hooks: GenerationHooks, output: GenerationOutput | None = None, *,
-                 namespace: str | None = None) -> None:
+                 namespace: str | None = None, hold_turn_end: bool = False) -> None:
         assert options is None or max_new_tokens >= 1, "a generation needs room for one token"
         self.request_id = f"gen-{uuid.uuid4().hex}"
         self._engine = engine
@@ -192,6 +201,7 @@ class Generation:
         self._parser: OutputParser | None = None
         self._logprobs: list[TokenLogprob] = []
         self._namespace = namespace
+        self._hold_turn_end = hold_turn_end
         self._events: asyncio.Queue[OutputDelta | object] = asyncio.Queue()
         self._result: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
         self._cancelled = False
@@ -297,15 +307,7 @@ class Generation:
         if reason is None:
             grammar = self._output.grammar if self._output is not None else None
             params = self._options.sampling_params(self._max_new_tokens, grammar)
-            try:
-                reason, cached = await self._request(params, detok, output)
-            except _NoRoom:
-                if self._hooks.relieve is None or not await self._hooks.relieve():
-                    raise Overloaded("the engine has no room for this request now") from None
-                try:
-                    reason, cached = await self._request(params, detok, output)
-                except _NoRoom:
-                    raise Overloaded("the engine has no room for this request now") from None
+            reason, cached = await self._request_until_admitted(params, detok, output)
         tail = detok.finish()
         parsed = self._parse(tail, final=True)
         if tail or parsed:
@@ -325,6 +327,22 @@ class Generation:
         return ParsedDelta(pushed.reasoning + rest.reasoning, pushed.content + rest.content,
                            pushed.tool_calls + rest.tool_calls)
 
+    async def _request_until_admitted(self, params: SamplingParams, detok: IncrementalDetokenizer,
+                                      output: list[int]) -> tuple[str | None, int]:
+        """``_request``, sent again while the engine turns it away for lack of room: each time
+        the owner relieves memory first (demotes pinned sessions) or, with nothing to demote,
+        waits a moment for running requests and hand-off holds to give some back; after
+        ``stall_s`` it is ``Overloaded`` (the client retries later)."""
+        deadline = time.monotonic() + self._hooks.stall_s
+        while True:
+            try:
+                return await self._request(params, detok, output)
+            except _NoRoom:
+                if time.monotonic() >= deadline:
+                    raise Overloaded("the engine has no room for this request now") from None
+                if self._hooks.relieve is None or not await self._hooks.relieve():
+                    await asyncio.sleep(_NO_ROOM_RETRY_S)
+
     async def _request(self, params: SamplingParams, detok: IncrementalDetokenizer,
                        output: list[int]) -> tuple[str | None, int]:
         """Run one engine request; return its finish reason and cached-token count.
@@ -332,7 +350,8 @@ class Generation:
         Raises:
             _NoRoom: The engine finished it at once without a token.
         """
-        stream = self._engine.generate(self._prompt_ids, params, self.request_id, namespace=self._namespace)
+        stream = self._engine.generate(self._prompt_ids, params, self.request_id, namespace=self._namespace,
+                                       hold_turn_end=self._hold_turn_end)
         started = asyncio.Event()
         watchdog = asyncio.get_running_loop().create_task(self._watch_admission(started))
         reason: str | None = None

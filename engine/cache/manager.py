@@ -28,7 +28,8 @@ from phloem.engine.cache.import_fences import ImportFences
 from phloem.engine.cache.kv_pages import PagePool
 from phloem.engine.cache.radix import Checkpoint, RadixCache, RadixNode
 from phloem.engine.cache.state_slots import SlotPool
-from phloem.engine.request import Request
+from phloem.engine.cache.holds import HandoffHolds
+from phloem.engine.request import Request, RequestStatus
 
 __all__ = ["CacheManager", "CacheStats"]
 
@@ -61,6 +62,7 @@ class CacheManager:
         checkpoint_interval: int = 0,
         checkpoint_prompt_end: bool = False,
         prompt_end_split_min_tokens: int = 256,
+        handoff_hold_s: float = 5.0,
     ) -> None:
         self.page_pool = page_pool
         self.slot_pool = slot_pool
@@ -73,6 +75,8 @@ class CacheManager:
         self.cached_tokens = 0
         # Resumed prefixes whose copy into the pools is still queued (``engine.cache.import_fences``).
         self.imports = ImportFences(tree)
+        # Turn ends and imports kept locked until their next user locks them (``engine.cache.holds``).
+        self.holds = HandoffHolds(tree, handoff_hold_s) if tree is not None else None
 
     @property
     def page_size(self) -> int:
@@ -165,6 +169,8 @@ class CacheManager:
         req.has_state = match is not None
         req.read_slot = match.checkpoint.slot if match else None
         req.lock_node = match.node if match else None
+        if match is not None and self.holds is not None:
+            self.holds.release(match.node)  # e.g. the import this request resumes on
         return True
 
     def _branch_point(self, req: Request, hit: int) -> int | None:
@@ -305,7 +311,9 @@ class CacheManager:
         # The write slot holds the state at num_computed_tokens only once a step ran after admission.
         owns_state = req.has_state and req.read_slot == req.write_slot
         if publish and self.tree is not None and owns_state and req.num_computed_tokens > 0:
-            self._publish(req, final=True)
+            node = self._publish(req, final=True)
+            if req.hold_turn_end and req.status is RequestStatus.FINISHED and self.holds is not None:
+                self.holds.hold(node)
         else:
             self.page_pool.free(req.page_ids[req.num_shared_pages :])
             if req.write_slot is not None:

@@ -14,7 +14,9 @@ writer (TP=1: ``ModelRunner.write_state_async``) the path is inserted first and 
 adopted is written (the pages past what it already held, the slot and tail page when the
 checkpoint is new), on a side stream; the writer's fence goes to ``CacheManager.imports``, which
 keeps the node locked and makes the engine's stream wait before anything reads it. So a resume
-neither drains the pipeline nor stalls the steps of the requests that do not read it.
+neither drains the pipeline nor stalls the steps of the requests that do not read it. Either way
+the imported checkpoint is held for the request about to resume on it (``engine.cache.holds``):
+eviction cannot take it between the import and that request's admission.
 
 Layout of the exported tensors (what ``storage`` segments hold), the same whatever the
 tensor-parallel size (``engine.parallel.state_shards`` gathers and scatters the ranks' shards)::
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from phloem.engine.cache.manager import CacheManager
-from phloem.engine.cache.radix import Checkpoint
+from phloem.engine.cache.radix import Checkpoint, RadixNode
 from phloem.engine.copy_fence import CopyFence
 from phloem.engine.parallel.state_shards import StateTensors
 
@@ -129,9 +131,11 @@ def import_prefix(
     ckpt = Checkpoint(slot=slot, tail_page=pages[full] if has_tail else None)
     if not fenced:
         write(pages, slot, (state.kv, state.conv, state.ssm))
-        tree.insert(list(state.token_ids), pages[:full], ckpt, namespace)
+        node, _ = tree.insert(list(state.token_ids), pages[:full], ckpt, namespace)
+        _hold(cache, node)
         return True
     node, tree_pages = tree.insert(list(state.token_ids), pages[:full], ckpt, namespace)
+    _hold(cache, node)
     # Positions the tree already held (a shared prefix: a leading run) keep the tree's pages; the
     # import writes the rest, and its tail and slot only when its checkpoint is the one the tree took.
     own_checkpoint = node.checkpoint is ckpt
@@ -151,3 +155,9 @@ def import_prefix(
     if fence is not None:
         cache.imports.add(node, fence, written, slot_or_none)
     return True
+
+
+def _hold(cache: CacheManager, node: RadixNode) -> None:
+    """Keep the imported checkpoint for the request about to resume on it (``engine.cache.holds``)."""
+    if cache.holds is not None:
+        cache.holds.hold(node)

@@ -174,6 +174,7 @@ class PDEngineClient(EngineClient):
         output_token_ids: Sequence[int] = (),
         prefill_only: bool = False,
         namespace: str | None = None,
+        hold_turn_end: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """As ``EngineClient.generate``, with the prompt prefilled by the prefill instance (which
         matches and publishes in the same prefix-cache ``namespace``)."""
@@ -183,7 +184,8 @@ class PDEngineClient(EngineClient):
         # logits are processed (grammar, penalties, bias) or reported (logprobs) prefills here.
         if output_token_ids or prefill_only or params.processes_logits or params.logprobs is not None:
             async for out in super().generate(
-                prompt, params, rid, output_token_ids=output_token_ids, prefill_only=prefill_only, namespace=namespace
+                prompt, params, rid, output_token_ids=output_token_ids, prefill_only=prefill_only, namespace=namespace,
+                hold_turn_end=hold_turn_end,
             ):
                 yield out
             return
@@ -192,7 +194,7 @@ class PDEngineClient(EngineClient):
         res = await self._call(ReserveTransfer(tuple(prompt), params, self._config.local_prefill_tokens, namespace))
         if res is None:
             self.num_local += 1
-            async for out in super().generate(prompt, params, rid, namespace=namespace):
+            async for out in super().generate(prompt, params, rid, namespace=namespace, hold_turn_end=hold_turn_end):
                 yield out
             return
         pending = self._pending[rid] = _Pending()
@@ -203,10 +205,10 @@ class PDEngineClient(EngineClient):
                 if pending.aborted:
                     yield RequestOutput(rid, prompt, [], [], True, "abort", 0)
                     return
-                async for out in super().generate(prompt, params, rid, namespace=namespace):
+                async for out in super().generate(prompt, params, rid, namespace=namespace, hold_turn_end=hold_turn_end):
                     yield out
                 return
-            async for out in self._continue(rid, prompt, params, result, pending, namespace):
+            async for out in self._continue(rid, prompt, params, result, pending, namespace, hold_turn_end):
                 yield out
         finally:
             if self._pending.get(rid) is pending:
@@ -244,7 +246,7 @@ class PDEngineClient(EngineClient):
 
     async def _continue(
         self, rid: str, prompt: list[int], params: SamplingParams, result: TransferResult, pending: _Pending,
-        namespace: str | None,
+        namespace: str | None, hold_turn_end: bool,
     ) -> AsyncGenerator[RequestOutput, None]:
         first, cached = result.first_token, result.num_cached
         reason = self._first_token_stop(prompt, params, first)
@@ -258,7 +260,8 @@ class PDEngineClient(EngineClient):
             return
         # From here ``abort`` must reach the engine: the AddRequest below is queued before any await.
         del self._pending[rid]
-        inner = super().generate(prompt, params, rid, output_token_ids=(first,), namespace=namespace)
+        inner = super().generate(prompt, params, rid, output_token_ids=(first,), namespace=namespace,
+                                 hold_turn_end=hold_turn_end)
         try:
             async for out in inner:
                 yield replace(out, token_ids=out.token_ids or [first], num_cached_tokens=cached)

@@ -26,8 +26,10 @@ Policy (docs/architecture.md, "Session state tiers")::
 - **Resume** (`Spiller.resume`, before an append's request or on prefetch): if the GPU no
   longer holds the segment's prefix, load it (host pool or disk, validated: model fingerprint,
   shapes, token-id hash against the session's own tokens) and ``import_prefix`` it; the
-  request then computes only what lies past the checkpoint. Any failure (missing, corrupt or
-  foreign segment, no room) falls back to recomputing from the token history: a turn is never
+  request then computes only what lies past the checkpoint. With no room, pinned sessions are
+  demoted (``relieve``) and the import retried until ``admission_stall_s`` has passed (running
+  requests and hand-off holds give memory back). Any failure (missing, corrupt or foreign
+  segment, still no room) falls back to recomputing from the token history: a turn is never
   lost, and a bad segment is dropped.
 - **Forks** of a spilled session share its segment (`SpilledSegment.holders`); the first
   child to append imports it once (``SpilledSegment.lock``), the others then hit the cache.
@@ -38,8 +40,8 @@ Policy (docs/architecture.md, "Session state tiers")::
   ``EngineClient.waits_for_memory``), or the engine turns it away for lack of room (it finishes
   at once with ``length`` and no token), the least recently used pinned sessions that are not
   generating (``active`` within their TTL) are spilled to host and unpinned (tiers off: only unpinned; half of them, at
-  least one), and the request goes on (or is retried once; a second refusal is
-  ``Overloaded``). Pinned sessions are what the engine cannot evict; idle ones it evicts by
+  least one), and the request goes on (or is sent again, relieving each time, until
+  ``admission_stall_s`` has passed: then ``Overloaded``). Pinned sessions are what the engine cannot evict; idle ones it evicts by
   itself. A request that only waits for its turn behind other prefills demotes nobody.
 - **Graceful shutdown** (`Spiller.flush`, ``sessions.tiers._flush``): host segments, then sessions
   only on the GPU, are written to disk within ``shutdown_flush_s``, so they resume from disk.
@@ -81,6 +83,9 @@ from phloem.sessions.config import SessionConfig
 from phloem.sessions.session import Session, SessionStatus, SpilledSegment, SpillTier
 from phloem.sessions.tiers.store import SessionStore
 from phloem.storage import CorruptSegment, HostPool, Segment, SessionRecord, StorageError
+
+# How long a resume that found no room and nothing to demote waits before it tries again.
+_NO_ROOM_RETRY_S = 0.05
 
 if TYPE_CHECKING:
     from phloem.runtime import EngineClient
@@ -215,7 +220,8 @@ class Spiller:
         entry = session.segment
         if entry is None or entry.num_tokens > len(session.token_ids):
             return
-        for attempt in range(2):
+        deadline = time.monotonic() + self._config.admission_stall_s
+        while True:
             async with entry.lock:
                 try:
                     if await self._import(session, entry):
@@ -232,12 +238,16 @@ class Spiller:
                     self._events.resume_failed()
                     return
             # No room in the engine: demote pinned sessions (outside the segment lock, see the
-            # lock order), then try once more; after that the request recomputes.
-            if attempt or not await self.relieve(exclude=session):
+            # lock order) and try again; with none to demote, wait for running requests and
+            # hand-off holds to end. The request would wait for that room anyway, and would
+            # need more of it to recompute; past ``admission_stall_s`` it recomputes.
+            if time.monotonic() >= deadline:
                 logger.warning("session %s: no room to import its segment; recomputing",
                                session.session_id)
                 self._events.resume_failed()
                 return
+            if not await self.relieve(exclude=session):
+                await asyncio.sleep(_NO_ROOM_RETRY_S)
 
     async def relieve(self, exclude: Session | None = None) -> bool:
         """Free engine memory for a stalled request: spill and unpin the least recently used

@@ -571,3 +571,76 @@ def test_sqlite_index_matches_the_journal_after_spills(make_manager: ManagerFact
         assert record is not None and record.tier == "disk" and record.segment_id is not None
 
     run(make_manager, body)
+
+
+
+def with_a_pin_no_session_owns(model_dir: Path, tokenizer: Tokenizer, tmp_path: Path,
+                               before: Callable[[SessionManager, EngineClient], Awaitable[T]],
+                               body: Callable[[SessionManager, T], Awaitable[None]]) -> None:
+    """A 12-page engine; ``before`` runs, then 150 tokens (10 of the pages) are prefilled and
+    pinned by no session (nothing to demote), ``body`` runs while the pin goes 0.3 s later."""
+    engine = EngineClient.from_pretrained(model_dir, EngineConfig(cache=CacheConfig(num_pages=12, num_state_slots=16)))
+    engine.start()
+    config = SessionConfig(data_dir=tmp_path, admission_stall_s=5.0)
+
+    async def main() -> None:
+        m = SessionManager(engine, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
+        await m.start()
+        try:
+            ready = await before(m, engine)
+            hog = unique_ids(150)
+            await engine.prefill(hog)
+            handle = await engine.pin_prefix(hog)
+            assert handle is not None
+
+            async def let_go() -> None:
+                await asyncio.sleep(0.3)
+                await engine.unpin_prefix(handle)
+
+            releaser = asyncio.create_task(let_go())
+            await asyncio.wait_for(body(m, ready), 30)
+            await releaser
+        finally:
+            await m.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+def test_a_resume_with_no_room_waits_for_memory_instead_of_recomputing(model_dir: Path, tokenizer: Tokenizer,
+                                                                       tmp_path: Path) -> None:
+    """A spilled session's next turn finds the pool locked by a pin no session owns: the resume
+    waits for room — up to ``admission_stall_s`` — and imports once the pin goes, so the turn is
+    a hit on the spilled prefix rather than a recompute of it."""
+    async def spilled(m: SessionManager, engine: EngineClient) -> tuple[str, int]:
+        s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(60)), ttl=0)
+        first = await turn(m, s.session_id, unique_ids(4))
+        await m.offload(OWNER, s.session_id, "host", wait=True)
+        assert m.get(OWNER, s.session_id).status == "host"
+        await engine.reset_prefix_cache()
+        return s.session_id, first.usage.prompt_tokens
+
+    async def next_turn(m: SessionManager, ready: tuple[str, int]) -> None:
+        session_id, history = ready
+        result = await turn(m, session_id, unique_ids(2))
+        assert result.usage.cached_tokens >= history, result.usage
+
+    with_a_pin_no_session_owns(model_dir, tokenizer, tmp_path, spilled, next_turn)
+
+
+def test_a_request_turned_away_for_room_is_sent_again_until_memory_returns(model_dir: Path, tokenizer: Tokenizer,
+                                                                           tmp_path: Path) -> None:
+    """The engine turns a lone request away (its pools are locked by a pin no session owns, so
+    there is nothing to demote): it is sent again until the pin goes, within
+    ``admission_stall_s``, instead of failing ``Overloaded`` at the second refusal."""
+    async def fresh(m: SessionManager, engine: EngineClient) -> str:
+        del engine
+        return (await m.create(OWNER)).session_id
+
+    async def first_turn(m: SessionManager, session_id: str) -> None:
+        result = await turn(m, session_id, unique_ids(60))
+        assert len(result.output_ids) == 4
+
+    with_a_pin_no_session_owns(model_dir, tokenizer, tmp_path, fresh, first_turn)
