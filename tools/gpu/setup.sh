@@ -1,14 +1,15 @@
 #!/bin/bash
 # Source at the start of every device call, from the repository root:
 #   source tools/gpu/setup.sh
-# Installs the carried wheels (.whl/, from tools/gpu/fetch_wheels.sh) into /tmp/site, makes
+# Installs the carried wheels (.whl/ and, when carried, .whl-client/: tools/gpu/fetch_wheels.sh) into /tmp/site, makes
 # this checkout importable as `phloem` (/tmp/pkg/phloem -> here), and restores the kernel caches
 # an earlier machine packed (.gpu-cache/: FlashInfer's JIT-built libraries, installed as its AOT
 # modules so they load without a build check; Triton's cache), so a fresh machine does not compile
 # them again. `pack_caches DIR` writes them out: copy DIR's .tgz files into .gpu-cache/ and carry it.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl $(ls .whl-client/*.whl 2>/dev/null) \
   >/tmp/pip.log 2>&1 || { tail -5 /tmp/pip.log; return 1; }
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/phloem
 export PYTHONPATH=/tmp/pkg:/tmp/site:$PWD
