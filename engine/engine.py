@@ -299,8 +299,7 @@ class Engine(PrefixOps):
         outputs of the step it collected, and the next call collects the queued one.
         """
         self.cache.imports.settle()  # unlock resumed prefixes whose copy has ended
-        if self.cache.holds is not None:
-            self.cache.holds.expire()  # turn ends their session never pinned
+        self.cache.holds.expire()  # turn ends and imports no next user took in time
         outputs, self._pending = self._pending, []
         launched, self._queued = self._queued, None
         if launched is None:

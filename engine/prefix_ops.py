@@ -49,8 +49,7 @@ class PrefixOps:
         if match is None:
             return None
         tree.lock(match.node)
-        if self.cache.holds is not None:
-            self.cache.holds.release(match.node)
+        self.cache.holds.release(match.node)
         return match.node
 
     def unpin_prefix(self, handle: RadixNode) -> None:

@@ -35,12 +35,13 @@ class HandoffHolds:
     """Locks on checkpoints awaiting their next user, released by that user's lock or after ``hold_s``.
 
     Args:
-        tree: The radix cache whose nodes are locked.
+        tree: The radix cache whose nodes are locked (None: no prefix cache, so nothing is ever
+            held, as nothing is published).
         hold_s: The longest a hold lasts.
         clock: Monotonic seconds (tests pass their own).
     """
 
-    def __init__(self, tree: RadixCache, hold_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, tree: RadixCache | None, hold_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._tree = tree
         self._hold_s = hold_s
         self._clock = clock
@@ -51,6 +52,7 @@ class HandoffHolds:
 
     def hold(self, node: RadixNode) -> None:
         """Lock ``node`` for its next user, for at most ``hold_s``."""
+        assert self._tree is not None, "a hold needs the prefix cache"
         self._tree.lock(node)
         self._held.append((self._clock() + self._hold_s, node))
 
@@ -59,18 +61,21 @@ class HandoffHolds:
         for i, (_, held) in enumerate(self._held):
             if held is node:
                 del self._held[i]
-                self._tree.unlock(node)
+                self._unlock(node)
                 return True
         return False
 
     def clear(self) -> None:
         """Drop every hold (tests that count free pages after an import no request followed)."""
         while self._held:
-            self._tree.unlock(self._held.popleft()[1])
+            self._unlock(self._held.popleft()[1])
 
     def expire(self) -> None:
         """Drop the holds older than ``hold_s``."""
         now = self._clock()
         while self._held and self._held[0][0] <= now:
-            _, node = self._held.popleft()
-            self._tree.unlock(node)
+            self._unlock(self._held.popleft()[1])
+
+    def _unlock(self, node: RadixNode) -> None:
+        assert self._tree is not None  # held only where hold() locked it
+        self._tree.unlock(node)

@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from phloem.engine.cache.holds import HandoffHolds
 from phloem.engine.cache.import_fences import ImportFences
 from phloem.engine.cache.kv_pages import PagePool
 from phloem.engine.cache.radix import Checkpoint, RadixCache, RadixNode
 from phloem.engine.cache.state_slots import SlotPool
-from phloem.engine.cache.holds import HandoffHolds
 from phloem.engine.request import Request, RequestStatus
 
 __all__ = ["CacheManager", "CacheStats"]
@@ -76,7 +76,7 @@ class CacheManager:
         # Resumed prefixes whose copy into the pools is still queued (``engine.cache.import_fences``).
         self.imports = ImportFences(tree)
         # Turn ends and imports kept locked until their next user locks them (``engine.cache.holds``).
-        self.holds = HandoffHolds(tree, handoff_hold_s) if tree is not None else None
+        self.holds = HandoffHolds(tree, handoff_hold_s)
 
     @property
     def page_size(self) -> int:
@@ -169,7 +169,7 @@ class CacheManager:
         req.has_state = match is not None
         req.read_slot = match.checkpoint.slot if match else None
         req.lock_node = match.node if match else None
-        if match is not None and self.holds is not None:
+        if match is not None:
             self.holds.release(match.node)  # e.g. the import this request resumes on
         return True
 
@@ -312,7 +312,7 @@ class CacheManager:
         owns_state = req.has_state and req.read_slot == req.write_slot
         if publish and self.tree is not None and owns_state and req.num_computed_tokens > 0:
             node = self._publish(req, final=True)
-            if req.hold_turn_end and req.status is RequestStatus.FINISHED and self.holds is not None:
+            if req.hold_turn_end and req.status is RequestStatus.FINISHED:
                 self.holds.hold(node)
         else:
             self.page_pool.free(req.page_ids[req.num_shared_pages :])

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from phloem.engine.cache.manager import CacheManager
-from phloem.engine.cache.radix import Checkpoint, RadixNode
+from phloem.engine.cache.radix import Checkpoint
 from phloem.engine.copy_fence import CopyFence
 from phloem.engine.parallel.state_shards import StateTensors
 
@@ -132,10 +132,10 @@ def import_prefix(
     if not fenced:
         write(pages, slot, (state.kv, state.conv, state.ssm))
         node, _ = tree.insert(list(state.token_ids), pages[:full], ckpt, namespace)
-        _hold(cache, node)
+        cache.holds.hold(node)  # for the request about to resume on it (``engine.cache.holds``)
         return True
     node, tree_pages = tree.insert(list(state.token_ids), pages[:full], ckpt, namespace)
-    _hold(cache, node)
+    cache.holds.hold(node)
     # Positions the tree already held (a shared prefix: a leading run) keep the tree's pages; the
     # import writes the rest, and its tail and slot only when its checkpoint is the one the tree took.
     own_checkpoint = node.checkpoint is ckpt
@@ -155,9 +155,3 @@ def import_prefix(
     if fence is not None:
         cache.imports.add(node, fence, written, slot_or_none)
     return True
-
-
-def _hold(cache: CacheManager, node: RadixNode) -> None:
-    """Keep the imported checkpoint for the request about to resume on it (``engine.cache.holds``)."""
-    if cache.holds is not None:
-        cache.holds.hold(node)
