@@ -98,12 +98,6 @@ class TurnRecord:
     output_hash: str = ""  # of the output token ids: runs of one workload compare token for token
 
 
-def _past(deadline: float | None, after_s: float = 0.0) -> bool:
-    """Whether ``deadline`` (``time.monotonic``, system-wide: client processes share it) is past,
-    or will be in ``after_s`` seconds (a tool wait that would end past it ends the agent now)."""
-    return deadline is not None and time.monotonic() + after_s >= deadline
-
-
 @dataclass(slots=True)
 class _Agent:
     agent: int
@@ -112,6 +106,16 @@ class _Agent:
     rng: random.Random
     records: list[TurnRecord] = field(default_factory=list)
     not_started: int = 0  # turns skipped at the deadline
+
+
+def _stops(state: _Agent, deadline: float | None, turns_left: int, after_s: float = 0.0) -> bool:
+    """Whether ``state``'s branch stops here: ``deadline`` (``time.monotonic``, system-wide:
+    client processes share it) is past, or will be in ``after_s`` seconds (a tool wait that would
+    end past it ends the branch now). Its ``turns_left`` then count as not started."""
+    if deadline is None or time.monotonic() + after_s < deadline:
+        return False
+    state.not_started += turns_left
+    return True
 
 
 def _tokens(rng: random.Random, n: int, hi: int) -> list[int]:
@@ -162,8 +166,7 @@ async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int, 
     async def run_turns(handle: object, state: _Agent, first: int, last: int) -> None:
         waits = _waits(wl, state.agent, state.branch)
         for turn in range(first, last + 1):
-            if _past(deadline):
-                state.not_started += last - turn + 1
+            if _stops(state, deadline, last - turn + 1):
                 return
             new = _tokens(state.rng, wl.first_turn if turn == 1 else wl.append, wl.vocab_hi)
             t0 = time.perf_counter()
@@ -185,8 +188,7 @@ async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int, 
             )  # fmt: skip
             tick(1)
             if turn < last and (wait_s := waits()) > 0:
-                if _past(deadline, wait_s):
-                    state.not_started += last - turn
+                if _stops(state, deadline, last - turn, wait_s):
                     return
                 ahead = min(wl.prefetch_ahead_s, wait_s)
                 await asyncio.sleep(wait_s - ahead)
@@ -211,8 +213,7 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
     async def run_turns(state: _Agent, first: int, last: int) -> None:
         waits = _waits(wl, state.agent, state.branch)
         for turn in range(first, last + 1):
-            if _past(deadline):
-                state.not_started += last - turn + 1
+            if _stops(state, deadline, last - turn + 1):
                 return
             new = _tokens(state.rng, wl.first_turn if turn == 1 else wl.append, wl.vocab_hi)
             state.history += new
@@ -248,8 +249,7 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
             tick(1)
             state.history += output
             if turn < last and (wait_s := waits()) > 0:
-                if _past(deadline, wait_s):
-                    state.not_started += last - turn
+                if _stops(state, deadline, last - turn, wait_s):
                     return
                 await asyncio.sleep(wait_s)
 
