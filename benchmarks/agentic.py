@@ -33,6 +33,7 @@ import math
 import multiprocessing
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, wait
@@ -42,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from phloem.api import AsyncClient
+from phloem.api.sdk import PhloemError
 from phloem.api.schemas import GenerateParams
 from phloem.benchmarks.local_server import LocalServer, rss_mib
 from phloem.benchmarks.tool_wait import ToolWait
@@ -118,6 +120,12 @@ def _stops(state: _Agent, deadline: float | None, turns_left: int, after_s: floa
     return True
 
 
+def _failed(state: _Agent, turn: int, exc: Exception) -> None:
+    """A turn failed (the server refused or broke it): say so on stderr and end the branch; its
+    turns from this one on count as lost (``lost_turns``), the other agents go on."""
+    print(f"agent {state.agent} branch {state.branch} turn {turn} failed: {exc}", file=sys.stderr)
+
+
 def _tokens(rng: random.Random, n: int, hi: int) -> list[int]:
     return [rng.randrange(10, hi) for _ in range(n)]
 
@@ -172,10 +180,14 @@ async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int, 
             t0 = time.perf_counter()
             stamps: list[float] = []
             output: list[int] = []
-            async with handle.stream(input_ids=new, generate=params) as stream:  # type: ignore[attr-defined]
-                async for delta in stream:
-                    stamps.extend([time.perf_counter()] * len(delta.token_ids))
-                    output += delta.token_ids
+            try:
+                async with handle.stream(input_ids=new, generate=params) as stream:  # type: ignore[attr-defined]
+                    async for delta in stream:
+                        stamps.extend([time.perf_counter()] * len(delta.token_ids))
+                        output += delta.token_ids
+            except PhloemError as exc:
+                _failed(state, turn, exc)
+                return
             result = stream.result
             assert result is not None, "the stream ended without a committed turn"
             ttft, tpot = _timing(t0, stamps)
@@ -225,18 +237,24 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
             stamps: list[float] = []
             usage: dict[str, object] = {}
             output: list[int] = []
-            async with http.stream("POST", "/v1/completions", json=body) as resp:
-                resp.raise_for_status()
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    for choice in chunk.get("choices") or []:
-                        ids = choice.get("token_ids") or []
-                        output += ids
-                        stamps.extend([time.perf_counter()] * len(ids))
+            try:
+                async with http.stream("POST", "/v1/completions", json=body) as resp:
+                    resp.raise_for_status()
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            raise httpx.HTTPError(str(chunk["error"]))
+                        if chunk.get("usage"):
+                            usage = chunk["usage"]
+                        for choice in chunk.get("choices") or []:
+                            ids = choice.get("token_ids") or []
+                            output += ids
+                            stamps.extend([time.perf_counter()] * len(ids))
+            except httpx.HTTPError as exc:
+                _failed(state, turn, exc)
+                return
             ttft, tpot = _timing(t0, stamps)
             details = usage.get("prompt_tokens_details") or {}
             records.append(

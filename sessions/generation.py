@@ -27,7 +27,8 @@ pinned sessions), again every ``stall_s`` while it still waits and ``relieve`` f
 A request queued behind other prefills never demotes anyone. A request the engine turns away for
 lack of room (finished at once, ``length``, no token) is sent again after ``relieve`` (or, with
 nothing to demote, a moment's wait for running requests and hand-off holds to give memory back)
-until ``stall_s`` has passed; then it is ``Overloaded``, never an empty turn.
+until ``stall_s`` has passed since the first refusal; then it is ``Overloaded``, never an empty
+turn.
 """
 
 from __future__ import annotations
@@ -332,13 +333,18 @@ class Generation:
         """``_request``, sent again while the engine turns it away for lack of room: each time
         the owner relieves memory first (demotes pinned sessions) or, with nothing to demote,
         waits a moment for running requests and hand-off holds to give some back; after
-        ``stall_s`` it is ``Overloaded`` (the client retries later)."""
-        deadline = time.monotonic() + self._hooks.stall_s
+        ``stall_s`` from the first refusal it is ``Overloaded`` (the client retries later). The
+        time a request queued behind other work before its refusal does not count: under load a
+        request may queue for seconds, then find the pool pinned; it still gets its ``stall_s``
+        of demotions."""
+        deadline: float | None = None
         while True:
             try:
                 return await self._request(params, detok, output)
             except _NoRoom:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                deadline = now + self._hooks.stall_s if deadline is None else deadline
+                if now >= deadline:
                     raise Overloaded("the engine has no room for this request now") from None
                 if self._hooks.relieve is None or not await self._hooks.relieve():
                     await asyncio.sleep(_NO_ROOM_RETRY_S)

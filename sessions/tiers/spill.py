@@ -27,8 +27,8 @@ Policy (docs/architecture.md, "Session state tiers")::
   longer holds the segment's prefix, load it (host pool or disk, validated: model fingerprint,
   shapes, token-id hash against the session's own tokens) and ``import_prefix`` it; the
   request then computes only what lies past the checkpoint. With no room, pinned sessions are
-  demoted (``relieve``) and the import retried until ``admission_stall_s`` has passed (running
-  requests and hand-off holds give memory back). Any failure (missing, corrupt or foreign
+  demoted (``relieve``) and the import retried until ``admission_stall_s`` has passed since the
+  first refusal (running requests and hand-off holds give memory back). Any failure (missing, corrupt or foreign
   segment, still no room) falls back to recomputing from the token history: a turn is never
   lost, and a bad segment is dropped.
 - **Forks** of a spilled session share its segment (`SpilledSegment.holders`); the first
@@ -41,7 +41,8 @@ Policy (docs/architecture.md, "Session state tiers")::
   at once with ``length`` and no token), the least recently used pinned sessions that are not
   generating (``active`` within their TTL) are spilled to host and unpinned (tiers off: only unpinned; half of them, at
   least one), and the request goes on (or is sent again, relieving each time, until
-  ``admission_stall_s`` has passed: then ``Overloaded``). Pinned sessions are what the engine cannot evict; idle ones it evicts by
+  ``admission_stall_s`` has passed since the first refusal: then ``Overloaded``; the time it
+  queued behind other work before that does not count). Pinned sessions are what the engine cannot evict; idle ones it evicts by
   itself. A request that only waits for its turn behind other prefills demotes nobody.
 - **Graceful shutdown** (`Spiller.flush`, ``sessions.tiers._flush``): host segments, then sessions
   only on the GPU, are written to disk within ``shutdown_flush_s``, so they resume from disk.
@@ -220,7 +221,7 @@ class Spiller:
         entry = session.segment
         if entry is None or entry.num_tokens > len(session.token_ids):
             return
-        deadline = time.monotonic() + self._config.admission_stall_s
+        deadline: float | None = None  # ``admission_stall_s`` from the first refusal
         while True:
             async with entry.lock:
                 try:
@@ -241,7 +242,9 @@ class Spiller:
             # lock order) and try again; with none to demote, wait for running requests and
             # hand-off holds to end. The request would wait for that room anyway, and would
             # need more of it to recompute; past ``admission_stall_s`` it recomputes.
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            deadline = now + self._config.admission_stall_s if deadline is None else deadline
+            if now >= deadline:
                 logger.warning("session %s: no room to import its segment; recomputing",
                                session.session_id)
                 self._events.resume_failed()

@@ -576,12 +576,15 @@ def test_sqlite_index_matches_the_journal_after_spills(make_manager: ManagerFact
 
 def with_a_pin_no_session_owns(model_dir: Path, tokenizer: Tokenizer, tmp_path: Path,
                                before: Callable[[SessionManager, EngineClient], Awaitable[T]],
-                               body: Callable[[SessionManager, T], Awaitable[None]]) -> None:
-    """A 12-page engine; ``before`` runs, then 150 tokens (10 of the pages) are prefilled and
-    pinned by no session (nothing to demote), ``body`` runs while the pin goes 0.3 s later."""
-    engine = EngineClient.from_pretrained(model_dir, EngineConfig(cache=CacheConfig(num_pages=12, num_state_slots=16)))
+                               body: Callable[[SessionManager, T], Awaitable[None]],
+                               pinned_s: float = 0.3, stall_s: float = 5.0, hold_s: float = 5.0) -> None:
+    """A 12-page engine (hand-off holds of ``hold_s``); ``before`` runs, then 150 tokens (10 of
+    the pages) are prefilled and pinned by no session (nothing to demote), ``body`` runs while
+    the pin goes ``pinned_s`` later; sessions wait ``stall_s`` for memory."""
+    cache = CacheConfig(num_pages=12, num_state_slots=16, handoff_hold_s=hold_s)
+    engine = EngineClient.from_pretrained(model_dir, EngineConfig(cache=cache))
     engine.start()
-    config = SessionConfig(data_dir=tmp_path, admission_stall_s=5.0)
+    config = SessionConfig(data_dir=tmp_path, admission_stall_s=stall_s)
 
     async def main() -> None:
         m = SessionManager(engine, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
@@ -594,7 +597,7 @@ def with_a_pin_no_session_owns(model_dir: Path, tokenizer: Tokenizer, tmp_path: 
             assert handle is not None
 
             async def let_go() -> None:
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(pinned_s)
                 await engine.unpin_prefix(handle)
 
             releaser = asyncio.create_task(let_go())
@@ -644,3 +647,29 @@ def test_a_request_turned_away_for_room_is_sent_again_until_memory_returns(model
         assert len(result.output_ids) == 4
 
     with_a_pin_no_session_owns(model_dir, tokenizer, tmp_path, fresh, first_turn)
+
+
+def test_the_stall_counts_from_the_refusal_not_from_the_queue(model_dir: Path, tokenizer: Tokenizer,
+                                                             tmp_path: Path) -> None:
+    """A request waits 3 s in the engine's queue behind a hand-off hold (an imported prefix no
+    request claims), then, the hold expired, is turned away while a pin no session owns locks
+    the pool; the pin goes 0.5 s later. With ``admission_stall_s`` 2 s it still runs: the stall
+    is counted from the first refusal, not from the time it was sent (which would make it
+    ``Overloaded`` at that refusal)."""
+    async def held(m: SessionManager, engine: EngineClient) -> tuple[str, float]:
+        small = unique_ids(20)
+        await engine.prefill(small)
+        state = await engine.export_prefix(small)
+        assert state is not None
+        await engine.reset_prefix_cache()
+        assert await engine.import_prefix(state)  # held until a request takes it: none will
+        return (await m.create(OWNER)).session_id, asyncio.get_running_loop().time()
+
+    async def first_turn(m: SessionManager, ready: tuple[str, float]) -> None:
+        session_id, held_at = ready
+        result = await turn(m, session_id, unique_ids(60))
+        assert len(result.output_ids) == 4
+        assert asyncio.get_running_loop().time() - held_at >= 3.0, "it ran before the hold expired"
+
+    with_a_pin_no_session_owns(model_dir, tokenizer, tmp_path, held, first_turn,
+                               pinned_s=3.5, stall_s=2.0, hold_s=3.0)
