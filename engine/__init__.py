@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from phloem.engine.cache.radix import RadixNode
     from phloem.engine.cache.sizing import WEIGHT_FORMATS, MemoryEstimate, estimate_memory
     from phloem.engine.engine import Engine
-    from phloem.engine.request import RequestOutput, TokenLogprob
+    from phloem.engine.request import MemoryWait, RequestOutput, TokenLogprob
     from phloem.engine.sampling.grammar import GrammarStats
     from phloem.engine.speculative import SpeculationStats
     from phloem.engine.warmup import WarmupReport
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CacheConfig", "CacheStats", "CapacityExceeded", "CorruptStep", "Engine", "EngineConfig", "EngineError",
     "GrammarConfig", "GrammarSpec", "GrammarStats", "InvalidRequest", "KernelConfig", "LoadConfig", "MemoryEstimate",
+    "MemoryWait",
     "ParallelConfig", "RadixNode", "RequestOutput", "RunnerConfig", "SamplingParams", "SchedulerConfig",
     "SpeculationStats", "TokenLogprob", "WEIGHT_FORMATS", "WarmupReport", "estimate_memory", "progress", "progress_bar", "progress_shown",
 ]
@@ -75,6 +76,7 @@ _LAZY = {
     "Engine": "phloem.engine.engine",
     "GrammarStats": "phloem.engine.sampling.grammar",
     "MemoryEstimate": "phloem.engine.cache.sizing",
+    "MemoryWait": "phloem.engine.request",
     "RadixNode": "phloem.engine.cache.radix",
     "RequestOutput": "phloem.engine.request",
     "SpeculationStats": "phloem.engine.speculative",

@@ -38,13 +38,14 @@ from phloem.engine.errors import CorruptStep, InvalidRequest
 from phloem.engine.model_runner import CausalLM, LaunchedStep, build_runner
 from phloem.engine.parallel.group import TPGroup
 from phloem.engine.prefix_ops import PrefixOps
-from phloem.engine.request import Request, RequestOutput, RequestStatus
+from phloem.engine.request import MemoryWait, Request, RequestOutput, RequestStatus
 from phloem.engine.request_checks import check_logit_bias, check_outputs, check_prompt, grammar_matcher
 from phloem.engine.sampling.grammar import GrammarBackend
 from phloem.engine.sampling.params import SamplingParams
 from phloem.engine.sampling.sampler import skip_draws
 from phloem.engine.scheduler import Scheduler
 from phloem.engine.speculative import MTPSpeculator, SpeculationStats, extra_kv_layers
+from phloem.engine.transfer.prefix_export import PrefixState
 from phloem.engine.step_outputs import StepOutputs
 from phloem.engine.step_pipeline import next_decode_step
 from phloem.engine.warmup import WarmupReport, warm_up
@@ -93,7 +94,10 @@ class Engine(PrefixOps):
             cache_config.checkpoint_prompt_end, cache_config.prompt_end_split_min_tokens,
             cache_config.handoff_hold_s,
         )
-        self.scheduler = Scheduler(scheduler_config, self.cache, finalize=tree is not None)
+        # At TP=1 a resume's prefix loads at admission, beside the steps; under tensor parallelism
+        # a load is a collective with the workers, so it runs when the request is added.
+        self.scheduler = Scheduler(scheduler_config, self.cache, finalize=tree is not None,
+                                   load_prefix=self.import_prefix if tree is not None and self.runner.tp.size == 1 else None)
         limit = model_config.max_position_embeddings
         self.max_model_len = min(scheduler_config.max_model_len or limit, limit)
         # Speculative decoding (``engine.speculative``) runs in the synchronous loop, its steps
@@ -214,6 +218,7 @@ class Engine(PrefixOps):
         output_token_ids: Sequence[int] = (),
         namespace: str | None = None,
         hold_turn_end: bool = False,
+        resume: PrefixState | None = None,
     ) -> str:
         """Validate and enqueue a request; returns its id.
 
@@ -229,7 +234,11 @@ class Engine(PrefixOps):
         (``engine.cache.radix``); None: the shared one. ``hold_turn_end``: keep the checkpoint
         published when it finishes locked until a ``pin_prefix`` of it (or
         ``CacheConfig.handoff_hold_s``), so memory pressure cannot evict a session's new head
-        before the session pins it (``engine.cache.holds``).
+        before the session pins it (``engine.cache.holds``). ``resume``: a spilled prefix of
+        the prompt (``export_prefix``'s state, from a session tier) the request starts from:
+        loaded into the cache when the request is admitted, in queue order, unless the cache
+        holds it then (``Scheduler._load_resume``; under tensor parallelism, now). A state that
+        is not a prefix of the prompt, or that cannot be loaded, is ignored (recomputed).
 
         A grammar is compiled on first use, then cached (``EngineClient`` compiles it first).
 
@@ -259,6 +268,8 @@ class Engine(PrefixOps):
                 skip_draws(req.generator, self.model_config.vocab_size, len(outputs), self.device)
         if params.grammar is not None:
             req.grammar = grammar_matcher(self.grammar, params, outputs)
+        if resume is not None:
+            self._take_resume(req, resume)
         self._requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -285,11 +296,33 @@ class Engine(PrefixOps):
         e.g. by pinned prefixes); stepping again changes nothing until something is freed."""
         return bool(self.scheduler.waiting) and not self.scheduler.running and self._queued is None and not self._pending
 
-    def waits_for_memory(self, request_id: str) -> bool:
-        """Whether ``request_id`` is waiting because the pools have no room for it (the last
-        admission was refused after eviction), rather than for its turn in the batch."""
+    def attach_resume(self, request_id: str, resume: PrefixState) -> bool:
+        """Give a request still waiting for admission a spilled prefix of its prompt to load as
+        it is admitted (``add_request``'s ``resume``): its session let go of the pin that held
+        that prefix, so that the requests it waited behind can run. False (nothing changed) when
+        the request runs or is unknown, or the state is not a prefix of its prompt."""
         req = self._requests.get(request_id)
-        return req is not None and req.status is RequestStatus.WAITING and self.scheduler.memory_blocked
+        return req is not None and req.status is RequestStatus.WAITING and self._take_resume(req, resume)
+
+    def _take_resume(self, req: Request, resume: PrefixState) -> bool:
+        if self.cache.tree is None or resume.num_tokens >= len(req.all_token_ids) \
+                or list(resume.token_ids) != req.all_token_ids[: resume.num_tokens]:
+            return False
+        if self.scheduler.load_prefix is not None:
+            req.resume = resume
+            req.num_uncached_hint = None
+        elif self.cached_prefix_len(req.all_token_ids, req.namespace) < resume.num_tokens:
+            self.import_prefix(resume, req.namespace)  # no room: recomputed
+        return True
+
+    def waits_for_memory(self, request_id: str) -> MemoryWait:
+        """Whether ``request_id`` is waiting because the pools have no room for it (the last
+        admission was refused after eviction), rather than for its turn in the batch; and if
+        so, whether anything runs that will give memory back (else ``STALLED``)."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.WAITING or not self.scheduler.memory_blocked:
+            return MemoryWait.NO
+        return MemoryWait.STALLED if self.is_stalled() else MemoryWait.FOR_MEMORY
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that changed.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -27,7 +27,24 @@ if TYPE_CHECKING:
     from phloem.engine.sampling.logits_processors import PenaltyState
     from phloem.engine.sampling.params import SamplingParams
 
-__all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus", "TokenLogprob"]
+__all__ = ["FinishReason", "MemoryWait", "Request", "RequestOutput", "RequestStatus", "SpilledPrefix",
+           "TokenLogprob"]
+
+
+class MemoryWait(enum.IntEnum):
+    """Why a request waits for admission (``Engine.waits_for_memory``); false only for ``NO``."""
+
+    NO = 0  # not waiting, or waiting for its turn behind other work
+    FOR_MEMORY = 1  # the pools are full after eviction; running requests will give some back
+    STALLED = 2  # the pools are full and nothing runs: only unpinning frees memory
+
+
+class SpilledPrefix(Protocol):
+    """What the scheduler reads of a request's ``resume`` state (``engine.transfer.PrefixState``,
+    which it hands to the engine's loader without knowing its layout)."""
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 class RequestStatus(enum.Enum):
@@ -71,6 +88,10 @@ class Request:
     # Keep the checkpoint published at its end locked until a pin takes it (a session's turn:
     # ``engine.cache.holds``).
     hold_turn_end: bool = False
+    # A spilled prefix of the prompt (host tensors), loaded into the cache when the scheduler
+    # admits the request unless the cache holds it then (``Scheduler._load_resume``); dropped once
+    # the request runs.
+    resume: SpilledPrefix | None = None
     # GDN state: read from read_slot (valid iff has_state), write the step's final state to write_slot.
     read_slot: int | None = None
     write_slot: int | None = None

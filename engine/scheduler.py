@@ -34,14 +34,21 @@ other prompts sharing part of it (a system prompt) resume from.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from phloem.engine.cache.manager import CacheManager
 from phloem.engine.config import SchedulerConfig
-from phloem.engine.request import FinishReason, Request, RequestStatus
+from phloem.engine.request import FinishReason, Request, RequestStatus, SpilledPrefix
 
 __all__ = ["Scheduler", "SchedulerOutput"]
+
+logger = logging.getLogger(__name__)
+
+# Loads a spilled prefix into the cache in a namespace (``Engine.import_prefix``); False: no room.
+LoadPrefix = Callable[[SpilledPrefix, "str | None"], bool]
 
 # Size classes, scheduled in this order.
 _DECODE, _SHORT, _LONG = 0, 1, 2
@@ -82,9 +89,13 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager, finalize: bool = False) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, finalize: bool = False,
+                 load_prefix: LoadPrefix | None = None) -> None:
         self.config = config
         self.cache = cache
+        # Loads a waiting request's spilled prefix (``Request.resume``) as it is admitted: the
+        # copy takes its place in the queue like the request's own memory (``_load_resume``).
+        self.load_prefix = load_prefix
         # Run each finished request's last token once more to checkpoint the whole turn.
         self.finalize = finalize
         self.waiting: deque[Request] = deque()
@@ -118,7 +129,10 @@ class Scheduler:
             left = req.num_tokens - req.num_computed_tokens
         else:
             if req.num_uncached_hint is None:
-                req.num_uncached_hint = req.num_tokens - self.cache.cached_len(req.all_token_ids, req.namespace)
+                cached = self.cache.cached_len(req.all_token_ids, req.namespace)
+                if req.resume is not None:
+                    cached = max(cached, req.resume.num_tokens)
+                req.num_uncached_hint = req.num_tokens - cached
             left = req.num_uncached_hint
         if left <= 1 and req.status is RequestStatus.RUNNING:
             return _DECODE
@@ -153,23 +167,60 @@ class Scheduler:
 
     def _admit(self, req: Request, step: _Step) -> bool:
         """Give ``req`` its memory and its first chunk; False (taking nothing) when memory is short."""
+        if not self._load_resume(req):
+            if self._memory_can_return():
+                return False  # the load keeps its place in line
+            # Alone, nothing locked, and no room for the whole prefix at once: recompute it,
+            # in chunks, which needs only a chunk's pages at a time.
+            req.resume = None
         if not self.cache.admit(req):
             return False
         n = self._chunk(req, step.budget)
         if not self.cache.allocate_pages(req, n):
             self.cache.release(req, publish=False)
-            if self.running or self.cache.holds:
-                # Memory comes back when a running request ends, or a hand-off hold ends (at its
-                # pin or admission, or after ``handoff_hold_s``: ``engine.cache.holds``).
-                return False
-            # Alone and still short: it can never run.
-            self._finish(req, FinishReason.LENGTH)
-            step.failed.append(req)
-            return True
+            return self._short(req, step)
+        req.resume = None
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         step.add(req, n)
         return True
+
+    def _short(self, req: Request, step: _Step) -> bool:
+        """``req`` is short of memory: wait (False) while memory can come back, else finish it."""
+        if self._memory_can_return():
+            return False
+        # Alone, nothing locked, and still short: it can never run.
+        self._finish(req, FinishReason.LENGTH)
+        step.failed.append(req)
+        return True
+
+    def _memory_can_return(self) -> bool:
+        """Memory comes back when a running request ends, a hand-off hold ends (at its pin or
+        admission, or after ``handoff_hold_s``: ``engine.cache.holds``), or a pin goes (the
+        sessions layer demotes pinned sessions for a request that waits for memory)."""
+        tree = self.cache.tree
+        return bool(self.running or self.cache.holds or (tree is not None and tree.has_locks))
+
+    def _load_resume(self, req: Request) -> bool:
+        """Load ``req``'s spilled prefix into the cache, now that it is first in line, unless the
+        cache holds it already. False: no room for it (it waits, as for its own pages).
+
+        The load is part of admission, not a separate call before the request: a resume then
+        takes memory in queue order and is never starved by the requests queued behind it (which
+        would take every page a step frees first), and the loaded prefix is admitted on at once
+        (the hand-off hold ``import_prefix`` puts on it ends in ``CacheManager.admit``). A state
+        this engine cannot load (wrong shapes) is dropped: the request recomputes it."""
+        state = req.resume
+        if state is None or self.load_prefix is None:
+            return True
+        if self.cache.cached_len(req.all_token_ids, req.namespace) >= state.num_tokens:
+            return True
+        try:
+            return self.load_prefix(state, req.namespace)
+        except ValueError as exc:
+            logger.warning("request %s: cannot load its spilled prefix (%s); recomputing it", req.request_id, exc)
+            req.resume = None
+            return True
 
     def _extends_finalizing(self, req: Request) -> bool:
         tokens = req.all_token_ids

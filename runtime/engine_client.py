@@ -35,7 +35,8 @@ from types import TracebackType
 from typing import Protocol, TypeVar
 
 from phloem.engine import (
-    Engine, EngineError, GrammarSpec, GrammarStats, InvalidRequest, RequestOutput, SamplingParams, WarmupReport,
+    Engine, EngineError, GrammarSpec, GrammarStats, InvalidRequest, MemoryWait, RequestOutput, SamplingParams,
+    WarmupReport,
 )
 from phloem.engine.config import EngineConfig, ModelConfig
 from phloem.runtime.engine_commands import (
@@ -52,6 +53,7 @@ from phloem.runtime.engine_commands import (
     PrefixState,
     QueryCachedPrefix,
     QueryWaitsForMemory,
+    AttachResume,
     ResetPrefixCache,
     UnpinPrefix,
 )
@@ -194,6 +196,7 @@ class EngineClient:
         prefill_only: bool = False,
         namespace: str | None = None,
         hold_turn_end: bool = False,
+        resume: PrefixState | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Generate from ``prompt_token_ids``, yielding an output per engine step that produced tokens.
 
@@ -217,6 +220,10 @@ class EngineClient:
             hold_turn_end: Keep the checkpoint published at its end locked until ``pin_prefix``
                 pins it (or ``CacheConfig.handoff_hold_s`` passes): a session's turn, whose
                 new head memory pressure must not evict before the session pins it.
+            resume: A spilled prefix of the prompt (``export_prefix``'s state, back from a
+                session tier): loaded into the prefix cache when the engine admits the request,
+                in its place in the queue, unless the cache holds that prefix by then; ignored
+                when it is not a prefix of the prompt (the request then computes it).
 
         Yields:
             RequestOutput items, the last one finished.
@@ -233,7 +240,8 @@ class EngineClient:
         prompt, outputs = tuple(prompt_token_ids), tuple(output_token_ids)
 
         def add(sink: OutputSink) -> AddRequest:
-            return AddRequest(prompt, params, request_id, sink, outputs, namespace, prefill_only, hold_turn_end)
+            return AddRequest(prompt, params, request_id, sink, outputs, namespace, prefill_only, hold_turn_end,
+                              resume)
 
         return self._outputs(request_id, add, params.grammar, namespace)
 
@@ -389,9 +397,19 @@ class EngineClient:
         """
         return await self._call(QueryCachedPrefix(tuple(token_ids), namespace, settled))
 
-    async def waits_for_memory(self, request_id: str) -> bool:
+    async def attach_resume(self, request_id: str, state: PrefixState) -> bool:
+        """Give a request still waiting for admission a spilled prefix of its prompt to load as
+        it is admitted (``generate``'s ``resume``). False when it runs already, or is unknown.
+
+        Raises:
+            EngineError: The engine loop is not running.
+        """
+        return await self._call(AttachResume(request_id, state))
+
+    async def waits_for_memory(self, request_id: str) -> MemoryWait:
         """Whether the request waits because the engine has no memory for it now (its pools are
-        full after eviction), rather than for its turn behind other work.
+        full after eviction), rather than for its turn behind other work; ``STALLED`` when
+        nothing runs either (only unpinning frees memory then).
 
         Raises:
             EngineError: The engine loop is not running.

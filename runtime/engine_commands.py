@@ -14,7 +14,7 @@ from typing import TypeAlias
 
 import torch
 
-from phloem.engine import CacheStats, EngineError, RequestOutput, SamplingParams, SpeculationStats
+from phloem.engine import CacheStats, EngineError, MemoryWait, RequestOutput, SamplingParams, SpeculationStats
 from phloem.engine.transfer import PrefixState, TransferReservation
 from phloem.runtime.histogram import HistogramSnapshot
 
@@ -33,6 +33,7 @@ __all__ = [
     "PrefixState",
     "QueryCachedPrefix",
     "QueryWaitsForMemory",
+    "AttachResume",
     "ReleaseTransfer",
     "ReserveTransfer",
     "ResetPrefixCache",
@@ -54,7 +55,8 @@ class AddRequest:
     ``output_token_ids``: tokens already generated elsewhere (a disaggregated prefill's first
     token); the request continues after them. ``namespace``: its prefix-cache namespace (tenant);
     None: the shared one. ``prefill_only``: compute the prompt, publish its checkpoint, sample
-    nothing; ``hold_turn_end``: keep its turn-end checkpoint locked until pinned
+    nothing; ``hold_turn_end``: keep its turn-end checkpoint locked until pinned;
+    ``resume``: a spilled prefix of the prompt, loaded as the request is admitted
     (``Engine.add_request``).
     """
 
@@ -66,6 +68,7 @@ class AddRequest:
     namespace: str | None = None
     prefill_only: bool = False
     hold_turn_end: bool = False
+    resume: PrefixState | None = None
     reply: Future[str] = field(default_factory=Future)
 
 
@@ -106,11 +109,21 @@ class QueryCachedPrefix:
 
 
 @dataclass(frozen=True, slots=True)
+class AttachResume:
+    """Give a waiting request a spilled prefix to load at admission (``Engine.attach_resume``);
+    ``reply`` is False when it runs already."""
+
+    request_id: str
+    state: PrefixState
+    reply: Future[bool] = field(default_factory=Future)
+
+
+@dataclass(frozen=True, slots=True)
 class QueryWaitsForMemory:
     """Whether a request waits because the engine has no memory for it (``Engine.waits_for_memory``)."""
 
     request_id: str
-    reply: Future[bool] = field(default_factory=Future)
+    reply: Future[MemoryWait] = field(default_factory=Future)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +201,7 @@ Command: TypeAlias = (
     AddRequest | AbortRequest | PinPrefix | UnpinPrefix | QueryCachedPrefix | ExportPrefix | ImportPrefix
     | ResetPrefixCache | GetStats | Shutdown | ReserveTransfer | InstallTransfer | ReleaseTransfer
     | QueryWaitsForMemory
+    | AttachResume
 )
 
 

@@ -49,6 +49,7 @@ from phloem.runtime.engine_commands import (
     PinPrefix,
     QueryCachedPrefix,
     QueryWaitsForMemory,
+    AttachResume,
     ReleaseTransfer,
     ReserveTransfer,
     ResetPrefixCache,
@@ -220,6 +221,8 @@ class EngineLoop:
                     result = self.engine.cached_prefix_len(token_ids, ns)
                 case QueryWaitsForMemory(request_id=request_id):
                     result = self.engine.waits_for_memory(request_id)
+                case AttachResume(request_id=request_id, state=state):
+                    result = self.engine.attach_resume(request_id, state)
                 case ExportPrefix(token_ids=token_ids, namespace=ns):
                     result = self.engine.export_prefix(token_ids, ns)
                 case ImportPrefix(state=state, namespace=ns):
@@ -256,6 +259,7 @@ class EngineLoop:
         request_id = self.engine.add_request(
             prompt, command.params, command.request_id, output_token_ids=command.output_token_ids,
             namespace=command.namespace, prefill_only=command.prefill_only, hold_turn_end=command.hold_turn_end,
+            resume=command.resume,
         )
         self._inflight[request_id] = _InFlight(command.sink, prompt)
         return request_id

@@ -159,8 +159,9 @@ class SessionEvents:
 
     def resumed(self, session: Session, tier: str, num_tokens: int, nbytes: int,
                 seconds: float) -> None:
-        """A segment of ``session`` read from ``tier`` was imported into the engine in
-        ``seconds``."""
+        """A segment of ``session`` was read back from ``tier`` in ``seconds`` and handed to
+        its next request (which the engine loads as it admits it), or imported on prefetch
+        (``seconds`` then include the import)."""
         self._resumes[tier][0] += 1
         self._resumes[tier][1] += nbytes
         self.served.resumed(tier, num_tokens, seconds)

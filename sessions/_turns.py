@@ -41,7 +41,7 @@ from phloem.sessions.tiers.store import SessionStore
 from phloem.sessions.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from phloem.runtime import EngineClient
+    from phloem.runtime import EngineClient, PrefixState
     from phloem.sessions.tiers.spill import Spiller
 
 __all__ = ["TurnRunner"]
@@ -136,11 +136,14 @@ class TurnRunner:
         def on_exit() -> None:
             session.busy, session.generation = False, None
             if not generation.succeeded and not session.deleted:
-                session.status = status_before
+                # A turn that let go of its pin while it waited (``Spiller._step_aside``) left
+                # its state on host, or only in the prefix cache.
+                session.status = status_before if session.pin is not None or status_before != "active" \
+                    else "host" if session.segment is not None else "idle"
             self._generations.discard(generation)
 
-        async def prepare() -> None:
-            await self._spill.resume(session)
+        async def prepare() -> PrefixState | None:
+            return await self._spill.state_for_append(session)
 
         async def relieve() -> bool:
             return await self._spill.relieve(exclude=session)

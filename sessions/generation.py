@@ -20,7 +20,8 @@ token generated so far, which become the last deltas and the committed output, w
 instead, and ``settle`` is not called. Engine failures end it with ``GenerationFailed``.
 
 Room in the engine (``GenerationHooks``): ``prepare`` runs before the request (a spilled session
-loads its state back). While the request waits for its first token, the engine is asked every
+reads its state back from host or disk; the engine loads it into the GPU as it admits the
+request, in its place in the queue). While the request waits for its first token, the engine is asked every
 ``_POLL_S`` whether it waits *for memory* (its pools are full after eviction), not merely for its
 turn behind other work; once it has waited for memory ``stall_s``, ``relieve`` is called (demote
 pinned sessions), again every ``stall_s`` while it still waits and ``relieve`` finds something.
@@ -42,7 +43,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from phloem.engine import CapacityExceeded, EngineError, GrammarSpec, InvalidRequest, SamplingParams, TokenLogprob
+from phloem.engine import (
+    CapacityExceeded, EngineError, GrammarSpec, InvalidRequest, MemoryWait, SamplingParams, TokenLogprob,
+)
 from phloem.sessions.errors import (
     ContextLengthExceeded, GenerationFailed, InvalidInput, Overloaded, SessionError,
     SessionNotFound,
@@ -53,7 +56,7 @@ from phloem.sessions.session import FinishReason
 from phloem.sessions.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
-    from phloem.runtime import EngineClient
+    from phloem.runtime import EngineClient, PrefixState
 
 __all__ = [
     "Completion", "GenerateOptions", "Generation", "GenerationHooks", "GenerationOutput",
@@ -129,8 +132,10 @@ class GenerationHooks:
     Args:
         settle: Turns the ``Completion`` into the result (a session commits its turn there).
         on_exit: Called once when the generation is over, whatever the outcome.
-        prepare: Awaited before the request is sent; must not raise (a spilled session loads
-            its state here, and falls back to recomputing it).
+        prepare: Awaited before the request is sent; must not raise. It may return a spilled
+            prefix of the prompt (a session's state back from host or disk), which the engine
+            loads as it admits the request (``EngineClient.generate``'s ``resume``); None: nothing
+            to load.
         relieve: Awaited when the engine has no room for the request; frees some (demotes
             pinned sessions) and returns whether it found anything to free.
         stall_s: Seconds the request may wait for memory in the engine before ``relieve``;
@@ -140,7 +145,7 @@ class GenerationHooks:
 
     settle: Settle
     on_exit: Callable[[], None]
-    prepare: Callable[[], Awaitable[None]] | None = None
+    prepare: Callable[[], Awaitable[PrefixState | None]] | None = None
     relieve: Callable[[], Awaitable[bool]] | None = None
     stall_s: float = 5.0
 
@@ -203,6 +208,9 @@ class Generation:
         self._logprobs: list[TokenLogprob] = []
         self._namespace = namespace
         self._hold_turn_end = hold_turn_end
+        self._resume: PrefixState | None = None  # what ``prepare`` returned, or ``carry`` gave
+        self._in_engine = False  # its request was sent (and may be waiting for admission)
+        self._admitted = False  # its first token came: the request runs
         self._events: asyncio.Queue[OutputDelta | object] = asyncio.Queue()
         self._result: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
         self._cancelled = False
@@ -298,7 +306,9 @@ class Generation:
             cached = await self._engine.cached_prefix_len(self._prompt_ids, self._namespace)
             return Completion((), "", None, len(self._prompt_ids), cached)
         if self._hooks.prepare is not None and not self._cancelled:
-            await self._hooks.prepare()
+            prepared = await self._hooks.prepare()
+            if prepared is not None:  # else keep what ``carry`` may have given meanwhile
+                self._resume = prepared
         detok = self._tokenizer.detokenizer(self._options.stop)
         fmt = self._output.format if self._output is not None else None
         self._parser = OutputParser(fmt) if fmt is not None else None
@@ -356,8 +366,9 @@ class Generation:
         Raises:
             _NoRoom: The engine finished it at once without a token.
         """
+        self._in_engine = True
         stream = self._engine.generate(self._prompt_ids, params, self.request_id, namespace=self._namespace,
-                                       hold_turn_end=self._hold_turn_end)
+                                       hold_turn_end=self._hold_turn_end, resume=self._resume)
         started = asyncio.Event()
         watchdog = asyncio.get_running_loop().create_task(self._watch_admission(started))
         reason: str | None = None
@@ -367,6 +378,7 @@ class Generation:
                 if out.finished and out.finish_reason == "length" and not out.token_ids:
                     raise _NoRoom
                 started.set()
+                self._admitted = True
                 cached = out.num_cached_tokens
                 reason = self._consume(out.new_token_ids, out.finish_reason, detok, output,
                                        out.new_logprobs or ())
@@ -385,10 +397,26 @@ class Generation:
                 await stream.aclose()
         return reason, cached
 
+    async def carry(self, state: PrefixState) -> bool:
+        """Take a spilled state of a prefix of the prompt, for the request to load as the engine
+        admits it: the session let go of the pin that held that prefix so that the requests this
+        one waits behind can run (``Spiller.relieve``). False once the request runs (too late:
+        the session keeps its pin) or the engine does not take it."""
+        if self._admitted or self._result.done():
+            return False
+        self._resume = state  # a request sent again (turned away for room) carries it too
+        if not self._in_engine:
+            return True
+        try:
+            return await self._engine.attach_resume(self.request_id, state)
+        except EngineError:
+            return False
+
     async def _watch_admission(self, started: asyncio.Event) -> None:
         """Until the first token: call ``relieve`` once the request has waited ``stall_s`` for
         memory in the engine, and again every ``stall_s`` while it waits and ``relieve`` finds
-        something to free."""
+        something to free. When nothing runs in the engine (``MemoryWait.STALLED``: no request
+        will give memory back, only unpinning frees it) ``relieve`` is called at once."""
         relieve = self._hooks.relieve
         if relieve is None:
             return
@@ -407,13 +435,13 @@ class Generation:
                 blocked_since = None
                 continue
             blocked_since = now if blocked_since is None else blocked_since
-            if now - blocked_since < self._hooks.stall_s:
+            if now - blocked_since < self._hooks.stall_s and short is not MemoryWait.STALLED:
                 continue
             logger.info("generation %s has waited %.1f s for memory in the engine; demoting pinned sessions",
                         self.request_id, now - blocked_since)
             blocked_since = None
             # Shielded: a demotion in progress completes even when the first token arrives.
-            if not await asyncio.shield(relieve()):
+            if not await asyncio.shield(relieve()) and short is not MemoryWait.STALLED:
                 return
 
     def _consume(self, new_ids: Sequence[int], engine_reason: str | None,

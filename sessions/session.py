@@ -21,11 +21,14 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from phloem.sessions.text.chat import ChatContext
 from phloem.sessions.text.tokenizer import Message, ToolSpec
 from phloem.sessions.text.tool_parsers import ParsedToolCall
+
+if TYPE_CHECKING:
+    from phloem.runtime import PrefixState
 
 __all__ = [
     "FinishReason", "RunningGeneration", "Session", "SessionIdGenerator", "SessionSnapshot",
@@ -39,9 +42,12 @@ SpillTier = Literal["host", "disk"]
 
 class RunningGeneration(Protocol):
     """What a session needs of the generation running on it (``sessions.generation.Generation``):
-    a way to stop it. A protocol, so this record stays below ``generation`` (no import cycle)."""
+    a way to stop it, and one to hand its request the session's spilled state while it waits for
+    admission. A protocol, so this record stays below ``generation`` (no import cycle)."""
 
     def cancel(self, *, discard: bool = False) -> None: ...
+
+    async def carry(self, state: PrefixState) -> bool: ...
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 

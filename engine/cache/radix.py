@@ -207,6 +207,11 @@ class RadixCache:
             node, pos = child, child.depth
         return out
 
+    @property
+    def has_locks(self) -> bool:
+        """Whether any node is locked (a running request's prefix, a pin, a hand-off hold)."""
+        return any(child.lock_ref for child in self.root.children.values())
+
     def lock(self, node: RadixNode) -> None:
         node.direct_ref += 1
         for n in self._path_up(node):

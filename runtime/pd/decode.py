@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from phloem.engine import Engine, EngineConfig, EngineError, InvalidRequest, RequestOutput, SamplingParams
-from phloem.engine.transfer import KVTransport, TransferReservation, connect
+from phloem.engine.transfer import KVTransport, PrefixState, TransferReservation, connect
 from phloem.runtime.engine_client import EngineClient
 from phloem.runtime.engine_commands import InstallTransfer, ReleaseTransfer, ReserveTransfer
 from phloem.runtime.env import use_nccl_defaults
@@ -175,10 +175,14 @@ class PDEngineClient(EngineClient):
         prefill_only: bool = False,
         namespace: str | None = None,
         hold_turn_end: bool = False,
+        resume: PrefixState | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """As ``EngineClient.generate``, with the prompt prefilled by the prefill instance (which
-        matches and publishes in the same prefix-cache ``namespace``)."""
+        matches and publishes in the same prefix-cache ``namespace``). A ``resume`` state is
+        loaded here first (then a hit like any cached prefix; no room: prefilled)."""
         prompt = list(prompt_token_ids)
+        if resume is not None:
+            await self.import_prefix(resume, namespace)
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         # The prefill instance samples the first token with plain parameters only: a request whose
         # logits are processed (grammar, penalties, bias) or reported (logprobs) prefills here.

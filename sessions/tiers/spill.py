@@ -23,14 +23,18 @@ Policy (docs/architecture.md, "Session state tiers")::
 - **Host budget**: before a segment enters the host pool, the least recently used host
   segments are demoted to disk until it fits; a segment larger than the whole budget goes to
   disk directly.
-- **Resume** (`Spiller.resume`, before an append's request or on prefetch): if the GPU no
-  longer holds the segment's prefix, load it (host pool or disk, validated: model fingerprint,
-  shapes, token-id hash against the session's own tokens) and ``import_prefix`` it; the
-  request then computes only what lies past the checkpoint. With no room, pinned sessions are
-  demoted (``relieve``) and the import retried until ``admission_stall_s`` has passed since the
-  first refusal (running requests and hand-off holds give memory back). Any failure (missing, corrupt or foreign
-  segment, still no room) falls back to recomputing from the token history: a turn is never
-  lost, and a bad segment is dropped.
+- **Resume** (`Spiller.state_for_append`, before an append's request): if the GPU no longer
+  holds the segment's prefix, read it back (host pool or disk, validated: model fingerprint,
+  shapes, token-id hash against the session's own tokens) and hand it to the request
+  (``EngineClient.generate``'s ``resume``): the engine loads it into the GPU as it admits the
+  request, in the request's place in the queue, so the memory a step frees cannot all go to
+  the requests queued behind it (a separate import before the request was starved that way
+  under load and recomputed), and no hand-off hold waits on an admission. The request then
+  computes only what lies past the checkpoint, and waits for room like any request (pinned
+  sessions demoted after ``admission_stall_s``). On prefetch (`Spiller.resume`) the state is
+  imported at once; with no room it is left to the append. Any failure (missing, corrupt or
+  foreign segment) falls back to recomputing from the token history: a turn is never lost,
+  and a bad segment is dropped.
 - **Forks** of a spilled session share its segment (`SpilledSegment.holders`); the first
   child to append imports it once (``SpilledSegment.lock``), the others then hit the cache.
   A segment is deleted when its last holder lets go (a newer spill, or delete). Demoting a
@@ -84,9 +88,6 @@ from phloem.sessions.config import SessionConfig
 from phloem.sessions.session import Session, SessionStatus, SpilledSegment, SpillTier
 from phloem.sessions.tiers.store import SessionStore
 from phloem.storage import CorruptSegment, HostPool, Segment, SessionRecord, StorageError
-
-# How long a resume that found no room and nothing to demote waits before it tries again.
-_NO_ROOM_RETRY_S = 0.05
 
 if TYPE_CHECKING:
     from phloem.runtime import EngineClient
@@ -215,50 +216,52 @@ class Spiller:
         ends to host (copy, then unpin); False when nothing moved (it then becomes ``idle``)."""
         return bool(session.token_ids) and await self.spill(session, "host")
 
+    async def state_for_append(self, session: Session) -> PrefixState | None:
+        """The session's spilled prefix, read back from host or disk for its next request, which
+        the engine loads as it admits the request (``EngineClient.generate``'s ``resume``: the
+        load takes its place in the queue, so requests queued behind it cannot starve it of
+        memory). None when the GPU still holds that prefix or nothing was spilled. Never raises:
+        a segment that cannot be read is dropped and the request recomputes it."""
+        loaded = await self._load(session)
+        if loaded is None:
+            return None
+        state, tier, nbytes, seconds = loaded
+        self._resumed(session, tier, state.num_tokens, nbytes, seconds)
+        return state
+
     async def resume(self, session: Session) -> None:
-        """Make the session's spilled prefix resident again, if the GPU lost it. Never raises:
-        whatever fails here is recomputed by the request."""
-        entry = session.segment
-        if entry is None or entry.num_tokens > len(session.token_ids):
+        """Load the session's spilled prefix into the GPU now (``prefetch``: ahead of its next
+        append), if the GPU lost it. With no room it is left to the append, which loads it in
+        its place in the queue (``state_for_append``). Never raises."""
+        loaded = await self._load(session)
+        if loaded is None:
             return
-        deadline: float | None = None  # ``admission_stall_s`` from the first refusal
-        while True:
-            async with entry.lock:
-                try:
-                    if await self._import(session, entry):
-                        return
-                except (StorageError, ValueError) as exc:
-                    logger.warning("session %s: cannot resume segment %s (%s); recomputing it",
-                                   session.session_id, entry.segment_id, exc)
-                    self._events.resume_failed()
-                    await self._tiers.drop(entry, delete_file=isinstance(exc, CorruptSegment))
-                    return
-                except EngineError as exc:
-                    logger.warning("session %s: import failed (%s); recomputing",
-                                   session.session_id, exc)
-                    self._events.resume_failed()
-                    return
-            # No room in the engine: demote pinned sessions (outside the segment lock, see the
-            # lock order) and try again; with none to demote, wait for running requests and
-            # hand-off holds to end. The request would wait for that room anyway, and would
-            # need more of it to recompute; past ``admission_stall_s`` it recomputes.
-            now = time.monotonic()
-            deadline = now + self._config.admission_stall_s if deadline is None else deadline
-            if now >= deadline:
-                logger.warning("session %s: no room to import its segment; recomputing",
-                               session.session_id)
-                self._events.resume_failed()
+        state, tier, nbytes, seconds = loaded
+        started = time.perf_counter()
+        try:
+            if not await self._engine.import_prefix(state, session.owner):
                 return
-            if not await self.relieve(exclude=session):
-                await asyncio.sleep(_NO_ROOM_RETRY_S)
+        except (EngineError, ValueError) as exc:
+            logger.warning("session %s: import failed (%s); its next turn loads it again", session.session_id, exc)
+            return
+        self._resumed(session, tier, state.num_tokens, nbytes, seconds + time.perf_counter() - started)
+
+    def _resumed(self, session: Session, tier: str, n: int, nbytes: int, seconds: float) -> None:
+        self._events.resumed(session, tier, n, nbytes, seconds)
+        # The session's next turn counts these tokens as served by ``tier`` (``sessions._served``).
+        session.resumed = (tier, n)
 
     async def relieve(self, exclude: Session | None = None) -> bool:
         """Free engine memory for a stalled request: spill and unpin the least recently used
-        half (at least one) of the pinned sessions that are not generating. Idle sessions are
-        not touched: they pin nothing, the engine evicts them itself. Returns whether any moved."""
+        half (at least one) of the pinned sessions that are not generating; with none, have
+        sessions whose own next turn waits for admission let go of their pins
+        (``_step_aside``). Idle sessions are not touched: they pin nothing, the engine evicts
+        them itself. Returns whether any moved."""
         candidates = sorted((s for s in self._sessions.values()
                              if _pinned_and_waiting(s) and s is not exclude),
                             key=lambda s: s.touched_at)
+        if not candidates:
+            return await self._step_aside(exclude)
         victims = candidates[: max(1, len(candidates) // 2)]
         for session in victims:
             async with session.lock:
@@ -268,6 +271,43 @@ class Spiller:
                 if not await self.spill(session, "host"):
                     await self._pins.release(session, "idle")
         return bool(victims)
+
+    async def _step_aside(self, exclude: Session | None) -> bool:
+        """The pins left belong to sessions whose next turn is itself waiting for admission (an
+        agent back from its tool within the TTL): such turns could wait on each other's pins
+        for ever, nothing running and nothing to demote. The least recently used half of them
+        (at least one) let go of their pins; with tiers on each first copies its head to host
+        and hands it to its waiting request, which loads it back as the engine admits it
+        (``Generation.carry``), so its turn still skips the prefill. Returns whether any moved."""
+        waiting = sorted((s for s in self._sessions.values()
+                          if s.pin is not None and s.busy and s.generation is not None
+                          and not s.deleted and s is not exclude),
+                         key=lambda s: s.touched_at)
+        moved = False
+        for session in waiting[: max(1, len(waiting) // 2)]:
+            async with session.lock:
+                generation = session.generation
+                if session.pin is None or generation is None or session.deleted:
+                    continue
+                status: SessionStatus = "idle"
+                if self._config.session_tiers:
+                    try:
+                        state = await self._engine.export_prefix(session.token_ids, session.owner)
+                    except EngineError:
+                        continue
+                    if state is None or not await generation.carry(state):
+                        continue
+                    segment = self._segment(session, state)
+                    entry = await self._tiers.place(segment, "host") if segment is not None else None
+                    if entry is not None:
+                        await self._tiers.hold(session, entry)
+                        status = "host"
+                    session.resumed = ("host", state.num_tokens)
+                logger.info("engine short of memory: session %s lets go of its pin while its turn waits",
+                            session.session_id)
+                await self._pins.release(session, status)
+                moved = True
+        return moved
 
     def inherit(self, child: Session, parent: Session) -> bool:
         """Give a fork of a spilled parent the parent's segment (when it covers no more than the
@@ -354,25 +394,31 @@ class Spiller:
                            session.session_id, exc)
             return None
 
-    async def _import(self, session: Session, entry: SpilledSegment) -> bool:
-        """Load the segment into the engine unless it holds the prefix; False: no room."""
+    async def _load(self, session: Session) -> tuple[PrefixState, str, int, float] | None:
+        """Read the session's segment back (host or disk, validated) unless the GPU holds its
+        prefix: ``(state, tier, bytes, seconds)``, or None (nothing to load, or it could not be
+        read: then dropped, and the request recomputes it)."""
+        entry = session.segment
+        if entry is None or entry.num_tokens > len(session.token_ids):
+            return None
         n = entry.num_tokens
         # Unsettled: the session's last turn ended before it was spilled, so no checkpoint landing
         # next step is its own; a resume does not wait a step for other requests' turn ends.
         if await self._gpu_holds(session, n, settled=False) >= n:
-            return True
+            return None
         started = time.perf_counter()
-        segment = await self._tiers.load(entry, session.token_ids)
+        async with entry.lock:
+            try:
+                segment = await self._tiers.load(entry, session.token_ids)
+            except (StorageError, ValueError) as exc:
+                logger.warning("session %s: cannot resume segment %s (%s); recomputing it",
+                               session.session_id, entry.segment_id, exc)
+                self._events.resume_failed()
+                await self._tiers.drop(entry, delete_file=isinstance(exc, CorruptSegment))
+                return None
         tensors = segment.tensors
-        state = PrefixState(tuple(session.token_ids[:n]), tensors["kv"], tensors["conv"],
-                            tensors["ssm"])
-        tier = entry.tier
-        if not await self._engine.import_prefix(state, session.owner):
-            return False
-        self._events.resumed(session, tier, n, entry.nbytes, time.perf_counter() - started)
-        # The session's next turn counts these tokens as served by ``tier`` (``sessions._served``).
-        session.resumed = (tier, n)
-        return True
+        state = PrefixState(tuple(session.token_ids[:n]), tensors["kv"], tensors["conv"], tensors["ssm"])
+        return state, entry.tier, entry.nbytes, time.perf_counter() - started
 
     async def _gpu_holds(self, session: Session, up_to: int | None = None, settled: bool = True) -> int:
         """Tokens of the session the engine holds in its owner's namespace (at most ``up_to``)."""

@@ -166,14 +166,15 @@ def test_with_no_idle_delay_a_session_is_spilled_before_its_pin_ends(
 def test_fork_of_a_spilled_session_shares_its_segment_and_imports_once(
         make_manager: ManagerFactory, engine: EngineClient, index_config: dict[str, Any],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    imports: list[int] = []
-    real_import = engine.import_prefix
+    imports: list[int] = []  # the spilled states requests carried (each loaded at admission)
+    real_generate = engine.generate
 
-    async def counting_import(state: Any, *namespace: Any) -> bool:
-        imports.append(state.num_tokens)
-        return await real_import(state, *namespace)
+    def counting_generate(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("resume") is not None:
+            imports.append(kwargs["resume"].num_tokens)
+        return real_generate(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "import_prefix", counting_import)
+    monkeypatch.setattr(engine, "generate", counting_generate)
 
     async def body(m: SessionManager) -> None:
         prompt, first = unique_ids(30), unique_ids(4)
@@ -673,3 +674,38 @@ def test_the_stall_counts_from_the_refusal_not_from_the_queue(model_dir: Path, t
 
     with_a_pin_no_session_owns(model_dir, tokenizer, tmp_path, held, first_turn,
                                pinned_s=3.5, stall_s=2.0, hold_s=3.0)
+
+
+def test_turns_waiting_on_each_others_pins_step_aside(model_dir: Path, tokenizer: Tokenizer,
+                                                      tmp_path: Path) -> None:
+    """Two pinned sessions (long TTL) append at once, and the two turns cannot both fit beside
+    the two pins: each turn waits for memory the other's pin holds, nothing runs and no pinned
+    session is idle to demote. One session lets go of its pin, its head copied to host and
+    handed to its waiting request (``Spiller._step_aside``), so the other runs; then it loads
+    its state back as it is admitted. Both turns complete, both on their cached history."""
+    engine = EngineClient.from_pretrained(model_dir, EngineConfig(cache=CacheConfig(num_pages=12, num_state_slots=16)))
+    engine.start()
+    config = SessionConfig(data_dir=tmp_path, admission_stall_s=0.2)
+
+    async def main() -> None:
+        m = SessionManager(engine, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
+        await m.start()
+        try:
+            sessions, history = [], []
+            for _ in range(2):
+                s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(50)), ttl=600)
+                history.append((await turn(m, s.session_id, unique_ids(4))).usage.prompt_tokens)
+                sessions.append(s.session_id)
+            assert {m.get(OWNER, sid).status for sid in sessions} == {"active"}
+            results = await asyncio.wait_for(
+                asyncio.gather(*(turn(m, sid, unique_ids(60)) for sid in sessions)), 30)
+            for result, seen in zip(results, history):
+                assert len(result.output_ids) == 4
+                assert result.usage.cached_tokens >= seen, result.usage
+        finally:
+            await m.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        asyncio.run(engine.shutdown())
