@@ -456,30 +456,40 @@ def test_redis_unreachable_at_start_and_mid_run_degrades_and_resyncs(
 def test_pinned_sessions_never_block_admission(model_dir: Path, tokenizer: Tokenizer,
                                                tmp_path: Path, short_of: str) -> None:
     # Four sessions pinned for a long TTL hold every slot (or nearly every page) of a small engine.
-    options = (EngineConfig(cache=CacheConfig(num_state_slots=4)) if short_of == "slots"
-               else EngineConfig(cache=CacheConfig(num_pages=12, num_state_slots=16)))
-    engine = EngineClient.from_pretrained(model_dir, options)
+    cache = (CacheConfig(num_state_slots=4) if short_of == "slots"
+             else CacheConfig(num_pages=12, num_state_slots=16))
+
+    async def body(m: SessionManager) -> None:
+        pinned = []
+        for _ in range(4 if short_of == "slots" else 2):
+            s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(60)), ttl=600)
+            await turn(m, s.session_id, unique_ids(4))
+            pinned.append(s.session_id)
+        assert {m.get(OWNER, sid).status for sid in pinned} == {"active"}
+        newcomer = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(60)))
+        result = await asyncio.wait_for(turn(m, newcomer.session_id, unique_ids(4)), 30)
+        assert len(result.output_ids) == 4
+        demoted = [sid for sid in pinned if m.get(OWNER, sid).status == "host"]
+        assert demoted and demoted == pinned[: len(demoted)], "the least recently used first"
+        resumed = await asyncio.wait_for(turn(m, demoted[0], unique_ids(2)), 30)
+        assert resumed.usage.cached_tokens > 0
+
+    on_a_small_engine(model_dir, tokenizer, tmp_path, cache, 0.2, body)
+
+
+def on_a_small_engine(model_dir: Path, tokenizer: Tokenizer, tmp_path: Path, cache: CacheConfig,
+                      stall_s: float, body: Callable[[SessionManager], Awaitable[None]]) -> None:
+    """``body`` on a session manager over an engine with ``cache``'s pools, sessions waiting
+    ``stall_s`` for memory."""
+    engine = EngineClient.from_pretrained(model_dir, EngineConfig(cache=cache))
     engine.start()
-    config = SessionConfig(data_dir=tmp_path,
-                           admission_stall_s=0.2)
+    config = SessionConfig(data_dir=tmp_path, admission_stall_s=stall_s)
 
     async def main() -> None:
         m = SessionManager(engine, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
         await m.start()
         try:
-            pinned = []
-            for _ in range(4 if short_of == "slots" else 2):
-                s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(60)), ttl=600)
-                await turn(m, s.session_id, unique_ids(4))
-                pinned.append(s.session_id)
-            assert {m.get(OWNER, sid).status for sid in pinned} == {"active"}
-            newcomer = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(60)))
-            result = await asyncio.wait_for(turn(m, newcomer.session_id, unique_ids(4)), 30)
-            assert len(result.output_ids) == 4
-            demoted = [sid for sid in pinned if m.get(OWNER, sid).status == "host"]
-            assert demoted and demoted == pinned[: len(demoted)], "the least recently used first"
-            resumed = await asyncio.wait_for(turn(m, demoted[0], unique_ids(2)), 30)
-            assert resumed.usage.cached_tokens > 0
+            await body(m)
         finally:
             await m.close()
 
@@ -683,29 +693,17 @@ def test_turns_waiting_on_each_others_pins_step_aside(model_dir: Path, tokenizer
     session is idle to demote. One session lets go of its pin, its head copied to host and
     handed to its waiting request (``Spiller._step_aside``), so the other runs; then it loads
     its state back as it is admitted. Both turns complete, both on their cached history."""
-    engine = EngineClient.from_pretrained(model_dir, EngineConfig(cache=CacheConfig(num_pages=12, num_state_slots=16)))
-    engine.start()
-    config = SessionConfig(data_dir=tmp_path, admission_stall_s=0.2)
+    async def body(m: SessionManager) -> None:
+        sessions, history = [], []
+        for _ in range(2):
+            s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(50)), ttl=600)
+            history.append((await turn(m, s.session_id, unique_ids(4))).usage.prompt_tokens)
+            sessions.append(s.session_id)
+        assert {m.get(OWNER, sid).status for sid in sessions} == {"active"}
+        results = await asyncio.wait_for(
+            asyncio.gather(*(turn(m, sid, unique_ids(60)) for sid in sessions)), 30)
+        for result, seen in zip(results, history):
+            assert len(result.output_ids) == 4
+            assert result.usage.cached_tokens >= seen, result.usage
 
-    async def main() -> None:
-        m = SessionManager(engine, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
-        await m.start()
-        try:
-            sessions, history = [], []
-            for _ in range(2):
-                s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(50)), ttl=600)
-                history.append((await turn(m, s.session_id, unique_ids(4))).usage.prompt_tokens)
-                sessions.append(s.session_id)
-            assert {m.get(OWNER, sid).status for sid in sessions} == {"active"}
-            results = await asyncio.wait_for(
-                asyncio.gather(*(turn(m, sid, unique_ids(60)) for sid in sessions)), 30)
-            for result, seen in zip(results, history):
-                assert len(result.output_ids) == 4
-                assert result.usage.cached_tokens >= seen, result.usage
-        finally:
-            await m.close()
-
-    try:
-        asyncio.run(main())
-    finally:
-        asyncio.run(engine.shutdown())
+    on_a_small_engine(model_dir, tokenizer, tmp_path, CacheConfig(num_pages=12, num_state_slots=16), 0.2, body)
