@@ -322,7 +322,8 @@ class Engine(PrefixOps):
         req = self._requests.get(request_id)
         if req is None or req.status is not RequestStatus.WAITING or not self.scheduler.memory_blocked:
             return MemoryWait.NO
-        return MemoryWait.STALLED if self.is_stalled() else MemoryWait.FOR_MEMORY
+        # Hand-off holds end by themselves (``handoff_hold_s``): memory comes back then.
+        return MemoryWait.STALLED if self.is_stalled() and not self.cache.holds else MemoryWait.FOR_MEMORY
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that changed.

@@ -35,8 +35,8 @@ class MemoryWait(enum.IntEnum):
     """Why a request waits for admission (``Engine.waits_for_memory``); false only for ``NO``."""
 
     NO = 0  # not waiting, or waiting for its turn behind other work
-    FOR_MEMORY = 1  # the pools are full after eviction; running requests will give some back
-    STALLED = 2  # the pools are full and nothing runs: only unpinning frees memory
+    FOR_MEMORY = 1  # the pools are full after eviction; running requests or hand-off holds give some back
+    STALLED = 2  # the pools are full, nothing runs and nothing is held: only unpinning frees memory
 
 
 class SpilledPrefix(Protocol):

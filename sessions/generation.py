@@ -211,6 +211,7 @@ class Generation:
         self._resume: PrefixState | None = None  # what ``prepare`` returned, or ``carry`` gave
         self._in_engine = False  # its request was sent (and may be waiting for admission)
         self._admitted = False  # its first token came: the request runs
+        self._hopeless = False  # aborted by the watchdog: nothing could make room for it
         self._events: asyncio.Queue[OutputDelta | object] = asyncio.Queue()
         self._result: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
         self._cancelled = False
@@ -377,6 +378,8 @@ class Generation:
             async for out in stream:
                 if out.finished and out.finish_reason == "length" and not out.token_ids:
                     raise _NoRoom
+                if out.finished and not out.token_ids and self._hopeless:
+                    raise Overloaded("the engine has no room for this request now")
                 started.set()
                 self._admitted = True
                 cached = out.num_cached_tokens
@@ -416,11 +419,14 @@ class Generation:
         """Until the first token: call ``relieve`` once the request has waited ``stall_s`` for
         memory in the engine, and again every ``stall_s`` while it waits and ``relieve`` finds
         something to free. When nothing runs in the engine (``MemoryWait.STALLED``: no request
-        will give memory back, only unpinning frees it) ``relieve`` is called at once."""
+        will give memory back, only unpinning frees it) ``relieve`` is called at once; if it
+        still finds nothing to free ``stall_s`` later, the request is aborted and the generation
+        is ``Overloaded`` (what holds the memory is pinned for good, e.g. shared prefixes)."""
         relieve = self._hooks.relieve
         if relieve is None:
             return
         blocked_since: float | None = None
+        hopeless_since: float | None = None  # stalled, with nothing to relieve
         loop = asyncio.get_running_loop()
         while True:
             with contextlib.suppress(TimeoutError):
@@ -441,8 +447,17 @@ class Generation:
                         self.request_id, now - blocked_since)
             blocked_since = None
             # Shielded: a demotion in progress completes even when the first token arrives.
-            if not await asyncio.shield(relieve()) and short is not MemoryWait.STALLED:
+            if await asyncio.shield(relieve()):
+                hopeless_since = None
+            elif short is not MemoryWait.STALLED:
                 return
+            else:
+                hopeless_since = now if hopeless_since is None else hopeless_since
+                if now - hopeless_since >= self._hooks.stall_s:
+                    self._hopeless = True
+                    with contextlib.suppress(EngineError):
+                        await self._engine.abort(self.request_id)
+                    return
 
     def _consume(self, new_ids: Sequence[int], engine_reason: str | None,
                  detok: IncrementalDetokenizer, output: list[int],

@@ -27,7 +27,7 @@ from redis_support import TcpProxy, clear_prefix, random_prefix, require_redis
 from phloem.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from phloem.runtime import EngineClient
 from phloem.sessions import (
-    GenerateOptions, GenerationResult, SessionConfig, SessionInput, SessionManager, Tokenizer,
+    GenerateOptions, GenerationResult, Overloaded, SessionConfig, SessionInput, SessionManager, Tokenizer,
     model_fingerprint,
 )
 from phloem.storage import DiskStore, RedisIndex, Segment, SessionRecord, SQLiteIndex
@@ -660,13 +660,33 @@ def test_a_request_turned_away_for_room_is_sent_again_until_memory_returns(model
     with_a_pin_no_session_owns(model_dir, tokenizer, tmp_path, fresh, first_turn)
 
 
-def test_the_stall_counts_from_the_refusal_not_from_the_queue(model_dir: Path, tokenizer: Tokenizer,
-                                                             tmp_path: Path) -> None:
-    """A request waits 3 s in the engine's queue behind a hand-off hold (an imported prefix no
-    request claims), then, the hold expired, is turned away while a pin no session owns locks
-    the pool; the pin goes 0.5 s later. With ``admission_stall_s`` 2 s it still runs: the stall
-    is counted from the first refusal, not from the time it was sent (which would make it
-    ``Overloaded`` at that refusal)."""
+def test_a_turn_nothing_can_make_room_for_is_overloaded(model_dir: Path, tokenizer: Tokenizer,
+                                                       tmp_path: Path) -> None:
+    """The pool is locked by a pin no session owns, for longer than the turn should wait:
+    nothing runs and nothing can be demoted. The turn waits in the engine (a pin may go), then,
+    ``admission_stall_s`` after the sessions layer found nothing to free, is ``Overloaded``
+    (the client retries later), rather than waiting for the pin or the client's timeout."""
+    async def fresh(m: SessionManager, engine: EngineClient) -> str:
+        del engine
+        return (await m.create(OWNER)).session_id
+
+    async def first_turn(m: SessionManager, session_id: str) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(Overloaded):
+            await turn(m, session_id, unique_ids(60))
+        assert loop.time() - started < 4.0
+
+    with_a_pin_no_session_owns(model_dir, tokenizer, tmp_path, fresh, first_turn, pinned_s=6.0, stall_s=0.3)
+
+
+def test_a_turn_waits_out_a_hold_and_then_a_pin(model_dir: Path, tokenizer: Tokenizer,
+                                                tmp_path: Path) -> None:
+    """A request waits 3 s in the engine behind a hand-off hold (an imported prefix no request
+    claims) and a pin no session owns, which goes 0.5 s after the hold expires. Nothing can be
+    demoted, but a hold ends by itself: the turn is not given up while it lasts
+    (``MemoryWait.FOR_MEMORY``), only ``admission_stall_s`` (2 s) after the hold is gone with
+    nothing left to free; the pin goes before that, and the turn runs."""
     async def held(m: SessionManager, engine: EngineClient) -> tuple[str, float]:
         small = unique_ids(20)
         await engine.prefill(small)
