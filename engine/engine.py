@@ -305,6 +305,8 @@ class Engine(PrefixOps):
         return req is not None and req.status is RequestStatus.WAITING and self._take_resume(req, resume)
 
     def _take_resume(self, req: Request, resume: PrefixState) -> bool:
+        """Attach ``resume`` to waiting ``req`` (loaded at admission), or at TP > 1 load it now;
+        False when it is not a strict prefix of the request's tokens (or no prefix cache)."""
         if self.cache.tree is None or resume.num_tokens >= len(req.all_token_ids) \
                 or list(resume.token_ids) != req.all_token_ids[: resume.num_tokens]:
             return False

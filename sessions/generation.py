@@ -400,12 +400,17 @@ class Generation:
                 await stream.aclose()
         return reason, cached
 
+    @property
+    def waiting(self) -> bool:
+        """Not admitted yet: no token so far, and not finished."""
+        return not self._admitted and not self._result.done()
+
     async def carry(self, state: PrefixState) -> bool:
         """Take a spilled state of a prefix of the prompt, for the request to load as the engine
         admits it: the session let go of the pin that held that prefix so that the requests this
         one waits behind can run (``Spiller.relieve``). False once the request runs (too late:
         the session keeps its pin) or the engine does not take it."""
-        if self._admitted or self._result.done():
+        if not self.waiting:
             return False
         self._resume = state  # a request sent again (turned away for room) carries it too
         if not self._in_engine:

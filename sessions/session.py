@@ -47,6 +47,9 @@ class RunningGeneration(Protocol):
 
     def cancel(self, *, discard: bool = False) -> None: ...
 
+    @property
+    def waiting(self) -> bool: ...  # not admitted yet: no token so far, not finished
+
     async def carry(self, state: PrefixState) -> bool: ...
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"

@@ -280,14 +280,14 @@ class Spiller:
         and hands it to its waiting request, which loads it back as the engine admits it
         (``Generation.carry``), so its turn still skips the prefill. Returns whether any moved."""
         waiting = sorted((s for s in self._sessions.values()
-                          if s.pin is not None and s.busy and s.generation is not None
+                          if s.pin is not None and s.busy and s.generation is not None and s.generation.waiting
                           and not s.deleted and s is not exclude),
                          key=lambda s: s.touched_at)
         moved = False
         for session in waiting[: max(1, len(waiting) // 2)]:
             async with session.lock:
                 generation = session.generation
-                if session.pin is None or generation is None or session.deleted:
+                if session.pin is None or generation is None or not generation.waiting or session.deleted:
                     continue
                 status: SessionStatus = "idle"
                 if self._config.session_tiers:
