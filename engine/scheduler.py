@@ -195,11 +195,12 @@ class Scheduler:
         return True
 
     def _memory_can_return(self) -> bool:
-        """Memory comes back when a running request ends, a hand-off hold ends (at its pin or
-        admission, or after ``handoff_hold_s``: ``engine.cache.holds``), or a pin goes (the
-        sessions layer demotes pinned sessions for a request that waits for memory)."""
+        """Memory comes back when a running request ends, or a locked node is unlocked: a
+        hand-off hold ends (at its pin or admission, or after ``handoff_hold_s``:
+        ``engine.cache.holds``, whose holds are locks), or a pin goes (the sessions layer
+        demotes pinned sessions for a request that waits for memory)."""
         tree = self.cache.tree
-        return bool(self.running or self.cache.holds or (tree is not None and tree.has_locks))
+        return bool(self.running) or (tree is not None and tree.has_locks)
 
     def _load_resume(self, req: Request) -> bool:
         """Load ``req``'s spilled prefix into the cache, now that it is first in line, unless the

@@ -203,12 +203,10 @@ class Spiller:
             return False
         if state is None or (old is not None and state.num_tokens <= old.num_tokens):
             return await self._spill_without_export(session, tier, gpu_has_state=state is not None)
-        segment = self._segment(session, state)
-        entry = await self._tiers.place(segment, tier) if segment is not None else None
+        entry = await self._place_segment(session, state, tier)
         if entry is None:
             session.spill_retry_at = time.monotonic() + self._retry_s
             return False
-        await self._tiers.hold(session, entry)
         return await self._let_go(session, entry.tier)
 
     async def spill_at_release(self, session: Session) -> bool:
@@ -297,11 +295,9 @@ class Spiller:
                         continue
                     if state is None or not await generation.carry(state):
                         continue
-                    segment = self._segment(session, state)
-                    entry = await self._tiers.place(segment, "host") if segment is not None else None
+                    entry = await self._place_segment(session, state, "host")
                     if entry is not None:
-                        await self._tiers.hold(session, entry)
-                        status = "host"
+                        status = entry.tier
                     session.resumed = ("host", state.num_tokens)
                 logger.info("engine short of memory: session %s lets go of its pin while its turn waits",
                             session.session_id)
@@ -381,6 +377,15 @@ class Spiller:
         await self._store.set_tier(session)
         self._events.spilled(session, status)
         return True
+
+    async def _place_segment(self, session: Session, state: PrefixState, tier: SpillTier) -> SpilledSegment | None:
+        """Place ``state`` in ``tier`` (or on disk, past the host budget) as the session's
+        segment; None when it forms no segment or no tier takes it."""
+        segment = self._segment(session, state)
+        entry = await self._tiers.place(segment, tier) if segment is not None else None
+        if entry is not None:
+            await self._tiers.hold(session, entry)
+        return entry
 
     def _segment(self, session: Session, state: PrefixState) -> Segment | None:
         try:

@@ -459,7 +459,8 @@ def test_pinned_sessions_never_block_admission(model_dir: Path, tokenizer: Token
     cache = (CacheConfig(num_state_slots=4) if short_of == "slots"
              else CacheConfig(num_pages=12, num_state_slots=16))
 
-    async def body(m: SessionManager) -> None:
+    async def body(m: SessionManager, engine: EngineClient) -> None:
+        del engine
         pinned = []
         for _ in range(4 if short_of == "slots" else 2):
             s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(60)), ttl=600)
@@ -478,9 +479,9 @@ def test_pinned_sessions_never_block_admission(model_dir: Path, tokenizer: Token
 
 
 def on_a_small_engine(model_dir: Path, tokenizer: Tokenizer, tmp_path: Path, cache: CacheConfig,
-                      stall_s: float, body: Callable[[SessionManager], Awaitable[None]]) -> None:
-    """``body`` on a session manager over an engine with ``cache``'s pools, sessions waiting
-    ``stall_s`` for memory."""
+                      stall_s: float, body: Callable[[SessionManager, EngineClient], Awaitable[None]]) -> None:
+    """``body`` on a session manager over an engine with ``cache``'s pools (and on that engine),
+    sessions waiting ``stall_s`` for memory."""
     engine = EngineClient.from_pretrained(model_dir, EngineConfig(cache=cache))
     engine.start()
     config = SessionConfig(data_dir=tmp_path, admission_stall_s=stall_s)
@@ -489,7 +490,7 @@ def on_a_small_engine(model_dir: Path, tokenizer: Tokenizer, tmp_path: Path, cac
         m = SessionManager(engine, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
         await m.start()
         try:
-            await body(m)
+            await body(m, engine)
         finally:
             await m.close()
 
@@ -592,42 +593,30 @@ def with_a_pin_no_session_owns(model_dir: Path, tokenizer: Tokenizer, tmp_path: 
     """A 12-page engine (hand-off holds of ``hold_s``); ``before`` runs, then 150 tokens (10 of
     the pages) are prefilled and pinned by no session (nothing to demote), ``body`` runs while
     the pin goes ``pinned_s`` later; sessions wait ``stall_s`` for memory."""
+    async def pinned(m: SessionManager, engine: EngineClient) -> None:
+        ready = await before(m, engine)
+        hog = unique_ids(150)
+        await engine.prefill(hog)
+        handle = await engine.pin_prefix(hog)
+        assert handle is not None
+
+        async def let_go() -> None:
+            await asyncio.sleep(pinned_s)
+            await engine.unpin_prefix(handle)
+
+        releaser = asyncio.create_task(let_go())
+        await asyncio.wait_for(body(m, ready), 30)
+        await releaser
+
     cache = CacheConfig(num_pages=12, num_state_slots=16, handoff_hold_s=hold_s)
-    engine = EngineClient.from_pretrained(model_dir, EngineConfig(cache=cache))
-    engine.start()
-    config = SessionConfig(data_dir=tmp_path, admission_stall_s=stall_s)
-
-    async def main() -> None:
-        m = SessionManager(engine, tokenizer, config, model_fingerprint=model_fingerprint(model_dir))
-        await m.start()
-        try:
-            ready = await before(m, engine)
-            hog = unique_ids(150)
-            await engine.prefill(hog)
-            handle = await engine.pin_prefix(hog)
-            assert handle is not None
-
-            async def let_go() -> None:
-                await asyncio.sleep(pinned_s)
-                await engine.unpin_prefix(handle)
-
-            releaser = asyncio.create_task(let_go())
-            await asyncio.wait_for(body(m, ready), 30)
-            await releaser
-        finally:
-            await m.close()
-
-    try:
-        asyncio.run(main())
-    finally:
-        asyncio.run(engine.shutdown())
+    on_a_small_engine(model_dir, tokenizer, tmp_path, cache, stall_s, pinned)
 
 
 def test_a_resume_with_no_room_waits_for_memory_instead_of_recomputing(model_dir: Path, tokenizer: Tokenizer,
                                                                        tmp_path: Path) -> None:
-    """A spilled session's next turn finds the pool locked by a pin no session owns: the resume
-    waits for room — up to ``admission_stall_s`` — and imports once the pin goes, so the turn is
-    a hit on the spilled prefix rather than a recompute of it."""
+    """A spilled session's next turn finds the pool locked by a pin no session owns: its request,
+    carrying the spilled state, waits for room and loads it as it is admitted once the pin goes,
+    so the turn is a hit on the spilled prefix rather than a recompute of it."""
     async def spilled(m: SessionManager, engine: EngineClient) -> tuple[str, int]:
         s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(60)), ttl=0)
         first = await turn(m, s.session_id, unique_ids(4))
@@ -646,9 +635,9 @@ def test_a_resume_with_no_room_waits_for_memory_instead_of_recomputing(model_dir
 
 def test_a_request_turned_away_for_room_is_sent_again_until_memory_returns(model_dir: Path, tokenizer: Tokenizer,
                                                                            tmp_path: Path) -> None:
-    """The engine turns a lone request away (its pools are locked by a pin no session owns, so
-    there is nothing to demote): it is sent again until the pin goes, within
-    ``admission_stall_s``, instead of failing ``Overloaded`` at the second refusal."""
+    """A lone request finds the pools locked by a pin no session owns (nothing to demote): it
+    waits in the engine while the pin may go, and runs once it goes, within
+    ``admission_stall_s``, instead of failing ``Overloaded``."""
     async def fresh(m: SessionManager, engine: EngineClient) -> str:
         del engine
         return (await m.create(OWNER)).session_id
@@ -713,7 +702,8 @@ def test_turns_waiting_on_each_others_pins_step_aside(model_dir: Path, tokenizer
     session is idle to demote. One session lets go of its pin, its head copied to host and
     handed to its waiting request (``Spiller._step_aside``), so the other runs; then it loads
     its state back as it is admitted. Both turns complete, both on their cached history."""
-    async def body(m: SessionManager) -> None:
+    async def body(m: SessionManager, engine: EngineClient) -> None:
+        del engine
         sessions, history = [], []
         for _ in range(2):
             s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(50)), ttl=600)
