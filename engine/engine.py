@@ -313,8 +313,9 @@ class Engine(PrefixOps):
         if self.scheduler.load_prefix is not None:
             req.resume = resume
             req.num_uncached_hint = None
-        elif self.cached_prefix_len(req.all_token_ids, req.namespace) < resume.num_tokens:
-            self.import_prefix(resume, req.namespace)  # no room: recomputed
+        elif self.cached_prefix_len(req.all_token_ids, req.namespace) < resume.num_tokens \
+                and self.import_prefix(resume, req.namespace):  # no room: recomputed
+            req.num_resumed_tokens = resume.num_tokens
         return True
 
     def waits_for_memory(self, request_id: str) -> MemoryWait:

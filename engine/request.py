@@ -92,6 +92,9 @@ class Request:
     # admits the request unless the cache holds it then (``Scheduler._load_resume``); dropped once
     # the request runs.
     resume: SpilledPrefix | None = None
+    # Prompt tokens that ``resume`` loaded (0: the cache held them, or it was dropped): the
+    # sessions layer counts a turn's tokens as served by the tier only when they were.
+    num_resumed_tokens: int = 0
     # GDN state: read from read_slot (valid iff has_state), write the step's final state to write_slot.
     read_slot: int | None = None
     write_slot: int | None = None
@@ -170,7 +173,9 @@ class RequestOutput:
 
     ``new_token_ids`` holds the tokens produced by this step only (for streaming);
     ``token_ids`` every token generated so far; ``new_logprobs`` one entry per new token when
-    the request asked for log-probabilities (else None).
+    the request asked for log-probabilities (else None); ``num_resumed_tokens`` the prompt
+    tokens a spilled prefix given with the request loaded (``Request.num_resumed_tokens``),
+    which ``num_cached_tokens`` includes.
     """
 
     request_id: str
@@ -181,3 +186,4 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int
     new_logprobs: tuple[TokenLogprob, ...] | None = None
+    num_resumed_tokens: int = 0

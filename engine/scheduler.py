@@ -217,11 +217,14 @@ class Scheduler:
         if self.cache.cached_len(req.all_token_ids, req.namespace) >= state.num_tokens:
             return True
         try:
-            return self.load_prefix(state, req.namespace)
+            loaded = self.load_prefix(state, req.namespace)
         except ValueError as exc:
             logger.warning("request %s: cannot load its spilled prefix (%s); recomputing it", req.request_id, exc)
             req.resume = None
             return True
+        if loaded:
+            req.num_resumed_tokens = state.num_tokens
+        return loaded
 
     def _extends_finalizing(self, req: Request) -> bool:
         tokens = req.all_token_ids

@@ -142,4 +142,5 @@ class StepOutputs:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             num_cached_tokens=req.num_cached_tokens,
             new_logprobs=(logprob,) if isinstance(logprob, TokenLogprob) else logprob,
+            num_resumed_tokens=req.num_resumed_tokens,
         )

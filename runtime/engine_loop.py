@@ -279,6 +279,7 @@ class EngineLoop:
             finished=True,
             finish_reason="abort",
             num_cached_tokens=last.num_cached_tokens if last else 0,
+            num_resumed_tokens=last.num_resumed_tokens if last else 0,
         )
         self._deliver(request_id, entry.sink, final)
         return aborted

@@ -159,9 +159,10 @@ class SessionEvents:
 
     def resumed(self, session: Session, tier: str, num_tokens: int, nbytes: int,
                 seconds: float) -> None:
-        """A segment of ``session`` was read back from ``tier`` in ``seconds`` and handed to
-        its next request (which the engine loads as it admits it), or imported on prefetch
-        (``seconds`` then include the import)."""
+        """A segment of ``session`` was read back from ``tier`` in ``seconds`` and imported on
+        prefetch (``seconds`` then include the import), or handed to its next request and loaded
+        by the engine as it admitted it (counted when that turn ends: a copy the engine did not
+        need, the prefix still cached, is no resume)."""
         self._resumes[tier][0] += 1
         self._resumes[tier][1] += nbytes
         self.served.resumed(tier, num_tokens, seconds)

@@ -128,13 +128,14 @@ class TurnRunner:
         async def settle(completion: Completion) -> GenerationResult:
             result = await self._commit(session, new, completion, view)
             if result.finish_reason is not None:
+                self._spill.count_carried(session, completion.num_resumed_tokens)
                 resumed, session.resumed = session.resumed, None
                 self._events.served.turn(history_len, result.usage.cached_tokens, resumed)
             self._finished(session.session_id, result, started)
             return result
 
         def on_exit() -> None:
-            session.busy, session.generation = False, None
+            session.busy, session.generation, session.carried = False, None, None
             if not generation.succeeded and not session.deleted:
                 # A turn that let go of its pin while it waited (``Spiller._step_aside``) left
                 # its state on host, or only in the prefix cache.

@@ -105,6 +105,9 @@ class Completion:
     num_cached_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
     parsed: ParsedOutput | None = None
+    # Of the cached tokens, those a spilled state the request carried loaded (``prepare``,
+    # ``carry``); 0 when the cache held that prefix itself.
+    num_resumed_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +212,7 @@ class Generation:
         self._namespace = namespace
         self._hold_turn_end = hold_turn_end
         self._resume: PrefixState | None = None  # what ``prepare`` returned, or ``carry`` gave
+        self._num_resumed = 0  # of the prompt, the tokens ``_resume`` loaded (engine's report)
         self._in_engine = False  # its request was sent (and may be waiting for admission)
         self._admitted = False  # its first token came: the request runs
         self._hopeless = False  # aborted by the watchdog: nothing could make room for it
@@ -326,7 +330,8 @@ class Generation:
             self._events.put_nowait(OutputDelta(tail, (), (), parsed))
         return Completion(tuple(output), detok.text, _FINISH_REASONS[reason or "abort"],
                           len(self._prompt_ids), cached, tuple(self._logprobs),
-                          self._parser.result() if self._parser is not None else None)
+                          self._parser.result() if self._parser is not None else None,
+                          self._num_resumed)
 
     def _parse(self, text: str, final: bool = False) -> ParsedDelta | None:
         """What ``text`` adds to the parts; ``final``: it is the detokenizer's tail, the last."""
@@ -382,7 +387,7 @@ class Generation:
                     raise Overloaded("the engine has no room for this request now")
                 started.set()
                 self._admitted = True
-                cached = out.num_cached_tokens
+                cached, self._num_resumed = out.num_cached_tokens, out.num_resumed_tokens
                 reason = self._consume(out.new_token_ids, out.finish_reason, detok, output,
                                        out.new_logprobs or ())
                 if reason is not None:

@@ -169,7 +169,9 @@ class Session:
     generation runs. ``segment`` is the spilled state this session resumes from (shared with
     forks); ``touched_at`` is the ``time.monotonic()`` of its last pin or unpin (LRU order);
     ``resumed`` is ``(tier, num_tokens)`` of the last resume, until the next turn counts it
-    (``sessions._served``).
+    (``sessions._served``); ``carried`` is ``(tier, segment bytes, read seconds)`` of a spilled
+    state the running append's request carries, a resume only if the engine loads it
+    (``Spiller.count_carried``).
     """
 
     session_id: str
@@ -195,6 +197,7 @@ class Session:
     touched_at: float = field(default_factory=time.monotonic)
     spill_retry_at: float = 0.0
     resumed: tuple[SpillTier, int] | None = None
+    carried: tuple[SpillTier, int, float] | None = None
 
     @property
     def chat(self) -> ChatContext:

@@ -28,6 +28,7 @@ checkpoint is then at the prompt's end, one token short of a colocated run's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -179,10 +180,23 @@ class PDEngineClient(EngineClient):
     ) -> AsyncGenerator[RequestOutput, None]:
         """As ``EngineClient.generate``, with the prompt prefilled by the prefill instance (which
         matches and publishes in the same prefix-cache ``namespace``). A ``resume`` state is
-        loaded here first (then a hit like any cached prefix; no room: prefilled)."""
-        prompt = list(prompt_token_ids)
+        loaded here first unless the cache holds it (then a hit like any cached prefix; no room:
+        prefilled); the outputs report the tokens it loaded (``num_resumed_tokens``)."""
+        resumed = 0
         if resume is not None:
-            await self.import_prefix(resume, namespace)
+            held = await self.cached_prefix_len([*resume.token_ids, 0], namespace)  # 0: one token past it
+            if held < resume.num_tokens and await self.import_prefix(resume, namespace):
+                resumed = resume.num_tokens
+        stream = self._generate(list(prompt_token_ids), params, request_id, output_token_ids, prefill_only,
+                                namespace, hold_turn_end)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield replace(out, num_resumed_tokens=resumed) if resumed else out
+
+    async def _generate(
+        self, prompt: list[int], params: SamplingParams, request_id: str | None, output_token_ids: Sequence[int],
+        prefill_only: bool, namespace: str | None, hold_turn_end: bool,
+    ) -> AsyncGenerator[RequestOutput, None]:
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         # The prefill instance samples the first token with plain parameters only: a request whose
         # logits are processed (grammar, penalties, bias) or reported (logprobs) prefills here.

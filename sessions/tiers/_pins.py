@@ -83,8 +83,13 @@ class PinKeeper:
 
     async def let_go(self, session: Session) -> None:
         """The session's pin ends (TTL over): spilled first where the spiller says so, else
-        ``idle``; call under ``session.lock``."""
+        ``idle``; call under ``session.lock``. An append that starts during the spill's copy
+        keeps the pin (its request may already wait with nothing to resume from): the timer
+        looks again later, as for a generation running at expiry."""
         if self.spill_at_release is not None and await self.spill_at_release(session):
+            return
+        if session.busy:
+            self._rearm(session, session.pin_epoch)
             return
         await self.release(session, "idle")
 
@@ -113,12 +118,15 @@ class PinKeeper:
             if session.pin_epoch != epoch or session.deleted:
                 return
             if session.busy:
-                # A generation runs: its commit re-arms the timer; if it fails, this one must.
-                loop = asyncio.get_running_loop()
-                session.ttl_timer = loop.call_later(max(session.ttl, _BUSY_RETRY_S), self._spawn_expiry, session, epoch)
+                self._rearm(session, epoch)
                 return
             session.ttl_timer = None
             await self.let_go(session)
+
+    def _rearm(self, session: Session, epoch: int) -> None:
+        # A generation runs: its commit re-arms the timer; if it fails, this one must.
+        loop = asyncio.get_running_loop()
+        session.ttl_timer = loop.call_later(max(session.ttl, _BUSY_RETRY_S), self._spawn_expiry, session, epoch)
 
     async def _unpin(self, session_id: str, handle: object) -> None:
         try:

@@ -218,14 +218,27 @@ class Spiller:
         """The session's spilled prefix, read back from host or disk for its next request, which
         the engine loads as it admits the request (``EngineClient.generate``'s ``resume``: the
         load takes its place in the queue, so requests queued behind it cannot starve it of
-        memory). None when the GPU still holds that prefix or nothing was spilled. Never raises:
-        a segment that cannot be read is dropped and the request recomputes it."""
-        loaded = await self._load(session)
+        memory) unless the cache holds that prefix then. A host segment is handed over even
+        while the GPU still holds the prefix: unpinned, it may be evicted before the request is
+        admitted (reading it back costs nothing); a disk read is skipped then. None when
+        nothing was spilled. Counted as a resume once the engine says it loaded it
+        (``count_carried``). Never raises: a segment that cannot be read is dropped and the
+        request recomputes it."""
+        loaded = await self._load(session, unless_on_gpu=False)
         if loaded is None:
             return None
         state, tier, nbytes, seconds = loaded
-        self._resumed(session, tier, state.num_tokens, nbytes, seconds)
+        session.carried = (tier, nbytes, seconds)
         return state
+
+    def count_carried(self, session: Session, num_resumed_tokens: int) -> None:
+        """The session's turn ended: the state its request carried is a resume from its tier
+        if the engine loaded it (``num_resumed_tokens`` of the prompt), else the GPU cache
+        served that prefix and nothing is counted."""
+        carried, session.carried = session.carried, None
+        if carried is not None and num_resumed_tokens > 0:
+            tier, nbytes, seconds = carried
+            self._resumed(session, tier, num_resumed_tokens, nbytes, seconds)
 
     async def resume(self, session: Session) -> None:
         """Load the session's spilled prefix into the GPU now (``prefetch``: ahead of its next
@@ -266,7 +279,9 @@ class Spiller:
                 if not _pinned_and_waiting(session):
                     continue
                 logger.info("engine short of memory: demoting pinned session %s", session.session_id)
-                if not await self.spill(session, "host"):
+                if not await self.spill(session, "host") and not session.busy:
+                    # (An append that started during the copy owns the pin now: its request
+                    # may already wait with nothing to resume from, so the pin stays.)
                     await self._pins.release(session, "idle")
         return bool(victims)
 
@@ -298,7 +313,7 @@ class Spiller:
                     entry = await self._place_segment(session, state, "host")
                     if entry is not None:
                         status = entry.tier
-                    session.resumed = ("host", state.num_tokens)
+                    session.carried = ("host", entry.nbytes if entry is not None else 0, 0.0)
                 logger.info("engine short of memory: session %s lets go of its pin while its turn waits",
                             session.session_id)
                 await self._pins.release(session, status)
@@ -399,17 +414,18 @@ class Spiller:
                            session.session_id, exc)
             return None
 
-    async def _load(self, session: Session) -> tuple[PrefixState, str, int, float] | None:
+    async def _load(self, session: Session, unless_on_gpu: bool = True) -> tuple[PrefixState, str, int, float] | None:
         """Read the session's segment back (host or disk, validated) unless the GPU holds its
-        prefix: ``(state, tier, bytes, seconds)``, or None (nothing to load, or it could not be
-        read: then dropped, and the request recomputes it)."""
+        prefix (``unless_on_gpu``; else a host segment is read regardless): ``(state, tier,
+        bytes, seconds)``, or None (nothing to load, or it could not be read: then dropped, and
+        the request recomputes it)."""
         entry = session.segment
         if entry is None or entry.num_tokens > len(session.token_ids):
             return None
         n = entry.num_tokens
         # Unsettled: the session's last turn ended before it was spilled, so no checkpoint landing
         # next step is its own; a resume does not wait a step for other requests' turn ends.
-        if await self._gpu_holds(session, n, settled=False) >= n:
+        if (unless_on_gpu or entry.tier != "host") and await self._gpu_holds(session, n, settled=False) >= n:
             return None
         started = time.perf_counter()
         async with entry.lock:

@@ -93,6 +93,47 @@ def test_a_spilled_session_is_served_from_its_tier(make_manager: ManagerFactory,
     run(make_manager, body)
 
 
+def test_a_spilled_session_the_gpu_still_holds_is_served_from_the_gpu(make_manager: ManagerFactory) -> None:
+    """Spilled to host but not evicted: the append's request carries the host copy anyway (the
+    prefix is unpinned), the engine finds the prefix cached and does not load it, and the turn
+    counts the GPU, not a resume."""
+    async def body(m: SessionManager) -> None:
+        sid, history = await two_turns(m)
+        assert (await m.offload(OWNER, sid, "host", wait=True)).status == "host"
+        before, resumes_before = served(m), m.stats().served.resume_tokens["host"]
+        await turn(m, sid, unique_ids(5))
+        assert delta(served(m), before) == {"gpu": history, "host": 0, "disk": 0, "recomputed": 0}
+        assert m.stats().served.resume_tokens["host"] == resumes_before
+
+    run(make_manager, body)
+
+
+def test_a_spilled_prefix_evicted_before_admission_is_resumed_from_host(
+        make_manager: ManagerFactory, engine: EngineClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU still held the spilled prefix when the append began, and lost it before the
+    engine admitted the request (other requests' admissions evict unpinned prefixes): the host
+    copy the request carried is loaded, nothing is recomputed."""
+    real_generate = engine.generate
+
+    async def evicting_generate(*args: Any, **kwargs: Any) -> Any:
+        await engine.reset_prefix_cache()
+        async for out in real_generate(*args, **kwargs):
+            yield out
+
+    async def body(m: SessionManager) -> None:
+        sid, history = await two_turns(m)
+        assert (await m.offload(OWNER, sid, "host", wait=True)).status == "host"
+        segment_tokens = m._sessions[sid].segment.num_tokens  # type: ignore[union-attr]  # noqa: SLF001
+        monkeypatch.setattr(engine, "generate", evicting_generate)
+        before = served(m)
+        result = await turn(m, sid, unique_ids(5))
+        d = delta(served(m), before)
+        assert d["host"] == segment_tokens > 0 and d["recomputed"] == history - segment_tokens
+        assert result.usage.cached_tokens >= segment_tokens
+
+    run(make_manager, body)
+
+
 def test_a_prefetched_session_counts_its_tier_on_the_next_turn(make_manager: ManagerFactory,
                                                                engine: EngineClient) -> None:
     async def body(m: SessionManager) -> None:

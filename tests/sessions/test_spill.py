@@ -163,6 +163,51 @@ def test_with_no_idle_delay_a_session_is_spilled_before_its_pin_ends(
     run(make_manager, body, idle_to_host_s=0.0, sweep_interval_s=3600.0)
 
 
+@pytest.mark.parametrize("demotion", ["relieve", "pin_ends"])
+def test_an_append_that_starts_during_a_demotion_keeps_its_pin(
+        make_manager: ManagerFactory, engine: EngineClient, monkeypatch: pytest.MonkeyPatch,
+        demotion: str) -> None:
+    """The agent's next append arrives while its session is being copied to host (the engine
+    short of memory: ``relieve``; or its pin ending). The append found no segment to resume from
+    yet, so the pin is all that keeps its prefix on the GPU: it stays until the turn commits.
+    (Released, eviction took the prefix and the turn recomputed it: turns with 0 cached tokens
+    in an oversubscribed fleet.)"""
+    async def body(m: SessionManager) -> None:
+        ttl = 3600.0 if demotion == "relieve" else 0.3
+        s = (await m.create(OWNER, content=SessionInput(input_ids=unique_ids(40)), ttl=ttl)).session_id
+        await turn(m, s, unique_ids(3))
+        session = m._sessions[s]  # noqa: SLF001
+        pins = m._spill._pins  # noqa: SLF001
+        released_under_a_turn: list[str] = []
+        release = pins.release
+
+        async def recording_release(target: Any, status: Any) -> None:
+            if target.busy:
+                released_under_a_turn.append(status)
+            await release(target, status)
+
+        appended: list[Any] = []
+        export = engine.export_prefix
+
+        async def export_as_the_agent_returns(*args: Any, **kwargs: Any) -> Any:
+            if not appended:
+                appended.append(await m.append(OWNER, s, SessionInput(input_ids=unique_ids(2)), greedy()))
+            return await export(*args, **kwargs)
+
+        monkeypatch.setattr(pins, "release", recording_release)
+        monkeypatch.setattr(engine, "export_prefix", export_as_the_agent_returns)
+        if demotion == "relieve":
+            assert await m._spill.relieve()  # noqa: SLF001
+            assert session.pin is not None and session.status == "active"
+        else:
+            await wait_for(lambda: bool(appended))
+        result = await appended[0].result()
+        assert released_under_a_turn == [], "a pin was released under the turn that needed it"
+        assert result.usage.cached_tokens == 47
+
+    run(make_manager, body, idle_to_host_s=0.0, sweep_interval_s=3600.0)
+
+
 def test_fork_of_a_spilled_session_shares_its_segment_and_imports_once(
         make_manager: ManagerFactory, engine: EngineClient, index_config: dict[str, Any],
         monkeypatch: pytest.MonkeyPatch) -> None:
