@@ -25,7 +25,7 @@
 [ "${SETUP:-1}" = 0 ] || source tools/gpu/setup.sh || exit 1
 AGENTS=${1:-128}
 MODES=${2:-sessions,tiersoff,stateless}
-OUT=${OUT:-/tmp/fleet-out}
+OUT=${OUT:-/tmp/fleet-out}; mkdir -p "$OUT"
 MODEL_ARGS=${MODEL_ARGS:---device cuda --dtype bfloat16 --shape qwen3.5-35b-a3b}
 POOL=${POOL:-40000} FIRST=${FIRST:-8000} APPEND=${APPEND:-800} TURNS=${TURNS:-6} OUTPUT=${OUTPUT:-128}
 WAIT=${WAIT:-lognormal:2:1.5:60} PREFETCH=${PREFETCH:-0} HOST_BYTES=${HOST_BYTES:-$((16 << 30))}
@@ -59,7 +59,7 @@ for mode in ${MODES//,/ }; do
   timeout -s INT -k 30 "$MODE_TIMEOUT" python3 -m phloem.cli bench agentic --modes "$mode" --agents "$AGENTS" \
     --first-turn "$FIRST" --append "$APPEND" --turns "$TURNS" --output "$OUTPUT" --tool-wait "$WAIT" \
     --prefetch-ahead "$PREFETCH" --duration "$DURATION" "${ARGS[@]}" --no-progress --out "$OUT/fleet-$AGENTS-$mode" 2>&1 \
-    | grep -v Warning | tail -14
+    | tee "$OUT/fleet-$AGENTS-$mode.log" | grep -v Warning | tail -14
   echo "$mode: rc ${PIPESTATUS[0]}, $(( $(date +%s) - T1 )) s"
 done
 ls "$OUT"/fleet-*/

@@ -14,13 +14,16 @@
 # STEPS (default "tests resume overlap") picks and orders them.
 # Each step runs only while DEADLINE (epoch seconds; default 560 s from now) leaves it time; the
 # kernel caches are packed into $OUT at the end (copy them into .gpu-cache/ for the fleet's calls).
+# Every step also logs into $OUT (gpu_tests.log, resume_50k.txt, import_overlap.txt,
+# fleet-*.log): send this script's own output to a file in $OUT too, not through a pipe, so a
+# call that reaches its limit still brings back what ran.
 source tools/gpu/setup.sh || exit 1
 DEADLINE=${DEADLINE:-$(( $(date +%s) + 560 ))}
 left() { echo $(( DEADLINE - $(date +%s) )); }
 cap() { local l; l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 STEPS=${STEPS:-tests resume overlap}
 step_tests() {
-timeout "$(cap 280)" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+timeout -k 10 "$(cap 280)" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
   tests/engine/test_gpu_engine.py -k "resume_queued or async_scheduling or prefix_hits or concurren or sixteen or trained or logits" \
   tests/engine/test_gpu_concurrency.py tests/engine/test_gpu_trained_model.py \
   > "$OUT/gpu_tests.log" 2>&1
