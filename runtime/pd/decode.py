@@ -184,7 +184,7 @@ class PDEngineClient(EngineClient):
         prefilled); the outputs report the tokens it loaded (``num_resumed_tokens``)."""
         resumed = 0
         if resume is not None:
-            held = await self.cached_prefix_len([*resume.token_ids, 0], namespace)  # 0: one token past it
+            held = await self.cached_prefix_len(prompt_token_ids, namespace)  # as ``Engine._take_resume``
             if held < resume.num_tokens and await self.import_prefix(resume, namespace):
                 resumed = resume.num_tokens
         stream = self._generate(list(prompt_token_ids), params, request_id, output_token_ids, prefill_only,
