@@ -82,6 +82,12 @@ class AgenticWorkload:
     # mode's start; turns already running finish. What a fixed device call can afford: the report
     # counts the turns not started (``turns_not_started``) apart from turns lost to errors.
     duration_s: float = 0.0
+    # With ``duration_s``: turns still streaming this many seconds after it ends are cancelled
+    # (0: wait for every running turn), so a mode whose turns drain slowly (recomputed histories)
+    # still ends inside a fixed call with a report. A cancelled turn and the rest of its branch
+    # count with the turns not started (not lost: the server was still serving them), and the
+    # mode's wall time ends at the cut.
+    drain_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +124,16 @@ def _stops(state: _Agent, deadline: float | None, turns_left: int, after_s: floa
         return False
     state.not_started += turns_left
     return True
+
+
+def _cut_at(wl: AgenticWorkload, deadline: float | None) -> float | None:
+    """When running turns are cancelled (``time.monotonic``), or None: never."""
+    return deadline + wl.drain_s if deadline is not None and wl.drain_s > 0 else None
+
+
+def _cut_timeout(cut: float | None) -> asyncio.Timeout:
+    """``async with`` this around a turn's stream: raises ``TimeoutError`` at ``cut``."""
+    return asyncio.timeout(None if cut is None else max(0.0, cut - time.monotonic()))
 
 
 def _failed(state: _Agent, turn: int, exc: Exception) -> None:
@@ -168,6 +184,7 @@ async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int, 
     params = GenerateParams(max_tokens=wl.output, temperature=0.0, ignore_eos=True)
     session = await client.sessions.create(metadata={"bench": "agentic", "agent": str(agent)})
     root = _Agent(agent, 0, [], rng)
+    cut = _cut_at(wl, deadline)
     records: list[TurnRecord] = []
     branches = [root]
 
@@ -181,10 +198,13 @@ async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int, 
             stamps: list[float] = []
             output: list[int] = []
             try:
-                async with handle.stream(input_ids=new, generate=params) as stream:  # type: ignore[attr-defined]
+                async with _cut_timeout(cut), handle.stream(input_ids=new, generate=params) as stream:  # type: ignore[attr-defined]
                     async for delta in stream:
                         stamps.extend([time.perf_counter()] * len(delta.token_ids))
                         output += delta.token_ids
+            except TimeoutError:
+                state.not_started += last - turn + 1
+                return
             except PhloemError as exc:
                 _failed(state, turn, exc)
                 return
@@ -221,6 +241,7 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
                            tick: _Tick = _ignore, deadline: float | None = None) -> tuple[list[TurnRecord], int]:
     rng = random.Random(wl.seed * 1000 + agent)
     records: list[TurnRecord] = []
+    cut = _cut_at(wl, deadline)
 
     async def run_turns(state: _Agent, first: int, last: int) -> None:
         waits = _waits(wl, state.agent, state.branch)
@@ -238,7 +259,7 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
             usage: dict[str, object] = {}
             output: list[int] = []
             try:
-                async with http.stream("POST", "/v1/completions", json=body) as resp:
+                async with _cut_timeout(cut), http.stream("POST", "/v1/completions", json=body) as resp:
                     resp.raise_for_status()
                     async for line in resp.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -252,6 +273,9 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
                             ids = choice.get("token_ids") or []
                             output += ids
                             stamps.extend([time.perf_counter()] * len(ids))
+            except TimeoutError:
+                state.not_started += last - turn + 1
+                return
             except httpx.HTTPError as exc:
                 _failed(state, turn, exc)
                 return
@@ -488,7 +512,7 @@ def _markdown(summary: dict[str, object]) -> str:
 
 def _not_started(summary: dict[str, object]) -> str:
     n = summary.get("turns_not_started", 0)
-    return f" (+{n} not started: duration)" if n else ""
+    return f" (+{n} not started or cut: duration)" if n else ""
 
 
 def default_client_processes(agents: int) -> int:

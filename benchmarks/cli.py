@@ -165,6 +165,9 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     agentic.add_argument("--duration", metavar="SECONDS", type=float, default=0.0,
                          help="stop each mode after this long: no turn starts later, running turns finish, the "
                               "report counts the turns not started (default: %(default)s, run every turn)")
+    agentic.add_argument("--drain", metavar="SECONDS", type=float, default=0.0,
+                         help="with --duration: cancel the turns still running this long after it ends and "
+                              "count them with the turns not started (default: %(default)s, wait for them)")
     agentic.add_argument("--client-processes", metavar="N", type=_at_least_one,
                          help="client processes the agents are spread over (default: one per two CPUs, "
                               "at most 8 and at most --agents): one process cannot read 16 fast streams")
@@ -397,6 +400,7 @@ def _agentic(args: argparse.Namespace) -> int:
         agents=args.agents, first_turn=args.first_turn, append=args.append, turns=args.turns, output=args.output,
         tool_pause_s=args.tool_pause, tool_wait=args.tool_wait, prefetch_ahead_s=args.prefetch_ahead, fork_at=args.fork_at, forks=args.forks, vocab_hi=args.vocab_hi,
         client_processes=args.client_processes or default_client_processes(args.agents), duration_s=args.duration,
+        drain_s=args.drain,
     )  # fmt: skip
     table, data = run_agentic(
         workload, tuple(args.modes.split(",")), args.base_url, tuple(args.server_arg), str(args.out), args.gpus,

@@ -66,3 +66,17 @@ def test_a_duration_stops_new_turns_and_counts_them(tmp_path: Path) -> None:
     summary = data["summary"]["sessions"]  # type: ignore[index]
     assert summary["turns_not_started"] == 2 * 2
     assert summary["fleet"]["lost_turns"] == 0
+
+
+@pytest.mark.parametrize("mode", ["sessions", "stateless"])
+def test_a_drain_cuts_the_turns_still_running_and_counts_them(mode: str, tmp_path: Path) -> None:
+    """A first turn of 1,000 output tokens is still streaming when ``drain_s`` after the
+    duration runs out: it is cancelled, it and the rest of its agent's turns count as not
+    started (not lost), and the mode reports instead of waiting for it."""
+    wl = AgenticWorkload(agents=2, first_turn=60, append=APPEND, turns=2, output=1000, vocab_hi=1000,
+                         duration_s=0.2, drain_s=0.5)
+    _, data = run_agentic(wl, (mode,), out_dir=str(tmp_path))
+    summary = data["summary"][mode]  # type: ignore[index]
+    assert data["turns"][mode] == [], data["turns"][mode]  # type: ignore[index]
+    assert summary["turns_not_started"] == 2 * 2, summary
+    assert summary["fleet"]["lost_turns"] == 0, summary

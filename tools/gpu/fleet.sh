@@ -16,7 +16,9 @@
 # agents the same pool holds ~80% of the fleet: POOL=20000 keeps the pressure. PREFETCH=S has each
 # agent send the SDK's prefetch hint S seconds before its tool wait ends (default 0: the append
 # itself triggers the resume). DURATION=S stops each mode's agents S seconds in (no turn starts
-# later; the report counts the turns not started), so a mode ends inside its call with a report.
+# later; the report counts the turns not started), so a mode ends inside its call with a report;
+# DRAIN=S then cancels the turns still running S seconds after it (default: what MODE_TIMEOUT
+# leaves after DURATION and 100 s for the server's start and the report; they count as not started).
 # Every size is an environment variable (below); SETUP=0 and
 # MODEL_ARGS="--device cpu" with small sizes run the script on a CPU (a smoke test of it).
 # WARM=1 first starts one server with the fleet's flags and sends it a chat request, so FlashInfer
@@ -55,10 +57,14 @@ for mode in ${MODES//,/ }; do
   # DEADLINE (epoch seconds): no mode runs past it (a call's own limit would lose its report).
   [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - T1 )) -lt "$MODE_TIMEOUT" ] && MODE_TIMEOUT=$(( DEADLINE - T1 ))
   [ "$MODE_TIMEOUT" -gt 30 ] || { echo "$mode: no time left before DEADLINE"; continue; }
+  DRAIN_S=${DRAIN:-0}
+  if [ -z "${DRAIN:-}" ] && [ "${DURATION%.*}" -gt 0 ]; then
+    DRAIN_S=$(( MODE_TIMEOUT - ${DURATION%.*} - 100 )); [ "$DRAIN_S" -ge 10 ] || DRAIN_S=10
+  fi
   # SIGINT first: the bench stops its server in a finally (SIGTERM would orphan it on the GPU).
   timeout -s INT -k 30 "$MODE_TIMEOUT" python3 -m phloem.cli bench agentic --modes "$mode" --agents "$AGENTS" \
     --first-turn "$FIRST" --append "$APPEND" --turns "$TURNS" --output "$OUTPUT" --tool-wait "$WAIT" \
-    --prefetch-ahead "$PREFETCH" --duration "$DURATION" "${ARGS[@]}" --no-progress --out "$OUT/fleet-$AGENTS-$mode" 2>&1 \
+    --prefetch-ahead "$PREFETCH" --duration "$DURATION" --drain "$DRAIN_S" "${ARGS[@]}" --no-progress --out "$OUT/fleet-$AGENTS-$mode" 2>&1 \
     | tee "$OUT/fleet-$AGENTS-$mode.log" | grep -v Warning | tail -14
   echo "$mode: rc ${PIPESTATUS[0]}, $(( $(date +%s) - T1 )) s"
 done

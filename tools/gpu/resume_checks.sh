@@ -23,7 +23,7 @@ left() { echo $(( DEADLINE - $(date +%s) )); }
 cap() { local l; l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 STEPS=${STEPS:-tests resume overlap}
 step_tests() {
-timeout -k 10 "$(cap 280)" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+timeout -k 10 "$(cap 480)" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
   tests/engine/test_gpu_engine.py -k "resume_queued or async_scheduling or prefix_hits or concurren or sixteen or trained or logits" \
   tests/engine/test_gpu_concurrency.py tests/engine/test_gpu_trained_model.py \
   > "$OUT/gpu_tests.log" 2>&1
