@@ -11,7 +11,10 @@ TTFT by turn, per-agent decode, and the tiers' bytes over time, read from the se
   they replaced, estimated at the run's fastest turn-1 prefill rate (the least queued one:
   ``min(ttft / prompt_tokens)`` over turn 1, so the estimate leans low and the speedup is
   conservative); TTFT p50/p99 per turn; per-agent decode tok/s (output tokens after the first
-  over the time spent producing them); lost turns.
+  over the time spent producing them); lost turns; the engine's queue (mean running and waiting
+  requests, the share of samples with waiting requests blocked on memory, the share of the run
+  spent in engine steps), which says whether a long TTFT was a wait for memory, for the device,
+  or neither.
 - ``plot_tiers`` draws the bytes over time per mode (matplotlib, when present).
 """
 
@@ -26,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from phloem.runtime.histogram import STEP_KINDS
+
 if TYPE_CHECKING:
     from phloem.benchmarks.agentic import TurnRecord
 
@@ -36,6 +41,11 @@ TIERS = ("host", "disk")
 # (series key, sample name): the bytes sampled during a run.
 _BYTES = (("gpu", "phloem_prefix_cache_bytes"), ("host", 'phloem_session_tier_bytes{tier="host"}'),
           ("disk", 'phloem_session_tier_bytes{tier="disk"}'))
+# (series key, sample name): the engine's queue, sampled beside the bytes. Where a turn's TTFT
+# went: requests running, requests not yet admitted, and whether those wait for memory (pools
+# full after eviction) rather than for their turn.
+_QUEUE = (("running", 'phloem_engine_requests{state="running"}'),
+          ("waiting", 'phloem_engine_requests{state="waiting"}'), ("blocked", "phloem_engine_memory_blocked"))
 
 
 def scrape(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
@@ -85,7 +95,7 @@ class TierSampler:
     def _sample(self, m: dict[str, float]) -> dict[str, float]:
         if m:
             point = {"t": time.monotonic() - self._t0}
-            self.series.append(point | {key: m.get(name, 0.0) for key, name in _BYTES})
+            self.series.append(point | {key: m.get(name, 0.0) for key, name in (*_BYTES, *_QUEUE)})
         return m
 
 
@@ -132,7 +142,25 @@ def fleet_summary(records: list[TurnRecord], sampler: TierSampler, expected_turn
         "ttft_by_turn": {t: {"p50": _quantile(v, 0.5), "p99": _quantile(v, 0.99)} for t, v in sorted(ttft.items())},
         "per_agent_decode_tok_s": {"p50": _quantile(per_agent, 0.5), "min": min(per_agent, default=0.0)},
         "lost_turns": expected_turns - len(records),
+        "engine": _engine_summary(sampler),
         "tier_bytes": sampler.series,
+    }
+
+
+def _engine_summary(sampler: TierSampler) -> dict[str, float]:
+    """The engine's queue over the samples taken during the run (the first and last points are
+    the before and after scrapes): mean running and waiting requests, the share of samples with
+    waiting requests blocked on memory, and the share of the run's wall time the engine spent in
+    steps (``phloem_engine_step_kind_seconds``; near 1: the device was the bottleneck)."""
+    during = sampler.series[1:-1] or sampler.series
+    n = len(during)
+    wall = sampler.series[-1]["t"] - sampler.series[0]["t"] if len(sampler.series) > 1 else 0.0
+    stepping = sum(_delta(sampler, f'phloem_engine_step_kind_seconds_sum{{kind="{k}"}}') for k in STEP_KINDS)
+    return {
+        "running_mean": sum(p.get("running", 0.0) for p in during) / n if n else 0.0,
+        "waiting_mean": sum(p.get("waiting", 0.0) for p in during) / n if n else 0.0,
+        "memory_blocked_share": sum(p.get("blocked", 0.0) > 0 for p in during) / n if n else 0.0,
+        "stepping_share": stepping / wall if wall else 0.0,
     }
 
 
@@ -147,8 +175,9 @@ def _served_from_records(records: list[TurnRecord]) -> dict[str, float]:
 def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
     """Two tables: served shares and resumes per mode, and TTFT p50 / p99 per turn per mode."""
     lines = ["| mode | served gpu / host / disk / recomputed | from cache or tier | resume host: n, s (recompute s) "
-             "| resume disk: n, s (recompute s) | per-agent decode tok/s p50 (min) | lost turns |",
-             "|---|---|---|---|---|---|---|"]
+             "| resume disk: n, s (recompute s) | per-agent decode tok/s p50 (min) | lost turns "
+             "| engine: running / waiting mean, memory-blocked, stepping |",
+             "|---|---|---|---|---|---|---|---|"]
     for mode, s in summary.items():
         f = s.get("fleet")
         if not isinstance(f, dict):
@@ -157,8 +186,11 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
         res = [f"{r['count']:.0f}, {r['mean_s']:.3f} ({r['recompute_s_est']:.3f})" for r in
                (f["resumes"][t] for t in TIERS)]
         dec = f["per_agent_decode_tok_s"]
+        e = f.get("engine") or {}
+        queue = (f"{e['running_mean']:.1f} / {e['waiting_mean']:.1f}, {e['memory_blocked_share']:.0%}, "
+                 f"{e['stepping_share']:.0%}" if e else "")
         lines.append(f"| {mode} | {shares} | {f['served_from_cache_or_tier']:.1%} | {res[0]} | {res[1]} "
-                     f"| {dec['p50']:.1f} ({dec['min']:.1f}) | {f['lost_turns']} |")
+                     f"| {dec['p50']:.1f} ({dec['min']:.1f}) | {f['lost_turns']} | {queue} |")
     fleets = {m: s["fleet"] for m, s in summary.items() if isinstance(s.get("fleet"), dict)}
     if not fleets:
         return "(no fleet figures: the server's /metrics could not be read)"
