@@ -136,6 +136,16 @@ def _cut_timeout(cut: float | None) -> asyncio.Timeout:
     return asyncio.timeout(None if cut is None else max(0.0, cut - time.monotonic()))
 
 
+def _was_cut(state: _Agent, cut: float | None, turns_left: int) -> bool:
+    """Whether a ``TimeoutError`` that ended a turn was the drain cut (``cut`` has passed); its
+    ``turns_left`` (this one included) then count as not started. Any other ``TimeoutError`` is
+    the caller's to re-raise."""
+    if cut is None or time.monotonic() < cut:
+        return False
+    state.not_started += turns_left
+    return True
+
+
 def _failed(state: _Agent, turn: int, exc: Exception) -> None:
     """A turn failed (the server refused or broke it): say so on stderr and end the branch; its
     turns from this one on count as lost (``lost_turns``), the other agents go on."""
@@ -203,7 +213,8 @@ async def _sessions_agent(client: AsyncClient, wl: AgenticWorkload, agent: int, 
                         stamps.extend([time.perf_counter()] * len(delta.token_ids))
                         output += delta.token_ids
             except TimeoutError:
-                state.not_started += last - turn + 1
+                if not _was_cut(state, cut, last - turn + 1):
+                    raise
                 return
             except PhloemError as exc:
                 _failed(state, turn, exc)
@@ -274,7 +285,8 @@ async def _stateless_agent(http: httpx.AsyncClient, wl: AgenticWorkload, agent: 
                             output += ids
                             stamps.extend([time.perf_counter()] * len(ids))
             except TimeoutError:
-                state.not_started += last - turn + 1
+                if not _was_cut(state, cut, last - turn + 1):
+                    raise
                 return
             except httpx.HTTPError as exc:
                 _failed(state, turn, exc)

@@ -186,9 +186,9 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
         res = [f"{r['count']:.0f}, {r['mean_s']:.3f} ({r['recompute_s_est']:.3f})" for r in
                (f["resumes"][t] for t in TIERS)]
         dec = f["per_agent_decode_tok_s"]
-        e = f.get("engine") or {}
+        e = f["engine"]
         queue = (f"{e['running_mean']:.1f} / {e['waiting_mean']:.1f}, {e['memory_blocked_share']:.0%}, "
-                 f"{e['stepping_share']:.0%}" if e else "")
+                 f"{e['stepping_share']:.0%}")
         lines.append(f"| {mode} | {shares} | {f['served_from_cache_or_tier']:.1%} | {res[0]} | {res[1]} "
                      f"| {dec['p50']:.1f} ({dec['min']:.1f}) | {f['lost_turns']} | {queue} |")
     fleets = {m: s["fleet"] for m, s in summary.items() if isinstance(s.get("fleet"), dict)}
