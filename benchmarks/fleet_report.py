@@ -14,8 +14,11 @@ TTFT by turn, per-agent decode, and the tiers' bytes over time, read from the se
   over the time spent producing them); lost turns; the engine's queue (mean running and waiting
   requests, the share of samples with waiting requests blocked on memory, the share of the run
   spent in engine steps), which says whether a long TTFT was a wait for memory, for the device,
-  or neither.
-- ``plot_tiers`` draws the bytes over time per mode (matplotlib, when present).
+  or neither; the server's host memory at its peak (resident set, pinned bytes the caching host
+  allocator holds, the host tier's payload: ``runtime.host_memory``), which says whether the
+  host tier costs more than its payload.
+- ``plot_tiers`` draws the bytes over time per mode, the resident set and the pinned bytes
+  dashed beside them (matplotlib, when present).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ _BYTES = (("gpu", "phloem_prefix_cache_bytes"), ("host", 'phloem_session_tier_by
 # full after eviction) rather than for their turn.
 _QUEUE = (("running", 'phloem_engine_requests{state="running"}'),
           ("waiting", 'phloem_engine_requests{state="waiting"}'), ("blocked", "phloem_engine_memory_blocked"))
+# (series key, sample name): the server process's host memory, beside the host tier's payload.
+_PROCESS = (("resident", "phloem_process_resident_bytes"), ("pinned", "phloem_process_pinned_bytes"))
 
 
 def scrape(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
@@ -95,7 +100,9 @@ class TierSampler:
     def _sample(self, m: dict[str, float]) -> dict[str, float]:
         if m:
             point = {"t": time.monotonic() - self._t0}
-            self.series.append(point | {key: m.get(name, 0.0) for key, name in (*_BYTES, *_QUEUE)})
+            point |= {key: m.get(name, 0.0) for key, name in (*_BYTES, *_QUEUE)}
+            # Process memory only where the server reports it (no pinned memory without CUDA).
+            self.series.append(point | {key: m[name] for key, name in _PROCESS if name in m})
         return m
 
 
@@ -143,6 +150,8 @@ def fleet_summary(records: list[TurnRecord], sampler: TierSampler, expected_turn
         "per_agent_decode_tok_s": {"p50": _quantile(per_agent, 0.5), "min": min(per_agent, default=0.0)},
         "lost_turns": expected_turns - len(records),
         "engine": _engine_summary(sampler),
+        "host_memory_peak": {key: max((p[key] for p in sampler.series if key in p), default=None)
+                             for key in ("resident", "pinned", "host")},
         "tier_bytes": sampler.series,
     }
 
@@ -176,8 +185,9 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
     """Two tables: served shares and resumes per mode, and TTFT p50 / p99 per turn per mode."""
     lines = ["| mode | served gpu / host / disk / recomputed | from cache or tier | resume host: n, s (recompute s) "
              "| resume disk: n, s (recompute s) | per-agent decode tok/s p50 (min) | lost turns "
-             "| engine: running / waiting mean, memory-blocked, stepping |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| engine: running / waiting mean, memory-blocked, stepping "
+             "| server host memory peak GiB: resident / pinned / host tier |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for mode, s in summary.items():
         f = s.get("fleet")
         if not isinstance(f, dict):
@@ -189,8 +199,10 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
         e = f["engine"]
         queue = (f"{e['running_mean']:.1f} / {e['waiting_mean']:.1f}, {e['memory_blocked_share']:.0%}, "
                  f"{e['stepping_share']:.0%}")
+        mem = " / ".join("n/a" if v is None else f"{v / 2**30:.2f}"
+                         for v in (f["host_memory_peak"][k] for k in ("resident", "pinned", "host")))
         lines.append(f"| {mode} | {shares} | {f['served_from_cache_or_tier']:.1%} | {res[0]} | {res[1]} "
-                     f"| {dec['p50']:.1f} ({dec['min']:.1f}) | {f['lost_turns']} | {queue} |")
+                     f"| {dec['p50']:.1f} ({dec['min']:.1f}) | {f['lost_turns']} | {queue} | {mem} |")
     fleets = {m: s["fleet"] for m, s in summary.items() if isinstance(s.get("fleet"), dict)}
     if not fleets:
         return "(no fleet figures: the server's /metrics could not be read)"
@@ -205,8 +217,9 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
 
 
 def plot_tiers(series: dict[str, list[dict[str, float]]], out_dir: Path) -> list[Path]:
-    """``tier_bytes_<mode>.png``: GPU prefix-cache, host and disk bytes over the run; none
-    without matplotlib or samples."""
+    """``tier_bytes_<mode>.png``: GPU prefix-cache, host and disk bytes over the run, and the
+    server's resident set and pinned bytes dashed (where the scrapes had them); none without
+    matplotlib or samples."""
     try:
         import matplotlib
     except ImportError:
@@ -218,11 +231,15 @@ def plot_tiers(series: dict[str, list[dict[str, float]]], out_dir: Path) -> list
     for mode, points in series.items():
         if not points:
             continue
-        peak = max(p[key] for p in points for key, _ in _BYTES)
+        process = [key for key, _ in _PROCESS if any(key in p for p in points)]
+        peak = max(p.get(key, 0.0) for p in points for key in (*(k for k, _ in _BYTES), *process))
         scale, unit = (2**30, "GiB") if peak >= 2**30 else (2**20, "MiB")
         fig, ax = plt.subplots(figsize=(6, 4))
         for key, _ in _BYTES:
             ax.plot([p["t"] for p in points], [p[key] / scale for p in points], marker=".", label=key)
+        for key in process:
+            ax.plot([p["t"] for p in points], [p.get(key, 0.0) / scale for p in points], linestyle="--",
+                    label=f"server {key}")
         ax.set_xlabel("seconds into the run")
         ax.set_ylabel(f"{unit} held")
         ax.set_title(f"session state by tier: {mode}")

@@ -27,10 +27,11 @@ if TYPE_CHECKING:
     from phloem.runtime.engine_client import EngineClient
     from phloem.runtime.engine_commands import EngineStats, PrefixState
     from phloem.runtime.engine_loop import EngineLoop
+    from phloem.runtime.host_memory import ProcessMemory, process_memory
 
 __all__ = [
-    "EngineClient", "EngineConfig", "EngineLoop", "EngineStats", "PrefixState",
-    "ensure_default_model",
+    "EngineClient", "EngineConfig", "EngineLoop", "EngineStats", "PrefixState", "ProcessMemory",
+    "ensure_default_model", "process_memory",
 ]
 
 _LAZY = {
@@ -39,6 +40,8 @@ _LAZY = {
     "EngineStats": "phloem.runtime.engine_commands",
     "PrefixState": "phloem.runtime.engine_commands",
     "ensure_default_model": "phloem.runtime.default_model",
+    "ProcessMemory": "phloem.runtime.host_memory",
+    "process_memory": "phloem.runtime.host_memory",
 }
 
 

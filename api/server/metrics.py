@@ -15,7 +15,8 @@ one process (tests) keep separate numbers. Two kinds of metrics live in it:
   ``phloem_session_tier_bytes{tier}``; ``sessions._served``) and
   ``EngineClient.stats()`` (pages, state slots, queue depth, step-time histogram) and
   ``EngineClient.grammar_stats()`` (the compiled-grammar cache's bytes and entries, compiles,
-  rejections, timeouts; ``phloem_grammar_*``), rendered by ``_SnapshotCollector``. When the engine does not answer within ``_ENGINE_TIMEOUT_S`` (stopped,
+  rejections, timeouts; ``phloem_grammar_*``) and ``process_memory()`` (the process's resident
+  set and pinned host bytes beside the host tier's payload, ``phloem_process_*``), rendered by ``_SnapshotCollector``. When the engine does not answer within ``_ENGINE_TIMEOUT_S`` (stopped,
   or stuck in a step) the engine metrics are left out and ``phloem_engine_up`` is 0.
 
 Decision: the prefix-cache hit rate is exported as ``phloem_prefix_cache_hit_ratio``, the
@@ -37,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from phloem.engine import GrammarStats, SpeculationStats
-from phloem.runtime import EngineClient, EngineStats
+from phloem.runtime import EngineClient, EngineStats, ProcessMemory, process_memory
 from phloem.runtime.histogram import HistogramSnapshot
 from phloem.sessions import SessionManager, SessionStats
 
@@ -81,6 +82,7 @@ class ApiMetrics:
         # No await between taking the snapshot and rendering it: one scrape, one snapshot.
         self._snapshot.engine, self._snapshot.sessions = engine, self._manager.stats()
         self._snapshot.grammar = self._engine.grammar_stats()
+        self._snapshot.process = process_memory()
         return generate_latest(self.registry)
 
 
@@ -91,14 +93,17 @@ class _SnapshotCollector:
         self.engine: EngineStats | None = None
         self.sessions: SessionStats | None = None
         self.grammar: GrammarStats | None = None
+        self.process: ProcessMemory | None = None
 
     def describe(self) -> Iterable[Metric]:
-        return [*_session_families(None), *_engine_families(None), *_grammar_families(None)]
+        return [*_session_families(None), *_engine_families(None), *_grammar_families(None),
+                *_process_families(None)]
 
     def collect(self) -> Iterator[Metric]:
         yield from _session_families(self.sessions)
         yield from _engine_families(self.engine)
         yield from _grammar_families(self.grammar)
+        yield from _process_families(self.process)
 
 
 def _counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
@@ -239,6 +244,20 @@ def _engine_families(e: EngineStats | None) -> list[Metric]:
     if e.speculation is not None:
         families += _speculation_families(e.speculation)
     return families
+
+
+def _process_families(p: ProcessMemory | None) -> list[Metric]:
+    """The server process's host memory (``runtime.host_memory``); a value that cannot be read
+    here (no CUDA: no pinned memory; not Linux: no resident set) has no sample."""
+    return [
+        _gauge("phloem_process_resident_bytes", "Resident set of the server process (pinned "
+               "memory included)", None if p is None else p.resident_bytes),
+        _gauge("phloem_process_pinned_bytes", "Page-locked host memory torch's caching host allocator "
+               "holds, in use or cached for reuse, at sizes rounded up to powers of two (the host "
+               "tier's segments and staging buffers)", None if p is None else p.pinned_bytes),
+        _gauge("phloem_process_pinned_active_bytes", "Of phloem_process_pinned_bytes, the blocks in use",
+               None if p is None else p.pinned_active_bytes),
+    ]
 
 
 def _speculation_families(s: SpeculationStats) -> list[Metric]:

@@ -24,6 +24,7 @@ import httpx
 from live_servers import ServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 import pytest
+import torch
 
 from phloem.api import Client
 from phloem.runtime.builtin_model import trained_model_path
@@ -75,7 +76,9 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     try:
         with Client(server.base_url, api_key=KEY, timeout=60) as client:
             usages = run_workload(client, server.base_url, tokens)
+            rss_before = server.rss_kib() * 1024
             samples = scrape(server.base_url)
+            rss_after = server.rss_kib() * 1024
     finally:
         server.stop()
 
@@ -106,6 +109,13 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     assert value(samples, "phloem_http_requests_total", method="POST", route="/v1/completions", status="200") == 1
     assert value(samples, "phloem_http_requests_total", method="GET", route="unmatched", status="404") == 1
     assert value(samples, "phloem_engine_up") == 1
+    # The process's own resident set, read during the scrape (the kernel's count of the same pages
+    # just before and after it; the scrape itself may touch a few MiB).
+    assert 0.9 * rss_before < value(samples, "phloem_process_resident_bytes") < 1.1 * rss_after
+    # Pinned memory exists only with CUDA; without it there is no sample rather than a made-up 0.
+    pinned = sorted(name for name, _ in samples if name.startswith("phloem_process_pinned"))
+    assert pinned == (["phloem_process_pinned_active_bytes", "phloem_process_pinned_bytes"]
+                      if torch.cuda.is_available() else [])
     assert value(samples, "phloem_engine_requests", state="waiting") == 0
     assert value(samples, "phloem_engine_requests", state="running") == 0
     assert value(samples, "phloem_generations_in_flight") == 0

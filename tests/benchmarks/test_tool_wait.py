@@ -83,6 +83,27 @@ def test_the_engine_queue_is_averaged_over_the_samples_taken_during_the_run() ->
     assert "| 0 | 4.0 / 3.0, 67%, 50% |" in fleet_markdown({"sessions": {"fleet": f}})
 
 
+def test_the_server_host_memory_peaks_beside_the_host_tier() -> None:
+    """Each scrape's resident set and pinned bytes land in the series next to the tier bytes; the
+    summary keeps their peaks (before and after scrapes included: memory is not a rate)."""
+    sampler = TierSampler("http://unused")
+    sampler._t0 = 0.0
+    gib = 2**30
+    for resident, pinned, host in ((2, 0, 0), (5, 3, 1), (4, 4, 2), (3, 4, 0)):
+        sampler._sample({"phloem_process_resident_bytes": resident * gib, "phloem_process_pinned_bytes": pinned * gib,
+                         'phloem_session_tier_bytes{tier="host"}': host * gib})
+    assert [(p["resident"], p["pinned"], p["host"]) for p in sampler.series] == [
+        (2 * gib, 0, 0), (5 * gib, 3 * gib, gib), (4 * gib, 4 * gib, 2 * gib), (3 * gib, 4 * gib, 0)]
+    f = fleet_summary([TurnRecord("sessions", 0, 0, 1, 10, 10, 0, 5, 0.1, 0.01, 0.2)], sampler, expected_turns=1)
+    assert f["host_memory_peak"] == {"resident": 5 * gib, "pinned": 4 * gib, "host": 2 * gib}
+    assert "| 5.00 / 4.00 / 2.00 |" in fleet_markdown({"sessions": {"fleet": f}})
+    # A server without CUDA reports no pinned bytes: the column says so rather than 0.
+    sampler.series = [{k: v for k, v in p.items() if k != "pinned"} for p in sampler.series]
+    f = fleet_summary([TurnRecord("sessions", 0, 0, 1, 10, 10, 0, 5, 0.1, 0.01, 0.2)], sampler, expected_turns=1)
+    assert f["host_memory_peak"]["pinned"] is None  # type: ignore[index]
+    assert "| 5.00 / n/a / 2.00 |" in fleet_markdown({"sessions": {"fleet": f}})
+
+
 def test_a_stateless_mode_is_served_from_its_records() -> None:
     sampler = TierSampler("http://unused")
     sampler.before = sampler.after = {"phloem_engine_up": 1.0}
