@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +50,13 @@ def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
 
 def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
+
+
+def documented_metrics() -> set[str]:
+    """The metric names docs/api.md's metrics table spells out (labels dropped)."""
+    doc = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    return {re.sub(r"\{.*\}", "", name) for line in doc.splitlines() if line.startswith("| `phloem_")
+            for name in re.findall(r"`(phloem_[^`]+)`", line.split(" | ")[0])}
 
 
 def segment_bytes(model_dir: Path, num_tokens: int) -> int:
@@ -109,6 +117,10 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     assert value(samples, "phloem_http_requests_total", method="POST", route="/v1/completions", status="200") == 1
     assert value(samples, "phloem_http_requests_total", method="GET", route="unmatched", status="404") == 1
     assert value(samples, "phloem_engine_up") == 1
+    # Every metric the server exports is in the documented table.
+    documented = documented_metrics()
+    exported = {re.sub(r"_(bucket|count|sum|created)$", "", name) for name, _ in samples}
+    assert {name for name in exported if name not in documented and f"{name}_total" not in documented} == set()
     # The process's own resident set, read during the scrape (the kernel's count of the same pages
     # just before and after it; the scrape itself may touch a few MiB).
     assert 0.9 * rss_before < value(samples, "phloem_process_resident_bytes") < 1.1 * rss_after
