@@ -134,7 +134,7 @@ class TurnRunner:
             self._finished(session.session_id, result, started)
             return result
 
-        def on_exit() -> None:
+        def on_exit(generation: Generation) -> None:
             session.busy, session.generation, session.carried = False, None, None
             if not generation.succeeded and not session.deleted:
                 # A turn that let go of its pin while it waited (``Spiller._step_aside``) left
@@ -185,7 +185,7 @@ class TurnRunner:
             self._finished(None, result, started)
             return result
 
-        hooks = GenerationHooks(settle, lambda: self._generations.discard(generation),
+        hooks = GenerationHooks(settle, self._generations.discard,
                                 prepare=share.wait if share is not None else None,
                                 relieve=self._spill.relieve,
                                 stall_s=self._config.admission_stall_s)

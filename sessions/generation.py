@@ -134,7 +134,11 @@ class GenerationHooks:
 
     Args:
         settle: Turns the ``Completion`` into the result (a session commits its turn there).
-        on_exit: Called once when the generation is over, whatever the outcome.
+        on_exit: Called once with the generation when it is over, whatever the outcome. It gets
+            the generation as an argument rather than closing over it: a closure would make
+            generation -> hooks -> closure -> generation a reference cycle, which only the cyclic
+            GC frees, a full collection (minutes apart on a busy server) later, with everything
+            the generation held.
         prepare: Awaited before the request is sent; must not raise. It may return a spilled
             prefix of the prompt (a session's state back from host or disk), which the engine
             loads as it admits the request (``EngineClient.generate``'s ``resume``); None: nothing
@@ -147,7 +151,7 @@ class GenerationHooks:
     """
 
     settle: Settle
-    on_exit: Callable[[], None]
+    on_exit: Callable[[Generation], None]
     prepare: Callable[[], Awaitable[PrefixState | None]] | None = None
     relieve: Callable[[], Awaitable[bool]] | None = None
     stall_s: float = 5.0
@@ -304,7 +308,8 @@ class Generation:
                 # Mark a failure as seen: its consumer may be gone (asyncio would warn at GC).
                 self._result.exception()
             self._events.put_nowait(_END)
-            self._hooks.on_exit()
+            self._resume = None
+            self._hooks.on_exit(self)
 
     async def _run(self) -> Completion:
         if self._options is None:
@@ -387,6 +392,9 @@ class Generation:
                     raise Overloaded("the engine has no room for this request now")
                 started.set()
                 self._admitted = True
+                # Loaded (or found in the cache): a spilled state is tensors of the session's
+                # whole history, host memory the engine no longer needs from us.
+                self._resume = None
                 cached, self._num_resumed = out.num_cached_tokens, out.num_resumed_tokens
                 reason = self._consume(out.new_token_ids, out.finish_reason, detok, output,
                                        out.new_logprobs or ())

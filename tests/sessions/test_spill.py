@@ -11,11 +11,13 @@ one of them.
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import resource
 import shutil
 import signal
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
@@ -81,6 +83,43 @@ async def twin_and_resumed(engine: EngineClient, m: SessionManager, twin_id: str
     assert twin.usage.cached_tokens == 0
     await engine.reset_prefix_cache()
     return twin, await turn(m, spilled_id, follow)
+
+
+def test_a_resumed_turn_is_freed_without_the_cyclic_gc(make_manager: ManagerFactory, engine: EngineClient) -> None:
+    """A turn's ``Generation``, and the spilled state it resumed from, are gone once the turn is
+    over by reference counting alone. A reference cycle through them (the generation's hooks
+    closing over it) kept every resumed session's whole history in host memory until a full
+    collection: a CPU fleet of 32 agents peaked at 1.47 GiB resident with ~790 MiB of tensors in
+    cyclic garbage, 0.60 GiB without."""
+    async def body(m: SessionManager) -> None:
+        sid = (await m.create(OWNER, content=SessionInput(input_ids=unique_ids(40)), ttl=0)).session_id
+        await turn(m, sid, unique_ids(3))
+        await m.offload(OWNER, sid, "disk", wait=True)
+        await engine.reset_prefix_cache()  # only the segment read back can serve the history
+        loaded: list[weakref.ref[Any]] = []
+        read = m._spill.state_for_append  # noqa: SLF001
+
+        async def recording(session: Any) -> Any:
+            state = await read(session)
+            if state is not None:
+                loaded.append(weakref.ref(state.kv))
+            return state
+
+        m._spill.state_for_append = recording  # type: ignore[method-assign]  # noqa: SLF001
+        gc.disable()
+        try:
+            generation = await m.append(OWNER, sid, SessionInput(input_ids=unique_ids(5)), greedy())
+            result = await generation.result()
+            assert result.usage.cached_tokens == 47 and len(loaded) == 1, "the turn resumed from disk"
+            gone = weakref.ref(generation)
+            del generation
+            await asyncio.sleep(0.05)  # the generation's task finishes its bookkeeping
+            assert gone() is None, gc.get_referrers(gone())
+            assert loaded[0]() is None, "the resumed state outlived its turn"
+        finally:
+            gc.enable()
+
+    run(make_manager, body)
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
