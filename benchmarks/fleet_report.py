@@ -51,6 +51,8 @@ _QUEUE = (("running", 'phloem_engine_requests{state="running"}'),
           ("waiting", 'phloem_engine_requests{state="waiting"}'), ("blocked", "phloem_engine_memory_blocked"))
 # (series key, sample name): the server process's host memory, beside the host tier's payload.
 _PROCESS = (("resident", "phloem_process_resident_bytes"), ("pinned", "phloem_process_pinned_bytes"))
+# The series keys whose peaks the report gives: the server's host memory and the host tier's payload.
+_MEMORY_PEAKS = ("resident", "pinned", "host")
 
 
 def scrape(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
@@ -100,9 +102,10 @@ class TierSampler:
     def _sample(self, m: dict[str, float]) -> dict[str, float]:
         if m:
             point = {"t": time.monotonic() - self._t0}
-            point |= {key: m.get(name, 0.0) for key, name in (*_BYTES, *_QUEUE)}
+            point.update((key, m.get(name, 0.0)) for key, name in (*_BYTES, *_QUEUE))
             # Process memory only where the server reports it (no pinned memory without CUDA).
-            self.series.append(point | {key: m[name] for key, name in _PROCESS if name in m})
+            point.update((key, m[name]) for key, name in _PROCESS if name in m)
+            self.series.append(point)
         return m
 
 
@@ -151,7 +154,7 @@ def fleet_summary(records: list[TurnRecord], sampler: TierSampler, expected_turn
         "lost_turns": expected_turns - len(records),
         "engine": _engine_summary(sampler),
         "host_memory_peak": {key: max((p[key] for p in sampler.series if key in p), default=None)
-                             for key in ("resident", "pinned", "host")},
+                             for key in _MEMORY_PEAKS},
         "tier_bytes": sampler.series,
     }
 
@@ -200,7 +203,7 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
         queue = (f"{e['running_mean']:.1f} / {e['waiting_mean']:.1f}, {e['memory_blocked_share']:.0%}, "
                  f"{e['stepping_share']:.0%}")
         mem = " / ".join("n/a" if v is None else f"{v / 2**30:.2f}"
-                         for v in (f["host_memory_peak"][k] for k in ("resident", "pinned", "host")))
+                         for v in (f["host_memory_peak"][k] for k in _MEMORY_PEAKS))
         lines.append(f"| {mode} | {shares} | {f['served_from_cache_or_tier']:.1%} | {res[0]} | {res[1]} "
                      f"| {dec['p50']:.1f} ({dec['min']:.1f}) | {f['lost_turns']} | {queue} | {mem} |")
     fleets = {m: s["fleet"] for m, s in summary.items() if isinstance(s.get("fleet"), dict)}

@@ -89,8 +89,7 @@ def test_a_resumed_turn_is_freed_without_the_cyclic_gc(make_manager: ManagerFact
     """A turn's ``Generation``, and the spilled state it resumed from, are gone once the turn is
     over by reference counting alone. A reference cycle through them (the generation's hooks
     closing over it) kept every resumed session's whole history in host memory until a full
-    collection: a CPU fleet of 32 agents peaked at 1.47 GiB resident with ~790 MiB of tensors in
-    cyclic garbage, 0.60 GiB without."""
+    collection (docs/benchmarks.md, "Server host memory over a fleet run")."""
     async def body(m: SessionManager) -> None:
         sid = (await m.create(OWNER, content=SessionInput(input_ids=unique_ids(40)), ttl=0)).session_id
         await turn(m, sid, unique_ids(3))
