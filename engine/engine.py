@@ -19,6 +19,7 @@ between TP sizes.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -54,6 +55,8 @@ from phloem.kernels.dispatch import kernel_backend
 
 __all__ = ["Engine"]
 
+logger = logging.getLogger(__name__)
+
 
 class Engine(PrefixOps):
     """One process's inference core; ``from_pretrained`` loads one. The constructor takes a
@@ -84,6 +87,9 @@ class Engine(PrefixOps):
                                          extra_kv_layers=extra_kv_layers(config.speculative, model_config))
         self.page_pool = PagePool(plan.num_pages, cache_config.page_size)
         self.slot_pool = SlotPool(plan.num_slots)
+        logger.info("cache: %d KV pages (%d tokens, %.2f GiB), %d GDN state slots (%.2f GiB)",
+                    plan.num_pages, plan.num_pages * cache_config.page_size, plan.num_pages * plan.page_bytes / 2**30,
+                    plan.num_slots, plan.num_slots * plan.slot_bytes / 2**30)
         tree = None
         if cache_config.enable_prefix_caching:
             tree = RadixCache(

@@ -18,7 +18,7 @@ from phloem.engine.cache.sizing import kv_page_bytes, split_budget, state_slot_b
 from phloem.engine.config import CacheConfig, ModelConfig
 from phloem.engine.forward_batch import ModelCaches
 
-__all__ = ["PoolPlan", "allocate_caches", "kv_dtype", "plan_pools"]
+__all__ = ["PoolPlan", "allocate_caches", "free_device_bytes", "kv_dtype", "plan_pools"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,20 @@ def _slot_bytes(mc: ModelConfig, dtype: torch.dtype, tp_size: int) -> int:
     return state_slot_bytes(mc, dtype.itemsize, tp_size)
 
 
+def free_device_bytes(device: torch.device) -> int:
+    """Device memory free for the pools: what the driver reports free once torch's caching
+    allocator has returned its unused blocks.
+
+    Why the release: what the load freed stays reserved by torch and reads as used. Quantizing at
+    load (``LoadConfig.quantization="fp8"``) builds the bf16 weights before their FP8 copies, so
+    without it the 35B-A3B's freed 64 GiB of bf16 weights read as used and an H100's pools were
+    sized from ~2 GiB: 6 state slots, so at most a few requests ran at once however many pages
+    were asked for."""
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(device)
+    return free
+
+
 def plan_pools(
     mc: ModelConfig, cc: CacheConfig, dtype: torch.dtype, device: torch.device, tp_size: int = 1,
     extra_kv_layers: int = 0,
@@ -56,8 +70,7 @@ def plan_pools(
     page_bytes = max(1, page_bytes)
     slot_bytes = max(1, _slot_bytes(mc, dtype, tp_size))
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * cc.memory_fraction)
+        budget = int(free_device_bytes(device) * cc.memory_fraction)
     else:
         budget = cc.cpu_pool_bytes
     num_pages, num_slots = split_budget(budget, cc, page_bytes, slot_bytes)

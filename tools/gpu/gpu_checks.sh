@@ -74,7 +74,8 @@
 #       (`bench decode --speculative mtp:K --accept-length 3.1`; dummy weights: the length is a projection)
 #   46  FP8 (issue 51) correctness on the card: the FP8 GEMV, expert and W8A8 kernels' GPU tests at the
 #       35B-A3B shapes, FP8 KV pages, and the trained model quantized at load (graphs + fused FP8
-#       kernels against its eager dequantized path; logits against bf16: tests/engine/test_gpu_fp8_model.py)
+#       kernels against its eager dequantized path; logits against bf16: tests/engine/test_gpu_fp8_model.py),
+#       and the pools sized from the memory the load freed (tests/engine/test_gpu_pool_sizing.py)
 #   47  FP8 speed: the FP8 GEMV against bf16 and dequantize-on-read (benchmarks/sweeps/gemv_fp8_bench.py),
 #       W8A8 against weight-only, cuBLAS and FlashInfer (benchmarks/sweeps/w8a8_bench.py), then decode
 #       at the 35B-A3B shape with FP8 weights (batch 1 and 16 at 1K, a 50K prefill; W8A8 on and off) and
@@ -327,6 +328,7 @@ step_46() {
   CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 580 python3 -m pytest -q -p no:cacheprovider -rfE -s -m gpu \
     tests/kernels/test_triton_gemv_fp8.py tests/kernels/test_triton_moe_fp8.py tests/kernels/test_triton_w8a8.py \
     tests/kernels/test_flashinfer_fp8_kv.py tests/engine/test_fp8_cache_paths.py tests/engine/test_gpu_fp8_model.py \
+    tests/engine/test_gpu_pool_sizing.py \
     > "$OUT/46_fp8_tests.txt" 2>&1
 }
 step_47() {
