@@ -7,16 +7,18 @@ TTFT by turn, per-agent decode, and the tiers' bytes over time, read from the se
 - ``fleet_summary`` turns the before/after deltas and the turn records into plain numbers:
   shares of already-sent tokens served by ``gpu`` / ``host`` / ``disk`` / ``recomputed``
   (``phloem_session_served_tokens_total``; a stateless mode, which those counters do not see,
-  from its records: cached tokens of what it had sent before are ``gpu``, the rest recomputed); per tier the resumes, their mean tokens and seconds, and the recompute
-  they replaced, estimated at the run's fastest turn-1 prefill rate (the least queued one:
+  from its records: cached tokens of what it had sent before are ``gpu``, the rest
+  recomputed); per tier the resumes, their mean tokens and seconds, and the recompute they
+  replaced, estimated at the run's fastest turn-1 prefill rate (the least queued one:
   ``min(ttft / prompt_tokens)`` over turn 1, so the estimate leans low and the speedup is
   conservative); TTFT p50/p99 per turn; per-agent decode tok/s (output tokens after the first
   over the time spent producing them); lost turns; the engine's queue (mean running and waiting
   requests, the share of samples with waiting requests blocked on memory, the share of the run
   spent in engine steps, the KV pages and GDN state slots of its pools), which says whether a
-  long TTFT was a wait for memory (and for which pool), for the device, or neither; the server's host memory at its peak (resident set, pinned bytes the caching host
-  allocator holds, the host tier's payload: ``runtime.host_memory``), which says whether the
-  host tier costs more than its payload.
+  long TTFT was a wait for memory (and for which pool), for the device, or neither; the
+  server's host memory at its peak (resident set, pinned bytes the caching host allocator
+  holds, the host tier's payload: ``runtime.host_memory``), which says whether the host tier
+  costs more than its payload.
 - ``plot_tiers`` draws the bytes over time per mode, the resident set and the pinned bytes
   dashed beside them (matplotlib, when present).
 """
