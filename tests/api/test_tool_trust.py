@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -233,13 +234,15 @@ def test_thousands_of_tools_are_refused_before_rendering_on_every_route(app: Tes
     took = {}
     for route, (path, body) in routes.items():
         data = json.dumps(body).encode()
-        start = time.perf_counter()
-        response = app.post(path, content=data, headers={"Content-Type": "application/json"})
-        took[route] = time.perf_counter() - start
-        assert response.status_code == 400, (route, response.text[:300])
-        assert "context window" in message_of(response), (route, response.text[:300])
-        if route in ("chat", "native"):
-            assert "context_length_exceeded" in response.text, (route, response.text[:300])
+        took[route] = math.inf
+        for _ in range(2):  # the faster of two: a pause of the loaded machine is not the route's
+            start = time.perf_counter()
+            response = app.post(path, content=data, headers={"Content-Type": "application/json"})
+            took[route] = min(took[route], time.perf_counter() - start)
+            assert response.status_code == 400, (route, response.text[:300])
+            assert "context window" in message_of(response), (route, response.text[:300])
+            if route in ("chat", "native"):
+                assert "context_length_exceeded" in response.text, (route, response.text[:300])
     print(f"{app.tool_format}: {size / 1e6:.1f} MB of tools refused in " +  # type: ignore[attr-defined]
           ", ".join(f"{r} {t:.3f} s" for r, t in took.items()))
     # Rendering and tokenizing them took 4.4-7.1 s; the bound is generous for a loaded machine.
