@@ -86,6 +86,8 @@ class SegmentTiers:
             Whether the segment is on disk now (False: the write failed, nothing changed).
         """
         async with entry.lock:
+            # ``get`` makes it the most recently used: a spill making room meanwhile demotes
+            # another segment, and the two disk writes run side by side.
             segment = self.host.get(entry.segment_id) if entry.tier == "host" else None
             if segment is None:
                 return entry.tier == "disk"

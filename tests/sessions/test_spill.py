@@ -16,6 +16,8 @@ import random
 import resource
 import shutil
 import signal
+import threading
+import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
@@ -178,6 +180,58 @@ def test_sweeper_spills_idle_sessions_and_demotes_the_oldest_to_disk(
             for sid in ids:
                 result = await turn(m, sid, unique_ids(2))
                 assert result.usage.cached_tokens == 47, f"{sid} resumed from its segment"
+
+    asyncio.run(main())
+
+
+def test_spills_into_a_full_host_tier_demote_side_by_side(
+        make_manager: ManagerFactory, engine: EngineClient) -> None:
+    """Two sessions spilled at once into a full host tier each demote a different segment, and
+    the two disk writes run side by side on the segment pool's workers: a spill keeps its
+    session's pages on the GPU until its copy has a place, so one disk write at a time would
+    hold the GPU's pools to the disk's speed for every spill queued (docs/benchmarks.md, the
+    128-agent H100 fleet). The segment being demoted is read with ``HostPool.get``, which makes
+    it the most recently used: the next spill's ``oldest`` is another one."""
+    async def main() -> None:
+        from phloem.engine import SamplingParams
+
+        probe = list(unique_ids(43))
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        out = [o async for o in engine.generate(probe, params)][-1]
+        state = await engine.export_prefix(probe + out.token_ids)
+        assert state is not None and state.num_tokens == 47
+        budget = int(2.5 * (state.nbytes + 8 * state.num_tokens))  # two 47-token segments
+        async with make_manager(host_budget_bytes=budget, idle_to_host_s=3600.0) as m:
+            ids = []
+            for _ in range(4):
+                s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(40)), ttl=3600.0)
+                await turn(m, s.session_id, unique_ids(3))
+                ids.append(s.session_id)
+            for sid in ids[:2]:
+                await m.offload(OWNER, sid, "host", wait=True)
+            assert [m.get(OWNER, sid).status for sid in ids] == ["host", "host", "active", "active"]
+            disk = m._spill._tiers.disk  # noqa: SLF001
+            real_write, lock, writing, most = disk.write, threading.Lock(), [0], [0]
+
+            def slow_write(segment: Segment) -> Path:
+                with lock:
+                    writing[0] += 1
+                    most[0] = max(most[0], writing[0])
+                try:
+                    time.sleep(0.3)  # a disk slower than the spills
+                    return real_write(segment)
+                finally:
+                    with lock:
+                        writing[0] -= 1
+
+            disk.write = slow_write  # type: ignore[method-assign]
+            await asyncio.gather(*(m.offload(OWNER, sid, "host", wait=True) for sid in ids[2:]))
+            assert [m.get(OWNER, sid).status for sid in ids] == ["disk", "disk", "host", "host"]
+            assert most[0] == 2, "the two demotions ran one after the other"
+            assert m._spill.host.used_bytes <= budget  # noqa: SLF001
+            await engine.reset_prefix_cache()
+            for sid in ids:
+                assert (await turn(m, sid, unique_ids(2))).usage.cached_tokens == 47, sid
 
     asyncio.run(main())
 
