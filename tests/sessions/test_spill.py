@@ -72,6 +72,19 @@ def run(make_manager: ManagerFactory, body: Callable[[SessionManager], Awaitable
     return asyncio.run(main())
 
 
+async def segment_bytes(engine: EngineClient) -> int:
+    """The host tier's cost of a 47-token session (a 40-token prompt and a 3-token turn of 4
+    generated), measured on a throwaway prefix."""
+    from phloem.engine import SamplingParams
+
+    probe = list(unique_ids(43))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = [o async for o in engine.generate(probe, params)][-1]
+    state = await engine.export_prefix(probe + out.token_ids)
+    assert state is not None and state.num_tokens == 47
+    return state.nbytes + 8 * state.num_tokens  # with its token ids (int64)
+
+
 def index_record(m: SessionManager, session_id: str) -> SessionRecord | None:
     return m._store._index.get_session(session_id)  # noqa: SLF001 (what the index says)
 
@@ -153,15 +166,7 @@ def test_resume_equals_a_never_spilled_twin(make_manager: ManagerFactory, engine
 def test_sweeper_spills_idle_sessions_and_demotes_the_oldest_to_disk(
         make_manager: ManagerFactory, engine: EngineClient, index_config: dict[str, Any]) -> None:
     async def main() -> None:
-        from phloem.engine import SamplingParams
-
-        # One 47-token segment's size, measured on a throwaway prefix: the budget holds one.
-        probe = list(unique_ids(43))
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        out = [o async for o in engine.generate(probe, params)][-1]
-        state = await engine.export_prefix(probe + out.token_ids)
-        assert state is not None and state.num_tokens == 47
-        budget = int(1.5 * (state.nbytes + 8 * state.num_tokens))
+        budget = int(1.5 * await segment_bytes(engine))  # holds one segment
         async with make_manager(**index_config, host_budget_bytes=budget, idle_to_host_s=0.0,
                                 sweep_interval_s=0.05) as m:
             ids = []
@@ -193,14 +198,7 @@ def test_spills_into_a_full_host_tier_demote_side_by_side(
     128-agent H100 fleet). The segment being demoted is read with ``HostPool.get``, which makes
     it the most recently used: the next spill's ``oldest`` is another one."""
     async def main() -> None:
-        from phloem.engine import SamplingParams
-
-        probe = list(unique_ids(43))
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        out = [o async for o in engine.generate(probe, params)][-1]
-        state = await engine.export_prefix(probe + out.token_ids)
-        assert state is not None and state.num_tokens == 47
-        budget = int(2.5 * (state.nbytes + 8 * state.num_tokens))  # two 47-token segments
+        budget = int(2.5 * await segment_bytes(engine))  # holds two segments
         async with make_manager(host_budget_bytes=budget, idle_to_host_s=3600.0) as m:
             ids = []
             for _ in range(4):
