@@ -17,7 +17,6 @@ import resource
 import shutil
 import signal
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
@@ -210,13 +209,18 @@ def test_spills_into_a_full_host_tier_demote_side_by_side(
             assert [m.get(OWNER, sid).status for sid in ids] == ["host", "host", "active", "active"]
             disk = m._spill._tiers.disk  # noqa: SLF001
             real_write, lock, writing, most = disk.write, threading.Lock(), [0], [0]
+            overlapped = threading.Event()
 
             def slow_write(segment: Segment) -> Path:
                 with lock:
                     writing[0] += 1
                     most[0] = max(most[0], writing[0])
+                    if writing[0] == 2:
+                        overlapped.set()
                 try:
-                    time.sleep(0.3)  # a disk slower than the spills
+                    # A disk slower than the spills: a write waits (up to 10 s, however loaded the
+                    # machine) for a second one to start beside it, if the tiers allow that.
+                    overlapped.wait(timeout=10.0)
                     return real_write(segment)
                 finally:
                     with lock:
