@@ -18,7 +18,8 @@ TTFT by turn, per-agent decode, and the tiers' bytes over time, read from the se
   long TTFT was a wait for memory (and for which pool), for the device, or neither; the
   server's host memory at its peak (resident set, pinned bytes the caching host allocator
   holds, the host tier's payload: ``runtime.host_memory``), which says whether the host tier
-  costs more than its payload.
+  costs more than its payload; the disk writes (count, GB/s, where each one's seconds went)
+  and the host segments dropped with the disk a backlog behind.
 - ``plot_tiers`` draws the bytes over time per mode, the resident set and the pinned bytes
   dashed beside them (matplotlib, when present).
 """
@@ -45,7 +46,8 @@ SOURCES = ("gpu", "host", "disk", "recomputed")
 TIERS = ("host", "disk")
 # (series key, sample name): the bytes sampled during a run.
 _BYTES = (("gpu", "phloem_prefix_cache_bytes"), ("host", 'phloem_session_tier_bytes{tier="host"}'),
-          ("disk", 'phloem_session_tier_bytes{tier="disk"}'))
+          ("backlog", "phloem_host_backlog_bytes"), ("disk", 'phloem_session_tier_bytes{tier="disk"}'))
+_WRITE_PARTS = ("queued", "writing", "resumed")
 # (series key, sample name): the engine's queue, sampled beside the bytes. Where a turn's TTFT
 # went: requests running, requests not yet admitted, and whether those wait for memory (pools
 # full after eviction) rather than for their turn.
@@ -155,6 +157,7 @@ def fleet_summary(records: list[TurnRecord], sampler: TierSampler, expected_turn
         "per_agent_decode_tok_s": {"p50": _quantile(per_agent, 0.5), "min": min(per_agent, default=0.0)},
         "lost_turns": expected_turns - len(records),
         "engine": _engine_summary(sampler),
+        "disk_writes": _disk_writes(sampler),
         "host_memory_peak": {key: max((p[key] for p in sampler.series if key in p), default=None)
                              for key in _MEMORY_PEAKS},
         "tier_bytes": sampler.series,
@@ -179,6 +182,21 @@ def _engine_summary(sampler: TierSampler) -> dict[str, float]:
         "kv_pages": sampler.before.get("phloem_kv_pages_total", 0.0),
         "state_slots": sampler.before.get("phloem_state_slots_total", 0.0),
     }
+
+
+def _disk_writes(sampler: TierSampler) -> dict[str, float]:
+    """The session state files the run wrote to disk: how many, their GB/s while writing (payload
+    over the seconds spent in the writes), the mean seconds of each part of one write (waiting for
+    a segment worker, writing with its fsyncs, waiting for the event loop after), and the host
+    segments dropped unwritten because the disk was a backlog behind. A demotion far below the
+    disk's own speed shows here which part its seconds went to."""
+    count = _delta(sampler, "phloem_segment_writes_total")
+    nbytes = _delta(sampler, "phloem_segment_write_bytes_total")
+    parts = {p: _delta(sampler, f'phloem_segment_write_seconds_total{{part="{p}"}}') for p in _WRITE_PARTS}
+    return {"count": count, "gb": nbytes / 1e9,
+            "gb_per_s_writing": nbytes / 1e9 / parts["writing"] if parts["writing"] else 0.0,
+            **{f"mean_{p}_s": v / count if count else 0.0 for p, v in parts.items()},
+            "dropped": _delta(sampler, "phloem_segments_dropped_total")}
 
 
 def _served_from_records(records: list[TurnRecord]) -> dict[str, float]:
@@ -214,6 +232,14 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
     fleets = {m: s["fleet"] for m, s in summary.items() if isinstance(s.get("fleet"), dict)}
     if not fleets:
         return "(no fleet figures: the server's /metrics could not be read)"
+    lines += ["", "| mode | disk writes | GB | GB/s writing | mean s: queued / writing / event loop | dropped |",
+              "|---|---|---|---|---|---|"]
+    for mode, f in fleets.items():
+        w = f.get("disk_writes")
+        if isinstance(w, dict):
+            lines.append(f"| {mode} | {w['count']:.0f} | {w['gb']:.1f} | {w['gb_per_s_writing']:.2f} | "
+                         f"{w['mean_queued_s']:.3f} / {w['mean_writing_s']:.3f} / {w['mean_resumed_s']:.3f} "
+                         f"| {w['dropped']:.0f} |")
     turns = sorted({t for f in fleets.values() for t in f["ttft_by_turn"]})  # type: ignore[index]
     lines += ["", "| turn | " + " | ".join(f"{m} TTFT p50 / p99 s" for m in fleets) + " |",
               "|---|" + "---|" * len(fleets)]
@@ -244,7 +270,7 @@ def plot_tiers(series: dict[str, list[dict[str, float]]], out_dir: Path) -> list
         scale, unit = (2**30, "GiB") if peak >= 2**30 else (2**20, "MiB")
         fig, ax = plt.subplots(figsize=(6, 4))
         for key, _ in _BYTES:
-            ax.plot([p["t"] for p in points], [p[key] / scale for p in points], marker=".", label=key)
+            ax.plot([p["t"] for p in points], [p.get(key, 0.0) / scale for p in points], marker=".", label=key)
         for key in process:
             ax.plot([p["t"] for p in points], [p.get(key, 0.0) / scale for p in points], linestyle="--",
                     label=f"server {key}")

@@ -150,6 +150,11 @@ SERVE: tuple[Flag, ...] = (
     Flag("--host-budget-bytes", "sessions.host_budget_bytes",
          "bytes of spilled session state kept in host memory; beyond it the least recently used go to disk",
          group=_MEMORY, metavar="BYTES", type=int),
+    Flag("--host-backlog-bytes", "sessions.host_backlog_bytes",
+         "bytes of spilled state that may wait, beyond the host budget, for the disk writes that make its "
+         "room (spills do not wait for the disk); with the disk that far behind, the least recently used "
+         "host segment is dropped and recomputed if needed", group=_MEMORY, metavar="BYTES", type=int,
+         default_text="a quarter of --host-budget-bytes"),
     Flag("--idle-to-host", "sessions.idle_to_host_s",
          "seconds an unpinned session stays on the GPU before it is spilled to host memory "
          "(0: spilled as its pin ends, before the unpin: for more sessions than the GPU holds)",

@@ -20,6 +20,9 @@ Decisions on what counts (docs/api.md, "Observability"):
 - spills: a session that leaves the GPU's pins for ``host`` or ``disk`` counts once per move;
   bytes count segments written to a tier (a new segment, or a host segment demoted to disk), so
   forks sharing one segment do not multiply them.
+- disk writes: every segment file written (a demotion, a spill straight to disk), with the
+  seconds it waited for a segment worker, spent writing, and waited for the event loop after;
+  host segments dropped because the disk fell a whole backlog behind (``sessions.tiers._segments``).
 - resumes: a segment imported back into the engine counts once, with its bytes, tokens and
   seconds, by the tier it was read from; a resume that fails and falls back to recompute counts
   in ``resume_failures``.
@@ -40,7 +43,7 @@ from phloem.sessions._served import ServedCounter, ServedStats
 if TYPE_CHECKING:
     from phloem.sessions.session import Session
 
-__all__ = ["SessionEvents", "SessionStats", "TierCounts"]
+__all__ = ["DiskWrites", "SessionEvents", "SessionStats", "TierCounts"]
 
 logger = logging.getLogger("phloem.sessions.events")
 
@@ -66,6 +69,19 @@ class TierCounts:
 
 
 @dataclass(frozen=True, slots=True)
+class DiskWrites:
+    """Segment files written, their payload bytes, and where their seconds went: waiting for a
+    segment worker (``queued_s``), in the write and its fsyncs (``writing_s``), waiting for the
+    event loop to take the result back (``resumed_s``); sums over the writes."""
+
+    count: int = 0
+    nbytes: int = 0
+    queued_s: float = 0.0
+    writing_s: float = 0.0
+    resumed_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class SessionStats:
     """A snapshot of the sessions layer: plain numbers, for metrics.
 
@@ -81,7 +97,11 @@ class SessionStats:
         resumes: Segments imported back, and bytes read, per tier.
         resume_failures: Resumes that fell back to recomputing the history.
         host_pool_bytes / host_pool_budget_bytes: Spilled state held in host memory, and the cap.
+        host_backlog_bytes: Spilled state in host memory waiting for room in the host pool.
         disk_bytes: Payload bytes of the spilled segments on disk that sessions resume from.
+        disk_writes: Segment files written, and their seconds by part.
+        segments_dropped: Host segments dropped (not written) with the disk a backlog behind,
+            and their payload bytes.
         served: Already-sent tokens of session turns by source, resume tokens and seconds by
             tier (``sessions._served``).
     """
@@ -100,7 +120,10 @@ class SessionStats:
     resume_failures: int
     host_pool_bytes: int
     host_pool_budget_bytes: int
+    host_backlog_bytes: int
     disk_bytes: int
+    disk_writes: DiskWrites
+    segments_dropped: TierCounts
     served: ServedStats
 
 
@@ -113,12 +136,14 @@ class SessionEvents:
         # tier -> [moves, bytes]
         self._spills = {"host": [0, 0], "disk": [0, 0]}
         self._resumes = {"host": [0, 0], "disk": [0, 0]}
+        self._writes = DiskWrites()
+        self._dropped = TierCounts()
         self.served = ServedCounter()
 
     def stats(self, sessions_by_status: dict[str, int], num_generations_in_flight: int,
-              host_pool: tuple[int, int], disk_bytes: int) -> SessionStats:
-        """The counters, with the manager's live numbers (``host_pool``: used, budget bytes;
-        ``disk_bytes``: spilled segments on disk)."""
+              host_pool: tuple[int, int, int], disk_bytes: int) -> SessionStats:
+        """The counters, with the manager's live numbers (``host_pool``: used, budget and
+        backlog bytes; ``disk_bytes``: spilled segments on disk)."""
         c = self._counts
         return SessionStats(
             sessions_by_status=sessions_by_status, num_generations_in_flight=num_generations_in_flight,
@@ -128,8 +153,8 @@ class SessionEvents:
             spills={tier: TierCounts(*v) for tier, v in self._spills.items()},
             resumes={tier: TierCounts(*v) for tier, v in self._resumes.items()},
             resume_failures=c["resume_failures"], host_pool_bytes=host_pool[0],
-            host_pool_budget_bytes=host_pool[1], disk_bytes=disk_bytes,
-            served=self.served.stats())
+            host_pool_budget_bytes=host_pool[1], host_backlog_bytes=host_pool[2], disk_bytes=disk_bytes,
+            disk_writes=self._writes, segments_dropped=self._dropped, served=self.served.stats())
 
     def created(self, session: Session) -> None:
         self._counts["created"] += 1
@@ -148,6 +173,16 @@ class SessionEvents:
     def segment_written(self, tier: str, nbytes: int) -> None:
         """A segment was written to ``tier`` (placed there, or demoted from host to disk)."""
         self._spills[tier][1] += nbytes
+
+    def segment_write(self, nbytes: int, queued_s: float, writing_s: float, resumed_s: float) -> None:
+        """A segment file of ``nbytes`` was written (see ``DiskWrites`` for the seconds)."""
+        w = self._writes
+        self._writes = DiskWrites(w.count + 1, w.nbytes + nbytes, w.queued_s + queued_s,
+                                  w.writing_s + writing_s, w.resumed_s + resumed_s)
+
+    def segment_dropped(self, nbytes: int) -> None:
+        """A host segment was dropped, not written: the disk was a whole backlog behind."""
+        self._dropped = TierCounts(self._dropped.count + 1, self._dropped.nbytes + nbytes)
 
     def spilled(self, session: Session, tier: str) -> None:
         """The session left the GPU's pins for ``tier``."""

@@ -54,6 +54,12 @@ class SessionConfig:
             evicted (what stateless servers do; the benchmarks' ``tiersoff`` baseline).
         host_budget_bytes: Payload bytes of spilled state kept in host memory; beyond it the
             least recently used host segments are demoted to disk (``sessions.tiers.spill``).
+        host_backlog_bytes: Payload bytes of spilled state that may wait, beyond
+            ``host_budget_bytes``, for the disk writes that make its room in host memory (the
+            spill does not wait for them). With the disk that far behind, the least recently
+            used host segment is dropped (its session recomputes it) rather than hold the GPU.
+            An empty backlog takes any one segment. None: a quarter of ``host_budget_bytes``;
+            0: no backlog (a spill into a full host pool waits for its demotion; nothing dropped).
         idle_to_host_s: Seconds a session stays ``idle`` (unpinned, on the GPU) before the
             sweeper spills it to host memory. 0: spilled as its pin ends, before it is unpinned
             (never evictable without a copy: for more sessions than the GPU holds).
@@ -84,6 +90,7 @@ class SessionConfig:
     retry_after_s: float = 1.0
     session_tiers: bool = True
     host_budget_bytes: int = 4 << 30
+    host_backlog_bytes: int | None = None
     idle_to_host_s: float = 30.0
     sweep_interval_s: float = 1.0
     admission_stall_s: float = 1.0
@@ -112,6 +119,8 @@ class SessionConfig:
             raise ValueError(f"redis_prefix: expected a non-empty string, got {self.redis_prefix!r}")
         if self.host_budget_bytes < 0:
             raise ValueError(f"host_budget_bytes: expected >= 0, got {self.host_budget_bytes}")
+        if self.host_backlog_bytes is not None and self.host_backlog_bytes < 0:
+            raise ValueError(f"host_backlog_bytes: expected >= 0 or None, got {self.host_backlog_bytes}")
         for name in ("idle_to_host_s", "shutdown_flush_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: expected seconds >= 0, got {getattr(self, name)}")
@@ -121,3 +130,8 @@ class SessionConfig:
         for name in ("sweep_interval_s", "admission_stall_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected seconds > 0, got {getattr(self, name)}")
+
+    @property
+    def backlog_budget_bytes(self) -> int:
+        """``host_backlog_bytes``, its default resolved."""
+        return self.host_budget_bytes // 4 if self.host_backlog_bytes is None else self.host_backlog_bytes

@@ -182,7 +182,8 @@ class SessionManager(TierMoves):
                 by_status[session.status] += 1
         host = self._spill.host
         return self._events.stats(by_status, self._turns.num_in_flight,
-                                  (host.used_bytes, host.byte_budget), self._spill.disk_bytes)
+                                  (host.used_bytes, host.byte_budget, self._spill.backlog_bytes),
+                                  self._spill.disk_bytes)
 
     async def create(self, owner: str, *, metadata: Mapping[str, str] | None = None,
                      ttl: float | None = None, content: SessionInput | None = None,

@@ -144,6 +144,13 @@ _SESSION_METRICS: tuple[tuple[str, str, bool, _SessionValue], ...] = (
      lambda s: s.host_pool_bytes),
     ("phloem_host_pool_budget_bytes", "Cap on spilled state held in host memory", False,
      lambda s: s.host_pool_budget_bytes),
+    ("phloem_host_backlog_bytes", "Spilled session state in host memory waiting for the disk writes "
+     "that make its room in the host pool", False, lambda s: s.host_backlog_bytes),
+    ("phloem_segment_writes", "Session state files written to disk", True, lambda s: s.disk_writes.count),
+    ("phloem_segment_write_bytes", "Payload bytes of the session state files written to disk", True,
+     lambda s: s.disk_writes.nbytes),
+    ("phloem_segments_dropped", "Host segments dropped, not written, with the disk a whole backlog "
+     "behind (their sessions recompute them)", True, lambda s: s.segments_dropped.count),
 )
 
 
@@ -186,6 +193,10 @@ def _served_families(s: SessionStats | None) -> list[Metric]:
                                     "(segment load + import), by the tier read", labels=["tier"])
     held = GaugeMetricFamily("phloem_session_tier_bytes", "Spilled session state held, by tier",
                              labels=["tier"])
+    writes = CounterMetricFamily("phloem_segment_write_seconds", "Seconds of the session state file "
+                                 "writes by part: queued (waiting for a segment worker), writing (the "
+                                 "write and its fsyncs), resumed (waiting for the event loop after)",
+                                 labels=["part"])
     if s is not None:
         for source, num in s.served.served_tokens.items():
             served.add_metric([source], num)
@@ -195,7 +206,10 @@ def _served_families(s: SessionStats | None) -> list[Metric]:
             seconds.add_metric([tier], _buckets(h), sum_value=h.total)
         held.add_metric(["host"], s.host_pool_bytes)
         held.add_metric(["disk"], s.disk_bytes)
-    return [served, tokens, seconds, held]
+        w = s.disk_writes
+        for part, value in (("queued", w.queued_s), ("writing", w.writing_s), ("resumed", w.resumed_s)):
+            writes.add_metric([part], value)
+    return [served, tokens, seconds, held, writes]
 
 
 def _engine_families(e: EngineStats | None) -> list[Metric]:

@@ -9,13 +9,31 @@ engine.
 Invariant: a session whose status is ``host`` or ``disk`` and that holds a segment has
 ``status == segment.tier``; demoting or dropping a segment updates its holders (and their index
 records) in the same step.
+
+**The backlog** (write-behind): a host segment that does not fit in the host pool now is not
+waited for. It is registered at once (tier ``host``, readable by resumes) in the *backlog*, host
+memory it already occupies (the engine's export copied it there), and up to ``SEGMENTS.workers``
+writers demote the pool's least recently used segments to disk in the background until it fits,
+oldest first. So a spill unpins its session as soon as its copy exists, and the GPU's pools never
+wait on the disk (a fleet whose spills waited for their demotion held its GPU pages for the
+length of a disk write: docs/benchmarks.md, the 128-agent fleet). The backlog is bounded
+(``backlog_bytes`` at most ``backlog_budget_bytes``): when the disk falls that far behind, the
+pool's least recently used segment that no writer or reader holds is *dropped* instead (its
+holders recompute what it held, counted by ``SessionEvents.segment_dropped``): the GPU's progress
+is worth more than the oldest idle state. Only when nothing can be dropped does a spill wait for a
+demotion. An empty backlog takes any one segment; a budget of 0 turns the backlog off (every
+spill into a full pool waits for its demotion, and nothing is dropped).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from phloem.sessions._events import SessionEvents
 from phloem.sessions.session import Session, SpilledSegment, SpillTier
@@ -36,18 +54,35 @@ class SegmentTiers:
     Args:
         store: The session store (its ``disk``, fingerprint, and index updates).
         host_budget_bytes: The host pool's byte budget.
+        backlog_budget_bytes: Bytes of host segments waiting for room in the pool at most (the
+            module docstring's backlog).
         sessions: The manager's live sessions by id (statuses of holders are updated).
-        events: Counts the bytes written to each tier.
+        events: Counts the bytes written to each tier, the disk writes and dropped segments.
+        spawn: Runs a background task (the backlog's writers) until it ends or the tiers close.
     """
 
-    def __init__(self, store: SessionStore, host_budget_bytes: int,
-                 sessions: dict[str, Session], events: SessionEvents) -> None:
+    def __init__(self, store: SessionStore, host_budget_bytes: int, backlog_budget_bytes: int,
+                 sessions: dict[str, Session], events: SessionEvents,
+                 spawn: Callable[[Coroutine[Any, Any, None]], object]) -> None:
         self._events = events
         self._store = store
         self.disk = store.disk
         self.host = HostPool(host_budget_bytes)
+        self.backlog_budget_bytes = backlog_budget_bytes
         self._sessions = sessions
         self._segments: dict[str, SpilledSegment] = {}
+        self._spawn = spawn
+        # The backlog: host segments waiting for room in the pool (readable meanwhile), and the
+        # ids no writer has claimed yet, oldest first.
+        self._backlog: dict[str, Segment] = {}
+        self._unclaimed: deque[str] = deque()
+        self._backlog_bytes = 0
+        self._writers = 0
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Payload bytes of host segments waiting for room in the host pool."""
+        return self._backlog_bytes
 
     def entries(self) -> list[SpilledSegment]:
         """Every live segment, in the order they were placed."""
@@ -60,24 +95,108 @@ class SegmentTiers:
     async def place(self, segment: Segment, tier: SpillTier) -> SpilledSegment | None:
         """Put a new segment in the host pool (making room) or on disk; None when neither works.
 
-        A segment larger than the whole host budget goes to disk.
+        A segment larger than the whole host budget goes to disk. A host segment that does not
+        fit now waits in the backlog (the module docstring): the call returns without waiting
+        for the disk, unless the backlog is full and nothing can be dropped for room.
         """
-        meta = segment.meta
-        if tier == "host" and segment.nbytes <= self.host.byte_budget:
-            if not await self._make_room(segment.nbytes):
-                return None
+        meta, nbytes = segment.meta, segment.nbytes
+        if tier == "host" and nbytes <= self.host.byte_budget:
+            if self._backlog or not self.host.can_store(nbytes):
+                if self._backlog_takes(nbytes):
+                    return self._enqueue(segment)
+                dropped = self.backlog_budget_bytes > 0 and await self._drop_for_room(nbytes)
+                if not dropped and not await self._make_room(nbytes):
+                    return None
             self.host.put(segment)
         else:
             try:
-                await SEGMENTS.run(self.disk.write, segment)
+                await self._write(segment)
             except (StorageError, ValueError) as exc:
                 logger.warning("cannot write segment of session %s: %s", meta.session_id, exc)
                 return None
             tier = "disk"
+        return self._register(segment, tier)
+
+    def _register(self, segment: Segment, tier: SpillTier) -> SpilledSegment:
+        meta = segment.meta
         entry = SpilledSegment(meta.segment_id, meta.session_id, meta.num_tokens, segment.nbytes, tier)
         self._segments[meta.segment_id] = entry
         self._events.segment_written(tier, segment.nbytes)
         return entry
+
+    def _backlog_takes(self, nbytes: int) -> bool:
+        """Whether a segment may wait in the backlog: within its budget, and an empty backlog
+        takes any one segment (a budget smaller than a segment still spares every spill its
+        wait); a budget of 0 turns the backlog off."""
+        budget = self.backlog_budget_bytes
+        return budget > 0 and (not self._backlog or self._backlog_bytes + nbytes <= budget)
+
+    def _enqueue(self, segment: Segment) -> SpilledSegment:
+        """Register a host segment in the backlog and make sure writers are making room for it."""
+        segment_id = segment.meta.segment_id
+        self._backlog[segment_id] = segment
+        self._unclaimed.append(segment_id)
+        self._backlog_bytes += segment.nbytes
+        if self._writers < SEGMENTS.workers:
+            self._writers += 1
+            self._spawn(self._write_back())
+        return self._register(segment, "host")
+
+    def _leave_backlog(self, segment_id: str) -> Segment | None:
+        segment = self._backlog.pop(segment_id, None)
+        if segment is not None:
+            self._backlog_bytes -= segment.nbytes
+        return segment
+
+    async def _write_back(self) -> None:
+        """A backlog writer: the oldest unclaimed backlog segment gets room in the host pool (its
+        least recently used segments demoted to disk), then moves in; until none is left. A disk
+        that refuses the demotions stops the writer (its segment stays readable in the backlog;
+        the next spill into the backlog starts a writer again)."""
+        try:
+            while self._unclaimed:
+                segment_id = self._unclaimed.popleft()
+                segment = self._backlog.get(segment_id)
+                if segment is None:
+                    continue  # dropped, or demoted by an offload or the shutdown flush
+                if not await self._make_room(segment.nbytes):
+                    if segment_id in self._backlog:
+                        self._unclaimed.appendleft(segment_id)
+                    return
+                if self._leave_backlog(segment_id) is not None:
+                    self.host.put(segment)
+        finally:
+            self._writers -= 1
+
+    async def _drop_for_room(self, nbytes: int) -> bool:
+        """The backlog is full (the disk is behind): drop the host pool's least recently used
+        segments that nobody holds the lock of (no demotion or resume reads them) until
+        ``nbytes`` fit. On True the caller must ``put`` before its next ``await``."""
+        while not self.host.can_store(nbytes):
+            victim = next((e for sid in self.host.segment_ids()
+                           if (e := self._segments.get(sid)) is not None and not e.lock.locked()), None)
+            if victim is None:
+                return False
+            logger.warning("host tier full and the disk %.0f MiB behind: dropping segment %s (its %d "
+                           "tokens are recomputed if its session returns)", self._backlog_bytes / 2**20,
+                           victim.segment_id, victim.num_tokens)
+            self._events.segment_dropped(victim.nbytes)
+            await self.drop(victim, delete_file=False)
+        return True
+
+    async def _write(self, segment: Segment) -> None:
+        """Write a segment file on the segment pool, timing its parts for ``SessionEvents``: the
+        wait for a worker, the write itself, and the wait for the event loop to take it back."""
+        submitted = time.perf_counter()
+
+        def write() -> tuple[float, float]:
+            started = time.perf_counter()
+            self.disk.write(segment)
+            return started, time.perf_counter()
+
+        started, ended = await SEGMENTS.run(write)
+        self._events.segment_write(segment.nbytes, started - submitted, ended - started,
+                                   time.perf_counter() - ended)
 
     async def demote(self, entry: SpilledSegment) -> bool:
         """Move a host segment to disk; every holder still at ``host`` becomes ``disk``.
@@ -86,17 +205,19 @@ class SegmentTiers:
             Whether the segment is on disk now (False: the write failed, nothing changed).
         """
         async with entry.lock:
-            # ``get`` makes it the most recently used: a spill making room meanwhile demotes
-            # another segment, and the two disk writes run side by side.
-            segment = self.host.get(entry.segment_id) if entry.tier == "host" else None
+            # ``get`` makes it the most recently used: a writer making room meanwhile demotes
+            # another segment, and the two disk writes run side by side. A backlog segment (an
+            # offload or the shutdown flush) is written from the backlog.
+            segment = self._hosted(entry) if entry.tier == "host" else None
             if segment is None:
                 return entry.tier == "disk"
             try:
-                await SEGMENTS.run(self.disk.write, segment)
+                await self._write(segment)
             except StorageError as exc:
                 logger.warning("cannot demote segment %s to disk: %s", entry.segment_id, exc)
                 return False
             self.host.remove(entry.segment_id)
+            self._leave_backlog(entry.segment_id)
             entry.tier = "disk"
             self._events.segment_written("disk", entry.nbytes)
             for holder in self._holders(entry):
@@ -127,7 +248,7 @@ class SegmentTiers:
             StorageUnavailable: The file is missing or unreadable.
         """
         if entry.tier == "host":
-            segment = self.host.get(entry.segment_id)
+            segment = self._hosted(entry)
             if segment is None:
                 raise CorruptSegment(f"segment {entry.segment_id} is no longer in the host pool")
         else:
@@ -136,6 +257,10 @@ class SegmentTiers:
         if segment.meta.num_tokens != n or segment.meta.token_ids_hash != hash_token_ids(token_ids[:n]):
             raise CorruptSegment(f"segment {entry.segment_id} does not hold these {n} tokens")
         return segment
+
+    def _hosted(self, entry: SpilledSegment) -> Segment | None:
+        """A host segment, from the pool (now the most recently used) or the backlog."""
+        return self.host.get(entry.segment_id) or self._backlog.get(entry.segment_id)
 
     def _read_disk(self, entry: SpilledSegment) -> Segment:
         """Read a segment file, pinned where the host pool pins (in the I/O thread: the engine's
@@ -155,6 +280,7 @@ class SegmentTiers:
                     await self._store.set_tier(holder)
         entry.holders.clear()
         self.host.remove(entry.segment_id)
+        self._leave_backlog(entry.segment_id)
         if delete_file:
             await self.quietly(self.disk.delete, entry.owner_id, entry.segment_id)
 

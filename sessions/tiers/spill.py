@@ -22,7 +22,10 @@ Policy (docs/architecture.md, "Session state tiers")::
   spill that cannot place its segment leaves the session ``idle``, as before.
 - **Host budget**: before a segment enters the host pool, the least recently used host
   segments are demoted to disk until it fits; a segment larger than the whole budget goes to
-  disk directly.
+  disk directly. The spill does not wait for those demotions: its segment waits in a bounded
+  backlog, readable by resumes, while background writers make its room
+  (``sessions.tiers._segments``), so the session is unpinned as soon as its copy exists; with
+  the disk a whole backlog behind, the least recently used host segment is dropped instead.
 - **Resume** (`Spiller.state_for_append`, before an append's request): if the GPU no longer
   holds the segment's prefix, read it back (host pool or disk, validated: model fingerprint,
   shapes, token-id hash against the session's own tokens) and hand it to the request
@@ -121,7 +124,8 @@ class Spiller:
         self._pins = pins
         self._config = config
         self._sessions = sessions
-        self._tiers = SegmentTiers(store, config.host_budget_bytes, sessions, events)
+        self._tiers = SegmentTiers(store, config.host_budget_bytes, config.backlog_budget_bytes,
+                                   sessions, events, self.spawn)
         if config.idle_to_host_s == 0 and config.session_tiers:
             pins.spill_at_release = self.spill_at_release
         self._tasks: set[asyncio.Task[None]] = set()
@@ -131,6 +135,11 @@ class Spiller:
     def host(self) -> HostPool:
         """The host tier (its ``used_bytes`` stay within ``host_budget_bytes``)."""
         return self._tiers.host
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Payload bytes of host segments waiting for room in the host tier (``_segments``)."""
+        return self._tiers.backlog_bytes
 
     @property
     def disk_bytes(self) -> int:

@@ -110,6 +110,11 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
             for source in ("gpu", "host", "disk", "recomputed")} == {"gpu": 112, "host": 0, "disk": 0, "recomputed": 0}
     assert value(samples, "phloem_session_tier_bytes", tier="disk") == segment_bytes(model_dir, 68)
     assert value(samples, "phloem_session_tier_bytes", tier="host") == 0
+    # The one spill to disk is the one file written, its seconds split by part; nothing dropped.
+    assert value(samples, "phloem_segment_writes_total") == 1
+    assert value(samples, "phloem_segment_write_bytes_total") == segment_bytes(model_dir, 68)
+    assert value(samples, "phloem_segment_write_seconds_total", part="writing") > 0
+    assert value(samples, "phloem_segments_dropped_total") == value(samples, "phloem_host_backlog_bytes") == 0
     assert value(samples, "phloem_prefix_cache_bytes") > 0
     appends = value(samples, "phloem_http_requests_total", method="POST",
                     route="/v1/sessions/{session_id}/append", status="200")

@@ -105,6 +105,26 @@ def test_the_server_host_memory_peaks_beside_the_host_tier() -> None:
     assert "| 5.00 / n/a / 2.00 |" in fleet_markdown({"sessions": {"fleet": f}})
 
 
+def test_the_disk_writes_say_where_their_seconds_went() -> None:
+    """Four segment files, 2 GB, 4 s in the writes (0.5 GB/s), 2 s queued for a worker and 0.4 s
+    waiting for the event loop in all; one host segment dropped; the backlog sampled beside the
+    tiers."""
+    sampler = TierSampler("http://unused")
+    sampler._t0 = 0.0
+    sampler.before = {"phloem_segment_writes_total": 1.0, "phloem_segment_write_bytes_total": 1e9}
+    sampler.after = {"phloem_segment_writes_total": 5.0, "phloem_segment_write_bytes_total": 3e9,
+                     'phloem_segment_write_seconds_total{part="queued"}': 2.0,
+                     'phloem_segment_write_seconds_total{part="writing"}': 4.0,
+                     'phloem_segment_write_seconds_total{part="resumed"}': 0.4,
+                     "phloem_segments_dropped_total": 1.0}
+    sampler._sample({"phloem_host_backlog_bytes": 7.0})
+    assert sampler.series[0]["backlog"] == 7.0
+    f = fleet_summary([TurnRecord("sessions", 0, 0, 1, 10, 10, 0, 5, 0.1, 0.01, 0.2)], sampler, expected_turns=1)
+    assert f["disk_writes"] == {"count": 4, "gb": 2.0, "gb_per_s_writing": 0.5, "mean_queued_s": 0.5,
+                                "mean_writing_s": 1.0, "mean_resumed_s": pytest.approx(0.1), "dropped": 1}
+    assert "| sessions | 4 | 2.0 | 0.50 | 0.500 / 1.000 / 0.100 | 1 |" in fleet_markdown({"sessions": {"fleet": f}})
+
+
 def test_a_stateless_mode_is_served_from_its_records() -> None:
     sampler = TierSampler("http://unused")
     sampler.before = sampler.after = {"phloem_engine_up": 1.0}

@@ -188,51 +188,126 @@ def test_sweeper_spills_idle_sessions_and_demotes_the_oldest_to_disk(
     asyncio.run(main())
 
 
-def test_spills_into_a_full_host_tier_demote_side_by_side(
+class HeldWrites:
+    """The disk store's writes held until ``release`` (up to 10 s: a disk slower than the
+    spills), counting those running and done."""
+
+    def __init__(self, disk: DiskStore) -> None:
+        self._write, self._lock = disk.write, threading.Lock()
+        self.running = self.done = 0
+        self._go = threading.Event()
+        disk.write = self  # type: ignore[method-assign]
+
+    def release(self) -> None:
+        self._go.set()
+
+    def __call__(self, segment: Segment) -> Path:
+        with self._lock:
+            self.running += 1
+        try:
+            self._go.wait(timeout=10.0)
+            return self._write(segment)
+        finally:
+            with self._lock:
+                self.running -= 1
+                self.done += 1
+
+
+async def spilled_sessions(m: SessionManager, prompts: list[tuple[int, ...]], first: tuple[int, ...],
+                           to_host: int, twin: bool = False) -> list[str]:
+    """A pinned session per prompt, each with the turn ``first``; the first ``to_host`` spilled
+    to host. With ``twin``, one more, unpinned (a cache reset forgets it), with the last prompt."""
+    ids = []
+    for i, prompt in enumerate([*prompts, prompts[-1]] if twin else prompts):
+        ttl = 0.0 if twin and i == len(prompts) else 3600.0
+        s = await m.create(OWNER, content=SessionInput(input_ids=prompt), ttl=ttl)
+        await turn(m, s.session_id, first)
+        ids.append(s.session_id)
+    for sid in ids[:to_host]:
+        await m.offload(OWNER, sid, "host", wait=True)
+    return ids
+
+
+def test_spills_into_a_full_host_tier_do_not_wait_for_the_disk(
         make_manager: ManagerFactory, engine: EngineClient) -> None:
-    """Two sessions spilled at once into a full host tier each demote a different segment, and
-    the two disk writes run side by side on the segment pool's workers: a spill keeps its
-    session's pages on the GPU until its copy has a place, so one disk write at a time would
-    hold the GPU's pools to the disk's speed for every spill queued (docs/benchmarks.md, the
-    128-agent H100 fleet). The segment being demoted is read with ``HostPool.get``, which makes
-    it the most recently used: the next spill's ``oldest`` is another one."""
+    """Two sessions spilled at once into a full host tier leave the GPU's pins at once, while
+    the disk writes that make their room are still held: their copies wait in the backlog
+    (``sessions.tiers._segments``), readable. A spill that waited for its demotion held its
+    session's pages on the GPU for a disk write (docs/benchmarks.md, the 128-agent H100 fleet).
+    The backlog's two writers demote two different segments side by side: the segment being
+    demoted is read with ``HostPool.get``, which makes it the most recently used, so the other
+    writer's ``oldest`` is another one. Every session then resumes from its segment."""
     async def main() -> None:
-        budget = int(2.5 * await segment_bytes(engine))  # holds two segments
-        async with make_manager(host_budget_bytes=budget, idle_to_host_s=3600.0) as m:
-            ids = []
-            for _ in range(4):
-                s = await m.create(OWNER, content=SessionInput(input_ids=unique_ids(40)), ttl=3600.0)
-                await turn(m, s.session_id, unique_ids(3))
-                ids.append(s.session_id)
-            for sid in ids[:2]:
-                await m.offload(OWNER, sid, "host", wait=True)
-            assert [m.get(OWNER, sid).status for sid in ids] == ["host", "host", "active", "active"]
-            disk = m._spill._tiers.disk  # noqa: SLF001
-            real_write, lock, writing, most = disk.write, threading.Lock(), [0], [0]
-            overlapped = threading.Event()
-
-            def slow_write(segment: Segment) -> Path:
-                with lock:
-                    writing[0] += 1
-                    most[0] = max(most[0], writing[0])
-                    if writing[0] == 2:
-                        overlapped.set()
-                try:
-                    # A disk slower than the spills: a write waits (up to 10 s, however loaded the
-                    # machine) for a second one to start beside it, if the tiers allow that.
-                    overlapped.wait(timeout=10.0)
-                    return real_write(segment)
-                finally:
-                    with lock:
-                        writing[0] -= 1
-
-            disk.write = slow_write  # type: ignore[method-assign]
+        size = await segment_bytes(engine)
+        async with make_manager(host_budget_bytes=int(2.5 * size), host_backlog_bytes=2 * size,
+                                idle_to_host_s=3600.0) as m:
+            ids = await spilled_sessions(m, [unique_ids(40) for _ in range(4)], unique_ids(3), to_host=2)
+            writes = HeldWrites(m._spill._tiers.disk)  # noqa: SLF001
             await asyncio.gather(*(m.offload(OWNER, sid, "host", wait=True) for sid in ids[2:]))
-            assert [m.get(OWNER, sid).status for sid in ids] == ["disk", "disk", "host", "host"]
-            assert most[0] == 2, "the two demotions ran one after the other"
-            assert m._spill.host.used_bytes <= budget  # noqa: SLF001
+            assert [m.get(OWNER, sid).status for sid in ids] == ["host"] * 4
+            assert writes.done == 0 and m._spill.backlog_bytes == 2 * size  # noqa: SLF001
+            assert all(m._sessions[sid].pin is None for sid in ids), "unpinned before the disk wrote"  # noqa: SLF001
+            await wait_for(lambda: writes.running == 2)  # fails when the demotions run one at a time
+            writes.release()
+            await wait_for(lambda: [m.get(OWNER, sid).status for sid in ids] == ["disk", "disk", "host", "host"])
+            assert m._spill.host.used_bytes <= int(2.5 * size) and m._spill.backlog_bytes == 0  # noqa: SLF001
             await engine.reset_prefix_cache()
             for sid in ids:
+                assert (await turn(m, sid, unique_ids(2))).usage.cached_tokens == 47, sid
+
+    asyncio.run(main())
+
+
+def test_a_turn_resumes_from_the_backlog_while_the_disk_writes(
+        make_manager: ManagerFactory, engine: EngineClient) -> None:
+    """The agent returns while its spilled copy still waits in the backlog for room (the disk
+    write that makes it held): its turn loads that copy, token for token what its never-spilled
+    twin says; once the disk writes, the copy moves into the host pool."""
+    async def main() -> None:
+        size = await segment_bytes(engine)
+        async with make_manager(host_budget_bytes=int(1.5 * size), idle_to_host_s=3600.0) as m:
+            prompt, first = unique_ids(40), unique_ids(3)
+            filler, a, twin = await spilled_sessions(m, [unique_ids(40), prompt], first, to_host=1, twin=True)
+            writes = HeldWrites(m._spill._tiers.disk)  # noqa: SLF001
+            await m.offload(OWNER, a, "host", wait=True)
+            assert m.get(OWNER, a).status == "host" and m._spill.backlog_bytes == size  # noqa: SLF001
+            expected, resumed = await twin_and_resumed(engine, m, twin, a, unique_ids(2))
+            assert resumed.usage.cached_tokens == 47 and resumed.output_ids == expected.output_ids
+            assert writes.done == 0, "resumed while the disk write was still held"
+            writes.release()
+            await wait_for(lambda: m._spill.backlog_bytes == 0)  # noqa: SLF001
+            assert m.get(OWNER, filler).status == "disk" and m._spill.host.used_bytes == size  # noqa: SLF001
+
+    asyncio.run(main())
+
+
+def test_a_disk_a_whole_backlog_behind_drops_the_oldest_host_segment(
+        make_manager: ManagerFactory, engine: EngineClient) -> None:
+    """With the backlog full and its demotion still writing, the next spill drops the host
+    pool's least recently used segment that no writer holds instead of waiting: that session
+    recomputes its history (same tokens as its twin), counted as dropped; nothing else moves."""
+    async def main() -> None:
+        size = await segment_bytes(engine)
+        async with make_manager(host_budget_bytes=int(2.5 * size), host_backlog_bytes=1,
+                                idle_to_host_s=3600.0) as m:
+            prompt, first = unique_ids(40), unique_ids(3)
+            x, b, c, d, twin = await spilled_sessions(
+                m, [unique_ids(40), unique_ids(40), unique_ids(40), prompt], first, to_host=0, twin=True)
+            for sid in (x, d):
+                await m.offload(OWNER, sid, "host", wait=True)
+            writes = HeldWrites(m._spill._tiers.disk)  # noqa: SLF001
+            await m.offload(OWNER, b, "host", wait=True)  # the backlog (one segment) is full
+            await wait_for(lambda: writes.running == 1)  # x is being demoted to make b's room
+            await m.offload(OWNER, c, "host", wait=True)
+            assert [m.get(OWNER, sid).status for sid in (x, d, b, c)] == ["host", "disk", "host", "host"]
+            assert m._sessions[d].segment is None  # noqa: SLF001
+            assert m.stats().segments_dropped.count == 1 and m.stats().segments_dropped.nbytes == size
+            writes.release()
+            await wait_for(lambda: m._spill.backlog_bytes == 0)  # noqa: SLF001
+            assert [m.get(OWNER, sid).status for sid in (x, d, b, c)] == ["disk", "disk", "host", "host"]
+            expected, recomputed = await twin_and_resumed(engine, m, twin, d, unique_ids(2))
+            assert recomputed.usage.cached_tokens == 0 and recomputed.output_ids == expected.output_ids
+            for sid in (x, b, c):
                 assert (await turn(m, sid, unique_ids(2))).usage.cached_tokens == 47, sid
 
     asyncio.run(main())
