@@ -52,3 +52,5 @@ def test_an_oversubscribed_fleet_spills_and_resumes_with_the_same_tokens(kept: d
     assert sum(served.values()) == sum(kept["summary"]["sessions"]["fleet"]["served_tokens"].values())
     assert fleet["resumes"]["disk"]["count"] > 0 and fleet["lost_turns"] == 0
     assert max(p["disk"] for p in fleet["tier_bytes"]) > 0
+    writes = fleet["disk_writes"]  # the files behind the disk tier, timed by part
+    assert writes["count"] > 0 and writes["gb"] > 0 and writes["mean_writing_s"] > 0, writes
