@@ -13,7 +13,8 @@ Policy (docs/architecture.md, "Session state tiers")::
   write it to disk), then unpin. The GPU copy stays in the radix cache, unpinned, until the
   engine evicts it for room: spilling is "keep a copy, then let go". If the export is no
   deeper than the segment the session already has, that one is kept. A spill that cannot
-  place its segment (host full and disk unwritable, disk full) changes nothing: the session
+  place its segment (to disk, or past the host budget, with the disk unwritable or full; into
+  a full host tier with the backlog off and no demotion possible) changes nothing: the session
   stays resident with its status, and the sweeper retries later.
 - **Spill at release** (``idle_to_host_s == 0``, `Spiller.spill_at_release`): when a
   session's pin ends, it is spilled to host *before* it is unpinned, so it is never evictable
