@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, wait
 from multiprocessing.sharedctypes import Synchronized
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -457,7 +458,6 @@ def run_agentic(
     is a terminal; ``runtime.progress``).
     """
     import tempfile
-    from pathlib import Path
 
     from phloem.benchmarks.fleet_report import fleet_markdown, plot_tiers
     from phloem.benchmarks.plots import plot_agentic
@@ -478,17 +478,29 @@ def run_agentic(
                     server.wait()
                     records, summary[mode] = _measure(server.url, mode, wl, num_gpus, show_progress)
                     summary[mode]["server_rss_mib"] = rss_mib(server.proc.pid)  # type: ignore[index]
+                    # Saved before the server stops and its data directory (GBs of segment files
+                    # after a fleet run) is deleted: a timeout then no longer loses the mode.
+                    _save(out_dir, wl, summary, {**runs, mode: records})
                 finally:
                     server.stop()
         runs[mode] = records
+    data = _save(out_dir, wl, summary, runs)
+    if out_dir is not None:
+        out = Path(out_dir)
+        series = {m: s["fleet"]["tier_bytes"] for m, s in summary.items() if "fleet" in s}  # type: ignore[index, operator]
+        data["plots"] = [str(p) for p in [*plot_agentic(runs, out), *plot_tiers(series, out)]]
+    return _markdown(summary) + "\n\n" + fleet_markdown(summary), data  # type: ignore[arg-type]
+
+
+def _save(out_dir: str | None, wl: AgenticWorkload, summary: dict[str, object],
+          runs: dict[str, list[TurnRecord]]) -> dict[str, object]:
+    """The raw data of the modes run so far, written to ``out_dir/agentic.json`` when given."""
     data: dict[str, object] = {"workload": asdict(wl), "summary": summary, "turns": {m: records_json(r) for m, r in runs.items()}}
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "agentic.json").write_text(json.dumps(data, indent=2))
-        series = {m: s["fleet"]["tier_bytes"] for m, s in summary.items() if "fleet" in s}  # type: ignore[index, operator]
-        data["plots"] = [str(p) for p in [*plot_agentic(runs, out), *plot_tiers(series, out)]]
-    return _markdown(summary) + "\n\n" + fleet_markdown(summary), data  # type: ignore[arg-type]
+    return data
 
 
 def _measure(url: str, mode: str, wl: AgenticWorkload, num_gpus: int,

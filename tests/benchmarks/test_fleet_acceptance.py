@@ -9,6 +9,8 @@ tokens as the run that kept everything, and the accounting shows host and disk s
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,3 +56,23 @@ def test_an_oversubscribed_fleet_spills_and_resumes_with_the_same_tokens(kept: d
     assert max(p["disk"] for p in fleet["tier_bytes"]) > 0
     writes = fleet["disk_writes"]  # the files behind the disk tier, timed by part
     assert writes["count"] > 0 and writes["gb"] > 0 and writes["mean_writing_s"] > 0, writes
+
+
+@pytest.mark.slow  # a server
+def test_a_mode_is_saved_before_its_server_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timeout that strikes while the server stops or its data directory is deleted (GBs of
+    segment files after a GPU fleet run) no longer loses the mode's measurements."""
+    from phloem.benchmarks import agentic
+
+    stop = agentic.LocalServer.stop
+
+    def interrupted(self: agentic.LocalServer) -> None:
+        stop(self)
+        raise RuntimeError("the mode's timeout")
+
+    monkeypatch.setattr(agentic.LocalServer, "stop", interrupted)
+    wl = AgenticWorkload(agents=2, first_turn=40, append=8, turns=2, output=2, vocab_hi=1000)
+    with pytest.raises(RuntimeError, match="timeout"):
+        run_agentic(wl, ("sessions",), out_dir=str(tmp_path), show_progress=False)
+    saved = json.loads((tmp_path / "agentic.json").read_text())
+    assert saved["summary"]["sessions"]["turns"] == len(saved["turns"]["sessions"]) == 4
