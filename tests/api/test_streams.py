@@ -117,6 +117,22 @@ def test_websocket_protocol(server: Any, client: Client) -> None:
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 4404
 
 
+def test_a_deleted_session_closes_its_idle_socket(server: Any, client: Client) -> None:
+    """With nothing running on the socket (its turn finished), the session's deletion still ends
+    it: one ``session_not_found`` error, then 4404, within seconds, not at the idle timeout."""
+    session = client.sessions.create(text="x")
+    url = f"{server.base_url.replace('http', 'ws', 1)}/v1/sessions/{session.id}/ws"
+    with connect(url) as ws:
+        ws.send(json.dumps({"type": "append", "text": " y", "request_id": "a"}))
+        assert json.loads(ws.recv())["type"] == "done"
+        client.sessions.delete(session.id)
+        error = json.loads(ws.recv(timeout=10))
+        assert (error["type"], error["code"]) == ("error", "session_not_found")
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=10)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 4404
+
+
 def test_websocket_frame_over_the_body_limit_closes_1009(server: Any, client: Client) -> None:
     session = client.sessions.create(text="x")
     url = f"{server.base_url.replace('http', 'ws', 1)}/v1/sessions/{session.id}/ws"

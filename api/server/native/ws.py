@@ -7,8 +7,8 @@ so a ``cancel`` or ``fork`` can arrive while it runs. Every event carries the co
 the message that caused it.
 
 Errors are ``error`` events and the socket stays open, except when the session does not exist
-for the caller's key (at the handshake, or deleted later): one ``error`` event, then close with
-``4404`` (``AuthMiddleware`` refuses a bad key the same way with ``4401``). ``cancel`` stops this
+for the caller's key (at the handshake, or deleted later, seen within a second even with nothing
+running): one ``error`` event, then close with ``4404`` (``AuthMiddleware`` refuses a bad key the same way with ``4401``). ``cancel`` stops this
 connection's generation, waits for its ``done`` (the partial output is committed) and then
 answers ``cancelled``. A client that closes the socket cancels its generation the same way, and
 so does a generation that produces nothing for the idle timeout (``pacing``). A socket with no
@@ -39,6 +39,8 @@ __all__ = ["session_socket"]
 
 logger = logging.getLogger(__name__)
 _decoder = msgspec.json.Decoder(ClientMessage)
+# Seconds between two checks, while no message arrives, that the session still exists.
+_DELETED_POLL_S = 1.0
 
 
 class _Closed(Exception):
@@ -84,16 +86,19 @@ class _Connection:
                 self._generation.cancel()
 
     async def _receive(self) -> Any:
-        """The next client message; raises ``_Idle`` after the idle timeout with nothing running."""
+        """The next client message; raises ``_Idle`` after the idle timeout with nothing running,
+        and ``SessionNotFound`` within ``_DELETED_POLL_S`` of the session's deletion (a socket
+        with no generation running learns of it no other way)."""
         loop = asyncio.get_running_loop()
         while True:
             idle_left = self._last_active + self._ctx.stream_idle_timeout_s - loop.time()
             if idle_left <= 0 and self._generation is None:
                 raise _Idle
+            wait_s = min(_DELETED_POLL_S, max(idle_left, self._ctx.stream_idle_timeout_s / 10))
             try:
-                message = await asyncio.wait_for(self._socket.receive(),
-                                                 max(idle_left, self._ctx.stream_idle_timeout_s / 10))
+                message = await asyncio.wait_for(self._socket.receive(), wait_s)
             except TimeoutError:
+                self._ctx.manager.get(self._owner, self._session_id)
                 continue
             self._last_active = loop.time()
             return message
