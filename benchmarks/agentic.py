@@ -31,7 +31,9 @@ import hashlib
 import json
 import math
 import multiprocessing
+import os
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -482,7 +484,10 @@ def run_agentic(
                     # after a fleet run) is deleted: a timeout then no longer loses the mode.
                     _save(out_dir, wl, summary, {**runs, mode: records})
                 finally:
-                    server.stop()
+                    try:
+                        server.stop()
+                    finally:
+                        _keep_server_log(server.log.name, out_dir, mode)
         runs[mode] = records
     data = _save(out_dir, wl, summary, runs)
     if out_dir is not None:
@@ -490,6 +495,15 @@ def run_agentic(
         series = {m: s["fleet"]["tier_bytes"] for m, s in summary.items() if "fleet" in s}  # type: ignore[index, operator]
         data["plots"] = [str(p) for p in [*plot_agentic(runs, out), *plot_tiers(series, out)]]
     return _markdown(summary) + "\n\n" + fleet_markdown(summary), data  # type: ignore[arg-type]
+
+
+def _keep_server_log(path: str, out_dir: str | None, mode: str) -> None:
+    """Copy a mode's server log (one line per request with its first-token and prepare times,
+    one per session transition: docs/api.md, "Observability") to ``out_dir/server-MODE.log``
+    before its data directory is deleted."""
+    if out_dir is not None and os.path.exists(path):
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, Path(out_dir) / f"server-{mode}.log")
 
 
 def _save(out_dir: str | None, wl: AgenticWorkload, summary: dict[str, object],

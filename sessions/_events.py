@@ -9,7 +9,7 @@ Events (``runtime.logs.log_event``, logger ``phloem.sessions.events``)::
     session.spilled      session_id tier num_tokens segment_bytes   (left the GPU's pins)
     session.resumed      session_id tier num_tokens segment_bytes duration_ms   (state loaded back)
     generation.finished  session_id (None: stateless) turn finish_reason prompt_tokens
-                         cached_tokens completion_tokens duration_ms
+                         cached_tokens completion_tokens duration_ms prepare_ms first_token_ms
 
 Decisions on what counts (docs/api.md, "Observability"):
 
@@ -26,6 +26,10 @@ Decisions on what counts (docs/api.md, "Observability"):
 - resumes: a segment imported back into the engine counts once, with its bytes, tokens and
   seconds, by the tier it was read from; a resume that fails and falls back to recompute counts
   in ``resume_failures``.
+- first token: each finished generation's seconds from its start (the input resolved) to its
+  first token, and of those the ``prepare`` part (reading a spilled state back before the
+  request is sent); the rest is the engine's queue and the prefill. By kind: ``session`` (an
+  append) or ``stateless`` (a completion). A generation with no token is not observed.
 - served tokens: each generated session turn attributes the session's tokens up to its last
   generated turn to ``gpu``, ``host``, ``disk`` or ``recomputed`` (``sessions._served``).
 """
@@ -37,6 +41,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from phloem.runtime.histogram import Histogram, HistogramSnapshot
 from phloem.runtime.logs import log_event
 from phloem.sessions._served import ServedCounter, ServedStats
 
@@ -104,6 +109,9 @@ class SessionStats:
             and their payload bytes.
         served: Already-sent tokens of session turns by source, resume tokens and seconds by
             tier (``sessions._served``).
+        first_token_seconds / prepare_seconds: Per generation kind (``session``,
+            ``stateless``), seconds from a generation's start to its first token, and of those
+            reading its spilled state back (module docstring).
     """
 
     sessions_by_status: dict[str, int]
@@ -125,6 +133,16 @@ class SessionStats:
     disk_writes: DiskWrites
     segments_dropped: TierCounts
     served: ServedStats
+    first_token_seconds: dict[str, HistogramSnapshot]
+    prepare_seconds: dict[str, HistogramSnapshot]
+
+
+FIRST_TOKEN_SECONDS_BOUNDS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0,
+)  # fmt: skip
+"""Upper bounds (seconds) of the first-token histograms: a cached agent turn (~0.1 s) up to a
+long first turn queued behind others (a minute); finer around the 0.5 / 1.0 s TTFT targets."""
+GENERATION_KINDS = ("session", "stateless")
 
 
 class SessionEvents:
@@ -139,6 +157,8 @@ class SessionEvents:
         self._writes = DiskWrites()
         self._dropped = TierCounts()
         self.served = ServedCounter()
+        self._first_token = {kind: Histogram(FIRST_TOKEN_SECONDS_BOUNDS) for kind in GENERATION_KINDS}
+        self._prepare = {kind: Histogram(FIRST_TOKEN_SECONDS_BOUNDS) for kind in GENERATION_KINDS}
 
     def stats(self, sessions_by_status: dict[str, int], num_generations_in_flight: int,
               host_pool: tuple[int, int, int], disk_bytes: int) -> SessionStats:
@@ -154,7 +174,9 @@ class SessionEvents:
             resumes={tier: TierCounts(*v) for tier, v in self._resumes.items()},
             resume_failures=c["resume_failures"], host_pool_bytes=host_pool[0],
             host_pool_budget_bytes=host_pool[1], host_backlog_bytes=host_pool[2], disk_bytes=disk_bytes,
-            disk_writes=self._writes, segments_dropped=self._dropped, served=self.served.stats())
+            disk_writes=self._writes, segments_dropped=self._dropped, served=self.served.stats(),
+            first_token_seconds={kind: h.snapshot() for kind, h in self._first_token.items()},
+            prepare_seconds={kind: h.snapshot() for kind, h in self._prepare.items()})
 
     def created(self, session: Session) -> None:
         self._counts["created"] += 1
@@ -208,13 +230,19 @@ class SessionEvents:
         self._counts["resume_failures"] += 1
 
     def generation_finished(self, session_id: str | None, turn: int | None, finish_reason: str,
-                            usage: TokenCounts, duration_s: float) -> None:
+                            usage: TokenCounts, duration_s: float, prepare_s: float,
+                            first_token_s: float | None) -> None:
         self._generations[finish_reason] += 1
+        if first_token_s is not None:
+            kind = "stateless" if session_id is None else "session"
+            self._first_token[kind].observe(first_token_s)
+            self._prepare[kind].observe(prepare_s)
         self._counts["prompt_tokens"] += usage.prompt_tokens
         self._counts["cached_tokens"] += usage.cached_tokens
         self._counts["completion_tokens"] += usage.completion_tokens
         log_event(logger, "generation.finished", session_id=session_id, turn=turn,
                   finish_reason=finish_reason, prompt_tokens=usage.prompt_tokens,
                   cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
-                  duration_ms=round(1000 * duration_s, 2))
+                  duration_ms=round(1000 * duration_s, 2), prepare_ms=round(1000 * prepare_s, 2),
+                  first_token_ms=None if first_token_s is None else round(1000 * first_token_s, 2))
 

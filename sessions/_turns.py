@@ -131,7 +131,7 @@ class TurnRunner:
                 self._spill.count_carried(session, completion.num_resumed_tokens)
                 resumed, session.resumed = session.resumed, None
                 self._events.served.turn(history_len, result.usage.cached_tokens, resumed)
-            self._finished(session.session_id, result, started)
+            self._finished(session.session_id, result, started, completion)
             return result
 
         def on_exit(generation: Generation) -> None:
@@ -182,7 +182,7 @@ class TurnRunner:
             usage = Usage(c.num_prompt_tokens, c.num_cached_tokens, len(c.output_ids), shared)
             result = GenerationResult(c.output_ids, c.text, c.finish_reason, usage,
                                       logprobs=c.logprobs, parsed=c.parsed)
-            self._finished(None, result, started)
+            self._finished(None, result, started, c)
             return result
 
         hooks = GenerationHooks(settle, self._generations.discard,
@@ -204,11 +204,13 @@ class TurnRunner:
         if pending:
             await asyncio.wait([asyncio.ensure_future(g.result()) for g in pending], timeout=timeout_s)
 
-    def _finished(self, session_id: str | None, result: GenerationResult, started: float) -> None:
+    def _finished(self, session_id: str | None, result: GenerationResult, started: float,
+                  completion: Completion) -> None:
         """Report a settled generation (an append without one computed nothing: not reported)."""
         if result.finish_reason is not None:
             self._events.generation_finished(session_id, result.turn, result.finish_reason,
-                                             result.usage, time.monotonic() - started)
+                                             result.usage, time.monotonic() - started,
+                                             completion.prepared_s, completion.first_token_s)
 
     async def replace_view(self, session: Session, index: int, view: str | None) -> None:
         """Replace the ``view`` of committed turn ``index`` (journal first, then memory).

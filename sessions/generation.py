@@ -108,6 +108,10 @@ class Completion:
     # Of the cached tokens, those a spilled state the request carried loaded (``prepare``,
     # ``carry``); 0 when the cache held that prefix itself.
     num_resumed_tokens: int = 0
+    # Seconds from the generation's start: ``prepare`` done (a spilled state read back), and the
+    # first token (None: none came). Their difference is the engine's queue and prefill.
+    prepared_s: float = 0.0
+    first_token_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +224,9 @@ class Generation:
         self._in_engine = False  # its request was sent (and may be waiting for admission)
         self._admitted = False  # its first token came: the request runs
         self._hopeless = False  # aborted by the watchdog: nothing could make room for it
+        self._created = time.monotonic()
+        self._prepared_s = 0.0  # ``Completion.prepared_s``
+        self._first_token_s: float | None = None
         self._events: asyncio.Queue[OutputDelta | object] = asyncio.Queue()
         self._result: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
         self._cancelled = False
@@ -319,6 +326,7 @@ class Generation:
             prepared = await self._hooks.prepare()
             if prepared is not None:  # else keep what ``carry`` may have given meanwhile
                 self._resume = prepared
+        self._prepared_s = time.monotonic() - self._created
         detok = self._tokenizer.detokenizer(self._options.stop)
         fmt = self._output.format if self._output is not None else None
         self._parser = OutputParser(fmt) if fmt is not None else None
@@ -336,7 +344,7 @@ class Generation:
         return Completion(tuple(output), detok.text, _FINISH_REASONS[reason or "abort"],
                           len(self._prompt_ids), cached, tuple(self._logprobs),
                           self._parser.result() if self._parser is not None else None,
-                          self._num_resumed)
+                          self._num_resumed, self._prepared_s, self._first_token_s)
 
     def _parse(self, text: str, final: bool = False) -> ParsedDelta | None:
         """What ``text`` adds to the parts; ``final``: it is the detokenizer's tail, the last."""
@@ -391,6 +399,8 @@ class Generation:
                 if out.finished and not out.token_ids and self._hopeless:
                     raise Overloaded("the engine has no room for this request now")
                 started.set()
+                if self._first_token_s is None and out.new_token_ids:
+                    self._first_token_s = time.monotonic() - self._created
                 self._admitted = True
                 # Loaded (or found in the cache): a spilled state is tensors of the session's
                 # whole history, host memory the engine no longer needs from us.

@@ -169,6 +169,7 @@ def _session_families(s: SessionStats | None) -> list[Metric]:
         ("phloem_session_resumes", "Spilled session states loaded back, by the tier read"),
         ("phloem_session_resume_bytes", "Bytes of session state loaded back, by the tier read"))]
     families += _served_families(s)
+    families += _first_token_families(s)
     if s is not None:
         for reason in sorted({"stop", "length", "cancelled", *s.generations}):
             generations.add_metric([reason], s.generations.get(reason, 0))
@@ -179,6 +180,22 @@ def _session_families(s: SessionStats | None) -> list[Metric]:
             for family, value in zip(moves, (spill.count, spill.nbytes, resume.count, resume.nbytes)):
                 family.add_metric([tier], value)
     return [*families, generations, sessions, *moves]
+
+
+def _first_token_families(s: SessionStats | None) -> list[Metric]:
+    """Seconds from a generation's start to its first token, and of those reading its spilled
+    state back, by kind (``sessions._events``)."""
+    first = HistogramMetricFamily("phloem_generation_first_token_seconds", "Seconds from a "
+                                  "generation's start (its input resolved) to its first token, by "
+                                  "kind: session (an append) or stateless", labels=["kind"])
+    prepare = HistogramMetricFamily("phloem_generation_prepare_seconds", "Of the first-token "
+                                    "seconds, those spent reading the session's spilled state back "
+                                    "before the engine request, by kind", labels=["kind"])
+    if s is not None:
+        for family, by_kind in ((first, s.first_token_seconds), (prepare, s.prepare_seconds)):
+            for kind, h in by_kind.items():
+                family.add_metric([kind], _buckets(h), sum_value=h.total)
+    return [first, prepare]
 
 
 def _served_families(s: SessionStats | None) -> list[Metric]:

@@ -96,6 +96,11 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     assert value(samples, "phloem_prefix_cache_hit_ratio") == 180 / 255
     assert value(samples, "phloem_generations_total", finish_reason="length") == 4
     assert value(samples, "phloem_generations_total", finish_reason="stop") == 0
+    # Server-side time to first token: every generation that produced one, by kind.
+    assert value(samples, "phloem_generation_first_token_seconds_count", kind="session") == 3
+    assert value(samples, "phloem_generation_first_token_seconds_count", kind="stateless") == 1
+    assert value(samples, "phloem_generation_first_token_seconds_sum", kind="session") > 0
+    assert value(samples, "phloem_generation_prepare_seconds_count", kind="session") == 3
     assert (value(samples, "phloem_sessions_created_total"), value(samples, "phloem_sessions_forked_total"),
             value(samples, "phloem_sessions_deleted_total")) == (1, 1, 1)
     assert {status: value(samples, "phloem_sessions", status=status)
@@ -165,6 +170,9 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     assert value(samples, "phloem_session_resume_failures_total") == 0
     assert value(samples, "phloem_session_resume_tokens_total", tier="disk") == 68
     assert value(samples, "phloem_session_resume_seconds_count", tier="disk") == 1
+    # The disk read happened before the request: part of the turn's first-token time.
+    prepare = value(samples, "phloem_generation_prepare_seconds_sum", kind="session")
+    assert 0 < prepare < value(samples, "phloem_generation_first_token_seconds_sum", kind="session")
     assert value(samples, "phloem_session_served_tokens_total", source="disk") == 68
     assert (value(samples, "phloem_prompt_tokens_total"), value(samples, "phloem_cached_tokens_total"),
             value(samples, "phloem_completion_tokens_total")) == (74, 68, 4)

@@ -76,3 +76,7 @@ def test_a_mode_is_saved_before_its_server_stops(tmp_path: Path, monkeypatch: py
         run_agentic(wl, ("sessions",), out_dir=str(tmp_path), show_progress=False)
     saved = json.loads((tmp_path / "agentic.json").read_text())
     assert saved["summary"]["sessions"]["turns"] == len(saved["turns"]["sessions"]) == 4
+    # The server's log is kept beside it: a line per turn, with its first-token time.
+    finished = [line for line in (tmp_path / "server-sessions.log").read_text().splitlines()
+                if "generation.finished" in line]
+    assert len(finished) == 4 and all(" first_token_ms=" in line for line in finished)
