@@ -2,24 +2,32 @@
 
 Policy, in order, under one token budget (``max_num_batched_tokens``):
 
-1. running requests that decode (one token each), in arrival order;
+1. running requests that decode (one token each);
 2. *short* prefills: work that fits in one step's budget (an agent's next turn, whose history
-   the prefix cache holds), running ones first, then waiting ones, in arrival order;
-3. *long* prefills (a fresh 50K-token first turn), running ones in arrival order, continuing in
-   chunks when the budget is short (chunked prefill), then waiting ones, first come first served.
+   the prefix cache holds), running ones first, then waiting ones, *smallest first* (fewest
+   tokens past the cached prefix, then arrival order);
+3. *long* prefills (a fresh 50K-token first turn), running ones, continuing in chunks when the
+   budget is short (chunked prefill), then waiting ones, first come first served.
 
-So an agent's turn never queues behind other agents' long first turns: with chunked prefill a
-long prompt yields each step's budget to the short work waiting beside it and takes the rest.
-A waiting request's size is its tokens past its cached prefix, looked up once when it is first
-considered (a hint: the tree may change before it is admitted). Admission is check-then-commit:
-a request that cannot get both its slot and its pages takes nothing, and no request is admitted
-after it in that step (it stays first in line).
+So an agent's turn never queues behind other agents' first turns: with chunked prefill a long
+prompt yields each step's budget to the short work waiting beside it and takes the rest, and a
+fresh prompt that fits one step (an 8K first turn under an 8K budget) is short too, but larger
+than a turn's tool result, so it waits behind it. A waiting request's size is its tokens past its
+cached prefix, looked up once when it is first considered (a hint: the tree may change before
+it is admitted). Admission is check-then-commit: a request that cannot get both its slot and its
+pages takes nothing, and no request is admitted after it in that step (it stays first in line).
 
-When a running request needs a page and none is free (even after the radix cache evicted what
-it could), the newest running request is preempted: its computed prefix is published to the
-radix cache (so re-admission usually resumes from there), its private memory goes back to the
-pools, and it waits again with its tokens intact. Preemption never corrupts: whatever is
-recomputed gives the same state.
+Running requests are scheduled within each class by *rank*: the work they brought (prompt
+tokens past the prefix they were admitted on), then arrival order. When a running request needs
+a page and none is free (even after the radix cache evicted what it could), the lowest-ranked
+running request not yet in the step is preempted: the fresh prompt with the most tokens, the
+newest of equals; an agent's turn (a few hundred new tokens on a long cached history) only when
+no fresh prompt is left. Preempting the newest request instead took the agents' turns every time
+(they arrive after the first turns queued ahead of them): each lost the history it resumed on,
+came back as a long recompute and was preempted again, until every first turn was served. The
+preempted request's computed prefix is published to the radix cache (so re-admission usually
+resumes from there), its private memory goes back to the pools, and it waits again with its
+tokens intact. Preemption never corrupts: whatever is recomputed gives the same state.
 
 Prefill chunks are cut at multiples of ``checkpoint_interval`` so that each periodic checkpoint
 is the final state of a step (no kernel has to emit intermediate states); likewise at a
@@ -52,6 +60,13 @@ LoadPrefix = Callable[[SpilledPrefix, "str | None"], bool]
 
 # Size classes, scheduled in this order.
 _DECODE, _SHORT, _LONG = 0, 1, 2
+
+
+def _rank(req: Request) -> tuple[int, int]:
+    """A running request's rank, lowest first: the prompt tokens it brought past the prefix it
+    was admitted on (``num_cached_tokens`` is fixed at its first admission), then arrival.
+    Scheduled in this order within a size class; preempted highest first."""
+    return req.num_prompt_tokens - req.num_cached_tokens, req.arrival_idx
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +129,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.config.max_num_batched_tokens)
-        order = sorted(self.running, key=lambda r: (self._size_class(r), r.arrival_idx))
+        order = sorted(self.running, key=lambda r: (self._size_class(r), _rank(r)))
         for size_class in (_DECODE, _SHORT, _LONG):
             for req in order:
                 if self._size_class(req) == size_class:
@@ -147,23 +162,28 @@ class Scheduler:
             step.add(req, n)
 
     def _admit_waiting(self, step: _Step, short_only: bool) -> None:
-        """Admit waiting requests in arrival order (only short ones with ``short_only``) while the
-        budget, ``max_num_seqs`` and memory allow; a refusal ends admission for the step."""
-        put_back: list[Request] = []  # passed over, in queue order
-        while self.waiting and not step.blocked and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.popleft()
-            if short_only and self._size_class(req) != _SHORT:
-                put_back.append(req)
-            elif self._extends_finalizing(req):
-                # Its prefix checkpoint lands at the end of this step: admit it next step, as a hit.
-                put_back.append(req)
-            elif not self._admit(req, step):
-                put_back.append(req)
+        """Admit waiting requests while the budget, ``max_num_seqs`` and memory allow: with
+        ``short_only`` the short ones, smallest first; else all in queue order. A refusal ends
+        admission for the step."""
+        if short_only:
+            line = sorted((r for r in self.waiting if self._size_class(r) == _SHORT),
+                          key=lambda r: (r.num_uncached_hint, r.arrival_idx))
+        else:
+            line = list(self.waiting)
+        admitted: set[Request] = set()
+        for req in line:
+            if step.blocked or step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if self._extends_finalizing(req):
+                continue  # its prefix checkpoint lands at the end of this step: next step, as a hit
+            if not self._admit(req, step):
                 step.blocked = True
             else:
+                admitted.add(req)
                 self.memory_blocked = False
-        self.memory_blocked = (self.memory_blocked or step.blocked) and bool(self.waiting or put_back)
-        self.waiting.extendleft(reversed(put_back))
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if r not in admitted)
+        self.memory_blocked = (self.memory_blocked or step.blocked) and bool(self.waiting)
 
     def _admit(self, req: Request, step: _Step) -> bool:
         """Give ``req`` its memory and its first chunk; False (taking nothing) when memory is short."""
@@ -257,7 +277,7 @@ class Scheduler:
                 else:
                     self._preempt(req)
                 return False
-            self._preempt(max(victims, key=lambda r: r.arrival_idx))
+            self._preempt(max(victims, key=_rank))
         return True
 
     def _preempt(self, req: Request) -> None:

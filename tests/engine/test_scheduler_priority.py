@@ -97,3 +97,60 @@ def test_waits_for_memory_tells_a_full_pool_from_a_queue() -> None:
     tokens = run_all(engine, first)
     assert [tokens[r] for r in (a, b, c)] == [expected(p, 4) for p in prompts]
     assert_pools_empty(engine)
+
+
+def test_a_turn_is_admitted_before_fresh_prompts_that_also_fit_one_step() -> None:
+    """A fresh prompt that fits one step's budget is short too (an 8K first turn under an 8K
+    budget), but a turn's few new tokens go first: the short ones are admitted smallest first."""
+    engine = make_engine(budget=12, num_pages=128, max_seqs=2)
+    history = list(range(1, 13))
+    out = engine.generate([history], PARAMS)[0]
+    fresh = [list(range(k, k + 10)) for k in range(2, 8)]
+    fresh_ids = [engine.add_request(p, PARAMS) for p in fresh]
+    engine.step()  # two of them take both seats
+    turn = history + out.token_ids + [7, 8]
+    turn_id = engine.add_request(turn, PARAMS)
+    first: dict[str, int] = {}
+    tokens = run_all(engine, first)
+    # The turn takes the first seat that frees; the four fresh prompts queued ahead of it wait.
+    assert all(first[turn_id] < first[rid] for rid in fresh_ids[2:])
+    for rid, prompt in zip([turn_id, *fresh_ids], [turn, *fresh]):
+        assert tokens[rid] == expected(prompt, 4)
+    assert_pools_empty(engine)
+
+
+def test_preemption_takes_fresh_prompts_before_an_agents_turn() -> None:
+    """With the pages short, decode growth preempts the fresh prompts, not the turn that arrived
+    after them. Preempting the newest request took the turn each time: it lost the history it was
+    admitted on, came back as a long recompute, and got its first token only after every fresh
+    prompt had had its own (step 29-60 of this workload, against 2-8 now)."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    for num_pages in (20, 24, 28, 32):
+        engine = make_engine(budget=12, num_pages=num_pages, num_slots=32, max_seqs=16,
+                             async_scheduling=False, prompt_end_split_min_tokens=2)
+        history = list(range(1, 13))
+        out = engine.generate([history], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+        pin = engine.pin_prefix(history + out.token_ids)  # the session's head, as a session pins it
+        fresh = [list(range(k, k + 10)) for k in range(2, 12)]
+        fresh_ids = [engine.add_request(p, params) for p in fresh]
+        engine.step()
+        engine.step()
+        turn = history + out.token_ids + [7, 8, 9, 10]
+        turn_id = engine.add_request(turn, PARAMS)
+        preempted: list[str] = []
+        preempt = engine.scheduler._preempt
+
+        def record(req, preempt=preempt) -> None:  # type: ignore[no-untyped-def]
+            preempted.append(req.request_id)
+            preempt(req)
+
+        engine.scheduler._preempt = record  # type: ignore[method-assign]
+        first: dict[str, int] = {}
+        tokens = run_all(engine, first)
+        assert preempted and turn_id not in preempted, num_pages  # fresh prompts were preempted
+        assert first[turn_id] <= 3 and sum(first[rid] > first[turn_id] for rid in fresh_ids) >= 4, num_pages
+        for rid, prompt in zip(fresh_ids, fresh):
+            assert tokens[rid] == expected(prompt, 16)
+        assert tokens[turn_id] == expected(turn, 4)
+        engine.unpin_prefix(pin)
+        assert_pools_empty(engine)
