@@ -226,5 +226,8 @@ class EngineStats:
     step_kind_seconds: dict[str, HistogramSnapshot] = field(default_factory=dict)
     between_steps_seconds: float = 0.0
     num_pipelined_steps: int = 0
+    # Running requests preempted for pages (``engine.scheduler``: they wait again and recompute
+    # what the cache lost of them).
+    num_preemptions: int = 0
     # Speculative decoding's counters (``Engine.speculation_stats``); None when it is off.
     speculation: SpeculationStats | None = None

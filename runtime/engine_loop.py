@@ -354,6 +354,7 @@ class EngineLoop:
             step_kind_seconds={kind: h.snapshot() for kind, h in self._kind_seconds.items()},
             between_steps_seconds=self._between_steps_s,
             num_pipelined_steps=self.engine.num_pipelined_steps,
+            num_preemptions=self.engine.scheduler.num_preemptions,
             speculation=self.engine.speculation_stats(),
         )
 

@@ -262,6 +262,8 @@ def _engine_families(e: EngineStats | None) -> list[Metric]:
         _histogram("phloem_engine_step_seconds", "Wall time of one engine step", e.step_seconds),
         _counter("phloem_engine_pipelined_steps", "Decode steps queued on the device behind the "
                  "step being collected (async scheduling)", e.num_pipelined_steps),
+        _counter("phloem_engine_preemptions", "Running requests preempted for pages (they wait "
+                 "again, and recompute what the prefix cache lost of them)", e.num_preemptions),
         _counter("phloem_engine_between_steps_seconds", "Host time the engine thread spent between "
                  "steps while requests were in flight (commands, delivering outputs)",
                  e.between_steps_seconds),

@@ -145,6 +145,7 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     assert 0 < value(samples, "phloem_state_slots_used") <= value(samples, "phloem_state_slots_total")
     assert value(samples, "phloem_prefix_checkpoints_evicted_total") == 0
     assert value(samples, "phloem_engine_memory_blocked") == 0
+    assert value(samples, "phloem_engine_preemptions_total") == 0  # the pools hold this workload
     assert value(samples, "phloem_engine_step_seconds_count") == value(samples, "phloem_engine_steps_total") > 0
     assert value(samples, "phloem_engine_step_seconds_bucket", le="+Inf") == value(samples, "phloem_engine_steps_total")
     by_kind = {kind: value(samples, "phloem_engine_step_kind_seconds_count", kind=kind)

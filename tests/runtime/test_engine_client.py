@@ -275,3 +275,22 @@ def test_shutdown_fails_in_flight_and_later_calls() -> None:
 
     asyncio.run(main())
     assert_pools_empty(engine)
+
+
+def test_stats_count_the_preemptions() -> None:
+    """Six requests that outgrow 12 pages: running ones are preempted for the pages their peers'
+    decodes need, and the loop's stats (``/metrics``' ``phloem_engine_preemptions_total``) count
+    each one; every request still gets its tokens."""
+    prompts = [[i + 1] * 6 for i in range(6)]
+    engine = make_engine(num_pages=12, num_slots=8, budget=64)
+
+    async def main(client: EngineClient) -> int:
+        async def one(prompt: list[int]) -> list[int]:
+            return [o async for o in client.generate(prompt, SamplingParams(max_tokens=12))][-1].token_ids
+
+        tokens = await asyncio.gather(*(one(p) for p in prompts))
+        assert tokens == [expected(p, 12) for p in prompts]
+        return (await client.stats()).num_preemptions
+
+    assert run(main, engine) == engine.scheduler.num_preemptions > 0
+    assert_pools_empty(engine)
