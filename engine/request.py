@@ -72,6 +72,10 @@ class Request:
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    # Of ``num_cached_tokens`` (its first admission's hit, fixed), those it computed after all: a
+    # preemption let the cache evict them before its next admission. Outputs report the
+    # difference, the prompt tokens the cache really served (``served_tokens``).
+    num_cached_lost: int = 0
     # KV pages covering positions [0, len(page_ids) * page_size); the first num_shared_pages
     # belong to the radix cache (immutable, kept alive by lock_node).
     page_ids: list[int] = field(default_factory=list)
@@ -141,6 +145,12 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    @property
+    def served_tokens(self) -> int:
+        """Prompt tokens the prefix cache served it: its first admission's hit, less what a
+        preemption lost of it (``num_cached_lost``)."""
+        return self.num_cached_tokens - self.num_cached_lost
+
     def reaches_length(self, max_model_len: int, ahead: int = 0) -> bool:
         """Whether ``ahead`` more tokens bring it to ``max_tokens`` generated or to the context
         limit (``ahead=0``: whether it is there now, the engine's length stop)."""
@@ -175,7 +185,9 @@ class RequestOutput:
     ``token_ids`` every token generated so far; ``new_logprobs`` one entry per new token when
     the request asked for log-probabilities (else None); ``num_resumed_tokens`` the prompt
     tokens a spilled prefix given with the request loaded (``Request.num_resumed_tokens``),
-    which ``num_cached_tokens`` includes.
+    which ``num_cached_tokens`` includes; ``num_cached_tokens`` counts only prompt tokens the
+    request never computed itself (a preemption whose prefix was evicted before the request came
+    back takes those back).
     """
 
     request_id: str

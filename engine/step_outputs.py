@@ -140,7 +140,7 @@ class StepOutputs:
             new_token_ids=new_tokens,
             finished=finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
-            num_cached_tokens=req.num_cached_tokens,
+            num_cached_tokens=req.served_tokens,
             new_logprobs=(logprob,) if isinstance(logprob, TokenLogprob) else logprob,
             num_resumed_tokens=req.num_resumed_tokens,
         )

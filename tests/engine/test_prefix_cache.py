@@ -215,3 +215,26 @@ def test_common_prefix_matches_the_element_walk() -> None:
         while want < min(len(key), len(tokens) - start) and key[want] == tokens[start + want]:
             want += 1
         assert _common_prefix(key, tokens, start) == want
+
+
+def test_a_hit_a_preemption_lost_is_not_reported_as_cached() -> None:
+    """A request admitted on a cached prefix, preempted, and admitted again after the cache
+    evicted that prefix computed it after all: its output reports only what the cache served
+    (the sessions layer counts the rest as recomputed), and the engine's hit count agrees."""
+    engine = make_engine(async_scheduling=False)
+    history = list(range(1, 21))
+    engine.generate([history], SamplingParams(max_tokens=2))
+    prompt = history + [5, 6, 7]
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=3))
+    engine.step()
+    (req,) = engine.scheduler.running
+    first_hit = req.num_cached_tokens
+    assert first_hit > 0 and engine.cache.cached_tokens == first_hit
+    engine.scheduler._preempt(req)  # as for pages a peer's decode needed
+    engine.cache.tree.clear()  # and the cache evicted everything unlocked meanwhile
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert outs[-1].token_ids == expected(prompt, 3)
+    assert outs[-1].num_cached_tokens == 0 and engine.cache.cached_tokens == 0
+    assert_pools_empty(engine)
