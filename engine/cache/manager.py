@@ -158,14 +158,14 @@ class CacheManager:
             self.prompt_tokens += req.num_prompt_tokens
             self.cached_tokens += hit
             req.num_cached_tokens = hit
+            if match is not None:
+                self.tree.record_hit(match.node)  # type: ignore[union-attr]
         elif hit < req.num_cached_tokens - req.num_cached_lost:
             # Preempted, and the cache evicted part of the prefix it was first admitted on: that
             # part is computed again, and no longer counts as a hit.
             lost = req.num_cached_tokens - hit
             self.cached_tokens -= lost - req.num_cached_lost
             req.num_cached_lost = lost
-            if match is not None:
-                self.tree.record_hit(match.node)  # type: ignore[union-attr]
         req.branch_point = self._branch_point(req, hit)
         req.num_admissions += 1
         req.write_slot = slot
