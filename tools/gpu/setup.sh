@@ -27,6 +27,8 @@ pack_caches() {
     --exclude='*.source' -C / root/.triton/cache 2>/dev/null
   ls -la "$1"/*.tgz
 }
+# Exported: the device scripts (fleet.sh's WARM=1) run in child shells of the one that sourced this.
+export -f pack_caches
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 # One kernel cache for every process of a call (tests, benchmarks, `phloem serve`), the one the
 # carried .gpu-cache archives fill.
