@@ -12,16 +12,13 @@ import re
 import sys
 from datetime import datetime
 
+from phloem.benchmarks.fleet_report import _quantile  # the fleet report's TTFT quantiles
+
 _LINE = re.compile(r"^(\S+) .* generation\.finished (.*)$")
 
 
 def _fields(text: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in text.split() if "=" in part)
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def main(path: str, num_slowest: int = 12) -> None:
@@ -45,8 +42,8 @@ def main(path: str, num_slowest: int = 12) -> None:
     for turn in sorted({r[0] for r in rows}):
         sel = [r for r in rows if r[0] == turn]
         first, prep = [r[3] for r in sel], [r[2] for r in sel]
-        print(f"| {turn} | {len(sel)} | {_pct(first, 0.5):.0f} / {_pct(first, 0.99):.0f} | "
-              f"{_pct(prep, 0.5):.1f} / {_pct(prep, 0.99):.1f} / {max(prep):.1f} |")
+        print(f"| {turn} | {len(sel)} | {_quantile(first, 0.5):.0f} / {_quantile(first, 0.99):.0f} | "
+              f"{_quantile(prep, 0.5):.1f} / {_quantile(prep, 0.99):.1f} / {max(prep):.1f} |")
     print(f"\nslowest {num_slowest} later turns (start s after the first turn started):")
     for turn, start, prep, first, cached, prompt in sorted((r for r in rows if r[0] > 0), key=lambda r: -r[3])[:num_slowest]:
         print(f"  turn {turn} start {start - t0:6.1f} s  prepare {prep:8.1f} ms  first token {first:8.1f} ms  "
