@@ -160,7 +160,7 @@ class CacheManager:
             req.num_cached_tokens = hit
             if match is not None:
                 self.tree.record_hit(match.node)  # type: ignore[union-attr]
-        elif hit < req.num_cached_tokens - req.num_cached_lost:
+        elif hit < req.served_tokens:
             # Preempted, and the cache evicted part of the prefix it was first admitted on: that
             # part is computed again, and no longer counts as a hit.
             lost = req.num_cached_tokens - hit
