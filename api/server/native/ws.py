@@ -10,9 +10,10 @@ Errors are ``error`` events and the socket stays open, except when the session d
 for the caller's key (at the handshake, or deleted later, seen within a second even with nothing
 running): one ``error`` event, then close with ``4404`` (``AuthMiddleware`` refuses a bad key
 the same way with ``4401``). ``cancel`` stops this connection's generation, waits for its
-``done`` (the partial output is committed) and then answers ``cancelled``. A client that closes the socket cancels its generation the same way, and
-so does a generation that produces nothing for the idle timeout (``pacing``). A socket with no
-generation running that receives nothing for the idle timeout is closed with 1000.
+``done`` (the partial output is committed) and then answers ``cancelled``. A client that closes
+the socket cancels its generation the same way, and so does a generation that produces nothing
+for the idle timeout (``pacing``). A socket with no generation running that receives nothing for
+the idle timeout is closed with 1000.
 """
 
 from __future__ import annotations
