@@ -96,8 +96,11 @@ class _Step:
     num_new: list[int] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
     blocked: bool = False  # an admission was refused: nothing more is admitted this step
+    scheduled: set[int] = field(default_factory=set)  # ids of ``requests``: one row a request
 
     def add(self, req: Request, n: int) -> None:
+        assert id(req) not in self.scheduled, f"request {req.request_id} scheduled twice in a step"
+        self.scheduled.add(id(req))
         self.requests.append(req)
         self.num_new.append(n)
         self.budget -= n
@@ -155,8 +158,10 @@ class Scheduler:
 
     def _continue(self, req: Request, step: _Step) -> None:
         """Schedule the next tokens of a running request, if the budget and its pages allow."""
-        if step.budget == 0 or req not in self.running:
-            return  # out of budget, or preempted earlier in this step
+        if step.budget == 0 or req not in self.running or id(req) in step.scheduled:
+            # Out of budget, or preempted earlier in this step, or preempted and admitted again
+            # (``order`` was taken before it): a second row would write its state slot twice.
+            return
         n = self._chunk(req, step.budget)
         if self._reserve_pages(req, n, step.requests, step.failed):
             step.add(req, n)

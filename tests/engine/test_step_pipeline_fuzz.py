@@ -79,9 +79,12 @@ def run_random_workload(engine: Engine, rng: random.Random, num_ops: int = 120) 
         else:
             collect(engine.step())
     # Pins held for good could keep a waiting request out forever (the sessions layer expires
-    # them; here they all go before the final drain).
+    # them; here they all go before the final drain). Likewise the hand-off hold of an import no
+    # request resumed on, which lasts ``handoff_hold_s`` (``engine.cache.holds``): longer than
+    # this whole workload.
     for handle in pins:
         engine.unpin_prefix(handle)  # type: ignore[arg-type]
+    engine.cache.holds.clear()
     for _ in range(10_000):
         if not engine.has_unfinished_requests():
             break
@@ -115,4 +118,19 @@ def test_random_workloads_give_closed_form_answers(seed: int) -> None:
     num_requests = run_random_workload(engine, rng)
     assert num_requests > 10
     assert engine.num_pipelined_steps > 0, "the workload never reached steady decode"
+    assert_pools_empty(engine)
+
+
+def test_a_request_preempted_and_admitted_again_in_one_step_runs_once() -> None:
+    """Seed 170 over 165 operations (24 pages, 4 seats, a 16-token budget): a decoding request
+    preempted for another's page in a step's decode pass is admitted again in the same step, its
+    published prefix evicted meanwhile, as a 17-token prefill; the long pass then scheduled it a
+    second time (two rows writing one state slot: "KV pages disagree with GDN state")."""
+    rng = random.Random(170)
+    engine = make_engine(
+        num_pages=rng.choice([12, 24, 64]), num_slots=rng.choice([3, 6, 16]), budget=rng.choice([4, 16, 64]),
+        max_seqs=rng.choice([2, 4, 8]), caching=True, interval=rng.choice([0, 0, 4, 8]),
+    )
+    run_random_workload(engine, rng, num_ops=165)
+    assert engine.scheduler.num_preemptions > 0
     assert_pools_empty(engine)
