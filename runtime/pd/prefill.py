@@ -250,16 +250,25 @@ def run_prefill_worker(
         if ready is not None:
             ready.send(("error", str(exc)))
         raise ValueError(str(exc)) from exc
-    stop = threading.Event()
-    thread = threading.Thread(target=worker.serve_forever, args=(listener, stop), name="phloem-prefill", daemon=True)
+    stop, done = threading.Event(), threading.Event()
+
+    def serve() -> None:
+        try:
+            worker.serve_forever(listener, stop)
+        finally:
+            done.set()
+
+    # ``done``, not ``Thread.is_alive``: a thread inside a process group's C++ destructor (its
+    # link's ``close``) can already read as stopped, and an exit then aborts the process.
+    thread = threading.Thread(target=serve, name="phloem-prefill", daemon=True)
     thread.start()
     sys.stderr.write(f"phloem prefill: listening for a decode instance on {listener.host}:{listener.port}\n")
     if ready is not None:
         ready.send(("ready", listener.port))
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        while thread.is_alive():
-            thread.join(0.5)
+        while not done.wait(0.5):
+            pass
     except KeyboardInterrupt:
         stop.set()
     finally:
@@ -269,5 +278,5 @@ def run_prefill_worker(
         # process (SIGABRT) instead of exiting 0. A link still open (recv without a deadline)
         # is left after the grace period.
         stop.set()
-        thread.join(_STOP_GRACE_S)
+        done.wait(_STOP_GRACE_S)
         listener.close()
