@@ -29,6 +29,16 @@ preempted request's computed prefix is published to the radix cache (so re-admis
 resumes from there), its private memory goes back to the pools, and it waits again with its
 tokens intact. Preemption never corrupts: whatever is recomputed gives the same state.
 
+Seats (``max_num_seqs``) are yielded the same way. With every seat taken, a short request that was
+never admitted (an agent's turn back from its tool) preempts the running request that brought the
+most work, if that is more than its own: in a burst of fresh prompts every seat decodes a first
+turn for hundreds of steps, and a turn that waited for one of them to finish waited seconds for
+a few hundred tokens of work. Only as many turns claim a seat as the step's budget can admit. A
+preempted request waits in the short line ranked by the work it first brought, not by its few
+tokens left past its published prefix (``_waiting_rank``), so it takes no seat back from the turns
+and comes back as the first seats free; a turn never takes an equal or larger request's seat, so
+seats do not change hands among turns.
+
 Prefill chunks are cut at multiples of ``checkpoint_interval`` so that each periodic checkpoint
 is the final state of a step (no kernel has to emit intermediate states); likewise at a
 request's branch point and one token before its prompt's end (``CacheManager.chunk_stops``). One exception: the
@@ -67,6 +77,15 @@ def _rank(req: Request) -> tuple[int, int]:
     was admitted on (``num_cached_tokens`` is fixed at its first admission), then arrival.
     Scheduled in this order within a size class; preempted highest first."""
     return req.num_prompt_tokens - req.num_cached_tokens, req.arrival_idx
+
+
+def _waiting_rank(req: Request) -> tuple[int, int]:
+    """A waiting request's place in the short line, lowest first: its tokens past its cached
+    prefix, or, if it ran before (preempted), the work it brought then when that is more; then
+    arrival. ``num_uncached_hint`` must be set (``Scheduler._size_class``)."""
+    assert req.num_uncached_hint is not None
+    brought = req.num_prompt_tokens - req.num_cached_tokens if req.num_admissions else 0
+    return max(req.num_uncached_hint, brought), req.arrival_idx
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +151,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.config.max_num_batched_tokens)
+        self._yield_seats()
         order = sorted(self.running, key=lambda r: (self._size_class(r), _rank(r)))
         for size_class in (_DECODE, _SHORT, _LONG):
             for req in order:
@@ -140,6 +160,28 @@ class Scheduler:
             if size_class != _DECODE:
                 self._admit_waiting(step, short_only=size_class == _SHORT)
         return SchedulerOutput(tuple(step.requests), tuple(step.num_new), tuple(step.failed))
+
+    def _yield_seats(self) -> None:
+        """With every seat taken, preempt for each short request never admitted before (in line
+        order, while the step's budget past one decode token a seat can admit it) the running
+        request that brought the most work, if that ranks above the claimant
+        (``_waiting_rank``)."""
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+            return
+        claimants = sorted(
+            (r for r in self.waiting
+             if r.num_admissions == 0 and self._size_class(r) == _SHORT and not self._extends_finalizing(r)),
+            key=_waiting_rank)
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        for claimant in claimants:
+            budget -= claimant.num_uncached_hint or 0
+            victims = [r for r in self.running if not r.finalizing]
+            if budget < 0 or not victims:
+                return
+            victim = max(victims, key=_rank)
+            if _rank(victim) <= _waiting_rank(claimant):
+                return
+            self._preempt(victim)
 
     def _size_class(self, req: Request) -> int:
         """``_DECODE``, ``_SHORT`` (the rest of its prefill fits one step) or ``_LONG``."""
@@ -163,7 +205,7 @@ class Scheduler:
             # (``order`` was taken before it): a second row would write its state slot twice.
             return
         n = self._chunk(req, step.budget)
-        if self._reserve_pages(req, n, step.requests, step.failed):
+        if self._reserve_pages(req, n, step):
             step.add(req, n)
 
     def _admit_waiting(self, step: _Step, short_only: bool) -> None:
@@ -172,7 +214,7 @@ class Scheduler:
         admission for the step."""
         if short_only:
             line = sorted((r for r in self.waiting if self._size_class(r) == _SHORT),
-                          key=lambda r: (r.num_uncached_hint, r.arrival_idx))
+                          key=_waiting_rank)
         else:
             line = list(self.waiting)
         admitted: set[Request] = set()
@@ -271,14 +313,15 @@ class Scheduler:
                 n = stop - start
         return n
 
-    def _reserve_pages(self, req: Request, n: int, scheduled: list[Request], failed: list[Request]) -> bool:
-        """Allocate pages for ``n`` new tokens of a running request, preempting newer ones if needed."""
+    def _reserve_pages(self, req: Request, n: int, step: _Step) -> bool:
+        """Allocate pages for ``n`` new tokens of a running request, preempting the highest-ranked
+        running request not in the step if needed."""
         while not self.cache.allocate_pages(req, n):
-            victims = [r for r in self.running if r is not req and r not in scheduled]
+            victims = [r for r in self.running if r is not req and id(r) not in step.scheduled]
             if not victims:
                 if len(self.running) == 1 and not req.finalizing:
                     self._finish(req, FinishReason.LENGTH)
-                    failed.append(req)
+                    step.failed.append(req)
                 else:
                     self._preempt(req)
                 return False

@@ -154,3 +154,61 @@ def test_preemption_takes_fresh_prompts_before_an_agents_turn() -> None:
         assert tokens[turn_id] == expected(turn, 4)
         engine.unpin_prefix(pin)
         assert_pools_empty(engine)
+
+
+def count_preemptions(engine) -> list[str]:  # type: ignore[no-untyped-def]
+    """Record the ids of the requests the scheduler preempts from now on."""
+    preempted: list[str] = []
+    preempt = engine.scheduler._preempt
+
+    def record(req, preempt=preempt) -> None:  # type: ignore[no-untyped-def]
+        preempted.append(req.request_id)
+        preempt(req)
+
+    engine.scheduler._preempt = record
+    return preempted
+
+
+def test_a_turn_takes_a_seat_from_a_decoding_fresh_prompt() -> None:
+    """Every seat decodes a fresh prompt for 32 steps: the turn that arrives preempts the one that
+    brought the most work (the newest of equals), gets its first token at once, and the preempted
+    prompt comes back on its published prefix as the first seat frees, its tokens unchanged."""
+    engine = make_engine(budget=12, num_pages=128, max_seqs=2, async_scheduling=False)
+    history = list(range(1, 13))
+    out = engine.generate([history], PARAMS)[0]
+    long_params = SamplingParams(max_tokens=32, ignore_eos=True)
+    fresh = [list(range(k, k + 10)) for k in (2, 3)]
+    fresh_ids = [engine.add_request(p, long_params) for p in fresh]
+    for _ in range(3):
+        engine.step()  # both decode
+    preempted = count_preemptions(engine)
+    turn = history + out.token_ids + [7, 8]
+    turn_id = engine.add_request(turn, PARAMS)
+    first: dict[str, int] = {}
+    tokens = run_all(engine, first)
+    assert first[turn_id] <= 2 and preempted == [fresh_ids[1]]
+    for rid, prompt in zip(fresh_ids, fresh):
+        assert tokens[rid] == expected(prompt, 32)
+    assert tokens[turn_id] == expected(turn, 4)
+    assert_pools_empty(engine)
+
+
+def test_a_turn_takes_no_seat_from_a_request_that_brought_no_more_work() -> None:
+    """Seats do not change hands among equals: two turns decoding keep their seats from a third of
+    the same size, which waits for the first to finish; a preempted request is not a claimant."""
+    engine = make_engine(budget=12, num_pages=128, max_seqs=2, async_scheduling=False)
+    histories = [list(range(k, k + 12)) for k in (1, 2, 3)]
+    outs = engine.generate(histories, PARAMS)
+    long_params = SamplingParams(max_tokens=16, ignore_eos=True)
+    turns = [h + o.token_ids + [7, 8] for h, o in zip(histories, outs)]
+    ids = [engine.add_request(t, long_params) for t in turns[:2]]
+    engine.step()
+    engine.step()
+    preempted = count_preemptions(engine)
+    ids.append(engine.add_request(turns[2], long_params))
+    first: dict[str, int] = {}
+    tokens = run_all(engine, first)
+    assert preempted == [] and first[ids[2]] > 14
+    for rid, turn in zip(ids, turns):
+        assert tokens[rid] == expected(turn, 16)
+    assert_pools_empty(engine)
