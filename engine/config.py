@@ -317,15 +317,22 @@ class SchedulerConfig:
         async_scheduling: queue the next decode step on the device before reading the current
             one's sampled ids, so host work overlaps device work (``engine.step_pipeline``; the
             tokens are the same). Not for the steps of a disaggregated prefill.
+        seat_yield_min_tokens: with every seat taken, a waiting turn takes the seat of a running
+            request only if that one brought at least this many prompt tokens more than the turn
+            needs (``engine.scheduler``): a fresh document beside a tool result, not requests of
+            about one size trading seats. ``None``: seats are never yielded.
     """
 
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None
     async_scheduling: bool = True
+    seat_yield_min_tokens: int | None = 256
 
     def __post_init__(self) -> None:
-        _check_ints(self, ("max_num_batched_tokens", "max_num_seqs", "max_model_len"))
+        _check_ints(self, ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "seat_yield_min_tokens"))
+        if self.seat_yield_min_tokens is not None and self.seat_yield_min_tokens <= 0:
+            raise ValueError(f"seat_yield_min_tokens: expected > 0, got {self.seat_yield_min_tokens}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens: expected > 0, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:

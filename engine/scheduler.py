@@ -31,13 +31,16 @@ tokens intact. Preemption never corrupts: whatever is recomputed gives the same 
 
 Seats (``max_num_seqs``) are yielded the same way. With every seat taken, a short request that was
 never admitted (an agent's turn back from its tool) preempts the running request that brought the
-most work, if that is more than its own: in a burst of fresh prompts every seat decodes a first
-turn for hundreds of steps, and a turn that waited for one of them to finish waited seconds for
-a few hundred tokens of work. Only as many turns claim a seat as the step's budget can admit. A
-preempted request waits in the short line ranked by the work it first brought, not by its few
-tokens left past its published prefix (``_waiting_rank``), so it takes no seat back from the turns
-and comes back as the first seats free; a turn never takes an equal or larger request's seat, so
-seats do not change hands among turns.
+most work, if that is at least ``seat_yield_min_tokens`` more than its own: in a burst of fresh
+prompts every seat decodes a first turn for hundreds of steps, and a turn that waited for one of
+them to finish waited seconds for a few hundred tokens of work. Only as many turns claim a seat as
+the step's budget can admit. A preempted request waits in the short line ranked by the work it
+first brought, not by its few tokens left past its published prefix (``_waiting_rank``), so it
+takes no seat back from the turns and comes back as the first seats free. Requests of about one
+size never trade seats (the margin). The trade is the one smallest-first admission already makes:
+while short requests keep every seat busy, a long prompt's decode waits (a request admitted again
+after a preemption protected from further ones kept agents' turns waiting: CPU fleet turns 2+
+p99 0.97-1.27 s against 0.71-0.72 s).
 
 Prefill chunks are cut at multiples of ``checkpoint_interval`` so that each periodic checkpoint
 is the final state of a step (no kernel has to emit intermediate states); likewise at a
@@ -164,9 +167,10 @@ class Scheduler:
     def _yield_seats(self) -> None:
         """With every seat taken, preempt for each short request never admitted before (in line
         order, while the step's budget past one decode token a seat can admit it) the running
-        request that brought the most work, if that ranks above the claimant
-        (``_waiting_rank``)."""
-        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+        request that brought the most work, if that is ``seat_yield_min_tokens`` more than the
+        claimant's (``_waiting_rank``)."""
+        margin = self.config.seat_yield_min_tokens
+        if margin is None or len(self.running) < self.config.max_num_seqs or not self.waiting:
             return
         claimants = sorted(
             (r for r in self.waiting
@@ -179,7 +183,7 @@ class Scheduler:
             if budget < 0 or not victims:
                 return
             victim = max(victims, key=_rank)
-            if _rank(victim) <= _waiting_rank(claimant):
+            if _rank(victim)[0] - _waiting_rank(claimant)[0] < margin:
                 return
             self._preempt(victim)
 

@@ -6,6 +6,7 @@ changes no token.
 
 from __future__ import annotations
 
+import pytest
 from toy_model import assert_pools_empty, expected, make_engine
 
 from phloem.engine import SamplingParams
@@ -169,11 +170,13 @@ def count_preemptions(engine) -> list[str]:  # type: ignore[no-untyped-def]
     return preempted
 
 
-def test_a_turn_takes_a_seat_from_a_decoding_fresh_prompt() -> None:
+@pytest.mark.parametrize("margin", [1, 8, 9, None])
+def test_a_turn_takes_a_seat_from_a_decoding_fresh_prompt(margin: int | None) -> None:
     """Every seat decodes a fresh prompt for 32 steps: the turn that arrives preempts the one that
-    brought the most work (the newest of equals), gets its first token at once, and the preempted
-    prompt comes back on its published prefix as the first seat frees, its tokens unchanged."""
-    engine = make_engine(budget=12, num_pages=128, max_seqs=2, async_scheduling=False)
+    brought the most work (the newest of equals) if that is ``seat_yield_min_tokens`` more than
+    the turn's (10 against 2 here), gets its first token at once, and the preempted prompt comes
+    back on its published prefix as the first seat frees, its tokens unchanged."""
+    engine = make_engine(budget=12, num_pages=128, max_seqs=2, async_scheduling=False, seat_yield_min_tokens=margin)
     history = list(range(1, 13))
     out = engine.generate([history], PARAMS)[0]
     long_params = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -186,7 +189,10 @@ def test_a_turn_takes_a_seat_from_a_decoding_fresh_prompt() -> None:
     turn_id = engine.add_request(turn, PARAMS)
     first: dict[str, int] = {}
     tokens = run_all(engine, first)
-    assert first[turn_id] <= 2 and preempted == [fresh_ids[1]]
+    if margin is not None and margin <= 8:
+        assert first[turn_id] <= 2 and preempted == [fresh_ids[1]]
+    else:
+        assert first[turn_id] > 30 and preempted == []
     for rid, prompt in zip(fresh_ids, fresh):
         assert tokens[rid] == expected(prompt, 32)
     assert tokens[turn_id] == expected(turn, 4)

@@ -90,6 +90,7 @@ def make_engine(
     interval: int = 0,
     async_scheduling: bool = True,
     prompt_end_split_min_tokens: int = 256,
+    seat_yield_min_tokens: int | None = 1,
     **mc,
 ) -> Engine:
     return Engine(
@@ -105,7 +106,8 @@ def make_engine(
                 prompt_end_split_min_tokens=prompt_end_split_min_tokens,
             ),
             scheduler=SchedulerConfig(
-                max_num_batched_tokens=budget, max_num_seqs=max_seqs, async_scheduling=async_scheduling
+                max_num_batched_tokens=budget, max_num_seqs=max_seqs, async_scheduling=async_scheduling,
+                seat_yield_min_tokens=seat_yield_min_tokens,
             ),
         ),
         torch.device("cpu"),
