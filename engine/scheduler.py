@@ -38,9 +38,9 @@ the step's budget can admit. A preempted request waits in the short line ranked 
 first brought, not by its few tokens left past its published prefix (``_waiting_rank``), so it
 takes no seat back from the turns and comes back as the first seats free. Requests of about one
 size never trade seats (the margin). The trade is the one smallest-first admission already makes:
-while short requests keep every seat busy, a long prompt's decode waits (a request admitted again
-after a preemption protected from further ones kept agents' turns waiting: CPU fleet turns 2+
-p99 0.97-1.27 s against 0.71-0.72 s).
+while short requests keep every seat busy, a long prompt's decode waits; protecting a request
+admitted again after a preemption would bound that wait but keeps agents' turns waiting again
+(``docs/decisions.md``).
 
 Prefill chunks are cut at multiples of ``checkpoint_interval`` so that each periodic checkpoint
 is the final state of a step (no kernel has to emit intermediate states); likewise at a

@@ -27,6 +27,19 @@ def run_all(engine, first: dict[str, int]) -> dict[str, list[int]]:  # type: ign
     return tokens
 
 
+def count_preemptions(engine) -> list[str]:  # type: ignore[no-untyped-def]
+    """Record the ids of the requests the scheduler preempts from now on."""
+    preempted: list[str] = []
+    preempt = engine.scheduler._preempt
+
+    def record(req, preempt=preempt) -> None:  # type: ignore[no-untyped-def]
+        preempted.append(req.request_id)
+        preempt(req)
+
+    engine.scheduler._preempt = record  # type: ignore[method-assign]
+    return preempted
+
+
 def test_a_waiting_short_prompt_is_admitted_before_long_ones_queued_ahead_of_it() -> None:
     engine = make_engine(budget=8, num_pages=64, max_seqs=8)
     long_a, long_b, short = list(range(1, 41)), list(range(2, 42)), [5, 6, 7]
@@ -138,14 +151,7 @@ def test_preemption_takes_fresh_prompts_before_an_agents_turn() -> None:
         engine.step()
         turn = history + out.token_ids + [7, 8, 9, 10]
         turn_id = engine.add_request(turn, PARAMS)
-        preempted: list[str] = []
-        preempt = engine.scheduler._preempt
-
-        def record(req, preempt=preempt) -> None:  # type: ignore[no-untyped-def]
-            preempted.append(req.request_id)
-            preempt(req)
-
-        engine.scheduler._preempt = record  # type: ignore[method-assign]
+        preempted = count_preemptions(engine)
         first: dict[str, int] = {}
         tokens = run_all(engine, first)
         assert preempted and turn_id not in preempted, num_pages  # fresh prompts were preempted
@@ -155,19 +161,6 @@ def test_preemption_takes_fresh_prompts_before_an_agents_turn() -> None:
         assert tokens[turn_id] == expected(turn, 4)
         engine.unpin_prefix(pin)
         assert_pools_empty(engine)
-
-
-def count_preemptions(engine) -> list[str]:  # type: ignore[no-untyped-def]
-    """Record the ids of the requests the scheduler preempts from now on."""
-    preempted: list[str] = []
-    preempt = engine.scheduler._preempt
-
-    def record(req, preempt=preempt) -> None:  # type: ignore[no-untyped-def]
-        preempted.append(req.request_id)
-        preempt(req)
-
-    engine.scheduler._preempt = record
-    return preempted
 
 
 @pytest.mark.parametrize("margin", [1, 8, 9, None])

@@ -90,6 +90,7 @@ def make_engine(
     interval: int = 0,
     async_scheduling: bool = True,
     prompt_end_split_min_tokens: int = 256,
+    # Toy prompts are tens of tokens: a margin of 1 (not the engine's 256) lets turns take seats.
     seat_yield_min_tokens: int | None = 1,
     **mc,
 ) -> Engine:
