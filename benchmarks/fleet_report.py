@@ -168,8 +168,9 @@ def _engine_summary(sampler: TierSampler) -> dict[str, float]:
     """The engine's queue over the samples taken during the run (the first and last points are
     the before and after scrapes): mean running and waiting requests, the share of samples with
     waiting requests blocked on memory, the share of the run's wall time the engine spent in
-    steps (``phloem_engine_step_kind_seconds``; near 1: the device was the bottleneck), the
-    running requests preempted for pages (each recomputes what the cache lost of it), and the
+    steps (``phloem_engine_step_kind_seconds``; near 1: the device was the bottleneck) and in
+    spills' exports (``phloem_engine_command_seconds{command="ExportPrefix"}``: copying sessions'
+    state to host memory while every running request waits), the running requests preempted for pages (each recomputes what the cache lost of it), and the
     pools it had (KV pages and GDN state slots: a run blocked on memory says which was short)."""
     during = sampler.series[1:-1] or sampler.series
     n = len(during)
@@ -180,6 +181,8 @@ def _engine_summary(sampler: TierSampler) -> dict[str, float]:
         "waiting_mean": sum(p.get("waiting", 0.0) for p in during) / n if n else 0.0,
         "memory_blocked_share": sum(p.get("blocked", 0.0) > 0 for p in during) / n if n else 0.0,
         "stepping_share": stepping / wall if wall else 0.0,
+        "exporting_share": (_delta(sampler, 'phloem_engine_command_seconds_total{command="ExportPrefix"}') / wall
+                            if wall else 0.0),
         "preemptions": _delta(sampler, "phloem_engine_preemptions_total"),
         "kv_pages": sampler.before.get("phloem_kv_pages_total", 0.0),
         "state_slots": sampler.before.get("phloem_state_slots_total", 0.0),
@@ -213,7 +216,7 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
     """Two tables: served shares and resumes per mode, and TTFT p50 / p99 per turn per mode."""
     lines = ["| mode | served gpu / host / disk / recomputed | from cache or tier | resume host: n, s (recompute s) "
              "| resume disk: n, s (recompute s) | per-agent decode tok/s p50 (min) | lost turns "
-             "| engine: running / waiting mean, memory-blocked, stepping, preempted; pages / state slots "
+             "| engine: running / waiting mean, memory-blocked, stepping, exporting, preempted; pages / state slots "
              "| server host memory peak GiB: resident / pinned / host tier |",
              "|---|---|---|---|---|---|---|---|---|"]
     for mode, s in summary.items():
@@ -226,7 +229,8 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
         dec = f["per_agent_decode_tok_s"]
         e = f["engine"]
         queue = (f"{e['running_mean']:.1f} / {e['waiting_mean']:.1f}, {e['memory_blocked_share']:.0%}, "
-                 f"{e['stepping_share']:.0%}, {e['preemptions']:.0f}; {e['kv_pages']:.0f} / {e['state_slots']:.0f}")
+                 f"{e['stepping_share']:.0%}, {e.get('exporting_share', 0.0):.0%}, {e['preemptions']:.0f}; "
+                 f"{e['kv_pages']:.0f} / {e['state_slots']:.0f}")
         mem = " / ".join("n/a" if v is None else f"{v / 2**30:.2f}"
                          for v in (f["host_memory_peak"][k] for k in _MEMORY_PEAKS))
         lines.append(f"| {mode} | {shares} | {f['served_from_cache_or_tier']:.1%} | {res[0]} | {res[1]} "

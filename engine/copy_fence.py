@@ -27,17 +27,25 @@ class CopyFence(Protocol):
 
 
 class StreamFence:
-    """The end of a copy queued on a side stream (a recorded CUDA event)."""
+    """The end of a copy queued on a side stream (a recorded CUDA event), holding the copy's
+    host sources until then: memory not from torch's caching host allocator (a
+    ``storage.PinnedArena`` range) is reused as soon as its last tensor goes, and torch records
+    no event for it. Whoever tracks the fence (``engine.cache.import_fences``) keeps it until
+    ``done``."""
 
-    __slots__ = ("_device", "_event")
+    __slots__ = ("_device", "_event", "_sources")
 
-    def __init__(self, stream: torch.cuda.Stream) -> None:
+    def __init__(self, stream: torch.cuda.Stream, sources: tuple[torch.Tensor, ...] = ()) -> None:
         self._device = stream.device
         self._event = torch.cuda.Event()
         self._event.record(stream)
+        self._sources: tuple[torch.Tensor, ...] | None = sources
 
     def done(self) -> bool:
-        return self._event.query()
+        if not self._event.query():
+            return False
+        self._sources = None
+        return True
 
     def wait(self) -> None:
         """Make the current stream wait for the copy (on the device: the host does not block)."""

@@ -199,7 +199,7 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             write_local(self.caches, pages, slot, state)
-        return StreamFence(stream)
+        return StreamFence(stream, tuple(state))
 
     def state_shapes(self, num_pages: int) -> tuple[tuple[int, ...], ...]:
         """The shapes ``read_state`` returns and ``write_state`` takes for ``num_pages`` pages."""

@@ -16,7 +16,7 @@ import torch
 from phloem.engine.cache.radix import RadixNode
 from phloem.engine.transfer import pool_side
 from phloem.engine.transfer.pool_side import TransferReservation, TransferSource
-from phloem.engine.transfer.prefix_export import PrefixState, export_prefix, import_prefix
+from phloem.engine.transfer.prefix_export import HostAlloc, PrefixState, export_prefix, import_prefix
 
 if TYPE_CHECKING:
     from phloem.engine.cache.manager import CacheManager
@@ -62,12 +62,14 @@ class PrefixOps:
         match = tree.match(list(token_ids), len(token_ids) - 1, namespace) if tree is not None and token_ids else None
         return match.num_tokens if match else 0
 
-    def export_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> PrefixState | None:
+    def export_prefix(self, token_ids: Sequence[int], namespace: str | None = None,
+                      host_alloc: HostAlloc | None = None) -> PrefixState | None:
         """Host copies of the KV pages and head checkpoint of the deepest prefix of ``token_ids``
         cached in ``namespace`` (for spilling a session), in the TP=1 layout whatever the
-        tensor-parallel size (``engine.parallel.state_shards``); None when nothing of it is cached."""
+        tensor-parallel size (``engine.parallel.state_shards``); None when nothing of it is cached.
+        ``host_alloc`` gives the copies' memory where it can (``engine.transfer.prefix_export``)."""
         self.drain()
-        return export_prefix(self.cache, self.runner.read_state, list(token_ids), namespace)
+        return export_prefix(self.cache, self.runner.read_state, list(token_ids), namespace, host_alloc)
 
     def import_prefix(self, state: PrefixState, namespace: str | None = None) -> bool:
         """Load a spilled prefix into fresh pages and a fresh slot and publish it in the radix

@@ -46,6 +46,7 @@ from phloem.runtime.engine_commands import (
     EngineStats,
     ExportPrefix,
     GetStats,
+    HostAlloc,
     ImportPrefix,
     OutputSink,
     PinPrefix,
@@ -416,7 +417,8 @@ class EngineClient:
         """
         return await self._call(QueryWaitsForMemory(request_id))
 
-    async def export_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> PrefixState | None:
+    async def export_prefix(self, token_ids: Sequence[int], namespace: str | None = None,
+                            host_alloc: HostAlloc | None = None) -> PrefixState | None:
         """Host copies of the KV pages and GDN checkpoint of the deepest cached prefix of
         ``token_ids`` (to spill a session); the device copy stays in the cache.
 
@@ -425,6 +427,8 @@ class EngineClient:
         Args:
             token_ids: A token history (e.g. a session's tokens).
             namespace: The prefix-cache namespace it was cached in (None: the shared one).
+            host_alloc: Gives the copies' host memory where it can (``storage.PinnedArena.alloc``:
+                memory pinned once, so the engine thread does not pin for each spill).
 
         Returns:
             The state, covering ``state.token_ids`` (a prefix of ``token_ids``), or None when
@@ -433,7 +437,7 @@ class EngineClient:
         Raises:
             EngineError: The engine loop is not running.
         """
-        return await self._call(ExportPrefix(tuple(token_ids), namespace))
+        return await self._call(ExportPrefix(tuple(token_ids), namespace, host_alloc))
 
     async def import_prefix(self, state: PrefixState, namespace: str | None = None) -> bool:
         """Load a spilled prefix into fresh pages and a fresh slot and publish it in the prefix

@@ -15,7 +15,7 @@ from typing import TypeAlias
 import torch
 
 from phloem.engine import CacheStats, EngineError, MemoryWait, RequestOutput, SamplingParams, SpeculationStats
-from phloem.engine.transfer import PrefixState, TransferReservation
+from phloem.engine.transfer import HostAlloc, PrefixState, TransferReservation
 from phloem.runtime.histogram import HistogramSnapshot
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "OutputSink",
     "PinPrefix",
     "PrefixHandle",
+    "HostAlloc",
     "PrefixState",
     "QueryCachedPrefix",
     "QueryWaitsForMemory",
@@ -128,10 +129,12 @@ class QueryWaitsForMemory:
 
 @dataclass(frozen=True, slots=True)
 class ExportPrefix:
-    """Host copies of the deepest cached checkpoint within ``token_ids`` (``None``: nothing cached)."""
+    """Host copies of the deepest cached checkpoint within ``token_ids`` (``None``: nothing
+    cached), in ``host_alloc``'s memory where it serves them."""
 
     token_ids: tuple[int, ...]
     namespace: str | None = None
+    host_alloc: HostAlloc | None = None
     reply: Future[PrefixState | None] = field(default_factory=Future)
 
 
@@ -225,6 +228,8 @@ class EngineStats:
     # between steps while requests were in flight, and the decode steps queued behind another.
     step_kind_seconds: dict[str, HistogramSnapshot] = field(default_factory=dict)
     between_steps_seconds: float = 0.0
+    # Engine-thread seconds answering commands, by command class name (``ExportPrefix``...).
+    command_seconds: dict[str, float] = field(default_factory=dict)
     num_pipelined_steps: int = 0
     # Running requests preempted for pages (``engine.scheduler``: they wait again and recompute
     # what the cache lost of them).

@@ -102,6 +102,9 @@ class EngineLoop:
         # served decode step's time goes beside the forward itself.
         self._kind_seconds = {kind: Histogram(STEP_SECONDS_BOUNDS) for kind in STEP_KINDS}
         self._between_steps_s = 0.0
+        # Engine-thread seconds answering commands, by command (a spill's export copies the
+        # session's state while every running request waits: what the time between steps was).
+        self._command_seconds: dict[str, float] = {}
 
     @property
     def is_running(self) -> bool:
@@ -204,6 +207,14 @@ class EngineLoop:
         self._answer(command)
 
     def _answer(self, command: Command) -> None:
+        start = time.perf_counter()
+        try:
+            self._execute(command)
+        finally:
+            name = type(command).__name__
+            self._command_seconds[name] = self._command_seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def _execute(self, command: Command) -> None:
         try:
             match command:
                 case AddRequest():
@@ -223,8 +234,8 @@ class EngineLoop:
                     result = self.engine.waits_for_memory(request_id)
                 case AttachResume(request_id=request_id, state=state):
                     result = self.engine.attach_resume(request_id, state)
-                case ExportPrefix(token_ids=token_ids, namespace=ns):
-                    result = self.engine.export_prefix(token_ids, ns)
+                case ExportPrefix(token_ids=token_ids, namespace=ns, host_alloc=host_alloc):
+                    result = self.engine.export_prefix(token_ids, ns, host_alloc)
                 case ImportPrefix(state=state, namespace=ns):
                     result = self.engine.import_prefix(state, ns)
                 case ReserveTransfer(token_ids=token_ids, params=params, local_up_to=local_up_to, namespace=ns):
@@ -353,6 +364,7 @@ class EngineLoop:
             memory_blocked=self.engine.scheduler.memory_blocked,
             step_kind_seconds={kind: h.snapshot() for kind, h in self._kind_seconds.items()},
             between_steps_seconds=self._between_steps_s,
+            command_seconds=dict(self._command_seconds),
             num_pipelined_steps=self.engine.num_pipelined_steps,
             num_preemptions=self.engine.scheduler.num_preemptions,
             speculation=self.engine.speculation_stats(),

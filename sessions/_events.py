@@ -103,6 +103,8 @@ class SessionStats:
         resume_failures: Resumes that fell back to recomputing the history.
         host_pool_bytes / host_pool_budget_bytes: Spilled state held in host memory, and the cap.
         host_backlog_bytes: Spilled state in host memory waiting for room in the host pool.
+        host_arena_bytes / host_arena_fallbacks: Host memory pinned once for the tier's copies
+            (``storage.pinned_arena``), and the copies that found no range in it and pinned their own.
         disk_bytes: Payload bytes of the spilled segments on disk that sessions resume from.
         disk_writes: Segment files written, and their seconds by part.
         segments_dropped: Host segments dropped (not written) with the disk a backlog behind,
@@ -129,6 +131,8 @@ class SessionStats:
     host_pool_bytes: int
     host_pool_budget_bytes: int
     host_backlog_bytes: int
+    host_arena_bytes: int
+    host_arena_fallbacks: int
     disk_bytes: int
     disk_writes: DiskWrites
     segments_dropped: TierCounts
@@ -161,9 +165,11 @@ class SessionEvents:
         self._prepare = {kind: Histogram(FIRST_TOKEN_SECONDS_BOUNDS) for kind in GENERATION_KINDS}
 
     def stats(self, sessions_by_status: dict[str, int], num_generations_in_flight: int,
-              host_pool: tuple[int, int, int], disk_bytes: int) -> SessionStats:
+              host_pool: tuple[int, int, int], disk_bytes: int,
+              host_arena: tuple[int, int] = (0, 0)) -> SessionStats:
         """The counters, with the manager's live numbers (``host_pool``: used, budget and
-        backlog bytes; ``disk_bytes``: spilled segments on disk)."""
+        backlog bytes; ``disk_bytes``: spilled segments on disk; ``host_arena``: pinned bytes
+        and fallbacks)."""
         c = self._counts
         return SessionStats(
             sessions_by_status=sessions_by_status, num_generations_in_flight=num_generations_in_flight,
@@ -173,7 +179,8 @@ class SessionEvents:
             spills={tier: TierCounts(*v) for tier, v in self._spills.items()},
             resumes={tier: TierCounts(*v) for tier, v in self._resumes.items()},
             resume_failures=c["resume_failures"], host_pool_bytes=host_pool[0],
-            host_pool_budget_bytes=host_pool[1], host_backlog_bytes=host_pool[2], disk_bytes=disk_bytes,
+            host_pool_budget_bytes=host_pool[1], host_backlog_bytes=host_pool[2],
+            host_arena_bytes=host_arena[0], host_arena_fallbacks=host_arena[1], disk_bytes=disk_bytes,
             disk_writes=self._writes, segments_dropped=self._dropped, served=self.served.stats(),
             first_token_seconds={kind: h.snapshot() for kind, h in self._first_token.items()},
             prepare_seconds={kind: h.snapshot() for kind, h in self._prepare.items()})

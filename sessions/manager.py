@@ -181,9 +181,11 @@ class SessionManager(TierMoves):
             if not session.deleted:
                 by_status[session.status] += 1
         host = self._spill.host
+        arena = host.arena
         return self._events.stats(by_status, self._turns.num_in_flight,
                                   (host.used_bytes, host.byte_budget, self._spill.backlog_bytes),
-                                  self._spill.disk_bytes)
+                                  self._spill.disk_bytes,
+                                  (arena.pinned_bytes, arena.fallbacks) if arena is not None else (0, 0))
 
     async def create(self, owner: str, *, metadata: Mapping[str, str] | None = None,
                      ttl: float | None = None, content: SessionInput | None = None,

@@ -3,8 +3,8 @@
 Role: store and find spilled session segments (KV pages of the full-attention layers plus the GDN
 head checkpoint). A leaf package: it imports nothing of ours.
 
-The tiers that need torch, safetensors or redis (``DiskStore``, ``HostPool``, ``RedisIndex``, the
-segment types) load on first use (``__getattr__``), so ``phloem serve`` can lock its data
+The tiers that need torch, safetensors or redis (``DiskStore``, ``HostPool``, ``PinnedArena``,
+``RedisIndex``, the segment types) load on first use (``__getattr__``), so ``phloem serve`` can lock its data
 directory and answer a usage error before torch is imported (seconds).
 """
 
@@ -29,11 +29,13 @@ from .record import TIERS, SessionRecord, Tier
 if TYPE_CHECKING:
     from .disk import FORMAT_VERSION, DiskStore
     from .host_pool import HostPool
+    from .pinned_arena import PinnedArena
     from .redis_index import RedisIndex
     from .segment import TENSOR_NAMES, Segment, SegmentLayout, SegmentMeta, hash_token_ids
 
 _LAZY = {
-    "FORMAT_VERSION": "disk", "DiskStore": "disk", "HostPool": "host_pool", "RedisIndex": "redis_index",
+    "FORMAT_VERSION": "disk", "DiskStore": "disk", "HostPool": "host_pool", "PinnedArena": "pinned_arena",
+    "RedisIndex": "redis_index",
     "TENSOR_NAMES": "segment", "Segment": "segment", "SegmentLayout": "segment", "SegmentMeta": "segment",
     "hash_token_ids": "segment",
 }  # fmt: skip
@@ -58,6 +60,7 @@ __all__ = [
     "DiskStore",
     "HostPool",
     "IndexUnavailable",
+    "PinnedArena",
     "RebuildReport",
     "RedisIndex",
     "SQLiteIndex",

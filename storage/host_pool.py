@@ -11,16 +11,23 @@ so the pool does not key by session. With ``pin_memory`` the pool copies each te
 page-locked memory once, on `put`, so the later host-to-device copy on resume can be async;
 without it the pool keeps the caller's CPU tensors as they are (it takes ownership, no copy).
 A lock makes the pool safe to share between the engine thread and the API event loop.
+
+With ``arena_bytes`` (and pinning) the pool pins that much host memory once, when it is built
+(``storage.pinned_arena``: pinning costs ~20x the copy it enables and stalls other threads'
+CUDA calls meanwhile), and every pinned copy of the tier comes from it where a range fits:
+`put`'s, a disk read's (``alloc``), and the engine's spill copies (``alloc`` handed to the export).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
 from .errors import StorageFull
+from .pinned_arena import PinnedArena
 from .segment import Segment
 
 __all__ = ["HostPool"]
@@ -32,19 +39,27 @@ class HostPool:
     Args:
         byte_budget: Most payload bytes held at once.
         pin_memory: Copy tensors into pinned memory on `put`; ``None`` means "when CUDA exists".
+        arena_bytes: Host memory to pin now for the tier's pinned copies (the module docstring);
+            0, or no pinning: none.
 
     Raises:
-        ValueError: ``byte_budget`` is negative, or pinning is asked for without CUDA.
+        ValueError: ``byte_budget`` or ``arena_bytes`` is negative, or pinning is asked for
+            without CUDA.
     """
 
-    def __init__(self, byte_budget: int, pin_memory: bool | None = None) -> None:
-        if isinstance(byte_budget, bool) or not isinstance(byte_budget, int) or byte_budget < 0:
-            raise ValueError(f"byte_budget must be an int >= 0, got {byte_budget!r}")
+    def __init__(self, byte_budget: int, pin_memory: bool | None = None, arena_bytes: int = 0) -> None:
+        for name, value in (("byte_budget", byte_budget), ("arena_bytes", arena_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         cuda = torch.cuda.is_available()
         if pin_memory and not cuda:
             raise ValueError("pin_memory=True needs CUDA, and torch.cuda.is_available() is False")
         self.byte_budget = byte_budget
         self.pin_memory = cuda if pin_memory is None else pin_memory
+        self.arena = PinnedArena(arena_bytes) if self.pin_memory and arena_bytes else None
+        # ``(shape, dtype) -> tensor | None``: a pinned tensor from the arena, None where none fits.
+        self.alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor | None] | None = (
+            self.arena.alloc if self.arena is not None else None)
         self._segments: OrderedDict[str, Segment] = OrderedDict()
         self._used_bytes = 0
         self._lock = threading.Lock()
@@ -124,4 +139,4 @@ class HostPool:
             return list(self._segments)
 
     def _to_host(self, segment: Segment) -> Segment:
-        return segment.on_host(pinned=self.pin_memory)
+        return segment.on_host(pinned=self.pin_memory, alloc=self.alloc)

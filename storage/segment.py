@@ -29,7 +29,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -175,13 +175,18 @@ class Segment:
     meta: SegmentMeta
     tensors: dict[str, torch.Tensor]
 
-    def on_host(self, pinned: bool) -> Segment:
+    def on_host(self, pinned: bool,
+                alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor | None] | None = None) -> Segment:
         """This segment with its tensors in host memory, page-locked with ``pinned`` (copies only
-        what is not there yet): a pinned state's host-to-device copy on resume is queued, not waited for."""
+        what is not there yet): a pinned state's host-to-device copy on resume is queued, not waited
+        for. ``alloc`` gives pinned memory where it can (``PinnedArena.alloc``; else it is pinned here)."""
         tensors = {}
         for name, t in self.tensors.items():
             if pinned and not t.is_pinned():
-                t = torch.empty_like(t, device="cpu", pin_memory=True).copy_(t)
+                out = alloc(tuple(t.shape), t.dtype) if alloc is not None else None
+                if out is None:
+                    out = torch.empty_like(t, device="cpu", pin_memory=True)
+                t = out.copy_(t)
             elif t.device.type != "cpu":
                 t = t.to("cpu")
             tensors[name] = t

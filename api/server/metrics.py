@@ -146,6 +146,11 @@ _SESSION_METRICS: tuple[tuple[str, str, bool, _SessionValue], ...] = (
      lambda s: s.host_pool_budget_bytes),
     ("phloem_host_backlog_bytes", "Spilled session state in host memory waiting for the disk writes "
      "that make its room in the host pool", False, lambda s: s.host_backlog_bytes),
+    ("phloem_host_arena_bytes", "Host memory pinned once at start for spilled state's copies (0 "
+     "without CUDA or session tiers)", False, lambda s: s.host_arena_bytes),
+    ("phloem_host_arena_fallbacks", "Spill copies and disk reads that found no free range in the "
+     "pinned arena and pinned memory of their own (a stall of the engine thread each)", True,
+     lambda s: s.host_arena_fallbacks),
     ("phloem_segment_writes", "Session state files written to disk", True, lambda s: s.disk_writes.count),
     ("phloem_segment_write_bytes", "Payload bytes of the session state files written to disk", True,
      lambda s: s.disk_writes.nbytes),
@@ -268,6 +273,12 @@ def _engine_families(e: EngineStats | None) -> list[Metric]:
                  "steps while requests were in flight (commands, delivering outputs)",
                  e.between_steps_seconds),
     ]
+    by_command = CounterMetricFamily("phloem_engine_command_seconds", "Engine-thread seconds answering "
+                                     "commands between steps, by command (ExportPrefix: copying a spilled "
+                                     "session's state to host memory)", labels=["command"])
+    for name, seconds in sorted(e.command_seconds.items()):
+        by_command.add_metric([name], seconds)
+    families.append(by_command)
     by_kind = HistogramMetricFamily("phloem_engine_step_kind_seconds", "Wall time of one engine step by "
                                     "what it computed: decode (one token per request), prefill, mixed",
                                     labels=["kind"])

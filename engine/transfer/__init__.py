@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from phloem.engine.transfer.dist_transport import PrefillListener, TorchDistTransport, connect
 from phloem.engine.transfer.pool_side import TransferReservation, TransferSource, stream_hook
-from phloem.engine.transfer.prefix_export import PrefixState
+from phloem.engine.transfer.prefix_export import HostAlloc, PrefixState
 from phloem.engine.transfer.protocol import (
     GDNState,
     Goodbye,
@@ -40,6 +40,6 @@ from phloem.engine.transfer.protocol import (
 
 __all__ = [
     "GDNState", "Goodbye", "Hello", "KVLayer", "KVTransport", "Message", "PrefillDeclined", "PrefillDone",
-    "PrefillListener", "PrefillProgress", "PrefillRequest", "PrefixState", "TorchDistTransport", "TransferError",
+    "HostAlloc", "PrefillListener", "PrefillProgress", "PrefillRequest", "PrefixState", "TorchDistTransport", "TransferError",
     "TransferReservation", "TransferSource", "TransportError", "connect", "stream_hook",
 ]

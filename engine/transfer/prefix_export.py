@@ -38,7 +38,7 @@ from phloem.engine.cache.radix import Checkpoint
 from phloem.engine.copy_fence import CopyFence
 from phloem.engine.parallel.state_shards import StateTensors
 
-__all__ = ["PrefixState", "export_prefix", "import_prefix"]
+__all__ = ["HostAlloc", "PrefixState", "export_prefix", "import_prefix"]
 
 # ``(pages, slot)`` -> the whole (TP=1 layout) state on the device (``engine.parallel.state_shards``).
 StateReader = Callable[[Sequence[int], int], StateTensors]
@@ -49,6 +49,9 @@ StateWriter = Callable[[Sequence[int], int, StateTensors], None]
 FencedStateWriter = Callable[[Sequence[int], int | None, StateTensors], CopyFence | None]
 # ``num_pages`` -> the whole state's kv, conv and ssm shapes.
 StateShapes = Callable[[int], tuple[tuple[int, ...], ...]]
+# ``(shape, dtype)`` -> an uninitialised host tensor for an export's copy, or None (allocate it
+# here): ``storage.PinnedArena.alloc``, whose memory was pinned once at start.
+HostAlloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +71,13 @@ class PrefixState:
 
 
 def export_prefix(
-    cache: CacheManager, read: StateReader, token_ids: list[int], namespace: str | None = None
+    cache: CacheManager, read: StateReader, token_ids: list[int], namespace: str | None = None,
+    host_alloc: HostAlloc | None = None,
 ) -> PrefixState | None:
     """Host copies of the deepest checkpoint within ``token_ids`` cached in ``namespace`` (None
-    when nothing is cached)."""
+    when nothing is cached), in ``host_alloc``'s memory where it serves them, else in memory
+    allocated here (pinned on CUDA: a fresh block costs ~20x the copy until torch's caching
+    host allocator has blocks to reuse; ``storage.pinned_arena``)."""
     tree = cache.tree
     match = tree.match(token_ids, len(token_ids), namespace) if tree is not None and token_ids else None
     if match is None:
@@ -83,8 +89,10 @@ def export_prefix(
     pin = kv.device.type == "cuda"
 
     def host(t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-        out.copy_(t, non_blocking=pin)
+        out = host_alloc(tuple(t.shape), t.dtype) if host_alloc is not None else None
+        if out is None:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        out.copy_(t, non_blocking=pin and out.is_pinned())
         return out
 
     state = PrefixState(tuple(token_ids[: match.num_tokens]), host(kv), host(conv), host(ssm))

@@ -59,15 +59,19 @@ class SegmentTiers:
         sessions: The manager's live sessions by id (statuses of holders are updated).
         events: Counts the bytes written to each tier, the disk writes and dropped segments.
         spawn: Runs a background task (the backlog's writers) until it ends or the tiers close.
+        pin_arena: Pin the host tier's and the backlog's bytes now, where the host pool pins
+            (``storage.HostPool``'s arena), for the spills' copies and the disk reads; off when
+            nothing spills (``SessionConfig.session_tiers`` off).
     """
 
     def __init__(self, store: SessionStore, host_budget_bytes: int, backlog_budget_bytes: int,
                  sessions: dict[str, Session], events: SessionEvents,
-                 spawn: Callable[[Coroutine[Any, Any, None]], object]) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], object], pin_arena: bool = True) -> None:
         self._events = events
         self._store = store
         self.disk = store.disk
-        self.host = HostPool(host_budget_bytes)
+        self.host = HostPool(host_budget_bytes,
+                             arena_bytes=host_budget_bytes + backlog_budget_bytes if pin_arena else 0)
         self.backlog_budget_bytes = backlog_budget_bytes
         self._sessions = sessions
         self._segments: dict[str, SpilledSegment] = {}
@@ -266,7 +270,7 @@ class SegmentTiers:
         """Read a segment file, pinned where the host pool pins (in the I/O thread: the engine's
         copy of a pinned state is queued beside its steps, of a pageable one it would block)."""
         segment = self.disk.read(entry.owner_id, entry.segment_id, expect_fingerprint=self._store.fingerprint)
-        return segment.on_host(pinned=True) if self.host.pin_memory else segment
+        return segment.on_host(pinned=True, alloc=self.host.alloc) if self.host.pin_memory else segment
 
     async def drop(self, entry: SpilledSegment, delete_file: bool) -> None:
         """Forget a segment (unusable, or its last holder let go) and free its storage; holders

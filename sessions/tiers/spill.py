@@ -126,7 +126,7 @@ class Spiller:
         self._config = config
         self._sessions = sessions
         self._tiers = SegmentTiers(store, config.host_budget_bytes, config.backlog_budget_bytes,
-                                   sessions, events, self.spawn)
+                                   sessions, events, self.spawn, pin_arena=config.session_tiers)
         if config.idle_to_host_s == 0 and config.session_tiers:
             pins.spill_at_release = self.spill_at_release
         self._tasks: set[asyncio.Task[None]] = set()
@@ -207,7 +207,8 @@ class Spiller:
             return False
         old = session.segment
         try:
-            state = await self._engine.export_prefix(session.token_ids, session.owner) if session.token_ids else None
+            state = (await self._engine.export_prefix(session.token_ids, session.owner, self.host.alloc)
+                     if session.token_ids else None)
         except EngineError as exc:
             logger.warning("spilling session %s failed: %s", session.session_id, exc)
             return False
@@ -315,7 +316,7 @@ class Spiller:
                 status: SessionStatus = "idle"
                 if self._config.session_tiers:
                     try:
-                        state = await self._engine.export_prefix(session.token_ids, session.owner)
+                        state = await self._engine.export_prefix(session.token_ids, session.owner, self.host.alloc)
                     except EngineError:
                         continue
                     if state is None or not await generation.carry(state):

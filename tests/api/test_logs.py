@@ -95,7 +95,7 @@ def test_json_logs_one_line_per_request_and_per_transition(tmp_path: Path) -> No
     assert "Token indices sequence length" not in text
     (ready,) = [r for r in records if r["msg"] == "startup.ready"]
     assert ready["url"] == server.base_url and ready["seconds"] >= ready["model"] > 0
-    assert {r["phase"] for r in records if r["msg"] == "startup.phase"} >= {"model", "tokenizer", "http"}
+    assert {r["phase"] for r in records if r["msg"] == "startup.phase"} >= {"model", "tokenizer", "sessions", "http"}
 
 
 def log_containing(path: Path, *needles: str) -> str:

@@ -120,6 +120,8 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     assert value(samples, "phloem_segment_write_bytes_total") == segment_bytes(model_dir, 68)
     assert value(samples, "phloem_segment_write_seconds_total", part="writing") > 0
     assert value(samples, "phloem_segments_dropped_total") == value(samples, "phloem_host_backlog_bytes") == 0
+    # No CUDA: nothing pinned, no arena to fall back from.
+    assert value(samples, "phloem_host_arena_bytes") == value(samples, "phloem_host_arena_fallbacks_total") == 0
     assert value(samples, "phloem_prefix_cache_bytes") > 0
     appends = value(samples, "phloem_http_requests_total", method="POST",
                     route="/v1/sessions/{session_id}/append", status="200")
@@ -153,6 +155,9 @@ def test_metrics_after_a_session_workload_are_exact(tmp_path: Path) -> None:
     assert sum(by_kind.values()) == value(samples, "phloem_engine_steps_total")
     assert by_kind["prefill"] >= 4 and by_kind["decode"] >= 1  # four prompts, 16 tokens sampled
     assert value(samples, "phloem_engine_between_steps_seconds_total") > 0
+    # Of that, the commands' own time, by command: the one spill's export among them.
+    for command in ("ExportPrefix", "AddRequest", "PinPrefix"):
+        assert value(samples, "phloem_engine_command_seconds_total", command=command) > 0, command
     # Queued-ahead steps are decode steps (every one of them can be, the first behind the prefill).
     assert 0 < value(samples, "phloem_engine_pipelined_steps_total") <= by_kind["decode"]
 

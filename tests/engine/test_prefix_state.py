@@ -6,13 +6,16 @@ past the checkpoint.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from phloem.engine import CacheConfig, Engine, SamplingParams
+from phloem.storage import PinnedArena
 
 
 CACHE = CacheConfig(page_size=16, num_pages=64, num_state_slots=8, checkpoint_interval=0)
@@ -43,6 +46,34 @@ def test_export_clear_import_resumes_identically(tiny_checkpoint: Callable[..., 
     engine.cache.tree.clear()  # the session went idle and was dropped from the device
     assert engine.cached_prefix_len(nxt) == 0
     assert engine.import_prefix(state)
+    resumed = engine.generate([nxt], SamplingParams(max_tokens=10))[0]
+    assert resumed.num_cached_tokens == len(conv)
+    assert resumed.token_ids == twin.token_ids
+    assert_pools_empty(engine)
+
+
+def test_an_export_into_the_pinned_arena_resumes_identically(tiny_checkpoint: Callable[..., Path]) -> None:
+    """The spill's host copies land in the arena's ranges (``storage.pinned_arena``: pageable
+    here, no CUDA), resume token for token, and give their ranges back once dropped."""
+    path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
+    engine = make(path)
+    arena = PinnedArena(1 << 20, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
+    prompt = [(5 * i + 1) % 256 for i in range(23)]
+    conv = prompt + engine.generate([prompt], SamplingParams(max_tokens=5))[0].token_ids
+    nxt = conv + [9, 8, 7]
+    twin = make(path).generate([nxt], SamplingParams(max_tokens=10))[0]
+
+    state = engine.export_prefix(conv, host_alloc=arena.alloc)
+    assert state is not None and arena.fallbacks == 0
+    base = arena._chunks[0].buffer.data_ptr()
+    assert all(base <= t.data_ptr() < base + (1 << 20) for t in (state.kv, state.conv, state.ssm))
+    assert arena.used_bytes >= state.nbytes
+    engine.cache.tree.clear()
+    assert engine.import_prefix(state)
+    del state
+    gc.collect()
+    arena.collect()
+    assert arena.used_bytes == 0
     resumed = engine.generate([nxt], SamplingParams(max_tokens=10))[0]
     assert resumed.num_cached_tokens == len(conv)
     assert resumed.token_ids == twin.token_ids
