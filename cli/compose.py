@@ -26,6 +26,7 @@ import logging
 import signal
 import socket
 
+import torch
 import uvicorn
 from litestar import Litestar
 
@@ -35,6 +36,7 @@ from phloem.api.server.protocol import guarded_http_protocol
 from phloem.cli.config import ServerConfig
 from phloem.runtime import EngineClient, EngineConfig
 from phloem.runtime.builtin_model import trained_model_path
+from phloem.runtime.preflight import StartupError
 from phloem.runtime.logs import adopt_library_loggers, stderr_logging
 from phloem.runtime.pd.decode import engine_client_for
 from phloem.runtime.startup import StartupLog
@@ -107,9 +109,12 @@ def _serve(config: ServerConfig, sock: socket.socket | None, startup: StartupLog
         config = dataclasses.replace(config, model=str(trained_model_path()))
     config.data_dir.mkdir(parents=True, exist_ok=True)
     load = config.engine.load
-    with startup.phase("model", f"loading the model from {config.model} on {load.device} ({load.dtype})"):
-        engine = build_engine(config)
-    _warm_up(engine, config.engine, startup)
+    try:
+        with startup.phase("model", f"loading the model from {config.model} on {load.device} ({load.dtype})"):
+            engine = build_engine(config)
+        _warm_up(engine, config.engine, startup)
+    except torch.OutOfMemoryError as exc:
+        raise out_of_device_memory(exc, config.engine) from None
     with startup.phase("tokenizer", "loading the tokenizer"):
         tokenizer = load_tokenizer(config)
     # With CUDA and session tiers, the host tier's memory is pinned here, before the engine thread
@@ -141,6 +146,21 @@ def _serve(config: ServerConfig, sock: socket.socket | None, startup: StartupLog
         signal.signal(signal.SIGTERM, previous)
         if engine.is_running:
             asyncio.run(engine.shutdown())
+
+
+def out_of_device_memory(exc: torch.OutOfMemoryError, config: EngineConfig) -> StartupError:
+    """The one-line start-up error for a device that ran out of memory while the engine was built
+    or warmed up: the pools take ``memory_fraction`` of what the weights leave, and a step's
+    activations and CUDA graphs need the rest (bf16 weights of the 35B-A3B shape on an 80 GB card
+    leave too little for an 8K-token step's)."""
+    first = "; ".join(str(exc).split(". ")[:2]).strip().rstrip(".")
+    tokens = config.scheduler.max_num_batched_tokens
+    step = f"a {tokens}-token step" if tokens else "a step"
+    return StartupError(
+        f"out of GPU memory starting the engine ({first}): the weights and the KV and state pools "
+        f"(--gpu-memory-utilization {config.cache.memory_fraction} of the memory the weights leave) "
+        f"leave too little for {step} and its CUDA graphs; lower --gpu-memory-utilization or "
+        "--max-num-batched-tokens, set --num-pages, or load FP8 weights (--quantization fp8)")
 
 
 def _warm_up(engine: EngineClient, config: EngineConfig, startup: StartupLog) -> None:

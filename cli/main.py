@@ -198,6 +198,8 @@ def _serve(config: ServerConfig) -> int:
     sock = bind_port(http.host, http.port) if config.pd.role != "prefill" else None
     # The server's logging, from the first line on (``serve`` finds it installed and keeps it).
     with stderr_logging(http.log_format, http.log_level), contextlib.ExitStack() as held:
+        if sock is not None:
+            held.enter_context(sock)  # closed however the server ends (a start-up error included)
         if config.pd.role != "prefill":
             # One server per data directory; an unusable one is a usage error (exit 2).
             try:

@@ -93,3 +93,30 @@ def test_a_benchmark_without_the_bench_extra(tmp_path: Path, argv: list[str], pa
     one_line(lines, f"phloem {' '.join(argv)}: error:", package, "pip install 'phloem[bench]'")
     assert code == 2 and elapsed < FAST_S
     assert not (tmp_path / "out").exists()
+
+
+def test_a_device_out_of_memory_at_start_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """bf16 weights of the 35B-A3B shape on an 80 GB card leave the pools' remainder too small for
+    the prefill graphs: torch's out-of-memory error (raised here in place of the device's, which
+    this machine has none of) becomes one line naming the flags that make room, not a traceback."""
+    import torch
+
+    import phloem.cli.compose as compose
+    from phloem.cli.main import main
+
+    def out_of_memory(config: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 148.00 MiB. GPU 0 has a total "
+                                     "capacity of 79.18 GiB of which 92.19 MiB is free.")
+
+    monkeypatch.setattr(compose, "build_engine", out_of_memory)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["serve", "--data-dir", str(tmp_path), "--port", str(port), "--gpu-memory-utilization", "0.85"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("phloem serve: error: out of GPU memory starting the engine (CUDA out of memory; "
+                           "Tried to allocate 148.00 MiB)"), last
+    assert all(flag in last for flag in ("--gpu-memory-utilization 0.85", "--num-pages", "--quantization fp8"))
