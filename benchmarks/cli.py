@@ -193,6 +193,9 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     trie = _kind(kinds, "trie", "the external harness tokenspeed-trie vs our own client, same workload")
     trie.add_argument("--base-url", metavar="URL", help="a running server (default: start a fresh local one)")
     _workload_args(trie)
+    trie.add_argument("--trie-only", action="store_true",
+                      help="run tokenspeed-trie alone, not our client after it (at the record's sizes each "
+                           "takes minutes on a GPU; `bench agentic` on the same server gives ours)")
     trie.add_argument("--duration", metavar="SECONDS", type=float, default=20.0,
                       help="seconds trie admits new traces (default: %(default)s)")
     trie.add_argument("--tokenizer", metavar="DIR", help="the server's tokenizer folder (default: that of the model the server "
@@ -432,6 +435,6 @@ def _trie(args: argparse.Namespace) -> int:
         tool_pause_s=args.tool_pause,
     )  # fmt: skip
     report, _ = run_trie_bench(workload, args.duration, args.base_url, tuple(args.server_arg), args.tokenizer,
-                               str(args.out))  # fmt: skip
+                               str(args.out), ours=not args.trie_only)  # fmt: skip
     sys.stdout.write(report + "\n" + f"workload file, raw numbers and report: {args.out}/\n")
     return 0

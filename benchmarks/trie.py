@@ -197,6 +197,7 @@ def run_trie_bench(
     server_args: tuple[str, ...] = (),
     tokenizer: Path | str | None = None,
     out_dir: str | None = None,
+    ours: bool = True,
 ) -> tuple[str, dict[str, object]]:
     """Run trie and our own client on ``wl`` against one server; returns Markdown + raw data.
 
@@ -209,6 +210,9 @@ def run_trie_bench(
             here serves (``_served_tokenizer``), or the built-in model's for ``base_url``.
         out_dir: Where the workload file, ``trie.json`` and the harness's output go (a temporary
             folder when None).
+        ours: Also run our client (``sessions`` and ``stateless``) after trie. Off: trie alone
+            (on a GPU at the record's sizes each client takes minutes; ``bench agentic`` on the
+            same server gives ours).
 
     Returns:
         The report (comparison table, then trie's tables) and the raw numbers.
@@ -230,21 +234,21 @@ def run_trie_bench(
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             tok = tokenizer or _served_tokenizer(server_args, Path(scratch))
             report = run_trie(url, model, tok, workload, wl.agents, duration_s, wl.seed)
-            _, ours = run_agentic(wl, ("sessions", "stateless"), base_url=url)
+            own = run_agentic(wl, ("sessions", "stateless"), base_url=url)[1] if ours else None
         finally:
             if server is not None:
                 server.stop()
         data: dict[str, object] = {
             "workload": asdict(wl), "trie_workload": trie_workload_rows(wl)[0], "duration_s": duration_s,
-            "trie": {"command": report.command, "metrics": report.metrics}, "ours": ours,
+            "trie": {"command": report.command, "metrics": report.metrics}, "ours": own,
         }  # fmt: skip
-        markdown = _markdown(wl, report, ours) + "\n\ntokenspeed-trie's own report:\n\n```\n" + report.tables + "\n```"
+        markdown = _markdown(wl, report, own) + "\n\ntokenspeed-trie's own report:\n\n```\n" + report.tables + "\n```"
         (out / "trie.json").write_text(json.dumps(data, indent=2))
         (out / "trie_report.md").write_text(markdown + "\n")
     return markdown, data
 
 
-def _markdown(wl: AgenticWorkload, report: TrieReport, ours: dict[str, object]) -> str:
+def _markdown(wl: AgenticWorkload, report: TrieReport, ours: dict[str, object] | None) -> str:
     m = report.metrics
     traces = int(m.get("completed_requests", 0))
     lines = [
@@ -256,9 +260,9 @@ def _markdown(wl: AgenticWorkload, report: TrieReport, ours: dict[str, object]) 
         f"| {m.get('ttft_s_p50', 0.0):.3f} | {_ms(m.get('mean_turn_decode_tps_tok_s_p50', 0.0))} "
         f"| {m.get('mean_turn_decode_tps_tok_s_p50', 0.0):.1f} |",
     ]
-    turns: dict[str, list[dict[str, object]]] = ours["turns"]  # type: ignore[assignment]
-    summary: dict[str, dict[str, float]] = ours["summary"]  # type: ignore[assignment]
-    for mode, form in (("stateless", "token ids"), ("sessions", "session appends")):
+    turns: dict[str, list[dict[str, object]]] = ours["turns"] if ours else {}  # type: ignore[assignment]
+    summary: dict[str, dict[str, float]] = ours["summary"] if ours else {}  # type: ignore[assignment]
+    for mode, form in (("stateless", "token ids"), ("sessions", "session appends")) if ours else ():
         records = [TurnRecord(**r) for r in turns[mode]]  # type: ignore[arg-type]
         hit, eligible = per_trace_rates(records)
         s = summary[mode]

@@ -71,3 +71,14 @@ def test_trie_against_a_real_server(tmp_path: Path) -> None:
     assert "| tokenspeed-trie | text |" in report and "Per-trace metrics" in report
     for name in ("trie_workload.jsonl", "trie.json", "trie_report.md"):
         assert (tmp_path / name).stat().st_size > 100
+
+
+@pytest.mark.slow  # a phloem serve process
+def test_trie_alone_runs_no_client_of_ours(tmp_path: Path) -> None:
+    """``--trie-only``: trie's row and the ideal, no row or records of our client."""
+    report, data = run_trie_bench(WL, duration_s=2.0, out_dir=str(tmp_path), ours=False,
+                                  server_args=("--num-state-slots", "2048"))
+    assert data["ours"] is None
+    assert data["trie"]["metrics"]["completed_requests"] >= 1  # type: ignore[index]
+    assert "| tokenspeed-trie | text |" in report and "| ideal (from the workload) |" in report
+    assert "phloem stateless" not in report and "phloem sessions" not in report
