@@ -3,12 +3,15 @@
 # request after it reports ready, then the agentic workload at 4 and 16 agents (50K-token first
 # turn, 12 turns of 800 new tokens, 500 generated). From the repository root:
 #   bash tools/gpu/agentic.sh [AGENTS...]      (default: 4 16; writes $OUT)
+# MODEL_ARGS replaces the model flags (an H100 80GB needs `... --quantization fp8`: bf16 weights
+# leave it too little memory for the prefill graphs); TRIE=1 then runs the record's harness alone
+# (`bench trie --trie-only`) at the last AGENTS count, 4 turns, on the same server.
 source tools/gpu/setup.sh || exit 1
 DATA=/tmp/phloem-data
 rm -rf "$DATA"
 T0=$(date +%s.%N)
-python3 -m phloem.cli serve --device cuda --dtype bfloat16 --shape qwen3.5-35b-a3b --data-dir "$DATA" \
-  --port 8000 > "$OUT/server.log" 2>&1 &
+MODEL_ARGS=${MODEL_ARGS:---device cuda --dtype bfloat16 --shape qwen3.5-35b-a3b}
+python3 -m phloem.cli serve $MODEL_ARGS --data-dir "$DATA" --port 8000 > "$OUT/server.log" 2>&1 &
 SERVER=$!
 until curl -sf http://127.0.0.1:8000/health 2>/dev/null | grep -q '"ok"'; do
   kill -0 $SERVER 2>/dev/null || { echo "server died"; tail -30 "$OUT/server.log"; exit 1; }
@@ -31,6 +34,11 @@ for n in ${@:-4 16}; do
   curl -s http://127.0.0.1:8000/metrics | grep -E "^phloem_(engine|state_slots|prefix_checkpoints|kv_pages)" > "$OUT/metrics-$n.txt"
   echo "agents $n: $(( $(date +%s) - T1 )) s; $(grep -E 'failed_steps_total|memory_blocked|checkpoints_evicted_total|state_slots_used' "$OUT/metrics-$n.txt" | tr '\n' ' ')"
 done
+if [ "${TRIE:-0}" = 1 ]; then
+  python3 -m phloem.cli bench trie --base-url http://127.0.0.1:8000 --trie-only --tokenizer "$DATA/shapes/qwen3.5-35b-a3b" \
+    --agents "$n" --first-turn 50000 --append 800 --turns 4 --output 500 --duration 45 --out "$OUT/trie" 2>&1 \
+    | grep -v Warning | head -12
+fi
 echo "server log: $(grep -c 'for memory' "$OUT/server.log") memory waits, $(grep -cE 'ERROR|Traceback' "$OUT/server.log") errors"
 grep -E "startup|warm" "$OUT/server.log" | head -12
 kill $SERVER; wait $SERVER 2>/dev/null
