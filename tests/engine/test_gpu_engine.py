@@ -16,6 +16,7 @@ tokens outside the top-k at once. The model's ``lm_head`` is scaled up to sharpe
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +38,7 @@ from phloem.engine import (
 )
 from phloem.kernels.config import KernelConfig
 from phloem.runtime.default_model import ensure_default_model
+from phloem.storage import PinnedArena
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -107,17 +109,22 @@ def test_async_scheduling_gives_the_synchronous_tokens_bitwise(model_dir: Path) 
 def test_a_resume_queued_beside_running_decodes_gives_the_unspilled_tokens_bitwise(model_dir: Path) -> None:
     """A spilled prefix imported while other requests decode (a step queued on the device) is
     copied on a side stream without draining the pipeline; the request resuming on it and the
-    others give exactly the tokens of the same schedule on an engine that never spilled."""
+    others give exactly the tokens of the same schedule on an engine that never spilled. Spilled
+    into the pinned arena (``storage.pinned_arena``), the state's ranges stay held by the copy's
+    fence after the state itself is dropped: the rest of the arena overwritten meanwhile changes
+    nothing."""
     prompt = [(7 * i + 3) % 256 for i in range(150)]
     others = SamplingParams(max_tokens=40, ignore_eos=True)
     runs = []
-    for spill in (False, True):
+    for spill in (False, True, "arena"):
         engine = gpu_engine(model_dir)
+        arena = PinnedArena(64 << 20, chunk_bytes=64 << 20) if spill == "arena" else None
         conv = prompt + engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
         state = None
         if spill:
-            state = engine.export_prefix(conv)
+            state = engine.export_prefix(conv, host_alloc=arena.alloc if arena is not None else None)
             assert state is not None and state.kv.is_pinned()
+            assert arena is None or (arena.fallbacks == 0 and arena.used_bytes >= state.nbytes)
             engine.cache.tree.clear()
             assert engine.cached_prefix_len([*conv, 1]) == 0
         ids = [engine.add_request(p, others) for p in PROMPTS[:3]]
@@ -130,6 +137,15 @@ def test_a_resume_queued_beside_running_decodes_gives_the_unspilled_tokens_bitwi
             assert engine.import_prefix(state)
             assert (engine._queued is not None) == queued  # noqa: SLF001 (the import did not drain)
             assert len(engine.cache.imports) == 1
+            if arena is not None:
+                held = arena.used_bytes
+                del state
+                gc.collect()
+                arena.collect()
+                assert arena.used_bytes == held  # the fence holds the copy's sources
+                rest = arena.alloc((arena.capacity_bytes - held,), torch.uint8)
+                assert rest is not None
+                rest.fill_(255)
         ids.append(engine.add_request([*conv, 4, 5], SamplingParams(max_tokens=16, ignore_eos=True)))
         cached = 0
         while engine.scheduler.has_unfinished() or engine._queued is not None:  # noqa: SLF001
@@ -139,7 +155,7 @@ def test_a_resume_queued_beside_running_decodes_gives_the_unspilled_tokens_bitwi
                     cached = out.num_cached_tokens
         assert cached == len(conv) and len(engine.cache.imports) == 0
         runs.append([tokens[i] for i in ids])
-    assert runs[1] == runs[0]
+    assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
 def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: Path) -> None:
