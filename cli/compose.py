@@ -118,7 +118,7 @@ def _serve(config: ServerConfig, sock: socket.socket | None, startup: StartupLog
     with startup.phase("tokenizer", "loading the tokenizer"):
         tokenizer = load_tokenizer(config)
     # With CUDA and session tiers, the host tier's memory is pinned here, before the engine thread
-    # runs (~0.3 s a GiB: pinning stalls other threads' CUDA calls; storage.pinned_arena).
+    # runs (0.3–0.6 s a GiB: pinning stalls other threads' CUDA calls; storage.pinned_arena).
     with startup.phase("sessions", "setting up sessions (pinning host memory for spilled state on CUDA)"):
         manager = build_sessions(config, engine, tokenizer)
     app = build_app(config, engine, manager)

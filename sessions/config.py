@@ -55,7 +55,7 @@ class SessionConfig:
         host_budget_bytes: Payload bytes of spilled state kept in host memory; beyond it the
             least recently used host segments are demoted to disk (``sessions.tiers.spill``).
             With CUDA and ``session_tiers``, this and the backlog's bytes are pinned at start-up
-            (``storage.pinned_arena``: ~0.3 s a GiB), the memory spills are copied into.
+            (``storage.pinned_arena``: 0.3–0.6 s a GiB), the memory spills are copied into.
         host_backlog_bytes: Payload bytes of spilled state that may wait, beyond
             ``host_budget_bytes``, for the disk writes that make its room in host memory (the
             spill does not wait for them). With the disk that far behind, the least recently
