@@ -170,8 +170,8 @@ def _engine_summary(sampler: TierSampler) -> dict[str, float]:
     waiting requests blocked on memory, the share of the run's wall time the engine spent in
     steps (``phloem_engine_step_kind_seconds``; near 1: the device was the bottleneck) and in
     spills' exports (``phloem_engine_command_seconds{command="ExportPrefix"}``: copying sessions'
-    state to host memory while every running request waits), the running requests preempted for pages (each recomputes what the cache lost of it), and the
-    pools it had (KV pages and GDN state slots: a run blocked on memory says which was short)."""
+    state to host memory while every running request waits), the running requests preempted for
+    pages (each recomputes what the cache lost of it), and the pools it had (KV pages and GDN state slots: a run blocked on memory says which was short)."""
     during = sampler.series[1:-1] or sampler.series
     n = len(during)
     wall = sampler.series[-1]["t"] - sampler.series[0]["t"] if len(sampler.series) > 1 else 0.0
@@ -229,7 +229,7 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
         dec = f["per_agent_decode_tok_s"]
         e = f["engine"]
         queue = (f"{e['running_mean']:.1f} / {e['waiting_mean']:.1f}, {e['memory_blocked_share']:.0%}, "
-                 f"{e['stepping_share']:.0%}, {e.get('exporting_share', 0.0):.0%}, {e['preemptions']:.0f}; "
+                 f"{e['stepping_share']:.0%}, {e['exporting_share']:.0%}, {e['preemptions']:.0f}; "
                  f"{e['kv_pages']:.0f} / {e['state_slots']:.0f}")
         mem = " / ".join("n/a" if v is None else f"{v / 2**30:.2f}"
                          for v in (f["host_memory_peak"][k] for k in _MEMORY_PEAKS))

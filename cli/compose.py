@@ -36,9 +36,9 @@ from phloem.api.server.protocol import guarded_http_protocol
 from phloem.cli.config import ServerConfig
 from phloem.runtime import EngineClient, EngineConfig
 from phloem.runtime.builtin_model import trained_model_path
-from phloem.runtime.preflight import StartupError
 from phloem.runtime.logs import adopt_library_loggers, stderr_logging
 from phloem.runtime.pd.decode import engine_client_for
+from phloem.runtime.preflight import StartupError
 from phloem.runtime.startup import StartupLog
 from phloem.sessions import SessionManager, Tokenizer, model_fingerprint
 

@@ -165,8 +165,7 @@ class SessionEvents:
         self._prepare = {kind: Histogram(FIRST_TOKEN_SECONDS_BOUNDS) for kind in GENERATION_KINDS}
 
     def stats(self, sessions_by_status: dict[str, int], num_generations_in_flight: int,
-              host_pool: tuple[int, int, int], disk_bytes: int,
-              host_arena: tuple[int, int] = (0, 0)) -> SessionStats:
+              host_pool: tuple[int, int, int], disk_bytes: int, host_arena: tuple[int, int]) -> SessionStats:
         """The counters, with the manager's live numbers (``host_pool``: used, budget and
         backlog bytes; ``disk_bytes``: spilled segments on disk; ``host_arena``: pinned bytes
         and fallbacks)."""

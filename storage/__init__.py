@@ -4,8 +4,8 @@ Role: store and find spilled session segments (KV pages of the full-attention la
 head checkpoint). A leaf package: it imports nothing of ours.
 
 The tiers that need torch, safetensors or redis (``DiskStore``, ``HostPool``, ``PinnedArena``,
-``RedisIndex``, the segment types) load on first use (``__getattr__``), so ``phloem serve`` can lock its data
-directory and answer a usage error before torch is imported (seconds).
+``RedisIndex``, the segment types) load on first use (``__getattr__``), so ``phloem serve`` can
+lock its data directory and answer a usage error before torch is imported (seconds).
 """
 
 from __future__ import annotations

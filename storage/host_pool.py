@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 
 import torch
 
 from .errors import StorageFull
-from .pinned_arena import PinnedArena
+from .pinned_arena import HostAlloc, PinnedArena
 from .segment import Segment
 
 __all__ = ["HostPool"]
@@ -57,9 +56,6 @@ class HostPool:
         self.byte_budget = byte_budget
         self.pin_memory = cuda if pin_memory is None else pin_memory
         self.arena = PinnedArena(arena_bytes) if self.pin_memory and arena_bytes else None
-        # ``(shape, dtype) -> tensor | None``: a pinned tensor from the arena, None where none fits.
-        self.alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor | None] | None = (
-            self.arena.alloc if self.arena is not None else None)
         self._segments: OrderedDict[str, Segment] = OrderedDict()
         self._used_bytes = 0
         self._lock = threading.Lock()
@@ -68,6 +64,11 @@ class HostPool:
     def used_bytes(self) -> int:
         """Payload bytes of the segments held now."""
         return self._used_bytes
+
+    @property
+    def alloc(self) -> HostAlloc | None:
+        """The arena's allocator (a pinned tensor, None where no range fits); None without an arena."""
+        return self.arena.alloc if self.arena is not None else None
 
     @property
     def free_bytes(self) -> int:

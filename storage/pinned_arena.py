@@ -18,7 +18,8 @@ An allocation is a tensor over its range, built on a numpy array of the range th
 storage keeps alive, with a finalizer on that array: the range goes back to the arena only when
 no tensor, view or numpy array over it is left, whichever thread drops the last one (the
 finalizer only queues the range; the next call under the arena's lock frees it). An asynchronous
-reader must hold the tensor until its copy has ended (``engine.copy_fence.StreamFence`` keeps its sources).
+reader must hold the tensor until its copy has ended (``engine.copy_fence.StreamFence`` keeps its
+sources).
 
 ``alloc`` returns None when no free range fits: the caller then allocates as it would without
 the arena (``fallbacks`` counts those). Chunks cap a range's size: a larger state always falls
@@ -39,7 +40,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["PinnedArena"]
+__all__ = ["HostAlloc", "PinnedArena"]
+
+# ``(shape, dtype)`` -> an uninitialised pinned host tensor, or None where none fits (``PinnedArena.alloc``).
+HostAlloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor | None]
 
 logger = logging.getLogger(__name__)
 

@@ -29,12 +29,13 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
 from ._fs import check_id
+from .pinned_arena import HostAlloc
 
 __all__ = ["TENSOR_NAMES", "Segment", "SegmentLayout", "SegmentMeta", "hash_token_ids"]
 
@@ -175,8 +176,7 @@ class Segment:
     meta: SegmentMeta
     tensors: dict[str, torch.Tensor]
 
-    def on_host(self, pinned: bool,
-                alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor | None] | None = None) -> Segment:
+    def on_host(self, pinned: bool, alloc: HostAlloc | None = None) -> Segment:
         """This segment with its tensors in host memory, page-locked with ``pinned`` (copies only
         what is not there yet): a pinned state's host-to-device copy on resume is queued, not waited
         for. ``alloc`` gives pinned memory where it can (``PinnedArena.alloc``; else it is pinned here)."""

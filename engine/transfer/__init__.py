@@ -39,7 +39,7 @@ from phloem.engine.transfer.protocol import (
 )
 
 __all__ = [
-    "GDNState", "Goodbye", "Hello", "KVLayer", "KVTransport", "Message", "PrefillDeclined", "PrefillDone",
-    "HostAlloc", "PrefillListener", "PrefillProgress", "PrefillRequest", "PrefixState", "TorchDistTransport", "TransferError",
-    "TransferReservation", "TransferSource", "TransportError", "connect", "stream_hook",
+    "GDNState", "Goodbye", "Hello", "HostAlloc", "KVLayer", "KVTransport", "Message", "PrefillDeclined",
+    "PrefillDone", "PrefillListener", "PrefillProgress", "PrefillRequest", "PrefixState", "TorchDistTransport",
+    "TransferError", "TransferReservation", "TransferSource", "TransportError", "connect", "stream_hook",
 ]
