@@ -170,7 +170,9 @@ def _engine_summary(sampler: TierSampler) -> dict[str, float]:
     waiting requests blocked on memory, the share of the run's wall time the engine spent in
     steps (``phloem_engine_step_kind_seconds``; near 1: the device was the bottleneck) and in
     spills' exports (``phloem_engine_command_seconds{command="ExportPrefix"}``: copying sessions'
-    state to host memory while every running request waits), the running requests preempted for
+    state to host memory while every running request waits), the spill copies and disk reads that
+    found no free range in the pinned arena (``phloem_host_arena_fallbacks``: each pinned memory of
+    its own on the engine thread), the running requests preempted for
     pages (each recomputes what the cache lost of it), and the pools it had (KV pages and GDN state slots: a run blocked on memory says which was short)."""
     during = sampler.series[1:-1] or sampler.series
     n = len(during)
@@ -183,6 +185,7 @@ def _engine_summary(sampler: TierSampler) -> dict[str, float]:
         "stepping_share": stepping / wall if wall else 0.0,
         "exporting_share": (_delta(sampler, 'phloem_engine_command_seconds_total{command="ExportPrefix"}') / wall
                             if wall else 0.0),
+        "arena_fallbacks": _delta(sampler, "phloem_host_arena_fallbacks_total"),
         "preemptions": _delta(sampler, "phloem_engine_preemptions_total"),
         "kv_pages": sampler.before.get("phloem_kv_pages_total", 0.0),
         "state_slots": sampler.before.get("phloem_state_slots_total", 0.0),

@@ -149,7 +149,7 @@ SERVE: tuple[Flag, ...] = (
          "recomputes what it evicted (what stateless servers do; a benchmark baseline)", kind="negate"),
     Flag("--host-budget-bytes", "sessions.host_budget_bytes",
          "bytes of spilled session state kept in host memory; beyond it the least recently used go to disk "
-         "(on CUDA pinned at start-up, with the backlog's)",
+         "(on CUDA pinned at start-up, with the backlog's and a quarter more for disk reads)",
          group=_MEMORY, metavar="BYTES", type=int),
     Flag("--host-backlog-bytes", "sessions.host_backlog_bytes",
          "bytes of spilled state that may wait, beyond the host budget, for the disk writes that make its "

@@ -185,14 +185,14 @@ class ModelRunner:
         """TP=1: write a whole state into ``pages`` and ``slot`` (None: the KV only) without
         waiting for the queued steps: on CUDA on a side stream, after the work queued so far (it may
         reuse memory those steps free), with a fence for ``engine.cache.import_fences``; on CPU at
-        once (None). A state in pageable host memory is pinned first (else the copy would block
-        the host until the side stream reaches it)."""
+        once (None). A state in pageable host memory (the pinned arena was full when it was
+        copied out) is copied as it is: the call then blocks the engine thread until the side
+        stream has taken it, where pinning it here would cost ~20x the copy, stall every CUDA call
+        of the process meanwhile, and keep the block in torch's caching host allocator for good."""
         assert self.tp.size == 1, "state writes under tensor parallelism go through write_state"
         if self.device.type != "cuda":
             write_local(self.caches, pages, slot, state)
             return None
-        if not state[0].is_pinned():
-            state = tuple(t.pin_memory() for t in state)  # type: ignore[assignment]
         if self._state_stream is None:
             self._state_stream = torch.cuda.Stream(self.device)
         stream = self._state_stream

@@ -104,7 +104,7 @@ class SessionStats:
         host_pool_bytes / host_pool_budget_bytes: Spilled state held in host memory, and the cap.
         host_backlog_bytes: Spilled state in host memory waiting for room in the host pool.
         host_arena_bytes / host_arena_fallbacks: Host memory pinned once for the tier's copies
-            (``storage.pinned_arena``), and the copies that found no range in it and pinned their own.
+            (``storage.pinned_arena``), and the copies that found no range in it (pageable instead).
         disk_bytes: Payload bytes of the spilled segments on disk that sessions resume from.
         disk_writes: Segment files written, and their seconds by part.
         segments_dropped: Host segments dropped (not written) with the disk a backlog behind,

@@ -21,9 +21,13 @@ finalizer only queues the range; the next call under the arena's lock frees it).
 reader must hold the tensor until its copy has ended (``engine.copy_fence.StreamFence`` keeps its
 sources).
 
-``alloc`` returns None when no free range fits: the caller then allocates as it would without
-the arena (``fallbacks`` counts those). Chunks cap a range's size: a larger state always falls
-back. Pinning that fails part way (out of pinnable memory) leaves the chunks pinned so far.
+``alloc`` returns None when no free range fits (``fallbacks`` counts those): the callers then copy
+into pageable memory, never pinning beside the steps (``Segment.on_host``,
+``engine.transfer.prefix_export``). Chunks cap a range's size, and first fit leaves up to a
+segment's bytes unused at each chunk's end: 4 GiB chunks hold a 200K-token session's KV at the
+35B-A3B shape (20 KB a token) and leave a few percent of the arena between 250-350 MB segments
+(1 GiB chunks left up to a fifth of each, and could not hold the KV of a session past 52K tokens,
+the record's workload by its second turn). Pinning that fails part way (out of pinnable memory) leaves the chunks pinned so far.
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ class PinnedArena:
         ValueError: ``capacity_bytes`` or ``chunk_bytes`` is not a positive int.
     """
 
-    def __init__(self, capacity_bytes: int, chunk_bytes: int = 1 << 30,
+    def __init__(self, capacity_bytes: int, chunk_bytes: int = 4 << 30,
                  allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         for name, value in (("capacity_bytes", capacity_bytes), ("chunk_bytes", chunk_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -179,13 +179,20 @@ class Segment:
     def on_host(self, pinned: bool, alloc: HostAlloc | None = None) -> Segment:
         """This segment with its tensors in host memory, page-locked with ``pinned`` (copies only
         what is not there yet): a pinned state's host-to-device copy on resume is queued, not waited
-        for. ``alloc`` gives pinned memory where it can (``PinnedArena.alloc``; else it is pinned here)."""
+        for. ``alloc`` gives the pinned memory (``PinnedArena.alloc``); where it has no range left the
+        tensor stays in, or is copied to, pageable memory: pinning anew on a serving thread stalls
+        every CUDA call of the process (``storage.pinned_arena``), and a pageable state's copy back
+        only costs its own import a synchronous copy. Without ``alloc`` the tensor is pinned here."""
         tensors = {}
         for name, t in self.tensors.items():
             if pinned and not t.is_pinned():
-                out = alloc(tuple(t.shape), t.dtype) if alloc is not None else None
-                if out is None:
+                if alloc is None:
                     out = torch.empty_like(t, device="cpu", pin_memory=True)
+                elif (out := alloc(tuple(t.shape), t.dtype)) is None:
+                    if t.device.type == "cpu":
+                        tensors[name] = t
+                        continue
+                    out = torch.empty_like(t, device="cpu")
                 t = out.copy_(t)
             elif t.device.type != "cpu":
                 t = t.to("cpu")

@@ -149,7 +149,7 @@ _SESSION_METRICS: tuple[tuple[str, str, bool, _SessionValue], ...] = (
     ("phloem_host_arena_bytes", "Host memory pinned once at start for spilled state's copies (0 "
      "without CUDA or session tiers)", False, lambda s: s.host_arena_bytes),
     ("phloem_host_arena_fallbacks", "Spill copies and disk reads that found no free range in the "
-     "pinned arena and pinned memory of their own (a stall of the engine thread each)", True,
+     "pinned arena and went to pageable memory (their resumes copy synchronously)", True,
      lambda s: s.host_arena_fallbacks),
     ("phloem_segment_writes", "Session state files written to disk", True, lambda s: s.disk_writes.count),
     ("phloem_segment_write_bytes", "Payload bytes of the session state files written to disk", True,

@@ -75,9 +75,10 @@ def export_prefix(
     host_alloc: HostAlloc | None = None,
 ) -> PrefixState | None:
     """Host copies of the deepest checkpoint within ``token_ids`` cached in ``namespace`` (None
-    when nothing is cached), in ``host_alloc``'s memory where it serves them, else in memory
-    allocated here (pinned on CUDA: a fresh block costs ~20x the copy until torch's caching
-    host allocator has blocks to reuse; ``storage.pinned_arena``)."""
+    when nothing is cached), in ``host_alloc``'s memory (the pinned arena, ``storage.pinned_arena``)
+    and, where it has no range left, in pageable memory: pinning a fresh block on the engine thread
+    costs ~20x the copy and stalls every CUDA call meanwhile, a pageable copy only its own ~6 GB/s.
+    Without ``host_alloc`` the copies are allocated here, pinned on CUDA."""
     tree = cache.tree
     match = tree.match(token_ids, len(token_ids), namespace) if tree is not None and token_ids else None
     if match is None:
@@ -89,9 +90,10 @@ def export_prefix(
     pin = kv.device.type == "cuda"
 
     def host(t: torch.Tensor) -> torch.Tensor:
-        out = host_alloc(tuple(t.shape), t.dtype) if host_alloc is not None else None
-        if out is None:
+        if host_alloc is None:
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        elif (out := host_alloc(tuple(t.shape), t.dtype)) is None:
+            out = torch.empty(t.shape, dtype=t.dtype)  # the arena is full: pageable, never pinned here
         out.copy_(t, non_blocking=pin and out.is_pinned())
         return out
 

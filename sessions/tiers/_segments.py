@@ -59,8 +59,10 @@ class SegmentTiers:
         sessions: The manager's live sessions by id (statuses of holders are updated).
         events: Counts the bytes written to each tier, the disk writes and dropped segments.
         spawn: Runs a background task (the backlog's writers) until it ends or the tiers close.
-        pin_arena: Pin the host tier's and the backlog's bytes now, where the host pool pins
-            (``storage.HostPool``'s arena), for the spills' copies and the disk reads; off when
+        pin_arena: Pin the host tier's and the backlog's bytes and a quarter more now, where the
+            host pool pins (``storage.HostPool``'s arena), for the spills' copies and the disk reads
+            (the quarter: the reads in flight, which hold their ranges until their imports' copies
+            end, and the ends of the arena's chunks that first fit leaves unused); off when
             nothing spills (``SessionConfig.session_tiers`` off).
     """
 
@@ -70,8 +72,8 @@ class SegmentTiers:
         self._events = events
         self._store = store
         self.disk = store.disk
-        self.host = HostPool(host_budget_bytes,
-                             arena_bytes=host_budget_bytes + backlog_budget_bytes if pin_arena else 0)
+        held = host_budget_bytes + backlog_budget_bytes
+        self.host = HostPool(host_budget_bytes, arena_bytes=held + held // 4 if pin_arena else 0)
         self.backlog_budget_bytes = backlog_budget_bytes
         self._sessions = sessions
         self._segments: dict[str, SpilledSegment] = {}

@@ -112,19 +112,22 @@ def test_a_resume_queued_beside_running_decodes_gives_the_unspilled_tokens_bitwi
     others give exactly the tokens of the same schedule on an engine that never spilled. Spilled
     into the pinned arena (``storage.pinned_arena``), the state's ranges stay held by the copy's
     fence after the state itself is dropped: the rest of the arena overwritten meanwhile changes
-    nothing."""
+    nothing. Spilled past a full arena, the state is pageable (never pinned on the engine thread)
+    and its import, which then waits for the queued step, gives the same tokens too."""
     prompt = [(7 * i + 3) % 256 for i in range(150)]
     others = SamplingParams(max_tokens=40, ignore_eos=True)
     runs = []
-    for spill in (False, True, "arena"):
+    for spill in (False, True, "arena", "full"):
         engine = gpu_engine(model_dir)
-        arena = PinnedArena(64 << 20, chunk_bytes=64 << 20) if spill == "arena" else None
+        size = {"arena": 64 << 20, "full": 512}.get(str(spill))  # "full": no range holds the KV
+        arena = PinnedArena(size, chunk_bytes=size) if size else None
         conv = prompt + engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
         state = None
         if spill:
             state = engine.export_prefix(conv, host_alloc=arena.alloc if arena is not None else None)
-            assert state is not None and state.kv.is_pinned()
-            assert arena is None or (arena.fallbacks == 0 and arena.used_bytes >= state.nbytes)
+            assert state is not None and state.kv.is_pinned() == (spill != "full")
+            assert spill != "arena" or (arena.fallbacks == 0 and arena.used_bytes >= state.nbytes)
+            assert spill != "full" or arena.fallbacks >= 1
             engine.cache.tree.clear()
             assert engine.cached_prefix_len([*conv, 1]) == 0
         ids = [engine.add_request(p, others) for p in PROMPTS[:3]]
@@ -137,7 +140,7 @@ def test_a_resume_queued_beside_running_decodes_gives_the_unspilled_tokens_bitwi
             assert engine.import_prefix(state)
             assert (engine._queued is not None) == queued  # noqa: SLF001 (the import did not drain)
             assert len(engine.cache.imports) == 1
-            if arena is not None:
+            if spill == "arena":
                 held = arena.used_bytes
                 del state
                 gc.collect()
@@ -155,7 +158,7 @@ def test_a_resume_queued_beside_running_decodes_gives_the_unspilled_tokens_bitwi
                     cached = out.num_cached_tokens
         assert cached == len(conv) and len(engine.cache.imports) == 0
         runs.append([tokens[i] for i in ids])
-    assert runs[1] == runs[0] and runs[2] == runs[0]
+    assert runs[1] == runs[0] and runs[2] == runs[0] and runs[3] == runs[0]
 
 
 def test_programmatic_dependent_launch_gives_the_same_tokens_bitwise(model_dir: Path) -> None:

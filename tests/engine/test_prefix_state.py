@@ -80,6 +80,30 @@ def test_an_export_into_the_pinned_arena_resumes_identically(tiny_checkpoint: Ca
     assert_pools_empty(engine)
 
 
+def test_an_export_past_a_full_arena_lands_in_pageable_memory_and_resumes_identically(
+        tiny_checkpoint: Callable[..., Path]) -> None:
+    """An arena with no range for the KV: the spill copies it into memory of its own (pageable,
+    counted as a fallback) and the resume gives the same tokens."""
+    path = tiny_checkpoint("Qwen3_5MoeForCausalLM")
+    engine = make(path)
+    arena = PinnedArena(512, chunk_bytes=512, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
+    prompt = [(3 * i + 2) % 256 for i in range(23)]
+    conv = prompt + engine.generate([prompt], SamplingParams(max_tokens=5))[0].token_ids
+    nxt = conv + [7, 8, 9]
+    twin = make(path).generate([nxt], SamplingParams(max_tokens=10))[0]
+
+    state = engine.export_prefix(conv, host_alloc=arena.alloc)
+    assert state is not None and arena.fallbacks >= 1
+    base = arena._chunks[0].buffer.data_ptr()
+    assert not base <= state.kv.data_ptr() < base + 512 and not state.kv.is_pinned()
+    engine.cache.tree.clear()
+    assert engine.import_prefix(state)
+    resumed = engine.generate([nxt], SamplingParams(max_tokens=10))[0]
+    assert resumed.num_cached_tokens == len(conv)
+    assert resumed.token_ids == twin.token_ids
+    assert_pools_empty(engine)
+
+
 def test_import_into_a_tree_that_still_holds_the_prefix_frees_the_duplicates(tiny_checkpoint: Callable[..., Path]) -> None:
     engine = make(tiny_checkpoint("Qwen3_5MoeForCausalLM"))
     prompt = list(range(40, 70))

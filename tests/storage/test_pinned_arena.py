@@ -128,3 +128,22 @@ def test_a_segment_brought_on_host_takes_arena_ranges() -> None:
     assert a.fallbacks == 0
     del hosted, t
     assert released(a) == 0
+
+
+def test_a_segment_past_a_full_arena_stays_pageable_and_is_not_copied() -> None:
+    """What fits takes a range; a tensor no range holds keeps its pageable memory, the same
+    tensor, not a copy and never a fresh pinned block (pinning stalls the running steps)."""
+    a = arena(capacity=1024, chunk=1024)
+    kv = torch.randn(1, 6, 2, 4, 1, 8).to(torch.bfloat16)  # 768 bytes, a 1024-byte range: the arena
+    segment = Segment.from_tensors(
+        session_id="s", segment_id="g", model_fingerprint="f",
+        tensors={"kv": kv, "conv": torch.randn(1, 6, 3).to(torch.bfloat16),
+                 "ssm": torch.randn(1, 1, 8, 8), "token_ids": torch.arange(24)})
+    base = a._chunks[0].buffer.data_ptr()
+    hosted = segment.on_host(pinned=True, alloc=a.alloc)
+    inside = {name for name, t in hosted.tensors.items() if base <= t.data_ptr() < base + 1024}
+    assert inside == {"kv"}
+    for name in ("conv", "ssm", "token_ids"):
+        assert hosted.tensors[name] is segment.tensors[name]
+    assert a.fallbacks == 3
+    assert all(torch.equal(hosted.tensors[n], segment.tensors[n]) for n in segment.tensors)
