@@ -10,7 +10,9 @@
 # 128 generated (the issue: 12 x 500), tool waits lognormal with a 2 s median and sigma 1.5, capped
 # at 60 s (p90 14 s, p99 60 s). The fleet grows to ~12.8K tokens an agent (~1.6M at 128 agents,
 # ~34 GB of KV + GDN state at ~21 KB a token); the KV pool is capped at 40,000 pages (640K tokens,
-# ~40% of it), the host tier at 16 GiB (~60 agents' state), the rest spills to disk. Sessions stay pinned
+# ~40% of it), the host tier at 16 GiB (~60 agents' state), the rest spills to disk. BACKLOG=BYTES
+# sets the host backlog (spilled state waiting for the disk writes that make its room; default: the
+# server's, a quarter of HOST_BYTES: a burst of spills past it drops segments, recomputed later). Sessions stay pinned
 # 1 s after a turn, then spill to host as the pin ends (--idle-to-host 0: copied before they are
 # unpinned, so eviction never takes a state with no copy), so the agents waiting on a tool leave the GPU. At 64
 # agents the same pool holds ~80% of the fleet: POOL=20000 keeps the pressure. PREFETCH=S has each
@@ -33,7 +35,8 @@ POOL=${POOL:-40000} FIRST=${FIRST:-8000} APPEND=${APPEND:-800} TURNS=${TURNS:-6}
 WAIT=${WAIT:-lognormal:2:1.5:60} PREFETCH=${PREFETCH:-0} HOST_BYTES=${HOST_BYTES:-$((16 << 30))}
 MODE_TIMEOUT=${MODE_TIMEOUT:-170} DURATION=${DURATION:-0}
 ARGS=()
-for a in $MODEL_ARGS --num-pages "$POOL" --default-ttl 1 --idle-to-host 0 --host-budget-bytes "$HOST_BYTES"; do
+for a in $MODEL_ARGS --num-pages "$POOL" --default-ttl 1 --idle-to-host 0 --host-budget-bytes "$HOST_BYTES" \
+         ${BACKLOG:+--host-backlog-bytes "$BACKLOG"}; do
   ARGS+=("--server-arg=$a")
 done
 if [ "${WARM:-0}" = 1 ]; then
