@@ -5,7 +5,9 @@
 #   bash tools/gpu/agentic.sh [AGENTS...]      (default: 4 16; writes $OUT)
 # MODEL_ARGS replaces the model flags (an H100 80GB needs `... --quantization fp8`: bf16 weights
 # leave it too little memory for the prefill graphs); TRIE=1 then runs the record's harness alone
-# (`bench trie --trie-only`) at the last AGENTS count, 4 turns, on the same server.
+# (`bench trie --trie-only`) at the last AGENTS count, 4 turns, on the same server, for
+# TRIE_DURATION seconds (default 150: at 16 agents a trace takes ~80 s on an H100 with FP8 weights,
+# and trie reports only the traces that finished).
 source tools/gpu/setup.sh || exit 1
 DATA=/tmp/phloem-data
 rm -rf "$DATA"
@@ -36,7 +38,7 @@ for n in ${@:-4 16}; do
 done
 if [ "${TRIE:-0}" = 1 ]; then
   python3 -m phloem.cli bench trie --base-url http://127.0.0.1:8000 --trie-only --tokenizer "$DATA/shapes/qwen3.5-35b-a3b" \
-    --agents "$n" --first-turn 50000 --append 800 --turns 4 --output 500 --duration 45 --out "$OUT/trie" 2>&1 \
+    --agents "$n" --first-turn 50000 --append 800 --turns 4 --output 500 --duration "${TRIE_DURATION:-150}" --out "$OUT/trie" 2>&1 \
     | grep -v Warning | head -12
 fi
 echo "server log: $(grep -c 'for memory' "$OUT/server.log") memory waits, $(grep -cE 'ERROR|Traceback' "$OUT/server.log") errors"
