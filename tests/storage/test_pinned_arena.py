@@ -27,6 +27,15 @@ def released(a: PinnedArena) -> int:
     return a.used_bytes
 
 
+def small_segment() -> Segment:
+    """24 tokens in pages of 4: a 768-byte KV and three smaller tensors, all pageable."""
+    return Segment.from_tensors(
+        session_id="s", segment_id="g", model_fingerprint="f",
+        tensors={"kv": torch.randn(1, 6, 2, 4, 1, 8).to(torch.bfloat16),
+                 "conv": torch.randn(1, 6, 3).to(torch.bfloat16),
+                 "ssm": torch.randn(1, 1, 8, 8), "token_ids": torch.arange(24)})
+
+
 def test_capacity_is_pinned_in_chunks_and_allocations_are_disjoint() -> None:
     a = arena(capacity=10_000, chunk=4096)
     assert a.pinned_bytes == 10_000  # 4096 + 4096 + 1808
@@ -113,11 +122,7 @@ def test_sizes_must_be_positive_ints(bad: object) -> None:
 
 def test_a_segment_brought_on_host_takes_arena_ranges() -> None:
     a = arena(capacity=1 << 20, chunk=1 << 20)
-    kv = torch.randn(1, 6, 2, 4, 1, 8).to(torch.bfloat16)  # 24 tokens in pages of 4
-    segment = Segment.from_tensors(
-        session_id="s", segment_id="g", model_fingerprint="f",
-        tensors={"kv": kv, "conv": torch.randn(1, 6, 3).to(torch.bfloat16),
-                 "ssm": torch.randn(1, 1, 8, 8), "token_ids": torch.arange(24)})
+    segment = small_segment()
     base = a._chunks[0].buffer.data_ptr()
     # pinned=True asks for page-locked copies; pageable CPU tensors are not, so each is copied
     # into the arena (here its pageable stand-in), none allocated elsewhere.
@@ -134,11 +139,7 @@ def test_a_segment_past_a_full_arena_stays_pageable_and_is_not_copied() -> None:
     """What fits takes a range; a tensor no range holds keeps its pageable memory, the same
     tensor, not a copy and never a fresh pinned block (pinning stalls the running steps)."""
     a = arena(capacity=1024, chunk=1024)
-    kv = torch.randn(1, 6, 2, 4, 1, 8).to(torch.bfloat16)  # 768 bytes, a 1024-byte range: the arena
-    segment = Segment.from_tensors(
-        session_id="s", segment_id="g", model_fingerprint="f",
-        tensors={"kv": kv, "conv": torch.randn(1, 6, 3).to(torch.bfloat16),
-                 "ssm": torch.randn(1, 1, 8, 8), "token_ids": torch.arange(24)})
+    segment = small_segment()  # its KV: 768 bytes, a 1024-byte range, the whole arena
     base = a._chunks[0].buffer.data_ptr()
     hosted = segment.on_host(pinned=True, alloc=a.alloc)
     inside = {name for name, t in hosted.tensors.items() if base <= t.data_ptr() < base + 1024}
