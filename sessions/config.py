@@ -54,14 +54,17 @@ class SessionConfig:
             evicted (what stateless servers do; the benchmarks' ``tiersoff`` baseline).
         host_budget_bytes: Payload bytes of spilled state kept in host memory; beyond it the
             least recently used host segments are demoted to disk (``sessions.tiers.spill``).
-            With CUDA and ``session_tiers``, this and the backlog's bytes are pinned at start-up
-            (``storage.pinned_arena``: 0.3–0.6 s a GiB), the memory spills are copied into.
+            With CUDA and ``session_tiers``, this and the backlog's bytes, and a quarter more for
+            disk reads in flight, are pinned at start-up (``storage.pinned_arena``: 0.3–0.6 s a
+            GiB), the memory spills are copied into.
         host_backlog_bytes: Payload bytes of spilled state that may wait, beyond
             ``host_budget_bytes``, for the disk writes that make its room in host memory (the
             spill does not wait for them). With the disk that far behind, the least recently
             used host segment is dropped (its session recomputes it) rather than hold the GPU.
             An empty backlog takes any one segment. None: a quarter of ``host_budget_bytes``;
             0: no backlog (a spill into a full host pool waits for its demotion; nothing dropped).
+            Size it to the spills of a burst of turns ending together beyond what the disk writes
+            meanwhile (128 agents' first turns ending: ~4.7 GB waiting at ~1 GB/s of writes).
         idle_to_host_s: Seconds a session stays ``idle`` (unpinned, on the GPU) before the
             sweeper spills it to host memory. 0: spilled as its pin ends, before it is unpinned
             (never evictable without a copy: for more sessions than the GPU holds).

@@ -168,5 +168,5 @@ class PinnedArena:
                 with self._lock:
                     self._chunks.append(chunk)
         except (RuntimeError, MemoryError) as exc:  # out of host memory or of pinnable memory
-            logger.warning("pinned arena: pinned %d of %d bytes, then: %s; spills past it pin their own copies",
+            logger.warning("pinned arena: pinned %d of %d bytes, then: %s; copies past it go to pageable memory",
                            sum(c.buffer.numel() for c in self._chunks), self.capacity_bytes, exc)
