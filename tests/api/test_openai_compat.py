@@ -61,6 +61,21 @@ def test_completions_text_and_token_prompts(oai: openai.OpenAI) -> None:
     assert plain.usage is not None and plain.choices[0].finish_reason == "length"
 
 
+def test_a_completion_streams_a_chunk_per_token_while_its_text_is_held_back(oai: openai.OpenAI) -> None:
+    """A stop string that the whole output is a prefix of holds every character back until the
+    end; the tokens still come as they are generated, in chunks of empty text (as vLLM streams),
+    so a client times the first token and each next one at the engine's pace."""
+    prompt = f"Once upon a time {uuid.uuid4().hex}"
+    greedy: dict[str, Any] = {"model": MODEL, "max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = oai.completions.create(prompt=prompt, **greedy).choices[0].text
+    assert plain
+    chunks = [c for c in oai.completions.create(prompt=prompt, stop=[plain + "\u0001"], stream=True, **greedy)
+              if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == plain
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert any(c.choices[0].text == "" and c.choices[0].finish_reason is None for c in chunks)
+
+
 def test_token_prompts_hit_the_prefix_cache(oai: openai.OpenAI, client: Client) -> None:
     """A stateless request whose prompt extends a session's history reuses all of it."""
     session = client.sessions.create(text=f"shared history {uuid.uuid4().hex}")

@@ -194,6 +194,8 @@ def _chat_choice(index: int, delta: dict[str, Any], logprobs: Any = None) -> dic
 
 
 def _chat_shape(texts: TokenTexts) -> ChoiceShape:
+    """A delta is sent when its parse released reasoning, content or a tool call's part (a tool
+    call being buffered, or text the detokenizer holds back, sends nothing yet)."""
     def shape(index: int, delta: OutputDelta | None, result: GenerationResult | None) -> dict[str, Any] | None:
         if delta is None:
             return _chat_choice(index, {})
@@ -230,14 +232,17 @@ async def completions(request: Request[Any, Any, Any], data: CompletionRequest,
 
 
 def _completion_shape(texts: TokenTexts, token_ids: bool) -> ChoiceShape:
-    """With ``token_ids``, every delta is sent (text may be held back by the detokenizer) and
-    its choice carries the delta's ``token_ids``."""
+    """Every delta that carries generated tokens is sent, its text empty while the detokenizer
+    holds it back (a character split across tokens, the start of a possible stop string), as
+    vLLM streams: a client's time to first token and per token (tokenspeed-trie's,
+    the record's harness) are then the engine's, not the detokenizer's. With ``token_ids`` the
+    choice carries the delta's ``token_ids``."""
     offsets: dict[int, int] = {}
 
     def shape(index: int, delta: OutputDelta | None, result: GenerationResult | None) -> dict[str, Any] | None:
         if delta is None:
             return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
-        if not delta.text and not (token_ids and delta.token_ids) and not delta.logprobs:
+        if not delta.text and not delta.token_ids and not delta.logprobs:
             return None
         logprobs = None
         if delta.logprobs:
