@@ -172,8 +172,9 @@ def _engine_summary(sampler: TierSampler) -> dict[str, float]:
     spills' exports (``phloem_engine_command_seconds{command="ExportPrefix"}``: copying sessions'
     state to host memory while every running request waits), the spill copies and disk reads that
     found no free range in the pinned arena (``phloem_host_arena_fallbacks``: each copied into
-    pageable memory instead, its resume's copy then synchronous), the running requests preempted for
-    pages (each recomputes what the cache lost of it), and the pools it had (KV pages and GDN state slots: a run blocked on memory says which was short)."""
+    pageable memory instead, its resume's copy then synchronous), the running requests preempted
+    for pages (each recomputes what the cache lost of it), and the pools it had (KV pages and GDN
+    state slots: a run blocked on memory says which was short)."""
     during = sampler.series[1:-1] or sampler.series
     n = len(during)
     wall = sampler.series[-1]["t"] - sampler.series[0]["t"] if len(sampler.series) > 1 else 0.0

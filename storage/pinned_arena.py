@@ -27,7 +27,8 @@ into pageable memory, never pinning beside the steps (``Segment.on_host``,
 segment's bytes unused at each chunk's end: 4 GiB chunks hold a 200K-token session's KV at the
 35B-A3B shape (20 KB a token) and leave a few percent of the arena between 250-350 MB segments
 (1 GiB chunks left up to a fifth of each, and could not hold the KV of a session past 52K tokens,
-the record's workload by its second turn). Pinning that fails part way (out of pinnable memory) leaves the chunks pinned so far.
+the record's workload by its second turn). Pinning that fails part way (out of pinnable memory)
+leaves the chunks pinned so far.
 """
 
 from __future__ import annotations

@@ -186,14 +186,10 @@ class Segment:
         tensors = {}
         for name, t in self.tensors.items():
             if pinned and not t.is_pinned():
-                if alloc is None:
-                    out = torch.empty_like(t, device="cpu", pin_memory=True)
-                elif (out := alloc(tuple(t.shape), t.dtype)) is None:
-                    if t.device.type == "cpu":
-                        tensors[name] = t
-                        continue
-                    out = torch.empty_like(t, device="cpu")
-                t = out.copy_(t)
+                out = alloc(tuple(t.shape), t.dtype) if alloc is not None else torch.empty_like(
+                    t, device="cpu", pin_memory=True)
+                # No range left: pageable (a CPU tensor as it is, not copied).
+                t = t.to("cpu") if out is None else out.copy_(t)
             elif t.device.type != "cpu":
                 t = t.to("cpu")
             tensors[name] = t

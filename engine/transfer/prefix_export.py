@@ -90,9 +90,9 @@ def export_prefix(
     pin = kv.device.type == "cuda"
 
     def host(t: torch.Tensor) -> torch.Tensor:
-        if host_alloc is None:
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-        elif (out := host_alloc(tuple(t.shape), t.dtype)) is None:
+        out = (host_alloc(tuple(t.shape), t.dtype) if host_alloc is not None
+               else torch.empty(t.shape, dtype=t.dtype, pin_memory=pin))
+        if out is None:
             out = torch.empty(t.shape, dtype=t.dtype)  # the arena is full: pageable, never pinned here
         out.copy_(t, non_blocking=pin and out.is_pinned())
         return out
