@@ -48,7 +48,7 @@ from phloem.engine.scheduler import Scheduler
 from phloem.engine.speculative import MTPSpeculator, SpeculationStats, extra_kv_layers
 from phloem.engine.transfer.prefix_export import PrefixState
 from phloem.engine.step_outputs import StepOutputs
-from phloem.engine.step_pipeline import next_decode_step
+from phloem.engine.step_pipeline import next_step
 from phloem.engine.warmup import WarmupReport, warm_up
 from phloem.engine.workers import TPWorkers
 from phloem.kernels.dispatch import kernel_backend
@@ -128,9 +128,10 @@ class Engine(PrefixOps):
         self._ids = itertools.count()
         self._outputs = StepOutputs(model_config, self.scheduler, self.cache, self.max_model_len, self._requests)
         self.async_scheduling = scheduler_config.async_scheduling and self.speculator is None
-        self._queued: LaunchedStep | None = None  # a decode step queued behind the one collected
+        self._queued: LaunchedStep | None = None  # a step queued behind the one collected
         self._pending: list[RequestOutput] = []  # outputs collected by ``drain``, for the next step
         self.num_pipelined_steps = 0  # steps queued behind the step being collected
+        self.num_pipelined_mixed_steps = 0  # of those, steps that admitted waiting requests
         self.last_step_kind = "decode"  # ``SchedulerOutput.kind`` of the step ``step`` collected
 
     @classmethod
@@ -338,7 +339,7 @@ class Engine(PrefixOps):
         """Run one engine step; returns an output for every request that changed.
 
         With async scheduling (``SchedulerConfig.async_scheduling``) a step may leave the next
-        decode step queued on the device (``engine.step_pipeline``): the call then returns the
+        step queued on the device (``engine.step_pipeline``): the call then returns the
         outputs of the step it collected, and the next call collects the queued one.
         """
         self.cache.imports.settle()  # unlock resumed prefixes whose copy has ended
@@ -359,11 +360,12 @@ class Engine(PrefixOps):
             launched = self.runner.launch(sched)
         self.last_step_kind = launched.sched.kind
         if self._pipelined():
-            following = next_decode_step(launched, self.scheduler, self.cache, self.max_model_len)
+            following = next_step(launched, self.scheduler, self.cache, self.max_model_len, self.runner.prepare_inputs)
             if following is not None:
                 sched, inputs, input_ids = following
                 self._queued = self.runner.launch(sched, inputs, input_ids)
                 self.num_pipelined_steps += 1
+                self.num_pipelined_mixed_steps += sched.kind != "decode"
         outputs += self._apply(launched)
         if self._queued is not None:  # its grammar masks and penalties read the tokens just applied
             self._queued = self.runner.sample_queued(self._queued)

@@ -164,6 +164,30 @@ class Scheduler:
                 self._admit_waiting(step, short_only=size_class == _SHORT)
         return SchedulerOutput(tuple(step.requests), tuple(step.num_new), tuple(step.failed))
 
+    def admits_beside(self) -> bool:
+        """Whether ``admit_beside`` may run: admitting the waiting requests into a step queued
+        behind one in flight takes neither a preemption (a yielded seat: every seat is taken) nor
+        a spilled prefix's load (its copy runs beside the steps only between them)."""
+        if len(self.running) >= self.config.max_num_seqs and self.config.seat_yield_min_tokens is not None:
+            return False
+        return self.load_prefix is None or all(r.resume is None for r in self.waiting)
+
+    def admit_beside(self, decode: tuple[Request, ...]) -> SchedulerOutput:
+        """Admit waiting requests into the step queued behind the one in flight
+        (``engine.step_pipeline``), whose rows are ``decode``: every running request, one token
+        each, its page allocated. This is the admission ``schedule`` makes once the step in flight
+        is collected (its decode rows first, then short requests smallest first, then the rest in
+        line), under the budget the rows leave; returns the admitted rows (none when the budget,
+        the seats or memory refuse). Only when ``admits_beside``."""
+        assert self.admits_beside()
+        step = _Step(self.config.max_num_batched_tokens - len(decode))
+        step.scheduled.update(map(id, decode))
+        self._admit_waiting(step, short_only=True)
+        self._admit_waiting(step, short_only=False)
+        # A request is finished early only when nothing runs; ``decode`` runs.
+        assert not step.failed, "a request failed admission beside running requests"
+        return SchedulerOutput(tuple(step.requests), tuple(step.num_new))
+
     def _yield_seats(self) -> None:
         """With every seat taken, preempt for each short request never admitted before (in line
         order, while the step's budget past one decode token a seat can admit it) the running

@@ -1,9 +1,9 @@
-"""Async scheduling: queue decode step N+1 on the device before reading step N's sampled ids.
+"""Async scheduling: queue step N+1 on the device before reading step N's sampled ids.
 
 A synchronous step leaves the device idle while the host reads the sampled ids, updates the
 requests, schedules and prepares the next step (a sizeable fraction of a batch-1 decode step).
 In the steady state of decoding, step N+1 is known before step N's ids are: the same requests,
-each one position further, with step N's sampled ids as input. ``next_decode_step``
+each one position further, with step N's sampled ids as input. ``next_step``
 builds that step from the requests' counters (before step N's update), and the runner takes its
 input ids straight from step N's sampled-id tensor on the device (``ModelRunner.launch``), so the
 host prepares and queues step N+1 while the device runs step N, then reads step N's ids.
@@ -20,8 +20,8 @@ Step N+1 is queued only when it is the step the scheduler would have chosen and 
 after step N cannot change it:
 
 - every request of step N that goes on was sampled by it: a decode row, or a prefill row that
-  computes the rest of its prompt (a prefill, a tool result beside the decode batch); no
-  request is waiting (an admission would change the batch);
+  computes the rest of its prompt (a prefill, a tool result beside the decode batch), and every
+  running request is in step N;
 - no request is a prefill-only one, and every request gets the page for its next position
   without preemption (eviction from the cache is fine: only unlocked nodes go);
 - a request whose prompt ends at step N (its prompt-end checkpoint hands its write slot to the
@@ -32,6 +32,19 @@ after step N cannot change it:
 
 Step N+1's rows are the running requests in arrival order, the order the scheduler gives a
 decode batch (a tool result's row, last in step N, takes its place among them).
+
+Requests waiting meanwhile (an agent's tool result, a new prompt) are admitted into step N+1
+beside its decode rows (``Scheduler.admit_beside``), as the scheduler would admit them after step
+N: step N+1 is then a mixed step, queued like a decode step, its prefill rows' ids from the host
+after the decode rows' ids from the device. Without this, the arrival of each tool result stopped
+the pipeline for one step: the device idled while the host read step N's ids, then matched the
+turn's prefix, admitted it and planned the mixed step. Admission takes only memory that step N
+does not touch (free pages and slots, or cached ones no request holds; a copy-on-write tail page
+is copied in device order, behind step N), so it does not wait for step N. The step is not queued
+(the synchronous path admits) when admission could preempt a running request (every seat taken)
+or load a spilled prefix. A request that extends one whose turn-end checkpoint step N writes waits
+a step, as it does in ``Scheduler.schedule``; a prefix that step N's collection publishes (a
+prompt-end or turn-end checkpoint) is not there yet for a request admitted beside it.
 
 A request whose next logits depend on the token step N samples (``SamplingParams.reads_last_token``:
 a grammar's mask for step N+1 is computed from token N on the host, the penalties and
@@ -47,14 +60,16 @@ Under tensor parallelism the queued step's plan goes to the worker ranks at once
 ``device_ids``, and every rank receives the ids from rank 0's device by a broadcast queued just
 before the forward (``engine.step_plan``): no rank waits on the host for them.
 
-Anything else (a new request, a prefill chunk that does not end its prompt, a preemption, an
-abort) runs the synchronous path for one step. The engine drains the queued step before any call
+Anything else (a prefill chunk that does not end its prompt, a preemption, an abort) runs the
+synchronous path for one step. The engine drains the queued step before any call
 that reads or changes request memory between steps (abort, export/import, transfers), so those
 see the same state as without pipelining. The tokens are the same as the synchronous path's: the
 same forward on the same inputs, the same sampling draws in the same order.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -65,20 +80,44 @@ from phloem.engine.request import RequestStatus
 from phloem.engine.scheduler import Scheduler, SchedulerOutput
 from phloem.engine.step_plan import StepInputs
 
-__all__ = ["next_decode_step"]
+__all__ = ["next_step"]
+
+QueuedStep = tuple[SchedulerOutput, StepInputs, torch.Tensor]
 
 
-def next_decode_step(
-    step: LaunchedStep, scheduler: Scheduler, cache: CacheManager, max_model_len: int
-) -> tuple[SchedulerOutput, StepInputs, torch.Tensor] | None:
-    """The decode step that follows ``step`` (launched, not yet collected), with its device input
-    ids, or None when it cannot be queued now (the module docstring lists when).
+def next_step(
+    step: LaunchedStep, scheduler: Scheduler, cache: CacheManager, max_model_len: int,
+    prepare: Callable[[SchedulerOutput], StepInputs],
+) -> QueuedStep | None:
+    """The step that follows ``step`` (launched, not yet collected), with its device input ids,
+    or None when it cannot be queued now (the module docstring lists when): the decode rows of
+    ``step``'s requests, then the waiting requests admitted beside them (``prepare`` builds those
+    rows' inputs, ``ModelRunner.prepare_inputs``).
 
     May allocate each request the page of its next position, and the slot and tail page of a
     prompt-end checkpoint (kept either way: the synchronous path would allocate the same next step).
     """
+    if scheduler.waiting and not scheduler.admits_beside():
+        return None
+    decode = _next_decode_rows(step, scheduler, cache, max_model_len)
+    if decode is None or not scheduler.waiting:
+        return decode
+    sched, inputs, tokens = decode
+    admitted = scheduler.admit_beside(sched.requests)
+    if admitted.is_empty:
+        return decode
+    extra = prepare(admitted)
+    ids = torch.cat((tokens, to_device(torch.tensor(extra.input_ids, dtype=tokens.dtype), tokens.device)))
+    both = SchedulerOutput(sched.requests + admitted.requests, sched.num_new_tokens + admitted.num_new_tokens)
+    return both, inputs.then(extra), ids
+
+
+def _next_decode_rows(
+    step: LaunchedStep, scheduler: Scheduler, cache: CacheManager, max_model_len: int
+) -> QueuedStep | None:
+    """The decode rows that follow ``step``: one for each of its requests that goes on."""
     tokens, reqs = step.tokens, step.sampled
-    if tokens is None or scheduler.waiting:
+    if tokens is None:
         return None
     sampled = set(map(id, reqs))
     # Rows not sampled are finalize steps: those requests leave when the step is collected.

@@ -61,6 +61,24 @@ class StepInputs:
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens) and all(self.has_state)
 
+    def then(self, other: StepInputs) -> StepInputs:
+        """This step's rows followed by ``other``'s (a queued decode step and the requests admitted
+        beside it, ``engine.step_pipeline``)."""
+        rows, tokens = len(self.query_lens), len(self.input_ids)
+        return StepInputs(
+            self.input_ids + other.input_ids,
+            self.positions + other.positions,
+            self.slot_mapping + other.slot_mapping,
+            self.query_start_loc + [tokens + q for q in other.query_start_loc[1:]],
+            self.seq_lens + other.seq_lens,
+            self.read_slots + other.read_slots,
+            self.write_slots + other.write_slots,
+            self.has_state + other.has_state,
+            self.query_lens + other.query_lens,
+            self.page_ids + other.page_ids,
+            self.sample_rows + [rows + i for i in other.sample_rows],
+        )
+
     @classmethod
     def scratch(cls, page: int, page_size: int, slot: int) -> StepInputs:
         """A one-token decode step that touches only a scratch page and slot (graph warm-up)."""

@@ -135,13 +135,15 @@ class _Counters:
     checkpoints_evicted: int
     num_preemptions: int
     num_pipelined_steps: int
+    num_pipelined_mixed_steps: int
 
     @classmethod
     def take(cls, engine: Engine) -> _Counters:
         tree = engine.cache.tree
         return cls(engine.cache.prompt_tokens, engine.cache.cached_tokens,
                    tree.checkpoints_created if tree else 0, tree.checkpoints_evicted if tree else 0,
-                   engine.scheduler.num_preemptions, engine.num_pipelined_steps)
+                   engine.scheduler.num_preemptions, engine.num_pipelined_steps,
+                   engine.num_pipelined_mixed_steps)
 
     def restore(self, engine: Engine) -> None:
         engine.cache.prompt_tokens, engine.cache.cached_tokens = self.prompt_tokens, self.cached_tokens
@@ -150,3 +152,4 @@ class _Counters:
             engine.cache.tree.checkpoints_evicted = self.checkpoints_evicted
         engine.scheduler.num_preemptions = self.num_preemptions
         engine.num_pipelined_steps = self.num_pipelined_steps
+        engine.num_pipelined_mixed_steps = self.num_pipelined_mixed_steps

@@ -231,6 +231,8 @@ class EngineStats:
     # Engine-thread seconds answering commands, by command class name (``ExportPrefix``...).
     command_seconds: dict[str, float] = field(default_factory=dict)
     num_pipelined_steps: int = 0
+    # Of those, steps that admitted waiting requests beside the decode rows (mixed steps).
+    num_pipelined_mixed_steps: int = 0
     # Running requests preempted for pages (``engine.scheduler``: they wait again and recompute
     # what the cache lost of them).
     num_preemptions: int = 0

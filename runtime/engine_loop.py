@@ -366,6 +366,7 @@ class EngineLoop:
             between_steps_seconds=self._between_steps_s,
             command_seconds=dict(self._command_seconds),
             num_pipelined_steps=self.engine.num_pipelined_steps,
+            num_pipelined_mixed_steps=self.engine.num_pipelined_mixed_steps,
             num_preemptions=self.engine.scheduler.num_preemptions,
             speculation=self.engine.speculation_stats(),
         )

@@ -265,8 +265,10 @@ def _engine_families(e: EngineStats | None) -> list[Metric]:
         _counter("phloem_engine_steps", "Engine steps run", e.num_steps),
         _counter("phloem_engine_failed_steps", "Engine steps that raised", e.num_failed_steps),
         _histogram("phloem_engine_step_seconds", "Wall time of one engine step", e.step_seconds),
-        _counter("phloem_engine_pipelined_steps", "Decode steps queued on the device behind the "
-                 "step being collected (async scheduling)", e.num_pipelined_steps),
+        _counter("phloem_engine_pipelined_steps", "Steps queued on the device behind the step "
+                 "being collected (async scheduling)", e.num_pipelined_steps),
+        _counter("phloem_engine_pipelined_mixed_steps", "Queued steps that admitted waiting requests "
+                 "beside the decode rows (a tool result, a new prompt)", e.num_pipelined_mixed_steps),
         _counter("phloem_engine_preemptions", "Running requests preempted for pages (they wait "
                  "again, and recompute what the prefix cache lost of them)", e.num_preemptions),
         _counter("phloem_engine_between_steps_seconds", "Host time the engine thread spent between "

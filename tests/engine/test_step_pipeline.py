@@ -130,6 +130,77 @@ def test_the_step_after_a_tool_result_is_queued(append: int) -> None:
     assert_pools_empty(engine)
 
 
+@pytest.mark.parametrize("arrival", ["tool-result", "fresh-prompt"])
+def test_a_request_arriving_mid_decode_joins_the_queued_step(arrival: str) -> None:
+    """A request that arrives while decode steps are queued (an agent's tool result on its cached
+    turn, or a fresh prompt that fits the budget) is admitted into the next queued step, a mixed
+    step: the pipeline does not stop for it. The tokens, the cache hits and the pools are those of
+    the synchronous engine."""
+    first, second = [1, 2, 3, 4, 5], [20, 21, 22, 23, 24, 25, 26, 27]
+    pipeline: dict[str, int] = {}
+
+    def work(engine: Engine) -> object:
+        earlier = engine.generate([second], SamplingParams(max_tokens=3))[0]
+        prompt = second + earlier.token_ids + [9] * 5 if arrival == "tool-result" else [30 + i for i in range(12)]
+        decoding = engine.add_request(first, SamplingParams(max_tokens=30))
+        tokens: dict[str, list[int]] = {decoding: []}
+        for _ in range(4):
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        mixed_before = engine.num_pipelined_mixed_steps
+        arrived = engine.add_request(prompt, SamplingParams(max_tokens=10))
+        tokens[arrived], cached, synchronous = [], 0, 0
+        while engine.has_unfinished_requests():
+            answered = bool(tokens[arrived])
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                cached = out.num_cached_tokens if out.request_id == arrived else cached
+            synchronous += not answered and engine._queued is None
+        pipeline.update(synchronous=synchronous, mixed=engine.num_pipelined_mixed_steps - mixed_before)
+        return tokens[decoding], tokens[arrived], cached, prompt
+
+    (decoded, answered, cached, prompt), engine = run_both(lambda a: make_engine(async_scheduling=a, budget=16), work)
+    assert decoded == expected(first, 30)
+    assert answered == expected(prompt, 10)
+    assert cached == (len(prompt) - 5 if arrival == "tool-result" else 0)
+    # A fresh prompt's first chunk stops one token short of its end (its prompt-end checkpoint):
+    # the step after a chunk that samples nothing is not queued (module docstring).
+    assert pipeline == {"synchronous": int(arrival == "fresh-prompt"), "mixed": 1}, "the arrival stopped the pipeline"
+    assert_pools_empty(engine)
+
+
+def test_a_waiting_request_that_may_take_a_seat_runs_the_synchronous_step() -> None:
+    """With every seat taken, a short request's admission may preempt a running one (a yielded
+    seat): that is the synchronous path's, so no step is queued while it waits, and it takes
+    the seat of the request that brought the most work."""
+    long_prompt, short_prompt = list(range(10, 40)), [3, 4]
+    queued_while_waiting: list[int] = []
+
+    def work(engine: Engine) -> object:
+        ids = [engine.add_request(long_prompt, SamplingParams(max_tokens=40)),
+               engine.add_request([1, 2], SamplingParams(max_tokens=40))]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        for _ in range(6):
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        claimant = engine.add_request(short_prompt, SamplingParams(max_tokens=5))
+        tokens[claimant], queued = [], 0
+        while engine.has_unfinished_requests():
+            waiting = bool(engine.scheduler.waiting)
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            queued += waiting and engine._queued is not None and engine._queued.sched.kind != "decode"
+        queued_while_waiting.append(queued)
+        return [tokens[i] for i in ids], tokens[claimant], engine.scheduler.num_preemptions
+
+    (outs, answered, preemptions), engine = run_both(lambda a: make_engine(async_scheduling=a, max_seqs=2), work)
+    assert outs == [expected(long_prompt, 40), expected([1, 2], 40)]
+    assert answered == expected(short_prompt, 5)
+    assert preemptions == 1, "the claimant took the long prompt's seat"
+    assert queued_while_waiting == [0, 0] and engine.num_pipelined_mixed_steps == 0
+    assert_pools_empty(engine)
+
+
 def test_turn_end_checkpoints_land_and_the_next_turn_hits_them() -> None:
     def work(engine: Engine) -> object:
         conv, seen = [1, 2, 3, 4, 5, 6], []

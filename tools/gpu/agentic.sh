@@ -1,7 +1,7 @@
 #!/bin/bash
 # Device call: `phloem serve` at the 35B-A3B shape with its defaults, the time to its first chat
 # request after it reports ready, then the agentic workload at 4 and 16 agents (50K-token first
-# turn, 12 turns of 800 new tokens, 500 generated). From the repository root:
+# turn, TURNS turns (default 12) of 800 new tokens, 500 generated). From the repository root:
 #   bash tools/gpu/agentic.sh [AGENTS...]      (default: 4 16; writes $OUT)
 # MODEL_ARGS replaces the model flags (an H100 80GB needs `... --quantization fp8`: bf16 weights
 # leave it too little memory for the prefill graphs); TRIE=1 then runs the record's harness alone
@@ -31,7 +31,7 @@ PY
 for n in ${@:-4 16}; do
   T1=$(date +%s)
   python3 -m phloem.cli bench agentic --base-url http://127.0.0.1:8000 --modes sessions --agents "$n" \
-    --first-turn 50000 --append 800 --turns 12 --output 500 --no-progress --out "/tmp/agentic-$n" 2>&1 | grep -v Warning | tail -4
+    --first-turn 50000 --append 800 --turns "${TURNS:-12}" --output 500 --no-progress --out "/tmp/agentic-$n" 2>&1 | grep -v Warning | tail -4
   cp "/tmp/agentic-$n/agentic.json" "$OUT/agentic-$n.json"
   curl -s http://127.0.0.1:8000/metrics | grep -E "^phloem_(engine|state_slots|prefix_checkpoints|kv_pages)" > "$OUT/metrics-$n.txt"
   echo "agents $n: $(( $(date +%s) - T1 )) s; $(grep -E 'failed_steps_total|memory_blocked|checkpoints_evicted_total|state_slots_used' "$OUT/metrics-$n.txt" | tr '\n' ' ')"
