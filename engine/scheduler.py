@@ -166,11 +166,10 @@ class Scheduler:
 
     def admits_beside(self) -> bool:
         """Whether ``admit_beside`` may run: admitting the waiting requests into a step queued
-        behind one in flight takes neither a preemption (a yielded seat: every seat is taken) nor
-        a spilled prefix's load (its copy runs beside the steps only between them)."""
-        if len(self.running) >= self.config.max_num_seqs and self.config.seat_yield_min_tokens is not None:
-            return False
-        return self.load_prefix is None or all(r.resume is None for r in self.waiting)
+        behind one in flight must not preempt a running request, as a yielded seat would (every
+        seat taken). A spilled prefix may load: its copy waits for the steps queued so far
+        (``ModelRunner.write_state_async``) and the step that reads it for the copy."""
+        return len(self.running) < self.config.max_num_seqs or self.config.seat_yield_min_tokens is None
 
     def admit_beside(self, decode: tuple[Request, ...]) -> SchedulerOutput:
         """Admit waiting requests into the step queued behind the one in flight

@@ -40,11 +40,12 @@ after the decode rows' ids from the device. Without this, the arrival of each to
 the pipeline for one step: the device idled while the host read step N's ids, then matched the
 turn's prefix, admitted it and planned the mixed step. Admission takes only memory that step N
 does not touch (free pages and slots, or cached ones no request holds; a copy-on-write tail page
-is copied in device order, behind step N), so it does not wait for step N. The step is not queued
-(the synchronous path admits) when admission could preempt a running request (every seat taken)
-or load a spilled prefix. A request that extends one whose turn-end checkpoint step N writes waits
-a step, as it does in ``Scheduler.schedule``; a prefix that step N's collection publishes (a
-prompt-end or turn-end checkpoint) is not there yet for a request admitted beside it.
+is copied in device order, behind step N; a spilled prefix's copy on its side stream waits for
+step N, and step N+1 for the copy), so it does not wait for step N. The step is not queued (the
+synchronous path admits) when admission could preempt a running request (every seat taken). A
+request that extends one whose turn-end checkpoint step N writes waits a step, as it does in
+``Scheduler.schedule``; a prefix that step N's collection publishes (a prompt-end or turn-end
+checkpoint) is not there yet for a request admitted beside it.
 
 A request whose next logits depend on the token step N samples (``SamplingParams.reads_last_token``:
 a grammar's mask for step N+1 is computed from token N on the host, the penalties and

@@ -130,25 +130,31 @@ def test_the_step_after_a_tool_result_is_queued(append: int) -> None:
     assert_pools_empty(engine)
 
 
-@pytest.mark.parametrize("arrival", ["tool-result", "fresh-prompt"])
+@pytest.mark.parametrize("arrival", ["tool-result", "resumed", "fresh-prompt"])
 def test_a_request_arriving_mid_decode_joins_the_queued_step(arrival: str) -> None:
     """A request that arrives while decode steps are queued (an agent's tool result on its cached
-    turn, or a fresh prompt that fits the budget) is admitted into the next queued step, a mixed
-    step: the pipeline does not stop for it. The tokens, the cache hits and the pools are those of
-    the synchronous engine."""
+    turn or on its turn spilled to the host, or a fresh prompt that fits the budget) is admitted
+    into the next queued step, a mixed step: the pipeline does not stop for it. The tokens, the
+    cache hits and the pools are those of the synchronous engine."""
     first, second = [1, 2, 3, 4, 5], [20, 21, 22, 23, 24, 25, 26, 27]
     pipeline: dict[str, int] = {}
 
     def work(engine: Engine) -> object:
         earlier = engine.generate([second], SamplingParams(max_tokens=3))[0]
-        prompt = second + earlier.token_ids + [9] * 5 if arrival == "tool-result" else [30 + i for i in range(12)]
+        turn = second + earlier.token_ids
+        prompt = turn + [9] * 5 if arrival != "fresh-prompt" else [30 + i for i in range(12)]
+        spilled = None
+        if arrival == "resumed":
+            spilled = engine.export_prefix(turn)
+            assert spilled is not None and engine.cache.tree is not None
+            engine.cache.tree.clear()
         decoding = engine.add_request(first, SamplingParams(max_tokens=30))
         tokens: dict[str, list[int]] = {decoding: []}
         for _ in range(4):
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
         mixed_before = engine.num_pipelined_mixed_steps
-        arrived = engine.add_request(prompt, SamplingParams(max_tokens=10))
+        arrived = engine.add_request(prompt, SamplingParams(max_tokens=10), resume=spilled)
         tokens[arrived], cached, synchronous = [], 0, 0
         while engine.has_unfinished_requests():
             answered = bool(tokens[arrived])
@@ -162,7 +168,7 @@ def test_a_request_arriving_mid_decode_joins_the_queued_step(arrival: str) -> No
     (decoded, answered, cached, prompt), engine = run_both(lambda a: make_engine(async_scheduling=a, budget=16), work)
     assert decoded == expected(first, 30)
     assert answered == expected(prompt, 10)
-    assert cached == (len(prompt) - 5 if arrival == "tool-result" else 0)
+    assert cached == (0 if arrival == "fresh-prompt" else len(prompt) - 5)
     # A fresh prompt's first chunk stops one token short of its end (its prompt-end checkpoint):
     # the step after a chunk that samples nothing is not queued (module docstring).
     assert pipeline == {"synchronous": int(arrival == "fresh-prompt"), "mixed": 1}, "the arrival stopped the pipeline"

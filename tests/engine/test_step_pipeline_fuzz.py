@@ -4,7 +4,8 @@ Each seed interleaves, between engine steps, new requests (fresh prompts and con
 earlier conversations, so prefix hits, turn-end checkpoints and forks happen), aborts and steps,
 on small pools (preemption, slot shortage, eviction) and with random stop tokens, lengths,
 chunk budgets and checkpoint intervals; with the prefix cache, sessions' operations too: pins
-and unpins of finished conversations, and spills (export, cache reset, import back). The toy model checks on every forward that its KV pages
+and unpins of finished conversations, and spills (export, cache reset, import back; or a
+continuation that resumes the spilled state when it is admitted). The toy model checks on every forward that its KV pages
 agree with its GDN state; here every finished request must equal ``expected`` (the closed form),
 every aborted one must have reported a prefix of it, and the pools must come back full. A
 request longer than the whole KV pool is refused at admission (``CapacityExceeded``) or, alone
@@ -45,14 +46,19 @@ def run_random_workload(engine: Engine, rng: random.Random, num_ops: int = 120) 
     for _ in range(num_ops):
         op = rng.random()
         if op < 0.3:
+            spilled = None
             if conversations and rng.random() < 0.5:  # continue (or fork) an earlier conversation
-                prompt = rng.choice(conversations) + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 6))]
+                conv = rng.choice(conversations)
+                prompt = conv + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 6))]
+                if tree is not None and rng.random() < 0.25:  # spilled while idle: resumed at admission
+                    spilled = engine.export_prefix(conv)
+                    tree.clear()
             else:
                 prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))]
             stop = (rng.randrange(VOCAB),) if rng.random() < 0.3 else ()
             p = SamplingParams(max_tokens=rng.randrange(1, 25), stop_token_ids=stop)
             try:
-                rid = engine.add_request(prompt, p)
+                rid = engine.add_request(prompt, p, resume=spilled)
             except (CapacityExceeded, InvalidRequest):
                 continue  # longer than the pool or the context: refused, nothing enqueued
             prompts[rid], params[rid], reported[rid] = prompt, p, []
