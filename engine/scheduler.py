@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from phloem.engine.cache.manager import CacheManager
@@ -166,10 +166,13 @@ class Scheduler:
 
     def admits_beside(self) -> bool:
         """Whether ``admit_beside`` may run: admitting the waiting requests into a step queued
-        behind one in flight must not preempt a running request, as a yielded seat would (every
-        seat taken). A spilled prefix may load: its copy waits for the steps queued so far
-        (``ModelRunner.write_state_async``) and the step that reads it for the copy."""
-        return len(self.running) < self.config.max_num_seqs or self.config.seat_yield_min_tokens is None
+        behind one in flight must not preempt a running request, as a yielded seat would. With
+        every seat taken and no seat to yield (no claimant brings ``seat_yield_min_tokens`` less
+        work than a running request, ``_seat_yields``) it admits nothing, and the queued step is
+        the decode rows alone, as the synchronous path's would be. A spilled prefix may load: its
+        copy waits for the steps queued so far (``ModelRunner.write_state_async``) and the step
+        that reads it for the copy."""
+        return len(self.running) < self.config.max_num_seqs or next(self._seat_yields(), None) is None
 
     def admit_beside(self, decode: tuple[Request, ...]) -> SchedulerOutput:
         """Admit waiting requests into the step queued behind the one in flight
@@ -188,10 +191,17 @@ class Scheduler:
         return SchedulerOutput(tuple(step.requests), tuple(step.num_new))
 
     def _yield_seats(self) -> None:
-        """With every seat taken, preempt for each short request never admitted before (in line
-        order, while the step's budget past one decode token a seat can admit it) the running
-        request that brought the most work, if that is ``seat_yield_min_tokens`` more than the
-        claimant's (``_waiting_rank``)."""
+        """Preempt the running requests ``_seat_yields`` names, each before the next is chosen."""
+        for victim in self._seat_yields():
+            self._preempt(victim)
+
+    def _seat_yields(self) -> Iterator[Request]:
+        """With every seat taken, for each short request never admitted before (in line order,
+        while the step's budget past one decode token a seat can admit it), the running request
+        that brought the most work, if that is ``seat_yield_min_tokens`` more than the claimant's
+        (``_waiting_rank``). Lazy: a caller that preempts each one changes the next choice; the
+        first alone says whether a seat would be yielded now (``_rank`` does not change as a
+        request decodes, so only arrivals and finished requests change the answer)."""
         margin = self.config.seat_yield_min_tokens
         if margin is None or len(self.running) < self.config.max_num_seqs or not self.waiting:
             return
@@ -208,7 +218,7 @@ class Scheduler:
             victim = max(victims, key=_rank)
             if _rank(victim)[0] - _waiting_rank(claimant)[0] < margin:
                 return
-            self._preempt(victim)
+            yield victim
 
     def _size_class(self, req: Request) -> int:
         """``_DECODE``, ``_SHORT`` (the rest of its prefill fits one step) or ``_LONG``."""

@@ -42,7 +42,9 @@ turn's prefix, admitted it and planned the mixed step. Admission takes only memo
 does not touch (free pages and slots, or cached ones no request holds; a copy-on-write tail page
 is copied in device order, behind step N; a spilled prefix's copy on its side stream waits for
 step N, and step N+1 for the copy), so it does not wait for step N. The step is not queued (the
-synchronous path admits) when admission could preempt a running request (every seat taken). A
+synchronous path admits) when admission would preempt a running request: every seat taken and a
+claimant that a seat would be yielded to (``Scheduler.admits_beside``); with every seat taken and
+no seat to yield, the decode rows are queued alone, as the synchronous path would run them. A
 request that extends one whose turn-end checkpoint step N writes waits a step, as it does in
 ``Scheduler.schedule``; a prefix that step N's collection publishes (a prompt-end or turn-end
 checkpoint) is not there yet for a request admitted beside it.

@@ -207,6 +207,40 @@ def test_a_waiting_request_that_may_take_a_seat_runs_the_synchronous_step() -> N
     assert_pools_empty(engine)
 
 
+def test_a_waiting_request_no_seat_is_yielded_to_keeps_the_decode_steps_queued() -> None:
+    """With every seat taken, a request that brings no less work than the running ones (no seat
+    is yielded to it) waits for a seat to free: meanwhile the decode steps stay queued, as the
+    synchronous path would run them, and it is admitted once a request finishes."""
+    prompts, waiting_prompt = [list(range(10, 16)), list(range(20, 26))], list(range(30, 40))
+    queued_while_waiting: list[int] = []
+
+    def work(engine: Engine) -> object:
+        ids = [engine.add_request(prompts[0], SamplingParams(max_tokens=12)),
+               engine.add_request(prompts[1], SamplingParams(max_tokens=30))]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        for _ in range(3):
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        waiter = engine.add_request(waiting_prompt, SamplingParams(max_tokens=5))
+        tokens[waiter], queued = [], 0
+        while engine.has_unfinished_requests():
+            waiting = bool(engine.scheduler.waiting)
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            queued += waiting and engine._queued is not None
+        queued_while_waiting.append(queued)
+        return [tokens[i] for i in ids], tokens[waiter], engine.scheduler.num_preemptions
+
+    (outs, answered, preemptions), engine = run_both(lambda a: make_engine(async_scheduling=a, max_seqs=2), work)
+    assert outs == [expected(prompts[0], 12), expected(prompts[1], 30)]
+    assert answered == expected(waiting_prompt, 5)
+    assert preemptions == 0, "no seat was yielded: the waiting request brings the most work"
+    # The sync engine queues nothing; the async one queued the decode steps while it waited (about
+    # the 8 left to the first request; a step or two at the ends may run synchronously).
+    assert queued_while_waiting[0] == 0 and queued_while_waiting[1] >= 6, queued_while_waiting
+    assert_pools_empty(engine)
+
+
 def test_turn_end_checkpoints_land_and_the_next_turn_hits_them() -> None:
     def work(engine: Engine) -> object:
         conv, seen = [1, 2, 3, 4, 5, 6], []
