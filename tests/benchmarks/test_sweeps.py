@@ -131,3 +131,31 @@ def test_w8a8_bench_imports_and_flags_a_path_off_its_reference() -> None:
     ]
     table = module["markdown"](rows).splitlines()
     assert len(table) == 5 and "(CHECK)" in table[3] and "(CHECK)" not in table[2] and "unsupported" in table[4]
+
+
+def test_turn_rates_reads_finished_turns_from_server_logs(tmp_path: Path) -> None:
+    """Only turns that generated their whole length count (a cancelled turn, a stateless request
+    and a one-token answer are left out); a gzipped log reads as a plain one."""
+    import gzip
+
+    module = runpy.run_path(str(GPU_TOOLS / "turn_rates.py"), run_name="turn_rates")
+
+    def line(turn: object, reason: str, tokens: int, duration_ms: float, first_ms: float) -> str:
+        return (f"2026-12-07T17:06:22.298Z INFO phloem.sessions.events [req_x] generation.finished "
+                f"session_id=sess_1 turn={turn} finish_reason={reason} prompt_tokens=900 cached_tokens=800 "
+                f"completion_tokens={tokens} duration_ms={duration_ms} prepare_ms=0.7 first_token_ms={first_ms}\n")  # fmt: skip
+
+    plain = tmp_path / "a.log"
+    plain.write_text("".join([
+        line(0, "length", 101, 3000.0, 1000.0), line(1, "length", 501, 10_100.0, 100.0),
+        line(1, "length", 501, 5_200.0, 200.0), line(1, "cancelled", 40, 900.0, 150.0),
+        line(None, "length", 501, 5_000.0, 100.0), line(2, "length", 1, 300.0, 120.0),
+    ]))  # fmt: skip
+    zipped = tmp_path / "b.log.gz"
+    with gzip.open(zipped, "wt") as f:
+        f.write(line(0, "length", 101, 2000.0, 1000.0))
+    rates = module["turn_rates"](plain)
+    assert rates == {0: (1, 50.0, 1000.0), 1: (2, 75.0, 150.0)}
+    assert module["turn_rates"](zipped) == {0: (1, 100.0, 1000.0)}
+    table = module["table"]([plain, zipped]).splitlines()
+    assert table[2] == "| 0 | 1, 50.0, 1000 | 1, 100.0, 1000 |" and table[3] == "| 1 | 2, 75.0, 150 | - |"

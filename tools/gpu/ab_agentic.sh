@@ -9,7 +9,7 @@
 # H200 for). The patched tree runs first (a fresh machine compiles FlashInfer's kernels on its
 # server's start; pack_caches keeps them), then BASE; DEADLINE (epoch seconds) cuts the runs, then
 # the GPU concurrency tests run in what is left. Prints per-agent decode, TTFT and the queued mixed
-# steps of each side last.
+# steps of each side, then per-turn decode and TTFT from both server logs (tools/gpu/turn_rates.py), last.
 source tools/gpu/setup.sh || exit 1
 START=$(date +%s)
 DEADLINE=${DEADLINE:-$((START + 570))}
@@ -59,3 +59,6 @@ for side in ("patched", "base"):
           f"{s['ttft_turns_2plus_p99_s']:.3f} | {s['output_tok_s']:.1f} | "
           f"{e.get('mixed_steps_queued', 0):.0f} / {e.get('mixed_steps', 0):.0f} |")
 PY
+# Per turn from the server logs: compares the two sides over the turns both finished when the
+# deadline cut one short.
+python3 tools/gpu/turn_rates.py "$OUT/ab/server-patched.log.gz" "$OUT/ab/server-base.log.gz"
