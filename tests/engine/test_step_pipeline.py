@@ -175,35 +175,48 @@ def test_a_request_arriving_mid_decode_joins_the_queued_step(arrival: str) -> No
     assert_pools_empty(engine)
 
 
+class LateArrival:
+    """Two running requests (every seat of a 2-seat engine), then after ``warm_steps`` steps a
+    third; counts the steps that ran while it waited with a step queued behind them (``mixed``:
+    only queued steps with prefill rows)."""
+
+    def __init__(self, running: list[tuple[list[int], int]], late: tuple[list[int], int], warm_steps: int,
+                 mixed: bool) -> None:  # fmt: skip
+        self.running, self.late, self.warm_steps, self.mixed = running, late, warm_steps, mixed
+        self.queued_while_waiting: list[int] = []
+
+    def __call__(self, engine: Engine) -> object:
+        ids = [engine.add_request(prompt, SamplingParams(max_tokens=n)) for prompt, n in self.running]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        for _ in range(self.warm_steps):
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        late = engine.add_request(self.late[0], SamplingParams(max_tokens=self.late[1]))
+        tokens[late], queued = [], 0
+        while engine.has_unfinished_requests():
+            waiting = bool(engine.scheduler.waiting)
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            step = engine._queued
+            queued += waiting and step is not None and (not self.mixed or step.sched.kind != "decode")
+        self.queued_while_waiting.append(queued)
+        return [tokens[i] for i in ids], tokens[late], engine.scheduler.num_preemptions
+
+    def run_both(self) -> tuple[object, Engine]:
+        return run_both(lambda a: make_engine(async_scheduling=a, max_seqs=2), self)
+
+
 def test_a_waiting_request_that_may_take_a_seat_runs_the_synchronous_step() -> None:
     """With every seat taken, a short request's admission may preempt a running one (a yielded
     seat): that is the synchronous path's, so no step is queued while it waits, and it takes
     the seat of the request that brought the most work."""
     long_prompt, short_prompt = list(range(10, 40)), [3, 4]
-    queued_while_waiting: list[int] = []
-
-    def work(engine: Engine) -> object:
-        ids = [engine.add_request(long_prompt, SamplingParams(max_tokens=40)),
-               engine.add_request([1, 2], SamplingParams(max_tokens=40))]
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        for _ in range(6):
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-        claimant = engine.add_request(short_prompt, SamplingParams(max_tokens=5))
-        tokens[claimant], queued = [], 0
-        while engine.has_unfinished_requests():
-            waiting = bool(engine.scheduler.waiting)
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-            queued += waiting and engine._queued is not None and engine._queued.sched.kind != "decode"
-        queued_while_waiting.append(queued)
-        return [tokens[i] for i in ids], tokens[claimant], engine.scheduler.num_preemptions
-
-    (outs, answered, preemptions), engine = run_both(lambda a: make_engine(async_scheduling=a, max_seqs=2), work)
+    work = LateArrival([(long_prompt, 40), ([1, 2], 40)], (short_prompt, 5), warm_steps=6, mixed=True)
+    (outs, answered, preemptions), engine = work.run_both()
     assert outs == [expected(long_prompt, 40), expected([1, 2], 40)]
     assert answered == expected(short_prompt, 5)
     assert preemptions == 1, "the claimant took the long prompt's seat"
-    assert queued_while_waiting == [0, 0] and engine.num_pipelined_mixed_steps == 0
+    assert work.queued_while_waiting == [0, 0] and engine.num_pipelined_mixed_steps == 0
     assert_pools_empty(engine)
 
 
@@ -212,32 +225,15 @@ def test_a_waiting_request_no_seat_is_yielded_to_keeps_the_decode_steps_queued()
     is yielded to it) waits for a seat to free: meanwhile the decode steps stay queued, as the
     synchronous path would run them, and it is admitted once a request finishes."""
     prompts, waiting_prompt = [list(range(10, 16)), list(range(20, 26))], list(range(30, 40))
-    queued_while_waiting: list[int] = []
-
-    def work(engine: Engine) -> object:
-        ids = [engine.add_request(prompts[0], SamplingParams(max_tokens=12)),
-               engine.add_request(prompts[1], SamplingParams(max_tokens=30))]
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        for _ in range(3):
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-        waiter = engine.add_request(waiting_prompt, SamplingParams(max_tokens=5))
-        tokens[waiter], queued = [], 0
-        while engine.has_unfinished_requests():
-            waiting = bool(engine.scheduler.waiting)
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-            queued += waiting and engine._queued is not None
-        queued_while_waiting.append(queued)
-        return [tokens[i] for i in ids], tokens[waiter], engine.scheduler.num_preemptions
-
-    (outs, answered, preemptions), engine = run_both(lambda a: make_engine(async_scheduling=a, max_seqs=2), work)
+    work = LateArrival([(prompts[0], 12), (prompts[1], 30)], (waiting_prompt, 5), warm_steps=3, mixed=False)
+    (outs, answered, preemptions), engine = work.run_both()
     assert outs == [expected(prompts[0], 12), expected(prompts[1], 30)]
     assert answered == expected(waiting_prompt, 5)
     assert preemptions == 0, "no seat was yielded: the waiting request brings the most work"
     # The sync engine queues nothing; the async one queued the decode steps while it waited (about
     # the 8 left to the first request; a step or two at the ends may run synchronously).
-    assert queued_while_waiting[0] == 0 and queued_while_waiting[1] >= 6, queued_while_waiting
+    queued = work.queued_while_waiting
+    assert queued[0] == 0 and queued[1] >= 6, queued
     assert_pools_empty(engine)
 
 
