@@ -173,9 +173,10 @@ def _engine_summary(sampler: TierSampler) -> dict[str, float]:
     state to host memory while every running request waits), the spill copies and disk reads that
     found no free range in the pinned arena (``phloem_host_arena_fallbacks``: each copied into
     pageable memory instead, its resume's copy then synchronous), the running requests preempted
-    for pages (each recomputes what the cache lost of it), the mixed steps (a tool result or a
-    prompt beside the decode batch) and how many of them were queued behind the step before
-    (``phloem_engine_pipelined_mixed_steps``: the rest ran after a synchronous step), and the
+    for pages (each recomputes what the cache lost of it), the steps and how many of them were
+    queued behind the step before (``phloem_engine_pipelined_steps``: the rest ran after a
+    synchronous one), the mixed steps among them (a tool result or a prompt beside the decode
+    batch) and how many of those were queued (``phloem_engine_pipelined_mixed_steps``), and the
     pools it had (KV pages and GDN state slots: a run blocked on memory says which was short)."""
     during = sampler.series[1:-1] or sampler.series
     n = len(during)
@@ -190,6 +191,8 @@ def _engine_summary(sampler: TierSampler) -> dict[str, float]:
                             if wall else 0.0),
         "arena_fallbacks": _delta(sampler, "phloem_host_arena_fallbacks_total"),
         "preemptions": _delta(sampler, "phloem_engine_preemptions_total"),
+        "steps": _delta(sampler, "phloem_engine_steps_total"),
+        "steps_queued": _delta(sampler, "phloem_engine_pipelined_steps_total"),
         "mixed_steps": _delta(sampler, 'phloem_engine_step_kind_seconds_count{kind="mixed"}'),
         "mixed_steps_queued": _delta(sampler, "phloem_engine_pipelined_mixed_steps_total"),
         "kv_pages": sampler.before.get("phloem_kv_pages_total", 0.0),
@@ -224,8 +227,8 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
     """Two tables: served shares and resumes per mode, and TTFT p50 / p99 per turn per mode."""
     lines = ["| mode | served gpu / host / disk / recomputed | from cache or tier | resume host: n, s (recompute s) "
              "| resume disk: n, s (recompute s) | per-agent decode tok/s p50 (min) | lost turns "
-             "| engine: running / waiting mean, memory-blocked, stepping, exporting, preempted; mixed steps "
-             "queued / all; pages / state slots "
+             "| engine: running / waiting mean, memory-blocked, stepping, exporting, preempted; steps queued "
+             "/ all, mixed steps queued / all; pages / state slots "
              "| server host memory peak GiB: resident / pinned / host tier |",
              "|---|---|---|---|---|---|---|---|---|"]
     for mode, s in summary.items():
@@ -239,7 +242,8 @@ def fleet_markdown(summary: dict[str, dict[str, object]]) -> str:
         e = f["engine"]
         queue = (f"{e['running_mean']:.1f} / {e['waiting_mean']:.1f}, {e['memory_blocked_share']:.0%}, "
                  f"{e['stepping_share']:.0%}, {e['exporting_share']:.0%}, {e['preemptions']:.0f}; "
-                 f"{e['mixed_steps_queued']:.0f} / {e['mixed_steps']:.0f}; {e['kv_pages']:.0f} / {e['state_slots']:.0f}")
+                 f"{e['steps_queued']:.0f} / {e['steps']:.0f}, {e['mixed_steps_queued']:.0f} / {e['mixed_steps']:.0f}; "
+                 f"{e['kv_pages']:.0f} / {e['state_slots']:.0f}")
         mem = " / ".join("n/a" if v is None else f"{v / 2**30:.2f}"
                          for v in (f["host_memory_peak"][k] for k in _MEMORY_PEAKS))
         lines.append(f"| {mode} | {shares} | {f['served_from_cache_or_tier']:.1%} | {res[0]} | {res[1]} "

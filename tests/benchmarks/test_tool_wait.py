@@ -68,8 +68,8 @@ def test_the_engine_queue_is_averaged_over_the_samples_taken_during_the_run() ->
     """The first and last points are the before and after scrapes: left out of the means. Three
     samples during the run: 2, 4, 6 running; 0, 3, 6 waiting, blocked on memory in two of them;
     4 s of steps and 1.2 s of spills' exports over an 8 s run; 3 arena fallbacks, 5 preemptions
-    and 6 mixed steps, 4 of them queued, between the scrapes; the pools as the first scrape read
-    them."""
+    and 30 steps, 21 of them queued, 6 of them mixed, 4 of those queued, between the scrapes; the
+    pools as the first scrape read them."""
     sampler = TierSampler("http://unused")
     points = [(0.0, 0, 9, 1), (1.0, 2, 0, 0), (4.0, 4, 3, 1), (6.0, 6, 6, 1), (8.0, 0, 9, 1)]
     sampler.series = [{"t": t, "gpu": 0.0, "host": 0.0, "disk": 0.0, "running": r, "waiting": w, "blocked": b}
@@ -79,7 +79,8 @@ def test_the_engine_queue_is_averaged_over_the_samples_taken_during_the_run() ->
                       "phloem_engine_preemptions_total": 2.0, "phloem_host_arena_fallbacks_total": 1.0,
                       'phloem_engine_command_seconds_total{command="ExportPrefix"}': 0.4,
                       'phloem_engine_step_kind_seconds_count{kind="mixed"}': 10.0,
-                      "phloem_engine_pipelined_mixed_steps_total": 7.0}
+                      "phloem_engine_pipelined_mixed_steps_total": 7.0,
+                      "phloem_engine_steps_total": 50.0, "phloem_engine_pipelined_steps_total": 20.0}
     sampler.after = {'phloem_engine_step_kind_seconds_sum{kind="decode"}': 3.0,
                      "phloem_engine_preemptions_total": 7.0, "phloem_host_arena_fallbacks_total": 4.0,
                      'phloem_engine_command_seconds_total{command="ExportPrefix"}': 1.6,
@@ -87,14 +88,15 @@ def test_the_engine_queue_is_averaged_over_the_samples_taken_during_the_run() ->
                      'phloem_engine_step_kind_seconds_sum{kind="mixed"}': 1.5,
                      'phloem_engine_step_kind_seconds_sum{kind="prefill"}': 0.5,
                      'phloem_engine_step_kind_seconds_count{kind="mixed"}': 16.0,
-                     "phloem_engine_pipelined_mixed_steps_total": 11.0}
+                     "phloem_engine_pipelined_mixed_steps_total": 11.0,
+                     "phloem_engine_steps_total": 80.0, "phloem_engine_pipelined_steps_total": 41.0}
     f = fleet_summary([TurnRecord("sessions", 0, 0, 1, 10, 10, 0, 5, 0.1, 0.01, 0.2)], sampler, expected_turns=1)
     engine = f["engine"]
     assert engine == {"running_mean": 4.0, "waiting_mean": 3.0, "memory_blocked_share": pytest.approx(2 / 3),
                       "stepping_share": 0.5, "exporting_share": pytest.approx(0.15), "arena_fallbacks": 3,
-                      "preemptions": 5, "mixed_steps": 6, "mixed_steps_queued": 4,
+                      "preemptions": 5, "steps": 30, "steps_queued": 21, "mixed_steps": 6, "mixed_steps_queued": 4,
                       "kv_pages": 40000, "state_slots": 6}
-    assert "| 0 | 4.0 / 3.0, 67%, 50%, 15%, 5; 4 / 6; 40000 / 6 |" in fleet_markdown({"sessions": {"fleet": f}})
+    assert "| 0 | 4.0 / 3.0, 67%, 50%, 15%, 5; 21 / 30, 4 / 6; 40000 / 6 |" in fleet_markdown({"sessions": {"fleet": f}})
 
 
 def test_the_server_host_memory_peaks_beside_the_host_tier() -> None:
