@@ -3,8 +3,11 @@ holds no turn back.
 
 The server's index goes through the slow proxy of ``redis_support``; holding every chunk 30 s
 makes Redis hang for the server (its commands time out after 5 s). While it hangs, appends
-commit from the journal with a p99 under 200 ms and ``/health`` says ``degraded``; once Redis
-answers again the index is resynced with every turn committed meanwhile.
+commit from the journal: their p99 is within 200 ms of the same appends' p99 on the same server
+while Redis answers (a wait on Redis would add its 5 s timeout), and ``/health`` says
+``degraded``; once Redis answers again the index is resynced with every turn committed meanwhile.
+The bound is relative because a loaded two-core CI machine takes ~0.15 s for such an append with
+Redis healthy; on an idle one both sets stay well under 200 ms.
 """
 
 from __future__ import annotations
@@ -41,16 +44,24 @@ def test_appends_do_not_wait_on_a_hung_redis(tmp_path: Path, model_dir: Path) ->
         with httpx.Client(base_url=server.base_url, headers=auth(ALICE), timeout=60) as alice:
             sid = alice.post("/v1/sessions", json={"text": "before the hang"}).json()["id"]
             assert index.get_session(sid) is not None
+
+            def appends(first_id: int) -> list[float]:
+                seconds = []
+                for i in range(15):
+                    start = time.perf_counter()
+                    turn = alice.post(f"/v1/sessions/{sid}/append", json={
+                        "input_ids": [first_id + i, 6], "generate": {"max_tokens": 1, "ignore_eos": True}})
+                    seconds.append(time.perf_counter() - start)
+                    assert turn.status_code == 200, turn.text
+                return seconds
+
+            healthy = appends(40)
             proxy.delay_s = 30.0  # Redis hangs: every reply is held past the client's timeout
-            seconds = []
-            for i in range(15):
-                start = time.perf_counter()
-                turn = alice.post(f"/v1/sessions/{sid}/append",
-                                  json={"input_ids": [5 + i, 6], "generate": {"max_tokens": 1, "ignore_eos": True}})
-                seconds.append(time.perf_counter() - start)
-                assert turn.status_code == 200, turn.text
-            p99 = sorted(seconds)[-1]
-            assert p99 < 0.2, f"append latencies while Redis hangs: {[round(s, 3) for s in seconds]}"
+            hung = appends(5)
+            # p99 of 15: the slowest.
+            assert max(hung) < max(healthy) + 0.2, (
+                f"append latencies while Redis hangs: {[round(s, 3) for s in hung]}; "
+                f"while it answers: {[round(s, 3) for s in healthy]}")
             _wait_for(lambda: httpx.get(f"{server.base_url}/health", timeout=30).json()["status"] == "degraded")
             num_tokens = alice.get(f"/v1/sessions/{sid}").json()["num_tokens"]
 
