@@ -8,32 +8,21 @@ and the slowest turns with when they started. From the repository root:
 
 from __future__ import annotations
 
-import re
 import sys
 from datetime import datetime
 
 from phloem.benchmarks.fleet_report import _quantile  # the fleet report's TTFT quantiles
-
-_LINE = re.compile(r"^(\S+) .* generation\.finished (.*)$")
-
-
-def _fields(text: str) -> dict[str, str]:
-    return dict(part.split("=", 1) for part in text.split() if "=" in part)
+from phloem.benchmarks.server_log import finished_generations
 
 
 def main(path: str, num_slowest: int = 12) -> None:
     rows = []
-    with open(path) as log:
-        for line in log:
-            m = _LINE.match(line)
-            if m is None:
-                continue
-            f = _fields(m.group(2))
-            if "first_token_ms" not in f or "turn" not in f:
-                continue
-            end = datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp()
-            rows.append((int(f["turn"]), end - float(f["duration_ms"]) / 1000, float(f["prepare_ms"]),
-                         float(f["first_token_ms"]), int(f["cached_tokens"]), int(f["prompt_tokens"])))
+    for stamp, f in finished_generations(path):
+        if "first_token_ms" not in f or "turn" not in f:
+            continue
+        end = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+        rows.append((int(f["turn"]), end - float(f["duration_ms"]) / 1000, float(f["prepare_ms"]),
+                     float(f["first_token_ms"]), int(f["cached_tokens"]), int(f["prompt_tokens"])))
     if not rows:
         print("no generation.finished lines with first_token_ms")
         return

@@ -1,5 +1,5 @@
 """Per-turn decode rate and time to first token of a served run, read from its server log's
-``generation.finished`` events (``sessions._events``), so two runs cut at different points (a
+``generation.finished`` events (``benchmarks.server_log``), so two runs cut at different points (a
 device call's deadline) compare over the turns both finished.
 
     python3 tools/gpu/turn_rates.py A.log[.gz] [B.log[.gz] ...]
@@ -12,31 +12,24 @@ table, a column pair per log, a row per turn.
 
 from __future__ import annotations
 
-import gzip
-import re
 import statistics
 import sys
 from pathlib import Path
 
-_FIELD = re.compile(r"(\w+)=(\S+)")
+from phloem.benchmarks.server_log import finished_generations
 
 
 def turn_rates(path: Path) -> dict[int, tuple[int, float, float]]:
     """``{turn: (requests, mean decode tok/s, median first-token ms)}`` of one server log."""
-    opener = gzip.open if path.suffix == ".gz" else open
     by_turn: dict[int, list[tuple[float, float]]] = {}
-    with opener(path, "rt") as f:
-        for line in f:
-            if "generation.finished" not in line:
-                continue
-            fields = dict(_FIELD.findall(line))
-            if fields.get("finish_reason") != "length" or fields.get("turn", "None") == "None":
-                continue
-            n, total = int(fields["completion_tokens"]), float(fields["duration_ms"])
-            first = float(fields["first_token_ms"])
-            if n < 2 or total <= first:
-                continue
-            by_turn.setdefault(int(fields["turn"]), []).append(((n - 1) / ((total - first) / 1000), first))
+    for _, fields in finished_generations(path):
+        if fields.get("finish_reason") != "length" or fields.get("turn", "None") == "None":
+            continue
+        n, total = int(fields["completion_tokens"]), float(fields["duration_ms"])
+        first = float(fields["first_token_ms"])
+        if n < 2 or total <= first:
+            continue
+        by_turn.setdefault(int(fields["turn"]), []).append(((n - 1) / ((total - first) / 1000), first))
     return {t: (len(v), statistics.fmean(r for r, _ in v), statistics.median(f for _, f in v))
             for t, v in sorted(by_turn.items())}  # fmt: skip
 
