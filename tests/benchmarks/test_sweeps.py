@@ -159,3 +159,17 @@ def test_turn_rates_reads_finished_turns_from_server_logs(tmp_path: Path) -> Non
     assert module["turn_rates"](zipped) == {0: (1, 100.0, 1000.0)}
     table = module["table"]([plain, zipped]).splitlines()
     assert table[2] == "| 0 | 1, 50.0, 1000 | 1, 100.0, 1000 |" and table[3] == "| 1 | 2, 75.0, 150 | - |"
+
+
+def test_prefill_attention_bench_gathers_pages_in_page_list_order() -> None:
+    torch = __import__("torch")
+    module = runpy.run_path(str(BENCH / "prefill_attention_bench.py"), run_name="prefill_attention_bench")
+    page = module["PAGE"]
+    kv = torch.randn(5, 2, page, 2, 4).to(torch.float8_e4m3fn)
+    indices = torch.tensor([3, 0, 4], dtype=torch.int32)
+    kv_len = 2 * page + 3
+    k, v = module["gather_pages"](kv, indices, kv_len)
+    assert k.shape == v.shape == (kv_len, 2, 4) and k.dtype == torch.bfloat16 and k.is_contiguous()
+    for pos in (0, page - 1, page, 2 * page + 2):
+        src = kv[indices[pos // page], :, pos % page].to(torch.bfloat16)
+        assert torch.equal(k[pos], src[0]) and torch.equal(v[pos], src[1])
