@@ -13,6 +13,9 @@ input that cannot fit the context window is refused before it is tokenized.
   ends in U+FFFD), decoding a small window ``ids[prefix_offset:]`` and emitting what grew beyond
   ``ids[prefix_offset:read_offset]`` (so tokenizers that strip a leading space when decoding a
   lone token still produce the right spaces);
+- ids the tokenizer does not know (a model's vocabulary can be larger than its tokenizer's, as the
+  dummy-weight shapes' is: ``runtime.model_shapes``) decode to nothing in any context, so they never
+  enter the window: a run of them would otherwise grow it, and each push decode it whole again;
 - it holds back a suffix of the text that could still become a stop string;
 - when a stop string appears, generation should stop: ``stopped`` turns True, and the text is cut
   just before the (earliest) match. The token that completed it is part of the output.
@@ -93,6 +96,11 @@ class Tokenizer:
         if chat_template is not None:
             hf_tokenizer.chat_template = chat_template
         return cls(hf_tokenizer)
+
+    @functools.cached_property
+    def num_ids(self) -> int:
+        """How many ids the tokenizer knows (added tokens included): ``0 .. num_ids - 1``."""
+        return len(self._hf)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -277,6 +285,7 @@ class IncrementalDetokenizer:
         if any(not s for s in stop):
             raise InvalidInput(f"stop: expected non-empty strings, got {list(stop)!r}")
         self._tokenizer = tokenizer
+        self._num_ids = tokenizer.num_ids
         self._stop = tuple(stop)
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._ids: list[int] = []
@@ -309,6 +318,8 @@ class IncrementalDetokenizer:
             The text that became printable (may be empty).
         """
         assert not self.stopped and not self._finished, "push after the stop string or finish"
+        if not 0 <= token_id < self._num_ids:
+            return self._release(final=False)  # decodes to nothing (``Tokenizer.decode``)
         self._ids.append(token_id)
         prefix, full = self._window()
         if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):

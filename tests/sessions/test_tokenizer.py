@@ -62,6 +62,30 @@ def test_deltas_concatenate_to_the_full_decode(tokenizer: Tokenizer, seed: int) 
     assert out == tokenizer.decode(ids)
 
 
+def test_unknown_ids_add_no_text_and_keep_the_window_small(tokenizer: Tokenizer,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model may sample ids past its tokenizer's (the dummy-weight shapes do, 99% of the time):
+    they decode to nothing, so the text and deltas are those of the known ids alone, and each push
+    decodes a window of a few ids, not every id since the last printable one."""
+    rng = random.Random(3)
+    known = tokenizer.encode("naïve 日本語, then plain words")
+    ids = [i for k in known for i in (k, *(tokenizer.num_ids + rng.randrange(10_000) for _ in range(40)))]
+    want_deltas, want, _ = feed(tokenizer, known)
+    longest = 0
+    decode = tokenizer.decode
+
+    def counting_decode(token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        nonlocal longest
+        longest = max(longest, len(token_ids))
+        return decode(token_ids, skip_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "decode", counting_decode)
+    deltas, out, _ = feed(tokenizer, ids)
+    assert out == want == decode(ids)
+    assert [d for d in deltas if d] == [d for d in want_deltas if d]
+    assert longest <= 8, longest
+
+
 def test_stop_string_cuts_text_and_keeps_the_completing_token(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("The answer is 42.</answer> and more text")
     deltas, out, consumed = feed(tokenizer, ids, stop=("</answer>",))
