@@ -76,6 +76,7 @@ class Tokenizer:
         self._plain = tokenizers.Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
         self._plain.encode_special_tokens = True
         self._chars_per_token = _max_chars_per_token(hf_tokenizer)
+        self._id_limit = max(hf_tokenizer.get_vocab().values(), default=-1) + 1
 
     @classmethod
     def from_pretrained(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
@@ -97,10 +98,12 @@ class Tokenizer:
             hf_tokenizer.chat_template = chat_template
         return cls(hf_tokenizer)
 
-    @functools.cached_property
-    def num_ids(self) -> int:
-        """How many ids the tokenizer knows (added tokens included): ``0 .. num_ids - 1``."""
-        return len(self._hf)
+    @property
+    def id_limit(self) -> int:
+        """One past the largest id the tokenizer knows (added tokens included): every id at or past
+        it decodes to nothing. Not ``len(tokenizer)``, which counts ids and so falls short of a
+        vocabulary with gaps."""
+        return self._id_limit
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -285,7 +288,7 @@ class IncrementalDetokenizer:
         if any(not s for s in stop):
             raise InvalidInput(f"stop: expected non-empty strings, got {list(stop)!r}")
         self._tokenizer = tokenizer
-        self._num_ids = tokenizer.num_ids
+        self._id_limit = tokenizer.id_limit
         self._stop = tuple(stop)
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._ids: list[int] = []
@@ -318,7 +321,7 @@ class IncrementalDetokenizer:
             The text that became printable (may be empty).
         """
         assert not self.stopped and not self._finished, "push after the stop string or finish"
-        if not 0 <= token_id < self._num_ids:
+        if not 0 <= token_id < self._id_limit:
             return self._release(final=False)  # decodes to nothing (``Tokenizer.decode``)
         self._ids.append(token_id)
         prefix, full = self._window()

@@ -69,7 +69,7 @@ def test_unknown_ids_add_no_text_and_keep_the_window_small(tokenizer: Tokenizer,
     decodes a window of a few ids, not every id since the last printable one."""
     rng = random.Random(3)
     known = tokenizer.encode("naïve 日本語, then plain words")
-    ids = [i for k in known for i in (k, *(tokenizer.num_ids + rng.randrange(10_000) for _ in range(40)))]
+    ids = [i for k in known for i in (k, *(tokenizer.id_limit + rng.randrange(10_000) for _ in range(40)))]
     want_deltas, want, _ = feed(tokenizer, known)
     longest = 0
     decode = tokenizer.decode
