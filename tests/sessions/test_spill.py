@@ -249,7 +249,10 @@ def test_spills_into_a_full_host_tier_do_not_wait_for_the_disk(
             assert all(m._sessions[sid].pin is None for sid in ids), "unpinned before the disk wrote"  # noqa: SLF001
             await wait_for(lambda: writes.running == 2)  # fails when the demotions run one at a time
             writes.release()
-            await wait_for(lambda: [m.get(OWNER, sid).status for sid in ids] == ["disk", "disk", "host", "host"])
+            # A demotion marks its holders ``disk`` before its writer moves the backlog segment it
+            # made room for into the pool (the holders' index update is awaited between the two).
+            await wait_for(lambda: [m.get(OWNER, sid).status for sid in ids] == ["disk", "disk", "host", "host"]
+                           and m._spill.backlog_bytes == 0)  # noqa: SLF001
             assert m._spill.host.used_bytes <= int(2.5 * size) and m._spill.backlog_bytes == 0  # noqa: SLF001
             await engine.reset_prefix_cache()
             for sid in ids:
